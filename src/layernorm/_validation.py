@@ -1,0 +1,103 @@
+"""Argument checks shared by the functional ops, modules and recurrent layers.
+
+Every check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, wrong value)
+with a message that names what was expected and what came, so a user can fix the call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+ShapeLike = int | Sequence[int] | torch.Size
+
+
+def as_shape(normalized_shape: ShapeLike, name: str = "normalized_shape") -> tuple[int, ...]:
+    """Turn an int or a sequence of ints into a tuple, rejecting anything else."""
+    if isinstance(normalized_shape, bool):
+        raise TypeError(f"{name} must be an int or a sequence of ints, got bool {normalized_shape}")
+    if isinstance(normalized_shape, int):
+        shape: tuple[int, ...] = (normalized_shape,)
+    elif isinstance(normalized_shape, Sequence | torch.Size):
+        shape = tuple(normalized_shape)
+    else:
+        raise TypeError(
+            f"{name} must be an int or a sequence of ints, got {type(normalized_shape).__name__}"
+        )
+    if len(shape) == 0:
+        raise ValueError(f"{name} must name at least one dimension, got ()")
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"{name} must contain ints, got {shape!r}")
+        if d <= 0:
+            raise ValueError(f"{name} must contain positive sizes, got {shape!r}")
+    return shape
+
+
+def check_float_tensor(x: object, name: str = "input") -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float64, float32, float16 or bfloat16), "
+            f"got dtype {x.dtype}"
+        )
+    return x
+
+
+def check_input(x: object, normalized_shape: ShapeLike, op: str) -> tuple[Tensor, tuple[int, ...]]:
+    """Check ``x`` ends with ``normalized_shape``; return both in canonical form."""
+    shape = as_shape(normalized_shape)
+    x = check_float_tensor(x)
+    k = len(shape)
+    if x.dim() < k or tuple(x.shape[x.dim() - k :]) != shape:
+        raise ValueError(
+            f"{op}(normalized_shape={shape}) got input of shape {tuple(x.shape)}: "
+            f"its last {k} dimension(s) must be {shape}"
+        )
+    return x, shape
+
+
+def check_param(
+    p: Tensor | None, name: str, shape: tuple[int, ...], x: Tensor, op: str
+) -> Tensor | None:
+    """Check an elementwise weight or bias: shape ``normalized_shape``, float, on ``x``'s device."""
+    if p is None:
+        return None
+    check_float_tensor(p, name)
+    if tuple(p.shape) != shape:
+        raise ValueError(
+            f"{op}: {name} must have shape normalized_shape={shape}, got {tuple(p.shape)}"
+        )
+    if p.device != x.device:
+        raise ValueError(f"{op}: {name} is on {p.device} but input is on {x.device}")
+    return p
+
+
+def check_eps(eps: object, op: str, allow_none: bool = False) -> float | None:
+    if eps is None and allow_none:
+        return None
+    if isinstance(eps, bool) or not isinstance(eps, int | float):
+        raise TypeError(f"{op}: eps must be a positive float, got {type(eps).__name__} {eps!r}")
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"{op}: eps must be a positive finite float, got {eps!r}")
+    return float(eps)
+
+
+def check_finite_scalar(v: object, name: str, op: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise TypeError(f"{op}: {name} must be a finite float, got {type(v).__name__} {v!r}")
+    if not math.isfinite(v):
+        raise ValueError(f"{op}: {name} must be a finite float, got {v!r}")
+    return float(v)
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics are kept in float32 for half types, in the input's precision otherwise."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype

@@ -1,0 +1,128 @@
+"""Functional normalization ops: layer norm (and LN-simple, DetachNorm), RMSNorm and AdaNorm.
+
+Each op normalizes every example over its trailing ``normalized_shape`` dimensions. Inputs of any
+rank and layout are flattened to ``(M, N)`` rows and handed to a custom op with an analytic backward
+(:mod:`layernorm.ops`), which runs on PyTorch's native kernels on CPU and on Triton kernels for CUDA
+tensors. The modules in :mod:`layernorm.modules` wrap these functions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ._validation import ShapeLike, check_eps, check_finite_scalar, check_input, check_param
+from .ops.ada_norm import ada_norm_fwd
+from .ops.layer_norm import layer_norm_fwd
+from .ops.rms_norm import rms_norm_fwd
+
+__all__ = ["ada_norm", "layer_norm", "rms_norm"]
+
+
+def _rows(x: Tensor, normalized_shape: tuple[int, ...]) -> Tensor:
+    """View ``x`` as contiguous ``(M, N)`` rows, N = prod(normalized_shape)."""
+    return x.reshape(-1, math.prod(normalized_shape)).contiguous()
+
+
+def _flat(p: Tensor | None) -> Tensor | None:
+    return None if p is None else p.reshape(-1).contiguous()
+
+
+def layer_norm(
+    x: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    detach_mean: bool = False,
+    detach_std: bool = False,
+) -> Tensor:
+    r"""Layer normalization (Ba, Kiros & Hinton 2016, Eq. 3) over the trailing dims of each example.
+
+    .. math::
+        \mu = \frac{1}{N}\sum_i x_i,\qquad
+        \sigma = \sqrt{\frac{1}{N}\sum_i (x_i-\mu)^2 + \epsilon},\qquad
+        y = g \odot \frac{x-\mu}{\sigma} + b
+
+    The variance is biased (like ``torch.var(x, unbiased=False)``) and ``eps`` sits inside the
+    square root, exactly as :func:`torch.nn.functional.layer_norm`. Without ``weight`` and ``bias``
+    this is *LN-simple* (Xu et al. 2019).
+
+    Args:
+        x: input of shape ``(*, *normalized_shape)``; float64/32/16 or bfloat16.
+        normalized_shape: the trailing dimensions normalized together (an int or a tuple).
+        weight: the gain ``g`` of shape ``normalized_shape``, or ``None``.
+        bias: the bias ``b`` of shape ``normalized_shape``, or ``None``.
+        eps: added to the variance; must be positive.
+        detach_mean: *DetachNorm* — treat μ as a constant in backward (same forward).
+        detach_std: *DetachNorm* — treat σ as a constant in backward (same forward).
+
+    Returns:
+        A tensor of ``x``'s shape and dtype. See :class:`layernorm.LayerNorm`.
+    """
+    x, shape = check_input(x, normalized_shape, "layer_norm")
+    weight = check_param(weight, "weight", shape, x, "layer_norm")
+    bias = check_param(bias, "bias", shape, x, "layer_norm")
+    eps_ = check_eps(eps, "layer_norm")
+    assert eps_ is not None
+    y, _, _ = layer_norm_fwd(
+        _rows(x, shape), _flat(weight), _flat(bias), eps_, bool(detach_mean), bool(detach_std)
+    )
+    return y.view(x.shape)
+
+
+def rms_norm(
+    x: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+) -> Tensor:
+    r"""Root-mean-square normalization (Zhang & Sennrich 2019).
+
+    .. math:: y = g \odot \frac{x}{\sqrt{\frac{1}{N}\sum_i x_i^2 + \epsilon}}
+
+    Same contract and result as :func:`torch.nn.functional.rms_norm`: ``eps=None`` means
+    ``torch.finfo(x.dtype).eps``. No re-centering, so it is not invariant to shifting the input.
+    See :class:`layernorm.RMSNorm`.
+    """
+    x, shape = check_input(x, normalized_shape, "rms_norm")
+    weight = check_param(weight, "weight", shape, x, "rms_norm")
+    eps_ = check_eps(eps, "rms_norm", allow_none=True)
+    if eps_ is None:
+        eps_ = float(torch.finfo(x.dtype).eps)
+    y, _ = rms_norm_fwd(_rows(x, shape), _flat(weight), eps_)
+    return y.view(x.shape)
+
+
+def ada_norm(
+    x: Tensor,
+    normalized_shape: ShapeLike,
+    k: float = 0.1,
+    scale: float = 1.0,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""AdaNorm (Xu et al. 2019, "Understanding and Improving Layer Normalization", Eq. 9–10).
+
+    .. math::
+        y = \frac{x-\mu}{\sigma},\qquad z = \varphi(y) \odot y,\qquad \varphi(y) = C\,(1 - k\,y)
+
+    with :math:`\varphi(y)` detached in backward, so :math:`\partial z/\partial y = \varphi(y)`.
+    ``scale`` is :math:`C`. There is no gain or bias: AdaNorm replaces them.
+
+    Convention: ``y`` is this library's LN-simple (biased variance, ``eps`` inside the square root),
+    so AdaNorm shares the layer-norm kernels. The authors' code uses the unbiased standard deviation
+    with ``eps`` added to it; for ``N`` in the hundreds the two differ by a factor
+    ``sqrt((N-1)/N)`` in ``y``, well below training noise.
+
+    See :class:`layernorm.AdaNorm`.
+    """
+    x, shape = check_input(x, normalized_shape, "ada_norm")
+    k_ = check_finite_scalar(k, "k", "ada_norm")
+    scale_ = check_finite_scalar(scale, "scale", "ada_norm")
+    eps_ = check_eps(eps, "ada_norm")
+    assert eps_ is not None
+    z, _, _ = ada_norm_fwd(_rows(x, shape), k_, scale_, eps_)
+    return z.view(x.shape)

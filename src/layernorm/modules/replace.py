@@ -1,0 +1,86 @@
+"""Swap the normalization layers of an existing model for another member of the family."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from .normalization import AdaNorm, LayerNorm, RMSNorm
+
+NormKind = Literal["layer", "simple", "detach", "ada", "rms"]
+_KINDS: tuple[str, ...] = get_args(NormKind)
+# Everything replace_norms recognises as a normalization layer to swap.
+_SOURCES = (nn.LayerNorm, nn.RMSNorm, LayerNorm, RMSNorm, AdaNorm)
+
+
+def _build(src: nn.Module, kind: str) -> nn.Module:
+    shape = tuple(src.normalized_shape)  # type: ignore[arg-type]
+    eps = getattr(src, "eps", None)
+    eps_ln = 1e-5 if eps is None else float(eps)
+    weight: torch.Tensor | None = getattr(src, "weight", None)
+    bias: torch.Tensor | None = getattr(src, "bias", None)
+    ref = weight if weight is not None else next(iter(src.buffers()), None)
+    factory = {"device": None if ref is None else ref.device, "dtype": None if ref is None else ref.dtype}
+
+    new: nn.Module
+    if kind == "layer":
+        # keep bias=False models bias-free; otherwise a full gain and bias
+        has_bias = not (weight is not None and bias is None)
+        new = LayerNorm(shape, eps_ln, elementwise_affine=True, bias=has_bias, **factory)
+    elif kind == "simple":
+        new = LayerNorm(shape, eps_ln, elementwise_affine=False, **factory)
+    elif kind == "detach":
+        new = LayerNorm(
+            shape, eps_ln, elementwise_affine=False, detach_mean=True, detach_std=True, **factory
+        )
+    elif kind == "ada":
+        new = AdaNorm(shape, eps=eps_ln, **factory)
+    else:  # "rms"
+        new = RMSNorm(shape, eps=eps, elementwise_affine=True, **factory)
+
+    with torch.no_grad():
+        if getattr(new, "weight", None) is not None and weight is not None:
+            new.weight.copy_(weight)  # type: ignore[union-attr]
+        if getattr(new, "bias", None) is not None and bias is not None:
+            new.bias.copy_(bias)  # type: ignore[union-attr]
+    new.train(src.training)
+    return new
+
+
+def replace_norms(module: nn.Module, kind: NormKind) -> nn.Module:
+    """Replace every layer norm (``torch.nn.LayerNorm``/``RMSNorm`` and this library's norms)
+    inside ``module`` with the normalization ``kind``, in place, and return the module.
+
+    Kinds: ``"layer"`` (:class:`LayerNorm`), ``"simple"`` (LN-simple: no gain or bias),
+    ``"detach"`` (DetachNorm: LN-simple with μ and σ detached), ``"ada"`` (:class:`AdaNorm`),
+    ``"rms"`` (:class:`RMSNorm`). Gains and biases are carried over where the new layer has them;
+    ``eps``, device, dtype and train/eval mode are kept. If ``module`` is itself a norm layer the
+    replacement is returned (the caller must keep it).
+
+    ``torch.nn.TransformerEncoderLayer`` has an inference fast path that hard-codes layer norm;
+    it is switched off for layers whose norms were replaced, so the new norm is what runs.
+
+    Example::
+
+        >>> enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4), 2)
+        >>> enc = layernorm.replace_norms(enc, "ada")
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"replace_norms: kind must be one of {_KINDS}, got {kind!r}")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"replace_norms: module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, _SOURCES):
+        return _build(module, kind)
+    for parent in list(module.modules()):
+        replaced = False
+        for name, child in list(parent.named_children()):
+            if isinstance(child, _SOURCES):
+                setattr(parent, name, _build(child, kind))
+                replaced = True
+        if replaced and isinstance(parent, nn.TransformerEncoderLayer):
+            # The fused inference kernel (torch._transformer_encoder_layer_fwd) would silently
+            # run a plain LayerNorm with our parameters; this flag is one of its preconditions.
+            parent.activation_relu_or_gelu = 0
+    return module

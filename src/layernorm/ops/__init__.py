@@ -1,0 +1,1 @@
+"""torch.library custom ops with analytic backward: one module per op family."""

@@ -1,0 +1,62 @@
+"""``layernorm::ada_norm_fwd`` / ``ada_norm_bwd``: AdaNorm (Xu et al. 2019) as custom ops.
+
+Saves ``x`` and the per-row ``mean``/``rstd``; double backward differentiates the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._validation import stats_dtype
+from ..reference import ada_norm_reference
+from ._dispatch import backend_module
+
+
+@torch.library.custom_op("layernorm::ada_norm_fwd", mutates_args=())
+def ada_norm_fwd(
+    x: Tensor, k: float, scale: float, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows of 2-D ``x`` → ``(z, mean, rstd)``."""
+    return backend_module(x, "ada_norm").ada_norm_fwd(x, k, scale, eps)
+
+
+@ada_norm_fwd.register_fake
+def _(x, k, scale, eps):
+    m, sdt = x.shape[0], stats_dtype(x.dtype)
+    return torch.empty_like(x), x.new_empty((m,), dtype=sdt), x.new_empty((m,), dtype=sdt)
+
+
+@torch.library.custom_op("layernorm::ada_norm_bwd", mutates_args=())
+def ada_norm_bwd(
+    dz: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, k: float, scale: float
+) -> Tensor:
+    return backend_module(x, "ada_norm").ada_norm_bwd(dz.contiguous(), x, mean, rstd, k, scale)
+
+
+@ada_norm_bwd.register_fake
+def _(dz, x, mean, rstd, k, scale):
+    return torch.empty_like(x)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, k, scale, eps = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, mean, rstd)
+    ctx.k, ctx.scale, ctx.eps = k, scale, eps
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _backward(ctx: Any, dz: Tensor, _dmean: Tensor, _drstd: Tensor):
+    x, mean, rstd = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a differentiable composite
+        with torch.enable_grad():
+            z = ada_norm_reference(x, (x.shape[1],), ctx.k, ctx.scale, ctx.eps)
+            (dx,) = torch.autograd.grad(z, x, dz, create_graph=True)
+        return dx, None, None, None
+    return ada_norm_bwd(dz, x, mean, rstd, ctx.k, ctx.scale), None, None, None
+
+
+torch.library.register_autograd("layernorm::ada_norm_fwd", _backward, setup_context=_setup_context)

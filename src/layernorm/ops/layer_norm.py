@@ -1,0 +1,109 @@
+"""``layernorm::layer_norm_fwd`` / ``layer_norm_bwd``: layer norm and DetachNorm as custom ops.
+
+The forward saves only ``x`` and the per-row ``mean``/``rstd`` (float32 for half inputs); the
+backward is analytic. Both are opaque to ``torch.compile`` (fake implementations give shapes), so
+compiled graphs keep the fused kernels and never break. Double backward (``create_graph=True``)
+differentiates the pure-PyTorch reference instead, since the fused backward is not differentiable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._validation import stats_dtype
+from ..reference import layer_norm_reference
+from ._dispatch import backend_module, empty_like_none, none_if_empty
+
+
+@torch.library.custom_op("layernorm::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    detach_mean: bool = False,
+    detach_std: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows of 2-D ``x`` → ``(y, mean, rstd)``. The detach flags only change the backward."""
+    return backend_module(x, "layer_norm").layer_norm_fwd(x, weight, bias, eps)
+
+
+@layer_norm_fwd.register_fake
+def _(x, weight, bias, eps, detach_mean=False, detach_std=False):
+    m = x.shape[0]
+    sdt = stats_dtype(x.dtype)
+    return torch.empty_like(x), x.new_empty((m,), dtype=sdt), x.new_empty((m,), dtype=sdt)
+
+
+@torch.library.custom_op("layernorm::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    detach_mean: bool,
+    detach_std: bool,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dweight, dbias)``; a gradient not asked for comes back as an empty tensor."""
+    dx, dw, db = backend_module(x, "layer_norm").layer_norm_bwd(
+        dy.contiguous(), x, mean, rstd, weight,
+        detach_mean, detach_std, need_dx, need_dw, need_db,
+    )  # fmt: skip
+    return empty_like_none(dx, x), empty_like_none(dw, x), empty_like_none(db, x)
+
+
+@layer_norm_bwd.register_fake
+def _(dy, x, mean, rstd, weight, detach_mean, detach_std, need_dx, need_dw, need_db):
+    n = x.shape[1]
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    wdt = weight.dtype if weight is not None else x.dtype
+    dw = x.new_empty((n,), dtype=wdt) if need_dw else x.new_empty(0)
+    db = x.new_empty((n,), dtype=stats_dtype(x.dtype)) if need_db else x.new_empty(0)
+    return dx, dw, db
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, weight, bias, eps, detach_mean, detach_std = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.eps, ctx.detach_mean, ctx.detach_std = eps, detach_mean, detach_std
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _backward(ctx: Any, dy: Tensor, _dmean: Tensor, _drstd: Tensor):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    detach_mean, detach_std = ctx.detach_mean, ctx.detach_std
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    if torch.is_grad_enabled():
+        # create_graph=True: differentiate the reference so the result is itself differentiable.
+        return (*_reference_backward(ctx, dy, x, weight, bias), None, None, None)
+    dx, dw, db = layer_norm_bwd(
+        dy, x, mean, rstd, weight, detach_mean, detach_std,
+        need_dx, need_dw and weight is not None, need_db and bias is not None,
+    )  # fmt: skip
+    db_out = none_if_empty(db)
+    if db_out is not None and bias is not None:
+        db_out = db_out.to(bias.dtype)
+    return none_if_empty(dx), none_if_empty(dw), db_out, None, None, None
+
+
+def _reference_backward(ctx: Any, dy: Tensor, x: Tensor, weight, bias) -> tuple:
+    wanted = [t for t, need in zip((x, weight, bias), ctx.needs_input_grad[:3], strict=True) if need]
+    with torch.enable_grad():
+        y = layer_norm_reference(
+            x, (x.shape[1],), weight, bias, ctx.eps, ctx.detach_mean, ctx.detach_std
+        )
+        grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if need else None for need in ctx.needs_input_grad[:3])
+
+
+torch.library.register_autograd(
+    "layernorm::layer_norm_fwd", _backward, setup_context=_setup_context
+)

@@ -1,0 +1,69 @@
+"""``layernorm::rms_norm_fwd`` / ``rms_norm_bwd``: RMSNorm as custom ops with an analytic backward.
+
+Saves ``x`` and the per-row ``rstd``; double backward differentiates the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._validation import stats_dtype
+from ..reference import rms_norm_reference
+from ._dispatch import backend_module, empty_like_none, none_if_empty
+
+
+@torch.library.custom_op("layernorm::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """Rows of 2-D ``x`` → ``(y, rstd)``."""
+    return backend_module(x, "rms_norm").rms_norm_fwd(x, weight, eps)
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x), x.new_empty((x.shape[0],), dtype=stats_dtype(x.dtype))
+
+
+@torch.library.custom_op("layernorm::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(
+    dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, need_dx: bool, need_dw: bool
+) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)``; a gradient not asked for comes back as an empty tensor."""
+    dx, dw = backend_module(x, "rms_norm").rms_norm_bwd(
+        dy.contiguous(), x, rstd, weight, need_dx, need_dw
+    )
+    return empty_like_none(dx, x), empty_like_none(dw, x)
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, rstd, weight, need_dx, need_dw):
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    has_dw = need_dw and weight is not None
+    dw = x.new_empty((x.shape[1],), dtype=weight.dtype) if has_dw else x.new_empty(0)
+    return dx, dw
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, weight, eps = inputs
+    _, rstd = output
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.eps = eps
+    ctx.mark_non_differentiable(rstd)
+
+
+def _backward(ctx: Any, dy: Tensor, _drstd: Tensor):
+    x, weight, rstd = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    if torch.is_grad_enabled():  # create_graph=True: a differentiable composite
+        wanted = [t for t, need in zip((x, weight), (need_dx, need_dw), strict=True) if need]
+        with torch.enable_grad():
+            y = rms_norm_reference(x, (x.shape[1],), weight, ctx.eps)
+            grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
+        return (next(grads) if need_dx else None), (next(grads) if need_dw else None), None
+    dx, dw = rms_norm_bwd(dy, x, rstd, weight, need_dx, need_dw and weight is not None)
+    return none_if_empty(dx), none_if_empty(dw), None
+
+
+torch.library.register_autograd("layernorm::rms_norm_fwd", _backward, setup_context=_setup_context)

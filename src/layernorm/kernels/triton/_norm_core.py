@@ -1,0 +1,574 @@
+"""Triton kernels shared by layer norm, RMSNorm and AdaNorm: one row-normalization core, 3 modes.
+
+The three ops differ only in whether the row is centred and in what multiplies the normalized row,
+so one set of kernels with compile-time switches (``MODE``, ``HAS_W``, ...) serves all of them and
+the per-op modules (``layer_norm.py``, ``rms_norm.py``, ``ada_norm.py``) stay thin. For one row of
+``N`` elements, with statistics always in float32:
+
+    μ    = mean(x)                       (0 for RMSNorm)
+    rstd = 1 / sqrt(mean((x − μ)²) + eps)
+    x̂    = (x − μ) · rstd
+    y    = x̂ ⊙ w + b                     layer norm / RMSNorm
+    z    = C·x̂ − C·k·x̂²                  AdaNorm, z = φ(x̂) ⊙ x̂ with φ = C(1 − k x̂)
+
+Backward, with ``g = dy ⊙ w`` (``g = dz ⊙ φ(x̂)`` for AdaNorm, φ detached):
+
+    dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂))      each term dropped by the DetachNorm flags
+    dw = Σ_rows dy ⊙ x̂,   db = Σ_rows dy
+
+Two kernel shapes, chosen by ``N``:
+
+* **fused** (``N ≤ MAX_FUSED_BLOCK_N``): a tile of ``BLOCK_M`` whole rows lives in registers.
+  The forward reads ``x`` once and writes ``y`` once. The backward reads ``x`` and ``dy`` once and
+  writes ``dx``; it runs a *persistent* grid of ``P`` programs, each looping over row tiles and
+  keeping its own float32 ``dw``/``db`` partial sums in registers, written once to a ``(P, N)``
+  buffer.
+* **looped** (longer rows): the forward walks the row in ``BLOCK_N`` chunks twice (statistics, then
+  normalize; the second read is mostly served by L2). Statistics merge per-chunk (count, mean, M2)
+  with Chan et al.'s parallel update, so a large row mean does not cancel the variance as
+  ``E[x²] − E[x]²`` would. The backward first computes the two per-row coefficients ``mean(g)`` and
+  ``mean(g ⊙ x̂)`` (one looped pass), then a 2-D grid of (column block, row group) programs writes
+  ``dx`` and the ``(P, N)`` partials.
+
+The partials are summed over dim 0 by ``torch.sum``: no atomics, and the summation order depends
+only on the shapes, so ``dw``/``db`` are bitwise identical from run to run.
+
+Launch heuristics are deliberately simple (``_num_warps``, ``_fused_block_m``, ``_num_programs``);
+they are tuned on the GPU with ``benchmarks/bench_norms_gpu.py``.
+"""
+
+# Kernel bodies keep compile-time branches as plain `if` blocks, the form the Triton front end
+# resolves statically in every version.
+# ruff: noqa: SIM102, SIM108
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..._validation import stats_dtype
+
+MODE_LN: int = 0  # centred: layer norm, LN-simple, DetachNorm
+MODE_RMS: int = 1  # not centred: RMSNorm
+MODE_ADA: int = 2  # centred, z = C·x̂·(1 − k·x̂): AdaNorm
+
+# Rows up to this many elements are normalized in registers; longer rows use the looped kernels.
+# 16384 float32 values over 16 warps is 32 registers per thread for each row-sized operand, which
+# leaves room for the backward's x, dy, w and the two partial-sum vectors.
+MAX_FUSED_BLOCK_N: int = 16384
+# Chunk length of the looped kernels.
+LOOPED_BLOCK_N: int = 4096
+# Row tiles of the fused kernels hold about this many elements, so short rows still give each
+# program enough bytes in flight.
+FUSED_TILE_ELEMS: int = 4096
+MAX_FUSED_BLOCK_M: int = 32
+# Programs per SM for the persistent backward; on CPU (the interpreter) a small fixed count.
+PROGRAMS_PER_SM: int = 4
+INTERPRETER_PROGRAMS: int = 4
+
+
+def _num_warps(tile_elems: int) -> int:
+    """More warps for bigger tiles: about 8-16 elements per thread for each operand."""
+    if tile_elems >= 16384:
+        return 16
+    if tile_elems >= 4096:
+        return 8
+    if tile_elems >= 1024:
+        return 4
+    return 2
+
+
+def _fused_block_m(block_n: int) -> int:
+    return max(1, min(MAX_FUSED_BLOCK_M, FUSED_TILE_ELEMS // block_n))
+
+
+def _num_programs(device: torch.device, work_items: int) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        target = sms * PROGRAMS_PER_SM
+    else:
+        target = INTERPRETER_PROGRAMS
+    return max(1, min(target, work_items))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Which kernel runs and with what tile. ``looped`` rows are walked in ``block_n`` chunks."""
+
+    looped: bool
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def launch_config(n: int, block_n: int | None = None) -> LaunchConfig:
+    """Kernel choice for rows of ``n`` elements; ``block_n`` forces the looped path's chunk size.
+
+    ``block_n`` smaller than ``n`` selects the looped kernels even for short rows, which is how the
+    tests exercise them at sizes the interpreter runs quickly.
+    """
+    if block_n is not None:
+        if block_n <= 0 or block_n & (block_n - 1):
+            raise ValueError(f"block_n must be a positive power of two, got {block_n}")
+        if block_n < n:
+            return LaunchConfig(True, 1, block_n, _num_warps(block_n))
+    full = triton.next_power_of_2(n)
+    if full <= MAX_FUSED_BLOCK_N:
+        block_m = _fused_block_m(full)
+        return LaunchConfig(False, block_m, full, _num_warps(block_m * full))
+    return LaunchConfig(True, 1, LOOPED_BLOCK_N, _num_warps(LOOPED_BLOCK_N))
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_fwd_fused_kernel(
+    X,  # input, (M, N) contiguous
+    Y,  # output, (M, N), x's dtype
+    W,  # gain, (N,); unused unless HAS_W
+    B,  # bias, (N,); unused unless HAS_B
+    MEAN,  # row means, (M,); written unless MODE == MODE_RMS
+    RSTD,  # row 1/σ, (M,)
+    M,  # rows
+    N,  # row length
+    eps,  # added to the variance (mean square for RMSNorm)
+    k,  # AdaNorm k
+    scale,  # AdaNorm C
+    MODE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)  # BLOCK_M, BLOCK_N
+    if MODE == 1:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N  # BLOCK_M
+        # two passes over registers: exact centring before squaring
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(MEAN + rows, mean.to(MEAN.dtype.element_ty), mask=row_mask)
+    var = tl.sum(xc * xc, axis=1) / N  # BLOCK_M; biased, like torch.var(unbiased=False)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(RSTD + rows, rstd.to(RSTD.dtype.element_ty), mask=row_mask)
+    xhat = xc * rstd[:, None]
+    if MODE == 2:
+        y = scale * xhat - (scale * k) * xhat * xhat
+    else:
+        y = xhat
+        if HAS_W:
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            y = y * w[None, :]
+        if HAS_B:
+            b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+            y = y + b[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_looped_kernel(
+    X,  # input, (M, N) contiguous
+    Y,  # output, (M, N)
+    W,  # gain, (N,); unused unless HAS_W
+    B,  # bias, (N,); unused unless HAS_B
+    MEAN,  # row means, (M,); written unless MODE == MODE_RMS
+    RSTD,  # row 1/σ, (M,)
+    N,  # row length
+    eps,
+    k,
+    scale,
+    MODE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    X += row * N
+    Y += row * N
+    cols0 = tl.arange(0, BLOCK_N)
+    # Pass 1: statistics. Chan et al.'s merge of per-chunk (count, mean, M2) keeps the centring
+    # exact within each chunk.
+    mean = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
+    m2 = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
+    count = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
+    for start in range(0, N, BLOCK_N):
+        cols = start + cols0
+        msk = cols < N
+        x = tl.load(X + cols, mask=msk, other=0.0).to(tl.float32)
+        if MODE == 1:
+            m2 += tl.sum(x * x, axis=0)
+        else:
+            nb = tl.sum(msk.to(tl.float32), axis=0)
+            mb = tl.sum(x, axis=0) / nb
+            d = tl.where(msk, x - mb, 0.0)
+            delta = mb - mean
+            total = count + nb
+            mean += delta * (nb / total)
+            m2 += tl.sum(d * d, axis=0) + delta * delta * (count * nb / total)
+            count = total
+    rstd = 1.0 / tl.sqrt(m2 / N + eps)
+    if MODE != 1:
+        tl.store(MEAN + row, mean.to(MEAN.dtype.element_ty))
+    tl.store(RSTD + row, rstd.to(RSTD.dtype.element_ty))
+    # Pass 2: normalize.
+    for start in range(0, N, BLOCK_N):
+        cols = start + cols0
+        msk = cols < N
+        x = tl.load(X + cols, mask=msk, other=0.0).to(tl.float32)
+        if MODE == 1:
+            xhat = x * rstd
+        else:
+            xhat = (x - mean) * rstd
+        if MODE == 2:
+            y = scale * xhat - (scale * k) * xhat * xhat
+        else:
+            y = xhat
+            if HAS_W:
+                w = tl.load(W + cols, mask=msk, other=0.0).to(tl.float32)
+                y = y * w
+            if HAS_B:
+                b = tl.load(B + cols, mask=msk, other=0.0).to(tl.float32)
+                y = y + b
+        tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=msk)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_bwd_fused_kernel(
+    DY,  # upstream gradient, (M, N) contiguous
+    X,  # forward input, (M, N)
+    W,  # gain, (N,); unused unless HAS_W
+    MEAN,  # row means, (M,); unused for MODE == MODE_RMS
+    RSTD,  # row 1/σ, (M,)
+    DX,  # input gradient, (M, N); written if STORE_DX
+    DW_PART,  # float32 (num_programs, N): this program's Σ dy ⊙ x̂ over its rows
+    DB_PART,  # float32 (num_programs, N): this program's Σ dy over its rows
+    M,
+    N,
+    k,
+    scale,
+    MODE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    DETACH_MEAN: tl.constexpr,
+    DETACH_STD: tl.constexpr,
+    STORE_DX: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    num_tiles = tl.cdiv(M, BLOCK_M)
+    # Persistent loop: a fixed, shape-determined set of row tiles per program, so the partial sums
+    # (and their final reduction) are reproducible bit for bit.
+    for tile in range(pid, num_tiles, num_programs):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0).to(tl.float32)
+        if MODE == 1:
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0).to(tl.float32)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if NEED_DW:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if NEED_DB:
+            db_acc += tl.sum(dy, axis=0)
+        if STORE_DX:
+            if MODE == 2:
+                g = dy * (scale - (scale * k) * xhat)  # dz ⊙ φ(x̂), φ detached
+            elif HAS_W:
+                g = dy * w[None, :]
+            else:
+                g = dy
+            dx = g
+            if MODE != 1:
+                if not DETACH_MEAN:
+                    dx = dx - (tl.sum(g, axis=1) / N)[:, None]
+            if not DETACH_STD:
+                dx = dx - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
+            dx = dx * rstd[:, None]
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    if NEED_DW:
+        tl.store(DW_PART + pid * N + cols, dw_acc, mask=col_mask)
+    if NEED_DB:
+        tl.store(DB_PART + pid * N + cols, db_acc, mask=col_mask)
+
+
+@triton.jit
+def _norm_bwd_coeffs_kernel(
+    DY,  # upstream gradient, (M, N)
+    X,  # forward input, (M, N)
+    W,  # gain, (N,); unused unless HAS_W
+    MEAN,  # row means, (M,); unused for MODE == MODE_RMS
+    RSTD,  # row 1/σ, (M,)
+    C1,  # float32 (M,): mean(g), μ's gradient path
+    C2,  # float32 (M,): mean(g ⊙ x̂), σ's gradient path
+    N,
+    k,
+    scale,
+    MODE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    X += row * N
+    DY += row * N
+    cols0 = tl.arange(0, BLOCK_N)
+    rstd = tl.load(RSTD + row).to(tl.float32)
+    if MODE == 1:
+        mean = 0.0
+    else:
+        mean = tl.load(MEAN + row).to(tl.float32)
+    sum_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sum_gx = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + cols0
+        msk = cols < N
+        x = tl.load(X + cols, mask=msk, other=0.0).to(tl.float32)
+        dy = tl.load(DY + cols, mask=msk, other=0.0).to(tl.float32)
+        xhat = tl.where(msk, (x - mean) * rstd, 0.0)
+        if MODE == 2:
+            g = dy * (scale - (scale * k) * xhat)
+        elif HAS_W:
+            g = dy * tl.load(W + cols, mask=msk, other=0.0).to(tl.float32)
+        else:
+            g = dy
+        sum_g += g
+        sum_gx += g * xhat
+    # Which of the two terms enter dx is decided by _norm_bwd_cols_kernel's flags.
+    tl.store(C1 + row, tl.sum(sum_g, axis=0) / N)
+    tl.store(C2 + row, tl.sum(sum_gx, axis=0) / N)
+
+
+@triton.jit
+def _norm_bwd_cols_kernel(
+    DY,  # upstream gradient, (M, N)
+    X,  # forward input, (M, N)
+    W,  # gain, (N,); unused unless HAS_W
+    MEAN,  # row means, (M,); unused for MODE == MODE_RMS
+    RSTD,  # row 1/σ, (M,)
+    C1,  # float32 (M,) from _norm_bwd_coeffs_kernel; read only if STORE_DX
+    C2,  # float32 (M,)
+    DX,  # input gradient, (M, N); written if STORE_DX
+    DW_PART,  # float32 (num_row_groups, N)
+    DB_PART,  # float32 (num_row_groups, N)
+    M,
+    N,
+    k,
+    scale,
+    MODE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    DETACH_MEAN: tl.constexpr,
+    DETACH_STD: tl.constexpr,
+    STORE_DX: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Program (column block, row group): rows group, group + G, group + 2G, ... of one column block.
+    col_block = tl.program_id(0)
+    group = tl.program_id(1)
+    num_groups = tl.num_programs(1)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # 64-bit row offsets: pointers start at this group's first row and step num_groups rows
+    step = num_groups.to(tl.int64) * N
+    X += group.to(tl.int64) * N
+    DY += group.to(tl.int64) * N
+    DX += group.to(tl.int64) * N
+    for row in range(group, M, num_groups):
+        x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + cols, mask=col_mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row).to(tl.float32)
+        if MODE == 1:
+            xhat = x * rstd
+        else:
+            xhat = (x - tl.load(MEAN + row).to(tl.float32)) * rstd
+        if NEED_DW:
+            dw_acc += dy * xhat
+        if NEED_DB:
+            db_acc += dy
+        if STORE_DX:
+            if MODE == 2:
+                g = dy * (scale - (scale * k) * xhat)
+            elif HAS_W:
+                g = dy * w
+            else:
+                g = dy
+            dx = g
+            if MODE != 1:
+                if not DETACH_MEAN:
+                    dx = dx - tl.load(C1 + row)
+            if not DETACH_STD:
+                dx = dx - xhat * tl.load(C2 + row)
+            dx = dx * rstd
+            tl.store(DX + cols, dx.to(DX.dtype.element_ty), mask=col_mask)
+        X += step
+        DY += step
+        DX += step
+    if NEED_DW:
+        tl.store(DW_PART + group * N + cols, dw_acc, mask=col_mask)
+    if NEED_DB:
+        tl.store(DB_PART + group * N + cols, db_acc, mask=col_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _check_rows(x: Tensor, name: str = "x") -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D (M, N) tensor of rows, got shape {tuple(x.shape)}")
+
+
+def norm_fwd(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    mode: int,
+    k: float = 0.0,
+    scale: float = 1.0,
+    *,
+    block_n: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, mean, rstd)`` for rows of ``x``; ``mean`` is all zeros for RMSNorm (never read)."""
+    _check_rows(x)
+    x = x.contiguous()
+    m, n = x.shape
+    sdt = stats_dtype(x.dtype)
+    y = torch.empty_like(x)
+    # RMSNorm never writes the mean; zeros keep the returned tensor defined
+    mean = x.new_zeros(m, dtype=sdt) if mode == MODE_RMS else x.new_empty(m, dtype=sdt)
+    rstd = x.new_empty(m, dtype=sdt)
+    if m == 0:
+        return y, mean, rstd
+    w = weight.contiguous() if weight is not None else x  # dummy pointer when absent
+    b = bias.contiguous() if bias is not None else x
+    cfg = launch_config(n, block_n)
+    common = dict(
+        MODE=mode, HAS_W=weight is not None, HAS_B=bias is not None, num_warps=cfg.num_warps
+    )
+    if cfg.looped:
+        _norm_fwd_looped_kernel[(m,)](
+            x, y, w, b, mean, rstd, n, eps, k, scale, BLOCK_N=cfg.block_n, **common
+        )
+    else:
+        grid = (triton.cdiv(m, cfg.block_m),)
+        _norm_fwd_fused_kernel[grid](
+            x, y, w, b, mean, rstd, m, n, eps, k, scale,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
+        )  # fmt: skip
+    return y, mean, rstd
+
+
+def norm_bwd(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    mode: int,
+    *,
+    detach_mean: bool = False,
+    detach_std: bool = False,
+    need_dx: bool = True,
+    need_dw: bool = False,
+    need_db: bool = False,
+    k: float = 0.0,
+    scale: float = 1.0,
+    block_n: int | None = None,
+    num_programs: int | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dx, dw, db)``: ``dx`` in ``x``'s dtype, ``dw`` and ``db`` as float32 sums (callers cast).
+
+    ``num_programs`` fixes how many partial-sum rows the weight gradients are reduced from (the
+    persistent grid size, or the number of row groups on the looped path).
+    """
+    _check_rows(x)
+    _check_rows(dy, "dy")
+    if dy.shape != x.shape:
+        raise ValueError(f"dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    x, dy = x.contiguous(), dy.contiguous()
+    m, n = x.shape
+    need_dw = need_dw and weight is not None
+    dx = torch.empty_like(x) if need_dx else None
+    if m == 0:
+        zeros = torch.zeros(n, dtype=torch.float32, device=x.device)
+        return dx, (zeros if need_dw else None), (zeros.clone() if need_db else None)
+    if not (need_dx or need_dw or need_db):
+        return None, None, None
+    w = weight.contiguous() if weight is not None else x
+    cfg = launch_config(n, block_n)
+    dx_arg = dx if dx is not None else x  # dummy pointer when dx is not wanted
+    if cfg.looped:
+        # the column blocks already spread the work: split rows into just enough groups
+        col_blocks = triton.cdiv(n, cfg.block_n)
+        groups = num_programs or triton.cdiv(_num_programs(x.device, m * col_blocks), col_blocks)
+        groups = max(1, min(groups, m))
+    else:
+        tiles = triton.cdiv(m, cfg.block_m)
+        groups = max(1, min(num_programs or _num_programs(x.device, tiles), tiles))
+    part_shape = (groups, n) if (need_dw or need_db) else (1, 1)
+    dw_part = torch.empty(part_shape, dtype=torch.float32, device=x.device)
+    db_part = torch.empty(part_shape, dtype=torch.float32, device=x.device)
+    flags = dict(MODE=mode, HAS_W=weight is not None, NEED_DW=need_dw, NEED_DB=need_db)
+    if cfg.looped:
+        if need_dx:
+            c1 = torch.empty(m, dtype=torch.float32, device=x.device)
+            c2 = torch.empty(m, dtype=torch.float32, device=x.device)
+            _norm_bwd_coeffs_kernel[(m,)](
+                dy, x, w, mean, rstd, c1, c2, n, k, scale,
+                MODE=mode, HAS_W=weight is not None, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            )  # fmt: skip
+        else:
+            c1 = c2 = rstd  # unused
+        _norm_bwd_cols_kernel[(triton.cdiv(n, cfg.block_n), groups)](
+            dy, x, w, mean, rstd, c1, c2, dx_arg, dw_part, db_part, m, n, k, scale,
+            DETACH_MEAN=detach_mean, DETACH_STD=detach_std, STORE_DX=need_dx,
+            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags,
+        )  # fmt: skip
+    else:
+        _norm_bwd_fused_kernel[(groups,)](
+            dy, x, w, mean, rstd, dx_arg, dw_part, db_part, m, n, k, scale,
+            DETACH_MEAN=detach_mean, DETACH_STD=detach_std, STORE_DX=need_dx,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags,
+        )  # fmt: skip
+    dw = dw_part.sum(dim=0) if need_dw else None
+    db = db_part.sum(dim=0) if need_db else None
+    return dx, dw, db

@@ -13,7 +13,14 @@ import math
 import torch
 from torch import Tensor
 
-from ._validation import ShapeLike, check_eps, check_finite_scalar, check_input, check_param
+from ._validation import (
+    ShapeLike,
+    check_eps,
+    check_finite_scalar,
+    check_input,
+    check_param,
+    stats_dtype,
+)
 from .ops.ada_norm import ada_norm_fwd
 from .ops.layer_norm import layer_norm_fwd
 from .ops.rms_norm import rms_norm_fwd
@@ -84,15 +91,19 @@ def rms_norm(
 
     .. math:: y = g \odot \frac{x}{\sqrt{\frac{1}{N}\sum_i x_i^2 + \epsilon}}
 
-    Same contract and result as :func:`torch.nn.functional.rms_norm`: ``eps=None`` means
-    ``torch.finfo(x.dtype).eps``. No re-centering, so it is not invariant to shifting the input.
+    Same contract and result as :func:`torch.nn.functional.rms_norm`: ``eps=None`` means the
+    machine epsilon of the dtype the statistics are computed in: ``torch.finfo(x.dtype).eps`` for
+    float32/float64 and float32's (1.19e-7) for float16/bfloat16, as torch's kernel does. No
+    re-centering, so it is not invariant to shifting the input.
     See :class:`layernorm.RMSNorm`.
     """
     x, shape = check_input(x, normalized_shape, "rms_norm")
     weight = check_param(weight, "weight", shape, x, "rms_norm")
     eps_ = check_eps(eps, "rms_norm", allow_none=True)
     if eps_ is None:
-        eps_ = float(torch.finfo(x.dtype).eps)
+        # torch takes the epsilon of its accumulation type, not of a half input (9.8e-4 for float16
+        # would dwarf mean(x²) of small activations).
+        eps_ = float(torch.finfo(stats_dtype(x.dtype)).eps)
     y, _ = rms_norm_fwd(_rows(x, shape), _flat(weight), eps_)
     return y.view(x.shape)
 

@@ -7,7 +7,7 @@ as constant). Feed them float64 inputs to get the reference the fast paths are t
 Notation, for one row ``x`` of ``N`` elements (the trailing ``normalized_shape`` dims flattened):
 
     μ = (1/N) Σ x_i                    # B,1
-    σ = sqrt((1/N) Σ (x_i − μ)² + eps)  # B,1  biased variance, eps inside the root (torch's convention)
+    σ = sqrt((1/N) Σ (x_i − μ)² + eps)  # B,1  biased variance, eps inside the root (as torch)
     y = (x − μ) / σ                     # B,N  "LN-simple" (Xu et al. 2019)
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ._validation import stats_dtype
 
 
 def _row_dims(x: Tensor, normalized_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -57,11 +59,12 @@ def rms_norm_reference(
 ) -> Tensor:
     """RMSNorm, Zhang & Sennrich 2019: ``g ⊙ x / sqrt(mean(x²) + eps)``.
 
-    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in ``torch.nn.functional.rms_norm``.
+    ``eps=None`` means the machine epsilon of the statistics' dtype (float32 for half inputs), as in
+    ``torch.nn.functional.rms_norm``.
     """
     dims = _row_dims(x, normalized_shape)
     if eps is None:
-        eps = torch.finfo(x.dtype).eps
+        eps = torch.finfo(stats_dtype(x.dtype)).eps
     y = x * torch.rsqrt((x * x).mean(dim=dims, keepdim=True) + eps)
     if weight is not None:
         y = y * weight

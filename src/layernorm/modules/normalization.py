@@ -12,7 +12,7 @@ from .._validation import ShapeLike, as_shape, check_eps, check_finite_scalar
 
 
 class _Norm(nn.Module):
-    """Shared ``normalized_shape`` / ``elementwise_affine`` / ``bias`` handling (torch's contract)."""
+    """Shared ``normalized_shape``/``elementwise_affine``/``bias`` handling (torch's contract)."""
 
     normalized_shape: tuple[int, ...]
     weight: nn.Parameter | None
@@ -109,7 +109,8 @@ class RMSNorm(_Norm):
 
     .. math:: y = g \odot \frac{x}{\sqrt{\frac{1}{N}\sum_i x_i^2 + \epsilon}}
 
-    ``eps=None`` uses ``torch.finfo(x.dtype).eps`` like torch. Keys ``weight`` only, shape
+    ``eps=None`` uses the machine epsilon of the statistics' dtype like torch (float32's for half
+    inputs). Keys ``weight`` only, shape
     ``normalized_shape``.
     """
 

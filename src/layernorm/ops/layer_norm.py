@@ -95,7 +95,8 @@ def _backward(ctx: Any, dy: Tensor, _dmean: Tensor, _drstd: Tensor):
 
 
 def _reference_backward(ctx: Any, dy: Tensor, x: Tensor, weight, bias) -> tuple:
-    wanted = [t for t, need in zip((x, weight, bias), ctx.needs_input_grad[:3], strict=True) if need]
+    needs = ctx.needs_input_grad[:3]
+    wanted = [t for t, need in zip((x, weight, bias), needs, strict=True) if need]
     with torch.enable_grad():
         y = layer_norm_reference(
             x, (x.shape[1],), weight, bias, ctx.eps, ctx.detach_mean, ctx.detach_std

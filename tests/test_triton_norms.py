@@ -1,0 +1,428 @@
+"""The Triton norm kernels against the float64 reference.
+
+Without a GPU the kernels run on CPU tensors under the Triton interpreter, which must be switched on
+(``TRITON_INTERPRET=1``) before ``triton`` is first imported: Triton decides at decoration time
+whether ``@triton.jit`` (its own ``tl.sum`` included) builds an interpreted or a compiled function.
+This module therefore sets the variable at import, which pytest does while collecting, before any
+test runs ``torch.compile`` (which imports ``triton``). If ``triton`` was nevertheless imported
+earlier without it, the tests here are skipped in-process and ``test_rerun_under_interpreter``
+runs this file in a fresh interpreter instead, so they always run.
+
+With a CUDA device the same tests run compiled on the GPU (and the ``gpu``-marked ones too).
+Shapes are small (the interpreter executes every program in Python) but chosen to hurt: N = 1,
+non-powers of two, rows longer than the forced ``block_n`` (looped kernels, last chunk partial),
+several programs writing weight-gradient partials.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+import layernorm  # noqa: E402
+from conftest import make_param, make_x  # noqa: E402
+from layernorm.backend import force_backend, triton_available  # noqa: E402
+from layernorm.reference import (  # noqa: E402
+    ada_norm_reference,
+    layer_norm_reference,
+    rms_norm_reference,
+)
+
+if not triton_available():  # pragma: no cover - triton is a dev dependency
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from layernorm.kernels.triton import _norm_core  # noqa: E402
+from layernorm.kernels.triton import ada_norm as tada  # noqa: E402
+from layernorm.kernels.triton import layer_norm as tln  # noqa: E402
+from layernorm.kernels.triton import rms_norm as trms  # noqa: E402
+
+INTERPRETED = isinstance(_norm_core._norm_fwd_fused_kernel, InterpretedFunction)
+# Where the kernels can run in this process: CPU tensors under the interpreter, else the GPU.
+DEVICE = "cpu" if INTERPRETED else ("cuda" if _HAS_CUDA else None)
+in_process = pytest.mark.skipif(
+    DEVICE is None,
+    reason="triton was imported before this module without TRITON_INTERPRET=1 and there is no "
+    "GPU; test_rerun_under_interpreter runs this file in a fresh process",
+)
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA device")
+
+HALF = (torch.float16, torch.bfloat16)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# (atol, rtol) of outputs against the float64 reference on the same rounded inputs. The kernels
+# keep statistics and arithmetic in float32 and round once at the store.
+TOLERANCES_FWD = {
+    # a few float32 ulps (6e-8 relative) from the μ/σ² sums, times |y| ≲ 5 after gain and bias
+    torch.float32: (1e-5, 1e-5),
+    # one rounding to float16: half an ulp is 2⁻¹¹ ≈ 4.9e-4 relative; atol for outputs near 0
+    torch.float16: (1e-3, 1e-3),
+    # one rounding to bfloat16: half an ulp is 2⁻⁸ ≈ 3.9e-3 relative
+    torch.bfloat16: (8e-3, 8e-3),
+}
+# dx = rstd·(g − mean(g) − x̂·mean(g⊙x̂)) cancels terms of size |g| ≈ 2, so float32 gets a looser
+# atol than the forward; half types are dominated by the final rounding, as in the forward.
+# "dparam" sums M rows in float32 in a different order than the reference: atol is scaled by √M.
+TOLERANCES_BWD = {
+    torch.float32: {"dx": (2e-5, 1e-4), "dparam": (1e-5, 1e-5)},
+    torch.float16: {"dx": (2e-3, 2e-3), "dparam": (1e-3, 1e-3)},
+    torch.bfloat16: {"dx": (1.6e-2, 1.6e-2), "dparam": (8e-3, 8e-3)},
+}
+
+# (M, N, block_n): block_n=None lets the heuristic pick (fused here); a block_n below N forces the
+# looped kernels with a partial last chunk. The looped kernels run one program per row, so their
+# M stays small for the interpreter.
+SHAPES = [
+    (7, 1, None),  # one-element rows: x̂ = 0 everywhere
+    (37, 37, None),  # non-power-of-two N and M, several row tiles
+    (5, 300, 64),  # looped: 5 chunks, the last one 44 wide
+    (3, 1000, 256),  # looped: 4 chunks, the last one 232 wide
+]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float], what: str):
+    torch.testing.assert_close(
+        actual.double().cpu(),
+        expected.double().cpu(),
+        atol=tol[0],
+        rtol=tol[1],
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+def _ref_grads(
+    fn, inputs: list[torch.Tensor | None], dy: torch.Tensor
+) -> list[torch.Tensor | None]:
+    """Output and gradients of ``fn`` in float64 on the same rounded inputs."""
+    leaves = [None if t is None else t.detach().cpu().double().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    wanted = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad(out, wanted, dy.detach().cpu().double()))
+    return [out.detach(), *[None if t is None else next(grads) for t in leaves]]
+
+
+def _dparam_tol(dtype: torch.dtype, m: int) -> tuple[float, float]:
+    atol, rtol = TOLERANCES_BWD[dtype]["dparam"]
+    return atol * math.sqrt(m), rtol
+
+
+@in_process
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "block_n"), SHAPES)
+def test_layer_norm_matches_reference(m: int, n: int, block_n: int | None, dtype: torch.dtype):
+    x = make_x((m, n), dtype).to(DEVICE)
+    # half inputs with float32 parameters (mixed precision), float32 with float32
+    w = make_param((n,), torch.float32, center=1.0).to(DEVICE)
+    b = make_param((n,), torch.float32, center=0.0).to(DEVICE)
+    dy = make_x((m, n), dtype, offset=0.5, scale=1.0).to(DEVICE)
+    y, mean, rstd = tln.layer_norm_fwd(x, w, b, 1e-5, block_n=block_n)
+    assert y.dtype == dtype and mean.dtype == torch.float32 and rstd.dtype == torch.float32
+    dx, dw, db = tln.layer_norm_bwd(
+        dy, x, mean, rstd, w, False, False, True, True, True, block_n=block_n, num_programs=3
+    )
+    yr, dxr, dwr, dbr = _ref_grads(
+        lambda a, g, c: layer_norm_reference(a, (n,), g, c), [x, w, b], dy
+    )
+    assert_close(y, yr, TOLERANCES_FWD[dtype], "y")
+    x64 = x.double().cpu()
+    assert_close(mean, x64.mean(1), (1e-5, 1e-6), "mean")
+    assert_close(rstd, (x64.var(1, unbiased=False) + 1e-5).rsqrt(), (1e-5, 1e-5), "rstd")
+    assert dx is not None and dw is not None and db is not None
+    assert dw.dtype == torch.float32 and db.dtype == torch.float32
+    assert_close(dx, dxr, TOLERANCES_BWD[dtype]["dx"], "dx")
+    # dw/db are float32 sums (weights are float32), so the float32 table applies
+    assert_close(dw, dwr, _dparam_tol(torch.float32, m), "dweight")
+    assert_close(db, dbr, _dparam_tol(torch.float32, m), "dbias")
+
+
+@in_process
+@pytest.mark.parametrize("block_n", [None, 32])
+@pytest.mark.parametrize(
+    ("detach_mean", "detach_std"), [(True, False), (False, True), (True, True)]
+)
+def test_detach_norm_matches_reference(detach_mean: bool, detach_std: bool, block_n: int | None):
+    m, n = 6, 77
+    x = make_x((m, n)).to(DEVICE)
+    w = make_param((n,), torch.float32, center=1.0).to(DEVICE)
+    dy = make_x((m, n), offset=0.5, scale=1.0).to(DEVICE)
+    _, mean, rstd = tln.layer_norm_fwd(x, w, None, 1e-5, block_n=block_n)
+    dx, dw, db = tln.layer_norm_bwd(
+        dy, x, mean, rstd, w, detach_mean, detach_std, True, True, False, block_n=block_n
+    )
+    _, dxr, dwr = _ref_grads(
+        lambda a, g: layer_norm_reference(a, (n,), g, None, 1e-5, detach_mean, detach_std),
+        [x, w],
+        dy,
+    )
+    assert db is None
+    assert_close(dx, dxr, TOLERANCES_BWD[torch.float32]["dx"], "dx")
+    assert_close(dw, dwr, _dparam_tol(torch.float32, m), "dweight")
+
+
+@in_process
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize(("m", "n", "block_n"), [SHAPES[1], SHAPES[2]])
+def test_rms_norm_matches_reference(m, n, block_n, with_weight: bool, dtype: torch.dtype):
+    x = make_x((m, n), dtype).to(DEVICE)
+    # same-dtype weights here (the other tests use float32 weights with half inputs)
+    w = make_param((n,), dtype, center=1.0).to(DEVICE) if with_weight else None
+    dy = make_x((m, n), dtype, offset=0.5, scale=1.0).to(DEVICE)
+    y, rstd = trms.rms_norm_fwd(x, w, 1e-6, block_n=block_n)
+    dx, dw = trms.rms_norm_bwd(dy, x, rstd, w, True, True, block_n=block_n, num_programs=2)
+    yr, dxr, dwr = _ref_grads(lambda a, g: rms_norm_reference(a, (n,), g, 1e-6), [x, w], dy)
+    assert_close(y, yr, TOLERANCES_FWD[dtype], "y")
+    assert_close(dx, dxr, TOLERANCES_BWD[dtype]["dx"], "dx")
+    if with_weight:
+        assert dw is not None and dw.dtype == dtype
+        assert_close(dw, dwr, _dparam_tol(dtype, m), "dweight")
+    else:
+        assert dw is None
+
+
+@in_process
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "block_n"), [SHAPES[1], SHAPES[3]])
+def test_ada_norm_matches_reference(m, n, block_n, dtype: torch.dtype):
+    k, scale = 0.1, 2.0
+    x = make_x((m, n), dtype).to(DEVICE)
+    dz = make_x((m, n), dtype, offset=0.5, scale=1.0).to(DEVICE)
+    z, mean, rstd = tada.ada_norm_fwd(x, k, scale, 1e-5, block_n=block_n)
+    dx = tada.ada_norm_bwd(dz, x, mean, rstd, k, scale, block_n=block_n)
+    zr, dxr = _ref_grads(lambda a: ada_norm_reference(a, (n,), k, scale, 1e-5), [x], dz)
+    # z = C·y·(1 − k·y) reaches ≈ 2·|y| ≲ 10: the relative tolerances carry over
+    assert_close(z, zr, TOLERANCES_FWD[dtype], "z")
+    assert_close(dx, dxr, TOLERANCES_BWD[dtype]["dx"], "dx")
+
+
+@in_process
+@pytest.mark.parametrize("block_n", [None, 16])
+def test_gradients_are_bitwise_deterministic(block_n: int | None):
+    """Weight gradients are per-program partials plus a fixed-order sum: no run-to-run noise."""
+    m, n = 23, 45
+    x = make_x((m, n), torch.bfloat16).to(DEVICE)
+    w = make_param((n,), torch.float32, center=1.0).to(DEVICE)
+    dy = make_x((m, n), torch.bfloat16, offset=0.5, scale=1.0).to(DEVICE)
+    _, mean, rstd = tln.layer_norm_fwd(x, w, None, 1e-5, block_n=block_n)
+    runs = [
+        tln.layer_norm_bwd(
+            dy, x, mean, rstd, w, False, False, True, True, True, block_n=block_n, num_programs=4
+        )
+        for _ in range(2)
+    ]
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert torch.equal(a, b)
+    # a different number of partial rows changes only the summation order
+    dx1, dw1, db1 = tln.layer_norm_bwd(
+        dy, x, mean, rstd, w, False, False, True, True, True, block_n=block_n, num_programs=1
+    )
+    assert torch.equal(dx1, runs[0][0])  # dx does not depend on the grid
+    assert_close(dw1, runs[0][1], _dparam_tol(torch.float32, m), "dweight, 1 vs 4 programs")
+    assert_close(db1, runs[0][2], _dparam_tol(torch.float32, m), "dbias, 1 vs 4 programs")
+
+
+@in_process
+@pytest.mark.parametrize(
+    ("need_dx", "need_dw", "need_db"),
+    [(False, True, False), (False, False, True), (True, False, False)],
+)
+def test_only_requested_gradients(need_dx: bool, need_dw: bool, need_db: bool):
+    m, n = 9, 20
+    x, dy = make_x((m, n)).to(DEVICE), make_x((m, n), offset=0.5).to(DEVICE)
+    w = make_param((n,), torch.float32, center=1.0).to(DEVICE)
+    _, mean, rstd = tln.layer_norm_fwd(x, w, None, 1e-5)
+    full = tln.layer_norm_bwd(dy, x, mean, rstd, w, False, False, True, True, True)
+    part = tln.layer_norm_bwd(dy, x, mean, rstd, w, False, False, need_dx, need_dw, need_db)
+    for got, ref, need in zip(part, full, (need_dx, need_dw, need_db), strict=True):
+        if need:
+            assert torch.equal(got, ref)
+        else:
+            assert got is None
+
+
+@in_process
+def test_empty_batch_and_float64_fallback():
+    x = torch.empty(0, 8, device=DEVICE)
+    y, mean, rstd = tln.layer_norm_fwd(x, None, None, 1e-5)
+    assert y.shape == (0, 8) and mean.shape == (0,) and rstd.shape == (0,)
+    x64 = make_x((4, 8), torch.float64).to(DEVICE)
+    y64, _, _ = tln.layer_norm_fwd(x64, None, None, 1e-5)
+    assert y64.dtype == torch.float64
+    assert_close(y64, layer_norm_reference(x64, (8,)), (1e-12, 1e-12), "float64")
+
+
+def test_launch_config_heuristics():
+    assert not _norm_core.launch_config(1).looped
+    fused = _norm_core.launch_config(_norm_core.MAX_FUSED_BLOCK_N)
+    assert not fused.looped and fused.block_m == 1
+    small = _norm_core.launch_config(100)
+    assert small.block_n == 128 and small.block_m * small.block_n == _norm_core.FUSED_TILE_ELEMS
+    for n in (_norm_core.MAX_FUSED_BLOCK_N + 1, 262_144):
+        cfg = _norm_core.launch_config(n)
+        assert cfg.looped and cfg.block_n == _norm_core.LOOPED_BLOCK_N
+    assert _norm_core.launch_config(100, block_n=32).looped
+    assert not _norm_core.launch_config(100, block_n=128).looped  # chunk ≥ row: fused
+    with pytest.raises(ValueError, match="power of two"):
+        _norm_core.launch_config(100, block_n=48)
+
+
+# ----------------------------------------------------------------------------------------------
+# Through the custom ops: functional API, autograd, torch.compile
+# ----------------------------------------------------------------------------------------------
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, module, name: str) -> list[int]:
+    calls: list[int] = []
+    original = getattr(module, name)
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapped)
+    return calls
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_functional_ops_use_triton_backend(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype):
+    fwd_calls = _spy(monkeypatch, tln, "norm_fwd")
+    bwd_calls = _spy(monkeypatch, tln, "norm_bwd")
+    x = make_x((3, 5, 24), dtype).to(DEVICE)
+    w = make_param((24,), torch.float32, center=1.0).to(DEVICE)
+    b = make_param((24,), torch.float32, center=0.0).to(DEVICE)
+    results = {}
+    for name in ("triton", "cpu"):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        with force_backend(name):  # type: ignore[arg-type]
+            y = layernorm.layer_norm(xs, 24, ws, bs)
+            y.backward(torch.ones_like(y) + torch.arange(24, device=DEVICE) / 24)
+        results[name] = (y, xs.grad, ws.grad, bs.grad)
+    assert fwd_calls and bwd_calls
+    tol_y, tol_dx = TOLERANCES_FWD[dtype], TOLERANCES_BWD[dtype]["dx"]
+    for i, (a, c) in enumerate(zip(results["triton"], results["cpu"], strict=True)):
+        assert a.dtype == c.dtype
+        assert_close(a, c, tol_y if i == 0 else tol_dx if i == 1 else (1e-4, 1e-4), f"output {i}")
+
+
+@in_process
+def test_rms_and_ada_functional_on_triton_backend(monkeypatch: pytest.MonkeyPatch):
+    rms_calls = _spy(monkeypatch, trms, "norm_fwd")
+    ada_calls = _spy(monkeypatch, tada, "norm_bwd")
+    x = make_x((4, 33)).to(DEVICE).requires_grad_()
+    w = make_param((33,), torch.float32, center=1.0).to(DEVICE).requires_grad_()
+    with force_backend("triton"):
+        y = layernorm.rms_norm(x, 33, w, 1e-6)
+        z = layernorm.ada_norm(x, 33, k=0.1, scale=2.0)
+        (y.sum() + (z * z).sum()).backward()
+    assert rms_calls and ada_calls
+    x64, w64 = (
+        x.detach().double().cpu().requires_grad_(),
+        w.detach().double().cpu().requires_grad_(),
+    )
+    ref = (
+        rms_norm_reference(x64, (33,), w64, 1e-6).sum()
+        + (ada_norm_reference(x64, (33,), 0.1, 2.0) ** 2).sum()
+    )
+    ref.backward()
+    assert_close(x.grad, x64.grad, (1e-4, 1e-4), "dx")
+    assert_close(w.grad, w64.grad, (1e-4, 1e-4), "dweight")
+
+
+@in_process
+def test_torch_compile_fullgraph_keeps_triton_kernels(monkeypatch: pytest.MonkeyPatch):
+    calls = _spy(monkeypatch, tln, "norm_fwd")
+    mod = layernorm.LayerNorm(16).to(DEVICE)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(mod(x * 2.0))
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    x = make_x((5, 16)).to(DEVICE).requires_grad_()
+    with force_backend("triton"):
+        y = compiled(x)
+        y.sum().backward()
+    assert calls
+    x2 = x.detach().clone().requires_grad_()
+    with force_backend("cpu"):
+        y2 = f(x2)
+        y2.sum().backward()
+    assert_close(y, y2, TOLERANCES_FWD[torch.float32], "compiled output")
+    assert_close(x.grad, x2.grad, TOLERANCES_BWD[torch.float32]["dx"], "compiled dx")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only: long rows, bitwise determinism and native-torch parity at realistic sizes
+# ----------------------------------------------------------------------------------------------
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 1000, 4096, 16384, 16385, 65536, 262_144])
+def test_gpu_layer_norm_against_torch(n: int, dtype: torch.dtype):
+    if INTERPRETED:
+        pytest.skip("kernels are interpreted in this process")
+    m = max(2, min(2048, (1 << 22) // n))
+    x = make_x((m, n), dtype).cuda()
+    w = make_param((n,), torch.float32, center=1.0).cuda()
+    b = make_param((n,), torch.float32, center=0.0).cuda()
+    dy = make_x((m, n), dtype, offset=0.5, scale=1.0).cuda()
+    y, mean, rstd = tln.layer_norm_fwd(x, w, b, 1e-5)
+    dx, dw, db = tln.layer_norm_bwd(dy, x, mean, rstd, w, False, False, True, True, True)
+    # the float64 reference on the GPU, same rounded inputs
+    yr, dxr, dwr, dbr = _ref_grads(
+        lambda a, g, c: layer_norm_reference(a, (n,), g, c), [x, w, b], dy
+    )
+    assert_close(y, yr, TOLERANCES_FWD[dtype], "y")
+    assert_close(dx, dxr, TOLERANCES_BWD[dtype]["dx"], "dx")
+    assert_close(dw, dwr, _dparam_tol(torch.float32, m), "dweight")
+    assert_close(db, dbr, _dparam_tol(torch.float32, m), "dbias")
+    again = tln.layer_norm_bwd(dy, x, mean, rstd, w, False, False, True, True, True)
+    assert all(torch.equal(a, c) for a, c in zip((dx, dw, db), again, strict=True))
+
+
+@gpu
+@needs_cuda
+def test_gpu_autocast_dtypes():
+    """Under autocast the ops see the dtype autocast produced (bf16 activations, fp32 params)."""
+    if INTERPRETED:
+        pytest.skip("kernels are interpreted in this process")
+    lin = torch.nn.Linear(64, 64).cuda()
+    norm = layernorm.LayerNorm(64).cuda()
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = norm(lin(x))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.float32
+    assert norm.bias.grad is not None and norm.bias.grad.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# Fallback when this process cannot interpret: run the file again in a fresh interpreter
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(DEVICE is not None, reason="the tests ran in this process")
+def test_rerun_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout

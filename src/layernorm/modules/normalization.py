@@ -94,9 +94,11 @@ class LayerNorm(_Norm):
         )  # fmt: skip
 
     def extra_repr(self) -> str:
-        s = f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
-        if self.elementwise_affine and self.bias is None:
-            s += ", bias=False"
+        # torch.nn.LayerNorm's repr word for word, then the DetachNorm flags when set
+        s = (
+            f"{self.normalized_shape}, eps={self.eps}, "
+            f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}"
+        )
         if self.detach_mean:
             s += ", detach_mean=True"
         if self.detach_std:

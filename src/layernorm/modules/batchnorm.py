@@ -35,7 +35,14 @@ class BatchNorm(nn.Module):
     ) -> None:
         super().__init__()
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
-            raise ValueError(f"BatchNorm: num_features must be a positive int, got {num_features!r}")
+            raise ValueError(
+                f"BatchNorm: num_features must be a positive int, got {num_features!r}"
+            )
+        if isinstance(momentum, bool) or not isinstance(momentum, int | float):
+            raise TypeError(
+                f"BatchNorm: momentum must be a float in [0, 1], got {type(momentum).__name__} "
+                f"{momentum!r}"
+            )
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"BatchNorm: momentum must be in [0, 1], got {momentum!r}")
         factory = {"device": device, "dtype": dtype}
@@ -84,8 +91,10 @@ class BatchNorm(nn.Module):
             var_unbiased = var_biased * (n / (n - 1))
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)  # type: ignore[operator]
-                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)  # type: ignore[operator]
-                self.running_var.lerp_(var_unbiased.detach().to(self.running_var.dtype), self.momentum)  # type: ignore[operator]
+                new_mean = mean.detach().to(self.running_mean.dtype)  # type: ignore[union-attr]
+                new_var = var_unbiased.detach().to(self.running_var.dtype)  # type: ignore[union-attr]
+                self.running_mean.lerp_(new_mean, self.momentum)  # type: ignore[operator]
+                self.running_var.lerp_(new_var, self.momentum)  # type: ignore[operator]
             var = var_unbiased if self.unbiased else var_biased
         else:
             mean, var = self.running_mean, self.running_var  # type: ignore[assignment]

@@ -10,10 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _native
 from ._common import compute_dtype
 
 
 def ada_norm_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    if _native.supports(x):
+        return _native.ada_fwd(x, k, scale, eps)
     cdt = compute_dtype(x)
     n = x.shape[-1]
     y, mean, rstd = torch.native_layer_norm(x.to(cdt), (n,), None, None, eps)
@@ -25,6 +28,8 @@ def ada_norm_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor,
 def ada_norm_bwd(
     dz: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, k: float, scale: float
 ) -> Tensor:
+    if _native.supports(x, dz):
+        return _native.ada_bwd(dz, x, mean, rstd, k, scale)
     cdt = compute_dtype(x)
     n = x.shape[-1]
     xc, dzc = x.to(cdt), dz.to(cdt)

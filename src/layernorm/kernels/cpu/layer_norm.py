@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _native
 from ._common import compute_dtype, to_compute
 
 
@@ -43,6 +44,11 @@ def layer_norm_bwd(
     need_dw: bool,
     need_db: bool,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    if _native.supports(x, dy, weight):
+        return _native.ln_bwd(
+            dy, x, mean, rstd, weight, not detach_mean, not detach_std,
+            need_dx, need_dw and weight is not None, need_db,
+        )  # fmt: skip
     cdt = compute_dtype(x)
     n = x.shape[-1]
     xc, dyc = x.to(cdt), dy.to(cdt)

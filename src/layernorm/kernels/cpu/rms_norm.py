@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from . import _native
 from ._common import compute_dtype, to_compute
 
 
 def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    if _native.supports(x, weight):
+        return _native.rms_fwd(x, weight, eps)
     cdt = compute_dtype(x)
     xc = x.to(cdt)
     rstd = (xc * xc).mean(-1, keepdim=True).add_(eps).rsqrt_()
@@ -25,6 +28,8 @@ def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
 def rms_norm_bwd(
     dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, need_dx: bool, need_dw: bool
 ) -> tuple[Tensor | None, Tensor | None]:
+    if _native.supports(x, dy, weight):
+        return _native.rms_bwd(dy, x, rstd, weight, need_dx, need_dw and weight is not None)
     cdt = compute_dtype(x)
     xc, dyc = x.to(cdt), dy.to(cdt)
     rstd2 = rstd.view(-1, 1)

@@ -266,17 +266,22 @@ def test_empty_batch_and_float64_fallback():
 
 def test_launch_config_heuristics():
     assert not _norm_core.launch_config(1).looped
-    fused = _norm_core.launch_config(_norm_core.MAX_FUSED_BLOCK_N)
-    assert not fused.looped and fused.block_m == 1
+    for backward, limit in ((False, _norm_core.MAX_FUSED_BLOCK_N_FWD),
+                            (True, _norm_core.MAX_FUSED_BLOCK_N_BWD)):  # fmt: skip
+        fused = _norm_core.launch_config(limit, backward=backward)
+        assert not fused.looped and fused.block_m == 1 and fused.block_n == limit
+        for n in (limit + 1, 262_144):
+            cfg = _norm_core.launch_config(n, backward=backward)
+            assert cfg.looped and cfg.block_n == _norm_core.LOOPED_BLOCK_N
     small = _norm_core.launch_config(100)
     assert small.block_n == 128 and small.block_m * small.block_n == _norm_core.FUSED_TILE_ELEMS
-    for n in (_norm_core.MAX_FUSED_BLOCK_N + 1, 262_144):
-        cfg = _norm_core.launch_config(n)
-        assert cfg.looped and cfg.block_n == _norm_core.LOOPED_BLOCK_N
     assert _norm_core.launch_config(100, block_n=32).looped
     assert not _norm_core.launch_config(100, block_n=128).looped  # chunk ≥ row: fused
     with pytest.raises(ValueError, match="power of two"):
         _norm_core.launch_config(100, block_n=48)
+    # about 16 elements per thread and operand, within Triton's 1..32 warps
+    assert _norm_core._num_warps(16384) == 32 and _norm_core._num_warps(8192) == 16
+    assert _norm_core._num_warps(64) == 2 and _norm_core._num_warps(1 << 20) == 32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,7 +377,7 @@ def test_torch_compile_fullgraph_keeps_triton_kernels(monkeypatch: pytest.Monkey
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [1, 1000, 4096, 16384, 16385, 65536, 262_144])
+@pytest.mark.parametrize("n", [1, 1000, 4096, 8192, 8193, 16384, 16385, 65536, 262_144])
 def test_gpu_layer_norm_against_torch(n: int, dtype: torch.dtype):
     if INTERPRETED:
         pytest.skip("kernels are interpreted in this process")

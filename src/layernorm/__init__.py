@@ -9,6 +9,14 @@ from __future__ import annotations
 
 from .functional import ada_norm, layer_norm, rms_norm
 from .modules import AdaNorm, BatchNorm, LayerNorm, RMSNorm, replace_norms
+from .recurrent import (
+    LayerNormGRU,
+    LayerNormGRUCell,
+    LayerNormLSTM,
+    LayerNormLSTMCell,
+    LayerNormRNN,
+    LayerNormRNNCell,
+)
 
 __version__ = "0.1.0"
 
@@ -16,6 +24,12 @@ __all__ = [
     "AdaNorm",
     "BatchNorm",
     "LayerNorm",
+    "LayerNormGRU",
+    "LayerNormGRUCell",
+    "LayerNormLSTM",
+    "LayerNormLSTMCell",
+    "LayerNormRNN",
+    "LayerNormRNNCell",
     "RMSNorm",
     "__version__",
     "ada_norm",

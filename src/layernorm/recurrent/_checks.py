@@ -1,0 +1,110 @@
+"""Argument and input checks for the recurrent cells and layers.
+
+Errors name the module, what was expected and what came, so the call can be fixed from the message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from torch import Tensor
+
+from .._validation import check_float_tensor
+
+NORMS = ("layer", "none", "batch")
+
+
+def check_size(value: object, name: str, owner: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_gain(value: object, name: str, owner: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{owner}: {name} must be a finite float, got {value!r}")
+    return float(value)
+
+
+def check_norm(norm: object, owner: str, allowed: tuple[str, ...] = NORMS) -> str:
+    if norm not in allowed:
+        raise ValueError(f"{owner}: norm must be one of {allowed}, got {norm!r}")
+    return norm  # type: ignore[return-value]
+
+
+def check_like(t: object, name: str, like: Tensor, owner: str) -> Tensor:
+    """``t`` is a float tensor with ``like``'s dtype and device."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != like.dtype:
+        raise TypeError(f"{owner}: {name} has dtype {t.dtype} but the input has dtype {like.dtype}")
+    if t.device != like.device:
+        raise ValueError(f"{owner}: {name} is on {t.device} but the input is on {like.device}")
+    return t
+
+
+def check_params_match(x: Tensor, weight: Tensor, owner: str) -> None:
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"{owner}: input has dtype {x.dtype} but the weights are {weight.dtype}; "
+            f"convert one (e.g. module.to({x.dtype}))"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"{owner}: input is on {x.device} but the weights are on {weight.device}")
+
+
+def check_state(
+    t: object, name: str, expected: tuple[int, ...], like: Tensor, owner: str
+) -> Tensor:
+    t = check_like(t, name, like, owner)
+    if tuple(t.shape) != expected:
+        raise ValueError(f"{owner}: {name} must have shape {expected}, got {tuple(t.shape)}")
+    return t
+
+
+def check_cell_input(x: object, input_size: int, owner: str) -> tuple[Tensor, bool]:
+    """A cell takes ``(B, input_size)`` or unbatched ``(input_size,)``; returns (x, batched)."""
+    x = check_float_tensor(x)
+    if x.dim() not in (1, 2) or x.shape[-1] != input_size:
+        raise ValueError(
+            f"{owner}(input_size={input_size}) expects input of shape (batch, {input_size}) or "
+            f"({input_size},), got {tuple(x.shape)}"
+        )
+    return x, x.dim() == 2
+
+
+def check_batch_sizes(batch_sizes: Tensor, n_rows: int, owner: str) -> list[int]:
+    """``PackedSequence.batch_sizes``: 1-D, positive, non-increasing, summing to the data rows."""
+    if batch_sizes.dim() != 1 or batch_sizes.numel() == 0:
+        raise ValueError(
+            f"{owner}: PackedSequence.batch_sizes must be a non-empty 1-D tensor, "
+            f"got shape {tuple(batch_sizes.shape)}"
+        )
+    sizes = [int(b) for b in batch_sizes.tolist()]
+    if any(b <= 0 for b in sizes) or any(a < b for a, b in itertools.pairwise(sizes)):
+        raise ValueError(
+            f"{owner}: PackedSequence.batch_sizes must be positive and non-increasing (sequences "
+            f"sorted by decreasing length; pack with torch.nn.utils.rnn.pack_padded_sequence("
+            f"..., enforce_sorted=False) for unsorted batches), got {sizes}"
+        )
+    if sum(sizes) != n_rows:
+        raise ValueError(
+            f"{owner}: PackedSequence.batch_sizes sum to {sum(sizes)} but data has {n_rows} rows"
+        )
+    return sizes
+
+
+def check_permutation(idx: Tensor | None, n: int, name: str, owner: str) -> None:
+    if idx is None:
+        return
+    ok = idx.dim() == 1 and idx.numel() == n
+    if ok:
+        ok = bool(torch.equal(torch.sort(idx.cpu()).values, torch.arange(n)))
+    if not ok:
+        raise ValueError(
+            f"{owner}: PackedSequence.{name} must be a permutation of range({n}) "
+            f"(one index per sequence), got "
+            f"{idx.tolist() if idx.numel() <= 16 else tuple(idx.shape)}"
+        )

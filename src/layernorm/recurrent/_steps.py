@@ -1,0 +1,145 @@
+"""One time step of each recurrence, written as the papers' equations: the reference.
+
+Every function here is plain differentiable PyTorch on top of the library's layer norm. The cells
+call them once per step, the sequence layers' reference loop calls them over time, and the tests use
+them as the oracle for the fused sequence path in :mod:`layernorm.recurrent._fused`.
+
+A normalization is passed in as a callable ``norm(z) -> z'`` (``None`` = identity), so the same step
+serves layer norm, recurrent batch norm (statistics per time step) and the plain recurrence.
+
+Parameter layout follows ``torch.nn.RNN/LSTM/GRU``: ``w_ih`` is ``(G·H, I)``, ``w_hh`` is
+``(G·H, H)`` with gates stacked in torch's order (LSTM ``i, f, g, o``; GRU ``r, z, n``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..functional import layer_norm
+
+Norm = Callable[[Tensor], Tensor]
+
+
+def make_ln(weight: Tensor | None, bias: Tensor | None, eps: float) -> Norm:
+    """``LN(z; weight, bias)`` over the last dimension of ``z``."""
+    return lambda z: layer_norm(z, z.shape[-1], weight, bias, eps)
+
+
+def make_grouped_ln(
+    weight: Tensor | None, bias: Tensor | None, eps: float, hidden_size: int
+) -> Norm:
+    """GRU layer norm on a ``(*, 3H)`` pre-activation: the ``(r, z)`` block (2H units) and the
+    candidate block ``n`` (H units) are normalized separately, as in the paper's LN-GRU."""
+    h2 = 2 * hidden_size
+
+    def norm(z: Tensor) -> Tensor:
+        w_rz, w_n = (None, None) if weight is None else (weight[:h2], weight[h2:])
+        b_rz, b_n = (None, None) if bias is None else (bias[:h2], bias[h2:])
+        return torch.cat(
+            (
+                layer_norm(z[..., :h2], h2, w_rz, b_rz, eps),
+                layer_norm(z[..., h2:], hidden_size, w_n, b_n, eps),
+            ),
+            dim=-1,
+        )
+
+    return norm
+
+
+def _apply(norm: Norm | None, z: Tensor) -> Tensor:
+    return z if norm is None else norm(z)
+
+
+def _add_bias(z: Tensor, b_ih: Tensor | None, b_hh: Tensor | None) -> Tensor:
+    if b_ih is not None:
+        z = z + b_ih
+    if b_hh is not None:
+        z = z + b_hh
+    return z
+
+
+def rnn_step(
+    x: Tensor,
+    h: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    norm: Norm | None,
+    nonlinearity: str,
+) -> Tensor:
+    r"""Eq. 4 of Ba et al.: :math:`a_t = W_{hh}h_{t-1} + W_{xh}x_t`,
+    :math:`h_t = f(\frac{g}{\sigma_t}\odot(a_t-\mu_t) + b)` with ``b = β + b_ih + b_hh``."""
+    a = _apply(norm, F.linear(x, w_ih) + F.linear(h, w_hh))
+    a = _add_bias(a, b_ih, b_hh)
+    return torch.tanh(a) if nonlinearity == "tanh" else torch.relu(a)
+
+
+def lstm_step(
+    x: Tensor,
+    h: Tensor,
+    c: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    norm_ih: Norm | None,
+    norm_hh: Norm | None,
+    norm_c: Norm | None,
+    carry_normalized: bool = False,
+) -> tuple[Tensor, Tensor]:
+    r"""LN-LSTM (Ba et al., supplementary), in torch's gate order ``i, f, g, o``:
+
+    .. math::
+        (i, f, g, o) = LN(W_{hh}h_{t-1}; α_1, β_1) + LN(W_{ih}x_t; α_2, β_2) + b \\
+        c_t = σ(f)⊙c_{t-1} + σ(i)⊙\tanh(g),\qquad h_t = σ(o)⊙\tanh(LN(c_t; α_3, β_3))
+
+    Returns ``(h_t, c_carried)``: the un-normalized ``c_t`` (the paper), or ``LN(c_t)`` when
+    ``carry_normalized`` (TF-Addons / PyTorch fastrnns variant).
+    """
+    gates = _apply(norm_ih, F.linear(x, w_ih)) + _apply(norm_hh, F.linear(h, w_hh))
+    gates = _add_bias(gates, b_ih, b_hh)
+    i, f, g, o = gates.chunk(4, dim=-1)
+    c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    c_norm = _apply(norm_c, c_new)
+    h_new = torch.sigmoid(o) * torch.tanh(c_norm)
+    return h_new, (c_norm if carry_normalized else c_new)
+
+
+def gru_step(
+    x: Tensor,
+    h: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    norm_ih: Norm | None,
+    norm_hh: Norm | None,
+) -> Tensor:
+    r"""LN-GRU (Ba et al., supplementary) on torch's GRU layout (gates ``r, z, n``):
+
+    .. math::
+        (r, z) = σ(LN(W_{h}h_{t-1}) + LN(W_x x_t) + b_{ir,iz} + b_{hr,hz}) \\
+        n_t = \tanh(LN(W_{in}x_t) + b_{in} + r ⊙ (LN(W_{hn}h_{t-1}) + b_{hn})) \\
+        h_t = (1 - z) ⊙ n_t + z ⊙ h_{t-1}
+
+    This is the paper's ``ĥ_t = tanh(LN(W x_t) + σ(r) ⊙ LN(U h_{t−1}))`` with torch's extra bias
+    ``b_hn`` inside the reset product (the LN bias β of ``U h`` plays the same role). torch's ``z``
+    is the paper's ``1 − z`` (``h_t = (1 − z)⊙h_{t−1} + z⊙ĥ_t``): the same model with the update
+    gate's pre-activation negated, kept so that ``norm="none"`` reproduces ``torch.nn.GRU``.
+    """
+    hs = h.shape[-1]
+    gx = _apply(norm_ih, F.linear(x, w_ih))
+    gh = _apply(norm_hh, F.linear(h, w_hh))
+    if b_ih is not None:
+        gx = gx + b_ih
+    if b_hh is not None:
+        gh = gh + b_hh
+    rz = torch.sigmoid(gx[..., : 2 * hs] + gh[..., : 2 * hs])
+    r, z = rz[..., :hs], rz[..., hs:]
+    n = torch.tanh(gx[..., 2 * hs :] + r * gh[..., 2 * hs :])
+    return n + z * (h - n)

@@ -1,0 +1,317 @@
+r"""Layer-normalized recurrent cells (Ba, Kiros & Hinton 2016, Section 3.1 and supplementary).
+
+A cell computes one time step, like :class:`torch.nn.RNNCell` / ``LSTMCell`` / ``GRUCell``, with
+the same weight names and shapes (``weight_ih``, ``weight_hh``, ``bias_ih``, ``bias_hh``, gates
+stacked in torch's order) plus the layer-norm gains ``ln_weight_*`` (init ``gain_init``, 1.0 by
+default) and biases ``ln_bias_*`` (init 0). The statistics are computed per example and per time
+step; one set of gains is shared by all steps, so a cell works on sequences of any length and at
+batch size 1.
+
+Drive a cell over time::
+
+    cell = LayerNormLSTMCell(10, 20)
+    x = torch.randn(7, 3, 10)           # (time, batch, features)
+    state = None
+    outputs = []
+    for x_t in x:
+        h, c = state = cell(x_t, state)
+        outputs.append(h)
+
+.. code-block:: bibtex
+
+    @article{ba2016layer,
+      title={Layer Normalization},
+      author={Ba, Jimmy Lei and Kiros, Jamie Ryan and Hinton, Geoffrey E},
+      journal={arXiv preprint arXiv:1607.06450}, year={2016}}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _steps
+from ._checks import check_cell_input, check_gain, check_params_match, check_size, check_state
+
+__all__ = ["LayerNormGRUCell", "LayerNormLSTMCell", "LayerNormRNNCell"]
+
+
+class _LNCellBase(nn.Module):
+    """Weights as torch's cells; layer-norm gains/biases registered by the subclasses."""
+
+    gate_count = 1
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool,
+        gain_init: float,
+        eps: float,
+        factory: dict[str, Any],
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.input_size = check_size(input_size, "input_size", owner)
+        self.hidden_size = check_size(hidden_size, "hidden_size", owner)
+        self.bias = bool(bias)
+        self.gain_init = check_gain(gain_init, "gain_init", owner)
+        self.eps = check_gain(eps, "eps", owner)
+        if self.eps <= 0:
+            raise ValueError(f"{owner}: eps must be positive, got {eps!r}")
+        gh = self.gate_count * hidden_size
+        self.weight_ih = nn.Parameter(torch.empty(gh, input_size, **factory))
+        self.weight_hh = nn.Parameter(torch.empty(gh, hidden_size, **factory))
+        if self.bias:
+            self.bias_ih = nn.Parameter(torch.empty(gh, **factory))
+            self.bias_hh = nn.Parameter(torch.empty(gh, **factory))
+        else:
+            self.register_parameter("bias_ih", None)
+            self.register_parameter("bias_hh", None)
+        self._ln_names: list[tuple[str, str]] = []
+
+    def _add_ln(self, suffix: str, size: int, factory: dict[str, Any]) -> None:
+        """Gain ``ln_weight{suffix}`` and, with ``bias=True``, bias ``ln_bias{suffix}``."""
+        w, b = f"ln_weight{suffix}", f"ln_bias{suffix}"
+        self.register_parameter(w, nn.Parameter(torch.empty(size, **factory)))
+        if self.bias:
+            self.register_parameter(b, nn.Parameter(torch.empty(size, **factory)))
+        else:
+            self.register_parameter(b, None)
+        self._ln_names.append((w, b))
+
+    def reset_parameters(self) -> None:
+        """torch's uniform(±1/√H) weights; biases 0; LN gains ``gain_init``, LN biases 0."""
+        bound = 1.0 / math.sqrt(self.hidden_size)
+        nn.init.uniform_(self.weight_ih, -bound, bound)
+        nn.init.uniform_(self.weight_hh, -bound, bound)
+        for p in (self.bias_ih, self.bias_hh):
+            if p is not None:
+                nn.init.zeros_(p)
+        for w, b in self._ln_names:
+            nn.init.constant_(getattr(self, w), self.gain_init)
+            if getattr(self, b) is not None:
+                nn.init.zeros_(getattr(self, b))
+
+    def _prepare(self, x: object) -> tuple[Tensor, bool]:
+        owner = type(self).__name__
+        x_, batched = check_cell_input(x, self.input_size, owner)
+        check_params_match(x_, self.weight_ih, owner)
+        return (x_ if batched else x_.unsqueeze(0)), batched
+
+    def _state(self, t: object, name: str, x: Tensor, batched: bool) -> Tensor:
+        """Check an hx/cx against the input's batch; unbatched states are ``(hidden_size,)``."""
+        b = x.shape[0]
+        expected = (b, self.hidden_size) if batched else (self.hidden_size,)
+        t_ = check_state(t, name, expected, x, type(self).__name__)
+        return t_ if batched else t_.unsqueeze(0)
+
+    def extra_repr(self) -> str:
+        s = f"{self.input_size}, {self.hidden_size}"
+        if not self.bias:
+            s += ", bias=False"
+        if self.gain_init != 1.0:
+            s += f", gain_init={self.gain_init}"
+        return s
+
+
+class LayerNormRNNCell(_LNCellBase):
+    r"""Layer-normalized Elman RNN cell, Eq. 4 of Ba et al. (2016).
+
+    .. math::
+        a_t = W_{hh} h_{t-1} + W_{ih} x_t,\qquad
+        h_t = f\Big(\frac{g}{\sigma_t} \odot (a_t - \mu_t) + b\Big)
+
+    with μ_t, σ_t the mean and (biased) standard deviation of the H summed inputs ``a_t`` of each
+    example. ``g`` is ``ln_weight``; ``b`` is ``ln_bias + bias_ih + bias_hh`` (torch's two biases
+    kept so that :class:`torch.nn.RNNCell` weights load by name).
+
+    Args:
+        input_size: features of ``x_t``.
+        hidden_size: units ``H``.
+        bias: ``False`` drops every additive bias (``bias_ih``, ``bias_hh`` and ``ln_bias``).
+        nonlinearity: ``"tanh"`` or ``"relu"``.
+        gain_init: initial LN gain (the paper uses 1.0).
+        eps: added to the variance.
+
+    Shape:
+        ``x``: ``(B, input_size)`` or ``(input_size,)``; ``hx``: ``(B, H)`` or ``(H,)``, zeros when
+        ``None``. Returns ``h'`` of ``hx``'s shape.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool = True,
+        nonlinearity: str = "tanh",
+        *,
+        gain_init: float = 1.0,
+        eps: float = 1e-5,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        factory = {"device": device, "dtype": dtype}
+        super().__init__(input_size, hidden_size, bias, gain_init, eps, factory)
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(
+                f"LayerNormRNNCell: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}"
+            )
+        self.nonlinearity = nonlinearity
+        self._add_ln("", hidden_size, factory)
+        self.reset_parameters()
+
+    def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        x, batched = self._prepare(input)
+        h = (
+            x.new_zeros(x.shape[0], self.hidden_size)
+            if hx is None
+            else self._state(hx, "hx", x, batched)
+        )
+        norm = _steps.make_ln(self.ln_weight, self.ln_bias, self.eps)
+        h = _steps.rnn_step(
+            x,
+            h,
+            self.weight_ih,
+            self.weight_hh,
+            self.bias_ih,
+            self.bias_hh,
+            norm,
+            self.nonlinearity,
+        )
+        return h if batched else h.squeeze(0)
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        return s if self.nonlinearity == "tanh" else s + f", nonlinearity={self.nonlinearity!r}"
+
+
+class LayerNormLSTMCell(_LNCellBase):
+    r"""Layer-normalized LSTM cell (Ba et al. 2016, supplementary material).
+
+    .. math::
+        (i, f, g, o) = LN(W_{hh} h_{t-1}; α_1, β_1) + LN(W_{ih} x_t; α_2, β_2) + b \\
+        c_t = σ(f) ⊙ c_{t-1} + σ(i) ⊙ \tanh(g) \\
+        h_t = σ(o) ⊙ \tanh(LN(c_t; α_3, β_3))
+
+    Each of the first two LNs normalizes all four gates' pre-activations together (4H units). The
+    carried cell state is the **un-normalized** ``c_t``; ``normalize_cell_state=True`` carries
+    ``LN(c_t)`` instead (the TF-Addons / PyTorch fastrnns variant). ``b = bias_ih + bias_hh``;
+    (α_1, β_1) = ``ln_weight_hh, ln_bias_hh``; (α_2, β_2) = ``ln_weight_ih, ln_bias_ih``;
+    (α_3, β_3) = ``ln_weight_c, ln_bias_c``. Gates in torch's order ``i, f, g, o``.
+
+    Args:
+        input_size, hidden_size, bias: as :class:`torch.nn.LSTMCell` (``bias=False`` also drops
+            the LN biases β).
+        normalize_cell_state: carry ``LN(c_t)`` instead of ``c_t``.
+        gain_init: initial α (1.0 in the paper; 0.1 was found worse for the attentive reader).
+        eps: added to the variance.
+
+    Shape:
+        ``x``: ``(B, input_size)`` or ``(input_size,)``; ``hx``: a tuple ``(h, c)`` of ``(B, H)`` or
+        ``(H,)`` tensors, zeros when ``None``. Returns ``(h', c')``.
+    """
+
+    gate_count = 4
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool = True,
+        normalize_cell_state: bool = False,
+        *,
+        gain_init: float = 1.0,
+        eps: float = 1e-5,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        factory = {"device": device, "dtype": dtype}
+        super().__init__(input_size, hidden_size, bias, gain_init, eps, factory)
+        self.normalize_cell_state = bool(normalize_cell_state)
+        self._add_ln("_ih", 4 * hidden_size, factory)
+        self._add_ln("_hh", 4 * hidden_size, factory)
+        self._add_ln("_c", hidden_size, factory)
+        self.reset_parameters()
+
+    def forward(
+        self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        x, batched = self._prepare(input)
+        if hx is None:
+            h = c = x.new_zeros(x.shape[0], self.hidden_size)
+        else:
+            if not isinstance(hx, tuple | list) or len(hx) != 2:
+                raise TypeError(
+                    f"LayerNormLSTMCell: hx must be a tuple (h, c), got {type(hx).__name__}"
+                )
+            h = self._state(hx[0], "hx[0]", x, batched)
+            c = self._state(hx[1], "hx[1]", x, batched)
+        h, c = _steps.lstm_step(
+            x, h, c, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh,
+            _steps.make_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps),
+            _steps.make_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps),
+            _steps.make_ln(self.ln_weight_c, self.ln_bias_c, self.eps),
+            self.normalize_cell_state,
+        )  # fmt: skip
+        return (h, c) if batched else (h.squeeze(0), c.squeeze(0))
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        return s + ", normalize_cell_state=True" if self.normalize_cell_state else s
+
+
+class LayerNormGRUCell(_LNCellBase):
+    r"""Layer-normalized GRU cell (Ba et al. 2016, supplementary material), on torch's GRU layout.
+
+    .. math::
+        (r, z) = σ(LN(W_{h} h_{t-1}) + LN(W_{x} x_t) + b_{rz}) \\
+        n_t = \tanh(LN(W_{in} x_t) + b_{in} + r ⊙ (LN(W_{hn} h_{t-1}) + b_{hn})) \\
+        h_t = (1 - z) ⊙ n_t + z ⊙ h_{t-1}
+
+    The paper's ``ĥ_t = tanh(LN(W x_t) + σ(r) ⊙ LN(U h_{t−1}))``: the ``(r, z)`` rows (2H units) and
+    the candidate rows (H units) of each projection are normalized separately, so ``ln_weight_ih``
+    / ``ln_weight_hh`` (3H each) hold two LNs' gains. torch's ``z`` is the paper's ``1 − z`` (the
+    update gate's pre-activation negated), kept so that plain GRU weights mean the same thing.
+
+    Shape:
+        ``x``: ``(B, input_size)`` or ``(input_size,)``; ``hx``: ``(B, H)`` or ``(H,)``, zeros when
+        ``None``. Returns ``h'``.
+    """
+
+    gate_count = 3
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool = True,
+        *,
+        gain_init: float = 1.0,
+        eps: float = 1e-5,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        factory = {"device": device, "dtype": dtype}
+        super().__init__(input_size, hidden_size, bias, gain_init, eps, factory)
+        self._add_ln("_ih", 3 * hidden_size, factory)
+        self._add_ln("_hh", 3 * hidden_size, factory)
+        self.reset_parameters()
+
+    def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        x, batched = self._prepare(input)
+        h = (
+            x.new_zeros(x.shape[0], self.hidden_size)
+            if hx is None
+            else self._state(hx, "hx", x, batched)
+        )
+        hs = self.hidden_size
+        h = _steps.gru_step(
+            x, h, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh,
+            _steps.make_grouped_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps, hs),
+            _steps.make_grouped_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps, hs),
+        )  # fmt: skip
+        return h if batched else h.squeeze(0)

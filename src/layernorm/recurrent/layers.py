@@ -1,0 +1,639 @@
+r"""Sequence layers ``LayerNormRNN``, ``LayerNormLSTM``, ``LayerNormGRU``: torch.nn.LSTM's contract.
+
+Same constructor, call, shapes, parameter names and gate order as :class:`torch.nn.LSTM` (and
+``RNN``/``GRU``):
+``weight_ih_l{k}[_reverse]``, ``weight_hh_l{k}``, ``bias_ih_l{k}``, ``bias_hh_l{k}``;
+batched ``(T, B, I)`` (or ``(B, T, I)`` with ``batch_first``), unbatched ``(T, I)`` and
+:class:`~torch.nn.utils.rnn.PackedSequence` inputs (``enforce_sorted=False`` ones too).
+
+``norm`` picks the recurrence:
+
+* ``"layer"`` (default): the layer-normalized recurrences of Ba et al. 2016 (see
+  :mod:`layernorm.recurrent.cells` for the equations), with gains ``ln_weight_*_l{k}`` (init
+  ``gain_init``) and biases ``ln_bias_*_l{k}`` (init 0); torch's biases start at 0 too.
+* ``"none"``: the plain recurrence; with the same weights the outputs equal torch's, and a
+  ``torch.nn.LSTM`` state_dict loads with ``strict=True``.
+* ``"batch"`` (LSTM only): recurrent batch norm (Cooijmans et al. 2016), statistics per time step.
+
+A trained ``torch.nn.LSTM`` loads into ``norm="layer"`` with ``load_state_dict(sd, strict=False)``
+(the LN gains and biases keep their init) or with :meth:`LayerNormLSTM.from_torch`.
+
+Speed: by default (``impl="auto"``) float32/float64 layer-norm and plain recurrences run on the
+fused path of :mod:`layernorm.recurrent._fused` (one GEMM + one LN for all input projections, one
+autograd node per direction with an analytic backward in time). ``impl="loop"`` runs the readable
+per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare against; batch norm
+and torch.compile tracing always use it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+from .._validation import check_float_tensor
+from ..functional import layer_norm
+from . import _fused, _steps
+from ._batchnorm import make_step_bn
+from ._checks import (
+    check_batch_sizes,
+    check_gain,
+    check_norm,
+    check_params_match,
+    check_permutation,
+    check_size,
+    check_state,
+)
+
+__all__ = ["LayerNormGRU", "LayerNormLSTM", "LayerNormRNN"]
+
+Impl = Literal["auto", "fused", "loop"]
+_FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+class _LNRNNBase(nn.Module):
+    """Parameters, input handling and the layer/direction loop shared by the three layers."""
+
+    mode = "RNN"  # "RNN", "LSTM" or "GRU"
+    gate_count = 1
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        *,
+        norm: str = "layer",
+        gain_init: float = 1.0,
+        eps: float = 1e-5,
+        impl: Impl = "auto",
+        nonlinearity: str = "tanh",
+        normalize_cell_state: bool = False,
+        bn_gain_init: float = 0.1,
+        max_steps: int = 100,
+        momentum: float = 0.1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.input_size = check_size(input_size, "input_size", owner)
+        self.hidden_size = check_size(hidden_size, "hidden_size", owner)
+        self.num_layers = check_size(num_layers, "num_layers", owner)
+        if (
+            isinstance(dropout, bool)
+            or not isinstance(dropout, int | float)
+            or not 0 <= dropout <= 1
+        ):
+            raise ValueError(f"{owner}: dropout must be a number in [0, 1], got {dropout!r}")
+        allowed = ("layer", "none", "batch") if self.mode == "LSTM" else ("layer", "none")
+        self.norm = check_norm(norm, owner, allowed)
+        if impl not in ("auto", "fused", "loop"):
+            raise ValueError(f"{owner}: impl must be 'auto', 'fused' or 'loop', got {impl!r}")
+        if impl == "fused" and self.norm == "batch":
+            raise ValueError(f"{owner}: norm='batch' has no fused path; use impl='auto' or 'loop'")
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(
+                f"{owner}: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}"
+            )
+        self.bias = bool(bias)
+        self.batch_first = bool(batch_first)
+        self.dropout = float(dropout)
+        self.bidirectional = bool(bidirectional)
+        self.gain_init = check_gain(gain_init, "gain_init", owner)
+        self.bn_gain_init = check_gain(bn_gain_init, "bn_gain_init", owner)
+        self.eps = check_gain(eps, "eps", owner)
+        if self.eps <= 0:
+            raise ValueError(f"{owner}: eps must be positive, got {eps!r}")
+        self.momentum = check_gain(momentum, "momentum", owner)
+        self.max_steps = check_size(max_steps, "max_steps", owner)
+        self.impl: Impl = impl
+        self.nonlinearity = nonlinearity
+        self.normalize_cell_state = bool(normalize_cell_state)
+        factory = {"device": device, "dtype": dtype}
+        hs, gh = hidden_size, self.gate_count * hidden_size
+        self._norm_params: list[tuple[str, float]] = []  # (name, init value)
+        for k in range(self.num_layers):
+            in_k = input_size if k == 0 else hs * self.num_directions
+            for sfx in self._suffixes(k):
+                self._param(f"weight_ih{sfx}", (gh, in_k), factory)
+                self._param(f"weight_hh{sfx}", (gh, hs), factory)
+                if self.bias:
+                    self._param(f"bias_ih{sfx}", (gh,), factory)
+                    self._param(f"bias_hh{sfx}", (gh,), factory)
+                self._make_norm_params(sfx, factory)
+        self.reset_parameters()
+
+    # -- parameters -------------------------------------------------------------------------
+
+    @property
+    def num_directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    def _suffixes(self, k: int) -> list[str]:
+        return [f"_l{k}"] + ([f"_l{k}_reverse"] if self.bidirectional else [])
+
+    def _param(self, name: str, shape: tuple[int, ...], factory: dict[str, Any]) -> None:
+        self.register_parameter(name, nn.Parameter(torch.empty(shape, **factory)))
+
+    def _norm_param(self, name: str, size: int, init: float, factory: dict[str, Any]) -> None:
+        self._param(name, (size,), factory)
+        self._norm_params.append((name, init))
+
+    def _make_norm_params(self, sfx: str, factory: dict[str, Any]) -> None:
+        hs, gh = self.hidden_size, self.gate_count * self.hidden_size
+        if self.norm == "layer":
+            pieces = [("", hs)] if self.mode == "RNN" else [("_ih", gh), ("_hh", gh)]
+            if self.mode == "LSTM":
+                pieces.append(("_c", hs))
+            for part, size in pieces:
+                self._norm_param(f"ln_weight{part}{sfx}", size, self.gain_init, factory)
+                if self.bias:
+                    self._norm_param(f"ln_bias{part}{sfx}", size, 0.0, factory)
+        elif self.norm == "batch":
+            for part, size in (("_ih", gh), ("_hh", gh), ("_c", hs)):
+                self._norm_param(f"bn_weight{part}{sfx}", size, self.bn_gain_init, factory)
+                self.register_buffer(
+                    f"bn_running_mean{part}{sfx}", torch.zeros(self.max_steps, size, **factory)
+                )
+                self.register_buffer(
+                    f"bn_running_var{part}{sfx}", torch.ones(self.max_steps, size, **factory)
+                )
+            if self.bias:
+                self._norm_param(f"bn_bias_c{sfx}", hs, 0.0, factory)
+
+    def reset_parameters(self) -> None:
+        """torch's ``uniform(±1/√H)`` for weights (and biases when ``norm="none"``, so the layer
+        starts as torch's would). With a normalization the biases start at 0 and the gains at
+        ``gain_init`` / ``bn_gain_init`` (Ba et al. Section 6; Cooijmans et al.)."""
+        bound = 1.0 / math.sqrt(self.hidden_size)
+        norm_names = dict(self._norm_params)
+        for name, p in self.named_parameters(recurse=False):
+            if name in norm_names:
+                nn.init.constant_(p, norm_names[name])
+            elif name.startswith("bias") and self.norm != "none":
+                nn.init.zeros_(p)
+            else:
+                nn.init.uniform_(p, -bound, bound)
+        for name, b in self.named_buffers(recurse=False):
+            if name.startswith("bn_running_mean"):
+                b.zero_()
+            elif name.startswith("bn_running_var"):
+                b.fill_(1.0)
+
+    def _get(self, name: str) -> Tensor | None:
+        return getattr(self, name, None)
+
+    def flatten_parameters(self) -> None:
+        """No-op, for code written against ``torch.nn.LSTM`` (weights are never flattened here)."""
+
+    @classmethod
+    def from_torch(cls, module: nn.RNNBase, **kwargs: Any) -> _LNRNNBase:
+        """Build this layer with ``module``'s configuration and copy its weights and biases.
+
+        ``kwargs`` go to the constructor (e.g. ``norm="layer"``, ``gain_init``); the normalization
+        parameters keep their initial values. Everything of ``module``'s state_dict must be used.
+        """
+        cfg: dict[str, Any] = {
+            "num_layers": module.num_layers, "bias": module.bias, "batch_first": module.batch_first,
+            "dropout": module.dropout, "bidirectional": module.bidirectional,
+        }  # fmt: skip
+        if cls.mode == "RNN":
+            cfg["nonlinearity"] = module.nonlinearity
+        if getattr(module, "proj_size", 0):
+            raise ValueError(f"{cls.__name__}.from_torch: proj_size > 0 is not supported")
+        p0 = module.weight_ih_l0
+        cfg.update(device=p0.device, dtype=p0.dtype)
+        cfg.update(kwargs)
+        new = cls(module.input_size, module.hidden_size, **cfg)
+        result = new.load_state_dict(module.state_dict(), strict=False)
+        if result.unexpected_keys:
+            raise ValueError(f"{cls.__name__}.from_torch: unexpected keys {result.unexpected_keys}")
+        return new
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def forward(self, input: Tensor | PackedSequence, hx: Any = None) -> tuple[Any, Any]:
+        owner = type(self).__name__
+        if isinstance(input, PackedSequence):
+            data, batch_sizes, sorted_idx, unsorted_idx = input
+            check_float_tensor(data, "PackedSequence.data")
+            if data.dim() != 2 or data.shape[1] != self.input_size:
+                raise ValueError(
+                    f"{owner}(input_size={self.input_size}) expects PackedSequence.data of shape "
+                    f"(total_steps, {self.input_size}), got {tuple(data.shape)}"
+                )
+            sizes = check_batch_sizes(batch_sizes, data.shape[0], owner)
+            n_batch = sizes[0]
+            check_permutation(sorted_idx, n_batch, "sorted_indices", owner)
+            check_permutation(unsorted_idx, n_batch, "unsorted_indices", owner)
+            batched, seq_len = True, len(sizes)
+        else:
+            x = check_float_tensor(input)
+            if x.dim() not in (2, 3) or x.shape[-1] != self.input_size:
+                layout = "(batch, seq, features)" if self.batch_first else "(seq, batch, features)"
+                raise ValueError(
+                    f"{owner}(input_size={self.input_size}) expects a 3-D batched input {layout} "
+                    f"or a 2-D unbatched input (seq, features), with features = "
+                    f"{self.input_size}; got shape {tuple(x.shape)}"
+                )
+            batched = x.dim() == 3
+            if not batched:
+                x = x.unsqueeze(1)
+            elif self.batch_first:
+                x = x.transpose(0, 1)
+            seq_len, n_batch = x.shape[0], x.shape[1]
+            if seq_len == 0 or n_batch == 0:
+                raise ValueError(f"{owner}: got an empty input of shape {tuple(input.shape)}")
+            data = x.reshape(seq_len * n_batch, self.input_size)
+            sizes = [n_batch] * seq_len
+            sorted_idx = unsorted_idx = None
+        check_params_match(data, self.weight_ih_l0, owner)
+        h0, c0 = self._initial_state(hx, data, n_batch, batched, sorted_idx)
+
+        layer_in = data
+        h_n: list[Tensor] = []
+        c_n: list[Tensor] = []
+        for k in range(self.num_layers):
+            outs = []
+            for d, sfx in enumerate(self._suffixes(k)):
+                j = k * self.num_directions + d
+                out, hk, ck = self._direction(
+                    layer_in, sizes, sfx, d == 1, h0[j], None if c0 is None else c0[j]
+                )
+                outs.append(out)
+                h_n.append(hk)
+                if ck is not None:
+                    c_n.append(ck)
+            layer_in = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            if self.dropout > 0 and self.training and k < self.num_layers - 1:
+                layer_in = F.dropout(layer_in, self.dropout, training=True)
+        hs_out = torch.stack(h_n)
+        cs_out = torch.stack(c_n) if c_n else None
+
+        if isinstance(input, PackedSequence):
+            output: Any = PackedSequence(layer_in, input.batch_sizes, sorted_idx, unsorted_idx)
+            if unsorted_idx is not None:
+                hs_out = hs_out.index_select(1, unsorted_idx)
+                cs_out = None if cs_out is None else cs_out.index_select(1, unsorted_idx)
+        else:
+            output = layer_in.view(seq_len, n_batch, -1)
+            if not batched:
+                output = output.squeeze(1)
+                hs_out = hs_out.squeeze(1)
+                cs_out = None if cs_out is None else cs_out.squeeze(1)
+            elif self.batch_first:
+                output = output.transpose(0, 1)
+        return output, (hs_out if cs_out is None else (hs_out, cs_out))
+
+    def _initial_state(
+        self, hx: Any, data: Tensor, n_batch: int, batched: bool, sorted_idx: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        owner = type(self).__name__
+        n_states = self.num_layers * self.num_directions
+        expected = (
+            (n_states, n_batch, self.hidden_size) if batched else (n_states, self.hidden_size)
+        )
+        is_lstm = self.mode == "LSTM"
+        if hx is None:
+            z = data.new_zeros(n_states, n_batch, self.hidden_size)
+            return z, (z if is_lstm else None)
+        if is_lstm:
+            if not isinstance(hx, tuple | list) or len(hx) != 2:
+                raise TypeError(f"{owner}: hx must be a tuple (h_0, c_0), got {type(hx).__name__}")
+            states = [check_state(t, f"hx[{i}]", expected, data, owner) for i, t in enumerate(hx)]
+        else:
+            if isinstance(hx, tuple | list):
+                raise TypeError(f"{owner}: hx must be a tensor h_0, got a {type(hx).__name__}")
+            states = [check_state(hx, "hx", expected, data, owner)]
+        if not batched:
+            states = [s.unsqueeze(1) for s in states]
+        if sorted_idx is not None:
+            # hx is in the caller's batch order; the packed data is sorted by length.
+            states = [s.index_select(1, sorted_idx) for s in states]
+        return states[0], (states[1] if is_lstm else None)
+
+    def _use_fused(self, data: Tensor) -> bool:
+        if self.impl == "loop" or self.norm == "batch":
+            return False
+        if torch.compiler.is_compiling():
+            return False  # the loop traces into plain ops; the fused node's Python loop would not
+        if self.impl == "fused":
+            return True
+        return data.dtype in _FUSED_DTYPES
+
+    def _direction(
+        self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Run one layer in one direction over packed rows ``data``: ``(out, h_n, c_n)``."""
+        if self._use_fused(data):
+            return self._fused(data, sizes, sfx, reverse, h0, c0)
+        return self._loop(data, sizes, sfx, reverse, h0, c0)
+
+    # -- fused path --------------------------------------------------------------------------
+
+    def _fused(
+        self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        g = self._get
+        hs = self.hidden_size
+        sched = _fused.make_schedule(sizes, reverse)
+        w_ih, w_hh, b_ih, b_hh = (
+            g(f"weight_ih{sfx}"),
+            g(f"weight_hh{sfx}"),
+            g(f"bias_ih{sfx}"),
+            g(f"bias_hh{sfx}"),
+        )
+        ln = self.norm == "layer"
+        xp = F.linear(data, w_ih)  # all time steps in one GEMM
+        if self.mode == "LSTM":
+            bsum = None if b_ih is None else b_ih + b_hh
+            if ln:
+                b2 = g(f"ln_bias_ih{sfx}")
+                gx = layer_norm(
+                    xp, 4 * hs, g(f"ln_weight_ih{sfx}"), None if b2 is None else b2 + bsum
+                )
+            else:
+                gx = xp if bsum is None else xp + bsum
+            out, h_n, c_n = _fused.LSTMSequence.apply(
+                gx, h0, c0, w_hh, g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"),
+                g(f"ln_weight_c{sfx}"), g(f"ln_bias_c{sfx}"), sched, self.eps, ln,
+                self.normalize_cell_state and ln,
+            )  # fmt: skip
+            return out, h_n, c_n
+        if self.mode == "GRU":
+            if ln:
+                gx = _steps.make_grouped_ln(
+                    g(f"ln_weight_ih{sfx}"), g(f"ln_bias_ih{sfx}"), self.eps, hs
+                )(xp)
+            else:
+                gx = xp
+            if b_ih is not None:
+                gx = gx + b_ih + torch.cat((b_hh[: 2 * hs], b_hh.new_zeros(hs)))
+            w1, b1 = g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}")
+            out, h_n = _fused.GRUSequence.apply(
+                gx, h0, w_hh,
+                None if w1 is None else w1[: 2 * hs], None if b1 is None else b1[: 2 * hs],
+                None if w1 is None else w1[2 * hs :], None if b1 is None else b1[2 * hs :],
+                None if b_hh is None else b_hh[2 * hs :], sched, self.eps, ln,
+            )  # fmt: skip
+            return out, h_n, None
+        bsum = None if b_ih is None else b_ih + b_hh
+        if ln:
+            b = g(f"ln_bias{sfx}")
+            b = b if bsum is None else b + bsum
+            w = g(f"ln_weight{sfx}")
+        else:
+            xp = xp if bsum is None else xp + bsum
+            w = b = None
+        out, h_n = _fused.RNNSequence.apply(
+            xp, h0, w_hh, w, b, sched, self.eps, ln, self.nonlinearity == "relu"
+        )
+        return out, h_n, None
+
+    # -- reference loop ----------------------------------------------------------------------
+
+    def _step_norms(self, sfx: str, t: int) -> tuple[Any, ...]:
+        """The normalization callables of time step ``t`` (``None`` = identity)."""
+        g, eps, hs = self._get, self.eps, self.hidden_size
+        if self.norm == "none":
+            return (None, None, None)
+        if self.norm == "batch":
+
+            def bn(part: str, with_bias: bool) -> _steps.Norm:
+                return make_step_bn(
+                    g(f"bn_running_mean{part}{sfx}"), g(f"bn_running_var{part}{sfx}"),  # type: ignore[arg-type]
+                    g(f"bn_weight{part}{sfx}"), g(f"bn_bias_c{sfx}") if with_bias else None,  # type: ignore[arg-type]
+                    t, self.training, self.momentum, eps,
+                )  # fmt: skip
+
+            return (bn("_ih", False), bn("_hh", False), bn("_c", True))
+        if self.mode == "RNN":
+            return (_steps.make_ln(g(f"ln_weight{sfx}"), g(f"ln_bias{sfx}"), eps), None, None)
+        if self.mode == "GRU":
+            return (
+                _steps.make_grouped_ln(g(f"ln_weight_ih{sfx}"), g(f"ln_bias_ih{sfx}"), eps, hs),
+                _steps.make_grouped_ln(g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"), eps, hs),
+                None,
+            )
+        return tuple(
+            _steps.make_ln(g(f"ln_weight{part}{sfx}"), g(f"ln_bias{part}{sfx}"), eps)
+            for part in ("_ih", "_hh", "_c")
+        )
+
+    def _loop(
+        self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        g = self._get
+        w_ih, w_hh, b_ih, b_hh = (
+            g(f"weight_ih{sfx}"),
+            g(f"weight_hh{sfx}"),
+            g(f"bias_ih{sfx}"),
+            g(f"bias_hh{sfx}"),
+        )
+        h, c = h0, c0
+        outs: list[Tensor] = [data] * len(sizes)
+        carry_norm = self.normalize_cell_state and self.norm == "layer"
+        for t, off, bs in _fused.make_schedule(sizes, reverse):
+            x_t = data[off : off + bs]
+            n_ih, n_hh, n_c = self._step_norms(sfx, t)
+            if self.mode == "LSTM":
+                assert c is not None
+                h_t, c_t = _steps.lstm_step(
+                    x_t, h[:bs], c[:bs], w_ih, w_hh, b_ih, b_hh, n_ih, n_hh, n_c, carry_norm
+                )
+                c = c_t if bs == c.shape[0] else torch.cat((c_t, c[bs:]))
+            elif self.mode == "GRU":
+                h_t = _steps.gru_step(x_t, h[:bs], w_ih, w_hh, b_ih, b_hh, n_ih, n_hh)
+            else:
+                h_t = _steps.rnn_step(x_t, h[:bs], w_ih, w_hh, b_ih, b_hh, n_ih, self.nonlinearity)
+            # rows past bs belong to sequences that ended (or, in reverse, have not begun)
+            h = h_t if bs == h.shape[0] else torch.cat((h_t, h[bs:]))
+            outs[t] = h_t
+        return torch.cat(outs), h, c
+
+    def extra_repr(self) -> str:
+        s = f"{self.input_size}, {self.hidden_size}"
+        if self.num_layers != 1:
+            s += f", num_layers={self.num_layers}"
+        if not self.bias:
+            s += ", bias=False"
+        if self.batch_first:
+            s += ", batch_first=True"
+        if self.dropout:
+            s += f", dropout={self.dropout}"
+        if self.bidirectional:
+            s += ", bidirectional=True"
+        s += f", norm={self.norm!r}"
+        if self.norm == "layer" and self.gain_init != 1.0:
+            s += f", gain_init={self.gain_init}"
+        if self.norm == "batch":
+            s += f", bn_gain_init={self.bn_gain_init}, max_steps={self.max_steps}"
+        return s
+
+
+_SHAPES_DOC = """
+    Args:
+        input_size: features of ``x_t``.
+        hidden_size: units ``H``.
+        num_layers: stacked layers (each takes the previous one's output).
+        bias: ``False`` drops every additive bias (torch's and the normalizations').
+        batch_first: inputs and outputs are ``(B, T, ·)`` (the states stay ``(L·D, B, H)``).
+        dropout: dropout on each layer's output except the last, in training.
+        bidirectional: a second direction per layer, outputs concatenated.
+        norm: ``"layer"`` (Ba et al.), ``"none"`` (torch's plain recurrence){batch}.
+        gain_init: initial LN gain (1.0 in the paper; 0.1 for the comparison with recurrent BN).
+        eps: added to the variance.
+        impl: ``"auto"`` (fused path when it applies), ``"fused"`` or ``"loop"`` (reference).
+
+    Shape:
+        input: ``(T, B, input_size)``, ``(B, T, input_size)`` with ``batch_first``, unbatched
+        ``(T, input_size)``, or a ``PackedSequence``. Output: ``(T, B, D·H)`` likewise (a
+        ``PackedSequence`` for a packed input); states ``(num_layers·D, B, H)`` (``(L·D, H)``
+        unbatched), D = 2 if bidirectional else 1.
+"""
+
+
+class LayerNormRNN(_LNRNNBase):
+    __doc__ = r"""Multi-layer Elman RNN with layer normalization, Eq. 4 of Ba et al. (2016).
+
+    .. math::
+        a_t = W_{hh} h_{t-1} + W_{ih} x_t,\qquad
+        h_t = f\Big(\frac{g}{\sigma_t} \odot (a_t - \mu_t) + b\Big)
+
+    ``g`` = ``ln_weight_l{k}``, ``b`` = ``ln_bias_l{k} + bias_ih_l{k} + bias_hh_l{k}``;
+    ``f`` = ``nonlinearity``. Call: ``output, h_n = rnn(input, h_0=None)``.
+""" + _SHAPES_DOC.replace("{batch}", "")
+
+    mode = "RNN"
+    gate_count = 1
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        nonlinearity: str = "tanh",
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        *,
+        norm: str = "layer",
+        gain_init: float = 1.0,
+        eps: float = 1e-5,
+        impl: Impl = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+            norm=norm, gain_init=gain_init, eps=eps, impl=impl, nonlinearity=nonlinearity,
+            device=device, dtype=dtype,
+        )  # fmt: skip
+
+
+class LayerNormLSTM(_LNRNNBase):
+    __doc__ = r"""Multi-layer LSTM with layer normalization (Ba et al. 2016, supplementary).
+
+    .. math::
+        (i, f, g, o) = LN(W_{hh} h_{t-1}; α_1, β_1) + LN(W_{ih} x_t; α_2, β_2) + b \\
+        c_t = σ(f) ⊙ c_{t-1} + σ(i) ⊙ \tanh(g),\qquad h_t = σ(o) ⊙ \tanh(LN(c_t; α_3, β_3))
+
+    (α_1, β_1) = ``ln_weight_hh_l{k}, ln_bias_hh_l{k}``, (α_2, β_2) = ``ln_*_ih_l{k}``,
+    (α_3, β_3) = ``ln_*_c_l{k}``, ``b = bias_ih + bias_hh``; the carried state is the
+    un-normalized ``c_t`` (``normalize_cell_state=True`` carries ``LN(c_t)``). With
+    ``norm="batch"`` the recurrent batch norm of Cooijmans et al. (2016) replaces the LNs
+    (statistics per time step up to ``max_steps``, gains init ``bn_gain_init`` = 0.1, see
+    :mod:`layernorm.recurrent._batchnorm`). Call: ``output, (h_n, c_n) = lstm(input, (h_0, c_0))``.
+
+    Example::
+
+        >>> ref = torch.nn.LSTM(8, 16, num_layers=2)
+        >>> plain = LayerNormLSTM(8, 16, num_layers=2, norm="none")
+        >>> plain.load_state_dict(ref.state_dict())            # strict: identical outputs
+        <All keys matched successfully>
+        >>> lnlstm = LayerNormLSTM.from_torch(ref)              # LN gains 1, LN biases 0
+        >>> out, (h, c) = lnlstm(torch.randn(5, 3, 8))
+""" + _SHAPES_DOC.replace("{batch}", ' or ``"batch"`` (recurrent batch norm)')
+
+    mode = "LSTM"
+    gate_count = 4
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        *,
+        norm: str = "layer",
+        gain_init: float = 1.0,
+        normalize_cell_state: bool = False,
+        bn_gain_init: float = 0.1,
+        max_steps: int = 100,
+        momentum: float = 0.1,
+        eps: float = 1e-5,
+        impl: Impl = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+            norm=norm, gain_init=gain_init, eps=eps, impl=impl,
+            normalize_cell_state=normalize_cell_state, bn_gain_init=bn_gain_init,
+            max_steps=max_steps, momentum=momentum, device=device, dtype=dtype,
+        )  # fmt: skip
+
+
+class LayerNormGRU(_LNRNNBase):
+    __doc__ = r"""Multi-layer GRU with layer normalization (Ba et al. 2016, supplementary).
+
+    .. math::
+        (r, z) = σ(LN(W_{h} h_{t-1}) + LN(W_{x} x_t) + b_{rz}) \\
+        n_t = \tanh(LN(W_{in} x_t) + b_{in} + r ⊙ (LN(W_{hn} h_{t-1}) + b_{hn})) \\
+        h_t = (1 - z) ⊙ n_t + z ⊙ h_{t-1}
+
+    The ``(r, z)`` rows (2H units) and the candidate rows (H units) of each projection get separate
+    LNs, as the paper's ``(z, r) = LN(W_h h) + LN(W_x x)`` and ``tanh(LN(W x) + σ(r) ⊙ LN(U h))``;
+    ``ln_weight_ih_l{k}`` / ``ln_weight_hh_l{k}`` (3H each) hold both LNs' gains in torch's row
+    order.
+    torch's ``b_hn`` stays inside the reset product, and torch's ``z`` is the paper's ``1 − z``.
+    Call: ``output, h_n = gru(input, h_0=None)``.
+""" + _SHAPES_DOC.replace("{batch}", "")
+
+    mode = "GRU"
+    gate_count = 3
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        *,
+        norm: str = "layer",
+        gain_init: float = 1.0,
+        eps: float = 1e-5,
+        impl: Impl = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+            norm=norm, gain_init=gain_init, eps=eps, impl=impl, device=device, dtype=dtype,
+        )  # fmt: skip

@@ -22,7 +22,10 @@ def _build(src: nn.Module, kind: str) -> nn.Module:
     weight: torch.Tensor | None = getattr(src, "weight", None)
     bias: torch.Tensor | None = getattr(src, "bias", None)
     ref = weight if weight is not None else next(iter(src.buffers()), None)
-    factory = {"device": None if ref is None else ref.device, "dtype": None if ref is None else ref.dtype}
+    factory = {
+        "device": None if ref is None else ref.device,
+        "dtype": None if ref is None else ref.dtype,
+    }
 
     new: nn.Module
     if kind == "layer":
@@ -36,7 +39,9 @@ def _build(src: nn.Module, kind: str) -> nn.Module:
             shape, eps_ln, elementwise_affine=False, detach_mean=True, detach_std=True, **factory
         )
     elif kind == "ada":
-        new = AdaNorm(shape, eps=eps_ln, **factory)
+        # an AdaNorm keeps its own k and C; anything else gets the paper's defaults
+        k, scale = (src.k, src.scale) if isinstance(src, AdaNorm) else (0.1, 1.0)
+        new = AdaNorm(shape, k=k, scale=scale, eps=eps_ln, **factory)
     else:  # "rms"
         new = RMSNorm(shape, eps=eps, elementwise_affine=True, **factory)
 
@@ -60,7 +65,9 @@ def replace_norms(module: nn.Module, kind: NormKind) -> nn.Module:
     replacement is returned (the caller must keep it).
 
     ``torch.nn.TransformerEncoderLayer`` has an inference fast path that hard-codes layer norm;
-    it is switched off for layers whose norms were replaced, so the new norm is what runs.
+    it is switched off for layers whose norms were replaced (and ``TransformerEncoder``'s
+    nested-tensor packing with it), so the new norm is what runs. A norm module used in several
+    places is replaced by one shared module.
 
     Example::
 
@@ -70,17 +77,29 @@ def replace_norms(module: nn.Module, kind: NormKind) -> nn.Module:
     if kind not in _KINDS:
         raise ValueError(f"replace_norms: kind must be one of {_KINDS}, got {kind!r}")
     if not isinstance(module, nn.Module):
-        raise TypeError(f"replace_norms: module must be a torch.nn.Module, got {type(module).__name__}")
+        raise TypeError(
+            f"replace_norms: module must be a torch.nn.Module, got {type(module).__name__}"
+        )
     if isinstance(module, _SOURCES):
         return _build(module, kind)
+    # A norm shared by several parents (tied weights) gets one shared replacement.
+    built: dict[int, nn.Module] = {}
+    touched: set[int] = set()
     for parent in list(module.modules()):
-        replaced = False
-        for name, child in list(parent.named_children()):
+        # _modules, not named_children(): the latter yields a module used twice only once
+        for name, child in list(parent._modules.items()):
             if isinstance(child, _SOURCES):
-                setattr(parent, name, _build(child, kind))
-                replaced = True
-        if replaced and isinstance(parent, nn.TransformerEncoderLayer):
+                if id(child) not in built:
+                    built[id(child)] = _build(child, kind)
+                setattr(parent, name, built[id(child)])
+                touched.add(id(parent))
+        if id(parent) in touched and isinstance(parent, nn.TransformerEncoderLayer):
             # The fused inference kernel (torch._transformer_encoder_layer_fwd) would silently
             # run a plain LayerNorm with our parameters; this flag is one of its preconditions.
             parent.activation_relu_or_gelu = 0
+    for enc in module.modules():
+        if isinstance(enc, nn.TransformerEncoder) and any(id(m) in touched for m in enc.layers):
+            # In eval with a padding mask the encoder packs the batch into a nested tensor for
+            # that kernel; our norms take dense tensors, so keep the batch padded.
+            enc.use_nested_tensor = False
     return module

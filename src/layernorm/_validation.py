@@ -20,8 +20,12 @@ ShapeLike = int | Sequence[int] | torch.Size
 
 def as_shape(normalized_shape: ShapeLike, name: str = "normalized_shape") -> tuple[int, ...]:
     """Turn an int or a sequence of ints into a tuple, rejecting anything else."""
-    if isinstance(normalized_shape, bool):
-        raise TypeError(f"{name} must be an int or a sequence of ints, got bool {normalized_shape}")
+    if isinstance(normalized_shape, bool | str | bytes):
+        # a str is a Sequence too: reject it here rather than complain about its characters
+        raise TypeError(
+            f"{name} must be an int or a sequence of ints, "
+            f"got {type(normalized_shape).__name__} {normalized_shape!r}"
+        )
     if isinstance(normalized_shape, int):
         shape: tuple[int, ...] = (normalized_shape,)
     elif isinstance(normalized_shape, Sequence | torch.Size):
@@ -54,7 +58,7 @@ def check_float_tensor(x: object, name: str = "input") -> Tensor:
 def check_input(x: object, normalized_shape: ShapeLike, op: str) -> tuple[Tensor, tuple[int, ...]]:
     """Check ``x`` ends with ``normalized_shape``; return both in canonical form."""
     shape = as_shape(normalized_shape)
-    x = check_float_tensor(x)
+    x = check_float_tensor(x, f"{op}: input")
     k = len(shape)
     if x.dim() < k or tuple(x.shape[x.dim() - k :]) != shape:
         raise ValueError(
@@ -70,7 +74,7 @@ def check_param(
     """Check an elementwise weight or bias: shape ``normalized_shape``, float, on ``x``'s device."""
     if p is None:
         return None
-    check_float_tensor(p, name)
+    check_float_tensor(p, f"{op}: {name}")
     if tuple(p.shape) != shape:
         raise ValueError(
             f"{op}: {name} must have shape normalized_shape={shape}, got {tuple(p.shape)}"

@@ -70,7 +70,7 @@ class BatchNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        check_float_tensor(x)
+        check_float_tensor(x, "BatchNorm: input")
         if x.dim() < 2 or x.shape[1] != self.num_features:
             raise ValueError(
                 f"BatchNorm(num_features={self.num_features}) expects input of shape (N, "

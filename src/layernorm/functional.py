@@ -21,9 +21,9 @@ from ._validation import (
     check_param,
     stats_dtype,
 )
-from .ops.ada_norm import ada_norm_fwd
-from .ops.layer_norm import layer_norm_fwd
-from .ops.rms_norm import rms_norm_fwd
+from .ops.ada_norm import ada_norm_rows
+from .ops.layer_norm import layer_norm_rows
+from .ops.rms_norm import rms_norm_rows
 
 __all__ = ["ada_norm", "layer_norm", "rms_norm"]
 
@@ -75,7 +75,7 @@ def layer_norm(
     bias = check_param(bias, "bias", shape, x, "layer_norm")
     eps_ = check_eps(eps, "layer_norm")
     assert eps_ is not None
-    y, _, _ = layer_norm_fwd(
+    y = layer_norm_rows(
         _rows(x, shape), _flat(weight), _flat(bias), eps_, bool(detach_mean), bool(detach_std)
     )
     return y.view(x.shape)
@@ -104,7 +104,7 @@ def rms_norm(
         # torch takes the epsilon of its accumulation type, not of a half input (9.8e-4 for float16
         # would dwarf mean(x²) of small activations).
         eps_ = float(torch.finfo(stats_dtype(x.dtype)).eps)
-    y, _ = rms_norm_fwd(_rows(x, shape), _flat(weight), eps_)
+    y = rms_norm_rows(_rows(x, shape), _flat(weight), eps_)
     return y.view(x.shape)
 
 
@@ -135,5 +135,5 @@ def ada_norm(
     scale_ = check_finite_scalar(scale, "scale", "ada_norm")
     eps_ = check_eps(eps, "ada_norm")
     assert eps_ is not None
-    z, _, _ = ada_norm_fwd(_rows(x, shape), k_, scale_, eps_)
+    z = ada_norm_rows(_rows(x, shape), k_, scale_, eps_)
     return z.view(x.shape)

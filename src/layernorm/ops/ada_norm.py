@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .._validation import stats_dtype
 from ..reference import ada_norm_reference
-from ._dispatch import backend_module
+from ._dispatch import backend_module, plain_eager
 
 
 @torch.library.custom_op("layernorm::ada_norm_fwd", mutates_args=())
@@ -60,3 +60,32 @@ def _backward(ctx: Any, dz: Tensor, _dmean: Tensor, _drstd: Tensor):
 
 
 torch.library.register_autograd("layernorm::ada_norm_fwd", _backward, setup_context=_setup_context)
+
+
+class _AdaNormEager(torch.autograd.Function):
+    """The same backend kernels and backward as the custom op, minus its dispatch cost (eager)."""
+
+    @staticmethod
+    def forward(ctx: Any, x, k, scale, eps):  # type: ignore[override]
+        z, mean, rstd = backend_module(x, "ada_norm").ada_norm_fwd(x, k, scale, eps)
+        ctx.save_for_backward(x, mean, rstd)
+        ctx.k, ctx.scale, ctx.eps = k, scale, eps
+        return z
+
+    @staticmethod
+    def backward(ctx: Any, dz: Tensor):  # type: ignore[override]
+        x, mean, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _backward(ctx, dz, None, None)  # type: ignore[arg-type]
+        dx = backend_module(x, "ada_norm").ada_norm_bwd(
+            dz.contiguous(), x, mean, rstd, ctx.k, ctx.scale
+        )
+        return dx, None, None, None
+
+
+def ada_norm_rows(x: Tensor, k: float, scale: float, eps: float) -> Tensor:
+    """AdaNorm of the rows of contiguous 2-D ``x``: the custom op when a tracer is active, the
+    identical kernels behind a plain autograd.Function otherwise (see ``layer_norm_rows``)."""
+    if plain_eager():
+        return _AdaNormEager.apply(x, k, scale, eps)
+    return ada_norm_fwd(x, k, scale, eps)[0]

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .._validation import stats_dtype
 from ..reference import layer_norm_reference
-from ._dispatch import backend_module, empty_like_none, none_if_empty
+from ._dispatch import backend_module, empty_like_none, none_if_empty, plain_eager
 
 
 @torch.library.custom_op("layernorm::layer_norm_fwd", mutates_args=())
@@ -108,3 +108,44 @@ def _reference_backward(ctx: Any, dy: Tensor, x: Tensor, weight, bias) -> tuple:
 torch.library.register_autograd(
     "layernorm::layer_norm_fwd", _backward, setup_context=_setup_context
 )
+
+
+class _LayerNormEager(torch.autograd.Function):
+    """The same backend kernels and backward as the custom op, minus its dispatch cost (eager)."""
+
+    @staticmethod
+    def forward(ctx: Any, x, weight, bias, eps, detach_mean, detach_std):  # type: ignore[override]
+        y, mean, rstd = backend_module(x, "layer_norm").layer_norm_fwd(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.eps, ctx.detach_mean, ctx.detach_std = eps, detach_mean, detach_std
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor):  # type: ignore[override]
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return (*_reference_backward(ctx, dy, x, weight, bias), None, None, None)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx, dw, db = backend_module(x, "layer_norm").layer_norm_bwd(
+            dy.contiguous(), x, mean, rstd, weight, ctx.detach_mean, ctx.detach_std,
+            need_dx, need_dw and weight is not None, need_db and bias is not None,
+        )  # fmt: skip
+        if db is not None and bias is not None:
+            db = db.to(bias.dtype)
+        return dx, dw, db, None, None, None
+
+
+def layer_norm_rows(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    detach_mean: bool = False,
+    detach_std: bool = False,
+) -> Tensor:
+    """Layer norm of the rows of contiguous 2-D ``x``: the custom op when a tracer (compile, export,
+    vmap, fake tensors) is active, the identical kernels behind a plain autograd.Function otherwise.
+    """
+    if plain_eager():
+        return _LayerNormEager.apply(x, weight, bias, eps, detach_mean, detach_std)
+    return layer_norm_fwd(x, weight, bias, eps, detach_mean, detach_std)[0]

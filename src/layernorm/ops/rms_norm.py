@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .._validation import stats_dtype
 from ..reference import rms_norm_reference
-from ._dispatch import backend_module, empty_like_none, none_if_empty
+from ._dispatch import backend_module, empty_like_none, none_if_empty, plain_eager
 
 
 @torch.library.custom_op("layernorm::rms_norm_fwd", mutates_args=())
@@ -67,3 +67,33 @@ def _backward(ctx: Any, dy: Tensor, _drstd: Tensor):
 
 
 torch.library.register_autograd("layernorm::rms_norm_fwd", _backward, setup_context=_setup_context)
+
+
+class _RMSNormEager(torch.autograd.Function):
+    """The same backend kernels and backward as the custom op, minus its dispatch cost (eager)."""
+
+    @staticmethod
+    def forward(ctx: Any, x, weight, eps):  # type: ignore[override]
+        y, rstd = backend_module(x, "rms_norm").rms_norm_fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            return _backward(ctx, dy, None)  # type: ignore[arg-type]
+        x, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        dx, dw = backend_module(x, "rms_norm").rms_norm_bwd(
+            dy.contiguous(), x, rstd, weight, need_dx, need_dw and weight is not None
+        )
+        return dx, dw, None
+
+
+def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm of the rows of contiguous 2-D ``x``: the custom op when a tracer is active, the
+    identical kernels behind a plain autograd.Function otherwise (see ``layer_norm_rows``)."""
+    if plain_eager():
+        return _RMSNormEager.apply(x, weight, eps)
+    return rms_norm_fwd(x, weight, eps)[0]

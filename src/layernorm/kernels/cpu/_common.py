@@ -9,7 +9,7 @@ from ..._validation import stats_dtype
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
-    """Half types are computed in float32 on this backend; float32/float64 in their own precision."""
+    """Half types are computed in float32 here; float32/float64 in their own precision."""
     return stats_dtype(x.dtype)
 
 

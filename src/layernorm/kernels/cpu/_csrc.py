@@ -26,6 +26,7 @@ _PRELUDE = r"""
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef int64_t i64;
 typedef double acc_t;
@@ -35,6 +36,22 @@ static void row_block(i64 M, int nt, int tid, i64* lo, i64* hi) {
     i64 base = M / nt, rem = M % nt;
     *lo = tid * base + (tid < rem ? tid : rem);
     *hi = *lo + base + (tid < rem ? 1 : 0);
+}
+
+/* A zeroed float64 scratch buffer of n elements, kept per calling thread and grown on demand:
+   a fresh calloc of a few hundred KiB per backward is an mmap plus page faults every call. */
+static __thread acc_t* scratch_buf = NULL;
+static __thread i64 scratch_cap = 0;
+
+static acc_t* zeroed_scratch(i64 n) {
+    if (n > scratch_cap) {
+        free(scratch_buf);
+        scratch_buf = (acc_t*)malloc((size_t)n * sizeof(acc_t));
+        scratch_cap = scratch_buf ? n : 0;
+        if (!scratch_buf) return NULL;
+    }
+    memset(scratch_buf, 0, (size_t)n * sizeof(acc_t));
+    return scratch_buf;
 }
 
 /* Sum per-thread float64 buffers (nt blocks of N) into the first one. */
@@ -107,41 +124,31 @@ void ln_fwd_SUF(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_
 }
 
 /* Layer-norm backward over rows [lo, hi). keep_mu / keep_sigma select the DetachNorm variant;
-   w may be NULL (gain 1); dx may be NULL; dwa/dba (float64 accumulators) may be NULL. */
+   w may be NULL (gain 1); dx may be NULL; dwa/dba (float64 accumulators) may be NULL. The first
+   sweep reads dy and x from memory for the row sums and the dw/db terms; the second, which writes
+   dx, finds them in cache. */
 static void ln_bwd_rows_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* mean,
                             const scalar_t* rstd, const scalar_t* w, scalar_t* dx, acc_t* dwa,
                             acc_t* dba, i64 lo, i64 hi, i64 N, int keep_mu, int keep_sigma) {
+    const int need_sums = dx && (keep_mu || keep_sigma);
     for (i64 i = lo; i < hi; ++i) {
         const scalar_t* dyr = dy + i * N;
         const scalar_t* xr = x + i * N;
         const acc_t m = mean[i], r = rstd[i];
         acc_t sg = 0, sgx = 0;
-        if (dwa || dba) {
-            #pragma omp simd
+        if (need_sums || dwa || dba) {
+            /* Loop-invariant branches: the compiler emits one vector loop per combination. */
+            #pragma omp simd reduction(+ : sg, sgx)
             for (i64 j = 0; j < N; ++j) {
-                const acc_t xh = (xr[j] - m) * r;
-                if (dwa) dwa[j] += dyr[j] * xh;
-                if (dba) dba[j] += dyr[j];
+                const acc_t d = dyr[j], xh = (xr[j] - m) * r;
+                const acc_t g = w ? d * w[j] : d;
+                sg += g;
+                sgx += g * xh;
+                if (dwa) dwa[j] += d * xh;
+                if (dba) dba[j] += d;
             }
         }
         if (!dx) continue;
-        if (keep_mu || keep_sigma) {
-            if (w) {
-                #pragma omp simd reduction(+ : sg, sgx)
-                for (i64 j = 0; j < N; ++j) {
-                    const acc_t g = (acc_t)dyr[j] * w[j];
-                    sg += g;
-                    sgx += g * ((xr[j] - m) * r);
-                }
-            } else {
-                #pragma omp simd reduction(+ : sg, sgx)
-                for (i64 j = 0; j < N; ++j) {
-                    const acc_t g = dyr[j];
-                    sg += g;
-                    sgx += g * ((xr[j] - m) * r);
-                }
-            }
-        }
         const acc_t c1 = keep_mu ? sg / N : 0.0, c2 = keep_sigma ? sgx / N : 0.0;
         scalar_t* dxr = dx + i * N;
         if (w) {
@@ -162,9 +169,8 @@ int ln_bwd_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* mean, cons
     if (nt < 1) nt = 1;
     acc_t *dwa = NULL, *dba = NULL;
     const i64 blocks = (dw ? 1 : 0) + (db ? 1 : 0);
-    acc_t* buf = NULL;
     if (blocks) {
-        buf = (acc_t*)calloc((size_t)(blocks * nt * N), sizeof(acc_t));
+        acc_t* buf = zeroed_scratch(blocks * nt * N);
         if (!buf) return 1;
         dwa = dw ? buf : NULL;
         dba = db ? buf + (dw ? (i64)nt * N : 0) : NULL;
@@ -189,7 +195,6 @@ int ln_bwd_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* mean, cons
         reduce_buffers(dba, nt, N);
         for (i64 j = 0; j < N; ++j) db[j] = (scalar_t)dba[j];
     }
-    free(buf);
     return 0;
 }
 
@@ -253,7 +258,8 @@ static void rms_bwd_rows_SUF(const scalar_t* dy, const scalar_t* x, const scalar
         scalar_t* dxr = dx + i * N;
         if (w) {
             #pragma omp simd
-            for (i64 j = 0; j < N; ++j) dxr[j] = (scalar_t)(r * ((acc_t)dyr[j] * w[j] - xr[j] * c2));
+            for (i64 j = 0; j < N; ++j)
+                dxr[j] = (scalar_t)(r * ((acc_t)dyr[j] * w[j] - xr[j] * c2));
         } else {
             #pragma omp simd
             for (i64 j = 0; j < N; ++j) dxr[j] = (scalar_t)(r * (dyr[j] - xr[j] * c2));
@@ -266,7 +272,7 @@ int rms_bwd_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* rstd, con
     if (nt < 1) nt = 1;
     acc_t* dwa = NULL;
     if (dw) {
-        dwa = (acc_t*)calloc((size_t)(nt * N), sizeof(acc_t));
+        dwa = zeroed_scratch(nt * N);
         if (!dwa) return 1;
     }
     if (nt == 1) {
@@ -283,7 +289,6 @@ int rms_bwd_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* rstd, con
     if (dwa) {
         reduce_buffers(dwa, nt, N);
         for (i64 j = 0; j < N; ++j) dw[j] = (scalar_t)dwa[j];
-        free(dwa);
     }
     return 0;
 }

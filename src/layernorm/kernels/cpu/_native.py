@@ -32,7 +32,7 @@ from . import _csrc
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
 ENV_CACHE = "LAYERNORM_CACHE_DIR"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 # Below this many elements one thread does the whole op: waking the pool costs more than it saves
 # (the same grain PyTorch uses for its own parallel loops).
 _GRAIN = 32768
@@ -134,10 +134,11 @@ def _library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_build()))
         for base, (restype, argtypes) in _SIGNATURES.items():
-            for suffix in _SUFFIX.values():
+            for dtype, suffix in _SUFFIX.items():
                 fn = getattr(lib, f"{base}_{suffix}")
                 fn.restype = restype
                 fn.argtypes = argtypes
+                _FNS[base, dtype] = fn
         return lib
     except Exception as err:  # any failure falls back to the always-correct eager path
         warnings.warn(
@@ -148,17 +149,23 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
+_FNS: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+
+
 def enabled() -> bool:
     """True when the fused kernels are switched on (``LAYERNORM_CPU_COMPILE`` != 0) and built."""
     return os.environ.get(ENV_SWITCH, "1") != "0" and _library() is not None
 
 
 def supports(x: Tensor, *params: Tensor | None) -> bool:
-    """The fused kernels take contiguous float32/float64 CPU tensors whose params share x's dtype."""
-    if x.dtype not in _SUFFIX or x.device.type != "cpu" or not x.is_contiguous():
+    """Whether the fused kernels take these tensors: contiguous float32/float64 on the CPU, the
+    params (``None`` allowed) in x's dtype. Called on every op, so only cheap attribute checks.
+    """
+    dt = x.dtype
+    if dt not in _SUFFIX or not x.is_cpu or not x.is_contiguous():
         return False
     for p in params:
-        if p is not None and (p.dtype != x.dtype or p.device.type != "cpu" or not p.is_contiguous()):
+        if p is not None and (p.dtype is not dt or not p.is_cpu or not p.is_contiguous()):
             return False
     return enabled()
 
@@ -169,12 +176,6 @@ def _threads(m: int, n: int) -> int:
 
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def _fn(name: str, x: Tensor):
-    lib = _library()
-    assert lib is not None
-    return getattr(lib, f"{name}_{_SUFFIX[x.dtype]}")
 
 
 def _check(status: int) -> None:
@@ -188,10 +189,9 @@ def ln_fwd(
     m, n = x.shape
     y = torch.empty_like(x)
     mean, rstd = x.new_empty(m), x.new_empty(m)
-    _fn("ln_fwd", x)(
-        x.data_ptr(), _ptr(weight), _ptr(bias), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
-        m, n, eps, _threads(m, n),
-    )  # fmt: skip
+    fn = _FNS["ln_fwd", x.dtype]
+    yp, mp, rp = y.data_ptr(), mean.data_ptr(), rstd.data_ptr()
+    fn(x.data_ptr(), _ptr(weight), _ptr(bias), yp, mp, rp, m, n, eps, _threads(m, n))
     return y, mean, rstd
 
 
@@ -211,21 +211,18 @@ def ln_bwd(
     dx = torch.empty_like(x) if need_dx else None
     dw = x.new_empty(n) if need_dw else None
     db = x.new_empty(n) if need_db else None
-    _check(
-        _fn("ln_bwd", x)(
-            dy.data_ptr(), x.data_ptr(), mean.data_ptr(), rstd.data_ptr(), _ptr(weight),
-            _ptr(dx), _ptr(dw), _ptr(db), m, n, int(keep_mean), int(keep_std), _threads(m, n),
-        )  # fmt: skip
-    )
+    fn = _FNS["ln_bwd", x.dtype]
+    inputs = (dy.data_ptr(), x.data_ptr(), mean.data_ptr(), rstd.data_ptr(), _ptr(weight))
+    outputs = (_ptr(dx), _ptr(dw), _ptr(db))
+    _check(fn(*inputs, *outputs, m, n, keep_mean, keep_std, _threads(m, n)))
     return dx, dw, db
 
 
 def rms_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     m, n = x.shape
     y, rstd = torch.empty_like(x), x.new_empty(m)
-    _fn("rms_fwd", x)(
-        x.data_ptr(), _ptr(weight), y.data_ptr(), rstd.data_ptr(), m, n, eps, _threads(m, n)
-    )
+    fn = _FNS["rms_fwd", x.dtype]
+    fn(x.data_ptr(), _ptr(weight), y.data_ptr(), rstd.data_ptr(), m, n, eps, _threads(m, n))
     return y, rstd
 
 
@@ -235,12 +232,9 @@ def rms_bwd(
     m, n = x.shape
     dx = torch.empty_like(x) if need_dx else None
     dw = x.new_empty(n) if need_dw else None
-    _check(
-        _fn("rms_bwd", x)(
-            dy.data_ptr(), x.data_ptr(), rstd.data_ptr(), _ptr(weight), _ptr(dx), _ptr(dw),
-            m, n, _threads(m, n),
-        )  # fmt: skip
-    )
+    fn = _FNS["rms_bwd", x.dtype]
+    inputs = (dy.data_ptr(), x.data_ptr(), rstd.data_ptr(), _ptr(weight))
+    _check(fn(*inputs, _ptr(dx), _ptr(dw), m, n, _threads(m, n)))
     return dx, dw
 
 
@@ -248,18 +242,16 @@ def ada_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tens
     m, n = x.shape
     z = torch.empty_like(x)
     mean, rstd = x.new_empty(m), x.new_empty(m)
-    _fn("ada_fwd", x)(
-        x.data_ptr(), z.data_ptr(), mean.data_ptr(), rstd.data_ptr(), m, n, eps, k, scale,
-        _threads(m, n),
-    )  # fmt: skip
+    fn = _FNS["ada_fwd", x.dtype]
+    outputs = (z.data_ptr(), mean.data_ptr(), rstd.data_ptr())
+    fn(x.data_ptr(), *outputs, m, n, eps, k, scale, _threads(m, n))
     return z, mean, rstd
 
 
 def ada_bwd(dz: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, k: float, scale: float) -> Tensor:
     m, n = x.shape
     dx = torch.empty_like(x)
-    _fn("ada_bwd", x)(
-        dz.data_ptr(), x.data_ptr(), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), m, n, k, scale,
-        _threads(m, n),
-    )  # fmt: skip
+    fn = _FNS["ada_bwd", x.dtype]
+    inputs = (dz.data_ptr(), x.data_ptr(), mean.data_ptr(), rstd.data_ptr())
+    fn(*inputs, dx.data_ptr(), m, n, k, scale, _threads(m, n))
     return dx

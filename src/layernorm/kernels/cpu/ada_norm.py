@@ -1,8 +1,8 @@
-"""AdaNorm on the ATen backend. ``y`` is LN-simple, ``φ(y) = C·(1 − k·y)`` is a constant in backward:
+"""AdaNorm on the CPU. ``y`` is LN-simple and ``φ(y) = C·(1 − k·y)`` is a constant in backward:
 
-    z  = φ(y) ⊙ y
-    dy = dz ⊙ φ(y)           (φ detached, Xu et al. 2019 Eq. 10)
-    dx = LN-simple backward of dy
+z  = φ(y) ⊙ y
+dy = dz ⊙ φ(y)           (φ detached, Xu et al. 2019 Eq. 10)
+dx = LN-simple backward of dy
 """
 
 from __future__ import annotations

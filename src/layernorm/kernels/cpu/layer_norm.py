@@ -1,7 +1,8 @@
-"""Layer norm (and DetachNorm) on the ATen backend.
+"""Layer norm (and DetachNorm) on the CPU: fused C kernels (:mod:`._native`) for float32/float64;
+otherwise PyTorch's native layer-norm kernels plus an eager composition for the DetachNorm ``dx``.
 
-Forward and the full backward are PyTorch's fused native kernels. DetachNorm's backward differs
-only in which terms of the layer-norm gradient survive; with ``x̂ = (x − μ)·rstd`` and ``g = dy ⊙ w``:
+DetachNorm's backward differs only in which terms of the layer-norm gradient survive; with
+``x̂ = (x − μ)·rstd`` and ``g = dy ⊙ w``:
 
     full LN        dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂))
     detach μ       dx = rstd · (g            − x̂ · mean(g ⊙ x̂))

@@ -1,8 +1,8 @@
-"""RMSNorm on the ATen backend. With ``rstd = 1/sqrt(mean(x²) + eps)``, ``x̂ = x·rstd``, ``g = dy ⊙ w``:
+"""RMSNorm on the CPU. With ``rstd = 1/sqrt(mean(x²) + eps)``, ``x̂ = x·rstd``, ``g = dy ⊙ w``:
 
-    y  = x̂ ⊙ w
-    dx = rstd · (g − x̂ · mean(g ⊙ x̂))
-    dw = Σ_rows dy ⊙ x̂
+y  = x̂ ⊙ w
+dx = rstd · (g − x̂ · mean(g ⊙ x̂))
+dw = Σ_rows dy ⊙ x̂
 """
 
 from __future__ import annotations

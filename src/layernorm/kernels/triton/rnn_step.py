@@ -318,7 +318,8 @@ def _gru_step_fwd_kernel(
     RH,
     MN,  # (B,) mean / rstd of hp_n
     RN,
-    stride_rz,  # row stride of HP_RZ and RZ
+    stride_hrz,  # row stride of HP_RZ
+    stride_rz,  # row stride of RZ
     stride_n,  # row stride of HP_N
     stride_gx,
     stride_h,  # row stride of H_PREV, H_OUT, NC, GHN
@@ -330,7 +331,7 @@ def _gru_step_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     m = cols < H
-    rz_row = HP_RZ + row * stride_rz
+    rz_row = HP_RZ + row * stride_hrz
     h_r = tl.load(rz_row + cols, mask=m, other=0.0).to(tl.float32)
     h_z = tl.load(rz_row + H + cols, mask=m, other=0.0).to(tl.float32)
     mean_rz = (tl.sum(h_r, axis=0) + tl.sum(h_z, axis=0)) / (2 * H)
@@ -390,7 +391,8 @@ def _gru_step_bwd_kernel(
     DHP,  # (B, 3H) out: gradient of hp_rz and hp_n
     DH_PREV,  # (B, H) out: the part of ∂h_{t−1} not through W_hh, dh ⊙ σ(a_z)
     stride_h,  # row stride of DH, H_PREV, NC, GHN, DH_PREV
-    stride_rz,  # row stride of HP_RZ and RZ
+    stride_hrz,  # row stride of HP_RZ
+    stride_rz,  # row stride of RZ
     stride_n,  # row stride of HP_N
     stride_3,  # row stride of DGX, DGH, DHP
     H,
@@ -423,7 +425,7 @@ def _gru_step_bwd_kernel(
     # LN(hp_rz) backward over 2H
     mean_rz = tl.load(MH + row).to(tl.float32)
     rstd_rz = tl.load(RH + row).to(tl.float32)
-    hp_row = HP_RZ + row * stride_rz
+    hp_row = HP_RZ + row * stride_hrz
     x_r = tl.where(
         m, (tl.load(hp_row + cols, mask=m, other=0.0).to(tl.float32) - mean_rz) * rstd_rz, 0.0
     )
@@ -486,11 +488,12 @@ def lstm_step_fwd(
     eps: float,
     carry_normalized: bool = False,
     saved: dict[str, Tensor] | None = None,
+    h_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """One LN-LSTM step from ``hp`` (raw) and the finished input half ``gx``.
 
     Returns ``(h_t, carried_state, saved)`` where ``saved`` holds ``acts, cn, tc, mh, rh, mc, rc``
-    (pass preallocated tensors in ``saved`` to have them written in place).
+    (pass preallocated tensors in ``saved``, and ``h_out``, to have them written in place).
     """
     b, h4 = hp.shape
     h = c_prev.shape[1]
@@ -508,7 +511,8 @@ def lstm_step_fwd(
     for key in ("mh", "rh", "mc", "rc"):
         if key not in sv:
             sv[key] = _stats_buffer(hp, b)
-    h_out = hp.new_empty((b, h))
+    if h_out is None:
+        h_out = hp.new_empty((b, h))
     lc = hp.new_empty((b, h)) if carry_normalized else h_out  # dummy pointer when not written
     if sv["cn"].stride() != h_out.stride() or sv["tc"].stride() != h_out.stride():
         raise ValueError("lstm step: saved cn/tc buffers must be contiguous (B, H)")
@@ -569,6 +573,7 @@ def gru_step_fwd(
     b_hn: Tensor | None,
     eps: float,
     saved: dict[str, Tensor] | None = None,
+    h_out: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """One LN-GRU step; returns ``(h_t, saved)`` with ``saved``: ``rz, n, ghn, mh, rh, mn, rn``."""
     b, h = h_prev.shape
@@ -586,17 +591,18 @@ def gru_step_fwd(
     for key in ("mh", "rh", "mn", "rn"):
         if key not in sv:
             sv[key] = _stats_buffer(hp_rz, b)
-    if sv["rz"].stride(0) != hp_rz.stride(0):
-        hp_rz = hp_rz.contiguous()
-        if sv["rz"].stride(0) != 2 * h:
-            raise ValueError("gru step: the saved rz buffer must be contiguous (B, 2H)")
-    h_out = h_prev.new_empty((b, h))
+    if sv["rz"].stride(-1) != 1:
+        raise ValueError("gru step: the saved rz buffer must have unit column stride")
+    if h_out is None:
+        h_out = h_prev.new_empty((b, h))
+    if h_out.stride() != h_prev.stride():
+        raise ValueError("gru step: h_out must be contiguous (B, H)")
     if b > 0:
         block = triton.next_power_of_2(h)
         _gru_step_fwd_kernel[(b,)](
             hp_rz, hp_n, gx, h_prev, w_rz, b_rz, w_n, b_n, b_hn if b_hn is not None else b_n,
             h_out, sv["rz"], sv["n"], sv["ghn"], sv["mh"], sv["rh"], sv["mn"], sv["rn"],
-            hp_rz.stride(0), hp_n.stride(0), gx.stride(0), h,
+            hp_rz.stride(0), sv["rz"].stride(0), hp_n.stride(0), gx.stride(0), h,
             h, eps, HAS_B_HN=b_hn is not None, BLOCK_H=block, num_warps=_num_warps(block),
         )  # fmt: skip
     return h_out, sv
@@ -617,8 +623,6 @@ def gru_step_bwd(
     b, h = dh.shape
     dh, h_prev = dh.contiguous(), h_prev.contiguous()
     hp_rz, hp_n = _rows(hp_rz), _rows(hp_n)
-    if sv["rz"].stride(0) != hp_rz.stride(0):
-        hp_rz = hp_rz.contiguous()
     g = dict(out) if out is not None else {}
     for key in ("dgx", "dgh", "dhp"):
         if key not in g:
@@ -632,7 +636,7 @@ def gru_step_bwd(
             dh, h_prev, hp_rz, hp_n, sv["rz"], sv["n"], sv["ghn"],
             sv["mh"], sv["rh"], sv["mn"], sv["rn"], w_rz, w_n,
             g["dgx"], g["dgh"], g["dhp"], dh_prev,
-            h, hp_rz.stride(0), hp_n.stride(0), 3 * h, h,
+            h, hp_rz.stride(0), sv["rz"].stride(0), hp_n.stride(0), 3 * h, h,
             BLOCK_H=block, num_warps=_num_warps(block),
         )  # fmt: skip
     return dh_prev, g
@@ -688,7 +692,9 @@ class LNLSTMStepFunction(torch.autograd.Function):
         b, h = c_prev.shape
         # LN(gx; α_x, β_x) + b = LN(gx; α_x, β_x + b): one normalization of the input half
         b_x_eff = b_x if bias is None else b_x.float() + bias.float()
-        gx = gx.contiguous()
+        # half inputs: the normalized input half stays float32 (no rounding inside the step)
+        gx_dtype = gx.dtype
+        gx = gx.to(_saved_dtype(gx)).contiguous()
         gxn, mx, rx = _ln.layer_norm_fwd(gx, w_x, b_x_eff, eps)
         saved = _empty_saved(gh, b, {"acts": (b, 4 * h), "cn": (b, h), "tc": (b, h)})
         h_t, carried, sv = lstm_step_fwd(
@@ -699,7 +705,9 @@ class LNLSTMStepFunction(torch.autograd.Function):
         )
         ctx.sv_keys = tuple(sv)
         ctx.carry_normalized = carry_normalized
-        return h_t, carried
+        ctx.gx_dtype = gx_dtype
+        # a copy: the saved c_t must not alias an output the caller may modify in place
+        return h_t, carried.to(c_prev.dtype, copy=True)
 
     @staticmethod
     def backward(ctx: Any, dh: Tensor | None, dc: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
@@ -720,7 +728,7 @@ class LNLSTMStepFunction(torch.autograd.Function):
         db_c = _sum_rows(g["dlc"])
         return (
             g["dhp"].to(gh.dtype),
-            None if dgx is None else dgx.to(gx.dtype),
+            None if dgx is None else dgx.to(ctx.gx_dtype),
             dc_prev,
             _cast(dw_h, w_h),
             _cast(db_x, b_h),  # Σ dgates, like β_x and b
@@ -751,11 +759,13 @@ class LNGRUStepFunction(torch.autograd.Function):
         eps: float,
     ) -> Tensor:
         b, h = h_prev.shape
+        ctx.gx_dtype = gx.dtype
+        gx = gx.to(_saved_dtype(gx))  # the normalized input half stays float32 for half inputs
         gx_rz, gx_n = gx[:, : 2 * h].contiguous(), gx[:, 2 * h :].contiguous()
         grz, mxr, rxr = _ln.layer_norm_fwd(gx_rz, w_x[: 2 * h], b_x[: 2 * h], eps)
         gn, mxn, rxn = _ln.layer_norm_fwd(gx_n, w_x[2 * h :], b_x[2 * h :], eps)
         gxn = torch.cat([grz, gn], dim=1)
-        hp_rz, hp_n = gh[:, : 2 * h].contiguous(), gh[:, 2 * h :].contiguous()
+        hp_rz, hp_n = gh[:, : 2 * h], gh[:, 2 * h :]  # strided views: the kernels take row strides
         saved = _empty_saved(gh, b, {"rz": (b, 2 * h), "n": (b, h), "ghn": (b, h)})
         h_t, sv = gru_step_fwd(
             hp_rz, hp_n, gxn, h_prev, w_h[: 2 * h], b_h[: 2 * h], w_h[2 * h :], b_h[2 * h :],
@@ -796,7 +806,7 @@ class LNGRUStepFunction(torch.autograd.Function):
         assert dgx_rz is not None and dgx_n is not None
         return (
             g["dhp"].to(h_prev.dtype),
-            torch.cat([dgx_rz, dgx_n], dim=1),
+            torch.cat([dgx_rz, dgx_n], dim=1).to(ctx.gx_dtype),
             dh_prev,
             _cast(dw_h, w_h),
             _cast(db_h, b_h),
@@ -896,50 +906,80 @@ def ln_gru_step(
 
 
 def seam_functions(fallback: Any) -> dict[str, Callable[..., Any]]:
-    """``lstm_fwd``, ``lstm_bwd``, ``gru_fwd``, ``gru_bwd`` with the signatures and buffer layout of
-    :mod:`layernorm.recurrent`'s step seam, running these kernels and deferring to ``fallback``'s
-    functions of the same names when a step has no layer norm, a gain or bias is absent, or ``H``
-    exceeds :data:`MAX_HIDDEN`."""
+    """``lstm_fwd``, ``lstm_bwd``, ``gru_fwd``, ``gru_bwd`` for :mod:`layernorm.recurrent`'s step
+    seam: ``fn(st, off, bs)`` reading and writing the sequence buffers in ``st`` (names and shapes
+    documented in ``layernorm.recurrent._pointwise``). They run these kernels and defer to
+    ``fallback``'s functions of the same names when a step has no layer norm, a gain or bias is
+    absent, or ``H`` exceeds :data:`MAX_HIDDEN`."""
+    lstm_keys = ("w1", "b1", "w3", "b3")
+    gru_keys = ("w_rz", "b_rz", "w_n", "b_n")
 
-    def lstm_ok(p: dict[str, Any], hidden: int) -> bool:
-        keys = ("w_hh_ln", "b_hh_ln", "w_c_ln", "b_c_ln")
-        return bool(p["normalize"]) and supports(hidden) and all(p[k] is not None for k in keys)
+    def fused(st: dict[str, Any], keys: tuple[str, ...]) -> bool:
+        return bool(st["normalize"]) and supports(st["H"]) and all(st[k] is not None for k in keys)
 
-    def gru_ok(p: dict[str, Any], hidden: int) -> bool:
-        keys = ("w_rz_ln", "b_rz_ln", "w_n_ln", "b_n_ln")
-        return bool(p["normalize"]) and supports(hidden) and all(p[k] is not None for k in keys)
-
-    def lstm_fwd(hp, gx, c_prev, p, sv):
-        if not lstm_ok(p, c_prev.shape[1]):
-            return fallback.lstm_fwd(hp, gx, c_prev, p, sv)
-        h, carried, _ = lstm_step_fwd(
-            hp, gx, c_prev, p["w_hh_ln"], p["b_hh_ln"], p["w_c_ln"], p["b_c_ln"], p["eps"],
-            p["carry_normalized"], saved=sv,
+    def lstm_fwd(st: dict[str, Any], off: int, bs: int) -> None:
+        if not fused(st, lstm_keys):
+            return fallback.lstm_fwd(st, off, bs)
+        sl = slice(off, off + bs)
+        h, c = st["h"][:bs], st["c"][:bs]
+        st["hprev"][sl] = h
+        c_prev = st["cprev"][sl]
+        c_prev.copy_(c)
+        sv = {k: st[k][sl] for k in ("acts", "cn", "tc", "mh", "rh", "mc", "rc")}
+        h_new, carried, _ = lstm_step_fwd(
+            st["hp"][sl], st["gx"][sl], c_prev, st["w1"], st["b1"], st["w3"], st["b3"],
+            st["eps"], st["carry_normalized"], saved=sv, h_out=st["out"][sl],
         )  # fmt: skip
-        return h, carried
+        h.copy_(h_new)
+        c.copy_(carried)
+        return None
 
-    def lstm_bwd(dh, dc, hp, c_prev, p, sv, dsv):
-        if not lstm_ok(p, c_prev.shape[1]):
-            return fallback.lstm_bwd(dh, dc, hp, c_prev, p, sv, dsv)
+    def lstm_bwd(st: dict[str, Any], off: int, bs: int) -> None:
+        if not fused(st, lstm_keys):
+            return fallback.lstm_bwd(st, off, bs)
+        sl = slice(off, off + bs)
+        dh_t = st["dh"][:bs] + st["dout"][sl]
+        dc = st["dc"][:bs]
+        sv = {k: st[k][sl] for k in ("acts", "cn", "tc", "mh", "rh", "mc", "rc")}
+        out = {k: st[k][sl] for k in ("dgates", "dhp", "dlc")}
         dc_prev, _ = lstm_step_bwd(
-            dh, dc, hp, c_prev, p["w_hh_ln"], p["w_c_ln"], sv, p["carry_normalized"], out=dsv
-        )
-        return dc_prev
-
-    def gru_fwd(hp_rz, hp_n, gx, h_prev, p, sv):
-        if not gru_ok(p, h_prev.shape[1]):
-            return fallback.gru_fwd(hp_rz, hp_n, gx, h_prev, p, sv)
-        h, _ = gru_step_fwd(
-            hp_rz, hp_n, gx, h_prev, p["w_rz_ln"], p["b_rz_ln"], p["w_n_ln"], p["b_n_ln"],
-            p["b_hn"], p["eps"], saved=sv,
+            dh_t, dc, st["hp"][sl], st["cprev"][sl], st["w1"], st["w3"], sv,
+            st["carry_normalized"], out=out,
         )  # fmt: skip
-        return h
+        dc.copy_(dc_prev)
+        return None
 
-    def gru_bwd(dh, h_prev, hp_rz, hp_n, p, sv, dsv):
-        if not gru_ok(p, h_prev.shape[1]):
-            return fallback.gru_bwd(dh, h_prev, hp_rz, hp_n, p, sv, dsv)
-        dh_prev, _ = gru_step_bwd(dh, h_prev, hp_rz, hp_n, p["w_rz_ln"], p["w_n_ln"], sv, out=dsv)
-        return dh_prev
+    def gru_fwd(st: dict[str, Any], off: int, bs: int) -> None:
+        if not fused(st, gru_keys):
+            return fallback.gru_fwd(st, off, bs)
+        hs, sl = st["H"], slice(off, off + bs)
+        h = st["h"][:bs]
+        h_prev = st["hprev"][sl]
+        h_prev.copy_(h)
+        hp = st["hp"][sl]
+        sv = {k: st[k][sl] for k in ("rz", "n", "ghn", "mh", "rh", "mn", "rn")}
+        h_new, _ = gru_step_fwd(
+            hp[:, : 2 * hs], hp[:, 2 * hs :], st["gx"][sl], h_prev, st["w_rz"], st["b_rz"],
+            st["w_n"], st["b_n"], st["b_hn"], st["eps"], saved=sv, h_out=st["out"][sl],
+        )  # fmt: skip
+        h.copy_(h_new)
+        return None
+
+    def gru_bwd(st: dict[str, Any], off: int, bs: int) -> None:
+        if not fused(st, gru_keys):
+            return fallback.gru_bwd(st, off, bs)
+        hs, sl = st["H"], slice(off, off + bs)
+        dh = st["dh"][:bs]
+        dh_t = dh + st["dout"][sl]
+        hp = st["hp"][sl]
+        sv = {k: st[k][sl] for k in ("rz", "n", "ghn", "mh", "rh", "mn", "rn")}
+        out = {k: st[k][sl] for k in ("dgx", "dgh", "dhp")}
+        dh_prev, _ = gru_step_bwd(
+            dh_t, st["hprev"][sl], hp[:, : 2 * hs], hp[:, 2 * hs :], st["w_rz"], st["w_n"], sv,
+            out=out,
+        )  # fmt: skip
+        dh.copy_(dh_prev)
+        return None
 
     return {"lstm_fwd": lstm_fwd, "lstm_bwd": lstm_bwd, "gru_fwd": gru_fwd, "gru_bwd": gru_bwd}
 

@@ -84,12 +84,19 @@ def check_param(
     return p
 
 
+def _finite(v: float) -> bool:
+    # Plain comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float
+    # argument's default can arrive as a symbolic float, which math.isfinite cannot trace.
+    # NaN fails both comparisons.
+    return -math.inf < v < math.inf
+
+
 def check_eps(eps: object, op: str, allow_none: bool = False) -> float | None:
     if eps is None and allow_none:
         return None
     if isinstance(eps, bool) or not isinstance(eps, int | float):
         raise TypeError(f"{op}: eps must be a positive float, got {type(eps).__name__} {eps!r}")
-    if not math.isfinite(eps) or eps <= 0:
+    if not _finite(eps) or eps <= 0:
         raise ValueError(f"{op}: eps must be a positive finite float, got {eps!r}")
     return float(eps)
 
@@ -97,7 +104,7 @@ def check_eps(eps: object, op: str, allow_none: bool = False) -> float | None:
 def check_finite_scalar(v: object, name: str, op: str) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise TypeError(f"{op}: {name} must be a finite float, got {type(v).__name__} {v!r}")
-    if not math.isfinite(v):
+    if not _finite(v):
         raise ValueError(f"{op}: {name} must be a finite float, got {v!r}")
     return float(v)
 

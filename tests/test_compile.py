@@ -1,0 +1,122 @@
+"""torch.compile(fullgraph=True) traces the ops and modules in one graph, forward and backward.
+
+Kept few: an Inductor compile costs ~10 s on a small CPU machine. The graph-break checks use
+Dynamo alone (CompileCounter backend), the backward check AOTAutograd without code generation
+(aot_eager), and a single test goes through Inductor end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import layernorm
+from conftest import make_x
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class _Net(torch.nn.Module):
+    """Every norm of the library in one model, on inputs of rank 3 with a 2-D normalized shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(12, 12)
+        self.ln = layernorm.LayerNorm(12)
+        self.simple = layernorm.LayerNorm(12, elementwise_affine=False)
+        self.detach = layernorm.LayerNorm((3, 12), detach_mean=True, detach_std=True)
+        self.rms = layernorm.RMSNorm(12)
+        self.ada = layernorm.AdaNorm(12, k=0.1, scale=2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(self.proj(x))
+        h = self.simple(h) + self.detach(h)
+        h = self.rms(h) * self.ada(h)
+        w = self.ln.weight
+        return (
+            h
+            + layernorm.layer_norm(h, 12, w, None, 1e-4, detach_std=True)
+            + layernorm.rms_norm(h, (3, 12), eps=None)
+            + layernorm.ada_norm(h, 12)
+        )
+
+
+def _eager_and_grads(model, x):
+    x = x.detach().clone().requires_grad_()
+    model.zero_grad()
+    y = model(x)
+    y.pow(2).sum().backward()
+    return y.detach(), x.grad, [p.grad.clone() for p in model.parameters()]
+
+
+def test_no_graph_breaks():
+    model = _Net()
+    x = make_x((2, 3, 12))
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert counter.frame_count == 1
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    # The custom ops stay opaque in the graph: each norm is one call, not a decomposition.
+    assert counter.op_count > 0
+
+
+def test_dynamic_batch_does_not_recompile():
+    """The ops flatten to (M, N) before the custom op, so a symbolic M is all Dynamo sees."""
+    counter = CompileCounter()
+
+    def f(x):
+        return layernorm.layer_norm(x, 12) + layernorm.rms_norm(x, 12) + layernorm.ada_norm(x, 12)
+
+    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    for m in (2, 5, 9):
+        x = make_x((m, 4, 12))
+        torch.testing.assert_close(compiled(x), f(x))
+    assert counter.frame_count == 1
+
+
+def test_forward_and_backward_under_aot_autograd():
+    """fullgraph through AOTAutograd: the fake implementations give the right shapes and dtypes
+    and the registered backward traces; gradients equal eager ones."""
+    model = _Net().double()
+    x = make_x((2, 3, 12), torch.float64)
+    y_e, dx_e, dp_e = _eager_and_grads(model, x)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    y_c, dx_c, dp_c = _eager_and_grads(compiled, x)
+    torch.testing.assert_close(y_c, y_e)
+    torch.testing.assert_close(dx_c, dx_e)
+    for a, b in zip(dp_c, dp_e, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_inductor_end_to_end_half_inputs():
+    """One full Inductor compile, forward and backward, on bfloat16 activations with float32
+    parameters (the mixed-precision case, where stats and parameter grads are float32)."""
+    model = torch.nn.Sequential(torch.nn.Linear(12, 12), layernorm.LayerNorm(12), torch.nn.GELU(),
+                                layernorm.RMSNorm(12))  # fmt: skip
+    x = make_x((5, 12), torch.bfloat16)
+
+    def run(m):
+        xx = x.detach().clone().requires_grad_()
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(xx)
+        y.float().pow(2).sum().backward()
+        return y, xx.grad, [p.grad.clone() for p in m.parameters()]
+
+    y_e, dx_e, dp_e = run(model)
+    y_c, dx_c, dp_c = run(torch.compile(model, fullgraph=True))
+    assert y_c.dtype == y_e.dtype == torch.bfloat16
+    # bfloat16 outputs: Inductor fuses the Linear/GELU differently, one or two bf16 ulps (2⁻⁸ rel.)
+    torch.testing.assert_close(y_c.float(), y_e.float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(dx_c.float(), dx_e.float(), atol=5e-2, rtol=3e-2)
+    for a, b in zip(dp_c, dp_e, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=0.1, rtol=3e-2)

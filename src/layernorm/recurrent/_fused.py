@@ -59,9 +59,23 @@ def _ln_param_grads(
     if not (need_w or need_b):
         return None, None
     _, dw, db = ln.layer_norm_bwd(
-        dy.contiguous(), x, mean, rstd, w, False, False, False, need_w and w is not None, need_b
+        dy.contiguous(),
+        x.contiguous(),
+        mean,
+        rstd,
+        w,
+        False,
+        False,
+        False,
+        need_w and w is not None,
+        need_b,
     )
     return (dw if need_w else None), (db.to(x.dtype) if need_b and db is not None else None)
+
+
+def _new_bufs(like: Tensor, n_rows: int, spec: dict[str, int]) -> dict[str, Tensor]:
+    """``(N, cols)`` buffers (``(N,)`` where cols is 0)."""
+    return {k: like.new_empty((n_rows, c) if c else (n_rows,)) for k, c in spec.items()}
 
 
 class LSTMSequence(torch.autograd.Function):
@@ -70,6 +84,7 @@ class LSTMSequence(torch.autograd.Function):
     Inputs: ``gx (N, 4H)``, ``h0, c0 (B, H)``, ``w_hh (4H, H)``, LN(hp) gain/bias ``(4H)``, LN(c)
     gain/bias ``(H)`` (``None`` when absent), the schedule, eps, whether to normalize, whether the
     carried state is LN(c). Outputs: ``out (N, H)`` (h at every row), ``h_n, c_n (B, H)``.
+    Buffer names are those of :mod:`._pointwise`.
     """
 
     @staticmethod
@@ -88,62 +103,58 @@ class LSTMSequence(torch.autograd.Function):
         normalize: bool,
         carry_normalized: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        gx = gx.contiguous()
         n_rows, hs = gx.shape[0], h0.shape[1]
+        st: dict[str, Any] = {
+            "H": hs, "eps": eps, "normalize": normalize, "carry_normalized": carry_normalized,
+            "gx": gx, "w1": w1, "b1": b1, "w3": w3, "b3": b3,
+            "h": h0.contiguous().clone(), "c": c0.contiguous().clone(),
+            **_new_bufs(gx, n_rows, {"hp": 4 * hs, "out": hs, "hprev": hs, "cprev": hs,
+                                     "acts": 4 * hs, "cn": hs, "tc": hs,
+                                     "mh": 0, "rh": 0, "mc": 0, "rc": 0}),
+        }  # fmt: skip
         kern = step_kernels(gx)
-        p = {"ln": ln_kernels(gx), "w_hh_ln": w1, "b_hh_ln": b1, "w_c_ln": w3, "b_c_ln": b3,
-             "eps": eps, "normalize": normalize, "carry_normalized": carry_normalized}  # fmt: skip
-        h, c = h0.contiguous().clone(), c0.contiguous().clone()
-        new = gx.new_empty
-        out, hprev_all, cprev_all = new(n_rows, hs), new(n_rows, hs), new(n_rows, hs)
-        hp_all = new(n_rows, 4 * hs)
-        bufs = {"acts": new(n_rows, 4 * hs), "cn": new(n_rows, hs), "tc": new(n_rows, hs),
-                **{k: new(n_rows) for k in ("mh", "rh", "mc", "rc")}}  # fmt: skip
-        w_t = w_hh.t()
+        h, hp, w_t, n_batch = st["h"], st["hp"], w_hh.t(), h0.shape[0]
         for _, off, bs in sched:
-            sl = slice(off, off + bs)
-            hprev, cprev = hprev_all[sl], cprev_all[sl]
-            hprev.copy_(h[:bs])
-            cprev.copy_(c[:bs])
-            hp = torch.mm(hprev, w_t, out=hp_all[sl])
-            h_new, c_new = kern.lstm_fwd(hp, gx[sl], cprev, p, {k: v[sl] for k, v in bufs.items()})
-            out[sl] = h_new
-            h[:bs] = h_new
-            c[:bs] = c_new
-        ctx.save_for_backward(w_hh, w1, w3, hprev_all, cprev_all, hp_all, *bufs.values())
-        ctx.buf_names = tuple(bufs)
-        ctx.p, ctx.sched = p, sched
-        return out, h, c
+            torch.mm(h if bs == n_batch else h[:bs], w_t, out=hp[off : off + bs])
+            kern.lstm_fwd(st, off, bs)
+        st.pop("_ptr", None)
+        names = ("hp", "hprev", "cprev", "acts", "cn", "tc", "mh", "rh", "mc", "rc")
+        ctx.save_for_backward(w_hh, w1, b1, w3, b3, gx, *(st[k] for k in names))
+        ctx.names, ctx.cfg, ctx.sched = names, (hs, eps, normalize, carry_normalized), sched
+        return st["out"], st["h"], st["c"]
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor, dc_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        w_hh, w1, w3, hprev_all, cprev_all, hp_all, *rest = ctx.saved_tensors
-        bufs = dict(zip(ctx.buf_names, rest, strict=True))
-        p, kern = ctx.p, step_kernels(hp_all)
-        n_rows, hs = hprev_all.shape
-        dh, dc = dh_n.contiguous().clone(), dc_n.contiguous().clone()
-        new = hp_all.new_empty
-        dbufs = {"dgates": new(n_rows, 4 * hs), "dhp": new(n_rows, 4 * hs), "dlc": new(n_rows, hs)}
+        w_hh, w1, b1, w3, b3, gx, *saved = ctx.saved_tensors
+        hs, eps, normalize, carry_normalized = ctx.cfg
+        n_rows = gx.shape[0]
+        st: dict[str, Any] = {
+            "H": hs, "eps": eps, "normalize": normalize, "carry_normalized": carry_normalized,
+            "gx": gx, "w1": w1, "b1": b1, "w3": w3, "b3": b3,
+            **dict(zip(ctx.names, saved, strict=True)),
+            "dout": dout.contiguous(), "dh": dh_n.contiguous().clone(),
+            "dc": dc_n.contiguous().clone(),
+            **_new_bufs(gx, n_rows, {"dgates": 4 * hs, "dlc": hs}),
+        }  # fmt: skip
+        st["dhp"] = gx.new_empty(n_rows, 4 * hs) if normalize else st["dgates"]
+        kern = step_kernels(gx)
+        dh, dhp, n_batch = st["dh"], st["dhp"], dh_n.shape[0]
         for _, off, bs in reversed(ctx.sched):
-            sl = slice(off, off + bs)
-            dh_t = dh[:bs] + dout[sl]
-            dc_prev = kern.lstm_bwd(
-                dh_t, dc[:bs], hp_all[sl], cprev_all[sl], p,
-                {k: v[sl] for k, v in bufs.items()}, {k: v[sl] for k, v in dbufs.items()},
-            )  # fmt: skip
-            torch.mm(dbufs["dhp"][sl], w_hh, out=dh[:bs])
-            dc[:bs] = dc_prev
+            kern.lstm_bwd(st, off, bs)
+            torch.mm(dhp[off : off + bs], w_hh, out=dh if bs == n_batch else dh[:bs])
         need = ctx.needs_input_grad
-        d_w_hh = _grad_or_none(need[3], lambda: dbufs["dhp"].t().mm(hprev_all))
-        ln = p["ln"]
+        d_w_hh = _grad_or_none(need[3], lambda: dhp.t().mm(st["hprev"]))
         dw1 = db1 = dw3 = db3 = None
-        if p["normalize"]:
+        if normalize:
+            ln = ln_kernels(gx)
             dw1, db1 = _ln_param_grads(
-                ln, dbufs["dgates"], hp_all, bufs["mh"], bufs["rh"], w1, need[4], need[5]
+                ln, st["dgates"], st["hp"], st["mh"], st["rh"], w1, need[4], need[5]
             )
             dw3, db3 = _ln_param_grads(
-                ln, dbufs["dlc"], bufs["cn"], bufs["mc"], bufs["rc"], w3, need[6], need[7]
+                ln, st["dlc"], st["cn"], st["mc"], st["rc"], w3, need[6], need[7]
             )
-        return (dbufs["dgates"], dh, dc, d_w_hh, dw1, db1, dw3, db3, None, None, None, None)
+        return (st["dgates"], dh, st["dc"], d_w_hh, dw1, db1, dw3, db3, None, None, None, None)
 
 
 class GRUSequence(torch.autograd.Function):
@@ -151,7 +162,7 @@ class GRUSequence(torch.autograd.Function):
 
     Inputs: ``gx (N, 3H)``, ``h0 (B, H)``, ``w_hh (3H, H)``, the ``(r, z)`` LN's gain/bias (2H), the
     candidate LN's gain/bias (H), ``b_hn (H)`` (``None`` when absent), schedule, eps, normalize.
-    Outputs: ``out (N, H)``, ``h_n (B, H)``.
+    Outputs: ``out (N, H)``, ``h_n (B, H)``. Buffer names are those of :mod:`._pointwise`.
     """
 
     @staticmethod
@@ -169,62 +180,56 @@ class GRUSequence(torch.autograd.Function):
         eps: float,
         normalize: bool,
     ) -> tuple[Tensor, Tensor]:
+        gx = gx.contiguous()
         n_rows, hs = gx.shape[0], h0.shape[1]
+        st: dict[str, Any] = {
+            "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz, "b_rz": b_rz,
+            "w_n": w_n, "b_n": b_n, "b_hn": b_hn, "h": h0.contiguous().clone(),
+            **_new_bufs(gx, n_rows, {"hp": 3 * hs, "out": hs, "hprev": hs, "rz": 2 * hs,
+                                     "n": hs, "ghn": hs, "mh": 0, "rh": 0, "mn": 0, "rn": 0}),
+        }  # fmt: skip
         kern = step_kernels(gx)
-        p = {"ln": ln_kernels(gx), "w_rz_ln": w_rz, "b_rz_ln": b_rz, "w_n_ln": w_n, "b_n_ln": b_n,
-             "b_hn": b_hn, "eps": eps, "normalize": normalize}  # fmt: skip
-        h = h0.contiguous().clone()
-        new = gx.new_empty
-        out, hprev_all = new(n_rows, hs), new(n_rows, hs)
-        hprz_all, hpn_all = new(n_rows, 2 * hs), new(n_rows, hs)
-        bufs = {"rz": new(n_rows, 2 * hs), "n": new(n_rows, hs), "ghn": new(n_rows, hs),
-                **{k: new(n_rows) for k in ("mh", "rh", "mn", "rn")}}  # fmt: skip
-        w_rz_t, w_n_t = w_hh[: 2 * hs].t(), w_hh[2 * hs :].t()
+        h, hp, w_t, n_batch = st["h"], st["hp"], w_hh.t(), h0.shape[0]
         for _, off, bs in sched:
-            sl = slice(off, off + bs)
-            hprev = hprev_all[sl]
-            hprev.copy_(h[:bs])
-            hp_rz = torch.mm(hprev, w_rz_t, out=hprz_all[sl])
-            hp_n = torch.mm(hprev, w_n_t, out=hpn_all[sl])
-            h_new = kern.gru_fwd(hp_rz, hp_n, gx[sl], hprev, p, {k: v[sl] for k, v in bufs.items()})
-            out[sl] = h_new
-            h[:bs] = h_new
-        ctx.save_for_backward(w_hh, w_rz, w_n, hprev_all, hprz_all, hpn_all, *bufs.values())
-        ctx.buf_names = tuple(bufs)
-        ctx.p, ctx.sched = p, sched
-        return out, h
+            torch.mm(h if bs == n_batch else h[:bs], w_t, out=hp[off : off + bs])
+            kern.gru_fwd(st, off, bs)
+        st.pop("_ptr", None)
+        names = ("hp", "hprev", "rz", "n", "ghn", "mh", "rh", "mn", "rn")
+        ctx.save_for_backward(w_hh, w_rz, b_rz, w_n, b_n, b_hn, gx, *(st[k] for k in names))
+        ctx.names, ctx.cfg, ctx.sched = names, (hs, eps, normalize), sched
+        return st["out"], st["h"]
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        w_hh, w_rz, w_n, hprev_all, hprz_all, hpn_all, *rest = ctx.saved_tensors
-        bufs = dict(zip(ctx.buf_names, rest, strict=True))
-        p, kern = ctx.p, step_kernels(hprev_all)
-        n_rows, hs = hprev_all.shape
-        dh = dh_n.contiguous().clone()
-        new = hprev_all.new_empty
-        dbufs = {"dgx": new(n_rows, 3 * hs), "dgh": new(n_rows, 3 * hs), "dhp": new(n_rows, 3 * hs)}
+        w_hh, w_rz, b_rz, w_n, b_n, b_hn, gx, *saved = ctx.saved_tensors
+        hs, eps, normalize = ctx.cfg
+        n_rows = gx.shape[0]
+        st: dict[str, Any] = {
+            "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz, "b_rz": b_rz,
+            "w_n": w_n, "b_n": b_n, "b_hn": b_hn, **dict(zip(ctx.names, saved, strict=True)),
+            "dout": dout.contiguous(), "dh": dh_n.contiguous().clone(),
+            **_new_bufs(gx, n_rows, {"dgx": 3 * hs, "dgh": 3 * hs}),
+        }  # fmt: skip
+        st["dhp"] = gx.new_empty(n_rows, 3 * hs) if normalize else st["dgh"]
+        kern = step_kernels(gx)
+        dh, dhp, n_batch = st["dh"], st["dhp"], dh_n.shape[0]
         for _, off, bs in reversed(ctx.sched):
-            sl = slice(off, off + bs)
-            dh_t = dh[:bs] + dout[sl]
-            direct = kern.gru_bwd(
-                dh_t, hprev_all[sl], hprz_all[sl], hpn_all[sl], p,
-                {k: v[sl] for k, v in bufs.items()}, {k: v[sl] for k, v in dbufs.items()},
-            )  # fmt: skip
-            torch.addmm(direct, dbufs["dhp"][sl], w_hh, out=dh[:bs])
+            kern.gru_bwd(st, off, bs)
+            (dh if bs == n_batch else dh[:bs]).addmm_(dhp[off : off + bs], w_hh)
         need = ctx.needs_input_grad
-        d_w_hh = _grad_or_none(need[2], lambda: dbufs["dhp"].t().mm(hprev_all))
-        dgh = dbufs["dgh"]
+        d_w_hh = _grad_or_none(need[2], lambda: dhp.t().mm(st["hprev"]))
+        dgh, hp = st["dgh"], st["hp"]
         dw_rz = db_rz = dw_n = db_n = None
-        if p["normalize"]:
-            ln = p["ln"]
+        if normalize:
+            ln = ln_kernels(gx)
             dw_rz, db_rz = _ln_param_grads(
-                ln, dgh[:, : 2 * hs], hprz_all, bufs["mh"], bufs["rh"], w_rz, need[3], need[4]
+                ln, dgh[:, : 2 * hs], hp[:, : 2 * hs], st["mh"], st["rh"], w_rz, need[3], need[4]
             )
             dw_n, db_n = _ln_param_grads(
-                ln, dgh[:, 2 * hs :], hpn_all, bufs["mn"], bufs["rn"], w_n, need[5], need[6]
+                ln, dgh[:, 2 * hs :], hp[:, 2 * hs :], st["mn"], st["rn"], w_n, need[5], need[6]
             )
         d_b_hn = _grad_or_none(need[7], lambda: dgh[:, 2 * hs :].sum(0))
-        return (dbufs["dgx"], dh, d_w_hh, dw_rz, db_rz, dw_n, db_n, d_b_hn, None, None, None)
+        return (st["dgx"], dh, d_w_hh, dw_rz, db_rz, dw_n, db_n, d_b_hn, None, None, None)
 
 
 class RNNSequence(torch.autograd.Function):

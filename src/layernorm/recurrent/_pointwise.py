@@ -1,22 +1,26 @@
-"""One time step's work after the recurrent matrix product, forward and backward: the device seam.
+"""One time step's work around the recurrent GEMM, forward and backward: the device seam.
 
-The fused sequence functions in :mod:`layernorm.recurrent._fused` do, per step, one GEMM
-``hp = h_{t−1} W_hhᵀ`` and then hand ``hp``, the precomputed input half ``gx_t`` and the previous
-cell state to the functions here, which do everything else of the step (the layer norms, the
-gates, the state update) and write what backward needs into slices of preallocated buffers. The
-backward counterparts turn the incoming state gradients into the gradients of ``hp`` and ``gx_t``.
+The fused sequence functions in :mod:`layernorm.recurrent._fused` keep every tensor of a sequence
+in a dict ``st`` of ``(N, ·)`` buffers (N = rows of the packed sequence, a step owns rows
+``[off, off + bs)``) and ``(B, H)`` state buffers whose rows ``[:bs]`` a step updates. Per step they
+do the GEMM ``hp = h_{t−1} W_hhᵀ`` themselves and call
 
-:func:`step_kernels` picks the implementation per device. The eager one below (PyTorch ops plus this
-library's layer-norm kernels) serves every device; a backend can install a faster one for its
-device type with :func:`register_step_kernels` (e.g. a fused Triton LN-LSTM step for CUDA), keeping
-the same signatures and buffer layout.
+* ``lstm_fwd(st, off, bs)`` / ``gru_fwd``: everything else of the step, given the two gate
+  pre-activation matrices ``st["hp"]`` (recurrent, raw) and ``st["gx"]`` (input side, already
+  ``LN(W_ih x) + b``): the layer norms, gates, state update, output, and the stores backward needs;
+* ``lstm_bwd(st, off, bs)`` / ``gru_bwd``: the step's pointwise backward, leaving the gradient of
+  ``hp`` for the caller's GEMM ``dh_{t−1} = dhp · W_hh``.
 
-Layer norm runs through the backend kernels of :mod:`layernorm.ops` (``layer_norm_fwd(x, w, b,
-eps) -> (y, mean, rstd)`` and its analytic ``layer_norm_bwd``), not a reimplementation.
+:func:`step_kernels` picks the implementation for a tensor: the C kernels of :mod:`._cstep` for
+CPU float32/float64, otherwise the eager functions below (PyTorch ops plus this library's layer-norm
+backend kernels), which run on any device. A backend can install its own for a device type with
+:func:`register_step_kernels` (e.g. a fused Triton LN-LSTM step for CUDA), reading and writing the
+same buffers. The buffer names and shapes are documented at each eager function.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -25,229 +29,189 @@ import torch
 from torch import Tensor
 
 from ..ops._dispatch import backend_module
+from . import _cstep
+
+StepFn = Callable[[dict[str, Any], int, int], None]
 
 
 @dataclass(frozen=True)
 class StepKernels:
-    """The per-step forward/backward functions of one device (see the module docstring)."""
+    """The per-step functions of one implementation (see the module docstring)."""
 
-    lstm_fwd: Any
-    lstm_bwd: Any
-    gru_fwd: Any
-    gru_bwd: Any
+    lstm_fwd: StepFn
+    lstm_bwd: StepFn
+    gru_fwd: StepFn
+    gru_bwd: StepFn
 
 
 _REGISTRY: dict[str, StepKernels] = {}
 
 
-def register_step_kernels(device_type: str, kernels: StepKernels) -> None:
-    """Use ``kernels`` for tensors on ``device_type`` (``"cuda"``, ...) from now on."""
-    _REGISTRY[device_type] = kernels
+def register_step_kernels(device_type: str, kernels: StepKernels | None) -> None:
+    """Use ``kernels`` for tensors on ``device_type`` (``"cuda"``, ...); ``None`` unregisters."""
+    if kernels is None:
+        _REGISTRY.pop(device_type, None)
+    else:
+        _REGISTRY[device_type] = kernels
 
 
 def step_kernels(x: Tensor) -> StepKernels:
-    """The step functions for ``x``'s device: a registered backend's, else the eager ones."""
-    return _REGISTRY.get(x.device.type, EAGER)
+    """The step functions for ``x``: a registered backend's, else C on CPU, else eager."""
+    registered = _REGISTRY.get(x.device.type)
+    if registered is not None:
+        return registered
+    return C_KERNELS if _cstep.available(x) else EAGER
 
 
 def ln_kernels(x: Tensor) -> ModuleType:
-    """The layer-norm backend module (ATen on CPU, Triton on CUDA) for ``x``."""
+    """The layer-norm backend module (CPU kernels, or Triton on CUDA) for ``x``."""
     return backend_module(x, "layer_norm")
 
 
+def _ln_fwd(
+    st: dict[str, Any], x: Tensor, w: Tensor | None, b: Tensor | None, m: Tensor, r: Tensor
+):
+    y, mean, rstd = ln_kernels(x).layer_norm_fwd(x.contiguous(), w, b, st["eps"])
+    m.copy_(mean)
+    r.copy_(rstd)
+    return y
+
+
+def _ln_dx(dy: Tensor, x: Tensor, m: Tensor, r: Tensor, w: Tensor | None) -> Tensor:
+    dx, _, _ = ln_kernels(x).layer_norm_bwd(
+        dy.contiguous(), x.contiguous(), m, r, w, False, False, True, False, False
+    )
+    return dx
+
+
 # ---------------------------------------------------------------------------------------------
-# LSTM.  Saved per step (slices of (N, ·) buffers; N = rows of the packed sequence):
-#   acts   (bs, 4H)  σ(i), σ(f), tanh(g), σ(o)
-#   mh, rh (bs,)     mean / rstd of LN(hp)          (unused without LN)
-#   cn     (bs, H)   c_t, un-normalized
-#   mc, rc (bs,)     mean / rstd of LN(c_t)         (unused without LN)
-#   tc     (bs, H)   tanh(LN(c_t))  (tanh(c_t) without LN)
+# LSTM buffers (H hidden units, gates i, f, g, o):
+#   in   gx (N, 4H)  LN(W_ih x) + b      hp (N, 4H)  W_hh h_{t−1} (raw)      w1, b1 (4H)  w3, b3 (H)
+#   state h, c (B, H)                    out (N, H)  h_t
+#   saved hprev, cprev (N, H)  acts (N, 4H) σ(i), σ(f), tanh(g), σ(o)  mh, rh (N,) stats of LN(hp)
+#         cn (N, H) c_t un-normalized    mc, rc (N,) stats of LN(c_t)    tc (N, H) tanh(LN(c_t))
+#   backward: dout (N, H); dh, dc (B, H) state gradients; dgates, dhp (N, 4H); dlc (N, H)
 # ---------------------------------------------------------------------------------------------
 
 
-def lstm_fwd(
-    hp: Tensor, gx: Tensor, c_prev: Tensor, p: dict[str, Any], sv: dict[str, Tensor]
-) -> tuple[Tensor, Tensor]:
-    """``(h_t, c_carried)`` from raw ``hp = W_hh h_{t−1}``, ``gx = LN(W_ih x_t) + b``, c_{t−1}."""
-    hs = c_prev.shape[1]
-    ln = p["ln"]
-    if p["normalize"]:
-        gates, mh, rh = ln.layer_norm_fwd(hp, p["w_hh_ln"], p["b_hh_ln"], p["eps"])
-        sv["mh"].copy_(mh)
-        sv["rh"].copy_(rh)
-        gates.add_(gx)
+def lstm_fwd(st: dict[str, Any], off: int, bs: int) -> None:
+    hs, sl = st["H"], slice(off, off + bs)
+    h, c = st["h"][:bs], st["c"][:bs]
+    st["hprev"][sl] = h
+    c_prev = st["cprev"][sl]
+    c_prev.copy_(c)
+    if st["normalize"]:
+        gates = _ln_fwd(st, st["hp"][sl], st["w1"], st["b1"], st["mh"][sl], st["rh"][sl])
+        gates = gates + st["gx"][sl]
     else:
-        gates = hp.add_(gx)
-    acts = sv["acts"]
+        gates = st["hp"][sl] + st["gx"][sl]
+    acts = st["acts"][sl]
     torch.sigmoid(gates, out=acts)
-    torch.tanh(gates[:, 2 * hs : 3 * hs], out=acts[:, 2 * hs : 3 * hs])
-    i, f, g, o = acts[:, :hs], acts[:, hs : 2 * hs], acts[:, 2 * hs : 3 * hs], acts[:, 3 * hs :]
-    cn = sv["cn"]
-    torch.mul(f, c_prev, out=cn)
-    cn.addcmul_(i, g)
-    if p["normalize"]:
-        lc, mc, rc = ln.layer_norm_fwd(cn, p["w_c_ln"], p["b_c_ln"], p["eps"])
-        sv["mc"].copy_(mc)
-        sv["rc"].copy_(rc)
-    else:
-        lc = cn
-    tc = sv["tc"]
+    acts[:, 2 * hs : 3 * hs] = torch.tanh(gates[:, 2 * hs : 3 * hs])
+    i, f, g, o = acts.split(hs, dim=1)
+    cn = st["cn"][sl]
+    torch.addcmul(f * c_prev, i, g, out=cn)
+    lc = _ln_fwd(st, cn, st["w3"], st["b3"], st["mc"][sl], st["rc"][sl]) if st["normalize"] else cn
+    tc = st["tc"][sl]
     torch.tanh(lc, out=tc)
-    h = o * tc
-    return h, (lc if p["carry_normalized"] else cn)
+    h_new = o * tc
+    st["out"][sl] = h_new
+    h.copy_(h_new)
+    c.copy_(lc if st["carry_normalized"] else cn)
 
 
-def lstm_bwd(
-    dh: Tensor,
-    dc: Tensor,
-    hp: Tensor,
-    c_prev: Tensor,
-    p: dict[str, Any],
-    sv: dict[str, Tensor],
-    dsv: dict[str, Tensor],
-) -> Tensor:
-    """Backward of :func:`lstm_fwd` for one step.
-
-    ``dh``/``dc``: gradients of the step's outputs h_t and carried c. Writes ``dsv["dgates"]``
-    (gradient of the gate pre-activations = of ``gx``), ``dsv["dhp"]`` (of ``hp``) and
-    ``dsv["dlc"]`` (of LN(c_t), for the gain gradients); returns the gradient of c_{t−1}.
-    """
-    hs = c_prev.shape[1]
-    ln = p["ln"]
-    acts, tc = sv["acts"], sv["tc"]
-    i, f, g, o = acts[:, :hs], acts[:, hs : 2 * hs], acts[:, 2 * hs : 3 * hs], acts[:, 3 * hs :]
-    dg_all = dsv["dgates"]
-    d_i, d_f, d_g, d_o = (dg_all[:, k * hs : (k + 1) * hs] for k in range(4))
-    torch.mul(dh, tc, out=d_o)  # ∂/∂σ(o)
-    dlc = dsv["dlc"]
-    # ∂/∂LN(c) = dh ⊙ σ(o) ⊙ (1 − tanh²)
-    torch.mul(dh, o, out=dlc)
-    dlc.mul_(1.0 - tc * tc)
-    if p["carry_normalized"]:
+def lstm_bwd(st: dict[str, Any], off: int, bs: int) -> None:
+    hs, sl = st["H"], slice(off, off + bs)
+    dh_t = st["dh"][:bs] + st["dout"][sl]
+    dc = st["dc"][:bs]
+    acts, tc = st["acts"][sl], st["tc"][sl]
+    i, f, g, o = acts.split(hs, dim=1)
+    dgates, dlc = st["dgates"][sl], st["dlc"][sl]
+    d_i, d_f, d_g, d_o = dgates.split(hs, dim=1)
+    torch.mul(dh_t, tc, out=d_o)
+    torch.mul(dh_t * o, 1.0 - tc * tc, out=dlc)
+    if st["carry_normalized"]:
         dlc.add_(dc)
-    if p["normalize"]:
-        dcn, _, _ = ln.layer_norm_bwd(
-            dlc, sv["cn"], sv["mc"], sv["rc"], p["w_c_ln"], False, False, True, False, False
-        )
+    if st["normalize"]:
+        dcn = _ln_dx(dlc, st["cn"][sl], st["mc"][sl], st["rc"][sl], st["w3"])
     else:
         dcn = dlc.clone()
-    if not p["carry_normalized"]:
-        dcn.add_(dc)
+    if not st["carry_normalized"]:
+        dcn = dcn + dc
     torch.mul(dcn, g, out=d_i)
-    torch.mul(dcn, c_prev, out=d_f)
+    torch.mul(dcn, st["cprev"][sl], out=d_f)
     torch.mul(dcn, i, out=d_g)
-    # through the nonlinearities: σ' = s(1 − s) for i, f, o; tanh' = 1 − g² for g
-    deriv = acts * (1.0 - acts)
+    deriv = acts * (1.0 - acts)  # σ' = s(1 − s) for i, f, o; tanh' = 1 − g² for g
     deriv[:, 2 * hs : 3 * hs] = 1.0 - g * g
-    dg_all.mul_(deriv)
-    if p["normalize"]:
-        dhp, _, _ = ln.layer_norm_bwd(
-            dg_all, hp, sv["mh"], sv["rh"], p["w_hh_ln"], False, False, True, False, False
-        )
-        dsv["dhp"].copy_(dhp)
-    else:
-        dsv["dhp"].copy_(dg_all)
-    return dcn.mul_(f)
+    dgates.mul_(deriv)
+    if st["normalize"]:
+        st["dhp"][sl] = _ln_dx(dgates, st["hp"][sl], st["mh"][sl], st["rh"][sl], st["w1"])
+    dc.copy_(dcn * f)
 
 
 # ---------------------------------------------------------------------------------------------
-# GRU.  hp is split as hp_rz = W_{hr,hz} h (bs, 2H) and hp_n = W_hn h (bs, H), LN'd separately.
-# Saved per step:  rz (bs, 2H) σ(r), σ(z);  n (bs, H) candidate;  ghn (bs, H) LN(W_hn h) + b_hn;
-#                  mh, rh (bs,) and mn, rn (bs,): LN statistics of hp_rz and hp_n.
+# GRU buffers (gates r, z, n):
+#   in   gx (N, 3H)  LN(W_ih x) + b_ih + [b_hr, b_hz, 0]    hp (N, 3H)  W_hh h_{t−1} (raw)
+#        w_rz, b_rz (2H), w_n, b_n (H): the two LNs of hp;  b_hn (H)
+#   state h (B, H)    out (N, H)
+#   saved hprev (N, H)  rz (N, 2H) σ(r), σ(z)  n (N, H)  ghn (N, H) LN(hp_n) + b_hn
+#         mh, rh, mn, rn (N,) stats of the two LNs
+#   backward: dout (N, H); dh (B, H); dgx, dgh, dhp (N, 3H)
 # ---------------------------------------------------------------------------------------------
 
 
-def gru_fwd(
-    hp_rz: Tensor,
-    hp_n: Tensor,
-    gx: Tensor,
-    h_prev: Tensor,
-    p: dict[str, Any],
-    sv: dict[str, Tensor],
-) -> Tensor:
-    """``h_t`` from the raw recurrent products, ``gx = LN(W_ih x_t) + b_ih + [b_hr, b_hz, 0]``."""
-    hs = h_prev.shape[1]
-    ln = p["ln"]
-    rz, ghn = sv["rz"], sv["ghn"]
-    if p["normalize"]:
-        g_rz, mh, rh = ln.layer_norm_fwd(hp_rz, p["w_rz_ln"], p["b_rz_ln"], p["eps"])
-        sv["mh"].copy_(mh)
-        sv["rh"].copy_(rh)
-        g_n, mn, rn = ln.layer_norm_fwd(hp_n, p["w_n_ln"], p["b_n_ln"], p["eps"])
-        sv["mn"].copy_(mn)
-        sv["rn"].copy_(rn)
-        ghn.copy_(g_n)
+def gru_fwd(st: dict[str, Any], off: int, bs: int) -> None:
+    hs, sl = st["H"], slice(off, off + bs)
+    h = st["h"][:bs]
+    h_prev = st["hprev"][sl]
+    h_prev.copy_(h)
+    hp = st["hp"][sl]
+    if st["normalize"]:
+        g_rz = _ln_fwd(st, hp[:, : 2 * hs], st["w_rz"], st["b_rz"], st["mh"][sl], st["rh"][sl])
+        g_n = _ln_fwd(st, hp[:, 2 * hs :], st["w_n"], st["b_n"], st["mn"][sl], st["rn"][sl])
     else:
-        g_rz = hp_rz.clone()
-        ghn.copy_(hp_n)
-    if p["b_hn"] is not None:
-        ghn.add_(p["b_hn"])
-    g_rz.add_(gx[:, : 2 * hs])
-    torch.sigmoid(g_rz, out=rz)
-    r, z = rz[:, :hs], rz[:, hs:]
-    n = sv["n"]
-    torch.addcmul(gx[:, 2 * hs :], r, ghn, out=n)
-    n.tanh_()
-    # h = n + z ⊙ (h_prev − n)
-    return torch.addcmul(n, z, h_prev - n)
+        g_rz, g_n = hp[:, : 2 * hs], hp[:, 2 * hs :]
+    ghn = st["ghn"][sl]
+    ghn.copy_(g_n if st["b_hn"] is None else g_n + st["b_hn"])
+    gx = st["gx"][sl]
+    rz = st["rz"][sl]
+    torch.sigmoid(g_rz + gx[:, : 2 * hs], out=rz)
+    n = st["n"][sl]
+    torch.tanh(torch.addcmul(gx[:, 2 * hs :], rz[:, :hs], ghn), out=n)
+    h_new = torch.addcmul(n, rz[:, hs:], h_prev - n)
+    st["out"][sl] = h_new
+    h.copy_(h_new)
 
 
-def gru_bwd(
-    dh: Tensor,
-    h_prev: Tensor,
-    hp_rz: Tensor,
-    hp_n: Tensor,
-    p: dict[str, Any],
-    sv: dict[str, Tensor],
-    dsv: dict[str, Tensor],
-) -> Tensor:
-    """Backward of :func:`gru_fwd`. Writes ``dsv["dgx"]`` (bs, 3H), ``dsv["dgh"]`` (bs, 3H: the
-    gradients of LN(hp_rz) and of LN(hp_n) + b_hn) and ``dsv["dhp"]`` (bs, 3H: of hp_rz, hp_n);
-    returns the part of the gradient of h_{t−1} that does not pass through ``W_hh``."""
-    hs = h_prev.shape[1]
-    ln = p["ln"]
-    rz, n, ghn = sv["rz"], sv["n"], sv["ghn"]
+def gru_bwd(st: dict[str, Any], off: int, bs: int) -> None:
+    hs, sl = st["H"], slice(off, off + bs)
+    dh = st["dh"][:bs]
+    dh_t = dh + st["dout"][sl]
+    rz, n, ghn, h_prev = st["rz"][sl], st["n"][sl], st["ghn"][sl], st["hprev"][sl]
     r, z = rz[:, :hs], rz[:, hs:]
-    dgx, dgh, dhp = dsv["dgx"], dsv["dgh"], dsv["dhp"]
-    d_rz, d_n = dgx[:, : 2 * hs], dgx[:, 2 * hs :]
-    # ∂/∂n pre-activation: dh ⊙ (1 − z) ⊙ (1 − n²)
-    torch.mul(dh, 1.0 - z, out=d_n)
-    d_n.mul_(1.0 - n * n)
-    torch.mul(d_n, ghn, out=d_rz[:, :hs])  # ∂/∂σ(r)
-    torch.mul(dh, h_prev - n, out=d_rz[:, hs:])  # ∂/∂σ(z)
-    d_rz.mul_(rz * (1.0 - rz))
-    dgh[:, : 2 * hs].copy_(d_rz)
+    dgx, dgh = st["dgx"][sl], st["dgh"][sl]
+    d_n = dgx[:, 2 * hs :]
+    torch.mul(dh_t * (1.0 - z), 1.0 - n * n, out=d_n)
+    torch.mul(d_n, ghn, out=dgx[:, :hs])
+    torch.mul(dh_t, h_prev - n, out=dgx[:, hs : 2 * hs])
+    dgx[:, : 2 * hs].mul_(rz * (1.0 - rz))
+    dgh[:, : 2 * hs] = dgx[:, : 2 * hs]
     torch.mul(d_n, r, out=dgh[:, 2 * hs :])
-    if p["normalize"]:
-        dx_rz, _, _ = ln.layer_norm_bwd(
-            dgh[:, : 2 * hs],
-            hp_rz,
-            sv["mh"],
-            sv["rh"],
-            p["w_rz_ln"],
-            False,
-            False,
-            True,
-            False,
-            False,
+    if st["normalize"]:
+        hp, dhp = st["hp"][sl], st["dhp"][sl]
+        dhp[:, : 2 * hs] = _ln_dx(
+            dgh[:, : 2 * hs], hp[:, : 2 * hs], st["mh"][sl], st["rh"][sl], st["w_rz"]
         )
-        dx_n, _, _ = ln.layer_norm_bwd(
-            dgh[:, 2 * hs :],
-            hp_n,
-            sv["mn"],
-            sv["rn"],
-            p["w_n_ln"],
-            False,
-            False,
-            True,
-            False,
-            False,
+        dhp[:, 2 * hs :] = _ln_dx(
+            dgh[:, 2 * hs :], hp[:, 2 * hs :], st["mn"][sl], st["rn"][sl], st["w_n"]
         )
-        dhp[:, : 2 * hs].copy_(dx_rz)
-        dhp[:, 2 * hs :].copy_(dx_n)
-    else:
-        dhp.copy_(dgh)
-    return dh * z
+    dh.copy_(dh_t * z)
 
 
 EAGER = StepKernels(lstm_fwd=lstm_fwd, lstm_bwd=lstm_bwd, gru_fwd=gru_fwd, gru_bwd=gru_bwd)
+C_KERNELS = StepKernels(
+    lstm_fwd=_cstep.lstm_fwd,
+    lstm_bwd=_cstep.lstm_bwd,
+    gru_fwd=_cstep.gru_fwd,
+    gru_bwd=_cstep.gru_bwd,
+)

@@ -1,0 +1,305 @@
+"""C source of the fused CPU time-step kernels of the LN-LSTM and LN-GRU (built by :mod:`._cstep`).
+
+One call does a whole step's work after the recurrent GEMM, for every row of the step, in one pass
+per row: the layer norm of ``hp = W_hh h_{t−1}`` (statistics in float64), the gates, the state
+update, the layer norm of ``c_t``, and the stores that backward needs. The backward call does the
+step's pointwise backward including the two layer-norm ``dx``s. An eager step is 15–30 ATen ops
+each costing a few microseconds of dispatch on ``(B, 4H)`` tensors; here it is one C call.
+
+Per row, layer-norm ``dx`` with ``x̂ = (x − μ)·rstd`` and ``g = dy ⊙ w``:
+``dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂))``.
+
+The source is written once over ``scalar_t`` / ``SUF`` / ``EXP`` / ``TANH`` and instantiated for
+float32 and float64 by :func:`source`. Rows are independent, so they are split across OpenMP threads
+when a step is large enough to pay for waking them.
+"""
+
+from __future__ import annotations
+
+_PRELUDE = r"""
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+typedef int64_t i64;
+typedef double acc_t;
+"""
+
+_TEMPLATE = r"""
+/* ------------------------------------------------------------------ scalar_t -------------- */
+
+static inline void moments_SUF(const scalar_t* x, i64 N, double eps, acc_t* mu, acc_t* r) {
+    acc_t s = 0;
+    #pragma omp simd reduction(+ : s)
+    for (i64 j = 0; j < N; ++j) s += x[j];
+    const acc_t m = s / N;
+    acc_t v = 0;
+    #pragma omp simd reduction(+ : v)
+    for (i64 j = 0; j < N; ++j) {
+        const acc_t d = x[j] - m;
+        v += d * d;
+    }
+    *mu = m;
+    *r = 1.0 / sqrt(v / N + eps);
+}
+
+/* dx (+)= rstd·(g − mean(g) − x̂·mean(g⊙x̂)), g = dy⊙w (w may be NULL). */
+static inline void ln_dx_SUF(const scalar_t* dy, const scalar_t* x, acc_t m, acc_t r,
+                             const scalar_t* w, scalar_t* dx, i64 N, int accumulate) {
+    acc_t sg = 0, sgx = 0;
+    for (i64 j = 0; j < N; ++j) {
+        const acc_t g = (acc_t)dy[j] * (w ? (acc_t)w[j] : 1.0);
+        sg += g;
+        sgx += g * ((x[j] - m) * r);
+    }
+    sg /= N;
+    sgx /= N;
+    for (i64 j = 0; j < N; ++j) {
+        const acc_t g = (acc_t)dy[j] * (w ? (acc_t)w[j] : 1.0);
+        const acc_t v = r * (g - sg - ((x[j] - m) * r) * sgx);
+        dx[j] = (scalar_t)(accumulate ? dx[j] + v : v);
+    }
+}
+
+static inline scalar_t sigm_SUF(scalar_t v) { return (scalar_t)1 / ((scalar_t)1 + EXP(-v)); }
+
+/* LN-LSTM step forward, rows [lo, hi). Gate order i, f, g, o (torch). */
+static void lstm_fwd_rows_SUF(
+    const scalar_t* hp, const scalar_t* gx, const scalar_t* w1, const scalar_t* b1,
+    const scalar_t* w3, const scalar_t* b3, scalar_t* h_state, scalar_t* c_state,
+    scalar_t* out, scalar_t* hprev, scalar_t* cprev, scalar_t* acts, scalar_t* mh,
+    scalar_t* rh, scalar_t* cn, scalar_t* mc, scalar_t* rc, scalar_t* tc,
+    i64 lo, i64 hi, i64 H, double eps, int normalize, int carry_norm) {
+    const i64 G = 4 * H;
+    for (i64 i = lo; i < hi; ++i) {
+        const scalar_t* hpr = hp + i * G;
+        const scalar_t* gxr = gx + i * G;
+        scalar_t* a = acts + i * G;
+        acc_t m = 0, r = 1;
+        if (normalize) {
+            moments_SUF(hpr, G, eps, &m, &r);
+            mh[i] = (scalar_t)m;
+            rh[i] = (scalar_t)r;
+            for (i64 j = 0; j < G; ++j) {
+                scalar_t v = (scalar_t)((hpr[j] - m) * r);
+                if (w1) v *= w1[j];
+                if (b1) v += b1[j];
+                a[j] = v + gxr[j];
+            }
+        } else {
+            for (i64 j = 0; j < G; ++j) a[j] = hpr[j] + gxr[j];
+        }
+        for (i64 j = 0; j < 2 * H; ++j) a[j] = sigm_SUF(a[j]);
+        for (i64 j = 2 * H; j < 3 * H; ++j) a[j] = TANH(a[j]);
+        for (i64 j = 3 * H; j < G; ++j) a[j] = sigm_SUF(a[j]);
+        scalar_t* cs = c_state + i * H;
+        scalar_t* cp = cprev + i * H;
+        scalar_t* cnr = cn + i * H;
+        for (i64 j = 0; j < H; ++j) {
+            cp[j] = cs[j];
+            cnr[j] = a[H + j] * cs[j] + a[j] * a[2 * H + j];
+        }
+        scalar_t* tcr = tc + i * H;
+        scalar_t* hs = h_state + i * H;
+        scalar_t* hpv = hprev + i * H;
+        scalar_t* o = out + i * H;
+        if (normalize) {
+            moments_SUF(cnr, H, eps, &m, &r);
+            mc[i] = (scalar_t)m;
+            rc[i] = (scalar_t)r;
+        }
+        for (i64 j = 0; j < H; ++j) {
+            scalar_t lc = cnr[j];
+            if (normalize) {
+                lc = (scalar_t)((cnr[j] - m) * r);
+                if (w3) lc *= w3[j];
+                if (b3) lc += b3[j];
+            }
+            const scalar_t t = TANH(lc);
+            tcr[j] = t;
+            const scalar_t h = a[3 * H + j] * t;
+            hpv[j] = hs[j];
+            hs[j] = h;
+            o[j] = h;
+            cs[j] = carry_norm ? lc : cnr[j];
+        }
+    }
+}
+
+void lstm_fwd_SUF(
+    const scalar_t* hp, const scalar_t* gx, const scalar_t* w1, const scalar_t* b1,
+    const scalar_t* w3, const scalar_t* b3, scalar_t* h_state, scalar_t* c_state,
+    scalar_t* out, scalar_t* hprev, scalar_t* cprev, scalar_t* acts, scalar_t* mh,
+    scalar_t* rh, scalar_t* cn, scalar_t* mc, scalar_t* rc, scalar_t* tc,
+    i64 bs, i64 H, double eps, int normalize, int carry_norm, int nt) {
+    #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (i64 i = 0; i < bs; ++i)
+        lstm_fwd_rows_SUF(hp, gx, w1, b1, w3, b3, h_state, c_state, out, hprev, cprev, acts,
+                          mh, rh, cn, mc, rc, tc, i, i + 1, H, eps, normalize, carry_norm);
+}
+
+/* LN-LSTM step backward. In: dout (this step's output gradient), dh_state (gradient of h_t from
+   later steps), dc_state (of the carried c_t). Out: dgates (of the gate pre-activations), dhp (of
+   hp; not written without normalization, where it equals dgates), dlc (of LN(c_t)), dc_state :=
+   gradient of c_{t−1}. dh_state is left for the caller's GEMM to overwrite. */
+static void lstm_bwd_row_SUF(
+    const scalar_t* dout, const scalar_t* dh, scalar_t* dc, const scalar_t* hp, acc_t mh,
+    acc_t rh, const scalar_t* w1, const scalar_t* a, const scalar_t* cp, const scalar_t* cn,
+    acc_t mc, acc_t rc, const scalar_t* w3, const scalar_t* tc, scalar_t* dg, scalar_t* dhp,
+    scalar_t* dlc, i64 H, int normalize, int carry_norm) {
+    for (i64 j = 0; j < H; ++j) {
+        const scalar_t dht = dh[j] + dout[j];
+        const scalar_t o = a[3 * H + j], t = tc[j];
+        dg[3 * H + j] = dht * t * o * ((scalar_t)1 - o);
+        scalar_t d = dht * o * ((scalar_t)1 - t * t);
+        if (carry_norm) d += dc[j];
+        dlc[j] = d;
+    }
+    if (normalize) {
+        ln_dx_SUF(dlc, cn, mc, rc, w3, dc, H, !carry_norm);
+    } else {
+        for (i64 j = 0; j < H; ++j) dc[j] = dlc[j] + (carry_norm ? (scalar_t)0 : dc[j]);
+    }
+    for (i64 j = 0; j < H; ++j) {
+        const scalar_t dcn = dc[j];
+        const scalar_t ig = a[j], fg = a[H + j], gg = a[2 * H + j];
+        dg[j] = dcn * gg * ig * ((scalar_t)1 - ig);
+        dg[H + j] = dcn * cp[j] * fg * ((scalar_t)1 - fg);
+        dg[2 * H + j] = dcn * ig * ((scalar_t)1 - gg * gg);
+        dc[j] = dcn * fg;
+    }
+    if (normalize) ln_dx_SUF(dg, hp, mh, rh, w1, dhp, 4 * H, 0);
+}
+
+void lstm_bwd_SUF(
+    const scalar_t* dout, const scalar_t* dh_state, scalar_t* dc_state, const scalar_t* hp,
+    const scalar_t* mh, const scalar_t* rh, const scalar_t* w1, const scalar_t* acts,
+    const scalar_t* cprev, const scalar_t* cn, const scalar_t* mc, const scalar_t* rc,
+    const scalar_t* w3, const scalar_t* tc, scalar_t* dgates, scalar_t* dhp, scalar_t* dlc,
+    i64 bs, i64 H, int normalize, int carry_norm, int nt) {
+    const i64 G = 4 * H;
+    #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (i64 i = 0; i < bs; ++i)
+        lstm_bwd_row_SUF(dout + i * H, dh_state + i * H, dc_state + i * H, hp + i * G,
+                         normalize ? mh[i] : 0, normalize ? rh[i] : 1, w1, acts + i * G,
+                         cprev + i * H, cn + i * H, normalize ? mc[i] : 0,
+                         normalize ? rc[i] : 1, w3, tc + i * H, dgates + i * G,
+                         dhp ? dhp + i * G : 0, dlc + i * H, H, normalize, carry_norm);
+}
+
+/* LN-GRU step forward (gates r, z, n; torch's layout). hp = W_hh h_{t−1} (raw), gx = LN(W_ih x)
+   + b_ih + [b_hr, b_hz, 0]. The (r, z) block and the n block of hp get separate layer norms. */
+static void gru_fwd_row_SUF(
+    const scalar_t* hp, const scalar_t* gx, const scalar_t* w_rz, const scalar_t* b_rz,
+    const scalar_t* w_n, const scalar_t* b_n, const scalar_t* b_hn, scalar_t* hs, scalar_t* o,
+    scalar_t* hpv, scalar_t* rz, scalar_t* n, scalar_t* ghn, scalar_t* mh, scalar_t* rh,
+    scalar_t* mn, scalar_t* rn, i64 H, double eps, int normalize) {
+    acc_t m1 = 0, r1 = 1, m2 = 0, r2 = 1;
+    if (normalize) {
+        moments_SUF(hp, 2 * H, eps, &m1, &r1);
+        moments_SUF(hp + 2 * H, H, eps, &m2, &r2);
+        *mh = (scalar_t)m1;
+        *rh = (scalar_t)r1;
+        *mn = (scalar_t)m2;
+        *rn = (scalar_t)r2;
+    }
+    for (i64 j = 0; j < 2 * H; ++j) {
+        scalar_t v = hp[j];
+        if (normalize) {
+            v = (scalar_t)((hp[j] - m1) * r1);
+            if (w_rz) v *= w_rz[j];
+            if (b_rz) v += b_rz[j];
+        }
+        rz[j] = sigm_SUF(v + gx[j]);
+    }
+    for (i64 j = 0; j < H; ++j) {
+        scalar_t v = hp[2 * H + j];
+        if (normalize) {
+            v = (scalar_t)((hp[2 * H + j] - m2) * r2);
+            if (w_n) v *= w_n[j];
+            if (b_n) v += b_n[j];
+        }
+        if (b_hn) v += b_hn[j];
+        ghn[j] = v;
+        const scalar_t nv = TANH(gx[2 * H + j] + rz[j] * v);
+        n[j] = nv;
+        const scalar_t hprev = hs[j];
+        hpv[j] = hprev;
+        const scalar_t h = nv + rz[H + j] * (hprev - nv);
+        hs[j] = h;
+        o[j] = h;
+    }
+}
+
+void gru_fwd_SUF(
+    const scalar_t* hp, const scalar_t* gx, const scalar_t* w_rz, const scalar_t* b_rz,
+    const scalar_t* w_n, const scalar_t* b_n, const scalar_t* b_hn, scalar_t* h_state,
+    scalar_t* out, scalar_t* hprev, scalar_t* rz, scalar_t* n, scalar_t* ghn, scalar_t* mh,
+    scalar_t* rh, scalar_t* mn, scalar_t* rn, i64 bs, i64 H, double eps, int normalize, int nt) {
+    const i64 G = 3 * H;
+    #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (i64 i = 0; i < bs; ++i)
+        gru_fwd_row_SUF(hp + i * G, gx + i * G, w_rz, b_rz, w_n, b_n, b_hn, h_state + i * H,
+                        out + i * H, hprev + i * H, rz + i * 2 * H, n + i * H, ghn + i * H,
+                        mh + i, rh + i, mn + i, rn + i, H, eps, normalize);
+}
+
+/* LN-GRU step backward. Out: dgx (of the input-side pre-activations), dgh (of LN(hp_rz) and of
+   LN(hp_n) + b_hn), dhp (of hp; not written without normalization, where it equals dgh), and
+   dh_state := the part of the gradient of h_{t−1} that bypasses W_hh (the caller adds dhp·W_hh). */
+static void gru_bwd_row_SUF(
+    const scalar_t* dout, scalar_t* dh, const scalar_t* hpv, const scalar_t* hp,
+    const scalar_t* rz, const scalar_t* n, const scalar_t* ghn, acc_t mh, acc_t rh, acc_t mn,
+    acc_t rn, const scalar_t* w_rz, const scalar_t* w_n, scalar_t* dgx, scalar_t* dgh,
+    scalar_t* dhp, i64 H, int normalize) {
+    for (i64 j = 0; j < H; ++j) {
+        const scalar_t dht = dh[j] + dout[j];
+        const scalar_t r = rz[j], z = rz[H + j], nv = n[j];
+        const scalar_t dn = dht * ((scalar_t)1 - z) * ((scalar_t)1 - nv * nv);
+        const scalar_t dr = dn * ghn[j] * r * ((scalar_t)1 - r);
+        const scalar_t dz = dht * (hpv[j] - nv) * z * ((scalar_t)1 - z);
+        dgx[j] = dr;
+        dgx[H + j] = dz;
+        dgx[2 * H + j] = dn;
+        dgh[j] = dr;
+        dgh[H + j] = dz;
+        dgh[2 * H + j] = dn * r;
+        dh[j] = dht * z;
+    }
+    if (normalize) {
+        ln_dx_SUF(dgh, hp, mh, rh, w_rz, dhp, 2 * H, 0);
+        ln_dx_SUF(dgh + 2 * H, hp + 2 * H, mn, rn, w_n, dhp + 2 * H, H, 0);
+    }
+}
+
+void gru_bwd_SUF(
+    const scalar_t* dout, scalar_t* dh_state, const scalar_t* hprev, const scalar_t* hp,
+    const scalar_t* rz, const scalar_t* n, const scalar_t* ghn, const scalar_t* mh,
+    const scalar_t* rh, const scalar_t* mn, const scalar_t* rn, const scalar_t* w_rz,
+    const scalar_t* w_n, scalar_t* dgx, scalar_t* dgh, scalar_t* dhp, i64 bs, i64 H,
+    int normalize, int nt) {
+    const i64 G = 3 * H;
+    #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (i64 i = 0; i < bs; ++i)
+        gru_bwd_row_SUF(dout + i * H, dh_state + i * H, hprev + i * H, hp + i * G, rz + i * 2 * H,
+                        n + i * H, ghn + i * H, normalize ? mh[i] : 0, normalize ? rh[i] : 1,
+                        normalize ? mn[i] : 0, normalize ? rn[i] : 1, w_rz, w_n, dgx + i * G,
+                        dgh + i * G, dhp ? dhp + i * G : 0, H, normalize);
+}
+"""
+
+#: (C type, symbol suffix, exp, tanh) for each instantiation.
+INSTANCES = (("float", "f32", "expf", "tanhf"), ("double", "f64", "exp", "tanh"))
+
+
+def source() -> str:
+    """The complete C translation unit: prelude plus the template for every scalar type."""
+    parts = [_PRELUDE]
+    for ctype, suffix, exp, tanh in INSTANCES:
+        parts.append(
+            _TEMPLATE.replace("scalar_t", ctype)
+            .replace("SUF", suffix)
+            .replace("EXP(", f"{exp}(")
+            .replace("TANH(", f"{tanh}(")
+        )
+    return "\n".join(parts)

@@ -1,0 +1,165 @@
+"""Build, cache and call the C time-step kernels of :mod:`._csrc` (CPU, float32/float64).
+
+The library is compiled once per machine with the system C compiler (about a second) into the
+cache directory the CPU norm kernels use, keyed by a hash of the source, flags, compiler, the loaded
+``libgomp`` and the CPU's flags; the build helpers are shared with
+:mod:`layernorm.kernels.cpu._native`. Kernels are called through :mod:`ctypes` on raw pointers,
+computed here from the base address of each ``(N, ·)`` buffer, so a step slices no tensors.
+
+``LAYERNORM_CPU_COMPILE=0`` or a failed build selects the eager step functions of
+:mod:`._pointwise` instead (a warning says why, once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _csrc
+
+ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+# Below this many elements per step one thread does the rows: waking the pool costs more.
+_GRAIN = 32768
+_P, _I64, _INT, _DBL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+_SIGNATURES = {
+    "lstm_fwd": (_P,) * 18 + (_I64, _I64, _DBL, _INT, _INT, _INT),
+    "lstm_bwd": (_P,) * 17 + (_I64, _I64, _INT, _INT, _INT),
+    "gru_fwd": (_P,) * 17 + (_I64, _I64, _DBL, _INT, _INT),
+    "gru_bwd": (_P,) * 16 + (_I64, _I64, _INT, _INT),
+}
+_FNS: dict[tuple[str, torch.dtype], Any] = {}
+
+
+def _build() -> Path:
+    from ..kernels.cpu import _native as nat  # build helpers shared with the norm kernels
+
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"the C step kernels are built on Linux only, not {sys.platform}")
+    cc = nat._compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (tried $CC, cc, gcc)")
+    src = _csrc.source()
+    gomp = nat._loaded_libgomp()
+    flags = tuple(nat._FLAGS)
+    key = hashlib.sha256(
+        "\n".join([src, " ".join(flags), cc, gomp or "", nat._cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    out = nat._cache_dir() / f"layernorm_rnn_{key}.so"
+    if out.exists():
+        return out
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        c_file = Path(tmp) / "rnn_steps.c"
+        c_file.write_text(src)
+        tmp_so = Path(tmp) / out.name
+        link = [gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"] if gomp else []
+        cmd = [cc, *flags, str(c_file), "-o", str(tmp_so), *link, "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp_so, out)  # atomic: a concurrent builder never loads a half-written file
+    return out
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(_build()))
+        for base, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                fn = getattr(lib, f"{base}_{suffix}")
+                fn.restype = None
+                fn.argtypes = argtypes
+                _FNS[base, dtype] = fn
+        return lib
+    except Exception as err:  # any failure falls back to the eager step functions
+        warnings.warn(
+            f"layernorm: C recurrent step kernels unavailable, using eager ops ({err})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def available(x: Tensor) -> bool:
+    """Whether the C kernels run steps on ``x``: a CPU float32/float64 tensor, switch on, built."""
+    if x.dtype not in _SUFFIX or not x.is_cpu:
+        return False
+    return os.environ.get(ENV_SWITCH, "1") != "0" and _library() is not None
+
+
+def _threads(rows: int, cols: int) -> int:
+    return max(1, min(torch.get_num_threads(), rows, (rows * cols) // _GRAIN))
+
+
+class _Ptr:
+    """Row addresses into the buffers of one sequence: ``p(name, row)`` without slicing tensors."""
+
+    def __init__(self, st: dict[str, Any]) -> None:
+        self.base: dict[str, tuple[int, int]] = {}
+        for k, v in st.items():
+            if isinstance(v, Tensor) and v.dim() >= 1:
+                cols = v.shape[1] if v.dim() == 2 else 1
+                self.base[k] = (v.data_ptr(), cols * v.element_size())
+
+    def __call__(self, name: str, row: int = 0) -> int | None:
+        b = self.base.get(name)
+        return None if b is None else b[0] + row * b[1]
+
+
+def _ptrs(st: dict[str, Any]) -> _Ptr:
+    p = st.get("_ptr")
+    if p is None:
+        p = st["_ptr"] = _Ptr(st)
+    return p
+
+
+def lstm_fwd(st: dict[str, Any], off: int, bs: int) -> None:
+    p, hs = _ptrs(st), st["H"]
+    _FNS["lstm_fwd", st["gx"].dtype](
+        p("hp", off), p("gx", off), p("w1"), p("b1"), p("w3"), p("b3"),
+        p("h"), p("c"), p("out", off), p("hprev", off), p("cprev", off), p("acts", off),
+        p("mh", off), p("rh", off), p("cn", off), p("mc", off), p("rc", off), p("tc", off),
+        bs, hs, st["eps"], st["normalize"], st["carry_normalized"], _threads(bs, 4 * hs),
+    )  # fmt: skip
+
+
+def lstm_bwd(st: dict[str, Any], off: int, bs: int) -> None:
+    p, hs = _ptrs(st), st["H"]
+    _FNS["lstm_bwd", st["gx"].dtype](
+        p("dout", off), p("dh"), p("dc"), p("hp", off), p("mh", off), p("rh", off), p("w1"),
+        p("acts", off), p("cprev", off), p("cn", off), p("mc", off), p("rc", off), p("w3"),
+        p("tc", off), p("dgates", off), p("dhp", off) if st["normalize"] else None,
+        p("dlc", off), bs, hs, st["normalize"], st["carry_normalized"], _threads(bs, 4 * hs),
+    )  # fmt: skip
+
+
+def gru_fwd(st: dict[str, Any], off: int, bs: int) -> None:
+    p, hs = _ptrs(st), st["H"]
+    _FNS["gru_fwd", st["gx"].dtype](
+        p("hp", off), p("gx", off), p("w_rz"), p("b_rz"), p("w_n"), p("b_n"), p("b_hn"),
+        p("h"), p("out", off), p("hprev", off), p("rz", off), p("n", off), p("ghn", off),
+        p("mh", off), p("rh", off), p("mn", off), p("rn", off),
+        bs, hs, st["eps"], st["normalize"], _threads(bs, 3 * hs),
+    )  # fmt: skip
+
+
+def gru_bwd(st: dict[str, Any], off: int, bs: int) -> None:
+    p, hs = _ptrs(st), st["H"]
+    _FNS["gru_bwd", st["gx"].dtype](
+        p("dout", off), p("dh"), p("hprev", off), p("hp", off), p("rz", off), p("n", off),
+        p("ghn", off), p("mh", off), p("rh", off), p("mn", off), p("rn", off), p("w_rz"),
+        p("w_n"), p("dgx", off), p("dgh", off), p("dhp", off) if st["normalize"] else None,
+        bs, hs, st["normalize"], _threads(bs, 3 * hs),
+    )  # fmt: skip

@@ -120,3 +120,33 @@ def test_inductor_end_to_end_half_inputs():
     for a, b in zip(dp_c, dp_e, strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, atol=0.1, rtol=3e-2)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "wdtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)], ids=str
+)
+def test_fake_implementations_agree_with_kernels(dtype, wdtype):
+    """torch.library.opcheck: schema, fake tensors (shapes, dtypes, devices) and, for the forward
+    ops, the autograd registration and AOT dispatch, against the real kernels."""
+    from torch.library import opcheck
+
+    ops = torch.ops.layernorm
+    x = make_x((4, 9), dtype).requires_grad_()
+    w = torch.randn(9, dtype=wdtype, requires_grad=True)
+    b = torch.randn(9, dtype=wdtype, requires_grad=True)
+    opcheck(ops.layer_norm_fwd.default, (x, w, b, 1e-5, False, True))
+    opcheck(ops.rms_norm_fwd.default, (x, w, 1e-5))
+    opcheck(ops.ada_norm_fwd.default, (x, 0.1, 2.0, 1e-5))
+    fake_only = ("test_schema", "test_faketensor")
+    with torch.no_grad():
+        _, mean, rstd = ops.layer_norm_fwd(x, w, b, 1e-5)
+        dy = torch.randn_like(x)
+        t, f = True, False
+        needs = [(t, t, t), (t, f, f), (f, t, f), (f, f, t)]
+        for need in needs:
+            args = (dy, x, mean, rstd, w, True, False, *need)
+            opcheck(ops.layer_norm_bwd.default, args, test_utils=fake_only)
+        opcheck(ops.rms_norm_bwd.default, (dy, x, rstd, w, True, True), test_utils=fake_only)
+        opcheck(ops.ada_norm_bwd.default, (dy, x, mean, rstd, 0.1, 2.0), test_utils=fake_only)
+        # statistics are kept in float32 for half inputs
+        assert mean.dtype == rstd.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)

@@ -31,6 +31,10 @@ _PRELUDE = r"""
 typedef int64_t i64;
 typedef double acc_t;
 
+/* Row sums run in LANES independent partial sums (4 AVX-512 registers of doubles): a single
+   running sum would wait on the add latency every step and run at a quarter of the speed. */
+#define LANES 32
+
 /* Rows [lo, hi) of M for thread tid of nt: contiguous blocks whose sizes differ by at most one. */
 static void row_block(i64 M, int nt, int tid, i64* lo, i64* hi) {
     i64 base = M / nt, rem = M % nt;
@@ -67,44 +71,119 @@ static void reduce_buffers(acc_t* buf, int nt, i64 N) {
 _TEMPLATE = r"""
 /* ---------------------------------------------------------------- scalar_t ---------------- */
 
+/* A vector of N ones, kept per calling thread: a missing gain becomes w = 1, so every backward
+   loop has a single form instead of one per combination of optional arguments. */
+static __thread scalar_t* ones_buf_SUF = NULL;
+static __thread i64 ones_cap_SUF = 0;
+
+static const scalar_t* ones_SUF(i64 n) {
+    if (n > ones_cap_SUF) {
+        free(ones_buf_SUF);
+        ones_buf_SUF = (scalar_t*)malloc((size_t)n * sizeof(scalar_t));
+        ones_cap_SUF = ones_buf_SUF ? n : 0;
+        if (!ones_buf_SUF) return NULL;
+        for (i64 j = 0; j < n; ++j) ones_buf_SUF[j] = 1;
+    }
+    return ones_buf_SUF;
+}
+
+/* Sum of the LANES partial sums, folded pairwise (log depth: a serial sum of 32 lanes would cost
+   more than the sweep itself on short rows); destroys p. */
+static inline acc_t fold_SUF(scalar_t* p) {
+    for (int h = LANES / 2; h > 0; h /= 2)
+        for (int l = 0; l < h; ++l) p[l] += p[l + h];
+    return p[0];
+}
+
 /* Mean and 1/sqrt(biased var + eps) of one row, two sweeps (the second hits cache): the centred
    sum of squares does not lose digits to cancellation the way E[x²] − μ² does. */
-static void row_moments_SUF(const scalar_t* xr, i64 N, double eps, acc_t* mu, acc_t* r) {
+static void row_moments_SUF(const scalar_t* restrict xr, i64 N, double eps, acc_t* mu, acc_t* r) {
+    scalar_t ps[LANES] = {0};
     acc_t s = 0;
-    #pragma omp simd reduction(+ : s)
-    for (i64 j = 0; j < N; ++j) s += xr[j];
+    i64 j = 0;
+    for (; j + LANES <= N; j += LANES)
+        for (int l = 0; l < LANES; ++l) ps[l] += xr[j + l];
+    for (; j < N; ++j) s += xr[j];
+    s += fold_SUF(ps);
     const acc_t m = s / N;
+    const scalar_t mf = (scalar_t)m;
+    scalar_t pv[LANES] = {0};
     acc_t v = 0;
-    #pragma omp simd reduction(+ : v)
-    for (i64 j = 0; j < N; ++j) {
-        const acc_t d = xr[j] - m;
-        v += d * d;
-    }
+    for (j = 0; j + LANES <= N; j += LANES)
+        for (int l = 0; l < LANES; ++l) {
+            const scalar_t d = xr[j + l] - mf;
+            pv[l] += d * d;
+        }
+    for (; j < N; ++j) v += (xr[j] - m) * (xr[j] - m);
+    v += fold_SUF(pv);
     *mu = m;
     *r = 1.0 / sqrt(v / N + eps);
 }
 
-static void ln_fwd_rows_SUF(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_t* y,
-                            scalar_t* mean, scalar_t* rstd, i64 lo, i64 hi, i64 N, double eps) {
+/* Σ g and Σ g·x̂ over one row (g = dy ⊙ w, x̂ = (x − m)·r); with dwa/dba, also adds the row's
+   dy ⊙ x̂ and dy to the weight/bias accumulators in the same sweep. */
+static void row_grad_sums_SUF(const scalar_t* restrict dyr, const scalar_t* restrict xr,
+                              const scalar_t* restrict w, acc_t m, acc_t r, i64 N,
+                              acc_t* restrict dwa, acc_t* restrict dba, acc_t* sg, acc_t* sgx) {
+    scalar_t pg[LANES] = {0}, pgx[LANES] = {0};
+    const scalar_t mf = (scalar_t)m, rf = (scalar_t)r;
+    acc_t tg = 0, tgx = 0;
+    i64 j = 0;
+    if (dwa) {
+        for (; j + LANES <= N; j += LANES)
+            for (int l = 0; l < LANES; ++l) {
+                const scalar_t d = dyr[j + l], xh = (xr[j + l] - mf) * rf, g = d * w[j + l];
+                pg[l] += g;
+                pgx[l] += g * xh;
+                dwa[j + l] += d * xh;
+                dba[j + l] += d;
+            }
+        for (; j < N; ++j) {
+            const acc_t d = dyr[j], xh = (xr[j] - m) * r, g = d * w[j];
+            tg += g;
+            tgx += g * xh;
+            dwa[j] += d * xh;
+            dba[j] += d;
+        }
+    } else {
+        for (; j + LANES <= N; j += LANES)
+            for (int l = 0; l < LANES; ++l) {
+                const scalar_t g = dyr[j + l] * w[j + l];
+                pg[l] += g;
+                pgx[l] += g * ((xr[j + l] - mf) * rf);
+            }
+        for (; j < N; ++j) {
+            const acc_t g = (acc_t)dyr[j] * w[j];
+            tg += g;
+            tgx += g * ((xr[j] - m) * r);
+        }
+    }
+    *sg = tg + fold_SUF(pg);
+    *sgx = tgx + fold_SUF(pgx);
+}
+
+static void ln_fwd_rows_SUF(const scalar_t* restrict x, const scalar_t* restrict w,
+                            const scalar_t* restrict b, scalar_t* restrict y,
+                            scalar_t* restrict mean, scalar_t* restrict rstd, i64 lo, i64 hi,
+                            i64 N, double eps) {
     for (i64 i = lo; i < hi; ++i) {
-        const scalar_t* xr = x + i * N;
-        scalar_t* yr = y + i * N;
+        const scalar_t* restrict xr = x + i * N;
+        scalar_t* restrict yr = y + i * N;
         acc_t m, r;
         row_moments_SUF(xr, N, eps, &m, &r);
-        mean[i] = (scalar_t)m;
-        rstd[i] = (scalar_t)r;
+        const scalar_t mf = mean[i] = (scalar_t)m, rf = rstd[i] = (scalar_t)r;
         if (w && b) {
             #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = (scalar_t)((xr[j] - m) * r) * w[j] + b[j];
+            for (i64 j = 0; j < N; ++j) yr[j] = (xr[j] - mf) * rf * w[j] + b[j];
         } else if (w) {
             #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = (scalar_t)((xr[j] - m) * r) * w[j];
+            for (i64 j = 0; j < N; ++j) yr[j] = (xr[j] - mf) * rf * w[j];
         } else if (b) {
             #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = (scalar_t)((xr[j] - m) * r) + b[j];
+            for (i64 j = 0; j < N; ++j) yr[j] = (xr[j] - mf) * rf + b[j];
         } else {
             #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = (scalar_t)((xr[j] - m) * r);
+            for (i64 j = 0; j < N; ++j) yr[j] = (xr[j] - mf) * rf;
         }
     }
 }
@@ -124,42 +203,26 @@ void ln_fwd_SUF(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_
 }
 
 /* Layer-norm backward over rows [lo, hi). keep_mu / keep_sigma select the DetachNorm variant;
-   w may be NULL (gain 1); dx may be NULL; dwa/dba (float64 accumulators) may be NULL. The first
-   sweep reads dy and x from memory for the row sums and the dw/db terms; the second, which writes
-   dx, finds them in cache. */
-static void ln_bwd_rows_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* mean,
-                            const scalar_t* rstd, const scalar_t* w, scalar_t* dx, acc_t* dwa,
+   mean = NULL means μ = 0 (RMSNorm); w is never NULL (ones stand in); dx may be NULL; dwa and
+   dba are both NULL or both set. The
+   first sweep reads dy and x from memory; the second, which writes dx, finds them in cache. */
+static void ln_bwd_rows_SUF(const scalar_t* restrict dy, const scalar_t* restrict x,
+                            const scalar_t* restrict mean, const scalar_t* restrict rstd,
+                            const scalar_t* restrict w, scalar_t* restrict dx, acc_t* dwa,
                             acc_t* dba, i64 lo, i64 hi, i64 N, int keep_mu, int keep_sigma) {
     const int need_sums = dx && (keep_mu || keep_sigma);
     for (i64 i = lo; i < hi; ++i) {
-        const scalar_t* dyr = dy + i * N;
-        const scalar_t* xr = x + i * N;
-        const acc_t m = mean[i], r = rstd[i];
+        const scalar_t* restrict dyr = dy + i * N;
+        const scalar_t* restrict xr = x + i * N;
+        const acc_t m = mean ? mean[i] : 0.0, r = rstd[i];
         acc_t sg = 0, sgx = 0;
-        if (need_sums || dwa || dba) {
-            /* Loop-invariant branches: the compiler emits one vector loop per combination. */
-            #pragma omp simd reduction(+ : sg, sgx)
-            for (i64 j = 0; j < N; ++j) {
-                const acc_t d = dyr[j], xh = (xr[j] - m) * r;
-                const acc_t g = w ? d * w[j] : d;
-                sg += g;
-                sgx += g * xh;
-                if (dwa) dwa[j] += d * xh;
-                if (dba) dba[j] += d;
-            }
-        }
+        if (need_sums || dwa) row_grad_sums_SUF(dyr, xr, w, m, r, N, dwa, dba, &sg, &sgx);
         if (!dx) continue;
-        const acc_t c1 = keep_mu ? sg / N : 0.0, c2 = keep_sigma ? sgx / N : 0.0;
-        scalar_t* dxr = dx + i * N;
-        if (w) {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j)
-                dxr[j] = (scalar_t)(r * ((acc_t)dyr[j] * w[j] - c1 - (xr[j] - m) * r * c2));
-        } else {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j)
-                dxr[j] = (scalar_t)(r * (dyr[j] - c1 - (xr[j] - m) * r * c2));
-        }
+        const scalar_t c1 = keep_mu ? sg / N : 0.0, c2 = keep_sigma ? sgx / N : 0.0;
+        const scalar_t mf = (scalar_t)m, rf = (scalar_t)r;
+        scalar_t* restrict dxr = dx + i * N;
+        #pragma omp simd
+        for (i64 j = 0; j < N; ++j) dxr[j] = rf * (dyr[j] * w[j] - c1 - (xr[j] - mf) * rf * c2);
     }
 }
 
@@ -167,13 +230,11 @@ int ln_bwd_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* mean, cons
                const scalar_t* w, scalar_t* dx, scalar_t* dw, scalar_t* db, i64 M, i64 N,
                int keep_mu, int keep_sigma, int nt) {
     if (nt < 1) nt = 1;
+    if (!w && !(w = ones_SUF(N))) return 1;
     acc_t *dwa = NULL, *dba = NULL;
-    const i64 blocks = (dw ? 1 : 0) + (db ? 1 : 0);
-    if (blocks) {
-        acc_t* buf = zeroed_scratch(blocks * nt * N);
-        if (!buf) return 1;
-        dwa = dw ? buf : NULL;
-        dba = db ? buf + (dw ? (i64)nt * N : 0) : NULL;
+    if (dw || db) {  /* both accumulate together: one loop form, and db costs one add */
+        if (!(dwa = zeroed_scratch(2 * nt * N))) return 1;
+        dba = dwa + (i64)nt * N;
     }
     if (nt == 1) {
         ln_bwd_rows_SUF(dy, x, mean, rstd, w, dx, dwa, dba, 0, M, N, keep_mu, keep_sigma);
@@ -187,11 +248,11 @@ int ln_bwd_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* mean, cons
                             dba ? dba + (i64)t * N : NULL, lo, hi, N, keep_mu, keep_sigma);
         }
     }
-    if (dwa) {
+    if (dw) {
         reduce_buffers(dwa, nt, N);
         for (i64 j = 0; j < N; ++j) dw[j] = (scalar_t)dwa[j];
     }
-    if (dba) {
+    if (db) {
         reduce_buffers(dba, nt, N);
         for (i64 j = 0; j < N; ++j) db[j] = (scalar_t)dba[j];
     }
@@ -200,22 +261,26 @@ int ln_bwd_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* mean, cons
 
 /* -------------------------------------------------------------------- RMSNorm ------------- */
 
-static void rms_fwd_rows_SUF(const scalar_t* x, const scalar_t* w, scalar_t* y, scalar_t* rstd,
-                             i64 lo, i64 hi, i64 N, double eps) {
+static void rms_fwd_rows_SUF(const scalar_t* restrict x, const scalar_t* restrict w,
+                             scalar_t* restrict y, scalar_t* restrict rstd, i64 lo, i64 hi, i64 N,
+                             double eps) {
     for (i64 i = lo; i < hi; ++i) {
-        const scalar_t* xr = x + i * N;
-        scalar_t* yr = y + i * N;
+        const scalar_t* restrict xr = x + i * N;
+        scalar_t* restrict yr = y + i * N;
+        scalar_t ps[LANES] = {0};
         acc_t ss = 0;
-        #pragma omp simd reduction(+ : ss)
-        for (i64 j = 0; j < N; ++j) ss += (acc_t)xr[j] * xr[j];
-        const acc_t r = 1.0 / sqrt(ss / N + eps);
-        rstd[i] = (scalar_t)r;
+        i64 j = 0;
+        for (; j + LANES <= N; j += LANES)
+            for (int l = 0; l < LANES; ++l) ps[l] += xr[j + l] * xr[j + l];
+        for (; j < N; ++j) ss += (acc_t)xr[j] * xr[j];
+        ss += fold_SUF(ps);
+        const scalar_t rf = rstd[i] = (scalar_t)(1.0 / sqrt(ss / N + eps));
         if (w) {
             #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = (scalar_t)(xr[j] * r) * w[j];
+            for (j = 0; j < N; ++j) yr[j] = xr[j] * rf * w[j];
         } else {
             #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = (scalar_t)(xr[j] * r);
+            for (j = 0; j < N; ++j) yr[j] = xr[j] * rf;
         }
     }
 }
@@ -234,59 +299,29 @@ void rms_fwd_SUF(const scalar_t* x, const scalar_t* w, scalar_t* y, scalar_t* rs
     }
 }
 
-static void rms_bwd_rows_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* rstd,
-                             const scalar_t* w, scalar_t* dx, acc_t* dwa, i64 lo, i64 hi, i64 N) {
-    for (i64 i = lo; i < hi; ++i) {
-        const scalar_t* dyr = dy + i * N;
-        const scalar_t* xr = x + i * N;
-        const acc_t r = rstd[i];
-        if (dwa) {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j) dwa[j] += dyr[j] * (xr[j] * r);
-        }
-        if (!dx) continue;
-        acc_t sgx = 0;
-        if (w) {
-            #pragma omp simd reduction(+ : sgx)
-            for (i64 j = 0; j < N; ++j) sgx += (acc_t)dyr[j] * w[j] * xr[j];
-        } else {
-            #pragma omp simd reduction(+ : sgx)
-            for (i64 j = 0; j < N; ++j) sgx += (acc_t)dyr[j] * xr[j];
-        }
-        /* x̂·mean(g ⊙ x̂) = x · r²·Σ(g ⊙ x)/N */
-        const acc_t c2 = sgx * r * r / N;
-        scalar_t* dxr = dx + i * N;
-        if (w) {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j)
-                dxr[j] = (scalar_t)(r * ((acc_t)dyr[j] * w[j] - xr[j] * c2));
-        } else {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j) dxr[j] = (scalar_t)(r * (dyr[j] - xr[j] * c2));
-        }
-    }
-}
-
+/* RMSNorm's backward is the layer-norm one with μ = 0 (mean = NULL) and no mean(g) term. */
 int rms_bwd_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* rstd, const scalar_t* w,
                 scalar_t* dx, scalar_t* dw, i64 M, i64 N, int nt) {
     if (nt < 1) nt = 1;
-    acc_t* dwa = NULL;
+    if (!w && !(w = ones_SUF(N))) return 1;
+    acc_t *dwa = NULL, *dba = NULL;
     if (dw) {
-        dwa = zeroed_scratch(nt * N);
-        if (!dwa) return 1;
+        if (!(dwa = zeroed_scratch(2 * nt * N))) return 1;
+        dba = dwa + (i64)nt * N;
     }
     if (nt == 1) {
-        rms_bwd_rows_SUF(dy, x, rstd, w, dx, dwa, 0, M, N);
+        ln_bwd_rows_SUF(dy, x, NULL, rstd, w, dx, dwa, dba, 0, M, N, 0, 1);
     } else {
         #pragma omp parallel num_threads(nt)
         {
             const int t = omp_get_thread_num();
             i64 lo, hi;
             row_block(M, omp_get_num_threads(), t, &lo, &hi);
-            rms_bwd_rows_SUF(dy, x, rstd, w, dx, dwa ? dwa + (i64)t * N : NULL, lo, hi, N);
+            ln_bwd_rows_SUF(dy, x, NULL, rstd, w, dx, dwa ? dwa + (i64)t * N : NULL,
+                            dba ? dba + (i64)t * N : NULL, lo, hi, N, 0, 1);
         }
     }
-    if (dwa) {
+    if (dw) {
         reduce_buffers(dwa, nt, N);
         for (i64 j = 0; j < N; ++j) dw[j] = (scalar_t)dwa[j];
     }
@@ -295,19 +330,20 @@ int rms_bwd_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* rstd, con
 
 /* -------------------------------------------------------------------- AdaNorm ------------- */
 
-static void ada_fwd_rows_SUF(const scalar_t* x, scalar_t* z, scalar_t* mean, scalar_t* rstd,
-                             i64 lo, i64 hi, i64 N, double eps, double k, double scale) {
+static void ada_fwd_rows_SUF(const scalar_t* restrict x, scalar_t* restrict z,
+                             scalar_t* restrict mean, scalar_t* restrict rstd, i64 lo, i64 hi,
+                             i64 N, double eps, double k, double scale) {
     for (i64 i = lo; i < hi; ++i) {
-        const scalar_t* xr = x + i * N;
-        scalar_t* zr = z + i * N;
+        const scalar_t* restrict xr = x + i * N;
+        scalar_t* restrict zr = z + i * N;
         acc_t m, r;
         row_moments_SUF(xr, N, eps, &m, &r);
-        mean[i] = (scalar_t)m;
-        rstd[i] = (scalar_t)r;
+        const scalar_t mf = mean[i] = (scalar_t)m, rf = rstd[i] = (scalar_t)r;
+        const scalar_t c = (scalar_t)scale, ck = (scalar_t)(scale * k);
         #pragma omp simd
         for (i64 j = 0; j < N; ++j) {
-            const acc_t yv = (xr[j] - m) * r;
-            zr[j] = (scalar_t)(scale * (1.0 - k * yv) * yv);
+            const scalar_t yv = (xr[j] - mf) * rf;
+            zr[j] = (c - ck * yv) * yv;
         }
     }
 }
@@ -326,28 +362,40 @@ void ada_fwd_SUF(const scalar_t* x, scalar_t* z, scalar_t* mean, scalar_t* rstd,
     }
 }
 
-static void ada_bwd_rows_SUF(const scalar_t* dz, const scalar_t* x, const scalar_t* mean,
-                             const scalar_t* rstd, scalar_t* dx, i64 lo, i64 hi, i64 N, double k,
+static void ada_bwd_rows_SUF(const scalar_t* restrict dz, const scalar_t* restrict x,
+                             const scalar_t* restrict mean, const scalar_t* restrict rstd,
+                             scalar_t* restrict dx, i64 lo, i64 hi, i64 N, double k,
                              double scale) {
     for (i64 i = lo; i < hi; ++i) {
-        const scalar_t* dzr = dz + i * N;
-        const scalar_t* xr = x + i * N;
-        scalar_t* dxr = dx + i * N;
-        const acc_t m = mean[i], r = rstd[i];
+        const scalar_t* restrict dzr = dz + i * N;
+        const scalar_t* restrict xr = x + i * N;
+        scalar_t* restrict dxr = dx + i * N;
+        const scalar_t m = mean[i], r = rstd[i];
+        const scalar_t c = (scalar_t)scale, ck = (scalar_t)(scale * k);
+        scalar_t pd[LANES] = {0}, pdy[LANES] = {0};
         acc_t sd = 0, sdy = 0;
-        #pragma omp simd reduction(+ : sd, sdy)
-        for (i64 j = 0; j < N; ++j) {
-            const acc_t yv = (xr[j] - m) * r;
-            const acc_t d = dzr[j] * (scale * (1.0 - k * yv));  /* φ(y) held constant */
+        i64 j = 0;
+        for (; j + LANES <= N; j += LANES)
+            for (int l = 0; l < LANES; ++l) {
+                const scalar_t yv = (xr[j + l] - m) * r;
+                const scalar_t d = dzr[j + l] * (c - ck * yv);  /* φ(y) held constant */
+                pd[l] += d;
+                pdy[l] += d * yv;
+            }
+        for (; j < N; ++j) {
+            const scalar_t yv = (xr[j] - m) * r;
+            const scalar_t d = dzr[j] * (c - ck * yv);
             sd += d;
-            sdy += d * yv;
+            sdy += (acc_t)d * yv;
         }
-        const acc_t c1 = sd / N, c2 = sdy / N;
+        sd += fold_SUF(pd);
+        sdy += fold_SUF(pdy);
+        const scalar_t c1 = sd / N, c2 = sdy / N;
         #pragma omp simd
-        for (i64 j = 0; j < N; ++j) {
-            const acc_t yv = (xr[j] - m) * r;
-            const acc_t d = dzr[j] * (scale * (1.0 - k * yv));
-            dxr[j] = (scalar_t)(r * (d - c1 - yv * c2));
+        for (j = 0; j < N; ++j) {
+            const scalar_t yv = (xr[j] - m) * r;
+            const scalar_t d = dzr[j] * (c - ck * yv);
+            dxr[j] = r * (d - c1 - yv * c2);
         }
     }
 }

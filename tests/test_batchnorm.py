@@ -130,3 +130,21 @@ def test_wrong_channel_count_message():
         bn(torch.randn(6))
     with pytest.raises(TypeError, match=r"floating-point.*torch\.int64"):
         bn(torch.ones(4, 6, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_input_float32_parameters(dtype):
+    """Mixed precision as in torch.nn.BatchNorm1d: half activations, float32 parameters and
+    buffers; the output keeps the input's dtype and the statistics are float32-accurate."""
+    ours, theirs = layernorm.BatchNorm(6), torch.nn.BatchNorm1d(6)
+    x = make_x((8, 6, 3), dtype)
+    ref = torch.nn.BatchNorm1d(6, dtype=torch.float64)(x.double())
+    y, yt = ours(x), theirs(x)
+    assert y.dtype == yt.dtype == dtype
+    # one rounding of the output to the half type: 2⁻¹¹ (float16) or 2⁻⁸ (bfloat16) of |y| ≲ 3
+    atol = 3 * (2**-11 if dtype == torch.float16 else 2**-8)
+    torch.testing.assert_close(y.double(), ref, atol=atol, rtol=0)
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.running_var, theirs.running_var, atol=1e-5, rtol=1e-5)
+    ours.eval()
+    assert ours(x).dtype == dtype

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_eps, check_float_tensor
+from .._validation import check_eps, check_float_tensor, stats_dtype
 
 
 class BatchNorm(nn.Module):
@@ -78,6 +78,9 @@ class BatchNorm(nn.Module):
             )
         dims = [0, *range(2, x.dim())]
         shape = [1, self.num_features] + [1] * (x.dim() - 2)
+        # Statistics in float32 for half inputs (as torch does); the output keeps x's dtype.
+        cdt = stats_dtype(x.dtype)
+        xc = x.to(cdt)
         if self.training:
             if x.shape[0] < 2:
                 raise ValueError(
@@ -86,8 +89,8 @@ class BatchNorm(nn.Module):
                     "use LayerNorm, which normalizes each example on its own"
                 )
             n = x.numel() // self.num_features
-            mean = x.mean(dim=dims)
-            var_biased = x.var(dim=dims, unbiased=False)
+            mean = xc.mean(dim=dims)
+            var_biased = xc.var(dim=dims, unbiased=False)
             var_unbiased = var_biased * (n / (n - 1))
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)  # type: ignore[operator]
@@ -97,11 +100,12 @@ class BatchNorm(nn.Module):
                 self.running_var.lerp_(new_var, self.momentum)  # type: ignore[operator]
             var = var_unbiased if self.unbiased else var_biased
         else:
-            mean, var = self.running_mean, self.running_var  # type: ignore[assignment]
-        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+            mean = self.running_mean.to(cdt)  # type: ignore[union-attr]
+            var = self.running_var.to(cdt)  # type: ignore[union-attr]
+        y = (xc - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
-            y = y * self.weight.view(shape) + self.bias.view(shape)
-        return y
+            y = y * self.weight.to(cdt).view(shape) + self.bias.to(cdt).view(shape)
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (

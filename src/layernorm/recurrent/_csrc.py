@@ -23,6 +23,33 @@ _PRELUDE = r"""
 
 typedef int64_t i64;
 typedef double acc_t;
+
+/* float32 exp without a libm call, so the gate loops vectorize: exp(x) = 2^n · e^r with
+   n = round(x / ln 2), r = x − n·ln 2 (ln 2 split in two for exactness) and a degree-6 minimax
+   polynomial for e^r on [−ln2/2, ln2/2] (the Cephes expf coefficients), max relative error about
+   2 ulp. x is clamped so 2^n stays a normal float. */
+static inline float fast_expf(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); /* a NaN passes through as NaN */
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* tanh(x) = sign(x)·(1 − e)/(1 + e), e = exp(−2|x|): absolute error about 1e-7. */
+static inline float fast_tanhf(float x) {
+    const float e = fast_expf(-2.0f * fabsf(x));
+    const float t = (1.0f - e) / (1.0f + e);
+    return x < 0 ? -t : t;
+}
 """
 
 _TEMPLATE = r"""
@@ -47,23 +74,36 @@ static inline void moments_SUF(const scalar_t* x, i64 N, double eps, acc_t* mu, 
 static inline void ln_dx_SUF(const scalar_t* dy, const scalar_t* x, acc_t m, acc_t r,
                              const scalar_t* w, scalar_t* dx, i64 N, int accumulate) {
     acc_t sg = 0, sgx = 0;
-    for (i64 j = 0; j < N; ++j) {
-        const acc_t g = (acc_t)dy[j] * (w ? (acc_t)w[j] : 1.0);
-        sg += g;
-        sgx += g * ((x[j] - m) * r);
+    if (w) {
+        #pragma omp simd reduction(+ : sg, sgx)
+        for (i64 j = 0; j < N; ++j) {
+            const acc_t g = (acc_t)dy[j] * w[j];
+            sg += g;
+            sgx += g * ((x[j] - m) * r);
+        }
+    } else {
+        #pragma omp simd reduction(+ : sg, sgx)
+        for (i64 j = 0; j < N; ++j) {
+            const acc_t g = dy[j];
+            sg += g;
+            sgx += g * ((x[j] - m) * r);
+        }
     }
     sg /= N;
     sgx /= N;
+    const scalar_t keep = accumulate ? (scalar_t)1 : (scalar_t)0;
+    #pragma omp simd
     for (i64 j = 0; j < N; ++j) {
         const acc_t g = (acc_t)dy[j] * (w ? (acc_t)w[j] : 1.0);
-        const acc_t v = r * (g - sg - ((x[j] - m) * r) * sgx);
-        dx[j] = (scalar_t)(accumulate ? dx[j] + v : v);
+        dx[j] = keep * dx[j] + (scalar_t)(r * (g - sg - ((x[j] - m) * r) * sgx));
     }
 }
 
 static inline scalar_t sigm_SUF(scalar_t v) { return (scalar_t)1 / ((scalar_t)1 + EXP(-v)); }
 
-/* LN-LSTM step forward, rows [lo, hi). Gate order i, f, g, o (torch). */
+/* LN-LSTM step forward, rows [lo, hi). Gate order i, f, g, o (torch). With normalize, the LN
+   gains and biases w1, b1, w3, b3 must all be given (the caller passes ones / zeros for absent
+   ones): unconditional loads keep the loops vectorizable. */
 static void lstm_fwd_rows_SUF(
     const scalar_t* hp, const scalar_t* gx, const scalar_t* w1, const scalar_t* b1,
     const scalar_t* w3, const scalar_t* b3, scalar_t* h_state, scalar_t* c_state,
@@ -80,17 +120,17 @@ static void lstm_fwd_rows_SUF(
             moments_SUF(hpr, G, eps, &m, &r);
             mh[i] = (scalar_t)m;
             rh[i] = (scalar_t)r;
-            for (i64 j = 0; j < G; ++j) {
-                scalar_t v = (scalar_t)((hpr[j] - m) * r);
-                if (w1) v *= w1[j];
-                if (b1) v += b1[j];
-                a[j] = v + gxr[j];
-            }
+            #pragma omp simd
+            for (i64 j = 0; j < G; ++j)
+                a[j] = (scalar_t)((hpr[j] - m) * r) * w1[j] + b1[j] + gxr[j];
         } else {
             for (i64 j = 0; j < G; ++j) a[j] = hpr[j] + gxr[j];
         }
+        #pragma omp simd
         for (i64 j = 0; j < 2 * H; ++j) a[j] = sigm_SUF(a[j]);
+        #pragma omp simd
         for (i64 j = 2 * H; j < 3 * H; ++j) a[j] = TANH(a[j]);
+        #pragma omp simd
         for (i64 j = 3 * H; j < G; ++j) a[j] = sigm_SUF(a[j]);
         scalar_t* cs = c_state + i * H;
         scalar_t* cp = cprev + i * H;
@@ -108,20 +148,25 @@ static void lstm_fwd_rows_SUF(
             mc[i] = (scalar_t)m;
             rc[i] = (scalar_t)r;
         }
+        /* LN(c_t) into tc first, then tanh in place: separate loops so each one vectorizes. */
+        if (normalize) {
+            #pragma omp simd
+            for (i64 j = 0; j < H; ++j) tcr[j] = (scalar_t)((cnr[j] - m) * r) * w3[j] + b3[j];
+        } else {
+            for (i64 j = 0; j < H; ++j) tcr[j] = cnr[j];
+        }
+        if (carry_norm) {
+            for (i64 j = 0; j < H; ++j) cs[j] = tcr[j];
+        } else {
+            for (i64 j = 0; j < H; ++j) cs[j] = cnr[j];
+        }
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j) tcr[j] = TANH(tcr[j]);
         for (i64 j = 0; j < H; ++j) {
-            scalar_t lc = cnr[j];
-            if (normalize) {
-                lc = (scalar_t)((cnr[j] - m) * r);
-                if (w3) lc *= w3[j];
-                if (b3) lc += b3[j];
-            }
-            const scalar_t t = TANH(lc);
-            tcr[j] = t;
-            const scalar_t h = a[3 * H + j] * t;
+            const scalar_t h = a[3 * H + j] * tcr[j];
             hpv[j] = hs[j];
             hs[j] = h;
             o[j] = h;
-            cs[j] = carry_norm ? lc : cnr[j];
         }
     }
 }
@@ -147,6 +192,7 @@ static void lstm_bwd_row_SUF(
     acc_t rh, const scalar_t* w1, const scalar_t* a, const scalar_t* cp, const scalar_t* cn,
     acc_t mc, acc_t rc, const scalar_t* w3, const scalar_t* tc, scalar_t* dg, scalar_t* dhp,
     scalar_t* dlc, i64 H, int normalize, int carry_norm) {
+    #pragma omp simd
     for (i64 j = 0; j < H; ++j) {
         const scalar_t dht = dh[j] + dout[j];
         const scalar_t o = a[3 * H + j], t = tc[j];
@@ -160,6 +206,7 @@ static void lstm_bwd_row_SUF(
     } else {
         for (i64 j = 0; j < H; ++j) dc[j] = dlc[j] + (carry_norm ? (scalar_t)0 : dc[j]);
     }
+    #pragma omp simd
     for (i64 j = 0; j < H; ++j) {
         const scalar_t dcn = dc[j];
         const scalar_t ig = a[j], fg = a[H + j], gg = a[2 * H + j];
@@ -188,7 +235,8 @@ void lstm_bwd_SUF(
 }
 
 /* LN-GRU step forward (gates r, z, n; torch's layout). hp = W_hh h_{t−1} (raw), gx = LN(W_ih x)
-   + b_ih + [b_hr, b_hz, 0]. The (r, z) block and the n block of hp get separate layer norms. */
+   + b_ih + [b_hr, b_hz, 0]. The (r, z) block and the n block of hp get separate layer norms.
+   b_hn, and with normalize the LN gains/biases, must be given (ones / zeros when absent). */
 static void gru_fwd_row_SUF(
     const scalar_t* hp, const scalar_t* gx, const scalar_t* w_rz, const scalar_t* b_rz,
     const scalar_t* w_n, const scalar_t* b_n, const scalar_t* b_hn, scalar_t* hs, scalar_t* o,
@@ -203,24 +251,22 @@ static void gru_fwd_row_SUF(
         *mn = (scalar_t)m2;
         *rn = (scalar_t)r2;
     }
-    for (i64 j = 0; j < 2 * H; ++j) {
-        scalar_t v = hp[j];
-        if (normalize) {
-            v = (scalar_t)((hp[j] - m1) * r1);
-            if (w_rz) v *= w_rz[j];
-            if (b_rz) v += b_rz[j];
-        }
-        rz[j] = sigm_SUF(v + gx[j]);
+    if (normalize) {
+        #pragma omp simd
+        for (i64 j = 0; j < 2 * H; ++j)
+            rz[j] = sigm_SUF((scalar_t)((hp[j] - m1) * r1) * w_rz[j] + b_rz[j] + gx[j]);
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j)
+            ghn[j] = (scalar_t)((hp[2 * H + j] - m2) * r2) * w_n[j] + b_n[j] + b_hn[j];
+    } else {
+        #pragma omp simd
+        for (i64 j = 0; j < 2 * H; ++j) rz[j] = sigm_SUF(hp[j] + gx[j]);
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j) ghn[j] = hp[2 * H + j] + b_hn[j];
     }
+    #pragma omp simd
     for (i64 j = 0; j < H; ++j) {
-        scalar_t v = hp[2 * H + j];
-        if (normalize) {
-            v = (scalar_t)((hp[2 * H + j] - m2) * r2);
-            if (w_n) v *= w_n[j];
-            if (b_n) v += b_n[j];
-        }
-        if (b_hn) v += b_hn[j];
-        ghn[j] = v;
+        const scalar_t v = ghn[j];
         const scalar_t nv = TANH(gx[2 * H + j] + rz[j] * v);
         n[j] = nv;
         const scalar_t hprev = hs[j];
@@ -252,6 +298,7 @@ static void gru_bwd_row_SUF(
     const scalar_t* rz, const scalar_t* n, const scalar_t* ghn, acc_t mh, acc_t rh, acc_t mn,
     acc_t rn, const scalar_t* w_rz, const scalar_t* w_n, scalar_t* dgx, scalar_t* dgh,
     scalar_t* dhp, i64 H, int normalize) {
+    #pragma omp simd
     for (i64 j = 0; j < H; ++j) {
         const scalar_t dht = dh[j] + dout[j];
         const scalar_t r = rz[j], z = rz[H + j], nv = n[j];
@@ -289,7 +336,7 @@ void gru_bwd_SUF(
 """
 
 #: (C type, symbol suffix, exp, tanh) for each instantiation.
-INSTANCES = (("float", "f32", "expf", "tanhf"), ("double", "f64", "exp", "tanh"))
+INSTANCES = (("float", "f32", "fast_expf", "fast_tanhf"), ("double", "f64", "exp", "tanh"))
 
 
 def source() -> str:

@@ -40,6 +40,9 @@ _SIGNATURES = {
     "gru_bwd": (_P,) * 16 + (_I64, _I64, _INT, _INT),
 }
 _FNS: dict[tuple[str, torch.dtype], Any] = {}
+# On top of the norm kernels' flags: no errno and no FP traps, which changes no result but lets the
+# gate loops (exp, tanh) vectorize; there is no -ffast-math, so NaN and rounding behave as written.
+_EXTRA_FLAGS = ("-fno-math-errno", "-fno-trapping-math")
 
 
 def _build() -> Path:
@@ -52,7 +55,7 @@ def _build() -> Path:
         raise RuntimeError("no C compiler found (tried $CC, cc, gcc)")
     src = _csrc.source()
     gomp = nat._loaded_libgomp()
-    flags = tuple(nat._FLAGS)
+    flags = (*nat._FLAGS, *_EXTRA_FLAGS)
     key = hashlib.sha256(
         "\n".join([src, " ".join(flags), cc, gomp or "", nat._cpu_flags()]).encode()
     ).hexdigest()[:16]
@@ -103,6 +106,15 @@ def _threads(rows: int, cols: int) -> int:
     return max(1, min(torch.get_num_threads(), rows, (rows * cols) // _GRAIN))
 
 
+def _filled(st: dict[str, Any], names: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+    """Absent gains become ones and absent biases zeros (the kernels load them unconditionally)."""
+    like = st["gx"]
+    for name, size in zip(names, sizes, strict=True):
+        if st.get(name) is None:
+            fill = 1.0 if name.startswith("w") else 0.0
+            st[name] = like.new_full((size,), fill)
+
+
 class _Ptr:
     """Row addresses into the buffers of one sequence: ``p(name, row)`` without slicing tensors."""
 
@@ -121,6 +133,11 @@ class _Ptr:
 def _ptrs(st: dict[str, Any]) -> _Ptr:
     p = st.get("_ptr")
     if p is None:
+        hs = st["H"]
+        if "w_rz" in st:
+            _filled(st, ("w_rz", "b_rz", "w_n", "b_n", "b_hn"), (2 * hs, 2 * hs, hs, hs, hs))
+        else:
+            _filled(st, ("w1", "b1", "w3", "b3"), (4 * hs, 4 * hs, hs, hs))
         p = st["_ptr"] = _Ptr(st)
     return p
 

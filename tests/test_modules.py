@@ -215,3 +215,25 @@ def test_layer_norm_module_trains():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: layernorm.LayerNorm(6),
+        lambda: layernorm.RMSNorm(6),
+        lambda: layernorm.AdaNorm(6, elementwise_affine=True),
+        lambda: layernorm.LayerNorm(6, detach_mean=True),
+    ],
+    ids=["LayerNorm", "RMSNorm", "AdaNorm-affine", "DetachNorm"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_input_float32_parameters(make, dtype):
+    """Mixed precision: the output keeps the activations' dtype, gradients the parameters'."""
+    m = make()
+    x = make_x((3, 6), dtype, requires_grad=True)
+    y = m(x)
+    assert y.dtype == dtype
+    y.float().sum().backward()
+    assert x.grad.dtype == dtype
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())

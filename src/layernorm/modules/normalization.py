@@ -175,11 +175,15 @@ class AdaNorm(_Norm):
 
     def forward(self, x: Tensor) -> Tensor:
         z = F.ada_norm(x, self.normalized_shape, self.k, self.scale, self.eps)  # type: ignore[arg-type]
+        if self.weight is None and self.bias is None:
+            return z
+        out = z
         if self.weight is not None:
-            z = z * self.weight
+            out = out * self.weight
         if self.bias is not None:
-            z = z + self.bias
-        return z
+            out = out + self.bias
+        # like LayerNorm, the output keeps the input's dtype (float32 gains on half activations)
+        return out.to(z.dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -253,3 +253,18 @@ def test_bad_arguments():
         layernorm.replace_norms(nn.Linear(2, 2), "batch")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module, got dict"):
         layernorm.replace_norms({}, "layer")  # type: ignore[arg-type]
+
+
+def test_full_transformer_eval_with_padding_masks():
+    """nn.Transformer: encoder (with its nested-tensor path) and decoder norms all replaced; eval
+    with padding masks runs and no torch.nn.LayerNorm is left."""
+    model = nn.Transformer(D_MODEL, 2, 1, 1, 32, dropout=0.0, batch_first=True).double()
+    layernorm.replace_norms(model, "rms").eval()
+    assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())
+    assert sum(isinstance(m, layernorm.RMSNorm) for m in model.modules()) == 2 + 3 + 2
+    src, tgt = make_x((2, 5, D_MODEL), torch.float64), make_x((2, 4, D_MODEL), torch.float64)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    with torch.no_grad():
+        out = model(src, tgt, src_key_padding_mask=mask, memory_key_padding_mask=mask)
+    assert out.shape == (2, 4, D_MODEL) and torch.isfinite(out).all()

@@ -1,0 +1,198 @@
+"""Convolutional networks (Ba et al. 2016, §6.7): no normalization vs batch norm vs layer norm in
+a small CNN on MNIST.
+
+``conv5x5(c1) → norm → ReLU → maxpool2 → conv5x5(c2) → norm → ReLU → maxpool2 → linear(10)``.
+Layer norm normalizes each case over all of a layer's hidden units (channels × height × width,
+with a gain and bias per unit), the direct transposition of Eq. 3 that the paper discusses; batch
+norm normalizes each channel over the batch and the spatial positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from .. import BatchNorm, LayerNorm
+from ..data import load_mnist
+from .mnist_ff import NORMS, _auc, _final
+from .plots import curves_figure
+from .registry import Claim, Experiment, Record, RunContext, Verdict, register
+from .stats import compare_lower, mean_sd
+from .training import TrainSpec, train_classifier
+
+
+@dataclass(frozen=True)
+class ConvnetConfig:
+    """Attributes: ``n_train``/``n_test`` images, ``channels`` of the two conv layers, ``epochs``,
+    ``batch_size``, ``seeds`` runs per model, Adam ``lr``, ``norms`` compared."""
+
+    n_train: int = 55_000
+    n_test: int = 10_000
+    channels: tuple[int, ...] = (32, 64)
+    epochs: int = 10
+    batch_size: int = 128
+    seeds: int = 3
+    lr: float = 1e-3
+    norms: tuple[str, ...] = NORMS
+
+
+def config(quick: bool) -> ConvnetConfig:
+    if quick:
+        return ConvnetConfig(n_train=4000, channels=(8, 16), epochs=3, batch_size=64, seeds=2)
+    return ConvnetConfig()
+
+
+class _Image(nn.Module):
+    def forward(self, x):  # (n, 784) → (n, 1, 28, 28)
+        return x.view(-1, 1, 28, 28)
+
+
+def build_cnn(norm: str, channels: Sequence[int]) -> nn.Sequential:
+    c1, c2 = channels
+    layers: list[nn.Module] = [_Image()]
+    size, cin = 28, 1
+    for c in (c1, c2):
+        size = size - 4  # 5×5 convolution, no padding
+        layers.append(nn.Conv2d(cin, c, 5))
+        if norm == "batch":
+            layers.append(BatchNorm(c))
+        elif norm == "layer":
+            layers.append(LayerNorm((c, size, size)))
+        elif norm != "none":
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        layers += [nn.ReLU(), nn.MaxPool2d(2)]
+        size //= 2
+        cin = c
+    layers += [nn.Flatten(), nn.Linear(c2 * size * size, 10)]
+    return nn.Sequential(*layers)
+
+
+def run(cfg: ConvnetConfig, ctx: RunContext) -> list[Record]:
+    if len(cfg.channels) != 2:
+        raise ValueError(f"convnet: channels must hold two sizes, got {cfg.channels!r}")
+    data = load_mnist()
+    train = (data.train_x[: cfg.n_train], data.train_y[: cfg.n_train])
+    test = (data.test_x[: cfg.n_test], data.test_y[: cfg.n_test])
+    records: list[Record] = []
+    for s in range(cfg.seeds):
+        for norm in cfg.norms:
+            seed = ctx.seed * 1000 + s
+            spec = TrainSpec(
+                epochs=cfg.epochs,
+                batch_size=cfg.batch_size,
+                lr=cfg.lr,
+                seed=seed,
+                eval_batch_size=500,
+            )
+            records += train_classifier(
+                f"cnn-{norm}-s{seed}",
+                lambda norm=norm: build_cnn(norm, cfg.channels),
+                train,
+                {"train": train, "test": test},
+                spec,
+                ctx,
+                {"model": norm, "batch_size": cfg.batch_size, "seed": seed},
+            )
+    return records
+
+
+def verdicts(records: Sequence[Record], cfg: ConvnetConfig) -> list[Verdict]:
+    bs = cfg.batch_size
+    out = []
+    if not {"none", "layer"} <= set(cfg.norms):
+        out.append(
+            Verdict("cnn-ln-speedup", "inconclusive", "models not run", "needs none and layer")
+        )
+    else:
+        c = compare_lower(
+            "LN",
+            _auc(records, "layer", bs, "train_nll"),
+            "none",
+            _auc(records, "none", bs, "train_nll"),
+            quantity="training NLL averaged over the epochs",
+            margin=0.002,
+        )
+        out.append(Verdict("cnn-ln-speedup", c.status, c.statistic, c.rule))  # type: ignore[arg-type]
+    if not {"batch", "layer"} <= set(cfg.norms):
+        out.append(
+            Verdict("cnn-bn-best", "inconclusive", "models not run", "needs batch and layer")
+        )
+    else:
+        c = compare_lower(
+            "BN",
+            _final(records, "batch", bs, "test_err"),
+            "LN",
+            _final(records, "layer", bs, "test_err"),
+            quantity="final test error",
+            margin=0.001,
+            scale=100,
+            unit="%",
+        )
+        out.append(Verdict("cnn-bn-best", c.status, c.statistic, c.rule))  # type: ignore[arg-type]
+    return out
+
+
+def tables(records: Sequence[Record], cfg: ConvnetConfig) -> str:
+    last = max(int(r["epoch"]) for r in records)
+    lines = [
+        f"Final epoch ({last}), mean ± sd over seeds:",
+        "",
+        "| model | train NLL | test NLL | test error |",
+        "| --- | --- | --- | --- |",
+    ]
+    for m in cfg.norms:
+        cells = []
+        for metric, sc, unit in (("train_nll", 1, ""), ("test_nll", 1, ""), ("test_err", 100, "%")):
+            mu, sd = mean_sd(_final(records, m, cfg.batch_size, metric))
+            cells.append(f"{mu * sc:.4f}{unit} ± {sd * sc:.4f}{unit}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(records: Sequence[Record], cfg: ConvnetConfig, fig_dir: Path) -> list[Path]:
+    panels = [
+        ("train_nll", {}, "train NLL", "NLL (nats)", True),
+        ("test_err", {}, "test error", "error (%)", False),
+    ]
+    title = (
+        f"MNIST ConvNet (channels {cfg.channels[0]}, {cfg.channels[1]}), batch "
+        f"{cfg.batch_size}, {cfg.n_train} training images, {cfg.seeds} seed(s)"
+    )
+    return [
+        curves_figure(
+            records, fig_dir / "convnet.png", panels=panels, models=cfg.norms, title=title
+        )
+    ]
+
+
+EXPERIMENT = register(
+    Experiment(
+        name="convnet",
+        title="Convolutional network on MNIST: none vs batch norm vs layer norm",
+        section="Ba et al. 2016, §6.7",
+        claims=(
+            Claim(
+                "cnn-ln-speedup",
+                "“we observed that layer normalization offers a speedup over the baseline model "
+                "without normalization” (§6.7)",
+                "The training NLL averaged over the epochs is lower with layer norm than without "
+                "normalization.",
+            ),
+            Claim(
+                "cnn-bn-best",
+                "“but batch normalization outperforms the other methods” (§6.7)",
+                "The final test error is lower with batch norm than with layer norm.",
+            ),
+        ),
+        config=config,
+        run=run,
+        verdicts=verdicts,
+        plot=plot,
+        tables=tables,
+        quick_budget_s=90.0,
+        order=30,
+    )
+)

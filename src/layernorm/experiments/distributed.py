@@ -1,0 +1,67 @@
+"""Data-parallel training under ``torchrun``: process-group set-up and batch sharding.
+
+``torchrun --nproc_per_node N -m layernorm reproduce mnist-ff`` starts N processes with ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; :func:`init_from_env` joins them (gloo on
+CPU, nccl on CUDA). Each process takes its contiguous share of every global mini-batch
+(:func:`shard`) and :class:`torch.nn.parallel.DistributedDataParallel` averages the gradients, so a
+model whose per-example computation does not look at other examples (layer norm) gets exactly the
+gradient of the global batch; batch norm instead normalizes with each process's smaller batch —
+the paper's point about small per-device batches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["barrier", "init_from_env", "is_main", "rank_world", "shard", "wrap"]
+
+
+def rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_main() -> bool:
+    return rank_world()[0] == 0
+
+
+def init_from_env(device: torch.device) -> bool:
+    """Join the process group described by torchrun's environment; ``False`` when not launched
+    by torchrun (``WORLD_SIZE`` unset or 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or not dist.is_available():
+        return False
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    return True
+
+
+def shard(batch: Tensor, rank: int, world: int) -> Tensor:
+    """This process's contiguous slice of a global batch (its size must divide evenly)."""
+    if batch.shape[0] % world:
+        raise ValueError(
+            f"a global batch of {batch.shape[0]} cannot be split evenly over {world} processes; "
+            "choose a batch size divisible by the number of processes"
+        )
+    return batch.chunk(world)[rank]
+
+
+def wrap(model: nn.Module, device: torch.device) -> nn.Module:
+    """Wrap in DDP when a process group is up; the model itself otherwise."""
+    if rank_world()[1] == 1:
+        return model
+    ids = [device.index] if device.type == "cuda" and device.index is not None else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def barrier() -> None:
+    if rank_world()[1] > 1:
+        dist.barrier()

@@ -1,0 +1,273 @@
+"""Permutation-invariant MNIST (Ba et al. 2016, §6.6, Fig. 6): baseline vs batch norm vs layer
+norm in a 784-1000-1000-10 ReLU network trained with Adam at batch sizes 128 and 4.
+
+Normalization sits on the hidden layers only (``Linear → norm → ReLU``); the logits are left
+alone, as the paper does for layer norm. Batch norm uses the unbiased batch variance at batch
+sizes below 128, as the paper does at batch size 4, and its running averages at test time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from .. import BatchNorm, LayerNorm
+from ..data import load_mnist
+from .plots import curves_figure
+from .registry import Claim, Experiment, Record, RunContext, Verdict, register
+from .stats import compare_lower, mean_sd
+from .training import TrainSpec, train_classifier
+
+NORMS = ("none", "batch", "layer")
+
+
+@dataclass(frozen=True)
+class MnistFFConfig:
+    """Settings; ``quick`` trades data, width and epochs for time, never the comparison itself.
+
+    Attributes:
+        n_train: training images (the paper: 55,000; the rest of the 60,000 is validation).
+        n_test: test images used (10,000 = all).
+        hidden: width of both hidden layers (paper: 1000).
+        epochs: passes over the training set.
+        batch_sizes: mini-batch sizes compared (paper: 128 and 4).
+        norms: models compared: ``none``, ``batch``, ``layer``.
+        seeds: independent runs per model and batch size.
+        lr: Adam learning rate (Adam's default, 1e-3).
+    """
+
+    n_train: int = 55_000
+    n_test: int = 10_000
+    hidden: int = 1000
+    epochs: int = 20
+    batch_sizes: tuple[int, ...] = (128, 4)
+    norms: tuple[str, ...] = NORMS
+    seeds: int = 3
+    lr: float = 1e-3
+
+
+def config(quick: bool) -> MnistFFConfig:
+    if quick:
+        return MnistFFConfig(n_train=3000, hidden=256, epochs=4, seeds=2)
+    return MnistFFConfig()
+
+
+def build_mlp(norm: str, hidden: int, batch_size: int, depth: int = 2) -> nn.Sequential:
+    """784-hidden-…-hidden-10; ``norm`` in ``none``/``batch``/``layer`` on the hidden layers."""
+    layers: list[nn.Module] = []
+    width = 784
+    for _ in range(depth):
+        layers.append(nn.Linear(width, hidden))
+        if norm == "batch":
+            layers.append(BatchNorm(hidden, unbiased=batch_size < 128))
+        elif norm == "layer":
+            layers.append(LayerNorm(hidden))
+        elif norm != "none":
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        layers.append(nn.ReLU())
+        width = hidden
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+def run(cfg: MnistFFConfig, ctx: RunContext) -> list[Record]:
+    for n in cfg.norms:
+        if n not in NORMS:
+            raise ValueError(f"mnist-ff: norms must be among {NORMS}, got {n!r}")
+    data = load_mnist()
+    train = (data.train_x[: cfg.n_train], data.train_y[: cfg.n_train])
+    test = (data.test_x[: cfg.n_test], data.test_y[: cfg.n_test])
+    records: list[Record] = []
+    for bs in cfg.batch_sizes:
+        for s in range(cfg.seeds):
+            for norm in cfg.norms:
+                seed = ctx.seed * 1000 + s
+                spec = TrainSpec(epochs=cfg.epochs, batch_size=bs, lr=cfg.lr, seed=seed)
+                records += train_classifier(
+                    f"{norm}-bs{bs}-s{seed}",
+                    lambda norm=norm, bs=bs: build_mlp(norm, cfg.hidden, bs),
+                    train,
+                    {"train": train, "test": test},
+                    spec,
+                    ctx,
+                    {"model": norm, "batch_size": bs, "seed": seed},
+                )
+    return records
+
+
+def _final(records: Sequence[Record], model: str, bs: int, metric: str) -> list[float]:
+    last = max(int(r["epoch"]) for r in records)
+    return [
+        float(r[metric])
+        for r in records
+        if r["model"] == model and r["batch_size"] == bs and int(r["epoch"]) == last
+    ]
+
+
+def _auc(records: Sequence[Record], model: str, bs: int, metric: str) -> list[float]:
+    """Per seed, the metric averaged over all epochs: the area under the learning curve."""
+    per_seed: dict[int, list[float]] = {}
+    for r in records:
+        if r["model"] == model and r["batch_size"] == bs:
+            per_seed.setdefault(int(r["seed"]), []).append(float(r[metric]))
+    return [sum(v) / len(v) for _, v in sorted(per_seed.items())]
+
+
+def _missing(
+    cfg: MnistFFConfig, need_bs: Sequence[int], need: Sequence[str], cid: str
+) -> Verdict | None:
+    if not set(need_bs) <= set(cfg.batch_sizes) or not set(need) <= set(cfg.norms):
+        return Verdict(
+            cid,
+            "inconclusive",
+            "not run with the models / batch sizes this needs",
+            f"needs batch sizes {list(need_bs)} and models {list(need)}",
+        )
+    return None
+
+
+def verdicts(records: Sequence[Record], cfg: MnistFFConfig) -> list[Verdict]:
+    out: list[Verdict] = []
+    big, small = max(cfg.batch_sizes), min(cfg.batch_sizes)
+
+    miss = _missing(cfg, [big], ["batch", "layer"], "ff-faster")
+    if miss:
+        out.append(miss)
+    else:
+        c = compare_lower(
+            "LN",
+            _auc(records, "layer", big, "train_nll"),
+            "BN",
+            _auc(records, "batch", big, "train_nll"),
+            quantity=f"training NLL averaged over the epochs (batch {big})",
+            margin=0.002,
+        )
+        out.append(Verdict("ff-faster", c.status, c.statistic, c.rule))  # type: ignore[arg-type]
+
+    miss = _missing(cfg, [big, small], ["batch", "layer"], "ff-robust")
+    if miss or big == small:
+        out.append(miss or Verdict("ff-robust", "inconclusive", "only one batch size", "needs two"))
+    else:
+
+        def degr(m: str) -> list[float]:
+            return [
+                a - b
+                for a, b in zip(
+                    _final(records, m, small, "test_err"),
+                    _final(records, m, big, "test_err"),
+                    strict=True,
+                )
+            ]
+
+        c = compare_lower(
+            "LN",
+            degr("layer"),
+            "BN",
+            degr("batch"),
+            quantity=f"rise of the final test error from batch {big} to batch {small}",
+            margin=0.002,
+            scale=100,
+            unit=" pp",
+        )
+        out.append(Verdict("ff-robust", c.status, c.statistic, c.rule))  # type: ignore[arg-type]
+
+    miss = _missing(cfg, [small], ["batch", "layer"], "ff-small-batch")
+    if miss:
+        out.append(miss)
+    else:
+        c = compare_lower(
+            "LN",
+            _final(records, "layer", small, "test_err"),
+            "BN",
+            _final(records, "batch", small, "test_err"),
+            quantity=f"final test error at batch {small}",
+            margin=0.002,
+            scale=100,
+            unit="%",
+        )
+        out.append(Verdict("ff-small-batch", c.status, c.statistic, c.rule))  # type: ignore[arg-type]
+    return out
+
+
+def tables(records: Sequence[Record], cfg: MnistFFConfig) -> str:
+    last = max(int(r["epoch"]) for r in records)
+    lines = [
+        f"Final epoch ({last}), mean ± sd over seeds:",
+        "",
+        "| batch | model | train NLL | test NLL | test error |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for bs in cfg.batch_sizes:
+        for m in cfg.norms:
+            cells = []
+            for metric, sc, unit in (
+                ("train_nll", 1, ""),
+                ("test_nll", 1, ""),
+                ("test_err", 100, "%"),
+            ):
+                mu, sd = mean_sd(_final(records, m, bs, metric))
+                cells.append(f"{mu * sc:.4f}{unit} ± {sd * sc:.4f}{unit}")
+            lines.append(f"| {bs} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(records: Sequence[Record], cfg: MnistFFConfig, fig_dir: Path) -> list[Path]:
+    panels = []
+    for bs in cfg.batch_sizes:
+        panels.append(
+            ("train_nll", {"batch_size": bs}, f"train NLL, batch {bs}", "NLL (nats)", True)
+        )
+        panels.append(
+            ("test_err", {"batch_size": bs}, f"test error, batch {bs}", "error (%)", False)
+        )
+    title = (
+        f"Permutation-invariant MNIST: 784-{cfg.hidden}-{cfg.hidden}-10, Adam, "
+        f"{cfg.n_train} training images, {cfg.seeds} seed(s)"
+    )
+    return [
+        curves_figure(
+            records, fig_dir / "mnist_ff.png", panels=panels, models=cfg.norms, title=title
+        )
+    ]
+
+
+EXPERIMENT = register(
+    Experiment(
+        name="mnist-ff",
+        title="Permutation-invariant MNIST: batch norm vs layer norm at batch 128 and 4",
+        section="Ba et al. 2016, §6.6 and Figure 6",
+        claims=(
+            Claim(
+                "ff-faster",
+                "“layer normalization […] exhibits a faster training convergence comparing to "
+                "batch normalization” (§6.6)",
+                "At the larger batch size, the training NLL averaged over the epochs (the area "
+                "under the training curve) is lower with layer norm than with batch norm.",
+            ),
+            Claim(
+                "ff-robust",
+                "“layer normalization is robust to the batch-sizes” (§6.6)",
+                "Going from the larger to the smaller batch size raises the final test error less "
+                "for layer norm than for batch norm (per seed, error at small batch minus error "
+                "at large batch).",
+            ),
+            Claim(
+                "ff-small-batch",
+                "“the effect of batch normalization is dependent on the mini-batch size” "
+                "(abstract), shown at batch size 4 in Figure 6",
+                "At the small batch size, the final test error is lower with layer norm than with "
+                "batch norm.",
+            ),
+        ),
+        config=config,
+        run=run,
+        verdicts=verdicts,
+        plot=plot,
+        tables=tables,
+        quick_budget_s=150.0,
+        order=20,
+    )
+)

@@ -1,0 +1,211 @@
+"""The report: ``report.md`` and a self-contained ``report.html``, drawn only from saved records.
+
+:func:`write_report` reads every ``<out>/<experiment>/records.json`` it finds, recomputes the
+verdicts and figures from them with the experiment's own functions, and writes both files, so it
+can be re-run at any time without training (``layernorm report --out results``).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .io import atomic_write_bytes, read_json
+from .registry import Experiment, Verdict, get, names
+from .runner import config_from_json
+
+__all__ = ["ExperimentResult", "load_results", "write_report"]
+
+_MARK = {
+    "holds": "✅ holds",
+    "does not hold": "❌ does not hold",
+    "inconclusive": "❔ inconclusive",
+}
+
+
+@dataclass(frozen=True)
+class ExperimentResult:
+    exp: Experiment
+    config: Any
+    meta: dict[str, Any]
+    records: list[dict[str, Any]]
+    verdicts: list[Verdict]
+
+
+def load_results(out: Path) -> list[ExperimentResult]:
+    """Saved results under ``out`` for every registered experiment that has them, verdicts
+    recomputed from the records."""
+    results = []
+    for name in names():
+        d = out / name
+        if not (d / "records.json").exists() or not (d / "config.json").exists():
+            continue
+        exp = get(name)
+        saved = read_json(d / "config.json")
+        cfg = config_from_json(exp, bool(saved["quick"]), saved["config"])
+        meta = read_json(d / "meta.json") if (d / "meta.json").exists() else {}
+        records = read_json(d / "records.json")
+        results.append(ExperimentResult(exp, cfg, meta, records, exp.verdicts(records, cfg)))
+    return results
+
+
+# A report is a list of blocks rendered twice, to Markdown and to HTML.
+Block = tuple[str, Any]
+
+
+def _md(blocks: Sequence[Block], out: Path) -> str:
+    parts = []
+    for kind, v in blocks:
+        if kind in ("h1", "h2", "h3"):
+            parts.append("#" * int(kind[1]) + " " + v)
+        elif kind == "p":
+            parts.append(v)
+        elif kind == "quote":
+            parts.append("> " + v)
+        elif kind == "md":
+            parts.append(v)
+        elif kind == "img":
+            parts.append(f"![{v[1]}]({v[0].relative_to(out).as_posix()})")
+        elif kind == "table":
+            head, rows = v
+            parts.append("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+            parts[-1] += "".join("\n| " + " | ".join(r) + " |" for r in rows)
+    return "\n\n".join(parts) + "\n"
+
+
+def _inline(text: str) -> str:
+    """The little Markdown the report uses inside text: `code`, **bold**."""
+    t = html.escape(text)
+    t = re.sub(r"`([^`]+)`", r"<code>\1</code>", t)
+    return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", t)
+
+
+def _md_table_to_html(text: str) -> str:
+    out, rows = [], []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if all(set(c) <= {"-", ":", " "} for c in cells):
+                continue
+            rows.append(cells)
+        else:
+            if rows:
+                out.append(_html_table(rows[0], rows[1:]))
+                rows = []
+            if line.strip():
+                out.append(f"<p>{_inline(line)}</p>")
+    if rows:
+        out.append(_html_table(rows[0], rows[1:]))
+    return "\n".join(out)
+
+
+def _html_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    h = "".join(f"<th>{_inline(c)}</th>" for c in head)
+    b = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{h}</tr></thead><tbody>{b}</tbody></table>"
+
+
+def _html(blocks: Sequence[Block]) -> str:
+    parts = []
+    for kind, v in blocks:
+        if kind in ("h1", "h2", "h3"):
+            parts.append(f"<{kind}>{_inline(v)}</{kind}>")
+        elif kind == "p":
+            parts.append(f"<p>{_inline(v)}</p>")
+        elif kind == "quote":
+            parts.append(f"<blockquote>{_inline(v)}</blockquote>")
+        elif kind == "md":
+            parts.append(_md_table_to_html(v))
+        elif kind == "img":
+            data = base64.b64encode(v[0].read_bytes()).decode()
+            parts.append(f'<img alt="{html.escape(v[1])}" src="data:image/png;base64,{data}">')
+        elif kind == "table":
+            parts.append(_html_table(*v))
+    style = (
+        "body{font-family:sans-serif;max-width:60em;margin:2em auto;line-height:1.45}"
+        "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;"
+        "padding:.25em .5em;text-align:left;vertical-align:top}img{max-width:100%}"
+        "blockquote{border-left:4px solid #ccc;margin-left:0;padding-left:1em;color:#333}"
+        "code{background:#f3f3f3}"
+    )
+    return (
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>layernorm: reproducing '
+        f"the paper</title><style>{style}</style></head><body>\n"
+        + "\n".join(parts)
+        + "\n</body></html>\n"
+    )
+
+
+def verdict_rows(results: Sequence[ExperimentResult]) -> list[list[str]]:
+    rows = []
+    for res in results:
+        claims = {c.id: c for c in res.exp.claims}
+        for v in res.verdicts:
+            rows.append(
+                [
+                    f"`{res.exp.name}`",
+                    f"`{v.claim_id}`: {claims[v.claim_id].test}",
+                    _MARK[v.status],
+                    v.statistic,
+                ]
+            )
+    return rows
+
+
+def write_report(out: Path) -> tuple[Path, Path]:
+    """Write ``out/report.md`` and ``out/report.html`` from the saved records under ``out``."""
+    results = load_results(out)
+    if not results:
+        raise FileNotFoundError(
+            f"no saved results under {out}: run `layernorm reproduce` first (or pass --out)"
+        )
+    fig_dir = out / "figures"
+    blocks: list[Block] = [
+        ("h1", "Reproducing *Layer Normalization* (Ba, Kiros & Hinton 2016)"),
+        (
+            "p",
+            "Every number below is read from the saved records in this directory "
+            "(`<experiment>/records.json`, also as CSV); verdicts are computed from them with "
+            "the thresholds stated next to each one. Regenerate with `layernorm report --out "
+            f"{out}`.",
+        ),
+        ("h2", "Verdicts"),
+        ("table", (["experiment", "claim", "verdict", "statistic"], verdict_rows(results))),
+    ]
+    for res in results:
+        exp, meta = res.exp, res.meta
+        blocks.append(("h2", f"`{exp.name}`: {exp.title}"))
+        setting = "quick" if meta.get("quick") else "full"
+        blocks.append(
+            (
+                "p",
+                f"{exp.section}. Setting: **{setting}**, seed {meta.get('seed')}, "
+                f"device {meta.get('device')} ({meta.get('machine', '?')}), "
+                f"{meta.get('world_size', 1)} process(es), torch {meta.get('torch')}, "
+                f"{meta.get('seconds', '?')} s, {meta.get('date', '?')}.",
+            )
+        )
+        cfg_txt = ", ".join(f"{k}={v}" for k, v in vars(res.config).items())
+        blocks.append(("p", f"Configuration: `{cfg_txt}`."))
+        if exp.tables is not None:
+            blocks.append(("md", exp.tables(res.records, res.config)))
+        for png in exp.plot(res.records, res.config, fig_dir):
+            blocks.append(("img", (png, f"{exp.name} figure")))
+        verdicts = {v.claim_id: v for v in res.verdicts}
+        for claim in exp.claims:
+            v = verdicts.get(claim.id)
+            blocks.append(("h3", f"Claim `{claim.id}`: {_MARK[v.status] if v else 'no verdict'}"))
+            blocks.append(("quote", claim.quote))
+            blocks.append(("p", f"**Test.** {claim.test}"))
+            if v:
+                blocks.append(("p", f"**Our numbers.** {v.statistic}"))
+                blocks.append(("p", f"**Rule.** {v.rule}"))
+    md_path, html_path = out / "report.md", out / "report.html"
+    atomic_write_bytes(md_path, _md(blocks, out).encode())
+    atomic_write_bytes(html_path, _html(blocks).encode())
+    return md_path, html_path

@@ -1,0 +1,194 @@
+"""The training loop every experiment shares: mini-batch training with per-epoch evaluation,
+atomic per-epoch checkpoints, exact resumption and optional data parallelism.
+
+Determinism: the model is built right after ``torch.manual_seed(seed)``, the data order comes
+from a dedicated ``torch.Generator`` seeded with ``seed``, and each checkpoint stores the model,
+the optimizer, that generator's state, torch's global RNG state and the history so far. A run
+resumed from the checkpoint of epoch ``k`` therefore performs exactly the same floating-point
+operations as an uninterrupted run, and ends with bitwise the same numbers on the same machine.
+
+For tests of that promise, the environment variable ``LAYERNORM_KILL_AFTER_EPOCHS=N`` makes the
+process kill itself with SIGKILL right after the N-th epoch checkpoint it writes (counted over
+all runs of the process), which is what a crash or a scheduler's kill looks like.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from . import distributed
+from .io import read_json, torch_load, torch_save, write_json
+from .registry import Record, RunContext
+
+__all__ = ["KILL_ENV", "TrainSpec", "evaluate", "train_classifier"]
+
+KILL_ENV = "LAYERNORM_KILL_AFTER_EPOCHS"
+_epochs_written = 0  # epoch checkpoints written by this process (for the kill hook)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """How to train one model.
+
+    Attributes:
+        epochs: passes over the training set.
+        batch_size: the global mini-batch (split over processes under torchrun).
+        lr: Adam learning rate.
+        seed: seeds model initialisation and data order.
+        eval_batch_size: batch size for evaluation passes (no gradients).
+    """
+
+    epochs: int
+    batch_size: int
+    lr: float = 1e-3
+    seed: int = 0
+    eval_batch_size: int = 1000
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x: Tensor, y: Tensor, device: torch.device, batch: int
+) -> tuple[float, float]:
+    """Mean negative log-likelihood (nats) and error rate of a classifier in eval mode."""
+    was_training = model.training
+    model.eval()
+    nll, wrong = 0.0, 0
+    for i in range(0, x.shape[0], batch):
+        xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
+        logits = model(xb)
+        nll += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
+        wrong += int((logits.argmax(1) != yb).sum())
+    model.train(was_training)
+    return nll / x.shape[0], wrong / x.shape[0]
+
+
+def _maybe_kill() -> None:
+    global _epochs_written
+    _epochs_written += 1
+    limit = os.environ.get(KILL_ENV)
+    if limit and _epochs_written >= int(limit):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_classifier(
+    run_id: str,
+    build: Callable[[], nn.Module],
+    train: tuple[Tensor, Tensor],
+    evals: Mapping[str, tuple[Tensor, Tensor]],
+    spec: TrainSpec,
+    ctx: RunContext,
+    tags: Mapping[str, Any],
+) -> list[Record]:
+    """Train ``build()`` with Adam on ``train`` and return one record per epoch.
+
+    Each record holds ``tags``, ``epoch``, ``train_loss`` (mean mini-batch loss over the epoch, in
+    training mode), ``seconds`` and, for every ``name`` in ``evals``, ``{name}_nll`` and
+    ``{name}_err`` measured in eval mode after the epoch.
+
+    Checkpoints go to ``ctx.out_dir/ckpt/{run_id}.pt`` after every epoch; the finished records to
+    ``ctx.out_dir/runs/{run_id}.json``. With ``ctx.resume`` a finished run is read back and an
+    unfinished one continues from its last checkpoint. The last incomplete mini-batch of each
+    epoch is dropped, so every process of a data-parallel run gets an equal share.
+    """
+    done_path = ctx.out_dir / "runs" / f"{run_id}.json"
+    ckpt_path = ctx.out_dir / "ckpt" / f"{run_id}.pt"
+    if ctx.resume and done_path.exists():
+        return list(read_json(done_path))
+
+    device = ctx.device
+    rank, world = distributed.rank_world()
+    torch.manual_seed(spec.seed)
+    model = build().to(device)
+    net = distributed.wrap(model, device)
+    opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
+    order = torch.Generator().manual_seed(spec.seed)
+    history: list[Record] = []
+    start = 0
+    if ctx.resume and ckpt_path.exists():
+        state = torch_load(ckpt_path)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        order.set_state(state["order_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        start = int(state["epoch"])
+        history = [dict(r) for r in read_json(ckpt_path.with_suffix(".json"))][:start]
+
+    x, y = train
+    n = x.shape[0]
+    steps = n // spec.batch_size
+    if steps == 0:
+        raise ValueError(
+            f"{run_id}: batch size {spec.batch_size} is larger than the training set ({n})"
+        )
+    bar = tqdm(
+        total=spec.epochs * steps,
+        initial=start * steps,
+        desc=run_id,
+        unit="step",
+        disable=not (ctx.progress and rank == 0),
+        leave=False,
+        dynamic_ncols=True,
+    )
+    net.train()
+    for epoch in range(start, spec.epochs):
+        t0 = time.perf_counter()
+        perm = torch.randperm(n, generator=order)
+        total = 0.0
+        for s in range(steps):
+            idx = distributed.shard(
+                perm[s * spec.batch_size : (s + 1) * spec.batch_size], rank, world
+            )
+            xb, yb = x[idx].to(device), y[idx].to(device)
+            loss = nn.functional.cross_entropy(net(xb), yb)
+            if not math.isfinite(float(loss)):
+                bar.close()
+                raise FloatingPointError(
+                    f"{run_id}: loss became {float(loss)} at epoch {epoch + 1}"
+                )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss)
+            bar.update(1)
+            if s % 20 == 0:
+                bar.set_postfix(epoch=epoch + 1, loss=f"{float(loss):.3f}")
+        rec: Record = {**tags, "epoch": epoch + 1, "train_loss": total / steps}
+        for name, (ex, ey) in evals.items():
+            rec[f"{name}_nll"], rec[f"{name}_err"] = evaluate(
+                model, ex, ey, device, spec.eval_batch_size
+            )
+        rec["seconds"] = time.perf_counter() - t0
+        history.append(rec)
+        bar.set_postfix(epoch=epoch + 1, loss=f"{rec['train_loss']:.3f}")
+        if rank == 0:
+            # history first: a kill between the two writes leaves an older .pt, whose epoch
+            # count tells how much of the history to keep.
+            write_json(ckpt_path.with_suffix(".json"), history)
+            torch_save(
+                ckpt_path,
+                {
+                    "epoch": epoch + 1,
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "order_rng": order.get_state(),
+                    "torch_rng": torch.get_rng_state(),
+                },
+            )
+        distributed.barrier()
+        if rank == 0:
+            _maybe_kill()
+    bar.close()
+    if rank == 0:
+        write_json(done_path, history)
+    distributed.barrier()
+    return history

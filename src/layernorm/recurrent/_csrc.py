@@ -91,11 +91,15 @@ static inline void ln_dx_SUF(const scalar_t* dy, const scalar_t* x, acc_t m, acc
     }
     sg /= N;
     sgx /= N;
-    const scalar_t keep = accumulate ? (scalar_t)1 : (scalar_t)0;
+    /* Without accumulate, dx is an uninitialized buffer: never read it (0·NaN garbage = NaN). */
+    if (!accumulate) {
+        #pragma omp simd
+        for (i64 j = 0; j < N; ++j) dx[j] = 0;
+    }
     #pragma omp simd
     for (i64 j = 0; j < N; ++j) {
         const acc_t g = (acc_t)dy[j] * (w ? (acc_t)w[j] : 1.0);
-        dx[j] = keep * dx[j] + (scalar_t)(r * (g - sg - ((x[j] - m) * r) * sgx));
+        dx[j] += (scalar_t)(r * (g - sg - ((x[j] - m) * r) * sgx));
     }
 }
 

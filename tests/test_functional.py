@@ -263,6 +263,26 @@ def test_non_contiguous_input(kind, make_view):
     assert_close(view.grad, dense.grad, TOLERANCES_BWD[torch.float64]["dx"], "dx")
 
 
+def test_non_contiguous_parameters():
+    """Gains and biases given as strided views (e.g. slices of a larger tensor) are read right."""
+    x = make_x((3, 4, 5), torch.float64, requires_grad=True)
+    w_view = make_param((5, 4), torch.float64, center=1.0).t().requires_grad_()
+    big_b = make_param((4, 10), torch.float64, center=0.0)
+    b_view = big_b[:, ::2].requires_grad_()
+    assert not w_view.is_contiguous() and not b_view.is_contiguous()
+    xr, wr, br = upcast(x), upcast(w_view.contiguous()), upcast(b_view.contiguous())
+    y = layernorm.layer_norm(x, (4, 5), w_view, b_view)
+    yr = layer_norm_reference(xr, (4, 5), wr, br)
+    assert_close(y, yr, TOLERANCES_FWD[torch.float64], "output")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yr.backward(dy)
+    assert_close(w_view.grad, wr.grad, TOLERANCES_BWD[torch.float64]["dparam"], "dweight")
+    assert_close(b_view.grad, br.grad, TOLERANCES_BWD[torch.float64]["dparam"], "dbias")
+    r = layernorm.rms_norm(x, (4, 5), w_view)
+    assert_close(r, rms_norm_reference(xr, (4, 5), wr), TOLERANCES_FWD[torch.float64], "rms")
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["layer", "rms", "ada"])
 @pytest.mark.parametrize("shape", [(0, 7), (2, 0, 7), (0, 3, 5)], ids=str)

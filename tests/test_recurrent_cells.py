@@ -1,0 +1,228 @@
+"""Layer-normalized recurrent cells: the paper's equations written out by hand, init, gradients.
+
+The by-hand checks compute μ and σ with explicit sums (not the library's layer norm), so a bug in
+the cell's wiring *or* in the op it uses would show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layernorm import LayerNormGRUCell, LayerNormLSTMCell, LayerNormRNNCell
+
+DT = torch.float64
+EPS = 1e-5
+
+
+def ln_by_hand(a: torch.Tensor, g: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Eq. 3–4: μ = (1/H) Σ a_i, σ = sqrt((1/H) Σ (a_i − μ)² + eps), g/σ ⊙ (a − μ) + b."""
+    n = a.shape[-1]
+    mu = a.sum(-1, keepdim=True) / n
+    sigma = (((a - mu) ** 2).sum(-1, keepdim=True) / n + EPS).sqrt()
+    out = g / sigma * (a - mu)
+    return out if b is None else out + b
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> None:
+    """Parameters away from their init (gains ≠ 1, biases ≠ 0): nothing hides behind identities."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            p.copy_(1.0 + 0.3 * noise if "ln_weight" in name else 0.5 * noise)
+
+
+def inputs(b: int, n: int, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return 2.0 + 1.5 * torch.randn(b, n, generator=gen, dtype=DT)
+
+
+def test_rnn_cell_is_eq4() -> None:
+    cell = LayerNormRNNCell(5, 7, dtype=DT)
+    randomize(cell)
+    x, h = inputs(3, 5), inputs(3, 7, seed=2)
+    a = h @ cell.weight_hh.T + x @ cell.weight_ih.T  # a_t = W_hh h_{t−1} + W_xh x_t
+    b = cell.ln_bias + cell.bias_ih + cell.bias_hh
+    expected = torch.tanh(ln_by_hand(a, cell.ln_weight, b))
+    torch.testing.assert_close(cell(x, h), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_rnn_cell_relu() -> None:
+    cell = LayerNormRNNCell(5, 7, nonlinearity="relu", dtype=DT)
+    randomize(cell)
+    x, h = inputs(3, 5), inputs(3, 7, seed=2)
+    a = h @ cell.weight_hh.T + x @ cell.weight_ih.T
+    b = cell.ln_bias + cell.bias_ih + cell.bias_hh
+    torch.testing.assert_close(cell(x, h), torch.relu(ln_by_hand(a, cell.ln_weight, b)))
+
+
+@pytest.mark.parametrize("normalize_cell_state", [False, True])
+def test_lstm_cell_is_the_papers_equations(normalize_cell_state: bool) -> None:
+    hs = 6
+    cell = LayerNormLSTMCell(4, hs, normalize_cell_state=normalize_cell_state, dtype=DT)
+    randomize(cell)
+    x, h, c = inputs(3, 4), inputs(3, hs, seed=2), inputs(3, hs, seed=3)
+    # (i, f, g, o) = LN(W_h h; α1, β1) + LN(W_x x; α2, β2) + b, LN over all 4H units together
+    pre = (
+        ln_by_hand(h @ cell.weight_hh.T, cell.ln_weight_hh, cell.ln_bias_hh)
+        + ln_by_hand(x @ cell.weight_ih.T, cell.ln_weight_ih, cell.ln_bias_ih)
+        + cell.bias_ih
+        + cell.bias_hh
+    )
+    i, f, g, o = (pre[:, k * hs : (k + 1) * hs] for k in range(4))
+    c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    c_ln = ln_by_hand(c_new, cell.ln_weight_c, cell.ln_bias_c)
+    h_new = torch.sigmoid(o) * torch.tanh(c_ln)
+    h_out, c_out = cell(x, (h, c))
+    torch.testing.assert_close(h_out, h_new, rtol=1e-12, atol=1e-12)
+    # the paper carries the un-normalized c_t; the TF-Addons variant carries LN(c_t)
+    torch.testing.assert_close(c_out, c_ln if normalize_cell_state else c_new)
+    assert not torch.allclose(c_new, c_ln)
+
+
+def test_gru_cell_is_the_papers_equations() -> None:
+    hs = 5
+    cell = LayerNormGRUCell(4, hs, dtype=DT)
+    randomize(cell)
+    x, h = inputs(3, 4), inputs(3, hs, seed=2)
+    wx, wh = x @ cell.weight_ih.T, h @ cell.weight_hh.T
+    gi, bi, gh, bh = cell.ln_weight_ih, cell.ln_bias_ih, cell.ln_weight_hh, cell.ln_bias_hh
+    two = 2 * hs
+    # (r, z) = LN(W_h h) + LN(W_x x) (2H units each) + biases
+    rz = torch.sigmoid(
+        ln_by_hand(wh[:, :two], gh[:two], bh[:two])
+        + ln_by_hand(wx[:, :two], gi[:two], bi[:two])
+        + cell.bias_ih[:two]
+        + cell.bias_hh[:two]
+    )
+    r, z = rz[:, :hs], rz[:, hs:]
+    # ĥ = tanh(LN(W x) + σ(r) ⊙ LN(U h)), torch's b_in / b_hn in their usual places
+    cand = torch.tanh(
+        ln_by_hand(wx[:, two:], gi[two:], bi[two:])
+        + cell.bias_ih[two:]
+        + r * (ln_by_hand(wh[:, two:], gh[two:], bh[two:]) + cell.bias_hh[two:])
+    )
+    expected = (1 - z) * cand + z * h  # torch's z = the paper's 1 − z
+    torch.testing.assert_close(cell(x, h), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("gain_init", [1.0, 0.1])
+def test_init_gains_and_biases(gain_init: float) -> None:
+    for cell in (
+        LayerNormRNNCell(3, 4, gain_init=gain_init),
+        LayerNormLSTMCell(3, 4, gain_init=gain_init),
+        LayerNormGRUCell(3, 4, gain_init=gain_init),
+    ):
+        names = dict(cell.named_parameters())
+        gains = [p for n, p in names.items() if n.startswith("ln_weight")]
+        biases = [p for n, p in names.items() if "bias" in n]
+        assert gains and biases
+        for p in gains:
+            assert torch.all(p == gain_init)
+        for p in biases:
+            assert torch.all(p == 0)
+        bound = 1 / 4**0.5
+        assert cell.weight_ih.abs().max() <= bound and cell.weight_ih.std() > 0
+
+
+def test_bias_false_has_no_bias_parameters() -> None:
+    cell = LayerNormLSTMCell(3, 4, bias=False)
+    assert all("bias" not in n for n, _ in cell.named_parameters())
+    assert cell.bias_ih is None and cell.ln_bias_c is None
+    h, c = cell(torch.randn(2, 3))
+    assert h.shape == c.shape == (2, 4)
+
+
+@pytest.mark.parametrize("cls", [LayerNormRNNCell, LayerNormLSTMCell, LayerNormGRUCell])
+def test_cell_unbatched_equals_batched_row(cls: type) -> None:
+    cell = cls(4, 6, dtype=DT)
+    randomize(cell)
+    x = inputs(3, 4)
+    batched = cell(x)
+    single = cell(x[1])
+    if isinstance(batched, tuple):
+        for a, b in zip(batched, single, strict=True):
+            assert b.shape == (6,)
+            torch.testing.assert_close(a[1], b)
+    else:
+        assert single.shape == (6,)
+        torch.testing.assert_close(batched[1], single)
+
+
+@pytest.mark.parametrize("cls", [LayerNormRNNCell, LayerNormLSTMCell, LayerNormGRUCell])
+def test_cell_gradcheck(cls: type) -> None:
+    cell = cls(3, 4, dtype=DT)
+    randomize(cell)
+    x = inputs(2, 3).requires_grad_()
+    h = inputs(2, 4, seed=2).requires_grad_()
+    params = tuple(cell.parameters())
+    if cls is LayerNormLSTMCell:
+        c = inputs(2, 4, seed=3).requires_grad_()
+
+        def fn(x, h, c, *ps):
+            return torch.func.functional_call(
+                cell, dict(zip(dict(cell.named_parameters()), ps, strict=True)), (x, (h, c))
+            )
+
+        assert torch.autograd.gradcheck(fn, (x, h, c, *params), fast_mode=True)
+    else:
+
+        def fn(x, h, *ps):
+            return torch.func.functional_call(
+                cell, dict(zip(dict(cell.named_parameters()), ps, strict=True)), (x, h)
+            )
+
+        assert torch.autograd.gradcheck(fn, (x, h, *params), fast_mode=True)
+
+
+def test_cell_examples_are_independent() -> None:
+    cell = LayerNormLSTMCell(4, 6, dtype=DT)
+    randomize(cell)
+    x = inputs(5, 4)
+    h, c = cell(x)
+    h2, c2 = cell(x[2:3])
+    torch.testing.assert_close(h[2:3], h2)
+    torch.testing.assert_close(c[2:3], c2)
+
+
+def test_cell_drives_over_time_like_the_layer() -> None:
+    from layernorm import LayerNormLSTM
+
+    layer = LayerNormLSTM(4, 6, dtype=DT, impl="loop")
+    randomize(layer)
+    cell = LayerNormLSTMCell(4, 6, dtype=DT)
+    cell.load_state_dict({k.removesuffix("_l0"): v for k, v in layer.state_dict().items()})
+    x = inputs(7 * 2, 4).view(7, 2, 4)
+    state = None
+    outs = []
+    for x_t in x:
+        state = cell(x_t, state)
+        outs.append(state[0])
+    out, (_h_n, c_n) = layer(x)
+    torch.testing.assert_close(torch.stack(outs), out)
+    torch.testing.assert_close(state[1], c_n[0])
+
+
+def test_cell_errors() -> None:
+    cell = LayerNormLSTMCell(4, 6)
+    with pytest.raises(
+        ValueError, match=r"expects input of shape \(batch, 4\) or \(4,\), got \(2, 5\)"
+    ):
+        cell(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="got \\(1, 2, 4\\)"):
+        cell(torch.randn(1, 2, 4))
+    with pytest.raises(ValueError, match=r"hx\[0\] must have shape \(2, 6\), got \(3, 6\)"):
+        cell(torch.randn(2, 4), (torch.zeros(3, 6), torch.zeros(2, 6)))
+    with pytest.raises(
+        TypeError, match=r"hx\[1\] has dtype torch.float64 but the input has dtype torch.float32"
+    ):
+        cell(torch.randn(2, 4), (torch.zeros(2, 6), torch.zeros(2, 6, dtype=DT)))
+    with pytest.raises(TypeError, match="tuple"):
+        cell(torch.randn(2, 4), torch.zeros(2, 6))
+    with pytest.raises(TypeError, match=r"weights are torch\.float32"):
+        cell(torch.randn(2, 4, dtype=DT))
+    with pytest.raises(ValueError, match="nonlinearity"):
+        LayerNormRNNCell(3, 4, nonlinearity="sigmoid")
+    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
+        LayerNormGRUCell(3, 0)

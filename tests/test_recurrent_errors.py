@@ -1,0 +1,94 @@
+"""Bad input to the sequence layers: every error names what was expected and what came."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
+
+
+def test_wrong_rank_and_feature_size() -> None:
+    model = LayerNormLSTM(3, 4)
+    with pytest.raises(
+        ValueError, match=r"input_size=3.*\(seq, batch, features\).*got shape \(5, 2, 7\)"
+    ):
+        model(torch.randn(5, 2, 7))
+    with pytest.raises(ValueError, match=r"got shape \(5,\)"):
+        model(torch.randn(5))
+    with pytest.raises(ValueError, match=r"got shape \(1, 5, 2, 3\)"):
+        model(torch.randn(1, 5, 2, 3))
+    with pytest.raises(ValueError, match=r"\(batch, seq, features\)"):
+        LayerNormGRU(3, 4, batch_first=True)(torch.randn(2, 5, 4))
+    with pytest.raises(TypeError, match="floating-point"):
+        model(torch.ones(5, 2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="empty input"):
+        model(torch.randn(0, 2, 3))
+
+
+def test_hx_of_wrong_shape_dtype_device_or_kind() -> None:
+    model = LayerNormLSTM(3, 4, num_layers=2)
+    x = torch.randn(5, 2, 3)
+    good = torch.zeros(2, 2, 4)
+    with pytest.raises(ValueError, match=r"hx\[0\] must have shape \(2, 2, 4\), got \(1, 2, 4\)"):
+        model(x, (torch.zeros(1, 2, 4), good))
+    with pytest.raises(
+        TypeError, match=r"hx\[1\] has dtype torch.float64 but the input has dtype torch.float32"
+    ):
+        model(x, (good, good.double()))
+    with pytest.raises(ValueError, match=r"hx\[0\] is on meta but the input is on cpu"):
+        model(x, (good.to("meta"), good))
+    with pytest.raises(TypeError, match=r"tuple \(h_0, c_0\), got Tensor"):
+        model(x, good)
+    gru = LayerNormGRU(3, 4)
+    with pytest.raises(TypeError, match="tensor h_0, got a tuple"):
+        gru(x, (torch.zeros(1, 2, 4),))
+    with pytest.raises(ValueError, match=r"hx must have shape \(1, 4\), got \(1, 1, 4\)"):
+        gru(x[:, 0], torch.zeros(1, 1, 4))  # unbatched input takes unbatched state
+
+
+def test_input_dtype_must_match_weights() -> None:
+    with pytest.raises(
+        TypeError, match=r"input has dtype torch.float64 but the weights are torch.float32"
+    ):
+        LayerNormRNN(3, 4)(torch.randn(5, 2, 3, dtype=torch.float64))
+
+
+def test_bad_packed_sequences() -> None:
+    model = LayerNormLSTM(3, 4)
+    data = torch.randn(6, 3)
+    # batch sizes must be non-increasing (sequences sorted by length, or sorted_indices given)
+    bad = PackedSequence(data, torch.tensor([2, 3, 1]), None, None)
+    with pytest.raises(ValueError, match=r"non-increasing.*enforce_sorted=False.*got \[2, 3, 1\]"):
+        model(bad)
+    bad_sum = PackedSequence(data, torch.tensor([3, 2]), None, None)
+    with pytest.raises(ValueError, match="sum to 5 but data has 6 rows"):
+        model(bad_sum)
+    bad_perm = PackedSequence(data, torch.tensor([3, 2, 1]), torch.tensor([0, 0, 1]), None)
+    with pytest.raises(ValueError, match=r"sorted_indices must be a permutation of range\(3\)"):
+        model(bad_perm)
+    with pytest.raises(ValueError, match=r"PackedSequence.data of shape \(total_steps, 3\)"):
+        model(PackedSequence(torch.randn(6, 5), torch.tensor([3, 2, 1]), None, None))
+    # a correct unsorted batch (enforce_sorted=False) is accepted, like torch
+    x = torch.randn(4, 3, 3)
+    packed = pack_padded_sequence(x, torch.tensor([2, 4, 3]), enforce_sorted=False)
+    _out, (h, _c) = model(packed)
+    assert h.shape == (1, 3, 4)
+
+
+def test_bad_constructor_arguments() -> None:
+    with pytest.raises(ValueError, match=r"norm must be one of \('layer', 'none'\), got 'batch'"):
+        LayerNormGRU(3, 4, norm="batch")
+    with pytest.raises(ValueError, match="norm must be one of"):
+        LayerNormLSTM(3, 4, norm="group")
+    with pytest.raises(ValueError, match="dropout must be a number in"):
+        LayerNormLSTM(3, 4, dropout=1.5)
+    with pytest.raises(ValueError, match="num_layers must be a positive int, got 0"):
+        LayerNormLSTM(3, 4, num_layers=0)
+    with pytest.raises(ValueError, match="impl must be"):
+        LayerNormLSTM(3, 4, impl="cuda")
+    with pytest.raises(ValueError, match="no fused path"):
+        LayerNormLSTM(3, 4, norm="batch", impl="fused")
+    with pytest.raises(ValueError, match="nonlinearity"):
+        LayerNormRNN(3, 4, nonlinearity="gelu")

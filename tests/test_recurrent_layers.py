@@ -1,0 +1,309 @@
+"""Sequence layers: fused path vs the step-by-step reference, torch equivalence, packing, shapes.
+
+Tolerances (float64 unless said): the fused path and the reference loop run the same arithmetic
+in a different order (one GEMM for all input projections, per-step GEMMs, gain gradients summed
+once over all steps instead of per step), so they agree to a few ulps times the number of steps:
+``FUSED_TOL``. Against ``torch.nn.LSTM``/``GRU``/``RNN`` with ``norm="none"`` the same holds
+(``TORCH_TOL``). float32 has its own row: the C kernels' exp/tanh are within ~2 ulp of libm's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
+from layernorm.recurrent import StepKernels, _pointwise, register_step_kernels
+
+DT = torch.float64
+FUSED_TOL = {"rtol": 1e-10, "atol": 1e-11}
+TORCH_TOL = {"rtol": 1e-10, "atol": 1e-12}
+F32_TOL = {"rtol": 2e-5, "atol": 2e-5}
+LAYERS = {"lstm": (LayerNormLSTM, torch.nn.LSTM), "gru": (LayerNormGRU, torch.nn.GRU),
+          "rnn": (LayerNormRNN, torch.nn.RNN)}  # fmt: skip
+LENGTHS = [5, 2, 5, 1]  # unsorted on purpose: enforce_sorted=False
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            p.copy_(1.0 + 0.3 * noise if "_weight" in name and "ln" in name else 0.4 * noise)
+
+
+def seq(t: int, b: int, n: int, seed: int = 1, dtype: torch.dtype = DT) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = 1.0 + 1.5 * torch.randn(t, b, n, generator=gen, dtype=torch.float64)
+    return (x + torch.linspace(-1, 1, b, dtype=torch.float64).view(1, b, 1)).to(dtype)
+
+
+def states(kind: str, layers: int, b: int, h: int, seed: int = 2) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    n = 2 if kind == "lstm" else 1
+    return tuple(torch.randn(layers, b, h, generator=gen, dtype=DT) for _ in range(n))
+
+
+def run(model, x, hx, packed: bool):
+    """Output data, final states, and gradients of input, initial states and every parameter."""
+    model.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    hx = tuple(s.detach().clone().requires_grad_() for s in hx)
+    inp = pack_padded_sequence(x, torch.tensor(LENGTHS), enforce_sorted=False) if packed else x
+    out, h_n = model(inp, hx if len(hx) == 2 else hx[0])
+    data = out.data if packed else out
+    h_n = h_n if isinstance(h_n, tuple) else (h_n,)
+    weights = torch.linspace(-1, 2, data.numel(), dtype=data.dtype).view_as(data)
+    loss = (data * weights).sum() + sum((s * s).sum() for s in h_n)
+    loss.backward()
+    grads = [x.grad, *(s.grad for s in hx)]
+    grads += [p.grad for _, p in model.named_parameters()]
+    return [data.detach(), *(s.detach() for s in h_n)], grads
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("norm", ["layer", "none"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_equals_reference_loop(kind: str, norm: str, packed: bool) -> None:
+    cls, _ = LAYERS[kind]
+    model = cls(3, 4, num_layers=2, bidirectional=True, norm=norm, dtype=DT)
+    randomize(model)
+    x, hx = seq(5, 4, 3), states(kind, 4, 4, 4)
+    model.impl = "fused"
+    out_f, grads_f = run(model, x, hx, packed)
+    model.impl = "loop"
+    out_l, grads_l = run(model, x, hx, packed)
+    for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **FUSED_TOL)
+
+
+def test_fused_lstm_normalized_cell_state_and_relu_rnn_equal_loop() -> None:
+    for model, kind in (
+        (LayerNormLSTM(3, 4, normalize_cell_state=True, bias=False, dtype=DT), "lstm"),
+        (LayerNormRNN(3, 4, nonlinearity="relu", dtype=DT), "rnn"),
+        (LayerNormGRU(3, 4, bias=False, dtype=DT), "gru"),
+    ):
+        randomize(model)
+        x, hx = seq(5, 4, 3), states(kind, 1, 4, 4)
+        model.impl = "fused"
+        a = run(model, x, hx, packed=False)
+        model.impl = "loop"
+        b = run(model, x, hx, packed=False)
+        for u, v in zip(a[0] + a[1], b[0] + b[1], strict=True):
+            torch.testing.assert_close(u, v, **FUSED_TOL)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_eager_step_kernels_equal_reference(kind: str) -> None:
+    """The device seam's eager implementation (used off-CPU) agrees with the loop as well."""
+    cls, _ = LAYERS[kind]
+    model = cls(3, 4, bidirectional=True, dtype=DT)
+    randomize(model)
+    x, hx = seq(5, 4, 3), states(kind, 2, 4, 4)
+    calls = []
+
+    def counted(fn):
+        def wrapper(st, off, bs):
+            calls.append(bs)
+            return fn(st, off, bs)
+
+        return wrapper
+
+    eager = _pointwise.EAGER
+    fns = (eager.lstm_fwd, eager.lstm_bwd, eager.gru_fwd, eager.gru_bwd)
+    register_step_kernels("cpu", StepKernels(*(counted(f) for f in fns)))
+    try:
+        model.impl = "fused"
+        out_f, grads_f = run(model, x, hx, packed=True)
+    finally:
+        register_step_kernels("cpu", None)
+    assert len(calls) == 2 * 2 * max(LENGTHS)  # 2 directions x 5 steps, forward and backward
+    model.impl = "loop"
+    out_l, grads_l = run(model, x, hx, packed=True)
+    for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **FUSED_TOL)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_float32_fused_close_to_float64_reference(kind: str) -> None:
+    cls, _ = LAYERS[kind]
+    m64 = cls(8, 16, dtype=DT, impl="loop")
+    randomize(m64)
+    m32 = cls(8, 16, impl="fused")
+    m32.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
+    x = seq(20, 3, 8, dtype=torch.float32)
+    out32, _h32 = m32(x)
+    out64, _h64 = m64(x.double())
+    torch.testing.assert_close(out32.double(), out64, **F32_TOL)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_layer_gradcheck(kind: str) -> None:
+    cls, _ = LAYERS[kind]
+    model = cls(2, 3, bidirectional=True, dtype=DT)
+    randomize(model)
+    names = [n for n, _ in model.named_parameters()]
+    x = seq(3, 2, 2).requires_grad_()
+
+    def fn(x, *ps):
+        out, _ = torch.func.functional_call(model, dict(zip(names, ps, strict=True)), (x,))
+        return out
+
+    assert torch.autograd.gradcheck(fn, (x, *model.parameters()), fast_mode=True)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_norm_none_equals_torch_after_strict_state_dict_load(kind: str) -> None:
+    cls, tcls = LAYERS[kind]
+    kwargs = {"nonlinearity": "relu"} if kind == "rnn" else {}
+    ref = tcls(3, 5, num_layers=2, bidirectional=True, batch_first=True, **kwargs).double()
+    ours = cls(
+        3, 5, num_layers=2, bidirectional=True, batch_first=True, norm="none", dtype=DT, **kwargs
+    )
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    assert [n for n, _ in ref.named_parameters()] == [n for n, _ in ours.named_parameters()]
+    x = seq(6, 4, 3).transpose(0, 1).contiguous()  # (B, T, I) = (4, 6, 3)
+    hx = states(kind, 4, 4, 5)  # (layers x directions, B, H)
+    h_arg = hx if kind == "lstm" else hx[0]
+    out_r, h_r = ref(x, h_arg)
+    out_o, h_o = ours(x, h_arg)
+    torch.testing.assert_close(out_o, out_r, **TORCH_TOL)
+    for a, b in zip(
+        h_o if kind == "lstm" else (h_o,), h_r if kind == "lstm" else (h_r,), strict=True
+    ):
+        torch.testing.assert_close(a, b, **TORCH_TOL)
+    # gradients too
+    out_r.sum().backward()
+    out_o.sum().backward()
+    for (n, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, **TORCH_TOL, msg=n)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_norm_none_equals_torch_on_packed_unbatched_and_float32(kind: str) -> None:
+    cls, tcls = LAYERS[kind]
+    ref = tcls(3, 4)
+    ours = cls(3, 4, norm="none")
+    ours.load_state_dict(ref.state_dict())
+    x = seq(5, 4, 3, dtype=torch.float32)
+    packed = pack_padded_sequence(x, torch.tensor(LENGTHS), enforce_sorted=False)
+    hx = tuple(torch.randn(1, 4, 4) for _ in range(2 if kind == "lstm" else 1))
+    h_arg = hx if kind == "lstm" else hx[0]
+    out_r, h_r = ref(packed, h_arg)
+    out_o, h_o = ours(packed, h_arg)
+    assert isinstance(out_o, torch.nn.utils.rnn.PackedSequence)
+    torch.testing.assert_close(out_o.data, out_r.data, **F32_TOL)
+    torch.testing.assert_close(out_o.unsorted_indices, out_r.unsorted_indices)
+    for a, b in zip(
+        h_o if kind == "lstm" else (h_o,), h_r if kind == "lstm" else (h_r,), strict=True
+    ):
+        torch.testing.assert_close(a, b, **F32_TOL)
+    # unbatched (T, I) input and (L, H) states, as torch
+    out_r, _ = ref(x[:, 0])
+    out_o, h_o = ours(x[:, 0])
+    assert out_o.shape == (5, 4)
+    assert (h_o[0] if kind == "lstm" else h_o).shape == (1, 4)
+    torch.testing.assert_close(out_o, out_r, **F32_TOL)
+
+
+def test_from_torch_and_non_strict_load_keep_norm_init() -> None:
+    ref = torch.nn.LSTM(3, 4, num_layers=2)
+    ours = LayerNormLSTM.from_torch(ref, gain_init=0.5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(getattr(ours, name), p)
+    assert torch.all(ours.ln_weight_hh_l1 == 0.5) and torch.all(ours.ln_bias_c_l0 == 0)
+    other = LayerNormLSTM(3, 4, num_layers=2)
+    result = other.load_state_dict(ref.state_dict(), strict=False)
+    assert not result.unexpected_keys
+    assert all(k.startswith("ln_") for k in result.missing_keys)
+    torch.testing.assert_close(other.weight_hh_l1, ref.weight_hh_l1)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_packed_equals_each_sequence_alone(kind: str) -> None:
+    cls, _ = LAYERS[kind]
+    model = cls(3, 4, bidirectional=True, num_layers=2, dtype=DT)
+    randomize(model)
+    x = seq(5, 4, 3)
+    out, h_n = model(pack_padded_sequence(x, torch.tensor(LENGTHS), enforce_sorted=False))
+    padded, _lengths = pad_packed_sequence(out)
+    h_n = h_n[0] if kind == "lstm" else h_n
+    for b, length in enumerate(LENGTHS):
+        alone, h_alone = model(x[:length, b])  # unbatched
+        h_alone = h_alone[0] if kind == "lstm" else h_alone
+        torch.testing.assert_close(padded[:length, b], alone, **FUSED_TOL)
+        torch.testing.assert_close(h_n[:, b], h_alone, **FUSED_TOL)
+        assert torch.all(padded[length:, b] == 0)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_example_in_batch_equals_example_alone(kind: str) -> None:
+    cls, _ = LAYERS[kind]
+    model = cls(3, 4, dtype=DT)
+    randomize(model)
+    x = seq(6, 5, 3)
+    out, _ = model(x)
+    alone, _ = model(x[:, 3:4])
+    torch.testing.assert_close(out[:, 3:4], alone, **FUSED_TOL)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_shapes_bidirectional_multilayer_batch_first(kind: str) -> None:
+    cls, tcls = LAYERS[kind]
+    for kwargs in ({}, {"num_layers": 3, "bidirectional": True, "batch_first": True}):
+        ours, ref = cls(3, 4, **kwargs), tcls(3, 4, **kwargs)
+        x = torch.randn(2, 5, 3) if kwargs.get("batch_first") else torch.randn(5, 2, 3)
+        out_o, h_o = ours(x)
+        out_r, h_r = ref(x)
+        assert out_o.shape == out_r.shape
+        if kind == "lstm":
+            assert h_o[0].shape == h_r[0].shape and h_o[1].shape == h_r[1].shape
+        else:
+            assert h_o.shape == h_r.shape
+
+
+def test_dropout_between_layers_only_in_training() -> None:
+    model = LayerNormLSTM(3, 4, num_layers=2, dropout=0.5)
+    x = torch.randn(5, 2, 3)
+    model.eval()
+    a, _ = model(x)
+    b, _ = model(x)
+    torch.testing.assert_close(a, b)
+    model.train()
+    torch.manual_seed(1)
+    c, _ = model(x)
+    torch.manual_seed(2)
+    d, _ = model(x)
+    assert not torch.allclose(c, d)
+    single = LayerNormLSTM(3, 4, num_layers=1, dropout=0.5)
+    torch.testing.assert_close(single(x)[0], single(x)[0])  # no dropout after the last layer
+
+
+def test_nan_input_is_not_hidden() -> None:
+    for kind in ("lstm", "gru", "rnn"):
+        cls, _ = LAYERS[kind]
+        x = torch.randn(4, 2, 3)
+        x[1, 0, 2] = float("nan")
+        out, _ = cls(3, 4)(x)
+        assert torch.isnan(out[1:, 0]).all() and not torch.isnan(out[:, 1]).any()
+
+
+def test_torch_compile_of_a_layer() -> None:
+    model = LayerNormLSTM(3, 4)
+    x = torch.randn(3, 2, 3)
+    compiled = torch.compile(model, backend="aot_eager")
+    out_c, (_h_c, _) = compiled(x)
+    out_e, (_h_e, _) = model(x)
+    torch.testing.assert_close(out_c, out_e)
+    out_c.sum().backward()
+    assert model.ln_weight_hh_l0.grad is not None
+
+
+def test_gain_init_option() -> None:
+    model = LayerNormLSTM(3, 4, gain_init=0.1, num_layers=2)
+    for name, p in model.named_parameters():
+        if name.startswith("ln_weight"):
+            assert torch.all(p == 0.1)
+        elif "bias" in name:
+            assert torch.all(p == 0)

@@ -42,6 +42,7 @@ from __future__ import annotations
 from . import (  # noqa: F401
     char_lm,
     convnet,
+    gain_init,
     geometry,
     invariances,
     mnist_ff,

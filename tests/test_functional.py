@@ -141,6 +141,17 @@ def test_matches_reference(variant, m, n, dtype):
     check_against_reference(kind, m, n, dtype, use_w, use_b, opts)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_aten_fallback_matches_reference(variant, dtype, monkeypatch):
+    """float32/float64 normally run the CPU backend's compiled kernels; a machine without a C
+    compiler (or LAYERNORM_CPU_COMPILE=0) runs the ATen compositions instead: test those too."""
+    monkeypatch.setenv("LAYERNORM_CPU_COMPILE", "0")
+    kind, use_w, use_b, opts = VARIANTS[variant]
+    check_against_reference(kind, 37, 760, dtype, use_w, use_b, opts)
+    check_against_reference(kind, 1, 7, dtype, use_w, use_b, opts)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_large_rows_layer_norm(dtype):
     """The largest shape once per precision class: M = 4096 rows of N = 1023 (just under a power

@@ -1,12 +1,12 @@
 """The Triton norm kernels against the float64 reference.
 
-Without a GPU the kernels run on CPU tensors under the Triton interpreter, which must be switched on
-(``TRITON_INTERPRET=1``) before ``triton`` is first imported: Triton decides at decoration time
-whether ``@triton.jit`` (its own ``tl.sum`` included) builds an interpreted or a compiled function.
-This module therefore sets the variable at import, which pytest does while collecting, before any
-test runs ``torch.compile`` (which imports ``triton``). If ``triton`` was nevertheless imported
-earlier without it, the tests here are skipped in-process and ``test_rerun_under_interpreter``
-runs this file in a fresh interpreter instead, so they always run.
+Without a GPU the kernels run on CPU tensors under the Triton interpreter. Triton decides when a
+``@triton.jit`` function is *decorated* whether it is interpreted (``TRITON_INTERPRET=1``) or
+compiled, so this module sets the variable before it imports the kernel modules (pytest imports it
+while collecting); the kernels use only Triton builtins plus their own jit helpers, so it does not
+matter whether ``triton`` itself was imported earlier (``torch._dynamo`` imports it). Should the
+kernel modules have been imported before without the variable, they are reloaded. The subprocess
+test at the end is the last resort if the kernels still are not interpreted.
 
 With a CUDA device the same tests run compiled on the GPU (and the ``gpu``-marked ones too).
 Shapes are small (the interpreter executes every program in Python) but chosen to hurt: N = 1,
@@ -23,9 +23,10 @@ import sys
 import torch
 
 _HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
+if not _HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
 
+import importlib  # noqa: E402
 import math  # noqa: E402
 
 import pytest  # noqa: E402
@@ -49,13 +50,15 @@ from layernorm.kernels.triton import ada_norm as tada  # noqa: E402
 from layernorm.kernels.triton import layer_norm as tln  # noqa: E402
 from layernorm.kernels.triton import rms_norm as trms  # noqa: E402
 
+if not _HAS_CUDA and not isinstance(_norm_core._norm_fwd_fused_kernel, InterpretedFunction):
+    importlib.reload(_norm_core)  # imported earlier without TRITON_INTERPRET: decorate again
 INTERPRETED = isinstance(_norm_core._norm_fwd_fused_kernel, InterpretedFunction)
 # Where the kernels can run in this process: CPU tensors under the interpreter, else the GPU.
 DEVICE = "cpu" if INTERPRETED else ("cuda" if _HAS_CUDA else None)
 in_process = pytest.mark.skipif(
     DEVICE is None,
-    reason="triton was imported before this module without TRITON_INTERPRET=1 and there is no "
-    "GPU; test_rerun_under_interpreter runs this file in a fresh process",
+    reason="the Triton kernels are not interpreted in this process and there is no GPU; "
+    "test_rerun_under_interpreter runs this file in a fresh process",
 )
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA device")

@@ -94,6 +94,22 @@ def _num_programs(device: torch.device, work_items: int) -> int:
     return max(1, min(target, work_items))
 
 
+# Row sums go through ``tl.reduce`` with this combine function instead of ``tl.sum``: ``tl.sum`` is
+# itself a ``@triton.jit`` function of Triton's standard library (as are ``tl.zeros``, ``tl.cdiv``,
+# ``tl.sigmoid``, ``tl.max``), fixed as compiled or interpreted when ``triton`` is first imported,
+# while builtins (``tl.reduce``, ``tl.full``, ``tl.where``, ...) follow the kernel. So these
+# kernels run under the interpreter whenever *this* module was imported with
+# ``TRITON_INTERPRET=1``, even in a process that imported ``triton`` before (torch.compile does).
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Which kernel runs and with what tile. ``looped`` rows are walked in ``block_n`` chunks."""
@@ -157,11 +173,11 @@ def _norm_fwd_fused_kernel(
     if MODE == 1:
         xc = x
     else:
-        mean = tl.sum(x, axis=1) / N  # BLOCK_M
+        mean = _sum(x, axis=1) / N  # BLOCK_M
         # two passes over registers: exact centring before squaring
         xc = tl.where(mask, x - mean[:, None], 0.0)
         tl.store(MEAN + rows, mean.to(MEAN.dtype.element_ty), mask=row_mask)
-    var = tl.sum(xc * xc, axis=1) / N  # BLOCK_M; biased, like torch.var(unbiased=False)
+    var = _sum(xc * xc, axis=1) / N  # BLOCK_M; biased, like torch.var(unbiased=False)
     rstd = 1.0 / tl.sqrt(var + eps)
     tl.store(RSTD + rows, rstd.to(RSTD.dtype.element_ty), mask=row_mask)
     xhat = xc * rstd[:, None]
@@ -201,23 +217,23 @@ def _norm_fwd_looped_kernel(
     cols0 = tl.arange(0, BLOCK_N)
     # Pass 1: statistics. Chan et al.'s merge of per-chunk (count, mean, M2) keeps the centring
     # exact within each chunk.
-    mean = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
-    m2 = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
-    count = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
+    mean = _sum(tl.full([BLOCK_N], 0.0, tl.float32), axis=0)
+    m2 = _sum(tl.full([BLOCK_N], 0.0, tl.float32), axis=0)
+    count = _sum(tl.full([BLOCK_N], 0.0, tl.float32), axis=0)
     for start in range(0, N, BLOCK_N):
         cols = start + cols0
         msk = cols < N
         x = tl.load(X + cols, mask=msk, other=0.0).to(tl.float32)
         if MODE == 1:
-            m2 += tl.sum(x * x, axis=0)
+            m2 += _sum(x * x, axis=0)
         else:
-            nb = tl.sum(msk.to(tl.float32), axis=0)
-            mb = tl.sum(x, axis=0) / nb
+            nb = _sum(msk.to(tl.float32), axis=0)
+            mb = _sum(x, axis=0) / nb
             d = tl.where(msk, x - mb, 0.0)
             delta = mb - mean
             total = count + nb
             mean += delta * (nb / total)
-            m2 += tl.sum(d * d, axis=0) + delta * delta * (count * nb / total)
+            m2 += _sum(d * d, axis=0) + delta * delta * (count * nb / total)
             count = total
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
     if MODE != 1:
@@ -280,9 +296,9 @@ def _norm_bwd_fused_kernel(
     col_mask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    num_tiles = tl.cdiv(M, BLOCK_M)
+    dw_acc = tl.full([BLOCK_N], 0.0, tl.float32)
+    db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
+    num_tiles = (M + BLOCK_M - 1) // BLOCK_M
     # Persistent loop: a fixed, shape-determined set of row tiles per program, so the partial sums
     # (and their final reduction) are reproducible bit for bit.
     for tile in range(pid, num_tiles, num_programs):
@@ -299,9 +315,9 @@ def _norm_bwd_fused_kernel(
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0).to(tl.float32)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if NEED_DW:
-            dw_acc += tl.sum(dy * xhat, axis=0)
+            dw_acc += _sum(dy * xhat, axis=0)
         if NEED_DB:
-            db_acc += tl.sum(dy, axis=0)
+            db_acc += _sum(dy, axis=0)
         if STORE_DX:
             if MODE == 2:
                 g = dy * (scale - (scale * k) * xhat)  # dz ⊙ φ(x̂), φ detached
@@ -312,9 +328,9 @@ def _norm_bwd_fused_kernel(
             dx = g
             if MODE != 1:
                 if not DETACH_MEAN:
-                    dx = dx - (tl.sum(g, axis=1) / N)[:, None]
+                    dx = dx - (_sum(g, axis=1) / N)[:, None]
             if not DETACH_STD:
-                dx = dx - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
+                dx = dx - xhat * (_sum(g * xhat, axis=1) / N)[:, None]
             dx = dx * rstd[:, None]
             tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
     if NEED_DW:
@@ -348,8 +364,8 @@ def _norm_bwd_coeffs_kernel(
         mean = 0.0
     else:
         mean = tl.load(MEAN + row).to(tl.float32)
-    sum_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    sum_gx = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sum_g = tl.full([BLOCK_N], 0.0, tl.float32)
+    sum_gx = tl.full([BLOCK_N], 0.0, tl.float32)
     for start in range(0, N, BLOCK_N):
         cols = start + cols0
         msk = cols < N
@@ -365,8 +381,8 @@ def _norm_bwd_coeffs_kernel(
         sum_g += g
         sum_gx += g * xhat
     # Which of the two terms enter dx is decided by _norm_bwd_cols_kernel's flags.
-    tl.store(C1 + row, tl.sum(sum_g, axis=0) / N)
-    tl.store(C2 + row, tl.sum(sum_gx, axis=0) / N)
+    tl.store(C1 + row, _sum(sum_g, axis=0) / N)
+    tl.store(C2 + row, _sum(sum_gx, axis=0) / N)
 
 
 @triton.jit
@@ -402,8 +418,8 @@ def _norm_bwd_cols_kernel(
     col_mask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dw_acc = tl.full([BLOCK_N], 0.0, tl.float32)
+    db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     # 64-bit row offsets: pointers start at this group's first row and step num_groups rows
     step = num_groups.to(tl.int64) * N
     X += group.to(tl.int64) * N

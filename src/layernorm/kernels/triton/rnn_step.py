@@ -58,6 +58,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import layer_norm as _ln
+from ._norm_core import _sum  # tl.reduce-based row sum (see there why not tl.sum)
 
 # Registers hold ~22 row vectors of BLOCK_H in the LSTM backward; at 4 elements per thread and
 # vector (num_warps = BLOCK_H / 128, at most 16) that stays under 128 registers up to H = 2048.
@@ -130,18 +131,18 @@ def _lstm_step_fwd_kernel(
     h_g = tl.load(hp_row + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
     h_o = tl.load(hp_row + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
     # LN over all 4H gate pre-activations together, as the authors' code does
-    mean_h = (
-        tl.sum(h_i, axis=0) + tl.sum(h_f, axis=0) + tl.sum(h_g, axis=0) + tl.sum(h_o, axis=0)
-    ) / (4 * H)
+    mean_h = (_sum(h_i, axis=0) + _sum(h_f, axis=0) + _sum(h_g, axis=0) + _sum(h_o, axis=0)) / (
+        4 * H
+    )
     h_i = tl.where(m, h_i - mean_h, 0.0)
     h_f = tl.where(m, h_f - mean_h, 0.0)
     h_g = tl.where(m, h_g - mean_h, 0.0)
     h_o = tl.where(m, h_o - mean_h, 0.0)
     var_h = (
-        tl.sum(h_i * h_i, axis=0)
-        + tl.sum(h_f * h_f, axis=0)
-        + tl.sum(h_g * h_g, axis=0)
-        + tl.sum(h_o * h_o, axis=0)
+        _sum(h_i * h_i, axis=0)
+        + _sum(h_f * h_f, axis=0)
+        + _sum(h_g * h_g, axis=0)
+        + _sum(h_o * h_o, axis=0)
     ) / (4 * H)
     rstd_h = 1.0 / tl.sqrt(var_h + eps)
     a_i = h_i * rstd_h * tl.load(W_H + cols, mask=m, other=0.0).to(tl.float32)
@@ -163,9 +164,9 @@ def _lstm_step_fwd_kernel(
     c_prev = tl.load(C_PREV + row * stride_c + cols, mask=m, other=0.0).to(tl.float32)
     c = s_f * c_prev + s_i * t_g
     # LN(c_t) over the H cells
-    mean_c = tl.sum(tl.where(m, c, 0.0), axis=0) / H
+    mean_c = _sum(tl.where(m, c, 0.0), axis=0) / H
     cc = tl.where(m, c - mean_c, 0.0)
-    rstd_c = 1.0 / tl.sqrt(tl.sum(cc * cc, axis=0) / H + eps)
+    rstd_c = 1.0 / tl.sqrt(_sum(cc * cc, axis=0) / H + eps)
     lc = cc * rstd_c * tl.load(W_C + cols, mask=m, other=0.0).to(tl.float32)
     lc += tl.load(B_C + cols, mask=m, other=0.0).to(tl.float32)
     tc = _tanh(lc)
@@ -240,7 +241,7 @@ def _lstm_step_bwd_kernel(
         0.0,
     )
     g_c = dlc * tl.load(W_C + cols, mask=m, other=0.0).to(tl.float32)
-    dcn = rstd_c * (g_c - tl.sum(g_c, axis=0) / H - chat * (tl.sum(g_c * chat, axis=0) / H))
+    dcn = rstd_c * (g_c - _sum(g_c, axis=0) / H - chat * (_sum(g_c * chat, axis=0) / H))
     if not CARRY_NORMALIZED:
         dcn += dc
     c_prev = tl.load(C_PREV + hrow, mask=m, other=0.0).to(tl.float32)
@@ -274,14 +275,12 @@ def _lstm_step_bwd_kernel(
     g_f = d_f * tl.load(W_H + H + cols, mask=m, other=0.0).to(tl.float32)
     g_g = d_g * tl.load(W_H + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
     g_o = d_o * tl.load(W_H + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
-    c1 = (tl.sum(g_i, axis=0) + tl.sum(g_f, axis=0) + tl.sum(g_g, axis=0) + tl.sum(g_o, axis=0)) / (
-        4 * H
-    )
+    c1 = (_sum(g_i, axis=0) + _sum(g_f, axis=0) + _sum(g_g, axis=0) + _sum(g_o, axis=0)) / (4 * H)
     c2 = (
-        tl.sum(g_i * x_i, axis=0)
-        + tl.sum(g_f * x_f, axis=0)
-        + tl.sum(g_g * x_g, axis=0)
-        + tl.sum(g_o * x_o, axis=0)
+        _sum(g_i * x_i, axis=0)
+        + _sum(g_f * x_f, axis=0)
+        + _sum(g_g * x_g, axis=0)
+        + _sum(g_o * x_o, axis=0)
     ) / (4 * H)
     dhp_row = DHP + row * stride_a
     tl.store(dhp_row + cols, (rstd_h * (g_i - c1 - x_i * c2)).to(DHP.dtype.element_ty), mask=m)
@@ -334,14 +333,14 @@ def _gru_step_fwd_kernel(
     rz_row = HP_RZ + row * stride_hrz
     h_r = tl.load(rz_row + cols, mask=m, other=0.0).to(tl.float32)
     h_z = tl.load(rz_row + H + cols, mask=m, other=0.0).to(tl.float32)
-    mean_rz = (tl.sum(h_r, axis=0) + tl.sum(h_z, axis=0)) / (2 * H)
+    mean_rz = (_sum(h_r, axis=0) + _sum(h_z, axis=0)) / (2 * H)
     h_r = tl.where(m, h_r - mean_rz, 0.0)
     h_z = tl.where(m, h_z - mean_rz, 0.0)
-    rstd_rz = 1.0 / tl.sqrt((tl.sum(h_r * h_r, axis=0) + tl.sum(h_z * h_z, axis=0)) / (2 * H) + eps)
+    rstd_rz = 1.0 / tl.sqrt((_sum(h_r * h_r, axis=0) + _sum(h_z * h_z, axis=0)) / (2 * H) + eps)
     h_n = tl.load(HP_N + row * stride_n + cols, mask=m, other=0.0).to(tl.float32)
-    mean_n = tl.sum(h_n, axis=0) / H
+    mean_n = _sum(h_n, axis=0) / H
     h_n = tl.where(m, h_n - mean_n, 0.0)
-    rstd_n = 1.0 / tl.sqrt(tl.sum(h_n * h_n, axis=0) / H + eps)
+    rstd_n = 1.0 / tl.sqrt(_sum(h_n * h_n, axis=0) / H + eps)
     gx_row = GX + row * stride_gx
     a_r = h_r * rstd_rz * tl.load(W_RZ + cols, mask=m, other=0.0).to(tl.float32)
     a_z = h_z * rstd_rz * tl.load(W_RZ + H + cols, mask=m, other=0.0).to(tl.float32)
@@ -434,8 +433,8 @@ def _gru_step_bwd_kernel(
     )
     g_r = d_r * tl.load(W_RZ + cols, mask=m, other=0.0).to(tl.float32)
     g_z = d_z * tl.load(W_RZ + H + cols, mask=m, other=0.0).to(tl.float32)
-    c1 = (tl.sum(g_r, axis=0) + tl.sum(g_z, axis=0)) / (2 * H)
-    c2 = (tl.sum(g_r * x_r, axis=0) + tl.sum(g_z * x_z, axis=0)) / (2 * H)
+    c1 = (_sum(g_r, axis=0) + _sum(g_z, axis=0)) / (2 * H)
+    c2 = (_sum(g_r * x_r, axis=0) + _sum(g_z * x_z, axis=0)) / (2 * H)
     tl.store(DHP + row3 + cols, (rstd_rz * (g_r - c1 - x_r * c2)).to(DHP.dtype.element_ty), mask=m)
     tl.store(
         DHP + row3 + H + cols, (rstd_rz * (g_z - c1 - x_z * c2)).to(DHP.dtype.element_ty), mask=m
@@ -452,7 +451,7 @@ def _gru_step_bwd_kernel(
         0.0,
     )
     g_n = d_ghn * tl.load(W_N + cols, mask=m, other=0.0).to(tl.float32)
-    dhp_n = rstd_n * (g_n - tl.sum(g_n, axis=0) / H - x_n * (tl.sum(g_n * x_n, axis=0) / H))
+    dhp_n = rstd_n * (g_n - _sum(g_n, axis=0) / H - x_n * (_sum(g_n * x_n, axis=0) / H))
     tl.store(DHP + row3 + 2 * H + cols, dhp_n.to(DHP.dtype.element_ty), mask=m)
 
 

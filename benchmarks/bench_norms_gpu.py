@@ -1,0 +1,454 @@
+"""GPU benchmark of the Triton norm kernels and the fused LN-LSTM step, next to the baselines.
+
+One command prints the tables and appends tidy CSV rows (device, versions, date with every row)::
+
+    python benchmarks/bench_norms_gpu.py                    # full sweep, CSV in benchmarks/results/
+    python benchmarks/bench_norms_gpu.py --quick            # fewer N, no LSTM
+    python benchmarks/bench_norms_gpu.py --plot norms.png   # also a GB/s-vs-N plot from this run
+
+What is measured (``triton.testing.do_bench``: median, L2 flushed between repetitions):
+
+* bandwidth sweep: forward and backward GB/s of layer norm and RMSNorm at ``M·N = 2^27`` elements
+  (``--log2-elems``), N from 256 to 65536 and 262144, bfloat16 and float32; providers side by side:
+  ``copy`` (``x.clone()``, the device's practical copy bandwidth), ``ours`` (this library, Triton
+  backend), ``torch`` (native ``F.layer_norm`` / ``F.rms_norm``), ``compile``
+  (``torch.compile`` of the native op) and ``liger`` (Liger-Kernel, when installed).
+  Byte counts are the minimum traffic of the op, the same for every provider (see ``_bytes``).
+* small-M latency: ``M = 64, N = 4096`` bfloat16, forward and forward+backward in microseconds.
+* LN-LSTM: a layer of ``layernorm.recurrent.LayerNormLSTM`` (eager step and, when it can be
+  installed, the fused Triton step) vs cuDNN ``nn.LSTM`` at
+  ``(T, B, I, H) = (100, 64, 1024, 1024)``, forward+backward milliseconds. Skipped when
+  ``layernorm.recurrent`` is not importable.
+
+``--dry-run`` runs every code path on CPU tensors under the Triton interpreter with tiny shapes and
+wall-clock timing (numbers meaningless), to check the script itself without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import importlib.util
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DEFAULT_NS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144]
+QUICK_NS = [256, 4096, 65536]
+PROVIDERS = ["copy", "ours", "torch", "compile", "liger"]
+DEFAULT_CSV = Path(__file__).resolve().parent / "results" / "bench_norms_gpu.csv"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--ops", nargs="+", default=["layer_norm", "rms_norm"],
+                   choices=["layer_norm", "rms_norm"])  # fmt: skip
+    p.add_argument(
+        "--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp16", "fp32"]
+    )
+    p.add_argument("--ns", nargs="+", type=int, default=None, help="row lengths N (default: sweep)")
+    p.add_argument("--log2-elems", type=int, default=27, help="M·N = 2^this (default 27)")
+    p.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS)
+    p.add_argument("--param-dtype", choices=["same", "fp32"], default="same",
+                   help="gain/bias dtype: the input's (default; torch's fused kernels need it) "
+                   "or float32 (mixed precision)")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="N in {256, 4096, 65536}, no LSTM")
+    p.add_argument("--no-latency", action="store_true", help="skip the small-M latency table")
+    p.add_argument("--no-lstm", action="store_true", help="skip the LN-LSTM comparison")
+    p.add_argument("--lstm-shape", nargs=4, type=int, default=[100, 64, 1024, 1024],
+                   metavar=("T", "B", "I", "H"))  # fmt: skip
+    p.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="CSV file rows are appended to")
+    p.add_argument("--plot", type=Path, default=None, help="write a GB/s-vs-N plot of this run")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU, Triton interpreter, tiny shapes: checks the script only")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.ns is None:
+        args.ns = QUICK_NS if args.quick else DEFAULT_NS
+    if any(n <= 0 for n in args.ns):
+        p.error(f"--ns must be positive, got {args.ns}")
+    if args.quick:
+        args.no_lstm = True
+    if args.dry_run:
+        args.log2_elems = min(args.log2_elems, 12)
+        args.ns = [n for n in args.ns if n <= 1 << args.log2_elems][:2] or [256]
+        args.lstm_shape = [3, 2, 8, 8]
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing and byte counts
+# ----------------------------------------------------------------------------------------------
+
+
+def make_timer(dry_run: bool) -> Callable[..., float]:
+    """Milliseconds per call: ``do_bench`` on the GPU, a wall-clock median in a dry run."""
+    if dry_run:
+
+        def wall(fn: Callable[[], Any], grad_to_none: list | None = None, rep: int = 0) -> float:
+            fn()
+            samples = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            return 1e3 * statistics.median(samples)
+
+        return wall
+    from triton.testing import do_bench
+
+    def bench(fn: Callable[[], Any], grad_to_none: list | None = None, rep: int = 100) -> float:
+        return float(do_bench(fn, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
+
+    return bench
+
+
+def _bytes(op: str, direction: str, m: int, n: int, elem: int, welem: int) -> int:
+    """Minimum bytes moved by one call; partial-sum buffers etc. count against the provider.
+
+    fwd: read x + write y = 2·M·N·elem, + read weight (and bias) + write mean/rstd (4 B each).
+    bwd: read x, dy + write dx = 3·M·N·elem, + read weight + read mean/rstd + write dweight
+    (and dbias) in float32. RMSNorm has no bias and no mean. copy: read + write = 2·M·N·elem.
+    """
+    if op == "copy":
+        return 2 * m * n * elem
+    n_params = 2 if op == "layer_norm" else 1
+    n_stats = 2 if op == "layer_norm" else 1
+    if direction == "fwd":
+        return 2 * m * n * elem + n_params * n * welem + n_stats * m * 4
+    return 3 * m * n * elem + n * welem + n_stats * m * 4 + n_params * n * 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Providers: each returns (forward closure, backward closure) or raises to be skipped
+# ----------------------------------------------------------------------------------------------
+
+
+def _native(op: str, n: int, x, w, b, eps: float):
+    import torch.nn.functional as F
+
+    if op == "layer_norm":
+        return lambda: F.layer_norm(x, (n,), w, b, eps)
+    return lambda: F.rms_norm(x, (n,), w, eps)
+
+
+def make_provider(name: str, op: str, x, w, b, dy, eps: float):
+    """``(fwd, bwd)`` closures; ``bwd`` replays the backward of one recorded forward."""
+    import torch
+
+    import layernorm
+
+    n = x.shape[-1]
+    if name == "copy":
+        return (lambda: x.clone()), None
+    if name == "ours":
+        if op == "layer_norm":
+            fwd = lambda: layernorm.layer_norm(x, (n,), w, b, eps)  # noqa: E731
+        else:
+            fwd = lambda: layernorm.rms_norm(x, (n,), w, eps)  # noqa: E731
+    elif name == "torch":
+        fwd = _native(op, n, x, w, b, eps)
+    elif name == "compile":
+        compiled = torch.compile(
+            (lambda a, g, c: _native(op, n, a, g, c, eps)()), fullgraph=True, dynamic=False
+        )
+        fwd = lambda: compiled(x, w, b)  # noqa: E731
+    elif name == "liger":
+        fwd = _liger(op, n, x, w, b, eps)
+    else:
+        raise ValueError(f"unknown provider {name!r}")
+    params = [t for t in (x, w, b if op == "layer_norm" else None) if t is not None]
+    with torch.enable_grad():
+        y = fwd()
+
+    def bwd():
+        return torch.autograd.grad(y, params, dy, retain_graph=True)
+
+    return fwd, bwd
+
+
+def _liger(op: str, n: int, x, w, b, eps: float):
+    """Liger-Kernel's norms (optional dependency); ImportError skips the column."""
+    if op == "layer_norm":
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+        return lambda: LigerLayerNormFunction.apply(x, w, b, eps)
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+    mod = LigerRMSNorm(n, eps=eps).to(device=x.device, dtype=w.dtype)
+    mod.weight = w  # the same parameter tensor as the other providers
+    return lambda: mod(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs
+# ----------------------------------------------------------------------------------------------
+
+
+def _meta(device: str) -> dict[str, str]:
+    import torch
+    import triton
+
+    name = (
+        torch.cuda.get_device_name()
+        if device == "cuda"
+        else f"cpu-interpreter ({platform.machine()})"
+    )
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": str(torch.version.cuda),
+    }
+
+
+def sweep(args: argparse.Namespace, device: str, timer, meta: dict[str, str]) -> list[dict]:
+    import torch
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    rows: list[dict] = []
+    total = 1 << args.log2_elems
+    for op in args.ops:
+        for dname in args.dtypes:
+            dtype = dtypes[dname]
+            print(f"\n{op}, {dname}, M·N = 2^{args.log2_elems}: GB/s (fwd | bwd)")
+            header = f"{'N':>7} {'M':>8} | " + " ".join(f"{p:>15}" for p in args.providers)
+            print(header)
+            print("-" * len(header))
+            for n in args.ns:
+                m = max(1, total // n)
+                torch.manual_seed(0)
+                x = (torch.randn(m, n, device=device) * 2 + 1).to(dtype).requires_grad_()
+                pdt = dtype if args.param_dtype == "same" else torch.float32
+                w = (1 + 0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
+                b = (0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
+                dy = torch.randn(m, n, device=device).to(dtype)
+                cells = []
+                for prov in args.providers:
+                    res = {"fwd": math.nan, "bwd": math.nan}
+                    try:
+                        fwd, bwd = make_provider(prov, op, x, w, b, dy, 1e-5)
+                        res["fwd"] = timer(fwd)
+                        if bwd is not None:
+                            res["bwd"] = timer(bwd, grad_to_none=[x, w, b])
+                    except Exception as err:  # a missing optional provider, or an OOM
+                        print(f"  [{prov} skipped at N={n}: {type(err).__name__}: {err}]"[:200])
+                    for direction, ms in res.items():
+                        kind = "copy" if prov == "copy" else op
+                        nbytes = _bytes(kind, direction, m, n, x.element_size(), w.element_size())
+                        gbps = nbytes / (ms * 1e-3) / 1e9 if ms == ms else math.nan
+                        if prov == "copy" and direction == "bwd":
+                            continue
+                        rows.append({**meta, "table": "bandwidth", "op": op, "dtype": dname,
+                                     "M": m, "N": n, "provider": prov, "direction": direction,
+                                     "ms": ms, "bytes": nbytes, "GB/s": gbps})  # fmt: skip
+                    f = _gbps(rows, op, dname, n, prov, "fwd")
+                    bw = _gbps(rows, op, dname, n, prov, "bwd")
+                    cells.append(f"{f:>7.0f} | {bw:<5.0f}" if bw == bw else f"{f:>7.0f} |  -   ")
+                print(f"{n:>7} {m:>8} | " + " ".join(f"{c:>15}" for c in cells))
+                del x, w, b, dy
+    return rows
+
+
+def _gbps(rows: list[dict], op, dname, n, prov, direction) -> float:
+    for r in reversed(rows):
+        key = (r["op"], r["dtype"], r["N"], r["provider"], r["direction"])
+        if key == (op, dname, n, prov, direction):
+            return r["GB/s"]
+    return math.nan
+
+
+def latency(args: argparse.Namespace, device: str, timer, meta: dict[str, str]) -> list[dict]:
+    """M = 64, N = 4096, bfloat16: launch-bound regime, microseconds."""
+    import torch
+
+    m, n = (64, 4096) if not args.dry_run else (4, 256)
+    rows: list[dict] = []
+    print(f"\nsmall-M latency, M={m}, N={n}, bf16: microseconds (fwd | fwd+bwd)")
+    for op in args.ops:
+        x = torch.randn(m, n, device=device).to(torch.bfloat16).requires_grad_()
+        pdt = torch.bfloat16 if args.param_dtype == "same" else torch.float32
+        w = torch.ones(n, device=device, dtype=pdt, requires_grad=True)
+        b = torch.zeros(n, device=device, dtype=pdt, requires_grad=True)
+        dy = torch.randn(m, n, device=device).to(torch.bfloat16)
+        line = []
+        for prov in [p for p in args.providers if p != "copy"]:
+            try:
+                fwd, _ = make_provider(prov, op, x, w, b, dy, 1e-5)
+                params = [x, w, b] if op == "layer_norm" else [x, w]
+
+                def step(fwd=fwd, params=params, dy=dy):
+                    return torch.autograd.grad(fwd(), params, dy)
+
+                t_f, t_fb = timer(fwd), timer(step, grad_to_none=params)
+            except Exception as err:
+                print(f"  [{prov} skipped: {type(err).__name__}: {err}]"[:200])
+                continue
+            line.append(f"{prov} {1e3 * t_f:.1f} | {1e3 * t_fb:.1f}")
+            for direction, ms in (("fwd", t_f), ("fwd+bwd", t_fb)):
+                rows.append({**meta, "table": "latency", "op": op, "dtype": "bf16", "M": m,
+                             "N": n, "provider": prov, "direction": direction, "ms": ms,
+                             "bytes": "", "GB/s": ""})  # fmt: skip
+        print(f"  {op}: " + "; ".join(line))
+    return rows
+
+
+def lstm(args: argparse.Namespace, device: str, timer, meta: dict[str, str]) -> list[dict]:
+    """LN-LSTM layer (eager step, fused Triton step) vs cuDNN nn.LSTM, forward+backward ms."""
+    import torch
+
+    try:
+        from layernorm.recurrent import LayerNormLSTM
+    except Exception as err:
+        print(f"\nLN-LSTM comparison skipped: layernorm.recurrent not importable ({err})")
+        return []
+    t, bsz, i, h = args.lstm_shape
+    print(f"\nLSTM layer, (T, B, I, H) = ({t}, {bsz}, {i}, {h}), float32: ms (fwd+bwd)")
+    x = torch.randn(t, bsz, i, device=device, requires_grad=True)
+    models: dict[str, Callable[[], Any]] = {}
+    cudnn = torch.nn.LSTM(i, h).to(device)
+    models["cudnn nn.LSTM"] = lambda: cudnn(x)[0]
+    ln_lstm = LayerNormLSTM(i, h).to(device)
+    models["LayerNormLSTM (default step)"] = lambda: ln_lstm(x)[0]
+    install, uninstall = _triton_step_installer(device)
+    rows: list[dict] = []
+    results: dict[str, float] = {}
+    for name, fn in models.items():
+        results[name] = _time_fwd_bwd(fn, x, timer)
+    if install is not None:
+        install()
+        try:
+            results["LayerNormLSTM (Triton step)"] = _time_fwd_bwd(lambda: ln_lstm(x)[0], x, timer)
+        finally:
+            uninstall()
+    base = results["cudnn nn.LSTM"]
+    for name, ms in results.items():
+        print(f"  {name:<32} {ms:9.2f} ms   ({ms / base:.2f}× cuDNN)")
+        rows.append({**meta, "table": "lstm", "op": "lstm", "dtype": "fp32", "M": t * bsz,
+                     "N": h, "provider": name, "direction": "fwd+bwd", "ms": ms, "bytes": "",
+                     "GB/s": ""})  # fmt: skip
+    return rows
+
+
+def _time_fwd_bwd(fn: Callable[[], Any], x, timer) -> float:
+    import torch
+
+    def step():
+        out = fn()
+        torch.autograd.grad(out, [x], torch.ones_like(out))
+
+    return timer(step, grad_to_none=[x], rep=1000)
+
+
+def _triton_step_installer(device: str):
+    """Register the fused Triton step for the device, if the recurrent seam is as expected."""
+    try:
+        from layernorm.kernels.triton import rnn_step
+        from layernorm.recurrent import StepKernels, register_step_kernels
+        from layernorm.recurrent._pointwise import EAGER
+    except Exception as err:
+        print(f"  [fused Triton step not installable: {err}]")
+        return None, None
+    kernels = StepKernels(**rnn_step.seam_functions(EAGER))
+    dev_type = "cuda" if device == "cuda" else "cpu"
+    return (lambda: register_step_kernels(dev_type, kernels)), (
+        lambda: register_step_kernels(dev_type, None)
+    )
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = list(rows[0])
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+    print(f"\n{len(rows)} rows appended to {path}")
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bw = [r for r in rows if r["table"] == "bandwidth"]
+    panels = sorted({(r["op"], r["dtype"], r["direction"]) for r in bw if r["provider"] != "copy"})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (op, dname, direction) in zip(axes[0], panels, strict=True):
+        for prov in sorted({r["provider"] for r in bw}):
+            d = "fwd" if prov == "copy" else direction
+            pts = [(r["N"], r["GB/s"]) for r in bw if (r["op"], r["dtype"], r["provider"],
+                   r["direction"]) == (op, dname, prov, d) and r["GB/s"] == r["GB/s"]]  # fmt: skip
+            if pts:
+                ax.plot(*zip(*sorted(pts), strict=True), marker="o", label=prov)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{op} {dname} {direction}")
+        ax.set_xlabel("N")
+        ax.set_ylabel("GB/s")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        # must precede the first import of triton: @triton.jit picks interpreter or compiler then
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print(
+            "bench_norms_gpu.py needs a CUDA device, and torch.cuda.is_available() is False here "
+            f"(torch {torch.__version__}). Run it on a GPU machine, or pass --dry-run to exercise "
+            "the script on CPU under the Triton interpreter.",
+            file=sys.stderr,
+        )
+        return 2
+    device = "cpu" if args.dry_run else "cuda"
+    if args.dry_run:
+        args.providers = [p for p in args.providers if p != "compile"]  # minutes on CPU
+    if "liger" in args.providers and importlib.util.find_spec("liger_kernel") is None:
+        print("Liger-Kernel is not installed: no liger column (pip install liger-kernel)")
+        args.providers = [p for p in args.providers if p != "liger"]
+    timer = make_timer(args.dry_run)
+    meta = _meta(device)
+    print(" ".join(f"{k}={v}" for k, v in meta.items()))
+    ctx = None
+    if args.dry_run:
+        from layernorm.backend import force_backend
+
+        ctx = force_backend("triton")
+        ctx.__enter__()
+    try:
+        rows = sweep(args, device, timer, meta)
+        if not args.no_latency:
+            rows += latency(args, device, timer, meta)
+        if not args.no_lstm:
+            rows += lstm(args, device, timer, meta)
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    write_csv(args.csv, rows)
+    if args.plot is not None:
+        plot(args.plot, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -45,6 +45,7 @@ from . import (  # noqa: F401
     gain_init,
     geometry,
     invariances,
+    longer_than_train,
     mnist_ff,
     seq_mnist,
     spoken_digits,

@@ -1,0 +1,113 @@
+"""CPU benchmark: layer-normalized LSTM/GRU layers against torch.nn.LSTM/GRU, forward + backward.
+
+Providers, timed round-robin in one run (see ``_timing.interleaved_ms``) so their ratios hold on a
+shared machine:
+
+* ``torch``      — ``torch.nn.LSTM`` / ``GRU`` (ATen's fused CPU RNN, oneDNN where available)
+* ``ln``         — ``LayerNormLSTM`` / ``LayerNormGRU`` (fused path: one GEMM + one LN for all
+  input projections, one C call per step for the pointwise work, analytic backward in time)
+* ``none``       — our fused path with ``norm="none"`` (what the LN costs on top of our recurrence)
+* ``ln-loop``    — the readable step-by-step reference (eager autograd), with ``--loop``
+
+One timed call = forward over the whole sequence + ``backward()`` of ``output.sum()``, float32.
+Work per call (LSTM, G = 4): forward ``2·T·B·G·H·(I + H)`` FLOPs in the GEMMs, backward twice that;
+the layer norms add ``O(T·B·G·H)``, about 1% at these shapes.
+
+    python benchmarks/bench_rnn.py                 # the three shapes of RESULTS.md
+    python benchmarks/bench_rnn.py --threads 1 --loop --csv rnn.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import interleaved_ms
+from layernorm import LayerNormGRU, LayerNormLSTM
+
+SHAPES = ((100, 32, 128, 256), (100, 64, 256, 512), (50, 8, 64, 128))  # (T, B, I, H)
+KINDS = {"lstm": (torch.nn.LSTM, LayerNormLSTM), "gru": (torch.nn.GRU, LayerNormGRU)}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def step(model: torch.nn.Module, x: torch.Tensor):
+    def fn() -> None:
+        out, _ = model(x)
+        out.sum().backward()
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+
+    return fn
+
+
+def bench_shape(kind: str, shape: tuple[int, int, int, int], loop: bool, reps: int) -> dict:
+    t, b, i, h = shape
+    torch.manual_seed(0)
+    tcls, ocls = KINDS[kind]
+    ref = tcls(i, h)
+    models = {"torch": ref, "ln": ocls.from_torch(ref), "none": ocls.from_torch(ref, norm="none")}
+    if loop:
+        models["ln-loop"] = ocls.from_torch(ref, impl="loop")
+    x = (torch.randn(t, b, i) + 0.5).requires_grad_()
+    return interleaved_ms({k: step(m, x) for k, m in models.items()}, warmup=2, reps=reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--reps", type=int, default=7, help="timed rounds per provider")
+    ap.add_argument("--loop", action="store_true", help="also time the eager reference loop")
+    ap.add_argument("--kinds", default="lstm,gru")
+    ap.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"device: {cpu_name()} | torch {torch.__version__} | threads {torch.get_num_threads()} "
+          f"| mkldnn {torch.backends.mkldnn.is_available()} | {date}")  # fmt: skip
+    print("forward + backward, float32, median ms (ratio = ours / torch in the same run)\n")
+    print("| kind | (T, B, I, H) | torch ms | LN ms | LN / torch | none / torch | loop / torch |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
+    for kind in args.kinds.split(","):
+        for shape in SHAPES:
+            r = bench_shape(kind, shape, args.loop, args.reps)
+            loop_ratio = f"{r['ln-loop'] / r['torch']:.2f}" if "ln-loop" in r else "-"
+            print(f"| {kind} | {shape} | {r['torch']:.1f} | {r['ln']:.1f} | "
+                  f"{r['ln'] / r['torch']:.2f} | {r['none'] / r['torch']:.2f} | {loop_ratio} |",
+                  flush=True)  # fmt: skip
+            for provider, ms in r.items():
+                rows.append({"date": date, "device": cpu_name(), "torch": torch.__version__,
+                             "threads": torch.get_num_threads(), "kind": kind,
+                             "T": shape[0], "B": shape[1], "I": shape[2], "H": shape[3],
+                             "provider": provider, "ms": f"{ms:.3f}",
+                             "ratio_vs_torch": f"{ms / r['torch']:.3f}"})  # fmt: skip
+    if args.csv is not None:
+        new = not args.csv.exists()
+        with args.csv.open("a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            if new:
+                w.writeheader()
+            w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

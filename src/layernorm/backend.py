@@ -18,7 +18,9 @@ from torch import Tensor
 
 Backend = Literal["cpu", "triton"]
 _BACKENDS = ("cpu", "triton")
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("layernorm_backend", default=None)
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "layernorm_backend", default=None
+)
 
 
 @functools.cache

@@ -21,13 +21,14 @@ from .mnist_ff import NORMS, _auc, _final
 from .plots import curves_figure
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
 from .stats import compare_lower, mean_sd
-from .training import TrainSpec, train_classifier
+from .training import TrainSpec, torch_threads, train_classifier
 
 
 @dataclass(frozen=True)
 class ConvnetConfig:
     """Attributes: ``n_train``/``n_test`` images, ``channels`` of the two conv layers, ``epochs``,
-    ``batch_size``, ``seeds`` runs per model, Adam ``lr``, ``norms`` compared."""
+    ``batch_size``, ``seeds`` runs per model, Adam ``lr``, ``norms`` compared, ``threads`` torch
+    intra-op threads (0: torch's default)."""
 
     n_train: int = 55_000
     n_test: int = 10_000
@@ -36,12 +37,15 @@ class ConvnetConfig:
     batch_size: int = 128
     seeds: int = 3
     lr: float = 1e-3
+    threads: int = 0
     norms: tuple[str, ...] = NORMS
 
 
 def config(quick: bool) -> ConvnetConfig:
     if quick:
-        return ConvnetConfig(n_train=4000, channels=(8, 16), epochs=3, batch_size=64, seeds=2)
+        return ConvnetConfig(
+            n_train=4000, channels=(8, 16), epochs=3, batch_size=64, seeds=2, threads=1
+        )
     return ConvnetConfig()
 
 
@@ -77,25 +81,26 @@ def run(cfg: ConvnetConfig, ctx: RunContext) -> list[Record]:
     train = (data.train_x[: cfg.n_train], data.train_y[: cfg.n_train])
     test = (data.test_x[: cfg.n_test], data.test_y[: cfg.n_test])
     records: list[Record] = []
-    for s in range(cfg.seeds):
-        for norm in cfg.norms:
-            seed = ctx.seed * 1000 + s
-            spec = TrainSpec(
-                epochs=cfg.epochs,
-                batch_size=cfg.batch_size,
-                lr=cfg.lr,
-                seed=seed,
-                eval_batch_size=500,
-            )
-            records += train_classifier(
-                f"cnn-{norm}-s{seed}",
-                lambda norm=norm: build_cnn(norm, cfg.channels),
-                train,
-                {"train": train, "test": test},
-                spec,
-                ctx,
-                {"model": norm, "batch_size": cfg.batch_size, "seed": seed},
-            )
+    with torch_threads(cfg.threads):
+        for s in range(cfg.seeds):
+            for norm in cfg.norms:
+                seed = ctx.seed * 1000 + s
+                spec = TrainSpec(
+                    epochs=cfg.epochs,
+                    batch_size=cfg.batch_size,
+                    lr=cfg.lr,
+                    seed=seed,
+                    eval_batch_size=500,
+                )
+                records += train_classifier(
+                    f"cnn-{norm}-s{seed}",
+                    lambda norm=norm: build_cnn(norm, cfg.channels),
+                    train,
+                    {"train": train, "test": test},
+                    spec,
+                    ctx,
+                    {"model": norm, "batch_size": cfg.batch_size, "seed": seed},
+                )
     return records
 
 

@@ -19,7 +19,7 @@ from ..data import load_mnist
 from .plots import curves_figure
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
 from .stats import compare_lower, mean_sd
-from .training import TrainSpec, train_classifier
+from .training import TrainSpec, torch_threads, train_classifier
 
 NORMS = ("none", "batch", "layer")
 
@@ -37,6 +37,7 @@ class MnistFFConfig:
         norms: models compared: ``none``, ``batch``, ``layer``.
         seeds: independent runs per model and batch size.
         lr: Adam learning rate (Adam's default, 1e-3).
+        threads: torch intra-op threads (0: torch's default; quick: 1, see ``torch_threads``).
     """
 
     n_train: int = 55_000
@@ -47,11 +48,12 @@ class MnistFFConfig:
     norms: tuple[str, ...] = NORMS
     seeds: int = 3
     lr: float = 1e-3
+    threads: int = 0
 
 
 def config(quick: bool) -> MnistFFConfig:
     if quick:
-        return MnistFFConfig(n_train=3000, hidden=256, epochs=4, seeds=2)
+        return MnistFFConfig(n_train=3000, hidden=256, epochs=4, seeds=2, threads=1)
     return MnistFFConfig()
 
 
@@ -81,20 +83,21 @@ def run(cfg: MnistFFConfig, ctx: RunContext) -> list[Record]:
     train = (data.train_x[: cfg.n_train], data.train_y[: cfg.n_train])
     test = (data.test_x[: cfg.n_test], data.test_y[: cfg.n_test])
     records: list[Record] = []
-    for bs in cfg.batch_sizes:
-        for s in range(cfg.seeds):
-            for norm in cfg.norms:
-                seed = ctx.seed * 1000 + s
-                spec = TrainSpec(epochs=cfg.epochs, batch_size=bs, lr=cfg.lr, seed=seed)
-                records += train_classifier(
-                    f"{norm}-bs{bs}-s{seed}",
-                    lambda norm=norm, bs=bs: build_mlp(norm, cfg.hidden, bs),
-                    train,
-                    {"train": train, "test": test},
-                    spec,
-                    ctx,
-                    {"model": norm, "batch_size": bs, "seed": seed},
-                )
+    with torch_threads(cfg.threads):
+        for bs in cfg.batch_sizes:
+            for s in range(cfg.seeds):
+                for norm in cfg.norms:
+                    seed = ctx.seed * 1000 + s
+                    spec = TrainSpec(epochs=cfg.epochs, batch_size=bs, lr=cfg.lr, seed=seed)
+                    records += train_classifier(
+                        f"{norm}-bs{bs}-s{seed}",
+                        lambda norm=norm, bs=bs: build_mlp(norm, cfg.hidden, bs),
+                        train,
+                        {"train": train, "test": test},
+                        spec,
+                        ctx,
+                        {"model": norm, "batch_size": bs, "seed": seed},
+                    )
     return records
 
 

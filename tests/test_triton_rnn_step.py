@@ -32,8 +32,8 @@ from layernorm.kernels.triton import rnn_step  # noqa: E402
 
 if not _HAS_CUDA and not isinstance(rnn_step._lstm_step_fwd_kernel, InterpretedFunction):
     # imported earlier without TRITON_INTERPRET: decorate again (the row-sum helper first)
-    importlib.reload(importlib.import_module("layernorm.kernels.triton._norm_core"))
-    importlib.reload(rnn_step)
+    for name in ("_norm_core", "_rnn_kernels", "rnn_step"):
+        importlib.reload(importlib.import_module(f"layernorm.kernels.triton.{name}"))
 INTERPRETED = isinstance(rnn_step._lstm_step_fwd_kernel, InterpretedFunction)
 DEVICE = "cpu" if INTERPRETED else ("cuda" if _HAS_CUDA else None)
 in_process = pytest.mark.skipif(

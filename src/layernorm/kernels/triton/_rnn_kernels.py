@@ -1,0 +1,395 @@
+"""Triton kernels of the fused LN-LSTM and LN-GRU time steps; launchers, autograd functions and
+the equations are in :mod:`.rnn_step`.
+
+One program per batch row; a row's gate blocks (4H for the LSTM, 3H for the GRU) are loaded as
+separate ``(BLOCK_H,)`` vectors, so layer norms over several blocks sum the blocks' partial sums.
+Arithmetic and statistics are float32; every store casts to its buffer's dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._norm_core import _sum  # tl.reduce-based row sum (see there why not tl.sum)
+
+
+@triton.jit
+def _sigmoid(a):
+    return 1.0 / (1.0 + tl.exp(-a))
+
+
+@triton.jit
+def _tanh(a):
+    # tanh from exp(−2|a|) ∈ (0, 1]: no overflow for any a; absolute error a few float32 ulps
+    e = tl.exp(-2.0 * tl.abs(a))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(a < 0, -t, t)
+
+
+# --------------------------------------------------------------------------------------------
+# LSTM
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _lstm_step_fwd_kernel(
+    HP,  # (B, 4H) W_hh h_{t−1}, raw; row stride stride_hp
+    GX,  # (B, 4H) finished input half LN(W_ih x_t) + b
+    C_PREV,  # (B, H) c_{t−1}
+    W_H,  # (4H,) gain of LN(hp)
+    B_H,  # (4H,) bias of LN(hp)
+    W_C,  # (H,) gain of LN(c_t)
+    B_C,  # (H,) bias of LN(c_t)
+    H_OUT,  # (B, H) h_t
+    LC_OUT,  # (B, H) LN(c_t), written if CARRY_NORMALIZED (the carried state then)
+    ACTS,  # (B, 4H) σ(a_i), σ(a_f), tanh(a_g), σ(a_o), saved for backward
+    CN,  # (B, H) c_t un-normalized, saved
+    TC,  # (B, H) tanh(LN(c_t)), saved
+    MH,  # (B,) mean of hp
+    RH,  # (B,) rstd of hp
+    MC,  # (B,) mean of c_t
+    RC,  # (B,) rstd of c_t
+    stride_hp,
+    stride_gx,
+    stride_c,  # row stride of C_PREV
+    stride_h,  # row stride of H_OUT, LC_OUT, CN, TC
+    stride_a,  # row stride of ACTS
+    H,
+    eps,
+    CARRY_NORMALIZED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    m = cols < H
+    hp_row = HP + row * stride_hp
+    gx_row = GX + row * stride_gx
+    # the four gate blocks of hp, each (BLOCK_H,)
+    h_i = tl.load(hp_row + cols, mask=m, other=0.0).to(tl.float32)
+    h_f = tl.load(hp_row + H + cols, mask=m, other=0.0).to(tl.float32)
+    h_g = tl.load(hp_row + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
+    h_o = tl.load(hp_row + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
+    # LN over all 4H gate pre-activations together, as the authors' code does
+    mean_h = (_sum(h_i, axis=0) + _sum(h_f, axis=0) + _sum(h_g, axis=0) + _sum(h_o, axis=0)) / (
+        4 * H
+    )
+    h_i = tl.where(m, h_i - mean_h, 0.0)
+    h_f = tl.where(m, h_f - mean_h, 0.0)
+    h_g = tl.where(m, h_g - mean_h, 0.0)
+    h_o = tl.where(m, h_o - mean_h, 0.0)
+    var_h = (
+        _sum(h_i * h_i, axis=0)
+        + _sum(h_f * h_f, axis=0)
+        + _sum(h_g * h_g, axis=0)
+        + _sum(h_o * h_o, axis=0)
+    ) / (4 * H)
+    rstd_h = 1.0 / tl.sqrt(var_h + eps)
+    a_i = h_i * rstd_h * tl.load(W_H + cols, mask=m, other=0.0).to(tl.float32)
+    a_f = h_f * rstd_h * tl.load(W_H + H + cols, mask=m, other=0.0).to(tl.float32)
+    a_g = h_g * rstd_h * tl.load(W_H + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
+    a_o = h_o * rstd_h * tl.load(W_H + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
+    a_i += tl.load(B_H + cols, mask=m, other=0.0).to(tl.float32)
+    a_f += tl.load(B_H + H + cols, mask=m, other=0.0).to(tl.float32)
+    a_g += tl.load(B_H + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
+    a_o += tl.load(B_H + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
+    a_i += tl.load(gx_row + cols, mask=m, other=0.0).to(tl.float32)
+    a_f += tl.load(gx_row + H + cols, mask=m, other=0.0).to(tl.float32)
+    a_g += tl.load(gx_row + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
+    a_o += tl.load(gx_row + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
+    s_i = _sigmoid(a_i)
+    s_f = _sigmoid(a_f)
+    t_g = _tanh(a_g)
+    s_o = _sigmoid(a_o)
+    c_prev = tl.load(C_PREV + row * stride_c + cols, mask=m, other=0.0).to(tl.float32)
+    c = s_f * c_prev + s_i * t_g
+    # LN(c_t) over the H cells
+    mean_c = _sum(tl.where(m, c, 0.0), axis=0) / H
+    cc = tl.where(m, c - mean_c, 0.0)
+    rstd_c = 1.0 / tl.sqrt(_sum(cc * cc, axis=0) / H + eps)
+    lc = cc * rstd_c * tl.load(W_C + cols, mask=m, other=0.0).to(tl.float32)
+    lc += tl.load(B_C + cols, mask=m, other=0.0).to(tl.float32)
+    tc = _tanh(lc)
+    h = s_o * tc
+    out = row * stride_h + cols
+    a_row = ACTS + row * stride_a
+    tl.store(a_row + cols, s_i.to(ACTS.dtype.element_ty), mask=m)
+    tl.store(a_row + H + cols, s_f.to(ACTS.dtype.element_ty), mask=m)
+    tl.store(a_row + 2 * H + cols, t_g.to(ACTS.dtype.element_ty), mask=m)
+    tl.store(a_row + 3 * H + cols, s_o.to(ACTS.dtype.element_ty), mask=m)
+    tl.store(CN + out, c.to(CN.dtype.element_ty), mask=m)
+    tl.store(TC + out, tc.to(TC.dtype.element_ty), mask=m)
+    tl.store(H_OUT + out, h.to(H_OUT.dtype.element_ty), mask=m)
+    if CARRY_NORMALIZED:
+        tl.store(LC_OUT + out, lc.to(LC_OUT.dtype.element_ty), mask=m)
+    tl.store(MH + row, mean_h.to(MH.dtype.element_ty))
+    tl.store(RH + row, rstd_h.to(RH.dtype.element_ty))
+    tl.store(MC + row, mean_c.to(MC.dtype.element_ty))
+    tl.store(RC + row, rstd_c.to(RC.dtype.element_ty))
+
+
+@triton.jit
+def _lstm_step_bwd_kernel(
+    DH,  # (B, H) gradient of h_t
+    DC,  # (B, H) gradient of the carried state (c_t, or LN(c_t) if CARRY_NORMALIZED)
+    HP,  # (B, 4H) the forward's hp
+    C_PREV,  # (B, H)
+    ACTS,  # (B, 4H) saved activations
+    CN,  # (B, H) saved c_t
+    TC,  # (B, H) saved tanh(LN(c_t))
+    MH,  # (B,) saved statistics
+    RH,
+    MC,
+    RC,
+    W_H,  # (4H,)
+    W_C,  # (H,)
+    DGATES,  # (B, 4H) out: gradient of the gate pre-activations a (= of gx)
+    DHP,  # (B, 4H) out: gradient of hp
+    DLC,  # (B, H) out: gradient of LN(c_t)'s output (for α_c, β_c)
+    DC_PREV,  # (B, H) out: gradient of c_{t−1}
+    stride_h,  # row stride of DH, DC, C_PREV, CN, TC, DLC, DC_PREV
+    stride_hp,  # row stride of HP
+    stride_a,  # row stride of ACTS, DGATES, DHP
+    H,
+    CARRY_NORMALIZED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    m = cols < H
+    hrow = row * stride_h + cols
+    a_row = ACTS + row * stride_a
+    s_i = tl.load(a_row + cols, mask=m, other=0.0).to(tl.float32)
+    s_f = tl.load(a_row + H + cols, mask=m, other=0.0).to(tl.float32)
+    t_g = tl.load(a_row + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
+    s_o = tl.load(a_row + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
+    dh = tl.load(DH + hrow, mask=m, other=0.0).to(tl.float32)
+    dc = tl.load(DC + hrow, mask=m, other=0.0).to(tl.float32)
+    tc = tl.load(TC + hrow, mask=m, other=0.0).to(tl.float32)
+    # h = σ(o) ⊙ tanh(LN(c)):  ∂/∂a_o and ∂/∂LN(c)
+    d_o = dh * tc * s_o * (1.0 - s_o)
+    dlc = dh * s_o * (1.0 - tc * tc)
+    if CARRY_NORMALIZED:
+        dlc += dc
+    tl.store(DLC + hrow, dlc.to(DLC.dtype.element_ty), mask=m)
+    # back through LN(c_t) over H
+    rstd_c = tl.load(RC + row).to(tl.float32)
+    chat = tl.where(
+        m,
+        (tl.load(CN + hrow, mask=m, other=0.0).to(tl.float32) - tl.load(MC + row).to(tl.float32))
+        * rstd_c,
+        0.0,
+    )
+    g_c = dlc * tl.load(W_C + cols, mask=m, other=0.0).to(tl.float32)
+    dcn = rstd_c * (g_c - _sum(g_c, axis=0) / H - chat * (_sum(g_c * chat, axis=0) / H))
+    if not CARRY_NORMALIZED:
+        dcn += dc
+    c_prev = tl.load(C_PREV + hrow, mask=m, other=0.0).to(tl.float32)
+    # c = σ(f) c_prev + σ(i) tanh(g)
+    d_i = dcn * t_g * s_i * (1.0 - s_i)
+    d_f = dcn * c_prev * s_f * (1.0 - s_f)
+    d_g = dcn * s_i * (1.0 - t_g * t_g)
+    tl.store(DC_PREV + hrow, (dcn * s_f).to(DC_PREV.dtype.element_ty), mask=m)
+    dg_row = DGATES + row * stride_a
+    tl.store(dg_row + cols, d_i.to(DGATES.dtype.element_ty), mask=m)
+    tl.store(dg_row + H + cols, d_f.to(DGATES.dtype.element_ty), mask=m)
+    tl.store(dg_row + 2 * H + cols, d_g.to(DGATES.dtype.element_ty), mask=m)
+    tl.store(dg_row + 3 * H + cols, d_o.to(DGATES.dtype.element_ty), mask=m)
+    # back through LN(hp) over 4H: dhp = rstd·(g − mean(g) − x̂·mean(g ⊙ x̂)), g = da ⊙ α_h
+    mean_h = tl.load(MH + row).to(tl.float32)
+    rstd_h = tl.load(RH + row).to(tl.float32)
+    hp_row = HP + row * stride_hp
+    x_i = tl.where(
+        m, (tl.load(hp_row + cols, mask=m, other=0.0).to(tl.float32) - mean_h) * rstd_h, 0.0
+    )
+    x_f = tl.where(
+        m, (tl.load(hp_row + H + cols, mask=m, other=0.0).to(tl.float32) - mean_h) * rstd_h, 0.0
+    )
+    x_g = tl.where(
+        m, (tl.load(hp_row + 2 * H + cols, mask=m, other=0.0).to(tl.float32) - mean_h) * rstd_h, 0.0
+    )
+    x_o = tl.where(
+        m, (tl.load(hp_row + 3 * H + cols, mask=m, other=0.0).to(tl.float32) - mean_h) * rstd_h, 0.0
+    )
+    g_i = d_i * tl.load(W_H + cols, mask=m, other=0.0).to(tl.float32)
+    g_f = d_f * tl.load(W_H + H + cols, mask=m, other=0.0).to(tl.float32)
+    g_g = d_g * tl.load(W_H + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
+    g_o = d_o * tl.load(W_H + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
+    c1 = (_sum(g_i, axis=0) + _sum(g_f, axis=0) + _sum(g_g, axis=0) + _sum(g_o, axis=0)) / (4 * H)
+    c2 = (
+        _sum(g_i * x_i, axis=0)
+        + _sum(g_f * x_f, axis=0)
+        + _sum(g_g * x_g, axis=0)
+        + _sum(g_o * x_o, axis=0)
+    ) / (4 * H)
+    dhp_row = DHP + row * stride_a
+    tl.store(dhp_row + cols, (rstd_h * (g_i - c1 - x_i * c2)).to(DHP.dtype.element_ty), mask=m)
+    tl.store(dhp_row + H + cols, (rstd_h * (g_f - c1 - x_f * c2)).to(DHP.dtype.element_ty), mask=m)
+    tl.store(
+        dhp_row + 2 * H + cols, (rstd_h * (g_g - c1 - x_g * c2)).to(DHP.dtype.element_ty), mask=m
+    )
+    tl.store(
+        dhp_row + 3 * H + cols, (rstd_h * (g_o - c1 - x_o * c2)).to(DHP.dtype.element_ty), mask=m
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# GRU
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gru_step_fwd_kernel(
+    HP_RZ,  # (B, 2H) W_{hr,hz} h_{t−1}, raw
+    HP_N,  # (B, H) W_hn h_{t−1}, raw
+    GX,  # (B, 3H) finished input half, r, z, n blocks
+    H_PREV,  # (B, H)
+    W_RZ,  # (2H,) gain of LN(hp_rz)
+    B_RZ,  # (2H,) bias of LN(hp_rz)
+    W_N,  # (H,) gain of LN(hp_n)
+    B_N,  # (H,) bias of LN(hp_n)
+    B_HN,  # (H,) extra bias inside r ⊙ (·), if HAS_B_HN
+    H_OUT,  # (B, H) h_t
+    RZ,  # (B, 2H) σ(a_r), σ(a_z), saved
+    NC,  # (B, H) candidate n, saved
+    GHN,  # (B, H) LN(hp_n) + b_hn, saved
+    MH,  # (B,) mean / rstd of hp_rz
+    RH,
+    MN,  # (B,) mean / rstd of hp_n
+    RN,
+    stride_hrz,  # row stride of HP_RZ
+    stride_rz,  # row stride of RZ
+    stride_n,  # row stride of HP_N
+    stride_gx,
+    stride_h,  # row stride of H_PREV, H_OUT, NC, GHN
+    H,
+    eps,
+    HAS_B_HN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    m = cols < H
+    rz_row = HP_RZ + row * stride_hrz
+    h_r = tl.load(rz_row + cols, mask=m, other=0.0).to(tl.float32)
+    h_z = tl.load(rz_row + H + cols, mask=m, other=0.0).to(tl.float32)
+    mean_rz = (_sum(h_r, axis=0) + _sum(h_z, axis=0)) / (2 * H)
+    h_r = tl.where(m, h_r - mean_rz, 0.0)
+    h_z = tl.where(m, h_z - mean_rz, 0.0)
+    rstd_rz = 1.0 / tl.sqrt((_sum(h_r * h_r, axis=0) + _sum(h_z * h_z, axis=0)) / (2 * H) + eps)
+    h_n = tl.load(HP_N + row * stride_n + cols, mask=m, other=0.0).to(tl.float32)
+    mean_n = _sum(h_n, axis=0) / H
+    h_n = tl.where(m, h_n - mean_n, 0.0)
+    rstd_n = 1.0 / tl.sqrt(_sum(h_n * h_n, axis=0) / H + eps)
+    gx_row = GX + row * stride_gx
+    a_r = h_r * rstd_rz * tl.load(W_RZ + cols, mask=m, other=0.0).to(tl.float32)
+    a_z = h_z * rstd_rz * tl.load(W_RZ + H + cols, mask=m, other=0.0).to(tl.float32)
+    a_r += tl.load(B_RZ + cols, mask=m, other=0.0).to(tl.float32)
+    a_z += tl.load(B_RZ + H + cols, mask=m, other=0.0).to(tl.float32)
+    a_r += tl.load(gx_row + cols, mask=m, other=0.0).to(tl.float32)
+    a_z += tl.load(gx_row + H + cols, mask=m, other=0.0).to(tl.float32)
+    ghn = h_n * rstd_n * tl.load(W_N + cols, mask=m, other=0.0).to(tl.float32)
+    ghn += tl.load(B_N + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_B_HN:
+        ghn += tl.load(B_HN + cols, mask=m, other=0.0).to(tl.float32)
+    s_r = _sigmoid(a_r)
+    s_z = _sigmoid(a_z)
+    n = _tanh(tl.load(gx_row + 2 * H + cols, mask=m, other=0.0).to(tl.float32) + s_r * ghn)
+    hrow = row * stride_h + cols
+    h_prev = tl.load(H_PREV + hrow, mask=m, other=0.0).to(tl.float32)
+    h = n + s_z * (h_prev - n)
+    tl.store(H_OUT + hrow, h.to(H_OUT.dtype.element_ty), mask=m)
+    out_rz = RZ + row * stride_rz
+    tl.store(out_rz + cols, s_r.to(RZ.dtype.element_ty), mask=m)
+    tl.store(out_rz + H + cols, s_z.to(RZ.dtype.element_ty), mask=m)
+    tl.store(NC + hrow, n.to(NC.dtype.element_ty), mask=m)
+    tl.store(GHN + hrow, ghn.to(GHN.dtype.element_ty), mask=m)
+    tl.store(MH + row, mean_rz.to(MH.dtype.element_ty))
+    tl.store(RH + row, rstd_rz.to(RH.dtype.element_ty))
+    tl.store(MN + row, mean_n.to(MN.dtype.element_ty))
+    tl.store(RN + row, rstd_n.to(RN.dtype.element_ty))
+
+
+@triton.jit
+def _gru_step_bwd_kernel(
+    DH,  # (B, H) gradient of h_t
+    H_PREV,  # (B, H)
+    HP_RZ,  # (B, 2H) forward's raw hp_rz
+    HP_N,  # (B, H) forward's raw hp_n
+    RZ,  # (B, 2H) saved σ(a_r), σ(a_z)
+    NC,  # (B, H) saved candidate
+    GHN,  # (B, H) saved LN(hp_n) + b_hn
+    MH,  # (B,) saved statistics
+    RH,
+    MN,
+    RN,
+    W_RZ,  # (2H,)
+    W_N,  # (H,)
+    DGX,  # (B, 3H) out: gradient of gx (r, z, n pre-activations)
+    DGH,  # (B, 3H) out: gradient of LN(hp_rz)'s output and of ghn
+    DHP,  # (B, 3H) out: gradient of hp_rz and hp_n
+    DH_PREV,  # (B, H) out: the part of ∂h_{t−1} not through W_hh, dh ⊙ σ(a_z)
+    stride_h,  # row stride of DH, H_PREV, NC, GHN, DH_PREV
+    stride_hrz,  # row stride of HP_RZ
+    stride_rz,  # row stride of RZ
+    stride_n,  # row stride of HP_N
+    stride_3,  # row stride of DGX, DGH, DHP
+    H,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    m = cols < H
+    hrow = row * stride_h + cols
+    dh = tl.load(DH + hrow, mask=m, other=0.0).to(tl.float32)
+    h_prev = tl.load(H_PREV + hrow, mask=m, other=0.0).to(tl.float32)
+    n = tl.load(NC + hrow, mask=m, other=0.0).to(tl.float32)
+    ghn = tl.load(GHN + hrow, mask=m, other=0.0).to(tl.float32)
+    rz_row = RZ + row * stride_rz
+    s_r = tl.load(rz_row + cols, mask=m, other=0.0).to(tl.float32)
+    s_z = tl.load(rz_row + H + cols, mask=m, other=0.0).to(tl.float32)
+    # h = n + σ(z)(h_prev − n);  n = tanh(gx_n + σ(r) ⊙ ghn)
+    d_n = dh * (1.0 - s_z) * (1.0 - n * n)
+    d_r = d_n * ghn * s_r * (1.0 - s_r)
+    d_z = dh * (h_prev - n) * s_z * (1.0 - s_z)
+    d_ghn = d_n * s_r
+    tl.store(DH_PREV + hrow, (dh * s_z).to(DH_PREV.dtype.element_ty), mask=m)
+    row3 = row * stride_3
+    tl.store(DGX + row3 + cols, d_r.to(DGX.dtype.element_ty), mask=m)
+    tl.store(DGX + row3 + H + cols, d_z.to(DGX.dtype.element_ty), mask=m)
+    tl.store(DGX + row3 + 2 * H + cols, d_n.to(DGX.dtype.element_ty), mask=m)
+    tl.store(DGH + row3 + cols, d_r.to(DGH.dtype.element_ty), mask=m)
+    tl.store(DGH + row3 + H + cols, d_z.to(DGH.dtype.element_ty), mask=m)
+    tl.store(DGH + row3 + 2 * H + cols, d_ghn.to(DGH.dtype.element_ty), mask=m)
+    # LN(hp_rz) backward over 2H
+    mean_rz = tl.load(MH + row).to(tl.float32)
+    rstd_rz = tl.load(RH + row).to(tl.float32)
+    hp_row = HP_RZ + row * stride_hrz
+    x_r = tl.where(
+        m, (tl.load(hp_row + cols, mask=m, other=0.0).to(tl.float32) - mean_rz) * rstd_rz, 0.0
+    )
+    x_z = tl.where(
+        m, (tl.load(hp_row + H + cols, mask=m, other=0.0).to(tl.float32) - mean_rz) * rstd_rz, 0.0
+    )
+    g_r = d_r * tl.load(W_RZ + cols, mask=m, other=0.0).to(tl.float32)
+    g_z = d_z * tl.load(W_RZ + H + cols, mask=m, other=0.0).to(tl.float32)
+    c1 = (_sum(g_r, axis=0) + _sum(g_z, axis=0)) / (2 * H)
+    c2 = (_sum(g_r * x_r, axis=0) + _sum(g_z * x_z, axis=0)) / (2 * H)
+    tl.store(DHP + row3 + cols, (rstd_rz * (g_r - c1 - x_r * c2)).to(DHP.dtype.element_ty), mask=m)
+    tl.store(
+        DHP + row3 + H + cols, (rstd_rz * (g_z - c1 - x_z * c2)).to(DHP.dtype.element_ty), mask=m
+    )
+    # LN(hp_n) backward over H
+    rstd_n = tl.load(RN + row).to(tl.float32)
+    x_n = tl.where(
+        m,
+        (
+            tl.load(HP_N + row * stride_n + cols, mask=m, other=0.0).to(tl.float32)
+            - tl.load(MN + row).to(tl.float32)
+        )
+        * rstd_n,
+        0.0,
+    )
+    g_n = d_ghn * tl.load(W_N + cols, mask=m, other=0.0).to(tl.float32)
+    dhp_n = rstd_n * (g_n - _sum(g_n, axis=0) / H - x_n * (_sum(g_n * x_n, axis=0) / H))
+    tl.store(DHP + row3 + 2 * H + cols, dhp_n.to(DHP.dtype.element_ty), mask=m)

@@ -173,6 +173,10 @@ def test_norm_none_equals_torch_after_strict_state_dict_load(kind: str) -> None:
         h_o if kind == "lstm" else (h_o,), h_r if kind == "lstm" else (h_r,), strict=True
     ):
         torch.testing.assert_close(a, b, **TORCH_TOL)
+    # and back: our state_dict loads strictly into torch's module
+    back = tcls(3, 5, num_layers=2, bidirectional=True, batch_first=True, **kwargs).double()
+    back.load_state_dict(ours.state_dict(), strict=True)
+    torch.testing.assert_close(back(x, h_arg)[0], out_r, rtol=0, atol=0)
     # gradients too
     out_r.sum().backward()
     out_o.sum().backward()
@@ -307,3 +311,13 @@ def test_gain_init_option() -> None:
             assert torch.all(p == 0.1)
         elif "bias" in name:
             assert torch.all(p == 0)
+
+
+def test_double_backward_refused_on_fused_path_supported_by_loop() -> None:
+    model = LayerNormGRU(2, 3, dtype=DT)
+    randomize(model)
+    x = seq(3, 2, 2).requires_grad_()
+    with pytest.raises(RuntimeError, match="impl='loop'"):
+        torch.autograd.grad(model(x)[0].sum(), x, create_graph=True)
+    model.impl = "loop"
+    assert torch.autograd.gradgradcheck(lambda x: model(x)[0], (x,), fast_mode=True)

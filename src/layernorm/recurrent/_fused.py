@@ -17,7 +17,8 @@ sequences that ended (forward direction) or have not yet begun (reverse) keep th
 padded positions never enter any statistic.
 
 The reference for these functions is the step-by-step loop over :mod:`._steps`; the tests compare
-both in float64, forward and every gradient.
+both in float64, forward and every gradient. The hand-written backward is not itself differentiable
+(double backward raises, see :func:`_no_double_backward`); ``impl="loop"`` supports it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ def make_schedule(batch_sizes: list[int], reverse: bool) -> Schedule:
         offsets.append((t, off, bs))
         off += bs
     return tuple(reversed(offsets)) if reverse else tuple(offsets)
+
+
+def _no_double_backward() -> None:
+    """Called first in every backward: with ``create_graph=True`` grad mode is on, and the result
+    would silently miss the second-order terms through this node, so refuse instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "the fused recurrent path has no double backward (create_graph=True); build the "
+            "layer with impl='loop' to differentiate its gradients"
+        )
 
 
 def _grad_or_none(needed: bool, fn: Any) -> Tensor | None:
@@ -126,6 +137,7 @@ class LSTMSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor, dc_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        _no_double_backward()
         w_hh, w1, b1, w3, b3, gx, *saved = ctx.saved_tensors
         hs, eps, normalize, carry_normalized = ctx.cfg
         n_rows = gx.shape[0]
@@ -201,6 +213,7 @@ class GRUSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        _no_double_backward()
         w_hh, w_rz, b_rz, w_n, b_n, b_hn, gx, *saved = ctx.saved_tensors
         hs, eps, normalize = ctx.cfg
         n_rows = gx.shape[0]
@@ -281,6 +294,7 @@ class RNNSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        _no_double_backward()
         w_hh, g, out, hprev_all, a_all, mean_all, rstd_all = ctx.saved_tensors
         ln = ctx.ln
         dh = dh_n.contiguous().clone()

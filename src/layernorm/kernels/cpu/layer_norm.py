@@ -25,6 +25,8 @@ from ._common import compute_dtype, to_compute
 def layer_norm_fwd(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if _native.supports(x, weight, bias):
+        return _native.ln_fwd(x, weight, bias, eps)
     cdt = compute_dtype(x)
     n = x.shape[-1]
     y, mean, rstd = torch.native_layer_norm(

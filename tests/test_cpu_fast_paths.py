@@ -1,0 +1,230 @@
+"""The fused C kernels of the CPU backend: against the float64 reference and the eager fallback.
+
+test_functional.py already sends every variant through whichever CPU path is active; this file
+aims at what is specific to the fused kernels: row lengths around the 32-lane partial sums, the
+multi-threaded split (M·N past the one-thread grain), the per-thread dweight/dbias buffers, the
+switch back to eager ATen ops, and the build cache.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+import layernorm.functional as LF
+from conftest import make_param, make_x, upcast
+from layernorm.kernels.cpu import _native
+from layernorm.kernels.cpu import layer_norm as cpu_layer_norm
+from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
+
+HAVE_CC = _native._compiler() is not None
+needs_kernels = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: eager path only")
+
+# (atol, rtol). float32: row sums run in float32 partial sums folded in float64, about as exact
+# as PyTorch's own kernels (errors ~1e-6 at N ≈ 1000); dparam sums M rows in float64, its atol
+# scaled by √M below for the reference's summation order. float64: rounding order only.
+TOL = {
+    torch.float32: {"y": (1e-5, 1e-5), "dx": (2e-5, 2e-5), "dparam": (2e-5, 2e-5)},
+    torch.float64: {"y": (1e-10, 1e-10), "dx": (1e-9, 1e-9), "dparam": (1e-10, 1e-9)},
+}
+
+# N around the 32 partial-sum lanes (tails of 0, 1 and 31 elements) and long rows; the last
+# shape has M·N above the grain, so it runs on two threads whenever torch has two.
+SHAPES = [(3, 1), (5, 31), (5, 32), (7, 33), (2, 65), (4, 1000), (80, 1031)]
+
+VARIANTS = {
+    "ln": ("layer", True, True, {}),
+    "ln_simple": ("layer", False, False, {}),
+    "ln_weight_only": ("layer", True, False, {}),
+    "detach_mean": ("layer", True, True, {"detach_mean": True}),
+    "detach_std": ("layer", True, True, {"detach_std": True}),
+    "detach_both": ("layer", True, True, {"detach_mean": True, "detach_std": True}),
+    "rms": ("rms", True, False, {"eps": 1e-6}),
+    "rms_no_weight": ("rms", False, False, {"eps": 1e-6}),
+    "ada": ("ada", False, False, {"k": 0.1, "scale": 2.0}),
+}
+
+
+def _run(kind, x, w, b, opts, reference=False):
+    n = x.shape[-1]
+    if kind == "layer":
+        fn = layer_norm_reference if reference else LF.layer_norm
+        if reference:
+            return fn(
+                x, (n,), w, b, 1e-5, opts.get("detach_mean", False), opts.get("detach_std", False)
+            )
+        return fn(x, (n,), w, b, 1e-5, **opts)
+    if kind == "rms":
+        return (rms_norm_reference if reference else LF.rms_norm)(x, (n,), w, **opts)
+    return (ada_norm_reference if reference else LF.ada_norm)(x, (n,), **opts)
+
+
+def _forward_backward(kind, x, w, b, opts, dy, reference=False):
+    leaves = [t for t in (x, w, b) if t is not None]
+    y = _run(kind, x, w, b, opts, reference)
+    grads = torch.autograd.grad(y, leaves, dy)
+    return y.detach(), grads
+
+
+def _close(actual, expected, tol, what, scale=1.0):
+    atol, rtol = tol
+    torch.testing.assert_close(
+        actual.double(),
+        expected.double(),
+        atol=atol * scale,
+        rtol=rtol,
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(("m", "n"), SHAPES, ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_matches_reference(variant, m, n, dtype, monkeypatch):
+    monkeypatch.setenv(_native.ENV_SWITCH, "1")
+    assert _native.enabled(), "a C compiler is present, so the fused kernels must build"
+    kind, use_w, use_b, opts = VARIANTS[variant]
+    x = make_x((m, n), dtype, requires_grad=True)
+    w = make_param((n,), dtype, center=1.0, requires_grad=True) if use_w else None
+    b = make_param((n,), dtype, center=0.0, requires_grad=True) if use_b else None
+    dy = torch.randn(m, n, dtype=torch.float64).to(dtype)
+    assert _native.supports(x.detach(), w, b)
+
+    y, grads = _forward_backward(kind, x, w, b, opts, dy)
+    yr, grads_r = _forward_backward(kind, upcast(x), upcast(w), upcast(b), opts, dy.double(), True)
+    _close(y, yr, TOL[dtype]["y"], "output")
+    _close(grads[0], grads_r[0], TOL[dtype]["dx"], "dx")
+    for g, gr in zip(grads[1:], grads_r[1:], strict=True):
+        _close(g, gr, TOL[dtype]["dparam"], "dweight/dbias", scale=math.sqrt(m))
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["ln", "detach_mean", "rms", "ada"])
+def test_fused_matches_eager_fallback(variant, monkeypatch):
+    """LAYERNORM_CPU_COMPILE=0 switches to the eager ATen path; both agree (float32, 2 threads)."""
+    kind, use_w, use_b, opts = VARIANTS[variant]
+    m, n = 96, 768  # M·N = 73728 > 2 × grain: the fused kernels split the rows across threads
+    x = make_x((m, n), requires_grad=True)
+    w = make_param((n,), torch.float32, center=1.0, requires_grad=True) if use_w else None
+    b = make_param((n,), torch.float32, center=0.0, requires_grad=True) if use_b else None
+    dy = torch.randn(m, n)
+    monkeypatch.setenv(_native.ENV_SWITCH, "1")
+    y, grads = _forward_backward(kind, x, w, b, opts, dy)
+    monkeypatch.setenv(_native.ENV_SWITCH, "0")
+    assert not _native.enabled()
+    y0, grads0 = _forward_backward(kind, x, w, b, opts, dy)
+    _close(y, y0, TOL[torch.float32]["y"], "output")
+    _close(grads[0], grads0[0], TOL[torch.float32]["dx"], "dx")
+    for g, g0 in zip(grads[1:], grads0[1:], strict=True):
+        _close(g, g0, TOL[torch.float32]["dparam"], "dweight/dbias", scale=math.sqrt(m))
+
+
+@needs_kernels
+def test_switch_off_bypasses_kernels(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("fused kernel called although LAYERNORM_CPU_COMPILE=0")
+
+    monkeypatch.setattr(_native, "ln_fwd", boom)
+    monkeypatch.setenv(_native.ENV_SWITCH, "0")
+    x = make_x((4, 8))
+    LF.layer_norm(x, (8,))  # eager path: no call into the fused kernels
+    monkeypatch.setenv(_native.ENV_SWITCH, "1")
+    with pytest.raises(AssertionError, match="fused kernel called"):
+        LF.layer_norm(x, (8,))
+
+
+@needs_kernels
+def test_weight_grads_are_deterministic():
+    """Per-thread float64 buffers added in a fixed order: repeated backwards agree bitwise."""
+    m, n = 256, 512
+    x = make_x((m, n), requires_grad=True)
+    w = make_param((n,), torch.float32, center=1.0, requires_grad=True)
+    b = make_param((n,), torch.float32, center=0.0, requires_grad=True)
+    dy = torch.randn(m, n)
+    first = torch.autograd.grad(LF.layer_norm(x, (n,), w, b), (x, w, b), dy)
+    for _ in range(3):
+        again = torch.autograd.grad(LF.layer_norm(x, (n,), w, b), (x, w, b), dy)
+        for a, f in zip(again, first, strict=True):
+            assert torch.equal(a, f)
+
+
+@needs_kernels
+def test_statistics_match_torch_native():
+    """mean/rstd saved for backward are the ones torch.native_layer_norm returns."""
+    x = make_x((50, 300))
+    _, mean, rstd = cpu_layer_norm.layer_norm_fwd(x, None, None, 1e-5)
+    _, mean_t, rstd_t = torch.native_layer_norm(x, (300,), None, None, 1e-5)
+    torch.testing.assert_close(mean, mean_t.view(-1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(rstd, rstd_t.view(-1), atol=1e-6, rtol=1e-6)
+    assert mean.dtype == rstd.dtype == torch.float32 and mean.shape == (50,)
+
+
+@needs_kernels
+def test_large_offset_rows_keep_precision():
+    """Rows with |mean| ≫ std: the centred second sweep keeps float32 output within tolerance."""
+    x = make_x((8, 512), offset=1e3, scale=1.0)
+    y = LF.layer_norm(x, (512,))
+    yr = layer_norm_reference(x.double(), (512,))
+    # μ is applied in float32: its rounding, 1e3·2⁻²⁴ ≈ 6e-5, shifts y by that much (σ ≈ 1).
+    _close(y, yr, (1e-4, 1e-4), "output")
+
+
+@needs_kernels
+def test_nan_stays_in_its_row():
+    x = make_x((3, 40))
+    x[1, 5] = float("nan")
+    y = LF.layer_norm(x, (40,))
+    assert torch.isnan(y[1]).all()
+    assert torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()
+
+
+def test_unsupported_inputs_use_eager_path():
+    x = make_x((4, 8))
+    assert not _native.supports(x.to(torch.bfloat16))
+    assert not _native.supports(x.t())  # non-contiguous
+    assert not _native.supports(x, torch.ones(8, dtype=torch.float64))  # weight dtype differs
+    y = LF.layer_norm(x.to(torch.bfloat16), (8,))
+    yr = layer_norm_reference(x.to(torch.bfloat16).double(), (8,))
+    _close(y, yr, (8e-3, 8e-3), "bfloat16 output")
+
+
+@needs_kernels
+def test_build_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv(_native.ENV_CACHE, str(tmp_path))
+    first = _native._build()
+    assert first.parent == tmp_path and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert _native._build() == first and first.stat().st_mtime_ns == mtime  # no rebuild
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # the temporary build dir is gone
+
+
+def test_missing_compiler_raises_clear_error(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        _native._build()
+
+
+@needs_kernels
+def test_every_op_runs_the_fused_kernels(monkeypatch):
+    """float32 forward+backward of each family goes through both of its fused kernels."""
+    monkeypatch.setenv(_native.ENV_SWITCH, "1")
+    calls: list[str] = []
+    for name in ("ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd", "ada_fwd", "ada_bwd"):
+        real = getattr(_native, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(_native, name, counted)
+    x = make_x((6, 40), requires_grad=True)
+    w = make_param((40,), torch.float32, center=1.0, requires_grad=True)
+    for kind in ("layer", "rms", "ada"):
+        y = _run(kind, x, w if kind != "ada" else None, None, {})
+        y.backward(torch.ones_like(y))
+    assert calls == ["ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd", "ada_fwd", "ada_bwd"]

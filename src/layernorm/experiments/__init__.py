@@ -40,6 +40,7 @@ from __future__ import annotations
 
 # One import per experiment module: importing it registers it (run order: Experiment.order).
 from . import (  # noqa: F401
+    adanorm_study,
     char_lm,
     convnet,
     gain_init,

@@ -8,6 +8,8 @@ shared machine:
   input projections, one C call per step for the pointwise work, analytic backward in time)
 * ``none``       — our fused path with ``norm="none"`` (what the LN costs on top of our recurrence)
 * ``ln-loop``    — the readable step-by-step reference (eager autograd), with ``--loop``
+* ``ln-eager``   — the fused path with the eager (PyTorch-op) step functions instead of the C
+  kernels, i.e. what runs without a C compiler, with ``--eager-steps``
 
 One timed call = forward over the whole sequence + ``backward()`` of ``output.sum()``, float32.
 Work per call (LSTM, G = 4): forward ``2·T·B·G·H·(I + H)`` FLOPs in the GEMMs, backward twice that;
@@ -31,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import interleaved_ms
 from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm.recurrent import _pointwise, register_step_kernels
 
 SHAPES = ((100, 32, 128, 256), (100, 64, 256, 512), (50, 8, 64, 128))  # (T, B, I, H)
 KINDS = {"lstm": (torch.nn.LSTM, LayerNormLSTM), "gru": (torch.nn.GRU, LayerNormGRU)}
@@ -58,7 +61,22 @@ def step(model: torch.nn.Module, x: torch.Tensor):
     return fn
 
 
-def bench_shape(kind: str, shape: tuple[int, int, int, int], loop: bool, reps: int) -> dict:
+def eager_steps(fn):
+    """Run ``fn`` with the eager step functions registered for CPU tensors."""
+
+    def wrapped() -> None:
+        register_step_kernels("cpu", _pointwise.EAGER)
+        try:
+            fn()
+        finally:
+            register_step_kernels("cpu", None)
+
+    return wrapped
+
+
+def bench_shape(
+    kind: str, shape: tuple[int, int, int, int], loop: bool, eager: bool, reps: int
+) -> dict:
     t, b, i, h = shape
     torch.manual_seed(0)
     tcls, ocls = KINDS[kind]
@@ -67,7 +85,10 @@ def bench_shape(kind: str, shape: tuple[int, int, int, int], loop: bool, reps: i
     if loop:
         models["ln-loop"] = ocls.from_torch(ref, impl="loop")
     x = (torch.randn(t, b, i) + 0.5).requires_grad_()
-    return interleaved_ms({k: step(m, x) for k, m in models.items()}, warmup=2, reps=reps)
+    fns = {k: step(m, x) for k, m in models.items()}
+    if eager:
+        fns["ln-eager"] = eager_steps(step(models["ln"], x))
+    return interleaved_ms(fns, warmup=2, reps=reps)
 
 
 def main() -> None:
@@ -75,7 +96,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--reps", type=int, default=7, help="timed rounds per provider")
     ap.add_argument("--loop", action="store_true", help="also time the eager reference loop")
+    ap.add_argument("--eager-steps", action="store_true", help="also time eager step functions")
     ap.add_argument("--kinds", default="lstm,gru")
+    ap.add_argument("--shapes", default=None, help="e.g. 50x8x64x128,100x32x128x256")
     ap.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
     args = ap.parse_args()
     if args.threads:
@@ -84,16 +107,23 @@ def main() -> None:
     print(f"device: {cpu_name()} | torch {torch.__version__} | threads {torch.get_num_threads()} "
           f"| mkldnn {torch.backends.mkldnn.is_available()} | {date}")  # fmt: skip
     print("forward + backward, float32, median ms (ratio = ours / torch in the same run)\n")
-    print("| kind | (T, B, I, H) | torch ms | LN ms | LN / torch | none / torch | loop / torch |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| kind | (T, B, I, H) | torch ms | LN ms | LN / torch | none / torch | loop / torch "
+          "| LN eager steps / torch |")  # fmt: skip
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    shapes = SHAPES
+    if args.shapes:
+        shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     rows = []
     for kind in args.kinds.split(","):
-        for shape in SHAPES:
-            r = bench_shape(kind, shape, args.loop, args.reps)
-            loop_ratio = f"{r['ln-loop'] / r['torch']:.2f}" if "ln-loop" in r else "-"
-            print(f"| {kind} | {shape} | {r['torch']:.1f} | {r['ln']:.1f} | "
-                  f"{r['ln'] / r['torch']:.2f} | {r['none'] / r['torch']:.2f} | {loop_ratio} |",
-                  flush=True)  # fmt: skip
+        for shape in shapes:
+            r = bench_shape(kind, shape, args.loop, args.eager_steps, args.reps)  # type: ignore[arg-type]
+
+            def ratio(name: str, r: dict = r) -> str:
+                return f"{r[name] / r['torch']:.2f}" if name in r else "-"
+
+            cells = [kind, str(shape), f"{r['torch']:.1f}", f"{r['ln']:.1f}", ratio("ln"),
+                     ratio("none"), ratio("ln-loop"), ratio("ln-eager")]  # fmt: skip
+            print("| " + " | ".join(cells) + " |", flush=True)
             for provider, ms in r.items():
                 rows.append({"date": date, "device": cpu_name(), "torch": torch.__version__,
                              "threads": torch.get_num_threads(), "kind": kind,

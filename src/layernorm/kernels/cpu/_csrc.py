@@ -34,6 +34,8 @@ typedef double acc_t;
 /* Row sums run in LANES independent partial sums (4 AVX-512 registers of doubles): a single
    running sum would wait on the add latency every step and run at a quarter of the speed. */
 #define LANES 32
+/* Rows whose dweight/dbias terms are summed in the input precision before a float64 flush. */
+#define FLUSH 16
 
 /* Rows [lo, hi) of M for thread tid of nt: contiguous blocks whose sizes differ by at most one. */
 static void row_block(i64 M, int nt, int tid, i64* lo, i64* hi) {
@@ -124,7 +126,8 @@ static void row_moments_SUF(const scalar_t* restrict xr, i64 N, double eps, acc_
    dy ⊙ x̂ and dy to the weight/bias accumulators in the same sweep. */
 static void row_grad_sums_SUF(const scalar_t* restrict dyr, const scalar_t* restrict xr,
                               const scalar_t* restrict w, acc_t m, acc_t r, i64 N,
-                              acc_t* restrict dwa, acc_t* restrict dba, acc_t* sg, acc_t* sgx) {
+                              scalar_t* restrict dwa, scalar_t* restrict dba, acc_t* sg,
+                              acc_t* sgx) {
     scalar_t pg[LANES] = {0}, pgx[LANES] = {0};
     const scalar_t mf = (scalar_t)m, rf = (scalar_t)r;
     acc_t tg = 0, tgx = 0;
@@ -208,15 +211,28 @@ void ln_fwd_SUF(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_
    first sweep reads dy and x from memory; the second, which writes dx, finds them in cache. */
 static void ln_bwd_rows_SUF(const scalar_t* restrict dy, const scalar_t* restrict x,
                             const scalar_t* restrict mean, const scalar_t* restrict rstd,
-                            const scalar_t* restrict w, scalar_t* restrict dx, acc_t* dwa,
-                            acc_t* dba, i64 lo, i64 hi, i64 N, int keep_mu, int keep_sigma) {
+                            const scalar_t* restrict w, scalar_t* restrict dx,
+                            acc_t* restrict dwa, acc_t* restrict dba, scalar_t* restrict fwa,
+                            scalar_t* restrict fba, i64 lo, i64 hi, i64 N, int keep_mu,
+                            int keep_sigma) {
     const int need_sums = dx && (keep_mu || keep_sigma);
     for (i64 i = lo; i < hi; ++i) {
         const scalar_t* restrict dyr = dy + i * N;
         const scalar_t* restrict xr = x + i * N;
         const acc_t m = mean ? mean[i] : 0.0, r = rstd[i];
         acc_t sg = 0, sgx = 0;
-        if (need_sums || dwa) row_grad_sums_SUF(dyr, xr, w, m, r, N, dwa, dba, &sg, &sgx);
+        if (need_sums || dwa) row_grad_sums_SUF(dyr, xr, w, m, r, N, fwa, fba, &sg, &sgx);
+        /* dw/db: FLUSH rows summed in the input precision, then moved into float64 (a float64
+           add per element and row would cost as much as the rest of the sweep). */
+        if (dwa && ((i - lo + 1) % FLUSH == 0 || i + 1 == hi)) {
+            #pragma omp simd
+            for (i64 j = 0; j < N; ++j) {
+                dwa[j] += fwa[j];
+                dba[j] += fba[j];
+                fwa[j] = 0;
+                fba[j] = 0;
+            }
+        }
         if (!dx) continue;
         const scalar_t c1 = keep_mu ? sg / N : 0.0, c2 = keep_sigma ? sgx / N : 0.0;
         const scalar_t mf = (scalar_t)m, rf = (scalar_t)r;
@@ -231,21 +247,32 @@ int ln_bwd_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* mean, cons
                int keep_mu, int keep_sigma, int nt) {
     if (nt < 1) nt = 1;
     if (!w && !(w = ones_SUF(N))) return 1;
+    /* Per thread: float64 dw/db sums, then blocks of rows in the input precision. Both always
+       accumulate together: one loop form, and db costs one add. */
     acc_t *dwa = NULL, *dba = NULL;
-    if (dw || db) {  /* both accumulate together: one loop form, and db costs one add */
-        if (!(dwa = zeroed_scratch(2 * nt * N))) return 1;
+    scalar_t *fwa = NULL, *fba = NULL;
+    if (dw || db) {
+        const i64 nacc = 2 * nt * N, nflt = (2 * nt * N * sizeof(scalar_t) + 7) / sizeof(acc_t);
+        if (!(dwa = zeroed_scratch(nacc + nflt))) return 1;
         dba = dwa + (i64)nt * N;
+        fwa = (scalar_t*)(dwa + nacc);
+        fba = fwa + (i64)nt * N;
     }
     if (nt == 1) {
-        ln_bwd_rows_SUF(dy, x, mean, rstd, w, dx, dwa, dba, 0, M, N, keep_mu, keep_sigma);
+        ln_bwd_rows_SUF(dy, x, mean, rstd, w, dx, dwa, dba, fwa, fba, 0, M, N, keep_mu,
+                        keep_sigma);
     } else {
         #pragma omp parallel num_threads(nt)
         {
-            const int t = omp_get_thread_num();
+            const i64 t = omp_get_thread_num();
             i64 lo, hi;
-            row_block(M, omp_get_num_threads(), t, &lo, &hi);
-            ln_bwd_rows_SUF(dy, x, mean, rstd, w, dx, dwa ? dwa + (i64)t * N : NULL,
-                            dba ? dba + (i64)t * N : NULL, lo, hi, N, keep_mu, keep_sigma);
+            row_block(M, omp_get_num_threads(), (int)t, &lo, &hi);
+            if (dwa)
+                ln_bwd_rows_SUF(dy, x, mean, rstd, w, dx, dwa + t * N, dba + t * N, fwa + t * N,
+                                fba + t * N, lo, hi, N, keep_mu, keep_sigma);
+            else
+                ln_bwd_rows_SUF(dy, x, mean, rstd, w, dx, NULL, NULL, NULL, NULL, lo, hi, N,
+                                keep_mu, keep_sigma);
         }
     }
     if (dw) {
@@ -302,30 +329,7 @@ void rms_fwd_SUF(const scalar_t* x, const scalar_t* w, scalar_t* y, scalar_t* rs
 /* RMSNorm's backward is the layer-norm one with μ = 0 (mean = NULL) and no mean(g) term. */
 int rms_bwd_SUF(const scalar_t* dy, const scalar_t* x, const scalar_t* rstd, const scalar_t* w,
                 scalar_t* dx, scalar_t* dw, i64 M, i64 N, int nt) {
-    if (nt < 1) nt = 1;
-    if (!w && !(w = ones_SUF(N))) return 1;
-    acc_t *dwa = NULL, *dba = NULL;
-    if (dw) {
-        if (!(dwa = zeroed_scratch(2 * nt * N))) return 1;
-        dba = dwa + (i64)nt * N;
-    }
-    if (nt == 1) {
-        ln_bwd_rows_SUF(dy, x, NULL, rstd, w, dx, dwa, dba, 0, M, N, 0, 1);
-    } else {
-        #pragma omp parallel num_threads(nt)
-        {
-            const int t = omp_get_thread_num();
-            i64 lo, hi;
-            row_block(M, omp_get_num_threads(), t, &lo, &hi);
-            ln_bwd_rows_SUF(dy, x, NULL, rstd, w, dx, dwa ? dwa + (i64)t * N : NULL,
-                            dba ? dba + (i64)t * N : NULL, lo, hi, N, 0, 1);
-        }
-    }
-    if (dw) {
-        reduce_buffers(dwa, nt, N);
-        for (i64 j = 0; j < N; ++j) dw[j] = (scalar_t)dwa[j];
-    }
-    return 0;
+    return ln_bwd_SUF(dy, x, NULL, rstd, w, dx, dw, NULL, M, N, 0, 1, nt);
 }
 
 /* -------------------------------------------------------------------- AdaNorm ------------- */

@@ -62,7 +62,7 @@ class GainInitConfig:
 
 def config(quick: bool) -> GainInitConfig:
     if quick:
-        return GainInitConfig(seq_len=24, batch_size=16, hidden=64, embed=16, steps=150,
+        return GainInitConfig(seq_len=24, batch_size=16, hidden=64, embed=16, steps=200,
                               eval_every=25, n_valid=64, seeds=2, threads=1)  # fmt: skip
     return GainInitConfig()
 

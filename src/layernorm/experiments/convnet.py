@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import BatchNorm, LayerNorm
 from ..data import load_mnist
-from .mnist_ff import NORMS, _auc, _final
+from .mnist_ff import NORMS, _auc, _final, _late
 from .plots import curves_figure
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
 from .stats import compare_lower, mean_sd
@@ -44,7 +44,13 @@ class ConvnetConfig:
 def config(quick: bool) -> ConvnetConfig:
     if quick:
         return ConvnetConfig(
-            n_train=4000, channels=(8, 16), epochs=3, batch_size=64, seeds=2, threads=1
+            n_train=3000,
+            n_test=5000,
+            channels=(8, 16),
+            epochs=3,
+            batch_size=64,
+            seeds=3,
+            threads=1,
         )
     return ConvnetConfig()
 
@@ -128,10 +134,10 @@ def verdicts(records: Sequence[Record], cfg: ConvnetConfig) -> list[Verdict]:
     else:
         c = compare_lower(
             "BN",
-            _final(records, "batch", bs, "test_err"),
+            _late(records, "batch", bs, "test_err"),
             "LN",
-            _final(records, "layer", bs, "test_err"),
-            quantity="final test error",
+            _late(records, "layer", bs, "test_err"),
+            quantity="late test error (mean over the second half of the epochs)",
             margin=0.001,
             scale=100,
             unit="%",
@@ -189,7 +195,8 @@ EXPERIMENT = register(
             Claim(
                 "cnn-bn-best",
                 "“but batch normalization outperforms the other methods” (§6.7)",
-                "The final test error is lower with batch norm than with layer norm.",
+                "The late test error (the mean over the second half of the epochs) is lower with "
+                "batch norm than with layer norm.",
             ),
         ),
         config=config,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import json
 import platform
 import sys
 import time
@@ -119,7 +120,10 @@ def reproduce(
     for exp in exps:
         cfg = apply_overrides(exp.config(quick), per_exp[exp.name])
         exp_dir = out / exp.name
-        cfg_json = {"quick": quick, "seed": seed, "config": config_to_json(cfg)}
+        # through JSON once, so that it compares equal to what was saved (tuples become lists)
+        cfg_json = json.loads(
+            json.dumps({"quick": quick, "seed": seed, "config": config_to_json(cfg)})
+        )
         if resume and (exp_dir / "config.json").exists():
             saved = read_json(exp_dir / "config.json")
             if saved != cfg_json:

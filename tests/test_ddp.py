@@ -1,0 +1,86 @@
+"""Data parallelism on 2 CPU processes (gloo): a layer-norm network's gradients equal those of one
+process on the same global batch; a batch-norm network's do not, because each process normalizes
+with its own half of the batch (the paper's point about small per-device batches)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from layernorm.experiments import distributed
+from layernorm.experiments.mnist_ff import build_mlp
+
+GLOBAL_BATCH = 8
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = 0.3 + torch.rand(GLOBAL_BATCH, 784, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 10, (GLOBAL_BATCH,), generator=g)
+
+
+def _model(norm: str) -> nn.Module:
+    torch.manual_seed(1)
+    return build_mlp(norm, 12, batch_size=GLOBAL_BATCH).double()
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))  # fmt: skip
+    torch.set_num_threads(1)
+    assert distributed.init_from_env(torch.device("cpu"))
+    try:
+        x, y = _data()
+        result = {}
+        for norm in ("layer", "batch"):
+            model = _model(norm)
+            net = distributed.wrap(model, torch.device("cpu"))
+            assert isinstance(net, nn.parallel.DistributedDataParallel)
+            idx = distributed.shard(torch.arange(GLOBAL_BATCH), rank, world)
+            nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+            result[norm] = _grads(model)
+        if rank == 0:
+            torch.save(result, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")
+def test_ddp_layer_norm_matches_single_process_batch_norm_does_not(tmp_path):
+    out = str(tmp_path / "grads.pt")
+    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    ddp = torch.load(out, weights_only=True)
+
+    x, y = _data()
+    for norm in ("layer", "batch"):
+        model = _model(norm)
+        nn.functional.cross_entropy(model(x), y).backward()
+        single = _grads(model)
+        diffs = [float((a - b).abs().max()) for a, b in zip(ddp[norm], single, strict=True)]
+        scale = max(float(g.abs().max()) for g in single)
+        if norm == "layer":
+            assert max(diffs) <= 1e-12 * scale, diffs  # float64: only the summation order differs
+        else:
+            assert max(diffs) > 1e-3 * scale, diffs  # per-process batch statistics
+
+
+def test_shard_needs_an_even_split():
+    assert distributed.shard(torch.arange(8), 1, 2).tolist() == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="divisible"):
+        distributed.shard(torch.arange(7), 0, 2)

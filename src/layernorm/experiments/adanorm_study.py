@@ -28,7 +28,6 @@ from torch import Tensor, nn
 from .. import replace_norms
 from ..data import load_mnist
 from .char_lm import fixed_windows, lm_loss, load_corpus, sample_windows, valid_bpc
-from .plots import curves_figure
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
 from .seq_training import (
     StepSpec,
@@ -92,7 +91,7 @@ class AdaNormConfig:
 
 def config(quick: bool) -> AdaNormConfig:
     if quick:
-        return AdaNormConfig(seeds=2, n_train=3000, n_test=2000, epochs=2, channels=(8, 16),
+        return AdaNormConfig(seeds=2, n_train=4000, n_test=2000, epochs=3, channels=(8, 16),
                              fc=64, d_model=48, nhead=4, d_ff=96, layers=2, seq_len=32,
                              lm_batch=16, lm_steps=200, lm_eval_every=40, n_valid=64, lm_lr=2e-3,
                              threads=1)  # fmt: skip
@@ -288,12 +287,16 @@ def tables(records: Sequence[Record], cfg: AdaNormConfig) -> str:
 def plot(records: Sequence[Record], cfg: AdaNormConfig, fig_dir: Path) -> list[Path]:
     paths = []
     if "mnist" in cfg.tasks:
-        mnist = [{**r, "model": NAMES[r["model"]]} for r in records if r.get("task") == "mnist"]
-        paths.append(curves_figure(
-            mnist, fig_dir / "adanorm_mnist.png",
-            panels=[("train_loss", {}, "training loss", "NLL (nats)", True),
-                    ("test_err", {}, "test error", "error (%)", False)],
-            models=[NAMES[k] for k in cfg.kinds],
+        # epochs as the x axis; "seconds" per epoch summed into training time so far
+        mnist, clock = [], defaultdict(float)
+        for r in sorted((r for r in records if r.get("task") == "mnist"),
+                        key=lambda r: (r["model"], r["seed"], int(r["epoch"]))):  # fmt: skip
+            clock[(r["model"], r["seed"])] += float(r["seconds"])
+            mnist.append({**r, "step": int(r["epoch"]), "seconds": clock[(r["model"], r["seed"])]})
+        models = [(NAMES[k], {"model": k}, COLORS[k]) for k in cfg.kinds]
+        paths.append(step_time_figure(
+            mnist, fig_dir / "adanorm_mnist.png", metric="test_err", ylabel="test error (%)",
+            models=models, scale=100.0, step_label="epochs",
             title=f"Xu et al. study, MNIST CNN, {cfg.n_train} images, {cfg.seeds} seed(s)",
         ))  # fmt: skip
     if "lm" in cfg.tasks:

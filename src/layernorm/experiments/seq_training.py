@@ -304,6 +304,7 @@ def step_time_figure(
     title: str,
     log_y: bool = False,
     scale: float = 1.0,
+    step_label: str = "updates",
 ) -> Path:
     """Two panels: ``metric`` against updates and against training seconds. ``models`` lists
     ``(label, where, color)``; each line is the mean over seeds (x in seconds: the mean over
@@ -322,7 +323,7 @@ def step_time_figure(
         for ax, xs in zip(axes[0], (steps, secs), strict=True):
             ax.plot(xs, mean, color=color, label=label, marker="o", ms=2.5)
             ax.fill_between(xs, lo, hi, color=color, alpha=0.18, lw=0)
-    for ax, xlabel in zip(axes[0], ("updates", "training wall-clock seconds"), strict=True):
+    for ax, xlabel in zip(axes[0], (step_label, "training wall-clock seconds"), strict=True):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         if log_y:

@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from .registry import Record
 
@@ -67,6 +68,7 @@ def curves_figure(
             )
         ax.set_title(ptitle, fontsize=10)
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
         if log_y:
             ax.set_yscale("log")

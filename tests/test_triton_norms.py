@@ -93,6 +93,8 @@ SHAPES = [
     (37, 37, None),  # non-power-of-two N and M, several row tiles
     (5, 300, 64),  # looped: 5 chunks, the last one 44 wide
     (3, 1000, 256),  # looped: 4 chunks, the last one 232 wide
+    (2, 10_000, None),  # the heuristics' own split: fused forward (≤ 16384), looped backward
+    (2, 20_000, None),  # both looped with the default 4096-element chunks
 ]
 
 

@@ -94,20 +94,25 @@ def _num_programs(device: torch.device, work_items: int) -> int:
     return max(1, min(target, work_items))
 
 
-# Row sums go through ``tl.reduce`` with this combine function instead of ``tl.sum``: ``tl.sum`` is
-# itself a ``@triton.jit`` function of Triton's standard library (as are ``tl.zeros``, ``tl.cdiv``,
-# ``tl.sigmoid``, ``tl.max``), fixed as compiled or interpreted when ``triton`` is first imported,
-# while builtins (``tl.reduce``, ``tl.full``, ``tl.where``, ...) follow the kernel. So these
-# kernels run under the interpreter whenever *this* module was imported with
-# ``TRITON_INTERPRET=1``, even in a process that imported ``triton`` before (torch.compile does).
+# Row sums go through ``tl.reduce`` instead of ``tl.sum``: ``tl.sum`` is itself a ``@triton.jit``
+# function of Triton's standard library (as are ``tl.zeros``, ``tl.cdiv``, ``tl.sigmoid``,
+# ``tl.max``), fixed as compiled or interpreted when ``triton`` is first imported, while builtins
+# (``tl.reduce``, ``tl.full``, ``tl.where``, ...) follow the kernel. So these kernels run under the
+# interpreter whenever *this* module was imported with ``TRITON_INTERPRET=1``, even in a process
+# that imported ``triton`` before (torch.compile does). The combine function is Triton's own
+# ``_sum_combine`` where it exists: the interpreter recognizes it and sums with numpy, where any
+# other function costs one Python call per element.
 @triton.jit
 def _add(a, b):
     return a + b
 
 
+_SUM_COMBINE = getattr(tl.standard, "_sum_combine", None) or _add
+
+
 @triton.jit
 def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _add)
+    return tl.reduce(x, axis, _SUM_COMBINE)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ once over all steps instead of per step), so they agree to a few ulps times the 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
@@ -54,7 +56,8 @@ def run(model, x, hx, packed: bool):
     out, h_n = model(inp, hx if len(hx) == 2 else hx[0])
     data = out.data if packed else out
     h_n = h_n if isinstance(h_n, tuple) else (h_n,)
-    weights = torch.linspace(-1, 2, data.numel(), dtype=data.dtype).view_as(data)
+    weights = torch.linspace(-1, 2, data.numel(), dtype=data.dtype, device=data.device)
+    weights = weights.view_as(data)
     loss = (data * weights).sum() + sum((s * s).sum() for s in h_n)
     loss.backward()
     grads = [x.grad, *(s.grad for s in hx)]
@@ -321,3 +324,30 @@ def test_double_backward_refused_on_fused_path_supported_by_loop() -> None:
         torch.autograd.grad(model(x)[0].sum(), x, create_graph=True)
     model.impl = "loop"
     assert torch.autograd.gradgradcheck(lambda x: model(x)[0], (x,), fast_mode=True)
+
+
+_TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not _TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_triton_step_kernels_equal_reference(kind: str) -> None:
+    """The fused path with the Triton steps (on CUDA, or the interpreter on CPU) vs the loop."""
+    cls, _ = LAYERS[kind]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = cls(3, 8, bidirectional=True, device=device)
+    randomize(model)
+    x, hx = seq(5, 4, 3, dtype=torch.float32), states(kind, 2, 4, 8)
+    x, hx = x.to(device), tuple(s.float().to(device) for s in hx)
+    steps = _pointwise._triton_step_kernels()
+    assert steps is not None
+    register_step_kernels(device, steps)
+    try:
+        model.impl = "fused"
+        out_f, grads_f = run(model, x, hx, packed=True)
+    finally:
+        register_step_kernels(device, None)
+    model.impl = "loop"
+    out_l, grads_l = run(model, x, hx, packed=True)
+    for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

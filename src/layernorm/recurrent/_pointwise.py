@@ -11,15 +11,17 @@ do the GEMM ``hp = h_{t−1} W_hhᵀ`` themselves and call
 * ``lstm_bwd(st, off, bs)`` / ``gru_bwd``: the step's pointwise backward, leaving the gradient of
   ``hp`` for the caller's GEMM ``dh_{t−1} = dhp · W_hh``.
 
-:func:`step_kernels` picks the implementation for a tensor: the C kernels of :mod:`._cstep` for
-CPU float32/float64, otherwise the eager functions below (PyTorch ops plus this library's layer-norm
-backend kernels), which run on any device. A backend can install its own for a device type with
-:func:`register_step_kernels` (e.g. a fused Triton LN-LSTM step for CUDA), reading and writing the
-same buffers. The buffer names and shapes are documented at each eager function.
+:func:`step_kernels` picks the implementation for a tensor: for CUDA tensors the fused Triton
+steps of :mod:`layernorm.kernels.triton.rnn_step` (one launch per step; they defer to the eager
+functions where they do not apply), for CPU float32/float64 the C kernels of :mod:`._cstep`,
+otherwise the eager functions below (PyTorch ops plus this library's layer-norm backend kernels),
+which run on any device. :func:`register_step_kernels` overrides the choice for a device type. All
+read and write the same buffers, whose names and shapes are documented at each eager function.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..backend import select_backend
 from ..ops._dispatch import backend_module
 from . import _cstep
 
@@ -56,11 +59,26 @@ def register_step_kernels(device_type: str, kernels: StepKernels | None) -> None
 
 
 def step_kernels(x: Tensor) -> StepKernels:
-    """The step functions for ``x``: a registered backend's, else C on CPU, else eager."""
+    """The step functions for ``x``: a registered backend's; the Triton steps for CUDA tensors when
+    the Triton backend serves them; the C kernels for CPU float32/float64; else the eager ones."""
     registered = _REGISTRY.get(x.device.type)
     if registered is not None:
         return registered
+    if x.is_cuda and select_backend(x) == "triton":
+        triton_steps = _triton_step_kernels()
+        if triton_steps is not None:
+            return triton_steps
     return C_KERNELS if _cstep.available(x) else EAGER
+
+
+@functools.cache
+def _triton_step_kernels() -> StepKernels | None:
+    """The fused Triton LN-LSTM/GRU steps (falling back to eager where they do not apply)."""
+    try:
+        from ..kernels.triton import rnn_step
+    except ImportError:
+        return None
+    return StepKernels(**rnn_step.seam_functions(EAGER))
 
 
 def ln_kernels(x: Tensor) -> ModuleType:

@@ -59,12 +59,14 @@ def register_step_kernels(device_type: str, kernels: StepKernels | None) -> None
 
 
 def step_kernels(x: Tensor) -> StepKernels:
-    """The step functions for ``x``: a registered backend's; the Triton steps for CUDA tensors when
-    the Triton backend serves them; the C kernels for CPU float32/float64; else the eager ones."""
+    """The step functions for ``x``: a registered backend's; the Triton steps for CUDA float32
+    tensors when the Triton backend serves them; the C kernels for CPU float32/float64; else the
+    eager ones."""
     registered = _REGISTRY.get(x.device.type)
     if registered is not None:
         return registered
-    if x.is_cuda and select_backend(x) == "triton":
+    # The Triton steps compute in float32, so float64 keeps full precision on the eager steps.
+    if x.is_cuda and x.dtype != torch.float64 and select_backend(x) == "triton":
         triton_steps = _triton_step_kernels()
         if triton_steps is not None:
             return triton_steps

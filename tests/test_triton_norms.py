@@ -374,6 +374,37 @@ def test_torch_compile_fullgraph_keeps_triton_kernels(monkeypatch: pytest.Monkey
     assert_close(x.grad, x2.grad, TOLERANCES_BWD[torch.float32]["dx"], "compiled dx")
 
 
+@in_process
+def test_autocast_mixed_dtypes_reach_the_kernels(monkeypatch: pytest.MonkeyPatch):
+    """Under autocast a norm after a Linear gets bfloat16 activations and float32 gain/bias: the
+    kernels take both, return bfloat16, and give float32 parameter gradients."""
+    calls = _spy(monkeypatch, tln, "norm_bwd")
+    lin = torch.nn.Linear(24, 24).to(DEVICE)
+    norm = layernorm.LayerNorm(24).to(DEVICE)
+    x = make_x((6, 24)).to(DEVICE)
+    autocast_device = "cuda" if DEVICE == "cuda" else "cpu"
+    with force_backend("triton"), torch.autocast(autocast_device, dtype=torch.bfloat16):
+        h = lin(x)
+        y = norm(h)
+    assert h.dtype == torch.bfloat16 and y.dtype == torch.bfloat16
+    with force_backend("triton"):
+        y.float().square().sum().backward()
+    assert calls
+    assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.float32
+    assert norm.bias.grad is not None and norm.bias.grad.dtype == torch.float32
+    h64 = h.detach().double().cpu()
+    w64 = norm.weight.detach().double().cpu().requires_grad_()
+    b64 = norm.bias.detach().double().cpu().requires_grad_()
+    ref = layer_norm_reference(h64, (24,), w64, b64)
+    assert_close(y, ref, TOLERANCES_FWD[torch.bfloat16], "y under autocast")
+    # the kernels see the bfloat16-rounded upstream gradient 2·y; with it replicated, only float32
+    # arithmetic separates the float32 sums over 6 rows from the reference
+    dy = (2 * y.detach().float()).to(torch.bfloat16).double().cpu()
+    gw, gb = torch.autograd.grad(ref, (w64, b64), dy)
+    assert_close(norm.weight.grad, gw, (1e-4, 1e-4), "dweight under autocast")
+    assert_close(norm.bias.grad, gb, (1e-4, 1e-4), "dbias under autocast")
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU only: long rows, bitwise determinism and native-torch parity at realistic sizes
 # ----------------------------------------------------------------------------------------------

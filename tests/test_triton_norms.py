@@ -215,6 +215,27 @@ def test_ada_norm_matches_reference(m, n, block_n, dtype: torch.dtype):
 
 @in_process
 @pytest.mark.parametrize("block_n", [None, 16])
+def test_eps_matters_for_rows_of_small_spread(block_n: int | None):
+    """Rows with σ ≈ 1e-3 and eps = 1e-5: eps changes rstd by ~20 %, so a kernel that adds it
+    wrongly (or twice) fails here, while the O(1)-spread inputs above would not notice."""
+    m, n, eps = 5, 40, 1e-5
+    x = make_x((m, n), offset=7.0, scale=1e-3).to(DEVICE)
+    dy = make_x((m, n), offset=0.5).to(DEVICE)
+    y, mean, rstd = tln.layer_norm_fwd(x, None, None, eps, block_n=block_n)
+    dx, _, _ = tln.layer_norm_bwd(dy, x, mean, rstd, None, False, False, True, False, False,
+                                  block_n=block_n)  # fmt: skip
+    yr, dxr = _ref_grads(lambda a: layer_norm_reference(a, (n,), eps=eps), [x], dy)
+    # |y| ≲ 3 and dx ~ rstd·|dy| ≈ 1e3: relative tolerances of float32 centring at offset 7,
+    # scale 1e-3 (7·6e-8 / 1e-3 ≈ 4e-4 relative error in x − μ)
+    assert_close(y, yr, (2e-3, 2e-3), "y")
+    assert_close(dx, dxr, (1.0, 2e-3), "dx")
+    yr_rms = rms_norm_reference(x.double().cpu() - 7.0, (n,), None, eps)
+    y_rms, _ = trms.rms_norm_fwd(x - 7.0, None, eps, block_n=block_n)
+    assert_close(y_rms, yr_rms, (2e-3, 2e-3), "rms y")
+
+
+@in_process
+@pytest.mark.parametrize("block_n", [None, 16])
 def test_gradients_are_bitwise_deterministic(block_n: int | None):
     """Weight gradients are per-program partials plus a fixed-order sum: no run-to-run noise."""
     m, n = 23, 45

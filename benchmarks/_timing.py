@@ -7,6 +7,7 @@ slow period hits all of them alike and their ratio stays meaningful.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -27,19 +28,22 @@ def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> floa
 def interleaved_ms(
     fns: Mapping[str, Callable[[], object]], warmup: int = 3, reps: int = 20
 ) -> dict[str, float]:
-    """Median milliseconds per provider, running every provider once per round (round-robin).
+    """Median milliseconds per provider, running every provider once per round.
 
-    The order rotates each round so no provider always runs right after the same neighbour
-    (caches and allocator state carry over from one call to the next).
+    The order is shuffled every round (seeded) so no provider always runs right after the same
+    neighbour: caches, page mappings and allocator state carry over from one call to the next, and
+    a provider that frees much memory slows whichever one comes next.
     """
     names = list(fns)
+    rng = random.Random(0)
     for _ in range(warmup):
         for name in names:
             fns[name]()
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(reps):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+    for _ in range(reps):
+        order = names[:]
+        rng.shuffle(order)
+        for name in order:
             t0 = time.perf_counter()
             fns[name]()
             samples[name].append(time.perf_counter() - t0)

@@ -30,11 +30,22 @@ __all__ = ["ada_norm", "layer_norm", "rms_norm"]
 
 def _rows(x: Tensor, normalized_shape: tuple[int, ...]) -> Tensor:
     """View ``x`` as contiguous ``(M, N)`` rows, N = prod(normalized_shape)."""
+    if len(normalized_shape) == 1 and x.dim() == 2 and x.is_contiguous():
+        return x  # already rows; skipping reshape saves microseconds on small inputs
     return x.reshape(-1, math.prod(normalized_shape)).contiguous()
 
 
 def _flat(p: Tensor | None) -> Tensor | None:
-    return None if p is None else p.reshape(-1).contiguous()
+    if p is None or (p.dim() == 1 and p.is_contiguous()):
+        return p
+    return p.reshape(-1).contiguous()
+
+
+def _unrows(y: Tensor, x: Tensor, normalized_shape: tuple[int, ...]) -> Tensor:
+    """``y`` in ``x``'s shape; no view (nor its autograd node) when the shapes already agree."""
+    if len(normalized_shape) == 1 and x.dim() == 2:
+        return y
+    return y.view(x.shape)
 
 
 def layer_norm(
@@ -78,7 +89,7 @@ def layer_norm(
     y = layer_norm_rows(
         _rows(x, shape), _flat(weight), _flat(bias), eps_, bool(detach_mean), bool(detach_std)
     )
-    return y.view(x.shape)
+    return _unrows(y, x, shape)
 
 
 def rms_norm(
@@ -105,7 +116,7 @@ def rms_norm(
         # would dwarf mean(x²) of small activations).
         eps_ = float(torch.finfo(stats_dtype(x.dtype)).eps)
     y = rms_norm_rows(_rows(x, shape), _flat(weight), eps_)
-    return y.view(x.shape)
+    return _unrows(y, x, shape)
 
 
 def ada_norm(
@@ -136,4 +147,4 @@ def ada_norm(
     eps_ = check_eps(eps, "ada_norm")
     assert eps_ is not None
     z = ada_norm_rows(_rows(x, shape), k_, scale_, eps_)
-    return z.view(x.shape)
+    return _unrows(z, x, shape)

@@ -40,11 +40,13 @@ Both return tensors that autograd differentiates with the fused backward kernels
 ``gh`` carry on into the GEMM ``W_hh h_{t−1}`` through ordinary autograd).
 
 The device seam of :mod:`layernorm.recurrent` (``StepKernels``: ``lstm_fwd``, ``lstm_bwd``,
-``gru_fwd``, ``gru_bwd`` with their ``p``/``sv``/``dsv`` dictionaries) is served by
-:func:`seam_functions`, which falls back to the given eager functions where these kernels do not
-apply (no layer norm, ``H > MAX_HIDDEN``)::
+``gru_fwd``, ``gru_bwd``, each ``fn(st, off, bs)`` on the sequence buffers in ``st``) is served by
+:func:`seam_functions`, which falls back to the given functions where these kernels do not apply
+(no layer norm, an absent gain or bias, ``H > MAX_HIDDEN``)::
 
     register_step_kernels("cuda", StepKernels(**rnn_step.seam_functions(EAGER)))
+
+The kernels themselves are in :mod:`._rnn_kernels`.
 """
 
 from __future__ import annotations

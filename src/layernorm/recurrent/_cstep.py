@@ -3,8 +3,9 @@
 The library is compiled once per machine with the system C compiler (about a second) into the
 cache directory the CPU norm kernels use, keyed by a hash of the source, flags, compiler, the loaded
 ``libgomp`` and the CPU's flags; the build helpers are shared with
-:mod:`layernorm.kernels.cpu._native`. Kernels are called through :mod:`ctypes` on raw pointers,
-computed here from the base address of each ``(N, ·)`` buffer, so a step slices no tensors.
+:mod:`layernorm.kernels.cpu._native`. Kernels are called through :mod:`ctypes` with an int64 array
+of the buffers' base addresses (built once per sequence) and the step's first row, so a step slices
+no tensors and a call passes 6–8 arguments.
 
 ``LAYERNORM_CPU_COMPILE=0`` or a failed build selects the eager step functions of
 :mod:`._pointwise` instead (a warning says why, once).
@@ -33,11 +34,23 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 # Below this many elements per step one thread does the rows: waking the pool costs more.
 _GRAIN = 32768
 _P, _I64, _INT, _DBL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+# Argument order of each kernel's buffers (the unpacked C signature); the packed ``*_at``
+# entry points take their base addresses in an int64 array plus the step's first row.
+_BUFFERS = {
+    "lstm_fwd": ("hp", "gx", "w1", "b1", "w3", "b3", "h", "c", "out", "hprev", "cprev", "acts",
+                 "mh", "rh", "cn", "mc", "rc", "tc"),
+    "lstm_bwd": ("dout", "dh", "dc", "hp", "mh", "rh", "w1", "acts", "cprev", "cn", "mc", "rc",
+                 "w3", "tc", "dgates", "dhp", "dlc"),
+    "gru_fwd": ("hp", "gx", "w_rz", "b_rz", "w_n", "b_n", "b_hn", "h", "out", "hprev", "rz", "n",
+                "ghn", "mh", "rh", "mn", "rn"),
+    "gru_bwd": ("dout", "dh", "hprev", "hp", "rz", "n", "ghn", "mh", "rh", "mn", "rn", "w_rz",
+                "w_n", "dgx", "dgh", "dhp"),
+}  # fmt: skip
 _SIGNATURES = {
-    "lstm_fwd": (_P,) * 18 + (_I64, _I64, _DBL, _INT, _INT, _INT),
-    "lstm_bwd": (_P,) * 17 + (_I64, _I64, _INT, _INT, _INT),
-    "gru_fwd": (_P,) * 17 + (_I64, _I64, _DBL, _INT, _INT),
-    "gru_bwd": (_P,) * 16 + (_I64, _I64, _INT, _INT),
+    "lstm_fwd": (_P, _I64, _I64, _I64, _DBL, _INT, _INT, _INT),
+    "lstm_bwd": (_P, _I64, _I64, _I64, _INT, _INT, _INT),
+    "gru_fwd": (_P, _I64, _I64, _I64, _DBL, _INT, _INT),
+    "gru_bwd": (_P, _I64, _I64, _I64, _INT, _INT),
 }
 _FNS: dict[tuple[str, torch.dtype], Any] = {}
 # On top of the norm kernels' flags: no errno and no FP traps, which changes no result but lets the
@@ -81,7 +94,7 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build()))
         for base, argtypes in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
-                fn = getattr(lib, f"{base}_{suffix}")
+                fn = getattr(lib, f"{base}_at_{suffix}")
                 fn.restype = None
                 fn.argtypes = argtypes
                 _FNS[base, dtype] = fn
@@ -115,68 +128,53 @@ def _filled(st: dict[str, Any], names: tuple[str, ...], sizes: tuple[int, ...]) 
             st[name] = like.new_full((size,), fill)
 
 
-class _Ptr:
-    """Row addresses into the buffers of one sequence: ``p(name, row)`` without slicing tensors."""
-
-    def __init__(self, st: dict[str, Any]) -> None:
-        self.base: dict[str, tuple[int, int]] = {}
-        for k, v in st.items():
-            if isinstance(v, Tensor) and v.dim() >= 1:
-                cols = v.shape[1] if v.dim() == 2 else 1
-                self.base[k] = (v.data_ptr(), cols * v.element_size())
-
-    def __call__(self, name: str, row: int = 0) -> int | None:
-        b = self.base.get(name)
-        return None if b is None else b[0] + row * b[1]
-
-
-def _ptrs(st: dict[str, Any]) -> _Ptr:
-    p = st.get("_ptr")
-    if p is None:
+def _addresses(st: dict[str, Any], kernel: str) -> Any:
+    """The int64 array of ``kernel``'s buffer addresses for this sequence (built once, cached)."""
+    key = "_addr_" + kernel
+    arr = st.get(key)
+    if arr is None:
         hs = st["H"]
-        if "w_rz" in st:
+        if kernel.startswith("gru"):
             _filled(st, ("w_rz", "b_rz", "w_n", "b_n", "b_hn"), (2 * hs, 2 * hs, hs, hs, hs))
         else:
             _filled(st, ("w1", "b1", "w3", "b3"), (4 * hs, 4 * hs, hs, hs))
-        p = st["_ptr"] = _Ptr(st)
-    return p
+        names = _BUFFERS[kernel]
+        if not st["normalize"] and kernel.endswith("bwd"):
+            names = tuple("" if n == "dhp" else n for n in names)  # dhp aliases dgates / dgh
+        for n in names:
+            t = st.get(n)
+            if isinstance(t, Tensor) and not t.is_contiguous():
+                raise ValueError(f"C step kernel {kernel}: buffer {n} must be contiguous")
+        ptrs = [st[n].data_ptr() if isinstance(st.get(n), Tensor) else 0 for n in names]
+        arr = st[key] = (ctypes.c_int64 * len(ptrs))(*ptrs)
+    return arr
 
 
 def lstm_fwd(st: dict[str, Any], off: int, bs: int) -> None:
-    p, hs = _ptrs(st), st["H"]
+    hs = st["H"]
     _FNS["lstm_fwd", st["gx"].dtype](
-        p("hp", off), p("gx", off), p("w1"), p("b1"), p("w3"), p("b3"),
-        p("h"), p("c"), p("out", off), p("hprev", off), p("cprev", off), p("acts", off),
-        p("mh", off), p("rh", off), p("cn", off), p("mc", off), p("rc", off), p("tc", off),
-        bs, hs, st["eps"], st["normalize"], st["carry_normalized"], _threads(bs, 4 * hs),
+        _addresses(st, "lstm_fwd"), off, bs, hs, st["eps"], st["normalize"],
+        st["carry_normalized"], _threads(bs, 4 * hs),
     )  # fmt: skip
 
 
 def lstm_bwd(st: dict[str, Any], off: int, bs: int) -> None:
-    p, hs = _ptrs(st), st["H"]
+    hs = st["H"]
     _FNS["lstm_bwd", st["gx"].dtype](
-        p("dout", off), p("dh"), p("dc"), p("hp", off), p("mh", off), p("rh", off), p("w1"),
-        p("acts", off), p("cprev", off), p("cn", off), p("mc", off), p("rc", off), p("w3"),
-        p("tc", off), p("dgates", off), p("dhp", off) if st["normalize"] else None,
-        p("dlc", off), bs, hs, st["normalize"], st["carry_normalized"], _threads(bs, 4 * hs),
+        _addresses(st, "lstm_bwd"), off, bs, hs, st["normalize"], st["carry_normalized"],
+        _threads(bs, 4 * hs),
     )  # fmt: skip
 
 
 def gru_fwd(st: dict[str, Any], off: int, bs: int) -> None:
-    p, hs = _ptrs(st), st["H"]
+    hs = st["H"]
     _FNS["gru_fwd", st["gx"].dtype](
-        p("hp", off), p("gx", off), p("w_rz"), p("b_rz"), p("w_n"), p("b_n"), p("b_hn"),
-        p("h"), p("out", off), p("hprev", off), p("rz", off), p("n", off), p("ghn", off),
-        p("mh", off), p("rh", off), p("mn", off), p("rn", off),
-        bs, hs, st["eps"], st["normalize"], _threads(bs, 3 * hs),
-    )  # fmt: skip
+        _addresses(st, "gru_fwd"), off, bs, hs, st["eps"], st["normalize"], _threads(bs, 3 * hs)
+    )
 
 
 def gru_bwd(st: dict[str, Any], off: int, bs: int) -> None:
-    p, hs = _ptrs(st), st["H"]
+    hs = st["H"]
     _FNS["gru_bwd", st["gx"].dtype](
-        p("dout", off), p("dh"), p("hprev", off), p("hp", off), p("rz", off), p("n", off),
-        p("ghn", off), p("mh", off), p("rh", off), p("mn", off), p("rn", off), p("w_rz"),
-        p("w_n"), p("dgx", off), p("dgh", off), p("dhp", off) if st["normalize"] else None,
-        bs, hs, st["normalize"], _threads(bs, 3 * hs),
-    )  # fmt: skip
+        _addresses(st, "gru_bwd"), off, bs, hs, st["normalize"], _threads(bs, 3 * hs)
+    )

@@ -129,7 +129,6 @@ class LSTMSequence(torch.autograd.Function):
         for _, off, bs in sched:
             torch.mm(h if bs == n_batch else h[:bs], w_t, out=hp[off : off + bs])
             kern.lstm_fwd(st, off, bs)
-        st.pop("_ptr", None)
         names = ("hp", "hprev", "cprev", "acts", "cn", "tc", "mh", "rh", "mc", "rc")
         ctx.save_for_backward(w_hh, w1, b1, w3, b3, gx, *(st[k] for k in names))
         ctx.names, ctx.cfg, ctx.sched = names, (hs, eps, normalize, carry_normalized), sched
@@ -205,7 +204,6 @@ class GRUSequence(torch.autograd.Function):
         for _, off, bs in sched:
             torch.mm(h if bs == n_batch else h[:bs], w_t, out=hp[off : off + bs])
             kern.gru_fwd(st, off, bs)
-        st.pop("_ptr", None)
         names = ("hp", "hprev", "rz", "n", "ghn", "mh", "rh", "mn", "rn")
         ctx.save_for_backward(w_hh, w_rz, b_rz, w_n, b_n, b_hn, gx, *(st[k] for k in names))
         ctx.names, ctx.cfg, ctx.sched = names, (hs, eps, normalize), sched

@@ -88,7 +88,8 @@ def test_compare_not_worse_three_outcomes():
 def test_at_time_and_final_use_each_seed():
     recs = [{"model": "m", "seed": s, "step": k, "seconds": float(k), "diverged": d, "v": 10.0 - k}
             for s, d in ((0, False), (1, True)) for k in (1, 2, 3)]  # fmt: skip
-    assert st.at_time(recs, "v", 2.5, model="m") == [8.0, 8.0]
+    assert st.at_time(recs, "v", 2.5, model="m") == [7.5, 7.5]  # between the evaluations
+    assert st.at_time(recs, "v", 0.5, model="m") == [9.0, 9.0]  # before the first one
     assert st.common_time(recs, [{"model": "m"}]) == 3.0
     fin = st.final(recs, "v", model="m")
     assert fin[0] == 7.0 and math.isnan(fin[1])  # a diverged run never counts as finished

@@ -21,6 +21,7 @@ with one panel per update and one per second.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import defaultdict
@@ -43,8 +44,10 @@ from .training import _maybe_kill
 __all__ = [
     "StepSpec",
     "at_time",
+    "common_time",
     "compare_not_worse",
     "final",
+    "final_table",
     "mean_curve",
     "missing",
     "step_time_figure",
@@ -223,12 +226,20 @@ def mean_curve(records: Sequence[Record], metric: str, **where: Any) -> list[flo
 
 
 def at_time(records: Sequence[Record], metric: str, t: float, **where: Any) -> list[float]:
-    """Per seed, ``metric`` at the last evaluation reached within ``t`` training seconds (the
-    first evaluation if none was)."""
+    """Per seed, ``metric`` after ``t`` training seconds, interpolated linearly between the two
+    evaluations around ``t`` (the first evaluation's value before it, the last one's after)."""
     out = []
     for run in _runs(records, where).values():
-        within = [r for r in run if float(r["seconds"]) <= t] or run[:1]
-        out.append(float(within[-1][metric]))
+        pts = [(float(r["seconds"]), float(r[metric])) for r in run]
+        if t <= pts[0][0]:
+            out.append(pts[0][1])
+            continue
+        value = pts[-1][1]
+        for (t0, v0), (t1, v1) in itertools.pairwise(pts):
+            if t0 <= t <= t1:
+                value = v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+                break
+        out.append(value)
     return out
 
 

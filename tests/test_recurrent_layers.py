@@ -351,3 +351,22 @@ def test_triton_step_kernels_equal_reference(kind: str) -> None:
     out_l, grads_l = run(model, x, hx, packed=True)
     for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_layer_full_gradcheck_tiny(kind: str) -> None:
+    """Full (not randomized) gradcheck of the fused path's hand-written backward, tiny sizes."""
+    cls, _ = LAYERS[kind]
+    model = cls(2, 2, num_layers=2, dtype=DT)
+    randomize(model)
+    names = [n for n, _ in model.named_parameters()]
+    x = seq(3, 2, 2).requires_grad_()
+    hx = tuple(s.requires_grad_() for s in states(kind, 2, 2, 2))
+
+    def fn(x, *args):
+        h, ps = args[: len(hx)], args[len(hx) :]
+        h_arg = h if kind == "lstm" else h[0]
+        out, h_n = torch.func.functional_call(model, dict(zip(names, ps, strict=True)), (x, h_arg))
+        return out, *(h_n if kind == "lstm" else (h_n,))
+
+    assert torch.autograd.gradcheck(fn, (x, *hx, *model.parameters()))

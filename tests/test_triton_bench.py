@@ -54,3 +54,29 @@ def test_exits_with_a_clear_message_without_cuda(capsys: pytest.CaptureFixture[s
     assert bench.main(["--quick"]) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA device" in err and "--dry-run" in err
+
+
+@pytest.mark.slow
+def test_dry_run_exercises_every_table(tmp_path: Path):
+    """The whole script on CPU under the Triton interpreter with tiny shapes: the sweep, latency and
+    LSTM tables, CSV and plot (the numbers mean nothing; the code paths are the GPU run's)."""
+    import csv
+    import subprocess
+    import sys
+
+    out_csv, out_png = tmp_path / "rows.csv", tmp_path / "plot.png"
+    proc = subprocess.run(
+        [sys.executable, str(_PATH), "--dry-run", "--ops", "layer_norm", "--dtypes", "bf16",
+         "--csv", str(out_csv), "--plot", str(out_png)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(out_csv.open()))
+    tables = {r["table"] for r in rows}
+    assert {"bandwidth", "latency"} <= tables
+    providers = {r["provider"] for r in rows if r["table"] == "bandwidth"}
+    assert {"copy", "ours", "torch"} <= providers
+    assert all(r["ms"] not in ("", "nan") for r in rows if r["provider"] in ("ours", "torch"))
+    if "lstm" in tables:  # layernorm.recurrent importable
+        assert any("Triton step" in r["provider"] for r in rows if r["table"] == "lstm")
+    assert out_png.stat().st_size > 0

@@ -44,12 +44,12 @@ class ConvnetConfig:
 def config(quick: bool) -> ConvnetConfig:
     if quick:
         return ConvnetConfig(
-            n_train=3000,
+            n_train=4000,
             n_test=5000,
             channels=(8, 16),
             epochs=3,
             batch_size=64,
-            seeds=3,
+            seeds=4,
             threads=1,
         )
     return ConvnetConfig()

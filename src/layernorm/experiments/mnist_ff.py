@@ -53,7 +53,7 @@ class MnistFFConfig:
 
 def config(quick: bool) -> MnistFFConfig:
     if quick:
-        return MnistFFConfig(n_train=2000, hidden=256, epochs=4, seeds=3, threads=1)
+        return MnistFFConfig(n_train=2500, hidden=256, epochs=4, seeds=5, threads=1)
     return MnistFFConfig()
 
 

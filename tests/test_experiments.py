@@ -148,3 +148,14 @@ def test_resume_with_other_settings_is_refused(tmp_path):
 def test_report_without_results_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="layernorm reproduce"):
         write_report(tmp_path)
+
+
+def test_report_skips_a_damaged_result_and_keeps_the_others(tmp_path):
+    reproduce(["invariances", "geometry"], out=tmp_path, device="cpu", quick=True,
+              overrides=["cases=32", "geometry.scales=1,2"], progress=False)  # fmt: skip
+    (tmp_path / "geometry" / "records.json").write_text('[{"part": "weight growth"}]')
+    with pytest.warns(UserWarning, match="skipping"):
+        md, html = write_report(tmp_path)
+    text = md.read_text()
+    assert "`table1`" in text and "geo-shrink" not in text
+    assert "<em>Layer Normalization</em>" in html.read_text()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,10 +48,15 @@ def load_results(out: Path) -> list[ExperimentResult]:
             continue
         exp = get(name)
         saved = read_json(d / "config.json")
-        cfg = config_from_json(exp, bool(saved["quick"]), saved["config"])
-        meta = read_json(d / "meta.json") if (d / "meta.json").exists() else {}
-        records = read_json(d / "records.json")
-        results.append(ExperimentResult(exp, cfg, meta, records, exp.verdicts(records, cfg)))
+        try:
+            cfg = config_from_json(exp, bool(saved["quick"]), saved["config"])
+            meta = read_json(d / "meta.json") if (d / "meta.json").exists() else {}
+            records = read_json(d / "records.json")
+            verdicts = exp.verdicts(records, cfg)
+        except Exception as e:  # one stale or damaged result must not hide the others
+            warnings.warn(f"skipping {d} in the report: {type(e).__name__}: {e}", stacklevel=2)
+            continue
+        results.append(ExperimentResult(exp, cfg, meta, records, verdicts))
     return results
 
 
@@ -79,10 +85,11 @@ def _md(blocks: Sequence[Block], out: Path) -> str:
 
 
 def _inline(text: str) -> str:
-    """The little Markdown the report uses inside text: `code`, **bold**."""
+    """The little Markdown the report uses inside text: `code`, **bold**, *emphasis*."""
     t = html.escape(text)
     t = re.sub(r"`([^`]+)`", r"<code>\1</code>", t)
-    return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", t)
+    t = re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", t)
+    return re.sub(r"\*([^*\s][^*]*)\*", r"<em>\1</em>", t)
 
 
 def _md_table_to_html(text: str) -> str:

@@ -154,3 +154,31 @@ def test_resume_after_crash_matches_uninterrupted_run(tmp_path, monkeypatch):
     assert strip(resumed) == strip(whole)  # bitwise the same numbers
     # a finished run is read back, not retrained
     assert strip(_tiny_run(tmp_path / "b", resume=True)) == strip(whole)
+
+
+def test_char_lm_resume_through_the_runner(tmp_path, monkeypatch):
+    """Crash inside the second model's run, then ``--resume``: same records as a clean run."""
+    sets = TINY["char-lm"]
+    reproduce(["char-lm"], out=tmp_path / "a", quick=True, overrides=sets, progress=False,
+              report=False)  # fmt: skip
+    calls = {"n": 0}
+
+    def crash_on_third_checkpoint() -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:  # the first model wrote 2 checkpoints; this is the second's first
+            raise _Crash
+
+    monkeypatch.setattr(st, "_maybe_kill", crash_on_third_checkpoint)
+    with pytest.raises(_Crash):
+        reproduce(["char-lm"], out=tmp_path / "b", quick=True, overrides=sets, progress=False,
+                  report=False)  # fmt: skip
+    reproduce(["char-lm"], out=tmp_path / "b", quick=True, overrides=sets, progress=False,
+              report=False, resume=True)  # fmt: skip
+
+    def strip(path):
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in read_json(path)]
+
+    assert calls["n"] == 3 + 1 + 2  # resumed: one more for the second model, two for the third
+    a = strip(tmp_path / "a" / "char-lm" / "records.json")
+    assert a == strip(tmp_path / "b" / "char-lm" / "records.json")
+    assert {r["model"] for r in a} == {"none", "layer", "batch"}

@@ -234,6 +234,6 @@ EXPERIMENT = register(Experiment(
     verdicts=verdicts,
     plot=plot,
     tables=tables,
-    quick_budget_s=40.0,
+    quick_budget_s=20.0,
     order=44,
 ))  # fmt: skip

@@ -224,6 +224,6 @@ EXPERIMENT = register(Experiment(
     verdicts=verdicts,
     plot=plot,
     tables=tables,
-    quick_budget_s=45.0,
+    quick_budget_s=25.0,
     order=41,
 ))  # fmt: skip

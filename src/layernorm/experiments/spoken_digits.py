@@ -222,6 +222,6 @@ EXPERIMENT = register(Experiment(
     verdicts=verdicts,
     plot=plot,
     tables=tables,
-    quick_budget_s=60.0,
+    quick_budget_s=30.0,
     order=42,
 ))  # fmt: skip

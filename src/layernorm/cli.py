@@ -81,7 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     r.add_argument(
-        "--threads", type=_pos_int, default=None, help="CPU threads for torch (default: torch's)"
+        "--threads",
+        type=_pos_int,
+        default=None,
+        help="torch CPU threads (default: torch's); quick settings that pin their own count "
+        "(threads=1) keep it unless given --set threads=0",
     )
 
     rep = sub.add_parser(

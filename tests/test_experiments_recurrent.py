@@ -182,3 +182,34 @@ def test_char_lm_resume_through_the_runner(tmp_path, monkeypatch):
     a = strip(tmp_path / "a" / "char-lm" / "records.json")
     assert a == strip(tmp_path / "b" / "char-lm" / "records.json")
     assert {r["model"] for r in a} == {"none", "layer", "batch"}
+
+
+@pytest.mark.parametrize("cls", ["LayerNormLSTM", "LayerNormGRU", "LayerNormRNN"])
+def test_fused_backward_never_reads_unwritten_buffers(cls, monkeypatch):
+    """The sequence experiments train on the fused path: with every fresh buffer poisoned with
+    NaN, its gradients must still be finite and match the reference loop (regression: the C
+    step backward once computed ``0 · dx`` on an uninitialized ``dx``)."""
+    from torch.nn.utils.rnn import pack_sequence
+
+    import layernorm.recurrent as rec
+
+    real_new_empty, real_empty_like = torch.Tensor.new_empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch.Tensor, "new_empty",
+                        lambda self, *a, **k: poison(real_new_empty(self, *a, **k)))  # fmt: skip
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    torch.manual_seed(0)
+    fused = getattr(rec, cls)(5, 6, impl="fused")
+    loop = getattr(rec, cls)(5, 6, impl="loop")
+    loop.load_state_dict(fused.state_dict())
+    x = pack_sequence([torch.randn(n, 5) for n in (7, 3, 6, 1)], enforce_sorted=False)
+    for m in (fused, loop):
+        out, state = m(x)
+        h = state[0] if isinstance(state, tuple) else state
+        (out.data.square().sum() + h.sum()).backward()
+    for (name, p), q in zip(fused.named_parameters(), loop.parameters(), strict=True):
+        assert torch.isfinite(p.grad).all(), name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)

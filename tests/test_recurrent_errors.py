@@ -92,3 +92,10 @@ def test_bad_constructor_arguments() -> None:
         LayerNormLSTM(3, 4, norm="batch", impl="fused")
     with pytest.raises(ValueError, match="nonlinearity"):
         LayerNormRNN(3, 4, nonlinearity="gelu")
+    half = LayerNormGRU(3, 4, impl="fused", dtype=torch.bfloat16)
+    with pytest.raises(
+        TypeError, match=r"impl='fused' runs float32 and float64, got torch.bfloat16"
+    ):
+        half(torch.randn(5, 2, 3, dtype=torch.bfloat16))
+    half.impl = "auto"
+    assert half(torch.randn(5, 2, 3, dtype=torch.bfloat16))[0].dtype == torch.bfloat16

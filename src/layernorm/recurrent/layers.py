@@ -326,9 +326,14 @@ class _LNRNNBase(nn.Module):
             return False
         if torch.compiler.is_compiling():
             return False  # the loop traces into plain ops; the fused node's Python loop would not
-        if self.impl == "fused":
+        if data.dtype in _FUSED_DTYPES:
             return True
-        return data.dtype in _FUSED_DTYPES
+        if self.impl == "fused":
+            raise TypeError(
+                f"{type(self).__name__}: impl='fused' runs float32 and float64, got {data.dtype}; "
+                "use impl='auto' (the step-by-step path for other dtypes)"
+            )
+        return False
 
     def _direction(
         self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import os
 import platform
 import sys
 import time
@@ -138,6 +139,7 @@ def reproduce(
         t0 = time.perf_counter()
         records = exp.run(cfg, ctx)
         seconds = time.perf_counter() - t0
+        threads = getattr(cfg, "threads", 0) or torch.get_num_threads()
         if distributed.is_main():
             save_records(exp_dir, records)
             write_json(
@@ -154,7 +156,7 @@ def reproduce(
                     "torch": torch.__version__,
                     "python": platform.python_version(),
                     "machine": f"{platform.system()} {platform.machine()}, "
-                    f"{torch.get_num_threads()} threads",
+                    f"{os.cpu_count()} CPUs, {threads} torch thread(s)",
                 },
             )
         _log(f"[{exp.name}] done in {seconds:.1f} s, records in {exp_dir}")

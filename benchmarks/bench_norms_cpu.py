@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=list(DEFAULT_SHAPES))
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=0, help="0: 15 for big shapes, 200 for small")
+    parser.add_argument("--reps", type=int, default=0, help="0: 15 for big shapes, 1000 for small")
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--composite", action="store_true", help="also time the eager reference")
     parser.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     header = f"{'variant':<20} {'M x N':>12} {'ours ms':>9} {'torch LN ms':>12} {'ratio':>6}"
     rows: list[dict[str, object]] = []
     for m, n in args.shapes:
-        reps = args.reps or (15 if m * n >= 1 << 20 else 200)
+        reps = args.reps or (15 if m * n >= 1 << 20 else 1000)
         times = interleaved_ms(providers(m, n, args.composite), warmup=args.warmup, reps=reps)
         base, rms_base = times[ANCHOR], times[RMS_ANCHOR]
         print(header)

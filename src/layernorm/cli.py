@@ -177,9 +177,12 @@ def _reproduce(a: argparse.Namespace) -> int:
 def _print_summary(out: Path) -> None:
     from .experiments.report import load_results
 
-    for res in load_results(out):
-        for v in res.verdicts:
-            print(f"  {res.exp.name:<14} {v.claim_id:<20} {v.status}")
+    results = load_results(out)
+    rows = [(res.exp.name, v.claim_id, v.status) for res in results for v in res.verdicts]
+    w1 = max((len(r[0]) for r in rows), default=0)
+    w2 = max((len(r[1]) for r in rows), default=0)
+    for name, claim, status in rows:
+        print(f"  {name:<{w1}}  {claim:<{w2}}  {status}")
 
 
 def _report(a: argparse.Namespace) -> int:

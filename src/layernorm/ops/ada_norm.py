@@ -16,9 +16,7 @@ from ._dispatch import backend_module, plain_eager
 
 
 @torch.library.custom_op("layernorm::ada_norm_fwd", mutates_args=())
-def ada_norm_fwd(
-    x: Tensor, k: float, scale: float, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
+def ada_norm_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """Rows of 2-D ``x`` → ``(z, mean, rstd)``."""
     return backend_module(x, "ada_norm").ada_norm_fwd(x, k, scale, eps)
 

@@ -50,6 +50,8 @@ def test_unknown_experiment_lists_valid_names(capsys):
         (["reproduce", "invariances", "--set", "trials"], "KEY=VALUE"),
         (["reproduce", "invariances", "--set", "trials=many"], "expected a value like"),
         (["reproduce", "invariances", "--device", "tpu"], "device must be"),
+        (["reproduce", "mnist-ff", "--set", "seeds=0"], "seeds must be positive"),
+        (["reproduce", "mnist-ff", "--set", "norms=layer,group"], "non-empty selection"),
         (["report", "--out", "/nonexistent/place"], "no saved results"),
     ],
 )

@@ -19,7 +19,7 @@ from .. import BatchNorm, LayerNorm
 from ..data import load_mnist
 from .mnist_ff import NORMS, _auc, _final, _late
 from .plots import curves_figure
-from .registry import Claim, Experiment, Record, RunContext, Verdict, register
+from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
 from .stats import compare_lower, mean_sd
 from .training import TrainSpec, torch_threads, train_classifier
 
@@ -38,6 +38,13 @@ class ConvnetConfig:
     seeds: int = 3
     lr: float = 1e-3
     threads: int = 0
+
+    def __post_init__(self) -> None:
+        check_config(self, ("n_train", "n_test", "channels", "epochs", "batch_size", "seeds", "lr"),
+                     ("threads",), {"norms": NORMS})  # fmt: skip
+        if len(self.channels) != 2:
+            raise ValueError(f"ConvnetConfig.channels must hold two sizes, got {self.channels!r}")
+
     norms: tuple[str, ...] = NORMS
 
 

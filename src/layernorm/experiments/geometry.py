@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..functional import layer_norm
 from .plots import plt
-from .registry import Claim, Experiment, Record, RunContext, Verdict, register
+from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
 
 DT = torch.float64
 
@@ -38,6 +38,11 @@ class GeometryConfig:
     scales: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
     slope_tol: float = 0.02
     output_tol: float = 1e-9
+
+    def __post_init__(self) -> None:
+        check_config(self, ("cases", "inputs", "units", "scales", "slope_tol", "output_tol"))
+        if len(set(self.scales)) < 2:
+            raise ValueError(f"GeometryConfig.scales needs two distinct values, got {self.scales}")
 
 
 def config(quick: bool) -> GeometryConfig:

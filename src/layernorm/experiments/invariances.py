@@ -20,7 +20,7 @@ from torch.nn.utils.parametrizations import weight_norm
 
 from .. import BatchNorm, LayerNorm, RMSNorm
 from .plots import plt
-from .registry import Claim, Experiment, Record, RunContext, Verdict, register
+from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
 
 METHODS = ("batch norm", "weight norm", "layer norm", "RMSNorm")
 TRANSFORMS = (
@@ -50,6 +50,11 @@ class InvariancesConfig:
     units: int = 40
     trials: int = 5
     tol: float = 1e-9
+
+    def __post_init__(self) -> None:
+        check_config(self, ("cases", "inputs", "units", "trials", "tol"))
+        if self.cases < 2 or self.units < 2:
+            raise ValueError("InvariancesConfig: batch norm and layer norm need cases, units >= 2")
 
 
 def config(quick: bool) -> InvariancesConfig:

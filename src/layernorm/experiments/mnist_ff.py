@@ -17,7 +17,7 @@ from torch import nn
 from .. import BatchNorm, LayerNorm
 from ..data import load_mnist
 from .plots import curves_figure
-from .registry import Claim, Experiment, Record, RunContext, Verdict, register
+from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
 from .stats import compare_lower, mean_sd
 from .training import TrainSpec, torch_threads, train_classifier
 
@@ -49,6 +49,10 @@ class MnistFFConfig:
     seeds: int = 3
     lr: float = 1e-3
     threads: int = 0
+
+    def __post_init__(self) -> None:
+        check_config(self, ("n_train", "n_test", "hidden", "epochs", "batch_sizes", "seeds", "lr"),
+                     ("threads",), {"norms": NORMS})  # fmt: skip
 
 
 def config(quick: bool) -> MnistFFConfig:

@@ -24,6 +24,7 @@ __all__ = [
     "RunContext",
     "Verdict",
     "apply_overrides",
+    "check_config",
     "get",
     "names",
     "register",
@@ -194,3 +195,32 @@ def _parse_like(current: Any, text: str, key: str) -> Any:
         raise ValueError(
             f"setting {key}={text!r}: expected a value like {current!r} ({type(current).__name__})"
         ) from None
+
+
+def check_config(
+    cfg: Any,
+    positive: Sequence[str] = (),
+    non_negative: Sequence[str] = (),
+    choices: Mapping[str, Sequence[str]] | None = None,
+) -> None:
+    """Validate a configuration in its ``__post_init__``: the named fields (numbers or tuples of
+    numbers) must be > 0 / >= 0, and tuple fields in ``choices`` must be non-empty subsets."""
+    name = type(cfg).__name__
+    for key in positive:
+        vals = getattr(cfg, key)
+        for v in vals if isinstance(vals, tuple) else (vals,):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise ValueError(f"{name}.{key} must be positive, got {vals!r}")
+        if isinstance(vals, tuple) and not vals:
+            raise ValueError(f"{name}.{key} must not be empty")
+    for key in non_negative:
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+            raise ValueError(f"{name}.{key} must be >= 0, got {v!r}")
+    for key, allowed in (choices or {}).items():
+        vals = getattr(cfg, key)
+        bad = [v for v in vals if v not in allowed]
+        if bad or not vals:
+            raise ValueError(
+                f"{name}.{key} must be a non-empty selection of {tuple(allowed)}, got {vals!r}"
+            )

@@ -12,7 +12,8 @@ bottom of this file. The experiment provides:
     :class:`Claim` values: an id, the paper's own words, and what is computed to test them.
 ``config(quick: bool) -> dataclass``
     the full (paper) or quick (a few minutes on a 2-core CPU) setting; every field can be
-    overridden from the command line with ``--set KEY=VALUE``.
+    overridden from the command line with ``--set KEY=VALUE``. A ``__post_init__`` calling
+    :func:`~layernorm.experiments.registry.check_config` rejects bad values before any work.
 ``run(config, ctx: RunContext) -> list[Record]``
     does the work and returns tidy records (flat dicts, one row per measurement, e.g.
     ``{"model": "layer", "batch_size": 4, "seed": 0, "epoch": 3, "test_err": 0.031}``). It must be

@@ -98,6 +98,8 @@ def test_models_use_the_library_norms():
     lns = [m for m in mnist_ff.build_mlp("layer", 16, 4) if isinstance(m, layernorm.LayerNorm)]
     assert len(lns) == 2  # hidden layers only: the logits stay un-normalized
     assert isinstance(mnist_ff.build_mlp("layer", 16, 4)[-1], torch.nn.Linear)
+    assert isinstance(mnist_ff.build_mlp("batch", 16, 4, bn_logits=True)[-1], layernorm.BatchNorm)
+    assert isinstance(mnist_ff.build_mlp("layer", 16, 4, bn_logits=True)[-1], torch.nn.Linear)
     x = torch.rand(3, 784)
     for norm in ("none", "batch", "layer"):
         assert build_cnn(norm, (2, 3))(x).shape == (3, 10)

@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
 
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import StepKernels, _pointwise, register_step_kernels
@@ -370,3 +370,30 @@ def test_layer_full_gradcheck_tiny(kind: str) -> None:
         return out, *(h_n if kind == "lstm" else (h_n,))
 
     assert torch.autograd.gradcheck(fn, (x, *hx, *model.parameters()))
+
+
+@pytest.mark.parametrize("cls", [LayerNormLSTM, LayerNormGRU, LayerNormRNN])
+def test_fused_backward_never_reads_unwritten_buffers(cls, monkeypatch):
+    """With every fresh buffer poisoned with NaN, the fused path's gradients must still be finite
+    and match the reference loop (regression: the C step backward of ``recurrent/_csrc.py`` once
+    computed ``0 · dx`` on an uninitialized ``dx``, which is NaN when the memory happens to be)."""
+    real_new_empty, real_empty_like = torch.Tensor.new_empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch.Tensor, "new_empty",
+                        lambda self, *a, **k: poison(real_new_empty(self, *a, **k)))  # fmt: skip
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    torch.manual_seed(0)
+    fused = cls(5, 6, impl="fused")
+    loop = cls(5, 6, impl="loop")
+    loop.load_state_dict(fused.state_dict())
+    x = pack_sequence([torch.randn(n, 5) for n in (7, 3, 6, 1)], enforce_sorted=False)
+    for m in (fused, loop):
+        out, state = m(x)
+        h = state[0] if isinstance(state, tuple) else state
+        (out.data.square().sum() + h.sum()).backward()
+    for (name, p), q in zip(fused.named_parameters(), loop.parameters(), strict=True):
+        assert torch.isfinite(p.grad).all(), name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._pointwise import ln_kernels, step_kernels
+from ._pointwise import StepFn, ln_kernels, step_kernels
 
 Schedule = tuple[tuple[int, int, int], ...]  # (time index, first row, rows) in processing order
 
@@ -85,8 +85,59 @@ def _ln_param_grads(
 
 
 def _new_bufs(like: Tensor, n_rows: int, spec: dict[str, int]) -> dict[str, Tensor]:
-    """``(N, cols)`` buffers (``(N,)`` where cols is 0)."""
-    return {k: like.new_empty((n_rows, c) if c else (n_rows,)) for k, c in spec.items()}
+    """``(N, cols)`` buffers in ``like``'s dtype, and ``(N,)`` row-statistics buffers (mean,
+    1/σ) where cols is 0.
+
+    The statistics are kept in at least float32: a half-precision 1/σ (up to 1/√eps ≈ 316) would
+    round every normalized value of its row. The layers send only float32/float64 here today
+    (``_FUSED_DTYPES`` in :mod:`.layers`; half inputs run the step-by-step loop), so this matters
+    only to a caller driving the sequence functions directly.
+    """
+    stats = torch.promote_types(like.dtype, torch.float32)
+    return {
+        k: like.new_empty((n_rows, c)) if c else like.new_empty((n_rows,), dtype=stats)
+        for k, c in spec.items()
+    }
+
+
+def _forward_in_time(st: dict[str, Any], w_hh: Tensor, sched: Schedule, step: StepFn) -> None:
+    """Per step, the recurrent GEMM ``hp = h_{t−1} W_hhᵀ`` into ``st["hp"]``, then ``step``."""
+    h, hp, w_t = st["h"], st["hp"], w_hh.t()
+    for _, off, bs in sched:
+        torch.mm(h if bs == h.shape[0] else h[:bs], w_t, out=hp[off : off + bs])
+        step(st, off, bs)
+
+
+def _backward_in_time(
+    st: dict[str, Any], w_hh: Tensor, sched: Schedule, step: StepFn, accumulate: bool
+) -> None:
+    """Per step in reverse, ``step`` (which leaves ``st["dhp"]``), then ``dh_{t−1} = dhp · W_hh``:
+    added to ``st["dh"]`` where ``step`` already wrote the direct path of ``h_{t−1}`` there
+    (``accumulate``), written over it otherwise."""
+    dh, dhp = st["dh"], st["dhp"]
+    for _, off, bs in reversed(sched):
+        step(st, off, bs)
+        dh_rows = dh if bs == dh.shape[0] else dh[:bs]
+        if accumulate:
+            dh_rows.addmm_(dhp[off : off + bs], w_hh)
+        else:
+            torch.mm(dhp[off : off + bs], w_hh, out=dh_rows)
+
+
+def _save(
+    ctx: Any, st: dict[str, Any], w_hh: Tensor, sched: Schedule, names: tuple[str, ...]
+) -> None:
+    """Save ``w_hh`` and the entries ``names`` of ``st`` (tensors or ``None``) for backward, and
+    its non-tensor entries (sizes, flags)."""
+    ctx.save_for_backward(w_hh, *(st[k] for k in names))
+    ctx.names, ctx.sched = names, sched
+    ctx.consts = {k: v for k, v in st.items() if not isinstance(v, Tensor) and v is not None}
+
+
+def _restore(ctx: Any) -> tuple[Tensor, dict[str, Any]]:
+    """``(w_hh, st)`` with what :func:`_save` kept."""
+    w_hh, *saved = ctx.saved_tensors
+    return w_hh, {**ctx.consts, **dict(zip(ctx.names, saved, strict=True))}
 
 
 class LSTMSequence(torch.autograd.Function):
@@ -124,37 +175,23 @@ class LSTMSequence(torch.autograd.Function):
                                      "acts": 4 * hs, "cn": hs, "tc": hs,
                                      "mh": 0, "rh": 0, "mc": 0, "rc": 0}),
         }  # fmt: skip
-        kern = step_kernels(gx)
-        h, hp, w_t, n_batch = st["h"], st["hp"], w_hh.t(), h0.shape[0]
-        for _, off, bs in sched:
-            torch.mm(h if bs == n_batch else h[:bs], w_t, out=hp[off : off + bs])
-            kern.lstm_fwd(st, off, bs)
-        names = ("hp", "hprev", "cprev", "acts", "cn", "tc", "mh", "rh", "mc", "rc")
-        ctx.save_for_backward(w_hh, w1, b1, w3, b3, gx, *(st[k] for k in names))
-        ctx.names, ctx.cfg, ctx.sched = names, (hs, eps, normalize, carry_normalized), sched
+        _forward_in_time(st, w_hh, sched, step_kernels(gx).lstm_fwd)
+        _save(ctx, st, w_hh, sched, ("w1", "b1", "w3", "b3", "gx", "hp", "hprev", "cprev", "acts",
+                                     "cn", "tc", "mh", "rh", "mc", "rc"))  # fmt: skip
         return st["out"], st["h"], st["c"]
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor, dc_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         _no_double_backward()
-        w_hh, w1, b1, w3, b3, gx, *saved = ctx.saved_tensors
-        hs, eps, normalize, carry_normalized = ctx.cfg
+        w_hh, st = _restore(ctx)
+        gx, hs, normalize, w1, w3 = st["gx"], st["H"], st["normalize"], st["w1"], st["w3"]
         n_rows = gx.shape[0]
-        st: dict[str, Any] = {
-            "H": hs, "eps": eps, "normalize": normalize, "carry_normalized": carry_normalized,
-            "gx": gx, "w1": w1, "b1": b1, "w3": w3, "b3": b3,
-            **dict(zip(ctx.names, saved, strict=True)),
-            "dout": dout.contiguous(), "dh": dh_n.contiguous().clone(),
-            "dc": dc_n.contiguous().clone(),
-            **_new_bufs(gx, n_rows, {"dgates": 4 * hs, "dlc": hs}),
-        }  # fmt: skip
+        st.update(dout=dout.contiguous(), dh=dh_n.contiguous().clone(),
+                  dc=dc_n.contiguous().clone(),
+                  **_new_bufs(gx, n_rows, {"dgates": 4 * hs, "dlc": hs}))  # fmt: skip
         st["dhp"] = gx.new_empty(n_rows, 4 * hs) if normalize else st["dgates"]
-        kern = step_kernels(gx)
-        dh, dhp, n_batch = st["dh"], st["dhp"], dh_n.shape[0]
-        for _, off, bs in reversed(ctx.sched):
-            kern.lstm_bwd(st, off, bs)
-            torch.mm(dhp[off : off + bs], w_hh, out=dh if bs == n_batch else dh[:bs])
-        need = ctx.needs_input_grad
+        _backward_in_time(st, w_hh, ctx.sched, step_kernels(gx).lstm_bwd, accumulate=False)
+        dh, dhp, need = st["dh"], st["dhp"], ctx.needs_input_grad
         d_w_hh = _grad_or_none(need[3], lambda: dhp.t().mm(st["hprev"]))
         dw1 = db1 = dw3 = db3 = None
         if normalize:
@@ -199,35 +236,22 @@ class GRUSequence(torch.autograd.Function):
             **_new_bufs(gx, n_rows, {"hp": 3 * hs, "out": hs, "hprev": hs, "rz": 2 * hs,
                                      "n": hs, "ghn": hs, "mh": 0, "rh": 0, "mn": 0, "rn": 0}),
         }  # fmt: skip
-        kern = step_kernels(gx)
-        h, hp, w_t, n_batch = st["h"], st["hp"], w_hh.t(), h0.shape[0]
-        for _, off, bs in sched:
-            torch.mm(h if bs == n_batch else h[:bs], w_t, out=hp[off : off + bs])
-            kern.gru_fwd(st, off, bs)
-        names = ("hp", "hprev", "rz", "n", "ghn", "mh", "rh", "mn", "rn")
-        ctx.save_for_backward(w_hh, w_rz, b_rz, w_n, b_n, b_hn, gx, *(st[k] for k in names))
-        ctx.names, ctx.cfg, ctx.sched = names, (hs, eps, normalize), sched
+        _forward_in_time(st, w_hh, sched, step_kernels(gx).gru_fwd)
+        _save(ctx, st, w_hh, sched, ("w_rz", "b_rz", "w_n", "b_n", "b_hn", "gx", "hp", "hprev",
+                                     "rz", "n", "ghn", "mh", "rh", "mn", "rn"))  # fmt: skip
         return st["out"], st["h"]
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         _no_double_backward()
-        w_hh, w_rz, b_rz, w_n, b_n, b_hn, gx, *saved = ctx.saved_tensors
-        hs, eps, normalize = ctx.cfg
+        w_hh, st = _restore(ctx)
+        gx, hs, normalize, w_rz, w_n = st["gx"], st["H"], st["normalize"], st["w_rz"], st["w_n"]
         n_rows = gx.shape[0]
-        st: dict[str, Any] = {
-            "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz, "b_rz": b_rz,
-            "w_n": w_n, "b_n": b_n, "b_hn": b_hn, **dict(zip(ctx.names, saved, strict=True)),
-            "dout": dout.contiguous(), "dh": dh_n.contiguous().clone(),
-            **_new_bufs(gx, n_rows, {"dgx": 3 * hs, "dgh": 3 * hs}),
-        }  # fmt: skip
+        st.update(dout=dout.contiguous(), dh=dh_n.contiguous().clone(),
+                  **_new_bufs(gx, n_rows, {"dgx": 3 * hs, "dgh": 3 * hs}))  # fmt: skip
         st["dhp"] = gx.new_empty(n_rows, 3 * hs) if normalize else st["dgh"]
-        kern = step_kernels(gx)
-        dh, dhp, n_batch = st["dh"], st["dhp"], dh_n.shape[0]
-        for _, off, bs in reversed(ctx.sched):
-            kern.gru_bwd(st, off, bs)
-            (dh if bs == n_batch else dh[:bs]).addmm_(dhp[off : off + bs], w_hh)
-        need = ctx.needs_input_grad
+        _backward_in_time(st, w_hh, ctx.sched, step_kernels(gx).gru_bwd, accumulate=True)
+        dh, dhp, need = st["dh"], st["dhp"], ctx.needs_input_grad
         d_w_hh = _grad_or_none(need[2], lambda: dhp.t().mm(st["hprev"]))
         dgh, hp = st["dgh"], st["hp"]
         dw_rz = db_rz = dw_n = db_n = None
@@ -266,9 +290,8 @@ class RNNSequence(torch.autograd.Function):
         n_rows, hs = xp.shape[0], h0.shape[1]
         ln = ln_kernels(xp)
         h = h0.contiguous().clone()
-        new = xp.new_empty
-        out, hprev_all, a_all = new(n_rows, hs), new(n_rows, hs), new(n_rows, hs)
-        mean_all, rstd_all = new(n_rows), new(n_rows)
+        bufs = _new_bufs(xp, n_rows, {"out": hs, "hprev": hs, "a": hs, "mean": 0, "rstd": 0})
+        out, hprev_all, a_all, mean_all, rstd_all = bufs.values()
         w_t = w_hh.t()
         for _, off, bs in sched:
             sl = slice(off, off + bs)

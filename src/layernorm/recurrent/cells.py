@@ -203,6 +203,13 @@ class LayerNormLSTMCell(_LNCellBase):
     (α_1, β_1) = ``ln_weight_hh, ln_bias_hh``; (α_2, β_2) = ``ln_weight_ih, ln_bias_ih``;
     (α_3, β_3) = ``ln_weight_c, ln_bias_c``. Gates in torch's order ``i, f, g, o``.
 
+    Blank inputs: where ``W_{ih} x_t`` has (nearly) zero variance across the 4H units, as for an
+    all-zero ``x_t`` (MNIST's empty rows fed row by row) or the recurrent half at ``h_0 = 0``,
+    LN divides by ``σ ≈ √eps``, so its Jacobian is of order ``α/√eps`` (≈ 316 at the default
+    ``eps=1e-5``). Gradients through it are amplified at every such step and can explode over
+    long blank stretches. Standardize the inputs (per-feature zero mean and unit variance, so a
+    blank row is no longer the zero vector), or use a larger ``eps`` (e.g. ``1e-3``).
+
     Args:
         input_size, hidden_size, bias: as :class:`torch.nn.LSTMCell` (``bias=False`` also drops
             the LN biases β).

@@ -560,6 +560,12 @@ class LayerNormLSTM(_LNRNNBase):
     (statistics per time step up to ``max_steps``, gains init ``bn_gain_init`` = 0.1, see
     :mod:`layernorm.recurrent._batchnorm`). Call: ``output, (h_n, c_n) = lstm(input, (h_0, c_0))``.
 
+    Blank inputs: at an all-zero ``x_t`` (MNIST's empty rows, say) ``W_{ih} x_t`` has no variance
+    and LN divides by ``√eps``: its Jacobian is of order ``α/√eps`` (≈ 316 at ``eps=1e-5``), and
+    gradients can explode over long blank stretches. Standardize the inputs (per-feature zero
+    mean, unit variance) or use a larger ``eps`` (e.g. ``1e-3``); see
+    :class:`~layernorm.recurrent.cells.LayerNormLSTMCell`.
+
     Example::
 
         >>> ref = torch.nn.LSTM(8, 16, num_layers=2)

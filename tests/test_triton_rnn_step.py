@@ -311,6 +311,40 @@ def test_seam_defers_to_fallback_without_layer_norm():
     assert calls == ["lstm_fwd", "gru_bwd"]
 
 
+def test_seam_routes_float64_to_the_fallback():
+    """The kernels compute in float32: float64 buffers must reach the fallback, not the kernels
+    (which would refuse them, or worse, round them)."""
+    calls: list[str] = []
+
+    class Fallback:
+        def lstm_fwd(self, st, off, bs):
+            calls.append("lstm_fwd")
+
+        def gru_fwd(self, st, off, bs):
+            calls.append("gru_fwd")
+
+    seam = rnn_step.seam_functions(Fallback())
+    hs, x = 4, torch.ones(3, dtype=torch.float64)
+    gx = torch.zeros(2, 4 * hs, dtype=torch.float64)
+    seam["lstm_fwd"]({"normalize": True, "H": hs, "gx": gx, "w1": x, "b1": x, "w3": x, "b3": x},
+                     0, 1)  # fmt: skip
+    seam["gru_fwd"]({"normalize": True, "H": hs, "gx": gx[:, : 3 * hs], "w_rz": x, "b_rz": x,
+                     "w_n": x, "b_n": x}, 0, 1)  # fmt: skip
+    assert calls == ["lstm_fwd", "gru_fwd"]
+
+
+def test_float64_is_refused_by_name():
+    b, hs, f64 = 2, 4, torch.float64
+    w4, w1 = torch.ones(4 * hs, dtype=f64), torch.ones(hs, dtype=f64)
+    with pytest.raises(TypeError, match=r"ln_lstm_step: .*computes in float32.*got torch\.float64"):
+        g4 = torch.zeros(b, 4 * hs, dtype=f64)
+        rnn_step.ln_lstm_step(g4, g4, torch.zeros(b, hs, dtype=f64), w4, w4, w4, w4, None, w1, w1)
+    with pytest.raises(TypeError, match=r"gru step: .*got torch\.float64"):
+        rnn_step.gru_step_fwd(torch.zeros(b, 2 * hs, dtype=f64), torch.zeros(b, hs, dtype=f64),
+                              torch.zeros(b, 3 * hs, dtype=f64), torch.zeros(b, hs, dtype=f64),
+                              *[torch.ones(2 * hs, dtype=f64)] * 2, w1, w1, None, 1e-5)  # fmt: skip
+
+
 def test_bad_arguments_name_what_was_expected():
     b, hs = 2, 4
     w4, w1 = torch.ones(4 * hs), torch.ones(hs)

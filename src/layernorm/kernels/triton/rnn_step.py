@@ -3,7 +3,9 @@
 After the recurrent GEMM ``hp = W_hh h_{t−1}``, everything else of a step is elementwise or a row
 reduction over at most ``4H`` values, so one program per batch row does it in registers: one kernel
 launch per step instead of ~20 small ops. Gate order is torch's (LSTM ``i, f, g, o``; GRU
-``r, z, n``), so ``torch.nn.LSTM``/``GRU`` weights fit. Statistics and arithmetic are float32.
+``r, z, n``), so ``torch.nn.LSTM``/``GRU`` weights fit. Statistics and arithmetic are float32;
+tensors may be float32, float16 or bfloat16 (:data:`DTYPES`). float64 is refused with a
+``TypeError`` rather than computed in float32 (the recurrent layers keep it on the eager steps).
 
 LN-LSTM step (``LN(z; α, β) = α ⊙ (z − μ)/σ + β`` over the 4H units of all gates together)::
 
@@ -42,7 +44,7 @@ Both return tensors that autograd differentiates with the fused backward kernels
 The device seam of :mod:`layernorm.recurrent` (``StepKernels``: ``lstm_fwd``, ``lstm_bwd``,
 ``gru_fwd``, ``gru_bwd``, each ``fn(st, off, bs)`` on the sequence buffers in ``st``) is served by
 :func:`seam_functions`, which falls back to the given functions where these kernels do not apply
-(no layer norm, an absent gain or bias, ``H > MAX_HIDDEN``)::
+(no layer norm, an absent gain or bias, ``H > MAX_HIDDEN``, float64 buffers)::
 
     register_step_kernels("cuda", StepKernels(**rnn_step.seam_functions(EAGER)))
 
@@ -75,9 +77,19 @@ def _num_warps(block_h: int) -> int:
     return max(1, min(16, block_h // 128))
 
 
+#: Tensor dtypes the kernels take. They compute in float32, so float64 would silently lose
+#: precision: it is refused by the step functions and routed to the fallback by the seam.
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def supports(hidden_size: int) -> bool:
     """Whether the fused step kernels take this hidden size (else use the eager step)."""
     return 1 <= hidden_size <= MAX_HIDDEN
+
+
+def supports_dtype(dtype: torch.dtype) -> bool:
+    """Whether the fused step kernels take tensors of ``dtype`` (:data:`DTYPES`)."""
+    return dtype in DTYPES
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,6 +110,15 @@ def _check_hidden(h: int, what: str) -> None:
         raise ValueError(
             f"{what}: the fused Triton step takes hidden sizes 1..{MAX_HIDDEN}, got {h}; "
             "use the eager step for larger layers"
+        )
+
+
+def _check_dtype(t: Tensor, what: str) -> None:
+    if not supports_dtype(t.dtype):
+        names = ", ".join(str(d) for d in DTYPES)
+        raise TypeError(
+            f"{what}: the fused Triton step computes in float32 and takes {names} tensors, got "
+            f"{t.dtype}; use the eager step (layernorm.recurrent's loop) for {t.dtype}"
         )
 
 
@@ -127,6 +148,7 @@ def lstm_step_fwd(
             f"{tuple(gx.shape)}, {tuple(c_prev.shape)}"
         )
     _check_hidden(h, "lstm step")
+    _check_dtype(hp, "lstm step")
     hp, gx, c_prev = _rows(hp), _rows(gx), _rows(c_prev)
     sv = dict(saved) if saved is not None else {}
     for key, shape in (("acts", (b, 4 * h)), ("cn", (b, h)), ("tc", (b, h))):
@@ -207,6 +229,7 @@ def gru_step_fwd(
             f"got {tuple(hp_rz.shape)}, {tuple(hp_n.shape)}, {tuple(gx.shape)}"
         )
     _check_hidden(h, "gru step")
+    _check_dtype(h_prev, "gru step")
     hp_rz, hp_n, gx, h_prev = _rows(hp_rz), _rows(hp_n), _rows(gx), h_prev.contiguous()
     sv = dict(saved) if saved is not None else {}
     for key, shape in (("rz", (b, 2 * h)), ("n", (b, h)), ("ghn", (b, h))):
@@ -466,6 +489,7 @@ def _check_step(
         if p.device != state.device:
             raise ValueError(f"{name}: {pname} is on {p.device} but the state is on {state.device}")
     _check_hidden(h, name)
+    _check_dtype(state, name)
 
 
 def ln_lstm_step(
@@ -534,12 +558,18 @@ def seam_functions(fallback: Any) -> dict[str, Callable[..., Any]]:
     seam: ``fn(st, off, bs)`` reading and writing the sequence buffers in ``st`` (names and shapes
     documented in ``layernorm.recurrent._pointwise``). They run these kernels and defer to
     ``fallback``'s functions of the same names when a step has no layer norm, a gain or bias is
-    absent, or ``H`` exceeds :data:`MAX_HIDDEN`."""
+    absent, ``H`` exceeds :data:`MAX_HIDDEN`, or the buffers are of a dtype the kernels do not
+    take (float64: they compute in float32, see :data:`DTYPES`)."""
     lstm_keys = ("w1", "b1", "w3", "b3")
     gru_keys = ("w_rz", "b_rz", "w_n", "b_n")
 
     def fused(st: dict[str, Any], keys: tuple[str, ...]) -> bool:
-        return bool(st["normalize"]) and supports(st["H"]) and all(st[k] is not None for k in keys)
+        return (
+            bool(st["normalize"])
+            and supports(st["H"])
+            and all(st[k] is not None for k in keys)
+            and supports_dtype(st["gx"].dtype)
+        )
 
     def lstm_fwd(st: dict[str, Any], off: int, bs: int) -> None:
         if not fused(st, lstm_keys):

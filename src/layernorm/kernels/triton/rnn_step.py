@@ -101,8 +101,22 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _stats_buffer(like: Tensor, b: int) -> Tensor:
-    return torch.empty(b, dtype=torch.float32, device=like.device)
+def _saved_buffers(
+    like: Tensor,
+    saved: dict[str, Tensor] | None,
+    shapes: dict[str, tuple[int, ...]],
+    stat_keys: tuple[str, ...],
+) -> dict[str, Tensor]:
+    """``saved`` completed with new activations ``shapes`` (``like``'s dtype) and float32 row
+    statistics ``stat_keys`` of ``like``'s rows, for those not passed in."""
+    sv = dict(saved) if saved is not None else {}
+    for key, shape in shapes.items():
+        if key not in sv:
+            sv[key] = like.new_empty(shape)
+    for key in stat_keys:
+        if key not in sv:
+            sv[key] = torch.empty(like.shape[0], dtype=torch.float32, device=like.device)
+    return sv
 
 
 def _check_hidden(h: int, what: str) -> None:
@@ -150,13 +164,8 @@ def lstm_step_fwd(
     _check_hidden(h, "lstm step")
     _check_dtype(hp, "lstm step")
     hp, gx, c_prev = _rows(hp), _rows(gx), _rows(c_prev)
-    sv = dict(saved) if saved is not None else {}
-    for key, shape in (("acts", (b, 4 * h)), ("cn", (b, h)), ("tc", (b, h))):
-        if key not in sv:
-            sv[key] = hp.new_empty(shape)
-    for key in ("mh", "rh", "mc", "rc"):
-        if key not in sv:
-            sv[key] = _stats_buffer(hp, b)
+    sv = _saved_buffers(hp, saved, {"acts": (b, 4 * h), "cn": (b, h), "tc": (b, h)},
+                        ("mh", "rh", "mc", "rc"))  # fmt: skip
     if h_out is None:
         h_out = hp.new_empty((b, h))
     lc = hp.new_empty((b, h)) if carry_normalized else h_out  # dummy pointer when not written
@@ -231,13 +240,8 @@ def gru_step_fwd(
     _check_hidden(h, "gru step")
     _check_dtype(h_prev, "gru step")
     hp_rz, hp_n, gx, h_prev = _rows(hp_rz), _rows(hp_n), _rows(gx), h_prev.contiguous()
-    sv = dict(saved) if saved is not None else {}
-    for key, shape in (("rz", (b, 2 * h)), ("n", (b, h)), ("ghn", (b, h))):
-        if key not in sv:
-            sv[key] = hp_rz.new_empty(shape)
-    for key in ("mh", "rh", "mn", "rn"):
-        if key not in sv:
-            sv[key] = _stats_buffer(hp_rz, b)
+    sv = _saved_buffers(hp_rz, saved, {"rz": (b, 2 * h), "n": (b, h), "ghn": (b, h)},
+                        ("mh", "rh", "mn", "rn"))  # fmt: skip
     if sv["rz"].stride(-1) != 1:
         raise ValueError("gru step: the saved rz buffer must have unit column stride")
     if h_out is None:

@@ -169,6 +169,45 @@ static void row_grad_sums_SUF(const scalar_t* restrict dyr, const scalar_t* rest
     *sgx = tgx + fold_SUF(pgx);
 }
 
+/* row_grad_sums for two rows at once, when dw/db are wanted: each accumulator element is loaded
+   and stored once per pair of rows instead of once per row. */
+static void row_pair_grad_sums_SUF(const scalar_t* restrict dy0, const scalar_t* restrict x0,
+                                   const scalar_t* restrict dy1, const scalar_t* restrict x1,
+                                   const scalar_t* restrict w, const acc_t* m, const acc_t* r,
+                                   i64 N, scalar_t* restrict dwa, scalar_t* restrict dba,
+                                   acc_t* sg, acc_t* sgx) {
+    scalar_t pg0[LANES] = {0}, pgx0[LANES] = {0}, pg1[LANES] = {0}, pgx1[LANES] = {0};
+    const scalar_t m0 = (scalar_t)m[0], r0 = (scalar_t)r[0];
+    const scalar_t m1 = (scalar_t)m[1], r1 = (scalar_t)r[1];
+    acc_t tg0 = 0, tgx0 = 0, tg1 = 0, tgx1 = 0;
+    i64 j = 0;
+    for (; j + LANES <= N; j += LANES)
+        for (int l = 0; l < LANES; ++l) {
+            const scalar_t d0 = dy0[j + l], xh0 = (x0[j + l] - m0) * r0, g0 = d0 * w[j + l];
+            const scalar_t d1 = dy1[j + l], xh1 = (x1[j + l] - m1) * r1, g1 = d1 * w[j + l];
+            pg0[l] += g0;
+            pgx0[l] += g0 * xh0;
+            pg1[l] += g1;
+            pgx1[l] += g1 * xh1;
+            dwa[j + l] += d0 * xh0 + d1 * xh1;
+            dba[j + l] += d0 + d1;
+        }
+    for (; j < N; ++j) {
+        const acc_t d0 = dy0[j], xh0 = (x0[j] - m[0]) * r[0], g0 = d0 * w[j];
+        const acc_t d1 = dy1[j], xh1 = (x1[j] - m[1]) * r[1], g1 = d1 * w[j];
+        tg0 += g0;
+        tgx0 += g0 * xh0;
+        tg1 += g1;
+        tgx1 += g1 * xh1;
+        dwa[j] += d0 * xh0 + d1 * xh1;
+        dba[j] += d0 + d1;
+    }
+    sg[0] = tg0 + fold_SUF(pg0);
+    sgx[0] = tgx0 + fold_SUF(pgx0);
+    sg[1] = tg1 + fold_SUF(pg1);
+    sgx[1] = tgx1 + fold_SUF(pgx1);
+}
+
 static void ln_fwd_rows_SUF(const scalar_t* restrict x, const scalar_t* restrict w,
                             const scalar_t* restrict b, scalar_t* restrict y,
                             scalar_t* restrict mean, scalar_t* restrict rstd, i64 lo, i64 hi,
@@ -220,15 +259,23 @@ static void ln_bwd_rows_SUF(const scalar_t* restrict dy, const scalar_t* restric
                             scalar_t* restrict fba, i64 lo, i64 hi, i64 N, int keep_mu,
                             int keep_sigma) {
     const int need_sums = dx && (keep_mu || keep_sigma);
-    for (i64 i = lo; i < hi; ++i) {
-        const scalar_t* restrict dyr = dy + i * N;
-        const scalar_t* restrict xr = x + i * N;
-        const acc_t m = mean ? mean[i] : 0.0, r = rstd[i];
-        acc_t sg = 0, sgx = 0;
-        if (need_sums || dwa) row_grad_sums_SUF(dyr, xr, w, m, r, N, fwa, fba, &sg, &sgx);
+    int pending = 0;  /* rows added to fwa/fba since the last float64 flush */
+    for (i64 i = lo; i < hi;) {
+        const int rows = (dwa && i + 1 < hi) ? 2 : 1;
+        acc_t m[2], r[2], sg[2] = {0, 0}, sgx[2] = {0, 0};
+        for (int k = 0; k < rows; ++k) {
+            m[k] = mean ? mean[i + k] : 0.0;
+            r[k] = rstd[i + k];
+        }
+        if (rows == 2)
+            row_pair_grad_sums_SUF(dy + i * N, x + i * N, dy + (i + 1) * N, x + (i + 1) * N, w,
+                                   m, r, N, fwa, fba, sg, sgx);
+        else if (need_sums || dwa)
+            row_grad_sums_SUF(dy + i * N, x + i * N, w, m[0], r[0], N, fwa, fba, sg, sgx);
+        pending += rows;
         /* dw/db: FLUSH rows summed in the input precision, then moved into float64 (a float64
            add per element and row would cost as much as the rest of the sweep). */
-        if (dwa && ((i - lo + 1) % FLUSH == 0 || i + 1 == hi)) {
+        if (dwa && (pending >= FLUSH || i + rows == hi)) {
             #pragma omp simd
             for (i64 j = 0; j < N; ++j) {
                 dwa[j] += fwa[j];
@@ -236,13 +283,19 @@ static void ln_bwd_rows_SUF(const scalar_t* restrict dy, const scalar_t* restric
                 fwa[j] = 0;
                 fba[j] = 0;
             }
+            pending = 0;
         }
-        if (!dx) continue;
-        const scalar_t c1 = keep_mu ? sg / N : 0.0, c2 = keep_sigma ? sgx / N : 0.0;
-        const scalar_t mf = (scalar_t)m, rf = (scalar_t)r;
-        scalar_t* restrict dxr = dx + i * N;
-        #pragma omp simd
-        for (i64 j = 0; j < N; ++j) dxr[j] = rf * (dyr[j] * w[j] - c1 - (xr[j] - mf) * rf * c2);
+        for (int k = 0; dx && k < rows; ++k) {
+            const scalar_t* restrict dyr = dy + (i + k) * N;
+            const scalar_t* restrict xr = x + (i + k) * N;
+            scalar_t* restrict dxr = dx + (i + k) * N;
+            const scalar_t c1 = keep_mu ? sg[k] / N : 0.0, c2 = keep_sigma ? sgx[k] / N : 0.0;
+            const scalar_t mf = (scalar_t)m[k], rf = (scalar_t)r[k];
+            #pragma omp simd
+            for (i64 j = 0; j < N; ++j)
+                dxr[j] = rf * (dyr[j] * w[j] - c1 - (xr[j] - mf) * rf * c2);
+        }
+        i += rows;
     }
 }
 

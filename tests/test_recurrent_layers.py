@@ -397,3 +397,31 @@ def test_fused_backward_never_reads_unwritten_buffers(cls, monkeypatch):
     for (name, p), q in zip(fused.named_parameters(), loop.parameters(), strict=True):
         assert torch.isfinite(p.grad).all(), name
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_torch_compatible_attributes(kind: str, bias: bool) -> None:
+    """``all_weights``, ``flatten_parameters`` and ``proj_size`` as torch's, for drop-in code."""
+    cls, ref_cls = LAYERS[kind]
+    ref = ref_cls(3, 4, num_layers=2, bias=bias, bidirectional=True)
+    ours = cls.from_torch(ref, norm="none")
+    ours.flatten_parameters()
+    assert ours.proj_size == 0
+    assert len(ours.all_weights) == len(ref.all_weights) == 4
+    for mine, theirs in zip(ours.all_weights, ref.all_weights, strict=True):
+        assert len(mine) == len(theirs)
+        for p, q in zip(mine, theirs, strict=True):
+            assert isinstance(p, torch.nn.Parameter)
+            assert torch.equal(p, q)
+
+
+def test_repr_shows_every_non_default_option() -> None:
+    assert repr(LayerNormLSTM(3, 4)) == "LayerNormLSTM(3, 4, norm='layer')"
+    text = repr(LayerNormRNN(3, 4, 2, "relu", eps=1e-3, impl="loop"))
+    for part in ("num_layers=2", "nonlinearity='relu'", "eps=0.001", "impl='loop'"):
+        assert part in text, text
+    text = repr(LayerNormLSTM(3, 4, normalize_cell_state=True, gain_init=0.5))
+    assert "normalize_cell_state=True" in text and "gain_init=0.5" in text, text
+    text = repr(LayerNormLSTM(3, 4, norm="batch", momentum=0.2))
+    assert "momentum=0.2" in text and "max_steps=100" in text, text

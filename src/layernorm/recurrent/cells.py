@@ -96,6 +96,15 @@ class _LNCellBase(nn.Module):
             if getattr(self, b) is not None:
                 nn.init.zeros_(getattr(self, b))
 
+    def _hidden(self, hx: object, x: Tensor, batched: bool) -> Tensor:
+        """The RNN/GRU cells' ``hx``: zeros when ``None``, else checked by :meth:`_state`."""
+        if hx is None:
+            return x.new_zeros(x.shape[0], self.hidden_size)
+        return self._state(hx, "hx", x, batched)
+
+    def _weights(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        return self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
+
     def _prepare(self, x: object) -> tuple[Tensor, bool]:
         owner = type(self).__name__
         x_, batched = check_cell_input(x, self.input_size, owner)
@@ -115,6 +124,8 @@ class _LNCellBase(nn.Module):
             s += ", bias=False"
         if self.gain_init != 1.0:
             s += f", gain_init={self.gain_init}"
+        if self.eps != 1e-5:
+            s += f", eps={self.eps}"
         return s
 
 
@@ -165,23 +176,12 @@ class LayerNormRNNCell(_LNCellBase):
         self.reset_parameters()
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        """``h' = cell(x, h)``; ``hx=None`` starts from zeros (shapes in the class docstring)."""
         x, batched = self._prepare(input)
-        h = (
-            x.new_zeros(x.shape[0], self.hidden_size)
-            if hx is None
-            else self._state(hx, "hx", x, batched)
-        )
-        norm = _steps.make_ln(self.ln_weight, self.ln_bias, self.eps)
         h = _steps.rnn_step(
-            x,
-            h,
-            self.weight_ih,
-            self.weight_hh,
-            self.bias_ih,
-            self.bias_hh,
-            norm,
-            self.nonlinearity,
-        )
+            x, self._hidden(hx, x, batched), *self._weights(),
+            _steps.make_ln(self.ln_weight, self.ln_bias, self.eps), self.nonlinearity,
+        )  # fmt: skip
         return h if batched else h.squeeze(0)
 
     def extra_repr(self) -> str:
@@ -247,6 +247,9 @@ class LayerNormLSTMCell(_LNCellBase):
     def forward(
         self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor, Tensor]:
+        """``(h', c') = cell(x, (h, c))``; ``hx=None`` starts from zeros (shapes in the class
+        docstring). ``c'`` is the carried state: ``c_t``, or ``LN(c_t)`` with
+        ``normalize_cell_state``."""
         x, batched = self._prepare(input)
         if hx is None:
             h = c = x.new_zeros(x.shape[0], self.hidden_size)
@@ -258,7 +261,7 @@ class LayerNormLSTMCell(_LNCellBase):
             h = self._state(hx[0], "hx[0]", x, batched)
             c = self._state(hx[1], "hx[1]", x, batched)
         h, c = _steps.lstm_step(
-            x, h, c, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh,
+            x, h, c, *self._weights(),
             _steps.make_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps),
             _steps.make_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps),
             _steps.make_ln(self.ln_weight_c, self.ln_bias_c, self.eps),
@@ -309,15 +312,11 @@ class LayerNormGRUCell(_LNCellBase):
         self.reset_parameters()
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        """``h' = cell(x, h)``; ``hx=None`` starts from zeros (shapes in the class docstring)."""
         x, batched = self._prepare(input)
-        h = (
-            x.new_zeros(x.shape[0], self.hidden_size)
-            if hx is None
-            else self._state(hx, "hx", x, batched)
-        )
         hs = self.hidden_size
         h = _steps.gru_step(
-            x, h, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh,
+            x, self._hidden(hx, x, batched), *self._weights(),
             _steps.make_grouped_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps, hs),
             _steps.make_grouped_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps, hs),
         )  # fmt: skip

@@ -28,7 +28,7 @@ and torch.compile tracing always use it.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch
 import torch.nn.functional as F
@@ -56,10 +56,18 @@ _FUSED_DTYPES = (torch.float32, torch.float64)
 
 
 class _LNRNNBase(nn.Module):
-    """Parameters, input handling and the layer/direction loop shared by the three layers."""
+    """Parameters, input handling and the layer/direction loop shared by the three layers.
+
+    The public classes only spell out their constructors, in torch's argument order (``RNN``'s
+    ``nonlinearity`` is positional, the LSTM has the recurrent-batch-norm options), so that their
+    signatures are exact; everything else lives here.
+    """
 
     mode = "RNN"  # "RNN", "LSTM" or "GRU"
     gate_count = 1
+    #: torch.nn.LSTM's projection size; projections are not implemented (see :meth:`from_torch`),
+    #: the attribute is there for code that reads it.
+    proj_size = 0
 
     def __init__(
         self,
@@ -114,6 +122,8 @@ class _LNRNNBase(nn.Module):
         if self.eps <= 0:
             raise ValueError(f"{owner}: eps must be positive, got {eps!r}")
         self.momentum = check_gain(momentum, "momentum", owner)
+        if not 0.0 <= self.momentum <= 1.0:
+            raise ValueError(f"{owner}: momentum must be in [0, 1], got {momentum!r}")
         self.max_steps = check_size(max_steps, "max_steps", owner)
         self.impl: Impl = impl
         self.nonlinearity = nonlinearity
@@ -192,11 +202,29 @@ class _LNRNNBase(nn.Module):
     def _get(self, name: str) -> Tensor | None:
         return getattr(self, name, None)
 
+    def _weights(self, sfx: str) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """torch's four parameters of one layer and direction: ``w_ih, w_hh, b_ih, b_hh``."""
+        w_ih, w_hh = getattr(self, f"weight_ih{sfx}"), getattr(self, f"weight_hh{sfx}")
+        return w_ih, w_hh, self._get(f"bias_ih{sfx}"), self._get(f"bias_hh{sfx}")
+
     def flatten_parameters(self) -> None:
-        """No-op, for code written against ``torch.nn.LSTM`` (weights are never flattened here)."""
+        """No-op, for code written against ``torch.nn.LSTM`` (there is no cuDNN weight buffer to
+        compact: each parameter is its own tensor)."""
+
+    @property
+    def all_weights(self) -> list[list[nn.Parameter]]:
+        """torch's ``all_weights``: per layer and direction ``[weight_ih, weight_hh, bias_ih,
+        bias_hh]`` (without the biases when ``bias=False``). The normalization parameters are not
+        included; they are in :meth:`named_parameters` as ``ln_*`` / ``bn_*``."""
+        names = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if self.bias else ())
+        return [
+            [getattr(self, f"{n}{sfx}") for n in names]
+            for k in range(self.num_layers)
+            for sfx in self._suffixes(k)
+        ]
 
     @classmethod
-    def from_torch(cls, module: nn.RNNBase, **kwargs: Any) -> _LNRNNBase:
+    def from_torch(cls, module: nn.RNNBase, **kwargs: Any) -> Self:
         """Build this layer with ``module``'s configuration and copy its weights and biases.
 
         ``kwargs`` go to the constructor (e.g. ``norm="layer"``, ``gain_init``); the normalization
@@ -222,6 +250,18 @@ class _LNRNNBase(nn.Module):
     # -- forward -----------------------------------------------------------------------------
 
     def forward(self, input: Tensor | PackedSequence, hx: Any = None) -> tuple[Any, Any]:
+        """``output, h_n = layer(input, h_0)``; for the LSTM ``output, (h_n, c_n)``.
+
+        ``input``: ``(T, B, input_size)`` (``(B, T, input_size)`` with ``batch_first``), unbatched
+        ``(T, input_size)``, or a ``PackedSequence`` (then ``output`` is one too). ``hx``: ``h_0``
+        (LSTM: a tuple ``(h_0, c_0)``) of shape ``(num_layers·D, B, H)``, ``(num_layers·D, H)``
+        unbatched, zeros when ``None``; for a packed input in the callers' batch order, as torch's.
+        Returned states have the same shapes.
+
+        Raises ``ValueError`` for a wrong or empty shape, or a device other than the weights';
+        ``TypeError`` for a non-floating input, an ``hx`` of the wrong structure, or a dtype other
+        than the weights'.
+        """
         owner = type(self).__name__
         if isinstance(input, PackedSequence):
             data, batch_sizes, sorted_idx, unsorted_idx = input
@@ -351,12 +391,7 @@ class _LNRNNBase(nn.Module):
         g = self._get
         hs = self.hidden_size
         sched = _fused.make_schedule(sizes, reverse)
-        w_ih, w_hh, b_ih, b_hh = (
-            g(f"weight_ih{sfx}"),
-            g(f"weight_hh{sfx}"),
-            g(f"bias_ih{sfx}"),
-            g(f"bias_hh{sfx}"),
-        )
+        w_ih, w_hh, b_ih, b_hh = self._weights(sfx)
         ln = self.norm == "layer"
         xp = F.linear(data, w_ih)  # all time steps in one GEMM
         if self.mode == "LSTM":
@@ -437,13 +472,7 @@ class _LNRNNBase(nn.Module):
     def _loop(
         self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        g = self._get
-        w_ih, w_hh, b_ih, b_hh = (
-            g(f"weight_ih{sfx}"),
-            g(f"weight_hh{sfx}"),
-            g(f"bias_ih{sfx}"),
-            g(f"bias_hh{sfx}"),
-        )
+        w_ih, w_hh, b_ih, b_hh = self._weights(sfx)
         h, c = h0, c0
         outs: list[Tensor] = [data] * len(sizes)
         carry_norm = self.normalize_cell_state and self.norm == "layer"
@@ -477,11 +506,21 @@ class _LNRNNBase(nn.Module):
             s += f", dropout={self.dropout}"
         if self.bidirectional:
             s += ", bidirectional=True"
+        if self.mode == "RNN" and self.nonlinearity != "tanh":
+            s += f", nonlinearity={self.nonlinearity!r}"
         s += f", norm={self.norm!r}"
         if self.norm == "layer" and self.gain_init != 1.0:
             s += f", gain_init={self.gain_init}"
+        if self.norm == "layer" and self.normalize_cell_state:
+            s += ", normalize_cell_state=True"
         if self.norm == "batch":
             s += f", bn_gain_init={self.bn_gain_init}, max_steps={self.max_steps}"
+            if self.momentum != 0.1:
+                s += f", momentum={self.momentum}"
+        if self.eps != 1e-5:
+            s += f", eps={self.eps}"
+        if self.impl != "auto":
+            s += f", impl={self.impl!r}"
         return s
 
 

@@ -28,6 +28,13 @@ def check_gain(value: object, name: str, owner: str) -> float:
     return float(value)
 
 
+def check_eps(value: object, owner: str) -> float:
+    eps = check_gain(value, "eps", owner)
+    if eps <= 0:
+        raise ValueError(f"{owner}: eps must be positive, got {value!r}")
+    return eps
+
+
 def check_norm(norm: object, owner: str, allowed: tuple[str, ...] = NORMS) -> str:
     if norm not in allowed:
         raise ValueError(f"{owner}: norm must be one of {allowed}, got {norm!r}")

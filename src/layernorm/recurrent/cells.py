@@ -34,7 +34,14 @@ import torch
 from torch import Tensor, nn
 
 from . import _steps
-from ._checks import check_cell_input, check_gain, check_params_match, check_size, check_state
+from ._checks import (
+    check_cell_input,
+    check_eps,
+    check_gain,
+    check_params_match,
+    check_size,
+    check_state,
+)
 
 __all__ = ["LayerNormGRUCell", "LayerNormLSTMCell", "LayerNormRNNCell"]
 
@@ -59,9 +66,7 @@ class _LNCellBase(nn.Module):
         self.hidden_size = check_size(hidden_size, "hidden_size", owner)
         self.bias = bool(bias)
         self.gain_init = check_gain(gain_init, "gain_init", owner)
-        self.eps = check_gain(eps, "eps", owner)
-        if self.eps <= 0:
-            raise ValueError(f"{owner}: eps must be positive, got {eps!r}")
+        self.eps = check_eps(eps, owner)
         gh = self.gate_count * hidden_size
         self.weight_ih = nn.Parameter(torch.empty(gh, input_size, **factory))
         self.weight_hh = nn.Parameter(torch.empty(gh, hidden_size, **factory))

@@ -41,6 +41,7 @@ from . import _fused, _steps
 from ._batchnorm import make_step_bn
 from ._checks import (
     check_batch_sizes,
+    check_eps,
     check_gain,
     check_norm,
     check_params_match,
@@ -118,9 +119,7 @@ class _LNRNNBase(nn.Module):
         self.bidirectional = bool(bidirectional)
         self.gain_init = check_gain(gain_init, "gain_init", owner)
         self.bn_gain_init = check_gain(bn_gain_init, "bn_gain_init", owner)
-        self.eps = check_gain(eps, "eps", owner)
-        if self.eps <= 0:
-            raise ValueError(f"{owner}: eps must be positive, got {eps!r}")
+        self.eps = check_eps(eps, owner)
         self.momentum = check_gain(momentum, "momentum", owner)
         if not 0.0 <= self.momentum <= 1.0:
             raise ValueError(f"{owner}: momentum must be in [0, 1], got {momentum!r}")

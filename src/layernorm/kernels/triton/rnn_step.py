@@ -48,7 +48,12 @@ The device seam of :mod:`layernorm.recurrent` (``StepKernels``: ``lstm_fwd``, ``
 
     register_step_kernels("cuda", StepKernels(**rnn_step.seam_functions(EAGER)))
 
-The kernels themselves are in :mod:`._rnn_kernels`.
+Below both sit the launchers :func:`lstm_step_fwd` / :func:`lstm_step_bwd` /
+:func:`gru_step_fwd` / :func:`gru_step_bwd`: one step on ``(B, ·)`` row blocks that may be strided
+views into the sequence buffers. The forward returns (or fills, when passed as ``saved``) the
+dict of activations and float32 row statistics its backward takes as ``sv``; the seam functions
+pass slices ``[off, off + bs)`` of ``st``'s buffers, so nothing is copied per step. The kernels
+themselves are in :mod:`._rnn_kernels`.
 """
 
 from __future__ import annotations
@@ -193,8 +198,11 @@ def lstm_step_bwd(
     carry_normalized: bool = False,
     out: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Backward of :func:`lstm_step_fwd`: returns ``(dc_prev, grads)`` with ``grads`` holding
-    ``dgates`` (of the gate pre-activations, = of ``gx``), ``dhp`` and ``dlc`` (of LN(c_t))."""
+    """Backward of :func:`lstm_step_fwd`, given its ``saved`` dict as ``sv``: returns
+    ``(dc_prev, grads)`` with ``grads`` holding ``dgates`` (of the gate pre-activations, = of
+    ``gx``), ``dhp`` and ``dlc`` (of LN(c_t)); pass preallocated tensors in ``out`` to have them
+    written in place. ``dh`` is the total gradient of ``h_t`` (from the output and the next
+    step)."""
     b, h = dh.shape
     dh, dc, hp, c_prev = _rows(dh), _rows(dc), _rows(hp), _rows(c_prev)
     if c_prev.stride(0) != h or dc.stride(0) != h or dh.stride(0) != h:
@@ -269,8 +277,11 @@ def gru_step_bwd(
     sv: dict[str, Tensor],
     out: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Backward of :func:`gru_step_fwd`: ``(dh_prev_direct, grads)`` with ``grads`` holding ``dgx``,
-    ``dgh`` (of LN(hp_rz)'s output and of ``ghn``) and ``dhp`` (of ``hp_rz``, ``hp_n``), (B, 3H)."""
+    """Backward of :func:`gru_step_fwd`, given its ``saved`` dict as ``sv``: returns
+    ``(dh_prev_direct, grads)`` with ``grads`` holding ``dgx``, ``dgh`` (of LN(hp_rz)'s output and
+    of ``ghn``) and ``dhp`` (of ``hp_rz``, ``hp_n``), all (B, 3H), written in place into ``out``'s
+    tensors where given. ``dh_prev_direct`` is the gradient of ``h_{t−1}`` through
+    ``z ⊙ h_{t−1}`` only; the caller adds ``dhp · W_hh``."""
     b, h = dh.shape
     dh, h_prev = dh.contiguous(), h_prev.contiguous()
     hp_rz, hp_n = _rows(hp_rz), _rows(hp_n)

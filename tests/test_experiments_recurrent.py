@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from layernorm.experiments import get, reproduce
+from layernorm.experiments import get, reproduce, stats
 from layernorm.experiments import seq_training as st
 from layernorm.experiments.io import read_json
 from layernorm.experiments.registry import STATUSES, RunContext
@@ -78,10 +78,11 @@ def test_char_lm_verdicts_follow_the_records():
 
 def test_compare_not_worse_three_outcomes():
     kw = {"quantity": "x", "margin": 0.1}
-    assert st.compare_not_worse("A", [1.0, 1.02], "B", [1.0, 1.01], **kw).status == "holds"
-    assert st.compare_not_worse("A", [2.0, 2.01], "B", [1.0, 1.01], **kw).status == "does not hold"
-    assert st.compare_not_worse("A", [1.0, 1.6], "B", [1.0, 1.01], **kw).status == "inconclusive"
-    nan = st.compare_not_worse("A", [math.nan], "B", [1.0], **kw)
+    not_worse = stats.compare_not_worse
+    assert not_worse("A", [1.0, 1.02], "B", [1.0, 1.01], **kw).status == "holds"
+    assert not_worse("A", [2.0, 2.01], "B", [1.0, 1.01], **kw).status == "does not hold"
+    assert not_worse("A", [1.0, 1.6], "B", [1.0, 1.01], **kw).status == "inconclusive"
+    nan = not_worse("A", [math.nan], "B", [1.0], **kw)
     assert nan.status == "inconclusive"
 
 
@@ -139,7 +140,7 @@ def test_resume_after_crash_matches_uninterrupted_run(tmp_path, monkeypatch):
         if calls["n"] == 1:
             raise _Crash
 
-    monkeypatch.setattr(st, "_maybe_kill", crash_after_first_checkpoint)
+    monkeypatch.setattr(st, "checkpoint_written", crash_after_first_checkpoint)
     with pytest.raises(_Crash):
         _tiny_run(tmp_path / "b", resume=False)
     assert (tmp_path / "b" / "ckpt" / "r.pt").exists()
@@ -168,7 +169,7 @@ def test_char_lm_resume_through_the_runner(tmp_path, monkeypatch):
         if calls["n"] == 3:  # the first model wrote 2 checkpoints; this is the second's first
             raise _Crash
 
-    monkeypatch.setattr(st, "_maybe_kill", crash_on_third_checkpoint)
+    monkeypatch.setattr(st, "checkpoint_written", crash_on_third_checkpoint)
     with pytest.raises(_Crash):
         reproduce(["char-lm"], out=tmp_path / "b", quick=True, overrides=sets, progress=False,
                   report=False)  # fmt: skip

@@ -29,18 +29,9 @@ from .. import replace_norms
 from ..data import load_mnist
 from .char_lm import fixed_windows, lm_loss, load_corpus, sample_windows, valid_bpc
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
-from .seq_training import (
-    StepSpec,
-    compare_not_worse,
-    final,
-    final_table,
-    step_time_figure,
-    torch_threads,
-    train_steps,
-    verdict,
-)
-from .stats import compare_lower, mean_sd
-from .training import TrainSpec, train_classifier
+from .seq_training import StepSpec, final, final_table, step_time_figure, train_steps
+from .stats import compare_lower, compare_not_worse, mean_sd, verdict
+from .training import TrainSpec, torch_threads, train_classifier
 
 KINDS = ("none", "layer", "simple", "detach", "ada")
 NAMES = {"none": "w/o Norm", "layer": "LayerNorm", "simple": "LayerNorm-simple",

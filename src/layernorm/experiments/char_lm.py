@@ -15,10 +15,11 @@ Transformer half of ``adanorm``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,20 +29,17 @@ from ..data import load_shakespeare
 from ..recurrent import LayerNormLSTM
 from .plots import COLORS, LABELS
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
-from .seq_training import (
-    StepSpec,
-    at_time,
-    common_time,
-    final,
-    final_table,
-    mean_curve,
-    missing,
-    step_time_figure,
-    torch_threads,
-    train_steps,
-    verdict,
+from .seq_common import (
+    StepSettings,
+    check_choices,
+    claim,
+    lines,
+    lower,
+    lower_per_second,
+    rows,
+    train_grid,
 )
-from .stats import compare_lower
+from .seq_training import final, final_table, mean_curve, step_time_figure
 
 NORMS = ("none", "layer", "batch")
 LN2 = math.log(2.0)
@@ -126,6 +124,33 @@ def valid_bpc(model: nn.Module, windows: Tensor, device: torch.device) -> float:
     return float(position_nll(model, windows, device).mean()) / LN2
 
 
+class LMSettings(StepSettings, Protocol):
+    """The settings :func:`train_lms` reads: :class:`~layernorm.experiments.seq_common.
+    StepSettings` and the batch size."""
+
+    batch_size: int
+
+
+def train_lms(
+    cfg: LMSettings,
+    ctx: RunContext,
+    names: Sequence[str],
+    build: Callable[[str], nn.Module],
+    train_len: int,
+    evaluate: Callable[[nn.Module], Mapping[str, float]],
+    tags: Callable[[str, int], Mapping[str, Any]] | None = None,
+) -> list[Record]:
+    """The seeds × models grid of a character LM experiment: ``build(name)`` trained on random
+    windows of ``train_len`` characters of the training text (see
+    :func:`~layernorm.experiments.seq_common.train_grid`)."""
+    corpus = load_corpus()
+    return train_grid(
+        cfg, ctx, names, build,
+        lambda g: sample_windows(corpus.train, train_len, cfg.batch_size, g),
+        lambda m, b: lm_loss(m, b, ctx.device), evaluate, tags,
+    )  # fmt: skip
+
+
 # -- the experiment ------------------------------------------------------------------------------
 
 
@@ -170,73 +195,49 @@ def config(quick: bool) -> CharLMConfig:
 
 
 def run(cfg: CharLMConfig, ctx: RunContext) -> list[Record]:
-    for n in cfg.norms:
-        if n not in NORMS:
-            raise ValueError(f"char-lm: norms must be among {NORMS}, got {n!r}")
+    check_choices("char-lm", "norms", cfg.norms, NORMS)
     corpus = load_corpus()
     valid = fixed_windows(corpus.valid, cfg.seq_len, cfg.n_valid)
-    records: list[Record] = []
-    with torch_threads(cfg.threads):
-        for s in range(cfg.seeds):
-            seed = ctx.seed * 1000 + s
-            for norm in cfg.norms:
-                spec = StepSpec(cfg.steps, cfg.eval_every, cfg.lr, seed, cfg.clip)
-                records += train_steps(
-                    f"{norm}-s{seed}",
-                    lambda norm=norm: CharLSTM(corpus.vocab, cfg.embed, cfg.hidden, norm,
-                                               max_steps=cfg.seq_len),
-                    lambda g: sample_windows(corpus.train, cfg.seq_len, cfg.batch_size, g),
-                    lambda m, b: lm_loss(m, b, ctx.device),
-                    lambda m: {"valid_bpc": valid_bpc(m, valid, ctx.device)},
-                    spec, ctx, {"model": norm, "seed": seed},
-                )  # fmt: skip
-    return records
+    return train_lms(
+        cfg, ctx, cfg.norms,
+        lambda norm: CharLSTM(corpus.vocab, cfg.embed, cfg.hidden, norm, max_steps=cfg.seq_len),
+        cfg.seq_len, lambda m: {"valid_bpc": valid_bpc(m, valid, ctx.device)},
+    )  # fmt: skip
+
+
+LN, LSTM, BN = ("LN", {"model": "layer"}), ("LSTM", {"model": "none"}), ("BN", {"model": "batch"})
 
 
 def verdicts(records: Sequence[Record], cfg: CharLMConfig) -> list[Verdict]:
-    out: list[Verdict] = []
-    margin = 0.01  # BPC: differences below this are not worth a claim
-    m = missing("lm-faster", cfg.norms, ["none", "layer"])
-    out.append(m or verdict("lm-faster", compare_lower(
-        "LN", mean_curve(records, "valid_bpc", model="layer"),
-        "LSTM", mean_curve(records, "valid_bpc", model="none"),
-        quantity="validation BPC averaged over the evaluations (area under the per-update curve)",
-        margin=margin)))  # fmt: skip
-    m = missing("lm-lower", cfg.norms, ["none", "layer"])
-    out.append(m or verdict("lm-lower", compare_lower(
-        "LN", final(records, "valid_bpc", model="layer"),
-        "LSTM", final(records, "valid_bpc", model="none"),
-        quantity="final validation BPC", margin=margin)))  # fmt: skip
-    m = missing("lm-vs-bn", cfg.norms, ["batch", "layer"])
-    out.append(m or verdict("lm-vs-bn", compare_lower(
-        "LN", final(records, "valid_bpc", model="layer"),
-        "BN", final(records, "valid_bpc", model="batch"),
-        quantity="final validation BPC", margin=margin)))  # fmt: skip
-    m = missing("lm-per-second", cfg.norms, ["none", "layer"])
-    if m:
-        out.append(m)
-    else:
-        t = common_time(records, [{"model": "none"}, {"model": "layer"}])
-        out.append(verdict("lm-per-second", compare_lower(
-            "LN", at_time(records, "valid_bpc", t, model="layer"),
-            "LSTM", at_time(records, "valid_bpc", t, model="none"),
-            quantity=f"validation BPC after {t:.1f} s of training (the shorter run's total)",
-            margin=margin)))  # fmt: skip
-    return out
+    kw = {"margin": 0.01}  # BPC: differences below this are not worth a claim
+    final_bpc = {"quantity": "final validation BPC", **kw}
+    return [
+        claim("lm-faster", cfg.norms, ["none", "layer"], lambda: lower(
+            records, mean_curve, "valid_bpc", LN, LSTM, quantity="validation BPC averaged over "
+            "the evaluations (area under the per-update curve)", **kw)),
+        claim("lm-lower", cfg.norms, ["none", "layer"],
+              lambda: lower(records, final, "valid_bpc", LN, LSTM, **final_bpc)),
+        claim("lm-vs-bn", cfg.norms, ["batch", "layer"],
+              lambda: lower(records, final, "valid_bpc", LN, BN, **final_bpc)),
+        claim("lm-per-second", cfg.norms, ["none", "layer"], lambda: lower_per_second(
+            records, "valid_bpc", LN, LSTM,
+            quantity="validation BPC after {t:.1f} s of training (the shorter run's total)",
+            **kw)),
+    ]  # fmt: skip
 
 
 def tables(records: Sequence[Record], cfg: CharLMConfig) -> str:
-    rows = [(LABELS.get(n, n), {"model": n}) for n in cfg.norms]
-    return final_table(records, rows, [("valid_bpc", "validation BPC", 1.0, ""),
-                                       ("train_loss", "train loss (nats)", 1.0, "")])  # fmt: skip
+    return final_table(records, rows(cfg.norms, LABELS),
+                       [("valid_bpc", "validation BPC", 1.0, ""),
+                        ("train_loss", "train loss (nats)", 1.0, "")])  # fmt: skip
 
 
 def plot(records: Sequence[Record], cfg: CharLMConfig, fig_dir: Path) -> list[Path]:
-    models = [(LABELS.get(n, n), {"model": n}, COLORS.get(n, "k")) for n in cfg.norms]
     title = (f"Shakespeare char-LM: LSTM-{cfg.hidden}, windows of {cfg.seq_len}, batch "
              f"{cfg.batch_size}, {cfg.seeds} seed(s)")  # fmt: skip
     return [step_time_figure(records, fig_dir / "char_lm.png", metric="valid_bpc",
-                             ylabel="validation BPC", models=models, title=title)]  # fmt: skip
+                             ylabel="validation BPC", models=lines(cfg.norms, LABELS, COLORS),
+                             title=title)]  # fmt: skip
 
 
 QUOTE_6_2 = ("“layer normalization not only trains faster but converges to a better validation "

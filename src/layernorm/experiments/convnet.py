@@ -17,10 +17,11 @@ from torch import nn
 
 from .. import BatchNorm, LayerNorm
 from ..data import load_mnist
-from .mnist_ff import NORMS, _auc, _final, _late
+from .epoch_records import auc, final_epoch_table, late
+from .mnist_ff import NORMS
 from .plots import curves_figure
 from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
-from .stats import compare_lower, mean_sd
+from .stats import compare_lower, verdict
 from .training import TrainSpec, torch_threads, train_classifier
 
 
@@ -127,13 +128,13 @@ def verdicts(records: Sequence[Record], cfg: ConvnetConfig) -> list[Verdict]:
     else:
         c = compare_lower(
             "LN",
-            _auc(records, "layer", bs, "train_nll"),
+            auc(records, "layer", bs, "train_nll"),
             "none",
-            _auc(records, "none", bs, "train_nll"),
+            auc(records, "none", bs, "train_nll"),
             quantity="training NLL averaged over the epochs",
             margin=0.002,
         )
-        out.append(Verdict("cnn-ln-speedup", c.status, c.statistic, c.rule))  # type: ignore[arg-type]
+        out.append(verdict("cnn-ln-speedup", c))
     if not {"batch", "layer"} <= set(cfg.norms):
         out.append(
             Verdict("cnn-bn-best", "inconclusive", "models not run", "needs batch and layer")
@@ -141,33 +142,21 @@ def verdicts(records: Sequence[Record], cfg: ConvnetConfig) -> list[Verdict]:
     else:
         c = compare_lower(
             "BN",
-            _late(records, "batch", bs, "test_err"),
+            late(records, "batch", bs, "test_err"),
             "LN",
-            _late(records, "layer", bs, "test_err"),
+            late(records, "layer", bs, "test_err"),
             quantity="late test error (mean over the second half of the epochs)",
             margin=0.001,
             scale=100,
             unit="%",
         )
-        out.append(Verdict("cnn-bn-best", c.status, c.statistic, c.rule))  # type: ignore[arg-type]
+        out.append(verdict("cnn-bn-best", c))
     return out
 
 
 def tables(records: Sequence[Record], cfg: ConvnetConfig) -> str:
-    last = max(int(r["epoch"]) for r in records)
-    lines = [
-        f"Final epoch ({last}), mean ± sd over seeds:",
-        "",
-        "| model | train NLL | test NLL | test error |",
-        "| --- | --- | --- | --- |",
-    ]
-    for m in cfg.norms:
-        cells = []
-        for metric, sc, unit in (("train_nll", 1, ""), ("test_nll", 1, ""), ("test_err", 100, "%")):
-            mu, sd = mean_sd(_final(records, m, cfg.batch_size, metric))
-            cells.append(f"{mu * sc:.4f}{unit} ± {sd * sc:.4f}{unit}")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows = [((m,), m, cfg.batch_size) for m in cfg.norms]
+    return final_epoch_table(records, rows, ("model",))
 
 
 def plot(records: Sequence[Record], cfg: ConvnetConfig, fig_dir: Path) -> list[Path]:

@@ -13,19 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .char_lm import CharLSTM, fixed_windows, lm_loss, load_corpus, sample_windows, valid_bpc
+from .char_lm import CharLSTM, fixed_windows, load_corpus, train_lms, valid_bpc
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
-from .seq_training import (
-    StepSpec,
-    final,
-    final_table,
-    missing,
-    step_time_figure,
-    torch_threads,
-    train_steps,
-    verdict,
-)
-from .stats import compare_lower
+from .seq_common import check_choices, claim, lines, lower, rows
+from .seq_training import final, final_table, step_time_figure
 
 # model name → (norm, initial gain)
 MODELS = {"layer-g1": ("layer", 1.0), "layer-g0.1": ("layer", 0.1),
@@ -68,58 +59,48 @@ def config(quick: bool) -> GainInitConfig:
 
 
 def run(cfg: GainInitConfig, ctx: RunContext) -> list[Record]:
-    for m in cfg.models:
-        if m not in MODELS:
-            raise ValueError(f"gain-init: models must be among {tuple(MODELS)}, got {m!r}")
+    check_choices("gain-init", "models", cfg.models, tuple(MODELS))
     corpus = load_corpus()
     valid = fixed_windows(corpus.valid, cfg.seq_len, cfg.n_valid)
-    records: list[Record] = []
-    with torch_threads(cfg.threads):
-        for s in range(cfg.seeds):
-            seed = ctx.seed * 1000 + s
-            for name in cfg.models:
-                norm, gain = MODELS[name]
-                records += train_steps(
-                    f"{name}-s{seed}",
-                    lambda norm=norm, gain=gain: CharLSTM(
-                        corpus.vocab, cfg.embed, cfg.hidden, norm, gain_init=gain,
-                        bn_gain_init=gain, max_steps=cfg.seq_len),
-                    lambda g: sample_windows(corpus.train, cfg.seq_len, cfg.batch_size, g),
-                    lambda m, b: lm_loss(m, b, ctx.device),
-                    lambda m: {"valid_bpc": valid_bpc(m, valid, ctx.device)},
-                    StepSpec(cfg.steps, cfg.eval_every, cfg.lr, seed, cfg.clip), ctx,
-                    {"model": name, "norm": norm, "gain_init": gain, "seed": seed},
-                )  # fmt: skip
-    return records
+
+    def build(name: str) -> CharLSTM:
+        norm, gain = MODELS[name]
+        return CharLSTM(corpus.vocab, cfg.embed, cfg.hidden, norm, gain_init=gain,
+                        bn_gain_init=gain, max_steps=cfg.seq_len)  # fmt: skip
+
+    def tags(name: str, seed: int) -> dict[str, object]:
+        norm, gain = MODELS[name]
+        return {"model": name, "norm": norm, "gain_init": gain, "seed": seed}
+
+    return train_lms(cfg, ctx, cfg.models, build, cfg.seq_len,
+                     lambda m: {"valid_bpc": valid_bpc(m, valid, ctx.device)}, tags)  # fmt: skip
 
 
 def verdicts(records: Sequence[Record], cfg: GainInitConfig) -> list[Verdict]:
-    out: list[Verdict] = []
-    margin = 0.01
-    m = missing("gain-ln", cfg.models, ["layer-g1", "layer-g0.1"])
-    out.append(m or verdict("gain-ln", compare_lower(
-        "LN gain 1.0", final(records, "valid_bpc", model="layer-g1"),
-        "LN gain 0.1", final(records, "valid_bpc", model="layer-g0.1"),
-        quantity="final validation BPC", margin=margin)))  # fmt: skip
-    m = missing("gain-bn", cfg.models, ["batch-g0.1", "batch-g1"])
-    out.append(m or verdict("gain-bn", compare_lower(
-        "BN γ 0.1", final(records, "valid_bpc", model="batch-g0.1"),
-        "BN γ 1.0", final(records, "valid_bpc", model="batch-g1"),
-        quantity="final validation BPC", margin=margin)))  # fmt: skip
-    return out
+    kw = {"quantity": "final validation BPC", "margin": 0.01}
+
+    def side(model: str) -> tuple[str, dict[str, str]]:
+        return LABELS[model].replace(",", ""), {"model": model}
+
+    return [
+        claim("gain-ln", cfg.models, ["layer-g1", "layer-g0.1"], lambda: lower(
+            records, final, "valid_bpc", side("layer-g1"), side("layer-g0.1"), **kw)),
+        claim("gain-bn", cfg.models, ["batch-g0.1", "batch-g1"], lambda: lower(
+            records, final, "valid_bpc", side("batch-g0.1"), side("batch-g1"), **kw)),
+    ]  # fmt: skip
 
 
 def tables(records: Sequence[Record], cfg: GainInitConfig) -> str:
-    rows = [(LABELS[m], {"model": m}) for m in cfg.models]
-    return final_table(records, rows, [("valid_bpc", "validation BPC", 1.0, "")])
+    return final_table(records, rows(cfg.models, LABELS),
+                       [("valid_bpc", "validation BPC", 1.0, "")])  # fmt: skip
 
 
 def plot(records: Sequence[Record], cfg: GainInitConfig, fig_dir: Path) -> list[Path]:
-    models = [(LABELS[m], {"model": m}, COLORS[m]) for m in cfg.models]
     title = (f"Initial gain: Shakespeare char-LM, LSTM-{cfg.hidden}, windows of {cfg.seq_len}, "
              f"{cfg.seeds} seed(s)")  # fmt: skip
     return [step_time_figure(records, fig_dir / "gain_init.png", metric="valid_bpc",
-                             ylabel="validation BPC", models=models, title=title)]  # fmt: skip
+                             ylabel="validation BPC", models=lines(cfg.models, LABELS, COLORS),
+                             title=title)]  # fmt: skip
 
 
 EXPERIMENT = register(Experiment(

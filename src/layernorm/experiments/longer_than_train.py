@@ -18,29 +18,12 @@ from pathlib import Path
 
 import torch
 
-from .char_lm import (
-    LN2,
-    CharLSTM,
-    fixed_windows,
-    lm_loss,
-    load_corpus,
-    position_nll,
-    sample_windows,
-)
+from .char_lm import LN2, CharLSTM, fixed_windows, load_corpus, position_nll, train_lms
 from .plots import COLORS, LABELS, plt
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
-from .seq_training import (
-    StepSpec,
-    compare_not_worse,
-    final,
-    final_table,
-    missing,
-    step_time_figure,
-    torch_threads,
-    train_steps,
-    verdict,
-)
-from .stats import compare_lower
+from .seq_common import check_choices, claim, lines, rows
+from .seq_training import final, final_table, step_time_figure
+from .stats import compare_lower, compare_not_worse
 
 NORMS = ("none", "layer", "batch")
 
@@ -101,9 +84,7 @@ def _beyond(cfg: LongerConfig) -> list[str]:
 
 
 def run(cfg: LongerConfig, ctx: RunContext) -> list[Record]:
-    for n in cfg.norms:
-        if n not in NORMS:
-            raise ValueError(f"longer-than-train: norms must be among {NORMS}, got {n!r}")
+    check_choices("longer-than-train", "norms", cfg.norms, NORMS)
     if cfg.eval_factor < 2 or cfg.eval_factor & (cfg.eval_factor - 1):
         raise ValueError(f"longer-than-train: eval_factor must be a power of 2 >= 2, got "
                          f"{cfg.eval_factor}")  # fmt: skip
@@ -119,21 +100,11 @@ def run(cfg: LongerConfig, ctx: RunContext) -> list[Record]:
         out["bpc_beyond"] = float(beyond.mean()) / LN2
         return out
 
-    records: list[Record] = []
-    with torch_threads(cfg.threads):
-        for s in range(cfg.seeds):
-            seed = ctx.seed * 1000 + s
-            for norm in cfg.norms:
-                records += train_steps(
-                    f"{norm}-s{seed}",
-                    lambda norm=norm: CharLSTM(corpus.vocab, cfg.embed, cfg.hidden, norm,
-                                               max_steps=cfg.train_len),
-                    lambda g: sample_windows(corpus.train, cfg.train_len, cfg.batch_size, g),
-                    lambda m, b: lm_loss(m, b, ctx.device), evaluate,
-                    StepSpec(cfg.steps, cfg.eval_every, cfg.lr, seed, cfg.clip), ctx,
-                    {"model": norm, "seed": seed},
-                )  # fmt: skip
-    return records
+    return train_lms(
+        cfg, ctx, cfg.norms,
+        lambda norm: CharLSTM(corpus.vocab, cfg.embed, cfg.hidden, norm, max_steps=cfg.train_len),
+        cfg.train_len, evaluate,
+    )  # fmt: skip
 
 
 def _degradation(records: Sequence[Record], model: str) -> list[float]:
@@ -144,31 +115,24 @@ def _degradation(records: Sequence[Record], model: str) -> list[float]:
 
 
 def verdicts(records: Sequence[Record], cfg: LongerConfig) -> list[Verdict]:
-    out: list[Verdict] = []
     margin = 0.02
-    m = missing("longer-ln", cfg.norms, ["layer"])
-    if m:
-        out.append(m)
-    else:
-        c = compare_not_worse(
+    return [
+        claim("longer-ln", cfg.norms, ["layer"], lambda: compare_not_worse(
             "LN past T", final(records, "bpc_beyond", model="layer"),
             "LN on [T/2, T)", final(records, "bpc_half_1", model="layer"),
             quantity=f"final BPC on positions ≥ T = {cfg.train_len} vs on [T/2, T)",
-            margin=margin)  # fmt: skip
-        out.append(verdict("longer-ln", c))
-    m = missing("longer-vs-bn", cfg.norms, ["layer", "batch"])
-    out.append(m or verdict("longer-vs-bn", compare_lower(
-        "LN", _degradation(records, "layer"), "BN", _degradation(records, "batch"),
-        quantity="rise of the BPC from positions [T/2, T) to positions ≥ T (final models)",
-        margin=margin)))  # fmt: skip
-    return out
+            margin=margin)),
+        claim("longer-vs-bn", cfg.norms, ["layer", "batch"], lambda: compare_lower(
+            "LN", _degradation(records, "layer"), "BN", _degradation(records, "batch"),
+            quantity="rise of the BPC from positions [T/2, T) to positions ≥ T (final models)",
+            margin=margin)),
+    ]  # fmt: skip
 
 
 def tables(records: Sequence[Record], cfg: LongerConfig) -> str:
-    rows = [(LABELS.get(n, n), {"model": n}) for n in cfg.norms]
     cols = [(name, f"BPC {_bucket_label(name, cfg.train_len)}", 1.0, "")
             for name, _, _ in buckets(cfg.train_len, cfg.eval_factor)]  # fmt: skip
-    text = final_table(records, rows, cols)
+    text = final_table(records, rows(cfg.norms, LABELS), cols)
     return (f"Trained on windows of T = {cfg.train_len} characters; scored on windows of "
             f"{cfg.train_len * cfg.eval_factor}. Positions ≥ T were never trained on.\n\n" + text)
 
@@ -202,10 +166,9 @@ def plot(records: Sequence[Record], cfg: LongerConfig, fig_dir: Path) -> list[Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
-    models = [(LABELS.get(n, n), {"model": n}, COLORS.get(n, "k")) for n in cfg.norms]
     curves = step_time_figure(
         records, fig_dir / "longer_than_train_curves.png", metric="bpc_beyond",
-        ylabel="BPC on positions ≥ T", models=models,
+        ylabel="BPC on positions ≥ T", models=lines(cfg.norms, LABELS, COLORS),
         title="Longer than trained: BPC past the training length during training")  # fmt: skip
     return [path, curves]
 

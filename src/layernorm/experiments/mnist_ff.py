@@ -16,9 +16,10 @@ from torch import nn
 
 from .. import BatchNorm, LayerNorm
 from ..data import load_mnist
+from .epoch_records import auc, final_epoch_table, late
 from .plots import curves_figure
 from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
-from .stats import compare_lower, mean_sd
+from .stats import compare_lower, verdict
 from .training import TrainSpec, torch_threads, train_classifier
 
 NORMS = ("none", "batch", "layer")
@@ -119,36 +120,6 @@ def run(cfg: MnistFFConfig, ctx: RunContext) -> list[Record]:
     return records
 
 
-def _final(records: Sequence[Record], model: str, bs: int, metric: str) -> list[float]:
-    last = max(int(r["epoch"]) for r in records)
-    return [
-        float(r[metric])
-        for r in records
-        if r["model"] == model and r["batch_size"] == bs and int(r["epoch"]) == last
-    ]
-
-
-def _late(records: Sequence[Record], model: str, bs: int, metric: str) -> list[float]:
-    """Per seed, the metric averaged over the second half of the epochs (the last ⌈E/2⌉): the
-    end of training, less noisy than the last epoch alone at small batch sizes."""
-    last = max(int(r["epoch"]) for r in records)
-    first = last - (last + 1) // 2 + 1
-    per_seed: dict[int, list[float]] = {}
-    for r in records:
-        if r["model"] == model and r["batch_size"] == bs and int(r["epoch"]) >= first:
-            per_seed.setdefault(int(r["seed"]), []).append(float(r[metric]))
-    return [sum(v) / len(v) for _, v in sorted(per_seed.items())]
-
-
-def _auc(records: Sequence[Record], model: str, bs: int, metric: str) -> list[float]:
-    """Per seed, the metric averaged over all epochs: the area under the learning curve."""
-    per_seed: dict[int, list[float]] = {}
-    for r in records:
-        if r["model"] == model and r["batch_size"] == bs:
-            per_seed.setdefault(int(r["seed"]), []).append(float(r[metric]))
-    return [sum(v) / len(v) for _, v in sorted(per_seed.items())]
-
-
 def _missing(
     cfg: MnistFFConfig, need_bs: Sequence[int], need: Sequence[str], cid: str
 ) -> Verdict | None:
@@ -172,13 +143,13 @@ def verdicts(records: Sequence[Record], cfg: MnistFFConfig) -> list[Verdict]:
     else:
         c = compare_lower(
             "LN",
-            _auc(records, "layer", big, "train_nll"),
+            auc(records, "layer", big, "train_nll"),
             "BN",
-            _auc(records, "batch", big, "train_nll"),
+            auc(records, "batch", big, "train_nll"),
             quantity=f"training NLL averaged over the epochs (batch {big})",
             margin=0.002,
         )
-        out.append(Verdict("ff-faster", c.status, c.statistic, c.rule))  # type: ignore[arg-type]
+        out.append(verdict("ff-faster", c))
 
     miss = _missing(cfg, [big, small], ["batch", "layer"], "ff-robust")
     if miss or big == small:
@@ -189,8 +160,8 @@ def verdicts(records: Sequence[Record], cfg: MnistFFConfig) -> list[Verdict]:
             return [
                 a - b
                 for a, b in zip(
-                    _late(records, m, small, "test_err"),
-                    _late(records, m, big, "test_err"),
+                    late(records, m, small, "test_err"),
+                    late(records, m, big, "test_err"),
                     strict=True,
                 )
             ]
@@ -205,7 +176,7 @@ def verdicts(records: Sequence[Record], cfg: MnistFFConfig) -> list[Verdict]:
             scale=100,
             unit=" pp",
         )
-        out.append(Verdict("ff-robust", c.status, c.statistic, c.rule))  # type: ignore[arg-type]
+        out.append(verdict("ff-robust", c))
 
     miss = _missing(cfg, [small], ["batch", "layer"], "ff-small-batch")
     if miss:
@@ -213,38 +184,21 @@ def verdicts(records: Sequence[Record], cfg: MnistFFConfig) -> list[Verdict]:
     else:
         c = compare_lower(
             "LN",
-            _late(records, "layer", small, "test_err"),
+            late(records, "layer", small, "test_err"),
             "BN",
-            _late(records, "batch", small, "test_err"),
+            late(records, "batch", small, "test_err"),
             quantity=f"late test error at batch {small}",
             margin=0.002,
             scale=100,
             unit="%",
         )
-        out.append(Verdict("ff-small-batch", c.status, c.statistic, c.rule))  # type: ignore[arg-type]
+        out.append(verdict("ff-small-batch", c))
     return out
 
 
 def tables(records: Sequence[Record], cfg: MnistFFConfig) -> str:
-    last = max(int(r["epoch"]) for r in records)
-    lines = [
-        f"Final epoch ({last}), mean ± sd over seeds:",
-        "",
-        "| batch | model | train NLL | test NLL | test error |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for bs in cfg.batch_sizes:
-        for m in cfg.norms:
-            cells = []
-            for metric, sc, unit in (
-                ("train_nll", 1, ""),
-                ("test_nll", 1, ""),
-                ("test_err", 100, "%"),
-            ):
-                mu, sd = mean_sd(_final(records, m, bs, metric))
-                cells.append(f"{mu * sc:.4f}{unit} ± {sd * sc:.4f}{unit}")
-            lines.append(f"| {bs} | {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows = [((str(bs), m), m, bs) for bs in cfg.batch_sizes for m in cfg.norms]
+    return final_epoch_table(records, rows, ("batch", "model"))
 
 
 def plot(records: Sequence[Record], cfg: MnistFFConfig, fig_dir: Path) -> list[Path]:

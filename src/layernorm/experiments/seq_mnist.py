@@ -28,20 +28,8 @@ from ..data import load_mnist
 from ..recurrent import LayerNormLSTM
 from .plots import COLORS, LABELS
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
-from .seq_training import (
-    StepSpec,
-    at_time,
-    common_time,
-    final,
-    final_table,
-    mean_curve,
-    missing,
-    step_time_figure,
-    torch_threads,
-    train_steps,
-    verdict,
-)
-from .stats import compare_lower
+from .seq_common import check_choices, claim, lines, lower, lower_per_second, rows, train_grid
+from .seq_training import final, final_table, mean_curve, step_time_figure
 
 NORMS = ("none", "layer", "batch")
 MODES = {"rows": (28, 28), "pixels": (784, 1)}  # mode → (time steps, features per step)
@@ -120,9 +108,7 @@ def classify(model: nn.Module, x: Tensor, y: Tensor, device: torch.device, batch
 def run(cfg: SeqMnistConfig, ctx: RunContext) -> list[Record]:
     if cfg.mode not in MODES:
         raise ValueError(f"seq-mnist: mode must be one of {tuple(MODES)}, got {cfg.mode!r}")
-    for n in cfg.norms:
-        if n not in NORMS:
-            raise ValueError(f"seq-mnist: norms must be among {NORMS}, got {n!r}")
+    check_choices("seq-mnist", "norms", cfg.norms, NORMS)
     steps_t, feats = MODES[cfg.mode]
     data = load_mnist()
     tx = data.train_x[: cfg.n_train].reshape(-1, steps_t, feats)
@@ -140,63 +126,44 @@ def run(cfg: SeqMnistConfig, ctx: RunContext) -> list[Record]:
     def loss(m: nn.Module, b: tuple[Tensor, Tensor]) -> Tensor:
         return F.cross_entropy(m(b[0].to(ctx.device)), b[1].to(ctx.device))
 
-    records: list[Record] = []
-    with torch_threads(cfg.threads):
-        for s in range(cfg.seeds):
-            seed = ctx.seed * 1000 + s
-            for norm in cfg.norms:
-                records += train_steps(
-                    f"{norm}-s{seed}",
-                    lambda norm=norm: SeqClassifier(feats, cfg.hidden, 10, norm, steps_t),
-                    sample, loss, lambda m: classify(m, sx, sy, ctx.device),
-                    StepSpec(cfg.steps, cfg.eval_every, cfg.lr, seed, cfg.clip), ctx,
-                    {"model": norm, "seed": seed},
-                )  # fmt: skip
-    return records
+    return train_grid(
+        cfg, ctx, cfg.norms,
+        lambda norm: SeqClassifier(feats, cfg.hidden, 10, norm, steps_t),
+        sample, loss, lambda m: classify(m, sx, sy, ctx.device),
+    )  # fmt: skip
+
+
+LN, LSTM = ("LN", {"model": "layer"}), ("LSTM", {"model": "none"})
 
 
 def verdicts(records: Sequence[Record], cfg: SeqMnistConfig) -> list[Verdict]:
-    out: list[Verdict] = []
-    margin = 0.005  # half a percentage point of test error
-    pct = {"margin": margin, "scale": 100.0, "unit": "%"}
-    m = missing("smnist-faster", cfg.norms, ["none", "layer"])
-    out.append(m or verdict("smnist-faster", compare_lower(
-        "LN", mean_curve(records, "test_err", model="layer"),
-        "LSTM", mean_curve(records, "test_err", model="none"),
-        quantity="test error averaged over the evaluations (area under the per-update curve)",
-        **pct)))  # type: ignore[arg-type]  # fmt: skip
-    m = missing("smnist-final", cfg.norms, ["none", "layer"])
-    out.append(m or verdict("smnist-final", compare_lower(
-        "LN", final(records, "test_err", model="layer"),
-        "LSTM", final(records, "test_err", model="none"),
-        quantity="final test error", **pct)))  # type: ignore[arg-type]  # fmt: skip
-    m = missing("smnist-per-second", cfg.norms, ["none", "layer"])
-    if m:
-        out.append(m)
-    else:
-        t = common_time(records, [{"model": "none"}, {"model": "layer"}])
-        out.append(verdict("smnist-per-second", compare_lower(
-            "LN", at_time(records, "test_err", t, model="layer"),
-            "LSTM", at_time(records, "test_err", t, model="none"),
-            quantity=f"test error after {t:.1f} s of training (the shorter run's total)",
-            **pct)))  # type: ignore[arg-type]  # fmt: skip
-    return out
+    pct = {"margin": 0.005, "scale": 100.0, "unit": "%"}  # half a percentage point of test error
+    need = ["none", "layer"]
+    return [
+        claim("smnist-faster", cfg.norms, need, lambda: lower(
+            records, mean_curve, "test_err", LN, LSTM, quantity="test error averaged over the "
+            "evaluations (area under the per-update curve)", **pct)),
+        claim("smnist-final", cfg.norms, need, lambda: lower(
+            records, final, "test_err", LN, LSTM, quantity="final test error", **pct)),
+        claim("smnist-per-second", cfg.norms, need, lambda: lower_per_second(
+            records, "test_err", LN, LSTM,
+            quantity="test error after {t:.1f} s of training (the shorter run's total)", **pct)),
+    ]  # fmt: skip
 
 
 def tables(records: Sequence[Record], cfg: SeqMnistConfig) -> str:
-    rows = [(LABELS.get(n, n), {"model": n}) for n in cfg.norms]
-    return final_table(records, rows, [("test_err", "test error", 100.0, "%"),
-                                       ("test_nll", "test NLL", 1.0, "")])  # fmt: skip
+    return final_table(records, rows(cfg.norms, LABELS),
+                       [("test_err", "test error", 100.0, "%"),
+                        ("test_nll", "test NLL", 1.0, "")])  # fmt: skip
 
 
 def plot(records: Sequence[Record], cfg: SeqMnistConfig, fig_dir: Path) -> list[Path]:
-    models = [(LABELS.get(n, n), {"model": n}, COLORS.get(n, "k")) for n in cfg.norms]
     steps_t = MODES.get(cfg.mode, (0, 0))[0]
     title = (f"Sequential MNIST ({cfg.mode}: {steps_t} steps), LSTM-{cfg.hidden}, batch "
              f"{cfg.batch_size}, {cfg.seeds} seed(s)")  # fmt: skip
     return [step_time_figure(records, fig_dir / "seq_mnist.png", metric="test_err",
-                             ylabel="test error (%)", models=models, title=title,
-                             scale=100.0)]  # fmt: skip
+                             ylabel="test error (%)", models=lines(cfg.norms, LABELS, COLORS),
+                             title=title, scale=100.0)]  # fmt: skip
 
 
 EXPERIMENT = register(Experiment(

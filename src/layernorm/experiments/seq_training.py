@@ -14,9 +14,9 @@ floating-point operations as an uninterrupted run, so every number except the wa
 comes out bitwise the same. ``LAYERNORM_KILL_AFTER_EPOCHS=N`` kills the process after the N-th
 checkpoint written (each evaluation counts as one).
 
-Also here: the verdict helpers the sequence experiments share (per-seed summaries of the records,
-a non-inferiority test beside :func:`~layernorm.experiments.stats.compare_lower`) and the figure
-with one panel per update and one per second.
+Also here: per-seed summaries of the records (final value, mean over the curve, value after a
+given training time) and the figure with one panel per update and one per second.
+``torch_threads`` is re-exported from :mod:`~layernorm.experiments.training`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import itertools
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,14 +37,13 @@ from tqdm.auto import tqdm
 from .io import read_json, torch_load, torch_save, write_json
 from .plots import plt
 from .registry import Record, RunContext, Verdict
-from .stats import Comparison, compare_lower, mean_sd
-from .training import _maybe_kill
+from .stats import mean_sd
+from .training import checkpoint_written, torch_threads
 
 __all__ = [
     "StepSpec",
     "at_time",
     "common_time",
-    "compare_not_worse",
     "final",
     "final_table",
     "mean_curve",
@@ -53,7 +51,6 @@ __all__ = [
     "step_time_figure",
     "torch_threads",
     "train_steps",
-    "verdict",
 ]
 
 
@@ -81,25 +78,6 @@ class StepSpec:
             raise ValueError(
                 f"StepSpec: steps and eval_every must be >= 1, got {self.steps}, {self.eval_every}"
             )
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Run with ``n`` intra-op threads (``n <= 0``: leave torch's setting), then restore it.
-
-    Small recurrent models are a long chain of tiny matrix products; on a CPU shared with other
-    work, splitting each product over threads costs more in synchronisation than it saves, so
-    the quick settings use one thread.
-    """
-    if n <= 0:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def train_steps(
@@ -189,7 +167,7 @@ def train_steps(
             "optimizer": opt.state_dict(), "sample_rng": gen.get_state(),
             "torch_rng": torch.get_rng_state(),
         })  # fmt: skip
-        _maybe_kill()
+        checkpoint_written()
     bar.close()
     write_json(done_path, history)
     return history
@@ -247,50 +225,6 @@ def common_time(records: Sequence[Record], groups: Sequence[Mapping[str, Any]]) 
     """The shortest total training time among all runs of ``groups``: every run got that far."""
     ends = [float(run[-1]["seconds"]) for g in groups for run in _runs(records, g).values()]
     return min(ends) if ends else math.nan
-
-
-def compare_not_worse(
-    label_a: str,
-    a: Sequence[float],
-    label_b: str,
-    b: Sequence[float],
-    *,
-    quantity: str,
-    margin: float,
-    z: float = 2.0,
-    scale: float = 1.0,
-    unit: str = "",
-) -> Comparison:
-    """Is A **not worse** (not higher) than B, within ``margin``? A non-inferiority test.
-
-    With ``d = mean(B) − mean(A)`` and ``se`` as in :func:`compare_lower`: **holds** when
-    ``d − z·se > −margin`` (even the pessimistic end of the interval leaves A at most ``margin``
-    above B); **does not hold** when ``d + z·se < −margin`` (A is clearly more than ``margin``
-    worse); **inconclusive** otherwise.
-    """
-    base = compare_lower(label_a, a, label_b, b, quantity=quantity, margin=margin, z=z,
-                         scale=scale, unit=unit)  # fmt: skip
-    if not math.isfinite(base.difference):
-        return base
-    d = base.difference
-    _, sa = mean_sd(a)
-    _, sb = mean_sd(b)
-    se = math.sqrt(sa**2 / len(a) + sb**2 / len(b))
-    if d - z * se > -margin:
-        status = "holds"
-    elif d + z * se < -margin:
-        status = "does not hold"
-    else:
-        status = "inconclusive"
-    m = f"{margin * scale:.4g}{unit}"
-    rule = (f"holds if {label_b} − {label_a} − {z:g}·SE > −{m} ({label_a} at most {m} worse even "
-            f"at the pessimistic end); does not hold if {label_b} − {label_a} + {z:g}·SE < −{m}; "
-            "inconclusive otherwise")  # fmt: skip
-    return Comparison(status, base.statistic, rule, d)
-
-
-def verdict(claim_id: str, c: Comparison) -> Verdict:
-    return Verdict(claim_id, c.status, c.statistic, c.rule)  # type: ignore[arg-type]
 
 
 def missing(claim_id: str, have: Sequence[str], need: Sequence[str]) -> Verdict | None:

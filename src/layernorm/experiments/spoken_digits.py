@@ -24,20 +24,8 @@ from torch.nn.utils.rnn import PackedSequence, pack_sequence
 from ..data import load_spoken_digits
 from ..recurrent import LayerNormGRU, LayerNormLSTM
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
-from .seq_training import (
-    StepSpec,
-    at_time,
-    common_time,
-    final,
-    final_table,
-    mean_curve,
-    missing,
-    step_time_figure,
-    torch_threads,
-    train_steps,
-    verdict,
-)
-from .stats import compare_lower
+from .seq_common import check_choices, claim, lines, lower, lower_per_second, rows, train_grid
+from .seq_training import final, final_table, mean_curve, missing, step_time_figure
 
 MODELS = ("lstm-none", "lstm-layer", "gru-none", "gru-layer")
 LABELS = {"lstm-none": "LSTM", "lstm-layer": "LN-LSTM", "gru-none": "GRU", "gru-layer": "LN-GRU"}
@@ -120,9 +108,7 @@ def classify(model: nn.Module, xs: Sequence[Tensor], y: Tensor, device: torch.de
 
 
 def run(cfg: SpokenDigitsConfig, ctx: RunContext) -> list[Record]:
-    for m in cfg.models:
-        if m not in MODELS:
-            raise ValueError(f"spoken-digits: models must be among {MODELS}, got {m!r}")
+    check_choices("spoken-digits", "models", cfg.models, MODELS)
     data = load_spoken_digits()
     tx, ty, sx, sy = split(data.sequences, data.y)
 
@@ -133,45 +119,35 @@ def run(cfg: SpokenDigitsConfig, ctx: RunContext) -> list[Record]:
     def loss(m: nn.Module, b: tuple[PackedSequence, Tensor]) -> Tensor:
         return F.cross_entropy(m(b[0].to(ctx.device)), b[1].to(ctx.device))
 
-    records: list[Record] = []
-    with torch_threads(cfg.threads):
-        for s in range(cfg.seeds):
-            seed = ctx.seed * 1000 + s
-            for kind in cfg.models:
-                records += train_steps(
-                    f"{kind}-s{seed}", lambda kind=kind: PackedClassifier(kind, cfg.hidden),
-                    sample, loss, lambda m: classify(m, sx, sy, ctx.device),
-                    StepSpec(cfg.steps, cfg.eval_every, cfg.lr, seed, cfg.clip), ctx,
-                    {"model": kind, "seed": seed},
-                )  # fmt: skip
-    return records
+    return train_grid(cfg, ctx, cfg.models, lambda kind: PackedClassifier(kind, cfg.hidden),
+                      sample, loss, lambda m: classify(m, sx, sy, ctx.device))  # fmt: skip
 
 
 def verdicts(records: Sequence[Record], cfg: SpokenDigitsConfig) -> list[Verdict]:
     out: list[Verdict] = []
     pct = {"margin": 0.005, "scale": 100.0, "unit": "%"}
+
+    def sides(cell: str) -> tuple[tuple[str, dict[str, str]], tuple[str, dict[str, str]]]:
+        base, ln = f"{cell}-none", f"{cell}-layer"
+        return (LABELS[ln], {"model": ln}), (LABELS[base], {"model": base})
+
     for cell, cid in (("lstm", "digits-lstm"), ("gru", "digits-gru")):
-        base, ln = f"{cell}-none", f"{cell}-layer"
-        m = missing(cid, cfg.models, [base, ln])
-        out.append(m or verdict(cid, compare_lower(
-            LABELS[ln], final(records, "test_err", model=ln),
-            LABELS[base], final(records, "test_err", model=base),
-            quantity="final test error", **pct)))  # type: ignore[arg-type]  # fmt: skip
+        ln, base = sides(cell)
+        out.append(claim(cid, cfg.models, [base[1]["model"], ln[1]["model"]], lambda ln=ln,
+                         base=base: lower(records, final, "test_err", ln, base,
+                                          quantity="final test error", **pct)))  # fmt: skip
     for cell, cid in (("lstm", "digits-lstm-faster"), ("gru", "digits-gru-faster")):
-        base, ln = f"{cell}-none", f"{cell}-layer"
-        m = missing(cid, cfg.models, [base, ln])
+        ln, base = sides(cell)
+        m = missing(cid, cfg.models, [base[1]["model"], ln[1]["model"]])
         if m:
             out.append(m)
             continue
-        t = common_time(records, [{"model": base}, {"model": ln}])
-        per_update = compare_lower(
-            LABELS[ln], mean_curve(records, "test_err", model=ln),
-            LABELS[base], mean_curve(records, "test_err", model=base),
-            quantity="per update, test error averaged over the evaluations", **pct)  # type: ignore[arg-type]  # fmt: skip
-        per_second = compare_lower(
-            LABELS[ln], at_time(records, "test_err", t, model=ln),
-            LABELS[base], at_time(records, "test_err", t, model=base),
-            quantity=f"per second, test error after {t:.1f} s of training", **pct)  # type: ignore[arg-type]  # fmt: skip
+        per_update = lower(records, mean_curve, "test_err", ln, base,
+                           quantity="per update, test error averaged over the evaluations",
+                           **pct)  # fmt: skip
+        per_second = lower_per_second(records, "test_err", ln, base,
+                                      quantity="per second, test error after {t:.1f} s of "
+                                      "training", **pct)  # fmt: skip
         both = {per_update.status, per_second.status}
         status = (per_update.status if len(both) == 1
                   else "does not hold" if "does not hold" in both else "inconclusive")  # fmt: skip
@@ -182,18 +158,17 @@ def verdicts(records: Sequence[Record], cfg: SpokenDigitsConfig) -> list[Verdict
 
 
 def tables(records: Sequence[Record], cfg: SpokenDigitsConfig) -> str:
-    rows = [(LABELS[m], {"model": m}) for m in cfg.models]
-    return final_table(records, rows, [("test_err", "test error", 100.0, "%"),
-                                       ("test_nll", "test NLL", 1.0, "")])  # fmt: skip
+    return final_table(records, rows(cfg.models, LABELS),
+                       [("test_err", "test error", 100.0, "%"),
+                        ("test_nll", "test NLL", 1.0, "")])  # fmt: skip
 
 
 def plot(records: Sequence[Record], cfg: SpokenDigitsConfig, fig_dir: Path) -> list[Path]:
-    models = [(LABELS[m], {"model": m}, COLORS[m]) for m in cfg.models]
     title = (f"Spoken digits (MFCC, 6–92 frames, packed), hidden {cfg.hidden}, batch "
              f"{cfg.batch_size}, {cfg.seeds} seed(s)")  # fmt: skip
     return [step_time_figure(records, fig_dir / "spoken_digits.png", metric="test_err",
-                             ylabel="test error (%)", models=models, title=title,
-                             scale=100.0)]  # fmt: skip
+                             ylabel="test error (%)", models=lines(cfg.models, LABELS, COLORS),
+                             title=title, scale=100.0)]  # fmt: skip
 
 
 _QUOTE = ("“It is common among the NLP tasks to have different sentence lengths for different "

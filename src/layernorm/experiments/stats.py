@@ -9,6 +9,10 @@ deviations; ``se = 0`` with a single seed). Then
 * **does not hold** when ``d < −z·se`` and ``−d > margin`` (clearly the other way round), or when
   ``|d| ≤ margin`` and ``z·se ≤ margin`` (the effect is measurably too small);
 * **inconclusive** otherwise (the noise is too large to tell).
+
+:func:`compare_not_worse` is the non-inferiority counterpart (A at most ``margin`` worse than B),
+for claims that a change costs nothing. :func:`verdict` turns either result into the
+:class:`~layernorm.experiments.registry.Verdict` of a claim.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Comparison", "compare_lower", "mean_sd"]
+from .registry import Verdict
+
+__all__ = ["Comparison", "compare_lower", "compare_not_worse", "mean_sd", "verdict"]
 
 
 def mean_sd(values: Sequence[float]) -> tuple[float, float]:
@@ -36,6 +42,13 @@ class Comparison:
     statistic: str
     rule: str
     difference: float
+
+
+def _standard_error(a: Sequence[float], b: Sequence[float]) -> float:
+    """Standard error of ``mean(B) − mean(A)`` from the two samples' standard deviations."""
+    _, sa = mean_sd(a)
+    _, sb = mean_sd(b)
+    return math.sqrt(sa**2 / len(a) + sb**2 / len(b))
 
 
 def _fmt(v: float, scale: float, unit: str) -> str:
@@ -76,7 +89,7 @@ def compare_lower(
     ma, sa = mean_sd(a)
     mb, sb = mean_sd(b)
     d = mb - ma
-    se = math.sqrt(sa**2 / len(a) + sb**2 / len(b))
+    se = _standard_error(a, b)
     if d > z * se and d > margin:
         status = "holds"
     elif (d < -z * se and -d > margin) or (abs(d) <= margin and z * se <= margin):
@@ -99,3 +112,45 @@ def compare_lower(
         f"{z:g}·SE are within ±{_fmt(margin, scale, unit)}; inconclusive otherwise"
     )
     return Comparison(status, statistic, rule, d)
+
+
+def compare_not_worse(
+    label_a: str,
+    a: Sequence[float],
+    label_b: str,
+    b: Sequence[float],
+    *,
+    quantity: str,
+    margin: float,
+    z: float = 2.0,
+    scale: float = 1.0,
+    unit: str = "",
+) -> Comparison:
+    """Is A **not worse** (not higher) than B, within ``margin``? A non-inferiority test.
+
+    With ``d = mean(B) − mean(A)`` and ``se`` as in :func:`compare_lower`: **holds** when
+    ``d − z·se > −margin`` (even the pessimistic end of the interval leaves A at most ``margin``
+    above B); **does not hold** when ``d + z·se < −margin`` (A is clearly more than ``margin``
+    worse); **inconclusive** otherwise. The statistic text is :func:`compare_lower`'s.
+    """
+    base = compare_lower(label_a, a, label_b, b, quantity=quantity, margin=margin, z=z,
+                         scale=scale, unit=unit)  # fmt: skip
+    if not math.isfinite(base.difference):
+        return base
+    d, se = base.difference, _standard_error(a, b)
+    if d - z * se > -margin:
+        status = "holds"
+    elif d + z * se < -margin:
+        status = "does not hold"
+    else:
+        status = "inconclusive"
+    m = _fmt(margin, scale, unit)
+    rule = (f"holds if {label_b} − {label_a} − {z:g}·SE > −{m} ({label_a} at most {m} worse even "
+            f"at the pessimistic end); does not hold if {label_b} − {label_a} + {z:g}·SE < −{m}; "
+            "inconclusive otherwise")  # fmt: skip
+    return Comparison(status, base.statistic, rule, d)
+
+
+def verdict(claim_id: str, c: Comparison) -> Verdict:
+    """The verdict of claim ``claim_id`` from a comparison's status, statistic and rule."""
+    return Verdict(claim_id, c.status, c.statistic, c.rule)  # type: ignore[arg-type]

@@ -31,7 +31,14 @@ from . import distributed
 from .io import read_json, torch_load, torch_save, write_json
 from .registry import Record, RunContext
 
-__all__ = ["KILL_ENV", "TrainSpec", "evaluate", "torch_threads", "train_classifier"]
+__all__ = [
+    "KILL_ENV",
+    "TrainSpec",
+    "checkpoint_written",
+    "evaluate",
+    "torch_threads",
+    "train_classifier",
+]
 
 KILL_ENV = "LAYERNORM_KILL_AFTER_EPOCHS"
 _epochs_written = 0  # epoch checkpoints written by this process (for the kill hook)
@@ -41,9 +48,10 @@ _epochs_written = 0  # epoch checkpoints written by this process (for the kill h
 def torch_threads(n: int) -> Iterator[None]:
     """Run with ``n`` intra-op threads (``n <= 0``: torch's setting), then restore it.
 
-    The quick models are small: on a 2-core CPU that is also busy with other work, splitting
-    each small product over two threads costs more in waiting than it saves, so the quick
-    settings use one thread. A resumed run must use the same count to repeat the same sums.
+    The quick models are small (the recurrent ones a long chain of tiny matrix products): on a
+    2-core CPU that is also busy with other work, splitting each small product over two threads
+    costs more in waiting than it saves, so the quick settings use one thread. A resumed run
+    must use the same count to repeat the same sums.
     """
     if n <= 0:
         yield
@@ -92,7 +100,10 @@ def evaluate(
     return nll / x.shape[0], wrong / x.shape[0]
 
 
-def _maybe_kill() -> None:
+def checkpoint_written() -> None:
+    """Count one checkpoint written by this process; past ``LAYERNORM_KILL_AFTER_EPOCHS`` of
+    them, SIGKILL the process (the crash the resumption tests simulate). Both training loops
+    call it after each checkpoint."""
     global _epochs_written
     _epochs_written += 1
     limit = os.environ.get(KILL_ENV)
@@ -205,7 +216,7 @@ def train_classifier(
             )
         distributed.barrier()
         if rank == 0:
-            _maybe_kill()
+            checkpoint_written()
     bar.close()
     if rank == 0:
         write_json(done_path, history)

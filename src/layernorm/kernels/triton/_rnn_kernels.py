@@ -27,6 +27,18 @@ def _tanh(a):
     return tl.where(a < 0, -t, t)
 
 
+@triton.jit
+def _ld(ptr, m):
+    """Masked load of a row block, as float32 (the arithmetic's precision)."""
+    return tl.load(ptr, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _st(ptr, value, m):
+    """Masked store of a row block, cast to the buffer's dtype."""
+    tl.store(ptr, value.to(ptr.dtype.element_ty), mask=m)
+
+
 # --------------------------------------------------------------------------------------------
 # LSTM
 # --------------------------------------------------------------------------------------------
@@ -66,10 +78,10 @@ def _lstm_step_fwd_kernel(
     hp_row = HP + row * stride_hp
     gx_row = GX + row * stride_gx
     # the four gate blocks of hp, each (BLOCK_H,)
-    h_i = tl.load(hp_row + cols, mask=m, other=0.0).to(tl.float32)
-    h_f = tl.load(hp_row + H + cols, mask=m, other=0.0).to(tl.float32)
-    h_g = tl.load(hp_row + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
-    h_o = tl.load(hp_row + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
+    h_i = _ld(hp_row + cols, m)
+    h_f = _ld(hp_row + H + cols, m)
+    h_g = _ld(hp_row + 2 * H + cols, m)
+    h_o = _ld(hp_row + 3 * H + cols, m)
     # LN over all 4H gate pre-activations together, as the authors' code does
     mean_h = (_sum(h_i, axis=0) + _sum(h_f, axis=0) + _sum(h_g, axis=0) + _sum(h_o, axis=0)) / (
         4 * H
@@ -85,43 +97,43 @@ def _lstm_step_fwd_kernel(
         + _sum(h_o * h_o, axis=0)
     ) / (4 * H)
     rstd_h = 1.0 / tl.sqrt(var_h + eps)
-    a_i = h_i * rstd_h * tl.load(W_H + cols, mask=m, other=0.0).to(tl.float32)
-    a_f = h_f * rstd_h * tl.load(W_H + H + cols, mask=m, other=0.0).to(tl.float32)
-    a_g = h_g * rstd_h * tl.load(W_H + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
-    a_o = h_o * rstd_h * tl.load(W_H + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
-    a_i += tl.load(B_H + cols, mask=m, other=0.0).to(tl.float32)
-    a_f += tl.load(B_H + H + cols, mask=m, other=0.0).to(tl.float32)
-    a_g += tl.load(B_H + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
-    a_o += tl.load(B_H + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
-    a_i += tl.load(gx_row + cols, mask=m, other=0.0).to(tl.float32)
-    a_f += tl.load(gx_row + H + cols, mask=m, other=0.0).to(tl.float32)
-    a_g += tl.load(gx_row + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
-    a_o += tl.load(gx_row + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
+    a_i = h_i * rstd_h * _ld(W_H + cols, m)
+    a_f = h_f * rstd_h * _ld(W_H + H + cols, m)
+    a_g = h_g * rstd_h * _ld(W_H + 2 * H + cols, m)
+    a_o = h_o * rstd_h * _ld(W_H + 3 * H + cols, m)
+    a_i += _ld(B_H + cols, m)
+    a_f += _ld(B_H + H + cols, m)
+    a_g += _ld(B_H + 2 * H + cols, m)
+    a_o += _ld(B_H + 3 * H + cols, m)
+    a_i += _ld(gx_row + cols, m)
+    a_f += _ld(gx_row + H + cols, m)
+    a_g += _ld(gx_row + 2 * H + cols, m)
+    a_o += _ld(gx_row + 3 * H + cols, m)
     s_i = _sigmoid(a_i)
     s_f = _sigmoid(a_f)
     t_g = _tanh(a_g)
     s_o = _sigmoid(a_o)
-    c_prev = tl.load(C_PREV + row * stride_c + cols, mask=m, other=0.0).to(tl.float32)
+    c_prev = _ld(C_PREV + row * stride_c + cols, m)
     c = s_f * c_prev + s_i * t_g
     # LN(c_t) over the H cells
     mean_c = _sum(tl.where(m, c, 0.0), axis=0) / H
     cc = tl.where(m, c - mean_c, 0.0)
     rstd_c = 1.0 / tl.sqrt(_sum(cc * cc, axis=0) / H + eps)
-    lc = cc * rstd_c * tl.load(W_C + cols, mask=m, other=0.0).to(tl.float32)
-    lc += tl.load(B_C + cols, mask=m, other=0.0).to(tl.float32)
+    lc = cc * rstd_c * _ld(W_C + cols, m)
+    lc += _ld(B_C + cols, m)
     tc = _tanh(lc)
     h = s_o * tc
     out = row * stride_h + cols
     a_row = ACTS + row * stride_a
-    tl.store(a_row + cols, s_i.to(ACTS.dtype.element_ty), mask=m)
-    tl.store(a_row + H + cols, s_f.to(ACTS.dtype.element_ty), mask=m)
-    tl.store(a_row + 2 * H + cols, t_g.to(ACTS.dtype.element_ty), mask=m)
-    tl.store(a_row + 3 * H + cols, s_o.to(ACTS.dtype.element_ty), mask=m)
-    tl.store(CN + out, c.to(CN.dtype.element_ty), mask=m)
-    tl.store(TC + out, tc.to(TC.dtype.element_ty), mask=m)
-    tl.store(H_OUT + out, h.to(H_OUT.dtype.element_ty), mask=m)
+    _st(a_row + cols, s_i, m)
+    _st(a_row + H + cols, s_f, m)
+    _st(a_row + 2 * H + cols, t_g, m)
+    _st(a_row + 3 * H + cols, s_o, m)
+    _st(CN + out, c, m)
+    _st(TC + out, tc, m)
+    _st(H_OUT + out, h, m)
     if CARRY_NORMALIZED:
-        tl.store(LC_OUT + out, lc.to(LC_OUT.dtype.element_ty), mask=m)
+        _st(LC_OUT + out, lc, m)
     tl.store(MH + row, mean_h.to(MH.dtype.element_ty))
     tl.store(RH + row, rstd_h.to(RH.dtype.element_ty))
     tl.store(MC + row, mean_c.to(MC.dtype.element_ty))
@@ -159,62 +171,53 @@ def _lstm_step_bwd_kernel(
     m = cols < H
     hrow = row * stride_h + cols
     a_row = ACTS + row * stride_a
-    s_i = tl.load(a_row + cols, mask=m, other=0.0).to(tl.float32)
-    s_f = tl.load(a_row + H + cols, mask=m, other=0.0).to(tl.float32)
-    t_g = tl.load(a_row + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
-    s_o = tl.load(a_row + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
-    dh = tl.load(DH + hrow, mask=m, other=0.0).to(tl.float32)
-    dc = tl.load(DC + hrow, mask=m, other=0.0).to(tl.float32)
-    tc = tl.load(TC + hrow, mask=m, other=0.0).to(tl.float32)
+    s_i = _ld(a_row + cols, m)
+    s_f = _ld(a_row + H + cols, m)
+    t_g = _ld(a_row + 2 * H + cols, m)
+    s_o = _ld(a_row + 3 * H + cols, m)
+    dh = _ld(DH + hrow, m)
+    dc = _ld(DC + hrow, m)
+    tc = _ld(TC + hrow, m)
     # h = σ(o) ⊙ tanh(LN(c)):  ∂/∂a_o and ∂/∂LN(c)
     d_o = dh * tc * s_o * (1.0 - s_o)
     dlc = dh * s_o * (1.0 - tc * tc)
     if CARRY_NORMALIZED:
         dlc += dc
-    tl.store(DLC + hrow, dlc.to(DLC.dtype.element_ty), mask=m)
+    _st(DLC + hrow, dlc, m)
     # back through LN(c_t) over H
     rstd_c = tl.load(RC + row).to(tl.float32)
     chat = tl.where(
         m,
-        (tl.load(CN + hrow, mask=m, other=0.0).to(tl.float32) - tl.load(MC + row).to(tl.float32))
-        * rstd_c,
+        (_ld(CN + hrow, m) - tl.load(MC + row).to(tl.float32)) * rstd_c,
         0.0,
     )
-    g_c = dlc * tl.load(W_C + cols, mask=m, other=0.0).to(tl.float32)
+    g_c = dlc * _ld(W_C + cols, m)
     dcn = rstd_c * (g_c - _sum(g_c, axis=0) / H - chat * (_sum(g_c * chat, axis=0) / H))
     if not CARRY_NORMALIZED:
         dcn += dc
-    c_prev = tl.load(C_PREV + hrow, mask=m, other=0.0).to(tl.float32)
+    c_prev = _ld(C_PREV + hrow, m)
     # c = σ(f) c_prev + σ(i) tanh(g)
     d_i = dcn * t_g * s_i * (1.0 - s_i)
     d_f = dcn * c_prev * s_f * (1.0 - s_f)
     d_g = dcn * s_i * (1.0 - t_g * t_g)
-    tl.store(DC_PREV + hrow, (dcn * s_f).to(DC_PREV.dtype.element_ty), mask=m)
+    _st(DC_PREV + hrow, dcn * s_f, m)
     dg_row = DGATES + row * stride_a
-    tl.store(dg_row + cols, d_i.to(DGATES.dtype.element_ty), mask=m)
-    tl.store(dg_row + H + cols, d_f.to(DGATES.dtype.element_ty), mask=m)
-    tl.store(dg_row + 2 * H + cols, d_g.to(DGATES.dtype.element_ty), mask=m)
-    tl.store(dg_row + 3 * H + cols, d_o.to(DGATES.dtype.element_ty), mask=m)
+    _st(dg_row + cols, d_i, m)
+    _st(dg_row + H + cols, d_f, m)
+    _st(dg_row + 2 * H + cols, d_g, m)
+    _st(dg_row + 3 * H + cols, d_o, m)
     # back through LN(hp) over 4H: dhp = rstd·(g − mean(g) − x̂·mean(g ⊙ x̂)), g = da ⊙ α_h
     mean_h = tl.load(MH + row).to(tl.float32)
     rstd_h = tl.load(RH + row).to(tl.float32)
     hp_row = HP + row * stride_hp
-    x_i = tl.where(
-        m, (tl.load(hp_row + cols, mask=m, other=0.0).to(tl.float32) - mean_h) * rstd_h, 0.0
-    )
-    x_f = tl.where(
-        m, (tl.load(hp_row + H + cols, mask=m, other=0.0).to(tl.float32) - mean_h) * rstd_h, 0.0
-    )
-    x_g = tl.where(
-        m, (tl.load(hp_row + 2 * H + cols, mask=m, other=0.0).to(tl.float32) - mean_h) * rstd_h, 0.0
-    )
-    x_o = tl.where(
-        m, (tl.load(hp_row + 3 * H + cols, mask=m, other=0.0).to(tl.float32) - mean_h) * rstd_h, 0.0
-    )
-    g_i = d_i * tl.load(W_H + cols, mask=m, other=0.0).to(tl.float32)
-    g_f = d_f * tl.load(W_H + H + cols, mask=m, other=0.0).to(tl.float32)
-    g_g = d_g * tl.load(W_H + 2 * H + cols, mask=m, other=0.0).to(tl.float32)
-    g_o = d_o * tl.load(W_H + 3 * H + cols, mask=m, other=0.0).to(tl.float32)
+    x_i = tl.where(m, (_ld(hp_row + cols, m) - mean_h) * rstd_h, 0.0)
+    x_f = tl.where(m, (_ld(hp_row + H + cols, m) - mean_h) * rstd_h, 0.0)
+    x_g = tl.where(m, (_ld(hp_row + 2 * H + cols, m) - mean_h) * rstd_h, 0.0)
+    x_o = tl.where(m, (_ld(hp_row + 3 * H + cols, m) - mean_h) * rstd_h, 0.0)
+    g_i = d_i * _ld(W_H + cols, m)
+    g_f = d_f * _ld(W_H + H + cols, m)
+    g_g = d_g * _ld(W_H + 2 * H + cols, m)
+    g_o = d_o * _ld(W_H + 3 * H + cols, m)
     c1 = (_sum(g_i, axis=0) + _sum(g_f, axis=0) + _sum(g_g, axis=0) + _sum(g_o, axis=0)) / (4 * H)
     c2 = (
         _sum(g_i * x_i, axis=0)
@@ -223,14 +226,10 @@ def _lstm_step_bwd_kernel(
         + _sum(g_o * x_o, axis=0)
     ) / (4 * H)
     dhp_row = DHP + row * stride_a
-    tl.store(dhp_row + cols, (rstd_h * (g_i - c1 - x_i * c2)).to(DHP.dtype.element_ty), mask=m)
-    tl.store(dhp_row + H + cols, (rstd_h * (g_f - c1 - x_f * c2)).to(DHP.dtype.element_ty), mask=m)
-    tl.store(
-        dhp_row + 2 * H + cols, (rstd_h * (g_g - c1 - x_g * c2)).to(DHP.dtype.element_ty), mask=m
-    )
-    tl.store(
-        dhp_row + 3 * H + cols, (rstd_h * (g_o - c1 - x_o * c2)).to(DHP.dtype.element_ty), mask=m
-    )
+    _st(dhp_row + cols, rstd_h * (g_i - c1 - x_i * c2), m)
+    _st(dhp_row + H + cols, rstd_h * (g_f - c1 - x_f * c2), m)
+    _st(dhp_row + 2 * H + cols, rstd_h * (g_g - c1 - x_g * c2), m)
+    _st(dhp_row + 3 * H + cols, rstd_h * (g_o - c1 - x_o * c2), m)
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,39 +270,39 @@ def _gru_step_fwd_kernel(
     cols = tl.arange(0, BLOCK_H)
     m = cols < H
     rz_row = HP_RZ + row * stride_hrz
-    h_r = tl.load(rz_row + cols, mask=m, other=0.0).to(tl.float32)
-    h_z = tl.load(rz_row + H + cols, mask=m, other=0.0).to(tl.float32)
+    h_r = _ld(rz_row + cols, m)
+    h_z = _ld(rz_row + H + cols, m)
     mean_rz = (_sum(h_r, axis=0) + _sum(h_z, axis=0)) / (2 * H)
     h_r = tl.where(m, h_r - mean_rz, 0.0)
     h_z = tl.where(m, h_z - mean_rz, 0.0)
     rstd_rz = 1.0 / tl.sqrt((_sum(h_r * h_r, axis=0) + _sum(h_z * h_z, axis=0)) / (2 * H) + eps)
-    h_n = tl.load(HP_N + row * stride_n + cols, mask=m, other=0.0).to(tl.float32)
+    h_n = _ld(HP_N + row * stride_n + cols, m)
     mean_n = _sum(h_n, axis=0) / H
     h_n = tl.where(m, h_n - mean_n, 0.0)
     rstd_n = 1.0 / tl.sqrt(_sum(h_n * h_n, axis=0) / H + eps)
     gx_row = GX + row * stride_gx
-    a_r = h_r * rstd_rz * tl.load(W_RZ + cols, mask=m, other=0.0).to(tl.float32)
-    a_z = h_z * rstd_rz * tl.load(W_RZ + H + cols, mask=m, other=0.0).to(tl.float32)
-    a_r += tl.load(B_RZ + cols, mask=m, other=0.0).to(tl.float32)
-    a_z += tl.load(B_RZ + H + cols, mask=m, other=0.0).to(tl.float32)
-    a_r += tl.load(gx_row + cols, mask=m, other=0.0).to(tl.float32)
-    a_z += tl.load(gx_row + H + cols, mask=m, other=0.0).to(tl.float32)
-    ghn = h_n * rstd_n * tl.load(W_N + cols, mask=m, other=0.0).to(tl.float32)
-    ghn += tl.load(B_N + cols, mask=m, other=0.0).to(tl.float32)
+    a_r = h_r * rstd_rz * _ld(W_RZ + cols, m)
+    a_z = h_z * rstd_rz * _ld(W_RZ + H + cols, m)
+    a_r += _ld(B_RZ + cols, m)
+    a_z += _ld(B_RZ + H + cols, m)
+    a_r += _ld(gx_row + cols, m)
+    a_z += _ld(gx_row + H + cols, m)
+    ghn = h_n * rstd_n * _ld(W_N + cols, m)
+    ghn += _ld(B_N + cols, m)
     if HAS_B_HN:
-        ghn += tl.load(B_HN + cols, mask=m, other=0.0).to(tl.float32)
+        ghn += _ld(B_HN + cols, m)
     s_r = _sigmoid(a_r)
     s_z = _sigmoid(a_z)
-    n = _tanh(tl.load(gx_row + 2 * H + cols, mask=m, other=0.0).to(tl.float32) + s_r * ghn)
+    n = _tanh(_ld(gx_row + 2 * H + cols, m) + s_r * ghn)
     hrow = row * stride_h + cols
-    h_prev = tl.load(H_PREV + hrow, mask=m, other=0.0).to(tl.float32)
+    h_prev = _ld(H_PREV + hrow, m)
     h = n + s_z * (h_prev - n)
-    tl.store(H_OUT + hrow, h.to(H_OUT.dtype.element_ty), mask=m)
+    _st(H_OUT + hrow, h, m)
     out_rz = RZ + row * stride_rz
-    tl.store(out_rz + cols, s_r.to(RZ.dtype.element_ty), mask=m)
-    tl.store(out_rz + H + cols, s_z.to(RZ.dtype.element_ty), mask=m)
-    tl.store(NC + hrow, n.to(NC.dtype.element_ty), mask=m)
-    tl.store(GHN + hrow, ghn.to(GHN.dtype.element_ty), mask=m)
+    _st(out_rz + cols, s_r, m)
+    _st(out_rz + H + cols, s_z, m)
+    _st(NC + hrow, n, m)
+    _st(GHN + hrow, ghn, m)
     tl.store(MH + row, mean_rz.to(MH.dtype.element_ty))
     tl.store(RH + row, rstd_rz.to(RH.dtype.element_ty))
     tl.store(MN + row, mean_n.to(MN.dtype.element_ty))
@@ -341,55 +340,45 @@ def _gru_step_bwd_kernel(
     cols = tl.arange(0, BLOCK_H)
     m = cols < H
     hrow = row * stride_h + cols
-    dh = tl.load(DH + hrow, mask=m, other=0.0).to(tl.float32)
-    h_prev = tl.load(H_PREV + hrow, mask=m, other=0.0).to(tl.float32)
-    n = tl.load(NC + hrow, mask=m, other=0.0).to(tl.float32)
-    ghn = tl.load(GHN + hrow, mask=m, other=0.0).to(tl.float32)
+    dh = _ld(DH + hrow, m)
+    h_prev = _ld(H_PREV + hrow, m)
+    n = _ld(NC + hrow, m)
+    ghn = _ld(GHN + hrow, m)
     rz_row = RZ + row * stride_rz
-    s_r = tl.load(rz_row + cols, mask=m, other=0.0).to(tl.float32)
-    s_z = tl.load(rz_row + H + cols, mask=m, other=0.0).to(tl.float32)
+    s_r = _ld(rz_row + cols, m)
+    s_z = _ld(rz_row + H + cols, m)
     # h = n + σ(z)(h_prev − n);  n = tanh(gx_n + σ(r) ⊙ ghn)
     d_n = dh * (1.0 - s_z) * (1.0 - n * n)
     d_r = d_n * ghn * s_r * (1.0 - s_r)
     d_z = dh * (h_prev - n) * s_z * (1.0 - s_z)
     d_ghn = d_n * s_r
-    tl.store(DH_PREV + hrow, (dh * s_z).to(DH_PREV.dtype.element_ty), mask=m)
+    _st(DH_PREV + hrow, dh * s_z, m)
     row3 = row * stride_3
-    tl.store(DGX + row3 + cols, d_r.to(DGX.dtype.element_ty), mask=m)
-    tl.store(DGX + row3 + H + cols, d_z.to(DGX.dtype.element_ty), mask=m)
-    tl.store(DGX + row3 + 2 * H + cols, d_n.to(DGX.dtype.element_ty), mask=m)
-    tl.store(DGH + row3 + cols, d_r.to(DGH.dtype.element_ty), mask=m)
-    tl.store(DGH + row3 + H + cols, d_z.to(DGH.dtype.element_ty), mask=m)
-    tl.store(DGH + row3 + 2 * H + cols, d_ghn.to(DGH.dtype.element_ty), mask=m)
+    _st(DGX + row3 + cols, d_r, m)
+    _st(DGX + row3 + H + cols, d_z, m)
+    _st(DGX + row3 + 2 * H + cols, d_n, m)
+    _st(DGH + row3 + cols, d_r, m)
+    _st(DGH + row3 + H + cols, d_z, m)
+    _st(DGH + row3 + 2 * H + cols, d_ghn, m)
     # LN(hp_rz) backward over 2H
     mean_rz = tl.load(MH + row).to(tl.float32)
     rstd_rz = tl.load(RH + row).to(tl.float32)
     hp_row = HP_RZ + row * stride_hrz
-    x_r = tl.where(
-        m, (tl.load(hp_row + cols, mask=m, other=0.0).to(tl.float32) - mean_rz) * rstd_rz, 0.0
-    )
-    x_z = tl.where(
-        m, (tl.load(hp_row + H + cols, mask=m, other=0.0).to(tl.float32) - mean_rz) * rstd_rz, 0.0
-    )
-    g_r = d_r * tl.load(W_RZ + cols, mask=m, other=0.0).to(tl.float32)
-    g_z = d_z * tl.load(W_RZ + H + cols, mask=m, other=0.0).to(tl.float32)
+    x_r = tl.where(m, (_ld(hp_row + cols, m) - mean_rz) * rstd_rz, 0.0)
+    x_z = tl.where(m, (_ld(hp_row + H + cols, m) - mean_rz) * rstd_rz, 0.0)
+    g_r = d_r * _ld(W_RZ + cols, m)
+    g_z = d_z * _ld(W_RZ + H + cols, m)
     c1 = (_sum(g_r, axis=0) + _sum(g_z, axis=0)) / (2 * H)
     c2 = (_sum(g_r * x_r, axis=0) + _sum(g_z * x_z, axis=0)) / (2 * H)
-    tl.store(DHP + row3 + cols, (rstd_rz * (g_r - c1 - x_r * c2)).to(DHP.dtype.element_ty), mask=m)
-    tl.store(
-        DHP + row3 + H + cols, (rstd_rz * (g_z - c1 - x_z * c2)).to(DHP.dtype.element_ty), mask=m
-    )
+    _st(DHP + row3 + cols, rstd_rz * (g_r - c1 - x_r * c2), m)
+    _st(DHP + row3 + H + cols, rstd_rz * (g_z - c1 - x_z * c2), m)
     # LN(hp_n) backward over H
     rstd_n = tl.load(RN + row).to(tl.float32)
     x_n = tl.where(
         m,
-        (
-            tl.load(HP_N + row * stride_n + cols, mask=m, other=0.0).to(tl.float32)
-            - tl.load(MN + row).to(tl.float32)
-        )
-        * rstd_n,
+        (_ld(HP_N + row * stride_n + cols, m) - tl.load(MN + row).to(tl.float32)) * rstd_n,
         0.0,
     )
-    g_n = d_ghn * tl.load(W_N + cols, mask=m, other=0.0).to(tl.float32)
+    g_n = d_ghn * _ld(W_N + cols, m)
     dhp_n = rstd_n * (g_n - _sum(g_n, axis=0) / H - x_n * (_sum(g_n * x_n, axis=0) / H))
-    tl.store(DHP + row3 + 2 * H + cols, dhp_n.to(DHP.dtype.element_ty), mask=m)
+    _st(DHP + row3 + 2 * H + cols, dhp_n, m)

@@ -248,7 +248,9 @@ class _LNRNNBase(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
 
-    def forward(self, input: Tensor | PackedSequence, hx: Any = None) -> tuple[Any, Any]:
+    def forward(
+        self, input: Tensor | PackedSequence, hx: Tensor | tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor | PackedSequence, Tensor | tuple[Tensor, Tensor]]:
         """``output, h_n = layer(input, h_0)``; for the LSTM ``output, (h_n, c_n)``.
 
         ``input``: ``(T, B, input_size)`` (``(B, T, input_size)`` with ``batch_first``), unbatched

@@ -82,7 +82,7 @@ class AdaNormConfig:
 
 def config(quick: bool) -> AdaNormConfig:
     if quick:
-        return AdaNormConfig(seeds=2, n_train=4000, n_test=2000, epochs=3, channels=(8, 16),
+        return AdaNormConfig(seeds=4, n_train=4000, n_test=10_000, epochs=3, channels=(8, 16),
                              fc=64, d_model=48, nhead=4, d_ff=96, layers=2, seq_len=32,
                              lm_batch=16, lm_steps=200, lm_eval_every=40, n_valid=64, lm_lr=2e-3,
                              threads=1)  # fmt: skip
@@ -301,11 +301,12 @@ def plot(records: Sequence[Record], cfg: AdaNormConfig, fig_dir: Path) -> list[P
 
 
 # Paraphrases of Xu et al.'s findings (their Table and Sections 3-5), not verbatim quotes.
-_GB = ("Xu et al. 2019: bias and gain do not help on 6 of 8 tasks; LayerNorm-simple (no gain, no "
-       "bias) is as good as or better than LayerNorm")
-_BW = ("Xu et al. 2019: DetachNorm is worse than LayerNorm-simple, so back-propagating through "
-       "μ and σ (backward normalization) matters")
-_ADA = "Xu et al. 2019: AdaNorm is as good as or better than LayerNorm on 7 of 8 tasks"
+_GB = ("Xu et al. 2019 (paraphrased): bias and gain do not help on 6 of 8 tasks; LayerNorm-simple "
+       "(no gain, no bias) is as good as or better than LayerNorm")
+_BW = ("Xu et al. 2019 (paraphrased): DetachNorm is worse than LayerNorm-simple, so "
+       "back-propagating through μ and σ (backward normalization) matters")
+_ADA = ("Xu et al. 2019 (paraphrased): AdaNorm is as good as or better than LayerNorm on 7 of 8 "
+        "tasks")
 
 EXPERIMENT = register(Experiment(
     name="adanorm",

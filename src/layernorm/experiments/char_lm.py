@@ -189,8 +189,8 @@ class CharLMConfig:
 
 def config(quick: bool) -> CharLMConfig:
     if quick:
-        return CharLMConfig(seq_len=32, batch_size=16, hidden=96, embed=16, steps=300,
-                            eval_every=25, n_valid=64, seeds=2, threads=1)  # fmt: skip
+        return CharLMConfig(seq_len=32, batch_size=16, hidden=96, embed=16, steps=1000,
+                            eval_every=50, n_valid=64, seeds=3, threads=1)  # fmt: skip
     return CharLMConfig()
 
 

@@ -53,8 +53,8 @@ class GainInitConfig:
 
 def config(quick: bool) -> GainInitConfig:
     if quick:
-        return GainInitConfig(seq_len=24, batch_size=16, hidden=64, embed=16, steps=200,
-                              eval_every=25, n_valid=64, seeds=2, threads=1)  # fmt: skip
+        return GainInitConfig(seq_len=24, batch_size=16, hidden=64, embed=16, steps=600,
+                              eval_every=50, n_valid=64, seeds=3, threads=1)  # fmt: skip
     return GainInitConfig()
 
 

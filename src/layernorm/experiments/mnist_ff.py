@@ -61,7 +61,7 @@ class MnistFFConfig:
 
 def config(quick: bool) -> MnistFFConfig:
     if quick:
-        return MnistFFConfig(n_train=2500, hidden=256, epochs=4, seeds=5, threads=1)
+        return MnistFFConfig(n_train=2500, hidden=256, epochs=5, seeds=5, threads=1)
     return MnistFFConfig()
 
 

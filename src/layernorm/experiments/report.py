@@ -148,6 +148,33 @@ def _html(blocks: Sequence[Block]) -> str:
     )
 
 
+_HOW_TO_READ = (
+    "**How to read it.** Each experiment tests claims of the papers; for each claim the report "
+    "quotes the paper, states the test we run (often on a substitute task, since the paper's data "
+    "is not available here), gives our numbers and the rule that turned them into a verdict. "
+    "In the training experiments the numbers are per-seed values (mean ± standard deviation over "
+    "seeds), and a claim that one model is lower **holds** when the difference of the means is "
+    "larger than both 2 standard errors and a minimum size that matters; it **does not hold** "
+    "when the difference is clearly the other way, or measurably smaller than that minimum; it "
+    "is **inconclusive** when the seed-to-seed noise is too large to tell. A claim that a change "
+    "costs nothing (\"not worse\") holds when even the pessimistic end, the difference minus 2 "
+    "standard errors, stays within the margin. A verdict is about this run, at this size: the "
+    "quick setting trains small models for minutes, so a claim that does not hold here is not "
+    "refuted for the paper's models, only not shown at this scale."
+)
+
+
+def _tally(results: Sequence[ExperimentResult]) -> str:
+    counts = {s: 0 for s in _MARK}
+    for res in results:
+        for v in res.verdicts:
+            counts[v.status] += 1
+    settings = {"quick" if r.meta.get("quick") else "full" for r in results}
+    return (f"{sum(counts.values())} claims in {len(results)} experiment(s), "
+            f"{' and '.join(sorted(settings))} setting: "
+            + ", ".join(f"{n} {_MARK[s]}" for s, n in counts.items()) + ".")  # fmt: skip
+
+
 def verdict_rows(results: Sequence[ExperimentResult]) -> list[list[str]]:
     rows = []
     for res in results:
@@ -173,7 +200,8 @@ def write_report(out: Path) -> tuple[Path, Path]:
         )
     fig_dir = out / "figures"
     blocks: list[Block] = [
-        ("h1", "Reproducing *Layer Normalization* (Ba, Kiros & Hinton 2016)"),
+        ("h1", "Reproducing *Layer Normalization* (Ba, Kiros & Hinton 2016) and *Understanding "
+               "and Improving Layer Normalization* (Xu et al. 2019)"),
         (
             "p",
             "Every number below is read from the saved records in this directory "
@@ -181,7 +209,9 @@ def write_report(out: Path) -> tuple[Path, Path]:
             "the thresholds stated next to each one. Regenerate with `layernorm report --out "
             f"{out}`.",
         ),
+        ("p", _HOW_TO_READ),
         ("h2", "Verdicts"),
+        ("p", _tally(results)),
         ("table", (["experiment", "claim", "verdict", "statistic"], verdict_rows(results))),
     ]
     for res in results:

@@ -64,7 +64,7 @@ class SpokenDigitsConfig:
 
 def config(quick: bool) -> SpokenDigitsConfig:
     if quick:
-        return SpokenDigitsConfig(hidden=48, steps=300, eval_every=50, seeds=3, lr=2e-3,
+        return SpokenDigitsConfig(hidden=48, steps=600, eval_every=50, seeds=3, lr=2e-3,
                                   threads=1)  # fmt: skip
     return SpokenDigitsConfig()
 

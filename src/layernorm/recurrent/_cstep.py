@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import subprocess
-import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -59,33 +55,9 @@ _EXTRA_FLAGS = ("-fno-math-errno", "-fno-trapping-math")
 
 
 def _build() -> Path:
-    from ..kernels.cpu import _native as nat  # build helpers shared with the norm kernels
+    from ..kernels.cpu import cbuild  # the build step shared with the norm kernels
 
-    if not sys.platform.startswith("linux"):
-        raise RuntimeError(f"the C step kernels are built on Linux only, not {sys.platform}")
-    cc = nat._compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (tried $CC, cc, gcc)")
-    src = _csrc.source()
-    gomp = nat._loaded_libgomp()
-    flags = (*nat._FLAGS, *_EXTRA_FLAGS)
-    key = hashlib.sha256(
-        "\n".join([src, " ".join(flags), cc, gomp or "", nat._cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    out = nat._cache_dir() / f"layernorm_rnn_{key}.so"
-    if out.exists():
-        return out
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        c_file = Path(tmp) / "rnn_steps.c"
-        c_file.write_text(src)
-        tmp_so = Path(tmp) / out.name
-        link = [gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"] if gomp else []
-        cmd = [cc, *flags, str(c_file), "-o", str(tmp_so), *link, "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-        os.replace(tmp_so, out)  # atomic: a concurrent builder never loads a half-written file
-    return out
+    return cbuild.build_shared_library(_csrc.source(), "layernorm_rnn", _EXTRA_FLAGS)
 
 
 @functools.cache

@@ -1,38 +1,25 @@
-"""Build, cache and call the fused C kernels of :mod:`._csrc`.
+"""Load and call the fused C kernels of :mod:`._csrc` (built and cached by :mod:`.cbuild`).
 
-The source is compiled once per machine with the system C compiler (``cc``/``gcc``, about a second:
-it includes no PyTorch headers) into a shared library cached under ``$LAYERNORM_CACHE_DIR`` (default
-``~/.cache/layernorm``), keyed by a hash of the source, the flags and the CPU's instruction sets, so
-a changed kernel or a different machine never picks up a stale binary. The library links the same
-``libgomp`` that PyTorch has loaded, so both share one OpenMP thread pool instead of two pools
-spinning against each other. The functions are called through :mod:`ctypes` on raw data pointers.
-
-Set ``LAYERNORM_CPU_COMPILE=0`` to use the eager ATen compositions instead. If the compiler is
-missing or the build fails, the eager path is used and a warning says why, once.
+The functions are called through :mod:`ctypes` on raw data pointers. Set
+``LAYERNORM_CPU_COMPILE=0`` to use the eager ATen compositions instead. If the compiler is missing
+or the build fails, the eager path is used and a warning says why, once.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from . import _csrc
+from . import _csrc, cbuild
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
-ENV_CACHE = "LAYERNORM_CACHE_DIR"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+ENV_CACHE = cbuild.ENV_CACHE
 # Below this many elements one thread does the whole op: waking the pool costs more than it saves
 # (the same grain PyTorch uses for its own parallel loops).
 _GRAIN = 32768
@@ -52,81 +39,9 @@ _SIGNATURES: dict[str, tuple[object, tuple]] = {
 }
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags: part of the cache key because the build uses -march=native."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _loaded_libgomp() -> str | None:
-    """Path of the libgomp PyTorch already mapped into this process (Linux), if any."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(" ", 1)[-1].strip()
-                if os.path.basename(path).startswith("libgomp") and ".so" in path:
-                    return path
-    except OSError:
-        pass
-    return None
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get(ENV_CACHE) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "layernorm"
-    )
-    path = Path(root)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
-    except OSError:
-        pass
-    path = Path(tempfile.gettempdir()) / f"layernorm-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
 def _build() -> Path:
     """Compile the kernels if no cached build matches; return the library's path."""
-    if not sys.platform.startswith("linux"):
-        raise RuntimeError(f"the fused CPU kernels are built on Linux only, not {sys.platform}")
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (tried $CC, cc, gcc)")
-    src = _csrc.source()
-    gomp = _loaded_libgomp()
-    key = hashlib.sha256(
-        "\n".join([src, " ".join(_FLAGS), cc, gomp or "", _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    out = _cache_dir() / f"layernorm_cpu_{key}.so"
-    if out.exists():
-        return out
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        c_file = Path(tmp) / "kernels.c"
-        c_file.write_text(src)
-        tmp_so = Path(tmp) / out.name
-        # Link PyTorch's own libgomp when it has one (same soname, so the loader maps it once).
-        link = [gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"] if gomp else []
-        cmd = [cc, *_FLAGS, str(c_file), "-o", str(tmp_so), *link, "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-        os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written library
-    return out
+    return cbuild.build_shared_library(_csrc.source(), "layernorm_cpu")
 
 
 @functools.cache

@@ -223,6 +223,16 @@ def _run_seam(impl, st: dict, kind: str, bs: int, steps: int) -> dict:
     return st
 
 
+def _random_on_device(seed: int):
+    """``rnd(*shape, scale, offset)``: seeded normal values (non-zero mean by ``offset``)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, offset=0.0):
+        return (torch.randn(*shape, generator=g) * scale + offset).to(DEVICE)
+
+    return rnd
+
+
 def _compare_buffers(ours: dict, eager: dict) -> None:
     for key, got in ours.items():
         if isinstance(got, torch.Tensor):
@@ -236,11 +246,7 @@ def test_seam_lstm_matches_eager_step(carry_normalized: bool):
     eager = _eager_steps()
     bs, hs, steps = 3, 12, 2
     n = bs * steps
-    g = torch.Generator().manual_seed(5)
-
-    def rnd(*shape, scale=1.0, offset=0.0):
-        return (torch.randn(*shape, generator=g) * scale + offset).to(DEVICE)
-
+    rnd = _random_on_device(5)
     st = {"H": hs, "eps": 1e-5, "normalize": True, "carry_normalized": carry_normalized,
           "gx": rnd(n, 4 * hs, scale=2.0), "hp": rnd(n, 4 * hs, scale=2.0, offset=1.0),
           "w1": rnd(4 * hs, scale=0.5, offset=1.0), "b1": rnd(4 * hs, scale=0.5),
@@ -264,11 +270,7 @@ def test_seam_gru_matches_eager_step():
     eager = _eager_steps()
     bs, hs, steps = 3, 12, 2
     n = bs * steps
-    g = torch.Generator().manual_seed(6)
-
-    def rnd(*shape, scale=1.0, offset=0.0):
-        return (torch.randn(*shape, generator=g) * scale + offset).to(DEVICE)
-
+    rnd = _random_on_device(6)
     st = {"H": hs, "eps": 1e-5, "normalize": True,
           "gx": rnd(n, 3 * hs, scale=2.0), "hp": rnd(n, 3 * hs, scale=2.0, offset=1.0),
           "w_rz": rnd(2 * hs, scale=0.5, offset=1.0), "b_rz": rnd(2 * hs, scale=0.5),

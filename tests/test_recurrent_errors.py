@@ -92,6 +92,8 @@ def test_bad_constructor_arguments() -> None:
         LayerNormLSTM(3, 4, norm="batch", impl="fused")
     with pytest.raises(ValueError, match="nonlinearity"):
         LayerNormRNN(3, 4, nonlinearity="gelu")
+    with pytest.warns(UserWarning, match="dropout=0.5 has no effect with num_layers=1"):
+        LayerNormGRU(3, 4, dropout=0.5)
     with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\], got 1.5"):
         LayerNormLSTM(3, 4, norm="batch", momentum=1.5)
     half = LayerNormGRU(3, 4, impl="fused", dtype=torch.bfloat16)

@@ -283,7 +283,8 @@ def test_dropout_between_layers_only_in_training() -> None:
     torch.manual_seed(2)
     d, _ = model(x)
     assert not torch.allclose(c, d)
-    single = LayerNormLSTM(3, 4, num_layers=1, dropout=0.5)
+    with pytest.warns(UserWarning, match="no effect with num_layers=1"):
+        single = LayerNormLSTM(3, 4, num_layers=1, dropout=0.5)
     torch.testing.assert_close(single(x)[0], single(x)[0])  # no dropout after the last layer
 
 

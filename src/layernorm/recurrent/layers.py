@@ -28,6 +28,7 @@ and torch.compile tracing always use it.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Literal, Self
 
 import torch
@@ -103,6 +104,14 @@ class _LNRNNBase(nn.Module):
             or not 0 <= dropout <= 1
         ):
             raise ValueError(f"{owner}: dropout must be a number in [0, 1], got {dropout!r}")
+        if dropout > 0 and self.num_layers == 1:
+            # as torch.nn.LSTM: dropout acts between layers only, so here it would do nothing
+            warnings.warn(
+                f"{owner}: dropout={dropout} has no effect with num_layers=1 (it is applied to "
+                "each layer's output except the last)",
+                UserWarning,
+                stacklevel=3,
+            )
         allowed = ("layer", "none", "batch") if self.mode == "LSTM" else ("layer", "none")
         self.norm = check_norm(norm, owner, allowed)
         if impl not in ("auto", "fused", "loop"):

@@ -226,3 +226,31 @@ def test_cell_errors() -> None:
         LayerNormRNNCell(3, 4, nonlinearity="sigmoid")
     with pytest.raises(ValueError, match="hidden_size must be a positive int"):
         LayerNormGRUCell(3, 0)
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "extra"),
+    [
+        (LayerNormLSTMCell, torch.nn.LSTMCell, {}),
+        (LayerNormGRUCell, torch.nn.GRUCell, {}),
+        (LayerNormRNNCell, torch.nn.RNNCell, {"nonlinearity": "relu"}),
+    ],
+)
+@pytest.mark.parametrize("bias", [True, False])
+def test_cell_from_torch_copies_weights_and_keeps_ln_init(ours, theirs, extra, bias) -> None:
+    ref = theirs(3, 5, bias=bias, dtype=torch.float64, **extra)
+    cell = ours.from_torch(ref, gain_init=0.5)
+    assert cell.bias is bias and cell.weight_ih.dtype == torch.float64
+    assert getattr(cell, "nonlinearity", "tanh") == extra.get("nonlinearity", "tanh")
+    for name, p in ref.named_parameters():
+        assert torch.equal(getattr(cell, name), p), name
+    for name, p in cell.named_parameters():
+        if name.startswith("ln_weight"):
+            assert torch.all(p == 0.5), name
+        elif name.startswith("ln_bias"):
+            assert torch.all(p == 0.0), name
+
+
+def test_cell_from_torch_of_another_kind_fails() -> None:
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        LayerNormLSTMCell.from_torch(torch.nn.GRUCell(3, 5))

@@ -28,7 +28,7 @@ Drive a cell over time::
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import Tensor, nn
@@ -77,6 +77,26 @@ class _LNCellBase(nn.Module):
             self.register_parameter("bias_ih", None)
             self.register_parameter("bias_hh", None)
         self._ln_names: list[tuple[str, str]] = []
+
+    @classmethod
+    def from_torch(cls, cell: nn.RNNCellBase, **kwargs: Any) -> Self:
+        """Build this cell with ``cell``'s sizes, ``bias`` (and ``nonlinearity``, for an
+        ``RNNCell``), device and dtype, and copy its weights and biases (torch's names match).
+
+        ``kwargs`` go to the constructor (e.g. ``gain_init``); the layer-norm gains and biases keep
+        their initial values, so the cell computes the LN recurrence with torch's weights.
+        """
+        cfg: dict[str, Any] = {
+            "bias": cell.bias, "device": cell.weight_ih.device, "dtype": cell.weight_ih.dtype,
+        }  # fmt: skip
+        if isinstance(cell, nn.RNNCell):
+            cfg["nonlinearity"] = cell.nonlinearity
+        cfg.update(kwargs)
+        new = cls(cell.input_size, cell.hidden_size, **cfg)
+        result = new.load_state_dict(cell.state_dict(), strict=False)
+        if result.unexpected_keys:
+            raise ValueError(f"{cls.__name__}.from_torch: unexpected keys {result.unexpected_keys}")
+        return new
 
     def _add_ln(self, suffix: str, size: int, factory: dict[str, Any]) -> None:
         """Gain ``ln_weight{suffix}`` and, with ``bias=True``, bias ``ln_bias{suffix}``."""

@@ -59,13 +59,14 @@ def register_step_kernels(device_type: str, kernels: StepKernels | None) -> None
 
 
 def step_kernels(x: Tensor) -> StepKernels:
-    """The step functions for ``x``: a registered backend's; the Triton steps for CUDA float32
-    tensors when the Triton backend serves them; the C kernels for CPU float32/float64; else the
-    eager ones."""
+    """The step functions for ``x``: a registered backend's; the Triton steps for CUDA tensors
+    other than float64 when the Triton backend serves them; the C kernels for CPU
+    float32/float64; else the eager ones. (The sequence layers send only float32/float64 here.)"""
     registered = _REGISTRY.get(x.device.type)
     if registered is not None:
         return registered
-    # The Triton steps compute in float32, so float64 keeps full precision on the eager steps.
+    # The Triton steps compute in float32, so float64 keeps full precision on the eager steps
+    # (their seam functions route float64 to the eager steps too, see rnn_step.DTYPES).
     if x.is_cuda and x.dtype != torch.float64 and select_backend(x) == "triton":
         triton_steps = _triton_step_kernels()
         if triton_steps is not None:

@@ -7,6 +7,7 @@ slow period hits all of them alike and their ratio stays meaningful.
 
 from __future__ import annotations
 
+import platform
 import random
 import statistics
 import time
@@ -48,3 +49,15 @@ def interleaved_ms(
             fns[name]()
             samples[name].append(time.perf_counter() - t0)
     return {name: 1e3 * statistics.median(s) for name, s in samples.items()}
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, for the device line of a results table."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layernorm.functional as LF
-from _timing import interleaved_ms
+from _timing import cpu_model, interleaved_ms
 from layernorm.kernels.cpu import _native
 from layernorm.reference import layer_norm_reference
 
@@ -38,17 +38,6 @@ DEFAULT_SHAPES = ((8192, 1024), (32768, 256), (64, 4096))
 ANCHOR = "torch layer_norm"
 RMS_ANCHOR = "torch rms_norm"
 COMPOSITE = "eager composite LN"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def providers(m: int, n: int, composite: bool) -> dict[str, Callable[[], None]]:

@@ -24,30 +24,18 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import platform
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import interleaved_ms
+from _timing import cpu_model, interleaved_ms
 from layernorm import LayerNormGRU, LayerNormLSTM
 from layernorm.recurrent import _pointwise, register_step_kernels
 
 SHAPES = ((100, 32, 128, 256), (100, 64, 256, 512), (50, 8, 64, 128))  # (T, B, I, H)
 KINDS = {"lstm": (torch.nn.LSTM, LayerNormLSTM), "gru": (torch.nn.GRU, LayerNormGRU)}
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def step(model: torch.nn.Module, x: torch.Tensor):
@@ -104,7 +92,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"device: {cpu_name()} | torch {torch.__version__} | threads {torch.get_num_threads()} "
+    print(f"device: {cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} "
           f"| mkldnn {torch.backends.mkldnn.is_available()} | {date}")  # fmt: skip
     print("forward + backward, float32, median ms (ratio = ours / torch in the same run)\n")
     print("| kind | (T, B, I, H) | torch ms | LN ms | LN / torch | none / torch | loop / torch "
@@ -125,7 +113,7 @@ def main() -> None:
                      ratio("none"), ratio("ln-loop"), ratio("ln-eager")]  # fmt: skip
             print("| " + " | ".join(cells) + " |", flush=True)
             for provider, ms in r.items():
-                rows.append({"date": date, "device": cpu_name(), "torch": torch.__version__,
+                rows.append({"date": date, "device": cpu_model(), "torch": torch.__version__,
                              "threads": torch.get_num_threads(), "kind": kind,
                              "T": shape[0], "B": shape[1], "I": shape[2], "H": shape[3],
                              "provider": provider, "ms": f"{ms:.3f}",

@@ -84,7 +84,7 @@ def config(quick: bool) -> AdaNormConfig:
     if quick:
         return AdaNormConfig(seeds=4, n_train=4000, n_test=10_000, epochs=3, channels=(8, 16),
                              fc=64, d_model=48, nhead=4, d_ff=96, layers=2, seq_len=32,
-                             lm_batch=16, lm_steps=200, lm_eval_every=40, n_valid=64, lm_lr=2e-3,
+                             lm_batch=16, lm_steps=400, lm_eval_every=40, n_valid=64, lm_lr=2e-3,
                              threads=1)  # fmt: skip
     return AdaNormConfig()
 
@@ -331,6 +331,6 @@ EXPERIMENT = register(Experiment(
     verdicts=verdicts,
     plot=plot,
     tables=tables,
-    quick_budget_s=80.0,
+    quick_budget_s=130.0,
     order=45,
 ))  # fmt: skip

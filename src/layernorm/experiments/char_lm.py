@@ -268,6 +268,6 @@ EXPERIMENT = register(Experiment(
     verdicts=verdicts,
     plot=plot,
     tables=tables,
-    quick_budget_s=50.0,
+    quick_budget_s=90.0,
     order=40,
 ))  # fmt: skip

@@ -55,7 +55,7 @@ def config(quick: bool) -> ConvnetConfig:
             n_train=4000,
             n_test=5000,
             channels=(8, 16),
-            epochs=3,
+            epochs=5,
             batch_size=64,
             seeds=4,
             threads=1,
@@ -200,7 +200,7 @@ EXPERIMENT = register(
         verdicts=verdicts,
         plot=plot,
         tables=tables,
-        quick_budget_s=90.0,
+        quick_budget_s=65.0,
         order=30,
     )
 )

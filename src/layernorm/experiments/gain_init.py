@@ -127,6 +127,6 @@ EXPERIMENT = register(Experiment(
     verdicts=verdicts,
     plot=plot,
     tables=tables,
-    quick_budget_s=30.0,
+    quick_budget_s=55.0,
     order=43,
 ))  # fmt: skip

@@ -58,7 +58,7 @@ class LongerConfig:
 def config(quick: bool) -> LongerConfig:
     if quick:
         return LongerConfig(train_len=16, eval_factor=8, batch_size=16, hidden=96, embed=16,
-                            steps=200, eval_every=50, n_valid=64, seeds=3, threads=1)  # fmt: skip
+                            steps=400, eval_every=50, n_valid=64, seeds=3, threads=1)  # fmt: skip
     return LongerConfig()
 
 
@@ -197,6 +197,6 @@ EXPERIMENT = register(Experiment(
     verdicts=verdicts,
     plot=plot,
     tables=tables,
-    quick_budget_s=20.0,
+    quick_budget_s=25.0,
     order=44,
 ))  # fmt: skip

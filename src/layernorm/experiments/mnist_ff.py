@@ -254,7 +254,7 @@ EXPERIMENT = register(
         verdicts=verdicts,
         plot=plot,
         tables=tables,
-        quick_budget_s=150.0,
+        quick_budget_s=120.0,
         order=20,
     )
 )

@@ -64,7 +64,7 @@ class SpokenDigitsConfig:
 
 def config(quick: bool) -> SpokenDigitsConfig:
     if quick:
-        return SpokenDigitsConfig(hidden=48, steps=600, eval_every=50, seeds=3, lr=2e-3,
+        return SpokenDigitsConfig(hidden=48, steps=900, eval_every=50, seeds=4, lr=2e-3,
                                   threads=1)  # fmt: skip
     return SpokenDigitsConfig()
 
@@ -197,6 +197,6 @@ EXPERIMENT = register(Experiment(
     verdicts=verdicts,
     plot=plot,
     tables=tables,
-    quick_budget_s=30.0,
+    quick_budget_s=40.0,
     order=42,
 ))  # fmt: skip

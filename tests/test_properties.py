@@ -160,6 +160,7 @@ def test_layer_norm_gradient_orthogonal_to_invariances(x):
 # ---------------------------------------------------------------------------------------------
 # Table 1 of the LN paper, for one summed-input layer a = W h, normalized per training case.
 
+
 def _unit_scaling(W, h, gamma):
     W2 = W.clone()
     W2[0] *= 3.0  # w_i' = δ_i·w_i for one unit

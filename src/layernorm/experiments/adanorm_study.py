@@ -226,8 +226,7 @@ def verdicts(records: Sequence[Record], cfg: AdaNormConfig) -> list[Verdict]:
                 out.append(Verdict(cid, "inconclusive", "not run with the task and models this "
                                    "needs", f"needs task {task} with {a} and {b}"))  # fmt: skip
                 continue
-            c = fn(NAMES[a], _values(records, task, a), NAMES[b], _values(records, task, b),
-                   **kw)  # type: ignore[arg-type]
+            c = fn(NAMES[a], _values(records, task, a), NAMES[b], _values(records, task, b), **kw)  # type: ignore[arg-type]
             out.append(verdict(cid, c))
     return out
 
@@ -301,12 +300,17 @@ def plot(records: Sequence[Record], cfg: AdaNormConfig, fig_dir: Path) -> list[P
 
 
 # Paraphrases of Xu et al.'s findings (their Table and Sections 3-5), not verbatim quotes.
-_GB = ("Xu et al. 2019 (paraphrased): bias and gain do not help on 6 of 8 tasks; LayerNorm-simple "
-       "(no gain, no bias) is as good as or better than LayerNorm")
-_BW = ("Xu et al. 2019 (paraphrased): DetachNorm is worse than LayerNorm-simple, so "
-       "back-propagating through μ and σ (backward normalization) matters")
-_ADA = ("Xu et al. 2019 (paraphrased): AdaNorm is as good as or better than LayerNorm on 7 of 8 "
-        "tasks")
+_GB = (
+    "Xu et al. 2019 (paraphrased): bias and gain do not help on 6 of 8 tasks; LayerNorm-simple "
+    "(no gain, no bias) is as good as or better than LayerNorm"
+)
+_BW = (
+    "Xu et al. 2019 (paraphrased): DetachNorm is worse than LayerNorm-simple, so "
+    "back-propagating through μ and σ (backward normalization) matters"
+)
+_ADA = (
+    "Xu et al. 2019 (paraphrased): AdaNorm is as good as or better than LayerNorm on 7 of 8 tasks"
+)
 
 EXPERIMENT = register(Experiment(
     name="adanorm",

@@ -133,8 +133,10 @@ def tables(records: Sequence[Record], cfg: LongerConfig) -> str:
     cols = [(name, f"BPC {_bucket_label(name, cfg.train_len)}", 1.0, "")
             for name, _, _ in buckets(cfg.train_len, cfg.eval_factor)]  # fmt: skip
     text = final_table(records, rows(cfg.norms, LABELS), cols)
-    return (f"Trained on windows of T = {cfg.train_len} characters; scored on windows of "
-            f"{cfg.train_len * cfg.eval_factor}. Positions ≥ T were never trained on.\n\n" + text)
+    return (
+        f"Trained on windows of T = {cfg.train_len} characters; scored on windows of "
+        f"{cfg.train_len * cfg.eval_factor}. Positions ≥ T were never trained on.\n\n" + text
+    )
 
 
 def plot(records: Sequence[Record], cfg: LongerConfig, fig_dir: Path) -> list[Path]:

@@ -157,7 +157,7 @@ _HOW_TO_READ = (
     "larger than both 2 standard errors and a minimum size that matters; it **does not hold** "
     "when the difference is clearly the other way, or measurably smaller than that minimum; it "
     "is **inconclusive** when the seed-to-seed noise is too large to tell. A claim that a change "
-    "costs nothing (\"not worse\") holds when even the pessimistic end, the difference minus 2 "
+    'costs nothing ("not worse") holds when even the pessimistic end, the difference minus 2 '
     "standard errors, stays within the margin. A verdict is about this run, at this size: the "
     "quick setting trains small models for minutes, so a claim that does not hold here is not "
     "refuted for the paper's models, only not shown at this scale."
@@ -200,8 +200,11 @@ def write_report(out: Path) -> tuple[Path, Path]:
         )
     fig_dir = out / "figures"
     blocks: list[Block] = [
-        ("h1", "Reproducing *Layer Normalization* (Ba, Kiros & Hinton 2016) and *Understanding "
-               "and Improving Layer Normalization* (Xu et al. 2019)"),
+        (
+            "h1",
+            "Reproducing *Layer Normalization* (Ba, Kiros & Hinton 2016) and *Understanding "
+            "and Improving Layer Normalization* (Xu et al. 2019)",
+        ),
         (
             "p",
             "Every number below is read from the saved records in this directory "

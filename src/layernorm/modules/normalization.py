@@ -134,8 +134,7 @@ class RMSNorm(_Norm):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.normalized_shape}, eps={self.eps}, "
-            f"elementwise_affine={self.elementwise_affine}"
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
         )
 
 

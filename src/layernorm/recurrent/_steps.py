@@ -25,6 +25,17 @@ from ..functional import layer_norm
 
 Norm = Callable[[Tensor], Tensor]
 
+#: The layer norms of each recurrence (``"RNN"``, ``"LSTM"``, ``"GRU"``), in parameter order: the
+#: name suffix of ``ln_weight*`` / ``ln_bias*`` and the units in multiples of H. The LN-RNN
+#: normalizes the summed pre-activation once; the LN-LSTM each projection (four gates together) and
+#: the cell state; the LN-GRU each projection, as two groups (:func:`make_grouped_ln`). Cells and
+#: sequence layers both register their gains and biases from this table.
+LN_PARTS: dict[str, tuple[tuple[str, int], ...]] = {
+    "RNN": (("", 1),),
+    "LSTM": (("_ih", 4), ("_hh", 4), ("_c", 1)),
+    "GRU": (("_ih", 3), ("_hh", 3)),
+}
+
 
 class Weights(NamedTuple):
     """torch's four parameters of one cell, or of one layer in one direction.

@@ -67,15 +67,14 @@ def build_from_torch(
 
 
 class _LNCellBase(nn.Module):
-    """Weights as torch's cells plus the layer norms the subclass lists in :attr:`ln_parts`.
+    """Weights as torch's cells plus the layer norms of :data:`._steps.LN_PARTS` for ``mode``.
 
     The subclasses check and set their own options after this constructor, then call
     :meth:`reset_parameters`.
     """
 
+    mode = "RNN"  # "RNN", "LSTM" or "GRU", as the sequence layers'
     gate_count = 1
-    #: the cell's layer norms, in registration order: (name suffix, units in multiples of H)
-    ln_parts: tuple[tuple[str, int], ...] = ()
 
     def __init__(
         self,
@@ -105,7 +104,7 @@ class _LNCellBase(nn.Module):
             self.register_parameter("bias_ih", None)
             self.register_parameter("bias_hh", None)
         self._ln_names: list[tuple[str, str]] = []
-        for suffix, units in self.ln_parts:
+        for suffix, units in _steps.LN_PARTS[self.mode]:
             self._add_ln(suffix, units * hidden_size, factory)
 
     @classmethod
@@ -203,7 +202,7 @@ class LayerNormRNNCell(_LNCellBase):
         ``None``. Returns ``h'`` of ``hx``'s shape.
     """
 
-    ln_parts = (("", 1),)
+    mode = "RNN"
 
     def __init__(
         self,
@@ -272,8 +271,8 @@ class LayerNormLSTMCell(_LNCellBase):
         ``(H,)`` tensors, zeros when ``None``. Returns ``(h', c')``.
     """
 
+    mode = "LSTM"
     gate_count = 4
-    ln_parts = (("_ih", 4), ("_hh", 4), ("_c", 1))
 
     def __init__(
         self,
@@ -339,8 +338,8 @@ class LayerNormGRUCell(_LNCellBase):
         ``None``. Returns ``h'``.
     """
 
+    mode = "GRU"
     gate_count = 3
-    ln_parts = (("_ih", 3), ("_hh", 3))
 
     def __init__(
         self,

@@ -170,10 +170,8 @@ class _LNRNNBase(nn.Module):
     def _make_norm_params(self, sfx: str, factory: dict[str, Any]) -> None:
         hs, gh = self.hidden_size, self.gate_count * self.hidden_size
         if self.norm == "layer":
-            pieces = [("", hs)] if self.mode == "RNN" else [("_ih", gh), ("_hh", gh)]
-            if self.mode == "LSTM":
-                pieces.append(("_c", hs))
-            for part, size in pieces:
+            for part, units in _steps.LN_PARTS[self.mode]:
+                size = units * hs
                 self._norm_param(f"ln_weight{part}{sfx}", size, self.gain_init, factory)
                 if self.bias:
                     self._norm_param(f"ln_bias{part}{sfx}", size, 0.0, factory)

@@ -15,15 +15,9 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
 
-from layernorm import (
-    LayerNormGRU,
-    LayerNormGRUCell,
-    LayerNormLSTM,
-    LayerNormLSTMCell,
-    LayerNormRNN,
-    LayerNormRNNCell,
-)
+from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import StepKernels, _pointwise, register_step_kernels
+from layernorm.recurrent.cells import LayerNormGRUCell, LayerNormLSTMCell, LayerNormRNNCell
 
 DT = torch.float64
 FUSED_TOL = {"rtol": 1e-10, "atol": 1e-11}

@@ -48,7 +48,7 @@ __all__ = ["LayerNormGRUCell", "LayerNormLSTMCell", "LayerNormRNNCell"]
 _M = TypeVar("_M", bound=nn.Module)
 
 
-def build_from_torch(
+def _build_from_torch(
     cls: type[_M], module: nn.Module, config: dict[str, Any], overrides: dict[str, Any]
 ) -> _M:
     """``cls(module.input_size, module.hidden_size, **config)`` with ``module``'s weights loaded.
@@ -56,8 +56,9 @@ def build_from_torch(
     ``overrides`` (the caller's keyword arguments) take precedence over ``config`` (what was read
     off ``module``). The load is by name with ``strict=False``: our normalization parameters, which
     torch's modules lack, keep their initial values, but every entry of ``module``'s state_dict must
-    find its place, else ``ValueError`` (e.g. an ``LSTMCell`` loaded into a GRU cell). The cells'
-    and the sequence layers' ``from_torch`` both end here.
+    find its place, else ``ValueError`` (e.g. ``bias=False`` asked of a module with biases; a shape
+    that differs, as an ``LSTMCell``'s weights in a GRU cell, is torch's ``RuntimeError``). The
+    cells' and the sequence layers' ``from_torch`` both end here.
     """
     new = cls(module.input_size, module.hidden_size, **(config | overrides))
     result = new.load_state_dict(module.state_dict(), strict=False)
@@ -120,7 +121,7 @@ class _LNCellBase(nn.Module):
         }  # fmt: skip
         if isinstance(cell, nn.RNNCell):
             cfg["nonlinearity"] = cell.nonlinearity
-        return build_from_torch(cls, cell, cfg, kwargs)
+        return _build_from_torch(cls, cell, cfg, kwargs)
 
     def _add_ln(self, suffix: str, size: int, factory: dict[str, Any]) -> None:
         """Gain ``ln_weight{suffix}`` and, with ``bias=True``, bias ``ln_bias{suffix}``."""

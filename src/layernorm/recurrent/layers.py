@@ -50,7 +50,7 @@ from ._checks import (
     check_size,
     check_state,
 )
-from .cells import build_from_torch
+from .cells import _build_from_torch
 
 __all__ = ["LayerNormGRU", "LayerNormLSTM", "LayerNormRNN"]
 
@@ -247,7 +247,7 @@ class _LNRNNBase(nn.Module):
             raise ValueError(f"{cls.__name__}.from_torch: proj_size > 0 is not supported")
         p0 = module.weight_ih_l0
         cfg.update(device=p0.device, dtype=p0.dtype)
-        return build_from_torch(cls, module, cfg, kwargs)
+        return _build_from_torch(cls, module, cfg, kwargs)
 
     # -- forward -----------------------------------------------------------------------------
 

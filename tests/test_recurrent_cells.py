@@ -254,3 +254,8 @@ def test_cell_from_torch_copies_weights_and_keeps_ln_init(ours, theirs, extra, b
 def test_cell_from_torch_of_another_kind_fails() -> None:
     with pytest.raises(RuntimeError, match="size mismatch"):
         LayerNormLSTMCell.from_torch(torch.nn.GRUCell(3, 5))
+
+
+def test_cell_from_torch_refuses_weights_it_would_drop() -> None:
+    with pytest.raises(ValueError, match=r"GRUCell.from_torch: unexpected keys \['bias_ih'"):
+        LayerNormGRUCell.from_torch(torch.nn.GRUCell(3, 5), bias=False)

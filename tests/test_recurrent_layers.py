@@ -17,6 +17,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_s
 
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import StepKernels, _pointwise, register_step_kernels
+from layernorm.recurrent.cells import LayerNormGRUCell, LayerNormLSTMCell, LayerNormRNNCell
 
 DT = torch.float64
 FUSED_TOL = {"rtol": 1e-10, "atol": 1e-11}
@@ -426,3 +427,22 @@ def test_repr_shows_every_non_default_option() -> None:
     assert "normalize_cell_state=True" in text and "gain_init=0.5" in text, text
     text = repr(LayerNormLSTM(3, 4, norm="batch", momentum=0.2))
     assert "momentum=0.2" in text and "max_steps=100" in text, text
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_from_torch_refuses_weights_it_would_drop(kind: str) -> None:
+    cls, ref_cls = LAYERS[kind]
+    with pytest.raises(ValueError, match=r"from_torch: unexpected keys \['bias_ih_l0'"):
+        cls.from_torch(ref_cls(3, 4), bias=False)
+
+
+@pytest.mark.parametrize(
+    ("layer", "cell"),
+    [(LayerNormLSTM, LayerNormLSTMCell), (LayerNormGRU, LayerNormGRUCell),
+     (LayerNormRNN, LayerNormRNNCell)],
+)  # fmt: skip
+@pytest.mark.parametrize("bias", [True, False])
+def test_one_layer_has_its_cells_parameters(layer, cell, bias: bool) -> None:
+    """A one-layer sequence layer's parameters are its cell's, in the same order, named ``*_l0``."""
+    ours = [(n.removesuffix("_l0"), p.shape) for n, p in layer(3, 4, bias=bias).named_parameters()]
+    assert ours == [(n, p.shape) for n, p in cell(3, 4, bias=bias).named_parameters()]

@@ -8,12 +8,14 @@ A normalization is passed in as a callable ``norm(z) -> z'`` (``None`` = identit
 serves layer norm, recurrent batch norm (statistics per time step) and the plain recurrence.
 
 Parameter layout follows ``torch.nn.RNN/LSTM/GRU``: ``w_ih`` is ``(G·H, I)``, ``w_hh`` is
-``(G·H, H)`` with gates stacked in torch's order (LSTM ``i, f, g, o``; GRU ``r, z, n``).
+``(G·H, H)`` with gates stacked in torch's order (LSTM ``i, f, g, o``; GRU ``r, z, n``). The four
+travel together as :class:`Weights`, what a cell's or a layer direction's ``_weights()`` returns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,30 @@ from torch import Tensor
 from ..functional import layer_norm
 
 Norm = Callable[[Tensor], Tensor]
+
+#: The layer norms of each recurrence (``"RNN"``, ``"LSTM"``, ``"GRU"``), in parameter order: the
+#: name suffix of ``ln_weight*`` / ``ln_bias*`` and the units in multiples of H. The LN-RNN
+#: normalizes the summed pre-activation once; the LN-LSTM each projection (four gates together) and
+#: the cell state; the LN-GRU each projection, as two groups (:func:`make_grouped_ln`). Cells and
+#: sequence layers both register their gains and biases from this table.
+LN_PARTS: dict[str, tuple[tuple[str, int], ...]] = {
+    "RNN": (("", 1),),
+    "LSTM": (("_ih", 4), ("_hh", 4), ("_c", 1)),
+    "GRU": (("_ih", 3), ("_hh", 3)),
+}
+
+
+class Weights(NamedTuple):
+    """torch's four parameters of one cell, or of one layer in one direction.
+
+    ``w_ih`` ``(G·H, I)``, ``w_hh`` ``(G·H, H)``, ``b_ih`` and ``b_hh`` ``(G·H,)`` (``None`` when
+    the module has ``bias=False``), with the ``G`` gates stacked in torch's order.
+    """
+
+    w_ih: Tensor
+    w_hh: Tensor
+    b_ih: Tensor | None
+    b_hh: Tensor | None
 
 
 def make_ln(weight: Tensor | None, bias: Tensor | None, eps: float) -> Norm:
@@ -63,17 +89,11 @@ def _add_bias(z: Tensor, b_ih: Tensor | None, b_hh: Tensor | None) -> Tensor:
 
 
 def rnn_step(
-    x: Tensor,
-    h: Tensor,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
-    norm: Norm | None,
-    nonlinearity: str,
+    x: Tensor, h: Tensor, weights: Weights, norm: Norm | None, nonlinearity: str
 ) -> Tensor:
     r"""Eq. 4 of Ba et al.: :math:`a_t = W_{hh}h_{t-1} + W_{xh}x_t`,
     :math:`h_t = f(\frac{g}{\sigma_t}\odot(a_t-\mu_t) + b)` with ``b = β + b_ih + b_hh``."""
+    w_ih, w_hh, b_ih, b_hh = weights
     a = _apply(norm, F.linear(x, w_ih) + F.linear(h, w_hh))
     a = _add_bias(a, b_ih, b_hh)
     return torch.tanh(a) if nonlinearity == "tanh" else torch.relu(a)
@@ -83,10 +103,7 @@ def lstm_step(
     x: Tensor,
     h: Tensor,
     c: Tensor,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
+    weights: Weights,
     norm_ih: Norm | None,
     norm_hh: Norm | None,
     norm_c: Norm | None,
@@ -101,6 +118,7 @@ def lstm_step(
     Returns ``(h_t, c_carried)``: the un-normalized ``c_t`` (the paper), or ``LN(c_t)`` when
     ``carry_normalized`` (TF-Addons / PyTorch fastrnns variant).
     """
+    w_ih, w_hh, b_ih, b_hh = weights
     gates = _apply(norm_ih, F.linear(x, w_ih)) + _apply(norm_hh, F.linear(h, w_hh))
     gates = _add_bias(gates, b_ih, b_hh)
     i, f, g, o = gates.chunk(4, dim=-1)
@@ -111,14 +129,7 @@ def lstm_step(
 
 
 def gru_step(
-    x: Tensor,
-    h: Tensor,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
-    norm_ih: Norm | None,
-    norm_hh: Norm | None,
+    x: Tensor, h: Tensor, weights: Weights, norm_ih: Norm | None, norm_hh: Norm | None
 ) -> Tensor:
     r"""LN-GRU (Ba et al., supplementary) on torch's GRU layout (gates ``r, z, n``):
 
@@ -132,6 +143,7 @@ def gru_step(
     is the paper's ``1 − z`` (``h_t = (1 − z)⊙h_{t−1} + z⊙ĥ_t``): the same model with the update
     gate's pre-activation negated, kept so that ``norm="none"`` reproduces ``torch.nn.GRU``.
     """
+    w_ih, w_hh, b_ih, b_hh = weights
     hs = h.shape[-1]
     gx = _apply(norm_ih, F.linear(x, w_ih))
     gh = _apply(norm_hh, F.linear(h, w_hh))

@@ -28,7 +28,7 @@ Drive a cell over time::
 from __future__ import annotations
 
 import math
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -45,10 +45,36 @@ from ._checks import (
 
 __all__ = ["LayerNormGRUCell", "LayerNormLSTMCell", "LayerNormRNNCell"]
 
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _build_from_torch(
+    cls: type[_M], module: nn.Module, config: dict[str, Any], overrides: dict[str, Any]
+) -> _M:
+    """``cls(module.input_size, module.hidden_size, **config)`` with ``module``'s weights loaded.
+
+    ``overrides`` (the caller's keyword arguments) take precedence over ``config`` (what was read
+    off ``module``). The load is by name with ``strict=False``: our normalization parameters, which
+    torch's modules lack, keep their initial values, but every entry of ``module``'s state_dict must
+    find its place, else ``ValueError`` (e.g. ``bias=False`` asked of a module with biases; a shape
+    that differs, as an ``LSTMCell``'s weights in a GRU cell, is torch's ``RuntimeError``). The
+    cells' and the sequence layers' ``from_torch`` both end here.
+    """
+    new = cls(module.input_size, module.hidden_size, **(config | overrides))
+    result = new.load_state_dict(module.state_dict(), strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"{cls.__name__}.from_torch: unexpected keys {result.unexpected_keys}")
+    return new
+
 
 class _LNCellBase(nn.Module):
-    """Weights as torch's cells; layer-norm gains/biases registered by the subclasses."""
+    """Weights as torch's cells plus the layer norms of :data:`._steps.LN_PARTS` for ``mode``.
 
+    The subclasses check and set their own options after this constructor, then call
+    :meth:`reset_parameters`.
+    """
+
+    mode = "RNN"  # "RNN", "LSTM" or "GRU", as the sequence layers'
     gate_count = 1
 
     def __init__(
@@ -58,7 +84,8 @@ class _LNCellBase(nn.Module):
         bias: bool,
         gain_init: float,
         eps: float,
-        factory: dict[str, Any],
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -67,6 +94,7 @@ class _LNCellBase(nn.Module):
         self.bias = bool(bias)
         self.gain_init = check_gain(gain_init, "gain_init", owner)
         self.eps = check_eps(eps, owner)
+        factory = {"device": device, "dtype": dtype}
         gh = self.gate_count * hidden_size
         self.weight_ih = nn.Parameter(torch.empty(gh, input_size, **factory))
         self.weight_hh = nn.Parameter(torch.empty(gh, hidden_size, **factory))
@@ -77,6 +105,8 @@ class _LNCellBase(nn.Module):
             self.register_parameter("bias_ih", None)
             self.register_parameter("bias_hh", None)
         self._ln_names: list[tuple[str, str]] = []
+        for suffix, units in _steps.LN_PARTS[self.mode]:
+            self._add_ln(suffix, units * hidden_size, factory)
 
     @classmethod
     def from_torch(cls, cell: nn.RNNCellBase, **kwargs: Any) -> Self:
@@ -91,12 +121,7 @@ class _LNCellBase(nn.Module):
         }  # fmt: skip
         if isinstance(cell, nn.RNNCell):
             cfg["nonlinearity"] = cell.nonlinearity
-        cfg.update(kwargs)
-        new = cls(cell.input_size, cell.hidden_size, **cfg)
-        result = new.load_state_dict(cell.state_dict(), strict=False)
-        if result.unexpected_keys:
-            raise ValueError(f"{cls.__name__}.from_torch: unexpected keys {result.unexpected_keys}")
-        return new
+        return _build_from_torch(cls, cell, cfg, kwargs)
 
     def _add_ln(self, suffix: str, size: int, factory: dict[str, Any]) -> None:
         """Gain ``ln_weight{suffix}`` and, with ``bias=True``, bias ``ln_bias{suffix}``."""
@@ -127,8 +152,8 @@ class _LNCellBase(nn.Module):
             return x.new_zeros(x.shape[0], self.hidden_size)
         return self._state(hx, "hx", x, batched)
 
-    def _weights(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-        return self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
+    def _weights(self) -> _steps.Weights:
+        return _steps.Weights(self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
 
     def _prepare(self, x: object) -> tuple[Tensor, bool]:
         owner = type(self).__name__
@@ -178,6 +203,8 @@ class LayerNormRNNCell(_LNCellBase):
         ``None``. Returns ``h'`` of ``hx``'s shape.
     """
 
+    mode = "RNN"
+
     def __init__(
         self,
         input_size: int,
@@ -190,21 +217,19 @@ class LayerNormRNNCell(_LNCellBase):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        factory = {"device": device, "dtype": dtype}
-        super().__init__(input_size, hidden_size, bias, gain_init, eps, factory)
+        super().__init__(input_size, hidden_size, bias, gain_init, eps, device, dtype)
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(
                 f"LayerNormRNNCell: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}"
             )
         self.nonlinearity = nonlinearity
-        self._add_ln("", hidden_size, factory)
         self.reset_parameters()
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
         """``h' = cell(x, h)``; ``hx=None`` starts from zeros (shapes in the class docstring)."""
         x, batched = self._prepare(input)
         h = _steps.rnn_step(
-            x, self._hidden(hx, x, batched), *self._weights(),
+            x, self._hidden(hx, x, batched), self._weights(),
             _steps.make_ln(self.ln_weight, self.ln_bias, self.eps), self.nonlinearity,
         )  # fmt: skip
         return h if batched else h.squeeze(0)
@@ -247,6 +272,7 @@ class LayerNormLSTMCell(_LNCellBase):
         ``(H,)`` tensors, zeros when ``None``. Returns ``(h', c')``.
     """
 
+    mode = "LSTM"
     gate_count = 4
 
     def __init__(
@@ -261,12 +287,8 @@ class LayerNormLSTMCell(_LNCellBase):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        factory = {"device": device, "dtype": dtype}
-        super().__init__(input_size, hidden_size, bias, gain_init, eps, factory)
+        super().__init__(input_size, hidden_size, bias, gain_init, eps, device, dtype)
         self.normalize_cell_state = bool(normalize_cell_state)
-        self._add_ln("_ih", 4 * hidden_size, factory)
-        self._add_ln("_hh", 4 * hidden_size, factory)
-        self._add_ln("_c", hidden_size, factory)
         self.reset_parameters()
 
     def forward(
@@ -286,7 +308,7 @@ class LayerNormLSTMCell(_LNCellBase):
             h = self._state(hx[0], "hx[0]", x, batched)
             c = self._state(hx[1], "hx[1]", x, batched)
         h, c = _steps.lstm_step(
-            x, h, c, *self._weights(),
+            x, h, c, self._weights(),
             _steps.make_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps),
             _steps.make_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps),
             _steps.make_ln(self.ln_weight_c, self.ln_bias_c, self.eps),
@@ -317,6 +339,7 @@ class LayerNormGRUCell(_LNCellBase):
         ``None``. Returns ``h'``.
     """
 
+    mode = "GRU"
     gate_count = 3
 
     def __init__(
@@ -330,10 +353,7 @@ class LayerNormGRUCell(_LNCellBase):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        factory = {"device": device, "dtype": dtype}
-        super().__init__(input_size, hidden_size, bias, gain_init, eps, factory)
-        self._add_ln("_ih", 3 * hidden_size, factory)
-        self._add_ln("_hh", 3 * hidden_size, factory)
+        super().__init__(input_size, hidden_size, bias, gain_init, eps, device, dtype)
         self.reset_parameters()
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
@@ -341,7 +361,7 @@ class LayerNormGRUCell(_LNCellBase):
         x, batched = self._prepare(input)
         hs = self.hidden_size
         h = _steps.gru_step(
-            x, self._hidden(hx, x, batched), *self._weights(),
+            x, self._hidden(hx, x, batched), self._weights(),
             _steps.make_grouped_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps, hs),
             _steps.make_grouped_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps, hs),
         )  # fmt: skip

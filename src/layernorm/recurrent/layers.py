@@ -50,6 +50,7 @@ from ._checks import (
     check_size,
     check_state,
 )
+from .cells import _build_from_torch
 
 __all__ = ["LayerNormGRU", "LayerNormLSTM", "LayerNormRNN"]
 
@@ -169,10 +170,8 @@ class _LNRNNBase(nn.Module):
     def _make_norm_params(self, sfx: str, factory: dict[str, Any]) -> None:
         hs, gh = self.hidden_size, self.gate_count * self.hidden_size
         if self.norm == "layer":
-            pieces = [("", hs)] if self.mode == "RNN" else [("_ih", gh), ("_hh", gh)]
-            if self.mode == "LSTM":
-                pieces.append(("_c", hs))
-            for part, size in pieces:
+            for part, units in _steps.LN_PARTS[self.mode]:
+                size = units * hs
                 self._norm_param(f"ln_weight{part}{sfx}", size, self.gain_init, factory)
                 if self.bias:
                     self._norm_param(f"ln_bias{part}{sfx}", size, 0.0, factory)
@@ -210,10 +209,10 @@ class _LNRNNBase(nn.Module):
     def _get(self, name: str) -> Tensor | None:
         return getattr(self, name, None)
 
-    def _weights(self, sfx: str) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    def _weights(self, sfx: str) -> _steps.Weights:
         """torch's four parameters of one layer and direction: ``w_ih, w_hh, b_ih, b_hh``."""
         w_ih, w_hh = getattr(self, f"weight_ih{sfx}"), getattr(self, f"weight_hh{sfx}")
-        return w_ih, w_hh, self._get(f"bias_ih{sfx}"), self._get(f"bias_hh{sfx}")
+        return _steps.Weights(w_ih, w_hh, self._get(f"bias_ih{sfx}"), self._get(f"bias_hh{sfx}"))
 
     def flatten_parameters(self) -> None:
         """No-op, for code written against ``torch.nn.LSTM`` (there is no cuDNN weight buffer to
@@ -248,12 +247,7 @@ class _LNRNNBase(nn.Module):
             raise ValueError(f"{cls.__name__}.from_torch: proj_size > 0 is not supported")
         p0 = module.weight_ih_l0
         cfg.update(device=p0.device, dtype=p0.dtype)
-        cfg.update(kwargs)
-        new = cls(module.input_size, module.hidden_size, **cfg)
-        result = new.load_state_dict(module.state_dict(), strict=False)
-        if result.unexpected_keys:
-            raise ValueError(f"{cls.__name__}.from_torch: unexpected keys {result.unexpected_keys}")
-        return new
+        return _build_from_torch(cls, module, cfg, kwargs)
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -482,7 +476,7 @@ class _LNRNNBase(nn.Module):
     def _loop(
         self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        w_ih, w_hh, b_ih, b_hh = self._weights(sfx)
+        weights = self._weights(sfx)
         h, c = h0, c0
         outs: list[Tensor] = [data] * len(sizes)
         carry_norm = self.normalize_cell_state and self.norm == "layer"
@@ -492,13 +486,13 @@ class _LNRNNBase(nn.Module):
             if self.mode == "LSTM":
                 assert c is not None
                 h_t, c_t = _steps.lstm_step(
-                    x_t, h[:bs], c[:bs], w_ih, w_hh, b_ih, b_hh, n_ih, n_hh, n_c, carry_norm
+                    x_t, h[:bs], c[:bs], weights, n_ih, n_hh, n_c, carry_norm
                 )
                 c = c_t if bs == c.shape[0] else torch.cat((c_t, c[bs:]))
             elif self.mode == "GRU":
-                h_t = _steps.gru_step(x_t, h[:bs], w_ih, w_hh, b_ih, b_hh, n_ih, n_hh)
+                h_t = _steps.gru_step(x_t, h[:bs], weights, n_ih, n_hh)
             else:
-                h_t = _steps.rnn_step(x_t, h[:bs], w_ih, w_hh, b_ih, b_hh, n_ih, self.nonlinearity)
+                h_t = _steps.rnn_step(x_t, h[:bs], weights, n_ih, self.nonlinearity)
             # rows past bs belong to sequences that ended (or, in reverse, have not begun)
             h = h_t if bs == h.shape[0] else torch.cat((h_t, h[bs:]))
             outs[t] = h_t

@@ -252,7 +252,9 @@ def test_cell_from_torch_copies_weights_and_keeps_ln_init(ours, theirs, extra, b
 
 
 def test_cell_from_torch_of_another_kind_fails() -> None:
-    with pytest.raises(RuntimeError, match="size mismatch"):
+    with pytest.raises(
+        TypeError, match=r"LayerNormLSTMCell.from_torch expects a torch.nn.LSTMCell, got GRUCell"
+    ):
         LayerNormLSTMCell.from_torch(torch.nn.GRUCell(3, 5))
 
 

@@ -446,3 +446,25 @@ def test_one_layer_has_its_cells_parameters(layer, cell, bias: bool) -> None:
     """A one-layer sequence layer's parameters are its cell's, in the same order, named ``*_l0``."""
     ours = [(n.removesuffix("_l0"), p.shape) for n, p in layer(3, 4, bias=bias).named_parameters()]
     assert ours == [(n, p.shape) for n, p in cell(3, 4, bias=bias).named_parameters()]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("other", ["lstm", "gru", "rnn"])
+def test_from_torch_of_another_kind_names_both(kind: str, other: str) -> None:
+    cls, ref_cls = LAYERS[kind]
+    other_cls = LAYERS[other][1]
+    if other == kind:
+        assert isinstance(cls.from_torch(other_cls(3, 4)), cls)
+        return
+    expected = rf"{cls.__name__}.from_torch expects a torch.nn.{ref_cls.__name__}, "
+    with pytest.raises(TypeError, match=expected + rf"got {other_cls.__name__}"):
+        cls.from_torch(other_cls(3, 4))
+
+
+@pytest.mark.parametrize(
+    ("cell", "torch_cell"),
+    [(LayerNormRNNCell, torch.nn.RNNCell), (LayerNormGRUCell, torch.nn.GRUCell)],
+)
+def test_cell_from_torch_refuses_a_layer(cell: type, torch_cell: type) -> None:
+    with pytest.raises(TypeError, match=rf"expects a torch.nn.{torch_cell.__name__}, got Linear"):
+        cell.from_torch(torch.nn.Linear(3, 4))

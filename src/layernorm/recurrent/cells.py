@@ -48,6 +48,22 @@ __all__ = ["LayerNormGRUCell", "LayerNormLSTMCell", "LayerNormRNNCell"]
 _M = TypeVar("_M", bound=nn.Module)
 
 
+_TORCH_CELLS: dict[str, type[nn.RNNCellBase]] = {
+    "RNN": nn.RNNCell, "LSTM": nn.LSTMCell, "GRU": nn.GRUCell,
+}  # fmt: skip
+
+
+def _require_torch_kind(cls: type, module: object, expected: type[nn.Module]) -> None:
+    """``TypeError`` naming both classes unless ``module`` is a ``expected`` (before any of its
+    attributes is read: an ``nn.GRU`` given to the LSTM's ``from_torch`` is named as such, not
+    reported as a weight-shape mismatch)."""
+    if not isinstance(module, expected):
+        raise TypeError(
+            f"{cls.__name__}.from_torch expects a torch.nn.{expected.__name__}, "
+            f"got {type(module).__name__}"
+        )
+
+
 def _build_from_torch(
     cls: type[_M], module: nn.Module, config: dict[str, Any], overrides: dict[str, Any]
 ) -> _M:
@@ -116,6 +132,7 @@ class _LNCellBase(nn.Module):
         ``kwargs`` go to the constructor (e.g. ``gain_init``); the layer-norm gains and biases keep
         their initial values, so the cell computes the LN recurrence with torch's weights.
         """
+        _require_torch_kind(cls, cell, _TORCH_CELLS[cls.mode])
         cfg: dict[str, Any] = {
             "bias": cell.bias, "device": cell.weight_ih.device, "dtype": cell.weight_ih.dtype,
         }  # fmt: skip

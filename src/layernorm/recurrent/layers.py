@@ -50,12 +50,14 @@ from ._checks import (
     check_size,
     check_state,
 )
-from .cells import _build_from_torch
+from .cells import _build_from_torch, _require_torch_kind
 
 __all__ = ["LayerNormGRU", "LayerNormLSTM", "LayerNormRNN"]
 
 Impl = Literal["auto", "fused", "loop"]
 _FUSED_DTYPES = (torch.float32, torch.float64)
+# The torch layer whose weights each recurrence takes, for ``from_torch``.
+_TORCH_LAYERS: dict[str, type[nn.RNNBase]] = {"RNN": nn.RNN, "LSTM": nn.LSTM, "GRU": nn.GRU}
 
 
 class _LNRNNBase(nn.Module):
@@ -237,6 +239,7 @@ class _LNRNNBase(nn.Module):
         ``kwargs`` go to the constructor (e.g. ``norm="layer"``, ``gain_init``); the normalization
         parameters keep their initial values. Everything of ``module``'s state_dict must be used.
         """
+        _require_torch_kind(cls, module, _TORCH_LAYERS[cls.mode])
         cfg: dict[str, Any] = {
             "num_layers": module.num_layers, "bias": module.bias, "batch_first": module.batch_first,
             "dropout": module.dropout, "bidirectional": module.bidirectional,

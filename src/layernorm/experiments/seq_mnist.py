@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..data import load_mnist
 from ..recurrent import LayerNormLSTM
+from .mnist_ff import mnist_subsets
 from .plots import COLORS, LABELS
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
 from .seq_common import check_choices, claim, lines, lower, lower_per_second, rows, train_grid
@@ -110,14 +110,11 @@ def run(cfg: SeqMnistConfig, ctx: RunContext) -> list[Record]:
         raise ValueError(f"seq-mnist: mode must be one of {tuple(MODES)}, got {cfg.mode!r}")
     check_choices("seq-mnist", "norms", cfg.norms, NORMS)
     steps_t, feats = MODES[cfg.mode]
-    data = load_mnist()
-    tx = data.train_x[: cfg.n_train].reshape(-1, steps_t, feats)
-    ty = data.train_y[: cfg.n_train]
-    sx = data.test_x[: cfg.n_test].reshape(-1, steps_t, feats)
+    (tx, ty), (sx, sy) = mnist_subsets(cfg.n_train, cfg.n_test)
+    tx, sx = tx.reshape(-1, steps_t, feats), sx.reshape(-1, steps_t, feats)
     if cfg.standardize:
         mu, sd = float(tx.mean()), float(tx.std())
         tx, sx = (tx - mu) / sd, (sx - mu) / sd
-    sy = data.test_y[: cfg.n_test]
 
     def sample(g: torch.Generator) -> tuple[Tensor, Tensor]:
         idx = torch.randint(0, tx.shape[0], (cfg.batch_size,), generator=g)

@@ -30,6 +30,7 @@ from .plots import COLORS, LABELS
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
 from .seq_common import check_choices, claim, lines, lower, lower_per_second, rows, train_grid
 from .seq_training import final, final_table, mean_curve, step_time_figure
+from .training import evaluate
 
 NORMS = ("none", "layer", "batch")
 MODES = {"rows": (28, 28), "pixels": (784, 1)}  # mode → (time steps, features per step)
@@ -92,17 +93,11 @@ class SeqClassifier(nn.Module):
         return self.out(h[-1])
 
 
-@torch.no_grad()
 def classify(model: nn.Module, x: Tensor, y: Tensor, device: torch.device, batch: int = 500
              ) -> dict[str, float]:  # fmt: skip
-    """Test NLL (nats) and error rate."""
-    nll, wrong = 0.0, 0
-    for i in range(0, x.shape[0], batch):
-        xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
-        logits = model(xb)
-        nll += float(F.cross_entropy(logits, yb, reduction="sum"))
-        wrong += int((logits.argmax(1) != yb).sum())
-    return {"test_nll": nll / x.shape[0], "test_err": wrong / x.shape[0]}
+    """Test NLL (nats) and error rate (:func:`~layernorm.experiments.training.evaluate`)."""
+    nll, err = evaluate(model, x, y, device, batch)
+    return {"test_nll": nll, "test_err": err}
 
 
 def run(cfg: SeqMnistConfig, ctx: RunContext) -> list[Record]:

@@ -161,3 +161,57 @@ def test_report_skips_a_damaged_result_and_keeps_the_others(tmp_path):
     text = md.read_text()
     assert "`table1`" in text and "geo-shrink" not in text
     assert "<em>Layer Normalization</em>" in html.read_text()
+
+
+def test_run_seed_and_check_choices():
+    ctx = RunContext(out_dir=Path("."), device=torch.device("cpu"), seed=3)
+    assert [ctx.run_seed(s) for s in range(3)] == [3000, 3001, 3002]
+    registry.check_choices("mnist-ff", "norms", ("none", "layer"), mnist_ff.NORMS)
+    with pytest.raises(ValueError, match=r"mnist-ff: norms must be among .*, got 'group'"):
+        registry.check_choices("mnist-ff", "norms", ("layer", "group"), mnist_ff.NORMS)
+
+
+def test_run_files_restore_what_they_saved(tmp_path):
+    from layernorm.experiments.training import RunFiles
+
+    def parts(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        return model, opt, torch.Generator().manual_seed(seed)
+
+    ctx = RunContext(out_dir=tmp_path, device=torch.device("cpu"), resume=True)
+    files = RunFiles.of(ctx, "r")
+    assert files.finished() is None and files.restore(*parts(0), "order_rng") == ({}, [])
+    model, opt, gen = parts(1)
+    torch.randperm(5, generator=gen)
+    history = [{"epoch": 1, "loss": 0.5}, {"epoch": 2, "loss": 0.25}]
+    files.save(history, {"epoch": 2}, model, opt, gen, "order_rng")
+    rng = torch.get_rng_state()
+    torch.rand(3)  # moves the global RNG on; restore must bring it back
+    model2, opt2, gen2 = parts(2)
+    state, saved = files.restore(model2, opt2, gen2, "order_rng")
+    assert state["epoch"] == 2 and saved == history
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(gen2.get_state(), gen.get_state())
+    assert torch.equal(model.weight, model2.weight) and torch.equal(model.bias, model2.bias)
+    keys = ["epoch", "model", "optimizer", "order_rng", "torch_rng"]  # the checkpoint format
+    assert list(torch.load(files.ckpt, weights_only=False)) == keys
+    files.finish(history)
+    assert files.finished() == history
+    assert dataclasses.replace(files, resume=False).finished() is None
+
+
+def test_epoch_lower_compares_the_two_models_summaries():
+    from layernorm.experiments.epoch_records import auc, lower
+
+    recs = [{"model": m, "batch_size": 8, "seed": s, "epoch": e, "nll": v + 0.1 * e + 0.01 * s}
+            for m, v in (("layer", 1.0), ("batch", 2.0))
+            for s in range(3) for e in (1, 2)]  # fmt: skip
+    kw = {"quantity": "q", "margin": 0.1}
+    c = lower(recs, auc, "nll", 8, ("LN", "layer"), ("BN", "batch"), **kw)
+    ln, bn = auc(recs, "layer", 8, "nll"), auc(recs, "batch", 8, "nll")
+    assert c == compare_lower("LN", ln, "BN", bn, **kw)
+    assert c.status == "holds" and c.statistic.startswith("q: LN 1.16")

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import replace_norms
-from ..data import load_mnist
-from .char_lm import fixed_windows, lm_loss, load_corpus, sample_windows, valid_bpc
-from .registry import Claim, Experiment, Record, RunContext, Verdict, register
+from .char_lm import bpc_evaluator, lm_loss, load_corpus, sample_windows
+from .mnist_ff import mnist_subsets
+from .registry import Claim, Experiment, Record, RunContext, Verdict, check_choices, register
 from .seq_training import StepSpec, final, final_table, step_time_figure, train_steps
 from .stats import compare_lower, compare_not_worse, mean_sd, verdict
 from .training import TrainSpec, torch_threads, train_classifier
@@ -144,22 +144,16 @@ class TransformerLM(nn.Module):
 
 
 def run(cfg: AdaNormConfig, ctx: RunContext) -> list[Record]:
-    for k in cfg.kinds:
-        if k not in KINDS:
-            raise ValueError(f"adanorm: kinds must be among {KINDS}, got {k!r}")
-    for t in cfg.tasks:
-        if t not in TASKS:
-            raise ValueError(f"adanorm: tasks must be among {TASKS}, got {t!r}")
+    check_choices("adanorm", "kinds", cfg.kinds, KINDS)
+    check_choices("adanorm", "tasks", cfg.tasks, TASKS)
     if len(cfg.channels) != 2:
         raise ValueError(f"adanorm: channels must hold two sizes, got {cfg.channels!r}")
     records: list[Record] = []
     with torch_threads(cfg.threads):
         if "mnist" in cfg.tasks:
-            data = load_mnist()
-            train = (data.train_x[: cfg.n_train], data.train_y[: cfg.n_train])
-            test = (data.test_x[: cfg.n_test], data.test_y[: cfg.n_test])
+            train, test = mnist_subsets(cfg.n_train, cfg.n_test)
             for s in range(cfg.seeds):
-                seed = ctx.seed * 1000 + s
+                seed = ctx.run_seed(s)
                 for kind in cfg.kinds:
                     records += train_classifier(
                         f"mnist-{kind}-s{seed}",
@@ -170,9 +164,9 @@ def run(cfg: AdaNormConfig, ctx: RunContext) -> list[Record]:
                     )  # fmt: skip
         if "lm" in cfg.tasks:
             corpus = load_corpus()
-            valid = fixed_windows(corpus.valid, cfg.seq_len, cfg.n_valid)
+            evaluate = bpc_evaluator(cfg.seq_len, cfg.n_valid, ctx.device)
             for s in range(cfg.seeds):
-                seed = ctx.seed * 1000 + s
+                seed = ctx.run_seed(s)
                 for kind in cfg.kinds:
                     records += train_steps(
                         f"lm-{kind}-s{seed}",
@@ -180,7 +174,7 @@ def run(cfg: AdaNormConfig, ctx: RunContext) -> list[Record]:
                                                         cfg.d_ff, cfg.layers, cfg.seq_len, kind),
                         lambda g: sample_windows(corpus.train, cfg.seq_len, cfg.lm_batch, g),
                         lambda m, b: lm_loss(m, b, ctx.device),
-                        lambda m: {"valid_bpc": valid_bpc(m, valid, ctx.device)},
+                        evaluate,
                         StepSpec(cfg.lm_steps, cfg.lm_eval_every, cfg.lm_lr, seed), ctx,
                         {"task": "lm", "model": kind, "seed": seed},
                     )  # fmt: skip

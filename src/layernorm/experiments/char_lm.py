@@ -124,6 +124,15 @@ def valid_bpc(model: nn.Module, windows: Tensor, device: torch.device) -> float:
     return float(position_nll(model, windows, device).mean()) / LN2
 
 
+def bpc_evaluator(
+    length: int, n: int, device: torch.device
+) -> Callable[[nn.Module], dict[str, float]]:
+    """The ``evaluate`` of a character LM's training run: ``{"valid_bpc": BPC}`` over ``n`` fixed
+    validation windows of ``length`` characters (:func:`fixed_windows` of the last 10%)."""
+    valid = fixed_windows(load_corpus().valid, length, n)
+    return lambda m: {"valid_bpc": valid_bpc(m, valid, device)}
+
+
 class LMSettings(StepSettings, Protocol):
     """The settings :func:`train_lms` reads: :class:`~layernorm.experiments.seq_common.
     StepSettings` and the batch size."""
@@ -197,11 +206,10 @@ def config(quick: bool) -> CharLMConfig:
 def run(cfg: CharLMConfig, ctx: RunContext) -> list[Record]:
     check_choices("char-lm", "norms", cfg.norms, NORMS)
     corpus = load_corpus()
-    valid = fixed_windows(corpus.valid, cfg.seq_len, cfg.n_valid)
     return train_lms(
         cfg, ctx, cfg.norms,
         lambda norm: CharLSTM(corpus.vocab, cfg.embed, cfg.hidden, norm, max_steps=cfg.seq_len),
-        cfg.seq_len, lambda m: {"valid_bpc": valid_bpc(m, valid, ctx.device)},
+        cfg.seq_len, bpc_evaluator(cfg.seq_len, cfg.n_valid, ctx.device),
     )  # fmt: skip
 
 

@@ -16,12 +16,11 @@ from pathlib import Path
 from torch import nn
 
 from .. import BatchNorm, LayerNorm
-from ..data import load_mnist
-from .epoch_records import auc, final_epoch_table, late
-from .mnist_ff import NORMS
-from .plots import curves_figure
+from .epoch_records import auc, final_epoch_table, late, lower
+from .mnist_ff import BN, LN, NORMS, mnist_subsets
+from .plots import classifier_panels, curves_figure
 from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
-from .stats import compare_lower, verdict
+from .stats import verdict
 from .training import TrainSpec, torch_threads, train_classifier
 
 
@@ -91,14 +90,12 @@ def build_cnn(norm: str, channels: Sequence[int]) -> nn.Sequential:
 def run(cfg: ConvnetConfig, ctx: RunContext) -> list[Record]:
     if len(cfg.channels) != 2:
         raise ValueError(f"convnet: channels must hold two sizes, got {cfg.channels!r}")
-    data = load_mnist()
-    train = (data.train_x[: cfg.n_train], data.train_y[: cfg.n_train])
-    test = (data.test_x[: cfg.n_test], data.test_y[: cfg.n_test])
+    train, test = mnist_subsets(cfg.n_train, cfg.n_test)
     records: list[Record] = []
     with torch_threads(cfg.threads):
         for s in range(cfg.seeds):
             for norm in cfg.norms:
-                seed = ctx.seed * 1000 + s
+                seed = ctx.run_seed(s)
                 spec = TrainSpec(
                     epochs=cfg.epochs,
                     batch_size=cfg.batch_size,
@@ -118,40 +115,24 @@ def run(cfg: ConvnetConfig, ctx: RunContext) -> list[Record]:
     return records
 
 
+def _missing(cfg: ConvnetConfig, need: tuple[str, str], cid: str) -> Verdict | None:
+    if set(need) <= set(cfg.norms):
+        return None
+    return Verdict(cid, "inconclusive", "models not run", f"needs {need[0]} and {need[1]}")
+
+
 def verdicts(records: Sequence[Record], cfg: ConvnetConfig) -> list[Verdict]:
     bs = cfg.batch_size
-    out = []
-    if not {"none", "layer"} <= set(cfg.norms):
-        out.append(
-            Verdict("cnn-ln-speedup", "inconclusive", "models not run", "needs none and layer")
-        )
-    else:
-        c = compare_lower(
-            "LN",
-            auc(records, "layer", bs, "train_nll"),
-            "none",
-            auc(records, "none", bs, "train_nll"),
-            quantity="training NLL averaged over the epochs",
-            margin=0.002,
-        )
-        out.append(verdict("cnn-ln-speedup", c))
-    if not {"batch", "layer"} <= set(cfg.norms):
-        out.append(
-            Verdict("cnn-bn-best", "inconclusive", "models not run", "needs batch and layer")
-        )
-    else:
-        c = compare_lower(
-            "BN",
-            late(records, "batch", bs, "test_err"),
-            "LN",
-            late(records, "layer", bs, "test_err"),
-            quantity="late test error (mean over the second half of the epochs)",
-            margin=0.001,
-            scale=100,
-            unit="%",
-        )
-        out.append(verdict("cnn-bn-best", c))
-    return out
+    # `missing or verdict(...)`: the comparison is computed only when nothing is missing
+    return [
+        _missing(cfg, ("none", "layer"), "cnn-ln-speedup") or verdict("cnn-ln-speedup", lower(
+            records, auc, "train_nll", bs, LN, ("none", "none"),
+            quantity="training NLL averaged over the epochs", margin=0.002)),
+        _missing(cfg, ("batch", "layer"), "cnn-bn-best") or verdict("cnn-bn-best", lower(
+            records, late, "test_err", bs, BN, LN,
+            quantity="late test error (mean over the second half of the epochs)", margin=0.001,
+            scale=100, unit="%")),
+    ]  # fmt: skip
 
 
 def tables(records: Sequence[Record], cfg: ConvnetConfig) -> str:
@@ -160,10 +141,7 @@ def tables(records: Sequence[Record], cfg: ConvnetConfig) -> str:
 
 
 def plot(records: Sequence[Record], cfg: ConvnetConfig, fig_dir: Path) -> list[Path]:
-    panels = [
-        ("train_nll", {}, "train NLL", "NLL (nats)", True),
-        ("test_err", {}, "test error", "error (%)", False),
-    ]
+    panels = classifier_panels({})
     title = (
         f"MNIST ConvNet (channels {cfg.channels[0]}, {cfg.channels[1]}), batch "
         f"{cfg.batch_size}, {cfg.n_train} training images, {cfg.seeds} seed(s)"

@@ -4,12 +4,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .registry import Record
-from .stats import mean_sd
+from .stats import Comparison, compare_lower, mean_sd
 
-__all__ = ["auc", "final_epoch", "final_epoch_table", "late"]
+__all__ = ["Side", "auc", "final_epoch", "final_epoch_table", "late", "lower"]
+
+#: One side of a comparison: its label in the statistic text and the model whose records it takes.
+Side = tuple[str, str]
 
 
 def final_epoch(records: Sequence[Record], model: str, bs: int, metric: str) -> list[float]:
@@ -41,6 +45,23 @@ def auc(records: Sequence[Record], model: str, bs: int, metric: str) -> list[flo
         if r["model"] == model and r["batch_size"] == bs:
             per_seed.setdefault(int(r["seed"]), []).append(float(r[metric]))
     return [sum(v) / len(v) for _, v in sorted(per_seed.items())]
+
+
+def lower(
+    records: Sequence[Record],
+    summary: Callable[[Sequence[Record], str, int, str], list[float]],
+    metric: str,
+    bs: int,
+    a: Side,
+    b: Side,
+    **kw: Any,
+) -> Comparison:
+    """:func:`~layernorm.experiments.stats.compare_lower` of ``summary(records, model, bs,
+    metric)`` (:func:`auc`, :func:`late` or :func:`final_epoch`) for side A against side B at
+    batch size ``bs``; ``kw`` (``quantity``, ``margin``, ``scale``, ``unit``) goes to
+    ``compare_lower``."""
+    return compare_lower(a[0], summary(records, a[1], bs, metric),
+                         b[0], summary(records, b[1], bs, metric), **kw)  # fmt: skip
 
 
 def final_epoch_table(

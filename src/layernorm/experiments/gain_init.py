@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .char_lm import CharLSTM, fixed_windows, load_corpus, train_lms, valid_bpc
+from .char_lm import CharLSTM, bpc_evaluator, load_corpus, train_lms
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
 from .seq_common import check_choices, claim, lines, lower, rows
 from .seq_training import final, final_table, step_time_figure
@@ -61,7 +61,6 @@ def config(quick: bool) -> GainInitConfig:
 def run(cfg: GainInitConfig, ctx: RunContext) -> list[Record]:
     check_choices("gain-init", "models", cfg.models, tuple(MODELS))
     corpus = load_corpus()
-    valid = fixed_windows(corpus.valid, cfg.seq_len, cfg.n_valid)
 
     def build(name: str) -> CharLSTM:
         norm, gain = MODELS[name]
@@ -73,7 +72,7 @@ def run(cfg: GainInitConfig, ctx: RunContext) -> list[Record]:
         return {"model": name, "norm": norm, "gain_init": gain, "seed": seed}
 
     return train_lms(cfg, ctx, cfg.models, build, cfg.seq_len,
-                     lambda m: {"valid_bpc": valid_bpc(m, valid, ctx.device)}, tags)  # fmt: skip
+                     bpc_evaluator(cfg.seq_len, cfg.n_valid, ctx.device), tags)  # fmt: skip
 
 
 def verdicts(records: Sequence[Record], cfg: GainInitConfig) -> list[Verdict]:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..functional import layer_norm
-from .plots import plt
+from .plots import plt, save_figure
 from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
 
 DT = torch.float64
@@ -252,12 +252,7 @@ def plot(records: Sequence[Record], cfg: GeometryConfig, fig_dir: Path) -> list[
         ax.legend(fontsize=8)
     axes[0].set_title("metric along w_i vs its norm (theory: slope −2)", fontsize=10)
     axes[1].set_title("metric vs input scale (theory: gain 0, standard GLM 2)", fontsize=10)
-    fig.tight_layout()
-    fig_dir.mkdir(parents=True, exist_ok=True)
-    path = fig_dir / "geometry.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, fig_dir / "geometry.png")]
 
 
 EXPERIMENT = register(

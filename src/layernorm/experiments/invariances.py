@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from .. import BatchNorm, LayerNorm, RMSNorm
-from .plots import plt
+from .plots import plt, save_figure
 from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
 
 METHODS = ("batch norm", "weight norm", "layer norm", "RMSNorm")
@@ -222,12 +222,7 @@ def plot(records: Sequence[Record], cfg: InvariancesConfig, fig_dir: Path) -> li
             )
     fig.colorbar(im, ax=ax, label="log10 max relative change")
     ax.set_title("Table 1, measured: change of the normalized summed inputs", fontsize=10)
-    fig.tight_layout()
-    fig_dir.mkdir(parents=True, exist_ok=True)
-    path = fig_dir / "invariances.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, fig_dir / "invariances.png")]
 
 
 EXPERIMENT = register(

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .char_lm import LN2, CharLSTM, fixed_windows, load_corpus, position_nll, train_lms
-from .plots import COLORS, LABELS, plt
+from .plots import COLORS, LABELS, plt, save_figure
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
 from .seq_common import check_choices, claim, lines, rows
 from .seq_training import final, final_table, step_time_figure
@@ -163,11 +163,7 @@ def plot(records: Sequence[Record], cfg: LongerConfig, fig_dir: Path) -> list[Pa
     ax.legend(fontsize=8)
     ax.set_title(f"Longer than trained: T = {cfg.train_len}, scored to "
                  f"{cfg.train_len * cfg.eval_factor} (final models)", fontsize=10)  # fmt: skip
-    fig.tight_layout()
-    path = fig_dir / "longer_than_train.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    path = save_figure(fig, fig_dir / "longer_than_train.png")
     curves = step_time_figure(
         records, fig_dir / "longer_than_train_curves.png", metric="bpc_beyond",
         ylabel="BPC on positions ≥ T", models=lines(cfg.norms, LABELS, COLORS),

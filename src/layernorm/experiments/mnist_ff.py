@@ -12,17 +12,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch import nn
+from torch import Tensor, nn
 
 from .. import BatchNorm, LayerNorm
 from ..data import load_mnist
-from .epoch_records import auc, final_epoch_table, late
-from .plots import curves_figure
-from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
+from .epoch_records import auc, final_epoch_table, late, lower
+from .plots import classifier_panels, curves_figure
+from .registry import (
+    Claim,
+    Experiment,
+    Record,
+    RunContext,
+    Verdict,
+    check_choices,
+    check_config,
+    register,
+)
 from .stats import compare_lower, verdict
 from .training import TrainSpec, torch_threads, train_classifier
 
 NORMS = ("none", "batch", "layer")
+LN, BN = ("LN", "layer"), ("BN", "batch")
+#: Images ``(n, 784)`` and their labels ``(n,)``.
+Examples = tuple[Tensor, Tensor]
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,14 @@ def config(quick: bool) -> MnistFFConfig:
     return MnistFFConfig()
 
 
+def mnist_subsets(n_train: int, n_test: int) -> tuple[Examples, Examples]:
+    """``(train, test)``: the first ``n_train`` training and ``n_test`` test images of MNIST (the
+    paper's split, :func:`~layernorm.data.load_mnist`)."""
+    data = load_mnist()
+    return ((data.train_x[:n_train], data.train_y[:n_train]),
+            (data.test_x[:n_test], data.test_y[:n_test]))  # fmt: skip
+
+
 def build_mlp(
     norm: str, hidden: int, batch_size: int, depth: int = 2, bn_logits: bool = False
 ) -> nn.Sequential:
@@ -93,18 +113,14 @@ def build_mlp(
 
 
 def run(cfg: MnistFFConfig, ctx: RunContext) -> list[Record]:
-    for n in cfg.norms:
-        if n not in NORMS:
-            raise ValueError(f"mnist-ff: norms must be among {NORMS}, got {n!r}")
-    data = load_mnist()
-    train = (data.train_x[: cfg.n_train], data.train_y[: cfg.n_train])
-    test = (data.test_x[: cfg.n_test], data.test_y[: cfg.n_test])
+    check_choices("mnist-ff", "norms", cfg.norms, NORMS)
+    train, test = mnist_subsets(cfg.n_train, cfg.n_test)
     records: list[Record] = []
     with torch_threads(cfg.threads):
         for bs in cfg.batch_sizes:
             for s in range(cfg.seeds):
                 for norm in cfg.norms:
-                    seed = ctx.seed * 1000 + s
+                    seed = ctx.run_seed(s)
                     spec = TrainSpec(epochs=cfg.epochs, batch_size=bs, lr=cfg.lr, seed=seed)
                     records += train_classifier(
                         f"{norm}-bs{bs}-s{seed}",
@@ -134,66 +150,32 @@ def _missing(
 
 
 def verdicts(records: Sequence[Record], cfg: MnistFFConfig) -> list[Verdict]:
-    out: list[Verdict] = []
     big, small = max(cfg.batch_sizes), min(cfg.batch_sizes)
+    need = ["batch", "layer"]
 
-    miss = _missing(cfg, [big], ["batch", "layer"], "ff-faster")
-    if miss:
-        out.append(miss)
-    else:
-        c = compare_lower(
-            "LN",
-            auc(records, "layer", big, "train_nll"),
-            "BN",
-            auc(records, "batch", big, "train_nll"),
-            quantity=f"training NLL averaged over the epochs (batch {big})",
-            margin=0.002,
-        )
-        out.append(verdict("ff-faster", c))
+    def degradation(m: str) -> list[float]:
+        """Per seed: the late test error at the small batch minus that at the big one."""
+        at_small, at_big = late(records, m, small, "test_err"), late(records, m, big, "test_err")
+        return [a - b for a, b in zip(at_small, at_big, strict=True)]
 
-    miss = _missing(cfg, [big, small], ["batch", "layer"], "ff-robust")
-    if miss or big == small:
-        out.append(miss or Verdict("ff-robust", "inconclusive", "only one batch size", "needs two"))
-    else:
-
-        def degr(m: str) -> list[float]:
-            return [
-                a - b
-                for a, b in zip(
-                    late(records, m, small, "test_err"),
-                    late(records, m, big, "test_err"),
-                    strict=True,
-                )
-            ]
-
-        c = compare_lower(
-            "LN",
-            degr("layer"),
-            "BN",
-            degr("batch"),
+    def robust() -> Verdict:
+        if big == small:
+            return Verdict("ff-robust", "inconclusive", "only one batch size", "needs two")
+        return verdict("ff-robust", compare_lower(
+            "LN", degradation("layer"), "BN", degradation("batch"),
             quantity=f"rise of the late test error from batch {big} to batch {small}",
-            margin=0.002,
-            scale=100,
-            unit=" pp",
-        )
-        out.append(verdict("ff-robust", c))
+            margin=0.002, scale=100, unit=" pp"))  # fmt: skip
 
-    miss = _missing(cfg, [small], ["batch", "layer"], "ff-small-batch")
-    if miss:
-        out.append(miss)
-    else:
-        c = compare_lower(
-            "LN",
-            late(records, "layer", small, "test_err"),
-            "BN",
-            late(records, "batch", small, "test_err"),
-            quantity=f"late test error at batch {small}",
-            margin=0.002,
-            scale=100,
-            unit="%",
-        )
-        out.append(verdict("ff-small-batch", c))
-    return out
+    # `missing or verdict(...)`: the comparison is computed only when nothing is missing
+    return [
+        _missing(cfg, [big], need, "ff-faster") or verdict("ff-faster", lower(
+            records, auc, "train_nll", big, LN, BN,
+            quantity=f"training NLL averaged over the epochs (batch {big})", margin=0.002)),
+        _missing(cfg, [big, small], need, "ff-robust") or robust(),
+        _missing(cfg, [small], need, "ff-small-batch") or verdict("ff-small-batch", lower(
+            records, late, "test_err", small, LN, BN,
+            quantity=f"late test error at batch {small}", margin=0.002, scale=100, unit="%")),
+    ]  # fmt: skip
 
 
 def tables(records: Sequence[Record], cfg: MnistFFConfig) -> str:
@@ -202,14 +184,9 @@ def tables(records: Sequence[Record], cfg: MnistFFConfig) -> str:
 
 
 def plot(records: Sequence[Record], cfg: MnistFFConfig, fig_dir: Path) -> list[Path]:
-    panels = []
-    for bs in cfg.batch_sizes:
-        panels.append(
-            ("train_nll", {"batch_size": bs}, f"train NLL, batch {bs}", "NLL (nats)", True)
-        )
-        panels.append(
-            ("test_err", {"batch_size": bs}, f"test error, batch {bs}", "error (%)", False)
-        )
+    panels = [
+        p for bs in cfg.batch_sizes for p in classifier_panels({"batch_size": bs}, f", batch {bs}")
+    ]
     title = (
         f"Permutation-invariant MNIST: 784-{cfg.hidden}-{cfg.hidden}-10, Adam, "
         f"{cfg.n_train} training images, {cfg.seeds} seed(s)"

@@ -10,14 +10,38 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from .registry import Record
 
-__all__ = ["COLORS", "LABELS", "curves_figure", "plt"]
+__all__ = ["COLORS", "LABELS", "Panel", "classifier_panels", "curves_figure", "plt", "save_figure"]
 
 LABELS = {"none": "baseline", "batch": "batch norm", "layer": "layer norm"}
 COLORS = {"none": "0.45", "batch": "tab:blue", "layer": "tab:red"}
+
+
+#: One panel of :func:`curves_figure`: ``(metric, where, panel_title, y_label, log_y)``.
+Panel = tuple[str, dict[str, object], str, str, bool]
+
+
+def classifier_panels(where: dict[str, object], suffix: str = "") -> list[Panel]:
+    """The two panels of a classifier's learning curves over the records matching ``where``:
+    training NLL (log scale) and test error, ``suffix`` appended to both titles."""
+    return [
+        ("train_nll", where, f"train NLL{suffix}", "NLL (nats)", True),
+        ("test_err", where, f"test error{suffix}", "error (%)", False),
+    ]
+
+
+def save_figure(fig: Figure, path: Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` as a PNG (90 dpi, parent directories created) and
+    close it (pyplot keeps every open figure alive otherwise); returns ``path``."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def _series(records: Sequence[Record], model: str, metric: str, **where: object):
@@ -35,7 +59,7 @@ def curves_figure(
     records: Sequence[Record],
     path: Path,
     *,
-    panels: Sequence[tuple[str, dict[str, object], str, str, bool]],
+    panels: Sequence[Panel],
     models: Sequence[str],
     title: str,
     ncols: int = 2,
@@ -77,8 +101,4 @@ def curves_figure(
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

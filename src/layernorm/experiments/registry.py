@@ -24,6 +24,7 @@ __all__ = [
     "RunContext",
     "Verdict",
     "apply_overrides",
+    "check_choices",
     "check_config",
     "get",
     "names",
@@ -92,6 +93,12 @@ class RunContext:
     quick: bool = False
     resume: bool = False
     progress: bool = True
+
+    def run_seed(self, index: int) -> int:
+        """The seed of run ``index`` of an experiment's seed loop: ``seed · 1000 + index``, so the
+        runs of different base seeds never share a seed (up to 1000 runs per loop). The seed is
+        part of the run's name, hence of its checkpoint files."""
+        return self.seed * 1000 + index
 
 
 @dataclass(frozen=True)
@@ -195,6 +202,16 @@ def _parse_like(current: Any, text: str, key: str) -> Any:
         raise ValueError(
             f"setting {key}={text!r}: expected a value like {current!r} ({type(current).__name__})"
         ) from None
+
+
+def check_choices(
+    experiment: str, field: str, values: Sequence[str], allowed: Sequence[str]
+) -> None:
+    """``ValueError`` naming the first of ``values`` that is not in ``allowed`` (a run's own check
+    of a selection, e.g. the models it trains)."""
+    for v in values:
+        if v not in allowed:
+            raise ValueError(f"{experiment}: {field} must be among {tuple(allowed)}, got {v!r}")
 
 
 def check_config(

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from .registry import Record, RunContext, Verdict
+from .registry import Record, RunContext, Verdict, check_choices
 from .seq_training import StepSpec, at_time, common_time, missing, torch_threads, train_steps
 from .stats import Comparison, compare_lower, verdict
 
@@ -44,14 +44,6 @@ class StepSettings(Protocol):
     threads: int
 
 
-def check_choices(experiment: str, field: str, values: Sequence[str], allowed: Sequence[str]
-                  ) -> None:  # fmt: skip
-    """``ValueError`` naming the first of ``values`` that is not in ``allowed``."""
-    for v in values:
-        if v not in allowed:
-            raise ValueError(f"{experiment}: {field} must be among {tuple(allowed)}, got {v!r}")
-
-
 def train_grid(
     cfg: StepSettings,
     ctx: RunContext,
@@ -65,13 +57,14 @@ def train_grid(
     """Train ``build(name)`` for every seed and every name in ``names`` (seed-major order), with
     ``cfg.threads`` torch threads; the records of all runs.
 
-    Seed ``s`` of the grid is ``ctx.seed · 1000 + s``; a run is named ``{name}-s{seed}`` and its
-    records are tagged ``tags(name, seed)`` (default: ``model`` and ``seed``).
+    Seed ``s`` of the grid is ``ctx.run_seed(s)`` (``ctx.seed · 1000 + s``); a run is named
+    ``{name}-s{seed}`` and its records are tagged ``tags(name, seed)`` (default: ``model`` and
+    ``seed``).
     """
     records: list[Record] = []
     with torch_threads(cfg.threads):
         for s in range(cfg.seeds):
-            seed = ctx.seed * 1000 + s
+            seed = ctx.run_seed(s)
             for name in names:
                 records += train_steps(
                     f"{name}-s{seed}", lambda name=name: build(name), sample, loss_fn, evaluate,

@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..data import load_mnist
 from ..recurrent import LayerNormLSTM
+from .mnist_ff import mnist_subsets
 from .plots import COLORS, LABELS
 from .registry import Claim, Experiment, Record, RunContext, Verdict, register
 from .seq_common import check_choices, claim, lines, lower, lower_per_second, rows, train_grid
 from .seq_training import final, final_table, mean_curve, step_time_figure
+from .training import evaluate
 
 NORMS = ("none", "layer", "batch")
 MODES = {"rows": (28, 28), "pixels": (784, 1)}  # mode → (time steps, features per step)
@@ -92,17 +93,11 @@ class SeqClassifier(nn.Module):
         return self.out(h[-1])
 
 
-@torch.no_grad()
 def classify(model: nn.Module, x: Tensor, y: Tensor, device: torch.device, batch: int = 500
              ) -> dict[str, float]:  # fmt: skip
-    """Test NLL (nats) and error rate."""
-    nll, wrong = 0.0, 0
-    for i in range(0, x.shape[0], batch):
-        xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
-        logits = model(xb)
-        nll += float(F.cross_entropy(logits, yb, reduction="sum"))
-        wrong += int((logits.argmax(1) != yb).sum())
-    return {"test_nll": nll / x.shape[0], "test_err": wrong / x.shape[0]}
+    """Test NLL (nats) and error rate (:func:`~layernorm.experiments.training.evaluate`)."""
+    nll, err = evaluate(model, x, y, device, batch)
+    return {"test_nll": nll, "test_err": err}
 
 
 def run(cfg: SeqMnistConfig, ctx: RunContext) -> list[Record]:
@@ -110,14 +105,11 @@ def run(cfg: SeqMnistConfig, ctx: RunContext) -> list[Record]:
         raise ValueError(f"seq-mnist: mode must be one of {tuple(MODES)}, got {cfg.mode!r}")
     check_choices("seq-mnist", "norms", cfg.norms, NORMS)
     steps_t, feats = MODES[cfg.mode]
-    data = load_mnist()
-    tx = data.train_x[: cfg.n_train].reshape(-1, steps_t, feats)
-    ty = data.train_y[: cfg.n_train]
-    sx = data.test_x[: cfg.n_test].reshape(-1, steps_t, feats)
+    (tx, ty), (sx, sy) = mnist_subsets(cfg.n_train, cfg.n_test)
+    tx, sx = tx.reshape(-1, steps_t, feats), sx.reshape(-1, steps_t, feats)
     if cfg.standardize:
         mu, sd = float(tx.mean()), float(tx.std())
         tx, sx = (tx - mu) / sd, (sx - mu) / sd
-    sy = data.test_y[: cfg.n_test]
 
     def sample(g: torch.Generator) -> tuple[Tensor, Tensor]:
         idx = torch.randint(0, tx.shape[0], (cfg.batch_size,), generator=g)

@@ -7,12 +7,12 @@ examples. Language models and sequence classifiers here instead draw a fresh min
 update count and the training wall-clock time (evaluation excluded): layer norm costs time per
 step, and the report shows the curves both ways.
 
-Checkpoints follow the same pattern as ``train_classifier``: after every evaluation, the history
-(JSON) and then the model, optimizer, sampling-generator and torch RNG states (``.pt``) are written
-atomically under ``ctx.out_dir/ckpt/``; ``ctx.resume`` continues from there and performs the same
-floating-point operations as an uninterrupted run, so every number except the wall-clock seconds
-comes out bitwise the same. ``LAYERNORM_KILL_AFTER_EPOCHS=N`` kills the process after the N-th
-checkpoint written (each evaluation counts as one).
+Checkpoints are ``train_classifier``'s (:class:`~layernorm.experiments.training.RunFiles`): after
+every evaluation, the history (JSON) and then the model, optimizer, sampling-generator and torch
+RNG states (``.pt``) are written atomically under ``ctx.out_dir/ckpt/``; ``ctx.resume`` continues
+from there and performs the same floating-point operations as an uninterrupted run, so every
+number except the wall-clock seconds comes out bitwise the same. ``LAYERNORM_KILL_AFTER_EPOCHS=N``
+kills the process after the N-th checkpoint written (each evaluation counts as one).
 
 Also here: per-seed summaries of the records (final value, mean over the curve, value after a
 given training time) and the figure with one panel per update and one per second.
@@ -34,11 +34,10 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .io import read_json, torch_load, torch_save, write_json
-from .plots import plt
+from .plots import plt, save_figure
 from .registry import Record, RunContext, Verdict
 from .stats import mean_sd
-from .training import checkpoint_written, torch_threads
+from .training import RunFiles, checkpoint_written, torch_threads
 
 __all__ = [
     "StepSpec",
@@ -109,25 +108,18 @@ def train_steps(
     ``diverged=True`` and the metrics of that point (a result, not an error: a model without
     normalization may diverge).
     """
-    done_path = ctx.out_dir / "runs" / f"{run_id}.json"
-    ckpt_path = ctx.out_dir / "ckpt" / f"{run_id}.pt"
-    if ctx.resume and done_path.exists():
-        return list(read_json(done_path))
+    files = RunFiles.of(ctx, run_id)
+    finished = files.finished()
+    if finished is not None:
+        return finished
 
     torch.manual_seed(spec.seed)
     model = build().to(ctx.device)
     opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
     gen = torch.Generator().manual_seed(spec.seed)
-    history: list[Record] = []
-    step, seconds = 0, 0.0
-    if ctx.resume and ckpt_path.exists():
-        state = torch_load(ckpt_path)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["sample_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        step, seconds = int(state["step"]), float(state["seconds"])
-        history = [dict(r) for r in read_json(ckpt_path.with_suffix(".json")) if r["step"] <= step]
+    state, history = files.restore(model, opt, gen, "sample_rng")
+    step, seconds = int(state.get("step", 0)), float(state.get("seconds", 0.0))
+    history = [r for r in history if r["step"] <= step]
 
     bar = tqdm(total=spec.steps, initial=step, desc=run_id, unit="step",
                disable=not ctx.progress, leave=False, dynamic_ncols=True)  # fmt: skip
@@ -161,15 +153,10 @@ def train_steps(
                        "diverged": diverged, **metrics}  # fmt: skip
         history.append(rec)
         bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items()})
-        write_json(ckpt_path.with_suffix(".json"), history)
-        torch_save(ckpt_path, {
-            "step": step, "seconds": seconds, "model": model.state_dict(),
-            "optimizer": opt.state_dict(), "sample_rng": gen.get_state(),
-            "torch_rng": torch.get_rng_state(),
-        })  # fmt: skip
+        files.save(history, {"step": step, "seconds": seconds}, model, opt, gen, "sample_rng")
         checkpoint_written()
     bar.close()
-    write_json(done_path, history)
+    files.finish(history)
     return history
 
 
@@ -276,11 +263,7 @@ def step_time_figure(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def final_table(

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from .registry import Record, RunContext
 
 __all__ = [
     "KILL_ENV",
+    "RunFiles",
     "TrainSpec",
     "checkpoint_written",
     "evaluate",
@@ -100,6 +102,79 @@ def evaluate(
     return nll / x.shape[0], wrong / x.shape[0]
 
 
+@dataclass(frozen=True)
+class RunFiles:
+    """The files of one training run, shared by both training loops (:func:`train_classifier`
+    and :func:`~layernorm.experiments.seq_training.train_steps`).
+
+    Attributes:
+        done: ``runs/{run_id}.json``, the records of the finished run.
+        ckpt: ``ckpt/{run_id}.pt``, the states of the last checkpoint; the history up to it is
+            beside it in ``ckpt/{run_id}.json``.
+        resume: whether to read them back (``ctx.resume``).
+    """
+
+    done: Path
+    ckpt: Path
+    resume: bool
+
+    @classmethod
+    def of(cls, ctx: RunContext, run_id: str) -> RunFiles:
+        """The files of run ``run_id`` under ``ctx.out_dir``."""
+        out = ctx.out_dir
+        return cls(out / "runs" / f"{run_id}.json", out / "ckpt" / f"{run_id}.pt", ctx.resume)
+
+    @property
+    def history(self) -> Path:
+        """``ckpt/{run_id}.json``: the history written with the last checkpoint."""
+        return self.ckpt.with_suffix(".json")
+
+    def finished(self) -> list[Record] | None:
+        """When resuming a run that already finished, its records (it is not trained again)."""
+        if self.resume and self.done.exists():
+            return list(read_json(self.done))
+        return None
+
+    def restore(
+        self, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator, gen_key: str
+    ) -> tuple[dict[str, Any], list[Record]]:
+        """When resuming from a checkpoint: load the model, the optimizer, the data generator
+        (saved under ``gen_key``) and torch's global RNG from it, and return the saved state (the
+        loop's counters) and history, which may run past the state (see :meth:`save`). Otherwise
+        ``({}, [])``: nothing to restore."""
+        if not (self.resume and self.ckpt.exists()):
+            return {}, []
+        state = torch_load(self.ckpt)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state[gen_key])
+        torch.set_rng_state(state["torch_rng"])
+        return state, [dict(r) for r in read_json(self.history)]
+
+    def save(
+        self,
+        history: list[Record],
+        counters: Mapping[str, Any],
+        model: nn.Module,
+        opt: torch.optim.Optimizer,
+        gen: torch.Generator,
+        gen_key: str,
+    ) -> None:
+        """Write a checkpoint: ``counters`` (where the loop stands) with the model, optimizer,
+        data-generator (``gen_key``) and torch RNG states.
+
+        The history goes first: a kill between the two writes leaves an older ``.pt`` beside a
+        longer history, and the loop keeps only the part of the history its counters reach."""
+        write_json(self.history, history)
+        torch_save(self.ckpt, {**counters, "model": model.state_dict(),
+                               "optimizer": opt.state_dict(), gen_key: gen.get_state(),
+                               "torch_rng": torch.get_rng_state()})  # fmt: skip
+
+    def finish(self, history: list[Record]) -> None:
+        """Write the records of the finished run."""
+        write_json(self.done, history)
+
+
 def checkpoint_written() -> None:
     """Count one checkpoint written by this process; past ``LAYERNORM_KILL_AFTER_EPOCHS`` of
     them, SIGKILL the process (the crash the resumption tests simulate). Both training loops
@@ -131,10 +206,10 @@ def train_classifier(
     unfinished one continues from its last checkpoint. The last incomplete mini-batch of each
     epoch is dropped, so every process of a data-parallel run gets an equal share.
     """
-    done_path = ctx.out_dir / "runs" / f"{run_id}.json"
-    ckpt_path = ctx.out_dir / "ckpt" / f"{run_id}.pt"
-    if ctx.resume and done_path.exists():
-        return list(read_json(done_path))
+    files = RunFiles.of(ctx, run_id)
+    finished = files.finished()
+    if finished is not None:
+        return finished
 
     device = ctx.device
     rank, world = distributed.rank_world()
@@ -143,16 +218,9 @@ def train_classifier(
     net = distributed.wrap(model, device)
     opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
     order = torch.Generator().manual_seed(spec.seed)
-    history: list[Record] = []
-    start = 0
-    if ctx.resume and ckpt_path.exists():
-        state = torch_load(ckpt_path)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        order.set_state(state["order_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        start = int(state["epoch"])
-        history = [dict(r) for r in read_json(ckpt_path.with_suffix(".json"))][:start]
+    state, history = files.restore(model, opt, order, "order_rng")
+    start = int(state.get("epoch", 0))
+    history = history[:start]
 
     x, y = train
     n = x.shape[0]
@@ -201,24 +269,12 @@ def train_classifier(
         history.append(rec)
         bar.set_postfix(epoch=epoch + 1, loss=f"{rec['train_loss']:.3f}")
         if rank == 0:
-            # history first: a kill between the two writes leaves an older .pt, whose epoch
-            # count tells how much of the history to keep.
-            write_json(ckpt_path.with_suffix(".json"), history)
-            torch_save(
-                ckpt_path,
-                {
-                    "epoch": epoch + 1,
-                    "model": model.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "order_rng": order.get_state(),
-                    "torch_rng": torch.get_rng_state(),
-                },
-            )
+            files.save(history, {"epoch": epoch + 1}, model, opt, order, "order_rng")
         distributed.barrier()
         if rank == 0:
             checkpoint_written()
     bar.close()
     if rank == 0:
-        write_json(done_path, history)
+        files.finish(history)
     distributed.barrier()
     return history

@@ -26,7 +26,7 @@ for each op, dtype and N, forward and backward GB/s (the sweep's byte counts) of
 that changes the launch at that N, a table of the best setting per N with its gain over the
 defaults, a summary per candidate, and CSV rows with ``table = tune`` and the setting in
 ``provider`` (``ours[default]``, ``ours[looped_block_n=8192]``). ``--tune-factors`` narrows the
-grid. It prints the number of timings and an estimate of the time first (about 5-8 minutes on an
+grid. It prints the number of timings and an estimate of the time first (about 6 minutes on an
 H100 for the default sweep)::
 
     python benchmarks/bench_norms_gpu.py --tune

@@ -233,6 +233,64 @@ def _sum(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _SUM_COMBINE)
 
 
+@triton.jit
+def _ld(ptr, mask):
+    """Masked load, as float32 (the arithmetic's precision); 0 where masked off."""
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _st(ptr, value, mask):
+    """Masked store, cast to the buffer's dtype."""
+    tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_out(xhat, W, B, cols, mask, k, scale, MODE: tl.constexpr, HAS_W: tl.constexpr,
+              HAS_B: tl.constexpr):  # fmt: skip
+    """The op's output from x̂, float32: ``x̂ ⊙ w + b``, or AdaNorm's ``C·x̂ − C·k·x̂²``.
+
+    ``w`` and ``b`` are loaded at ``cols`` and broadcast over x̂'s rows if x̂ is a row tile.
+    """
+    if MODE == 2:
+        y = scale * xhat - (scale * k) * xhat * xhat
+    else:
+        y = xhat
+        if HAS_W:
+            y = y * _ld(W + cols, mask)
+        if HAS_B:
+            y = y + _ld(B + cols, mask)
+    return y
+
+
+@triton.jit
+def _grad_xhat(dy, xhat, w, k, scale, MODE: tl.constexpr, HAS_W: tl.constexpr):
+    """``g``, the gradient reaching x̂: ``dy ⊙ w`` (``dy`` without a gain), or AdaNorm's
+    ``dz ⊙ φ(x̂)`` with φ = C(1 − k x̂) detached. ``w`` is unused unless ``HAS_W``."""
+    if MODE == 2:
+        g = dy * (scale - (scale * k) * xhat)
+    elif HAS_W:
+        g = dy * w
+    else:
+        g = dy
+    return g
+
+
+@triton.jit
+def _grad_x(g, xhat, rstd, mean_g, mean_gx, MODE: tl.constexpr, DETACH_MEAN: tl.constexpr,
+            DETACH_STD: tl.constexpr):  # fmt: skip
+    """``dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂))`` from the two row means; DetachNorm drops
+    the first (μ detached) or the second (σ detached) term, RMSNorm has no first term. The
+    arguments broadcast: row tiles pass per-row columns ``[:, None]``, single rows scalars."""
+    dx = g
+    if MODE != 1:
+        if not DETACH_MEAN:
+            dx = dx - mean_g
+    if not DETACH_STD:
+        dx = dx - xhat * mean_gx
+    return dx * rstd
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Which kernel runs and with what tile. ``looped`` rows are walked in ``block_n`` chunks."""
@@ -308,7 +366,7 @@ def _norm_fwd_fused_kernel(
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)  # BLOCK_M, BLOCK_N
+    x = _ld(X + offs, mask)  # BLOCK_M, BLOCK_N
     if MODE == 1:
         xc = x
     else:
@@ -319,18 +377,8 @@ def _norm_fwd_fused_kernel(
     var = _sum(xc * xc, axis=1) / N  # BLOCK_M; biased, like torch.var(unbiased=False)
     rstd = 1.0 / tl.sqrt(var + eps)
     tl.store(RSTD + rows, rstd.to(RSTD.dtype.element_ty), mask=row_mask)
-    xhat = xc * rstd[:, None]
-    if MODE == 2:
-        y = scale * xhat - (scale * k) * xhat * xhat
-    else:
-        y = xhat
-        if HAS_W:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = y * w[None, :]
-        if HAS_B:
-            b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = y + b[None, :]
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    y = _norm_out(xc * rstd[:, None], W, B, cols, col_mask, k, scale, MODE, HAS_W, HAS_B)
+    _st(Y + offs, y, mask)
 
 
 @triton.jit
@@ -362,7 +410,7 @@ def _norm_fwd_looped_kernel(
     for start in range(0, N, BLOCK_N):
         cols = start + cols0
         msk = cols < N
-        x = tl.load(X + cols, mask=msk, other=0.0).to(tl.float32)
+        x = _ld(X + cols, msk)
         if MODE == 1:
             m2 += _sum(x * x, axis=0)
         else:
@@ -382,22 +430,13 @@ def _norm_fwd_looped_kernel(
     for start in range(0, N, BLOCK_N):
         cols = start + cols0
         msk = cols < N
-        x = tl.load(X + cols, mask=msk, other=0.0).to(tl.float32)
+        x = _ld(X + cols, msk)
         if MODE == 1:
             xhat = x * rstd
         else:
             xhat = (x - mean) * rstd
-        if MODE == 2:
-            y = scale * xhat - (scale * k) * xhat * xhat
-        else:
-            y = xhat
-            if HAS_W:
-                w = tl.load(W + cols, mask=msk, other=0.0).to(tl.float32)
-                y = y * w
-            if HAS_B:
-                b = tl.load(B + cols, mask=msk, other=0.0).to(tl.float32)
-                y = y + b
-        tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=msk)
+        y = _norm_out(xhat, W, B, cols, msk, k, scale, MODE, HAS_W, HAS_B)
+        _st(Y + cols, y, msk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,8 +472,9 @@ def _norm_bwd_fused_kernel(
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    w = 1.0  # no gain
     if HAS_W:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = _ld(W + cols, col_mask)
     dw_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     num_tiles = (M + BLOCK_M - 1) // BLOCK_M
@@ -445,33 +485,25 @@ def _norm_bwd_fused_kernel(
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0).to(tl.float32)
+        x = _ld(X + offs, mask)
+        dy = _ld(DY + offs, mask)
+        rstd = _ld(RSTD + rows, row_mask)
         if MODE == 1:
             xhat = x * rstd[:, None]
         else:
-            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0).to(tl.float32)
+            mean = _ld(MEAN + rows, row_mask)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if NEED_DW:
             dw_acc += _sum(dy * xhat, axis=0)
         if NEED_DB:
             db_acc += _sum(dy, axis=0)
         if STORE_DX:
-            if MODE == 2:
-                g = dy * (scale - (scale * k) * xhat)  # dz ⊙ φ(x̂), φ detached
-            elif HAS_W:
-                g = dy * w[None, :]
-            else:
-                g = dy
-            dx = g
-            if MODE != 1:
-                if not DETACH_MEAN:
-                    dx = dx - (_sum(g, axis=1) / N)[:, None]
-            if not DETACH_STD:
-                dx = dx - xhat * (_sum(g * xhat, axis=1) / N)[:, None]
-            dx = dx * rstd[:, None]
-            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            g = _grad_xhat(dy, xhat, w, k, scale, MODE, HAS_W)
+            # the compiler drops a row mean that a detached term leaves unused
+            mean_g = (_sum(g, axis=1) / N)[:, None]
+            mean_gx = (_sum(g * xhat, axis=1) / N)[:, None]
+            dx = _grad_x(g, xhat, rstd[:, None], mean_g, mean_gx, MODE, DETACH_MEAN, DETACH_STD)
+            _st(DX + offs, dx, mask)
     if NEED_DW:
         tl.store(DW_PART + pid * N + cols, dw_acc, mask=col_mask)
     if NEED_DB:
@@ -508,15 +540,13 @@ def _norm_bwd_coeffs_kernel(
     for start in range(0, N, BLOCK_N):
         cols = start + cols0
         msk = cols < N
-        x = tl.load(X + cols, mask=msk, other=0.0).to(tl.float32)
-        dy = tl.load(DY + cols, mask=msk, other=0.0).to(tl.float32)
+        x = _ld(X + cols, msk)
+        dy = _ld(DY + cols, msk)
         xhat = tl.where(msk, (x - mean) * rstd, 0.0)
-        if MODE == 2:
-            g = dy * (scale - (scale * k) * xhat)
-        elif HAS_W:
-            g = dy * tl.load(W + cols, mask=msk, other=0.0).to(tl.float32)
-        else:
-            g = dy
+        w = 1.0  # no gain
+        if HAS_W:
+            w = _ld(W + cols, msk)
+        g = _grad_xhat(dy, xhat, w, k, scale, MODE, HAS_W)
         sum_g += g
         sum_gx += g * xhat
     # Which of the two terms enter dx is decided by _norm_bwd_cols_kernel's flags.
@@ -555,8 +585,9 @@ def _norm_bwd_cols_kernel(
     num_groups = tl.num_programs(1)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    w = 1.0  # no gain
     if HAS_W:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = _ld(W + cols, col_mask)
     dw_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     # 64-bit row offsets: pointers start at this group's first row and step num_groups rows
@@ -565,8 +596,8 @@ def _norm_bwd_cols_kernel(
     DY += group.to(tl.int64) * N
     DX += group.to(tl.int64) * N
     for row in range(group, M, num_groups):
-        x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x = _ld(X + cols, col_mask)
+        dy = _ld(DY + cols, col_mask)
         rstd = tl.load(RSTD + row).to(tl.float32)
         if MODE == 1:
             xhat = x * rstd
@@ -577,20 +608,11 @@ def _norm_bwd_cols_kernel(
         if NEED_DB:
             db_acc += dy
         if STORE_DX:
-            if MODE == 2:
-                g = dy * (scale - (scale * k) * xhat)
-            elif HAS_W:
-                g = dy * w
-            else:
-                g = dy
-            dx = g
-            if MODE != 1:
-                if not DETACH_MEAN:
-                    dx = dx - tl.load(C1 + row)
-            if not DETACH_STD:
-                dx = dx - xhat * tl.load(C2 + row)
-            dx = dx * rstd
-            tl.store(DX + cols, dx.to(DX.dtype.element_ty), mask=col_mask)
+            g = _grad_xhat(dy, xhat, w, k, scale, MODE, HAS_W)
+            # C1/C2 are written whenever dx is stored; the compiler drops a load left unused
+            dx = _grad_x(g, xhat, rstd, tl.load(C1 + row), tl.load(C2 + row), MODE, DETACH_MEAN,
+                         DETACH_STD)  # fmt: skip
+            _st(DX + cols, dx, col_mask)
         X += step
         DY += step
         DX += step

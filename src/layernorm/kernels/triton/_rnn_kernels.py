@@ -38,6 +38,12 @@ def _ln_stats(x, m, n, eps):
 
 
 @triton.jit
+def _ln_affine(xc, rstd, W, B, cols, m):
+    """``w ⊙ xc·rstd + b`` of a centred block; gain and bias at ``W + cols``, ``B + cols``."""
+    return xc * rstd * _ld(W + cols, m) + _ld(B + cols, m)
+
+
+@triton.jit
 def _xhat(ptr, m, mean, rstd):
     """x̂ of a saved row block, recomputed from its statistics; 0 where masked off."""
     return tl.where(m, (_ld(ptr, m) - mean) * rstd, 0.0)
@@ -108,14 +114,10 @@ def _lstm_step_fwd_kernel(
         + _sum(h_o * h_o, axis=0)
     ) / (4 * H)
     rstd_h = 1.0 / tl.sqrt(var_h + eps)
-    a_i = h_i * rstd_h * _ld(W_H + cols, m)
-    a_f = h_f * rstd_h * _ld(W_H + H + cols, m)
-    a_g = h_g * rstd_h * _ld(W_H + 2 * H + cols, m)
-    a_o = h_o * rstd_h * _ld(W_H + 3 * H + cols, m)
-    a_i += _ld(B_H + cols, m)
-    a_f += _ld(B_H + H + cols, m)
-    a_g += _ld(B_H + 2 * H + cols, m)
-    a_o += _ld(B_H + 3 * H + cols, m)
+    a_i = _ln_affine(h_i, rstd_h, W_H, B_H, cols, m)
+    a_f = _ln_affine(h_f, rstd_h, W_H + H, B_H + H, cols, m)
+    a_g = _ln_affine(h_g, rstd_h, W_H + 2 * H, B_H + 2 * H, cols, m)
+    a_o = _ln_affine(h_o, rstd_h, W_H + 3 * H, B_H + 3 * H, cols, m)
     a_i += _ld(gx_row + cols, m)
     a_f += _ld(gx_row + H + cols, m)
     a_g += _ld(gx_row + 2 * H + cols, m)
@@ -128,8 +130,7 @@ def _lstm_step_fwd_kernel(
     c = s_f * c_prev + s_i * t_g
     # LN(c_t) over the H cells
     mean_c, cc, rstd_c = _ln_stats(tl.where(m, c, 0.0), m, H, eps)
-    lc = cc * rstd_c * _ld(W_C + cols, m)
-    lc += _ld(B_C + cols, m)
+    lc = _ln_affine(cc, rstd_c, W_C, B_C, cols, m)
     tc = _tanh(lc)
     h = s_o * tc
     out = row * stride_h + cols
@@ -284,14 +285,11 @@ def _gru_step_fwd_kernel(
     h_n = _ld(HP_N + row * stride_n + cols, m)
     mean_n, h_n, rstd_n = _ln_stats(h_n, m, H, eps)
     gx_row = GX + row * stride_gx
-    a_r = h_r * rstd_rz * _ld(W_RZ + cols, m)
-    a_z = h_z * rstd_rz * _ld(W_RZ + H + cols, m)
-    a_r += _ld(B_RZ + cols, m)
-    a_z += _ld(B_RZ + H + cols, m)
+    a_r = _ln_affine(h_r, rstd_rz, W_RZ, B_RZ, cols, m)
+    a_z = _ln_affine(h_z, rstd_rz, W_RZ + H, B_RZ + H, cols, m)
     a_r += _ld(gx_row + cols, m)
     a_z += _ld(gx_row + H + cols, m)
-    ghn = h_n * rstd_n * _ld(W_N + cols, m)
-    ghn += _ld(B_N + cols, m)
+    ghn = _ln_affine(h_n, rstd_n, W_N, B_N, cols, m)
     if HAS_B_HN:
         ghn += _ld(B_HN + cols, m)
     s_r = _sigmoid(a_r)

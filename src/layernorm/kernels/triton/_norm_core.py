@@ -691,7 +691,8 @@ def norm_bwd(
     block_n: int | None = None,
     num_programs: int | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(dx, dw, db)``: ``dx`` in ``x``'s dtype, ``dw`` and ``db`` as float32 sums (callers cast).
+    """``(dx, dw, db)``: ``dx`` in ``x``'s dtype, ``dw`` in the weight's, ``db`` as a float32 sum
+    (the caller casts it to the bias dtype).
 
     ``num_programs`` fixes how many partial-sum rows the weight gradients are reduced from (the
     persistent grid size, or the number of row groups on the looped path).
@@ -706,7 +707,8 @@ def norm_bwd(
     dx = torch.empty_like(x) if need_dx else None
     if m == 0:
         zeros = torch.zeros(n, dtype=torch.float32, device=x.device)
-        return dx, (zeros if need_dw else None), (zeros.clone() if need_db else None)
+        dw0 = zeros.to(weight.dtype) if need_dw else None  # type: ignore[union-attr]
+        return dx, dw0, (zeros.clone() if need_db else None)
     if not (need_dx or need_dw or need_db):
         return None, None, None
     w = weight.contiguous() if weight is not None else x
@@ -738,6 +740,6 @@ def norm_bwd(
             DETACH_MEAN=detach_mean, DETACH_STD=detach_std, STORE_DX=need_dx,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags,
         )  # fmt: skip
-    dw = dw_part.sum(dim=0) if need_dw else None
+    dw = dw_part.sum(dim=0).to(weight.dtype) if need_dw else None  # type: ignore[union-attr]
     db = db_part.sum(dim=0) if need_db else None
     return dx, dw, db

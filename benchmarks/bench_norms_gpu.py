@@ -170,6 +170,20 @@ def _bytes(op: str, direction: str, m: int, n: int, elem: int, welem: int) -> in
 # ----------------------------------------------------------------------------------------------
 
 
+def make_inputs(m: int, n: int, dtype, param_dtype: str, device: str):
+    """Seeded ``(x, w, b, dy)``: ``x`` with non-zero mean, gain and bias in ``dtype`` or float32
+    (``param_dtype`` "same" or "fp32"); ``x``, ``w``, ``b`` require grad."""
+    import torch
+
+    torch.manual_seed(0)
+    x = (torch.randn(m, n, device=device) * 2 + 1).to(dtype).requires_grad_()
+    pdt = dtype if param_dtype == "same" else torch.float32
+    w = (1 + 0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
+    b = (0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
+    dy = torch.randn(m, n, device=device).to(dtype)
+    return x, w, b, dy
+
+
 def _native(op: str, n: int, x, w, b, eps: float):
     import torch.nn.functional as F
 
@@ -264,12 +278,7 @@ def sweep(args: argparse.Namespace, device: str, timer, meta: dict[str, str]) ->
             print("-" * len(header))
             for n in args.ns:
                 m = max(1, total // n)
-                torch.manual_seed(0)
-                x = (torch.randn(m, n, device=device) * 2 + 1).to(dtype).requires_grad_()
-                pdt = dtype if args.param_dtype == "same" else torch.float32
-                w = (1 + 0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
-                b = (0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
-                dy = torch.randn(m, n, device=device).to(dtype)
+                x, w, b, dy = make_inputs(m, n, dtype, args.param_dtype, device)
                 cells = []
                 for prov in args.providers:
                     res = {"fwd": math.nan, "bwd": math.nan}
@@ -509,16 +518,10 @@ def tune(args: argparse.Namespace, device: str, timer, meta: dict[str, str]) -> 
 
 def _tune_one(args, op, dname, dtype, m, n, candidates, device, timer, meta) -> list[dict]:
     """Time the planned candidates at one (op, dtype, N); print its table line; the CSV rows."""
-    import torch
 
     from layernorm.kernels.triton._norm_core import launch_settings
 
-    torch.manual_seed(0)
-    x = (torch.randn(m, n, device=device) * 2 + 1).to(dtype).requires_grad_()
-    pdt = dtype if args.param_dtype == "same" else torch.float32
-    w = (1 + 0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
-    b = (0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
-    dy = torch.randn(m, n, device=device).to(dtype)
+    x, w, b, dy = make_inputs(m, n, dtype, args.param_dtype, device)
     plan = tune_plan(candidates, m, n, device)
     rows: list[dict] = []
     gbps: dict[str, dict[str, float]] = {"fwd": {}, "bwd": {}}

@@ -518,7 +518,6 @@ def tune(args: argparse.Namespace, device: str, timer, meta: dict[str, str]) -> 
 
 def _tune_one(args, op, dname, dtype, m, n, candidates, device, timer, meta) -> list[dict]:
     """Time the planned candidates at one (op, dtype, N); print its table line; the CSV rows."""
-
     from layernorm.kernels.triton._norm_core import launch_settings
 
     x, w, b, dy = make_inputs(m, n, dtype, args.param_dtype, device)

@@ -20,8 +20,21 @@ What is measured (``triton.testing.do_bench``: median, L2 flushed between repeti
   ``(T, B, I, H) = (100, 64, 1024, 1024)``, forward+backward milliseconds. Skipped when
   ``layernorm.recurrent`` is not importable.
 
+``--tune`` times our kernels instead, under candidate launch settings (``layernorm.kernels.triton.
+_norm_core.LaunchSettings``) varied one factor at a time around the current ones (``TUNE_GRID``):
+for each op, dtype and N, forward and backward GB/s (the sweep's byte counts) of every candidate
+that changes the launch at that N, a table of the best setting per N with its gain over the
+defaults, a summary per candidate, and CSV rows with ``table = tune`` and the setting in
+``provider`` (``ours[default]``, ``ours[looped_block_n=8192]``). ``--tune-factors`` narrows the
+grid. It prints the number of timings and an estimate of the time first (about 6 minutes on an
+H100 for the default sweep)::
+
+    python benchmarks/bench_norms_gpu.py --tune
+    python benchmarks/bench_norms_gpu.py --tune --tune-factors max_fused_block_n_bwd looped_block_n
+
 ``--dry-run`` runs every code path on CPU tensors under the Triton interpreter with tiny shapes and
-wall-clock timing (numbers meaningless), to check the script itself without a GPU.
+wall-clock timing (numbers meaningless), to check the script itself without a GPU (with ``--tune``
+the candidate grid is scaled down to the tiny rows, ``DRY_RUN_TUNE_GRID``).
 """
 
 from __future__ import annotations
@@ -44,6 +57,27 @@ DEFAULT_NS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144]
 QUICK_NS = [256, 4096, 65536]
 PROVIDERS = ["copy", "ours", "torch", "compile", "liger"]
 DEFAULT_CSV = Path(__file__).resolve().parent / "results" / "bench_norms_gpu.csv"
+# --tune: candidate values of each LaunchSettings field, tried one at a time (the others at their
+# current values); at each N, a candidate launching the same kernels as an earlier one is skipped.
+TUNE_GRID: dict[str, list[int]] = {
+    "max_fused_block_n_fwd": [8192, 16384, 32768, 65536],
+    "max_fused_block_n_bwd": [4096, 8192, 16384, 32768],
+    "elems_per_thread": [8, 16, 32],
+    "looped_block_n": [2048, 4096, 8192],
+    "programs_per_sm": [2, 4, 8],
+    "fused_tile_elems": [2048, 4096, 8192],
+}
+# --tune --dry-run: the same factors at the tiny rows' scale (N = 256, 512), so that both kernel
+# routes and several tile shapes run under the interpreter
+DRY_RUN_TUNE_GRID: dict[str, list[int]] = {
+    "max_fused_block_n_fwd": [256],
+    "max_fused_block_n_bwd": [256],
+    "elems_per_thread": [8],
+    "looped_block_n": [128],
+    "programs_per_sm": [2],
+    "fused_tile_elems": [1024],
+}
+TUNE_REP_MS = 50  # do_bench's measuring time per candidate; the sweep's 100 ms is not needed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,6 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="write a GB/s-vs-N plot of this run")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, Triton interpreter, tiny shapes: checks the script only")  # fmt: skip
+    p.add_argument("--tune", action="store_true",
+                   help="time our kernels under candidate launch settings (TUNE_GRID) instead of "
+                   "the provider sweep")  # fmt: skip
+    p.add_argument("--tune-factors", nargs="+", default=list(TUNE_GRID), choices=list(TUNE_GRID),
+                   metavar="FACTOR", help=f"settings --tune varies (default: all of "
+                   f"{', '.join(TUNE_GRID)})")  # fmt: skip
     args = p.parse_args(argv)
     if args.ns is None:
         args.ns = QUICK_NS if args.quick else DEFAULT_NS
@@ -128,6 +168,20 @@ def _bytes(op: str, direction: str, m: int, n: int, elem: int, welem: int) -> in
 # ----------------------------------------------------------------------------------------------
 # Providers: each returns (forward closure, backward closure) or raises to be skipped
 # ----------------------------------------------------------------------------------------------
+
+
+def make_inputs(m: int, n: int, dtype, param_dtype: str, device: str):
+    """Seeded ``(x, w, b, dy)``: ``x`` with non-zero mean, gain and bias in ``dtype`` or float32
+    (``param_dtype`` "same" or "fp32"); ``x``, ``w``, ``b`` require grad."""
+    import torch
+
+    torch.manual_seed(0)
+    x = (torch.randn(m, n, device=device) * 2 + 1).to(dtype).requires_grad_()
+    pdt = dtype if param_dtype == "same" else torch.float32
+    w = (1 + 0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
+    b = (0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
+    dy = torch.randn(m, n, device=device).to(dtype)
+    return x, w, b, dy
 
 
 def _native(op: str, n: int, x, w, b, eps: float):
@@ -224,12 +278,7 @@ def sweep(args: argparse.Namespace, device: str, timer, meta: dict[str, str]) ->
             print("-" * len(header))
             for n in args.ns:
                 m = max(1, total // n)
-                torch.manual_seed(0)
-                x = (torch.randn(m, n, device=device) * 2 + 1).to(dtype).requires_grad_()
-                pdt = dtype if args.param_dtype == "same" else torch.float32
-                w = (1 + 0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
-                b = (0.1 * torch.randn(n, device=device)).to(pdt).requires_grad_()
-                dy = torch.randn(m, n, device=device).to(dtype)
+                x, w, b, dy = make_inputs(m, n, dtype, args.param_dtype, device)
                 cells = []
                 for prov in args.providers:
                     res = {"fwd": math.nan, "bwd": math.nan}
@@ -363,6 +412,172 @@ def _triton_step_installer(device: str):
     )
 
 
+# ----------------------------------------------------------------------------------------------
+# --tune: our kernels under candidate launch settings
+# ----------------------------------------------------------------------------------------------
+
+
+def tune_candidates(grid: dict[str, list[int]], factors: list[str]) -> list[tuple[str, dict]]:
+    """``("default", {})``, then ``(label, {factor: value})`` for each value of each factor that
+    differs from the current setting: one factor at a time, not the product."""
+    from layernorm.kernels.triton._norm_core import current_launch_settings
+
+    current = current_launch_settings()
+    out: list[tuple[str, dict]] = [("default", {})]
+    for factor in factors:
+        for value in grid[factor]:
+            if value != getattr(current, factor):
+                out.append((f"{factor}={value}", {factor: value}))
+    return out
+
+
+def tune_plan(
+    candidates: list[tuple[str, dict]], m: int, n: int, device: str
+) -> dict[str, list[tuple[str, dict]]]:
+    """The candidates worth timing per direction at ``(m, n)``: those whose launch (kernel, tile,
+    warps and, backward, grid) differs from every earlier one's, the defaults first."""
+    import torch
+
+    from layernorm.kernels.triton._norm_core import (
+        backward_groups,
+        launch_config,
+        launch_settings,
+    )
+
+    plan: dict[str, list[tuple[str, dict]]] = {"fwd": [], "bwd": []}
+    seen: dict[str, set] = {"fwd": set(), "bwd": set()}
+    for label, overrides in candidates:
+        with launch_settings(**overrides):
+            bwd_cfg = launch_config(n, backward=True)
+            keys = {
+                "fwd": launch_config(n),
+                "bwd": (bwd_cfg, backward_groups(bwd_cfg, m, n, torch.device(device))),
+            }
+        for direction, key in keys.items():
+            if key not in seen[direction]:
+                seen[direction].add(key)
+                plan[direction].append((label, overrides))
+    return plan
+
+
+def _tune_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    total = 1 << args.log2_elems
+    return [(max(1, total // n), n) for n in args.ns]
+
+
+def tune_estimate(args: argparse.Namespace, candidates, device: str) -> tuple[int, int, float]:
+    """``(timings, kernel variants to compile, estimated seconds)`` of a --tune run."""
+    from layernorm.kernels.triton._norm_core import launch_config, launch_settings
+
+    timings, variants = 0, set()
+    for m, n in _tune_shapes(args):
+        plan = tune_plan(candidates, m, n, device)
+        timings += len(plan["fwd"]) + len(plan["bwd"])
+        for direction, entries in plan.items():
+            for _, overrides in entries:
+                with launch_settings(**overrides):
+                    variants.add((direction, launch_config(n, backward=direction == "bwd")))
+    timings *= len(args.ops) * len(args.dtypes)
+    n_variants = len(variants) * len(args.ops) * len(args.dtypes)
+    # do_bench: ~25 ms warm-up + TUNE_REP_MS + its own estimate runs; ~1 s per compiled variant,
+    # plus the backward's recorded forward per candidate
+    return timings, n_variants, timings * (2.0 * TUNE_REP_MS + 50) / 1e3 + n_variants * 1.0
+
+
+def tune(args: argparse.Namespace, device: str, timer, meta: dict[str, str]) -> list[dict]:
+    import torch
+
+    grid = DRY_RUN_TUNE_GRID if args.dry_run else TUNE_GRID
+    candidates = tune_candidates(grid, args.tune_factors)
+    timings, n_variants, seconds = tune_estimate(args, candidates, device)
+    print(
+        f"\ntune: {len(candidates)} candidate settings (one factor at a time); {timings} "
+        "timings, leaving out candidates that launch the same kernels as an earlier one; "
+        f"{n_variants} kernel variants to compile: about {seconds / 60:.1f} min on a GPU"
+    )
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    rows: list[dict] = []
+    start = time.perf_counter()
+    for op in args.ops:
+        for dname in args.dtypes:
+            dtype = dtypes[dname]
+            print(f"\n{op}, {dname}, M·N = 2^{args.log2_elems}: best launch setting per N, GB/s "
+                  "(gain over the defaults)")  # fmt: skip
+            header = (f"{'N':>7} {'M':>8} | {'fwd default':>11}  {'best fwd setting':<28} "
+                      f"{'GB/s':>7} {'gain':>7} | {'bwd default':>11}  {'best bwd setting':<28} "
+                      f"{'GB/s':>7} {'gain':>7}")  # fmt: skip
+            print(header)
+            print("-" * len(header))
+            for m, n in _tune_shapes(args):
+                rows += _tune_one(args, op, dname, dtype, m, n, candidates, device, timer, meta)
+    elapsed = time.perf_counter() - start
+    print(f"\ntune: {timings} timings in {elapsed:.0f} s")
+    _tune_summary(rows)
+    return rows
+
+
+def _tune_one(args, op, dname, dtype, m, n, candidates, device, timer, meta) -> list[dict]:
+    """Time the planned candidates at one (op, dtype, N); print its table line; the CSV rows."""
+    from layernorm.kernels.triton._norm_core import launch_settings
+
+    x, w, b, dy = make_inputs(m, n, dtype, args.param_dtype, device)
+    plan = tune_plan(candidates, m, n, device)
+    rows: list[dict] = []
+    gbps: dict[str, dict[str, float]] = {"fwd": {}, "bwd": {}}
+    for label, overrides in candidates:
+        wanted = [d for d in ("fwd", "bwd") if (label, overrides) in plan[d]]
+        if not wanted:
+            continue
+        with launch_settings(**overrides):
+            for direction in wanted:
+                ms = math.nan
+                try:
+                    fwd, bwd = make_provider("ours", op, x, w, b, dy, 1e-5)
+                    if direction == "fwd":
+                        ms = timer(fwd, rep=TUNE_REP_MS)
+                    else:
+                        ms = timer(bwd, grad_to_none=[x, w, b], rep=TUNE_REP_MS)
+                except Exception as err:  # e.g. out of shared memory for a large tile
+                    print(f"  [{label} {direction} skipped at N={n}: {type(err).__name__}: {err}]"
+                          [:200])  # fmt: skip
+                nbytes = _bytes(op, direction, m, n, x.element_size(), w.element_size())
+                rate = nbytes / (ms * 1e-3) / 1e9 if ms == ms else math.nan
+                gbps[direction][label] = rate
+                rows.append({**meta, "table": "tune", "op": op, "dtype": dname, "M": m, "N": n,
+                             "provider": f"ours[{label}]", "direction": direction, "ms": ms,
+                             "bytes": nbytes, "GB/s": rate})  # fmt: skip
+    cells = []
+    for direction in ("fwd", "bwd"):
+        base = gbps[direction].get("default", math.nan)
+        timed = {k: v for k, v in gbps[direction].items() if v == v}
+        best = max(timed, key=timed.__getitem__) if timed else "default"
+        rate = timed.get(best, math.nan)
+        gain = 100.0 * (rate / base - 1.0) if base == base and base > 0 else math.nan
+        cells.append(f"{base:>11.0f}  {best:<28} {rate:>7.0f} {gain:>+6.1f}%")
+    print(f"{n:>7} {m:>8} | " + " | ".join(cells))
+    del x, w, b, dy
+    return rows
+
+
+def _tune_summary(rows: list[dict]) -> None:
+    """Per candidate and direction: at how many (op, dtype, N) it was timed, and its median and
+    best gain over the defaults there."""
+    base = {(r["op"], r["dtype"], r["N"], r["direction"]): r["GB/s"] for r in rows
+            if r["provider"] == "ours[default]"}  # fmt: skip
+    gains: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        ref = base.get((r["op"], r["dtype"], r["N"], r["direction"]), math.nan)
+        if r["provider"] == "ours[default]" or not (ref == ref and r["GB/s"] == r["GB/s"]):
+            continue
+        gains.setdefault((r["provider"][5:-1], r["direction"]), []).append(r["GB/s"] / ref - 1)
+    if not gains:
+        return
+    print("\ngain over the defaults per candidate: cells timed, median, best")
+    for (label, direction), g in sorted(gains.items()):
+        print(f"  {label:<28} {direction}  {len(g):>3}  {100 * statistics.median(g):>+6.1f}%  "
+              f"{100 * max(g):>+6.1f}%")  # fmt: skip
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     if not rows:
         return
@@ -436,11 +651,14 @@ def main(argv: list[str] | None = None) -> int:
         ctx = force_backend("triton")
         ctx.__enter__()
     try:
-        rows = sweep(args, device, timer, meta)
-        if not args.no_latency:
-            rows += latency(args, device, timer, meta)
-        if not args.no_lstm:
-            rows += lstm(args, device, timer, meta)
+        if args.tune:
+            rows = tune(args, device, timer, meta)
+        else:
+            rows = sweep(args, device, timer, meta)
+            if not args.no_latency:
+                rows += latency(args, device, timer, meta)
+            if not args.no_lstm:
+                rows += lstm(args, device, timer, meta)
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)

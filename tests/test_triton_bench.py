@@ -80,3 +80,99 @@ def test_dry_run_exercises_every_table(tmp_path: Path):
     if "lstm" in tables:  # layernorm.recurrent importable
         assert any("Triton step" in r["provider"] for r in rows if r["table"] == "lstm")
     assert out_png.stat().st_size > 0
+
+
+def test_tune_grid_and_options():
+    bench = _load()
+    args = bench.parse_args(["--tune"])
+    assert args.tune and args.tune_factors == list(bench.TUNE_GRID)
+    grid = bench.TUNE_GRID
+    assert grid["max_fused_block_n_bwd"] == [4096, 8192, 16384, 32768]
+    assert grid["max_fused_block_n_fwd"] == [8192, 16384, 32768, 65536]
+    assert grid["elems_per_thread"] == [8, 16, 32] and grid["programs_per_sm"] == [2, 4, 8]
+    assert grid["looped_block_n"] == [2048, 4096, 8192]
+    assert grid["fused_tile_elems"] == [2048, 4096, 8192]
+    assert set(bench.DRY_RUN_TUNE_GRID) == set(grid)
+    narrow = bench.parse_args(["--tune", "--tune-factors", "looped_block_n"])
+    assert narrow.tune_factors == ["looped_block_n"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tune", "--tune-factors", "num_warps"])
+
+
+def test_tune_candidates_vary_one_factor_and_skip_equivalent_launches():
+    """One factor at a time around the defaults; at each N only candidates that change the launch
+    are timed (kernels are not run here: the plan is launch configurations only)."""
+    bench = _load()
+    from layernorm.kernels.triton import _norm_core
+
+    candidates = bench.tune_candidates(bench.TUNE_GRID, list(bench.TUNE_GRID))
+    assert candidates[0] == ("default", {})
+    assert all(len(overrides) == 1 for _, overrides in candidates[1:])
+    defaults = _norm_core.current_launch_settings()
+    # every grid value except the default one, once
+    expected = sum(
+        len([v for v in values if v != getattr(defaults, f)])
+        for f, values in bench.TUNE_GRID.items()
+    )
+    assert len(candidates) == 1 + expected
+    assert ("max_fused_block_n_bwd=16384", {"max_fused_block_n_bwd": 16384}) in candidates
+
+    def labels(m: int, n: int, direction: str) -> list[str]:
+        return [label for label, _ in bench.tune_plan(candidates, m, n, "cpu")[direction]]
+
+    short = labels(1 << 19, 256, "fwd")
+    assert short[0] == "default" and "fused_tile_elems=2048" in short
+    assert not any(label.startswith(("max_fused", "looped")) for label in short)  # no effect
+    assert "max_fused_block_n_bwd=4096" in labels(1 << 14, 8192, "bwd")  # 8192 looped instead
+    assert "max_fused_block_n_fwd=8192" not in labels(1 << 14, 8192, "fwd")
+    long_rows = labels(512, 262_144, "bwd")
+    assert {"looped_block_n=2048", "looped_block_n=8192"} <= set(long_rows)
+    assert "fused_tile_elems=8192" not in long_rows  # the looped kernels have no row tiles
+    args = bench.parse_args(["--tune", "--ns", "256", "8192", "--ops", "rms_norm"])
+    timings, variants, seconds = bench.tune_estimate(args, candidates, "cpu")
+    per_dtype = sum(
+        len(labels(m, n, d)) for m, n in bench._tune_shapes(args) for d in ("fwd", "bwd")
+    )
+    assert timings == per_dtype * len(args.dtypes) and variants > 0 and seconds > 0
+
+
+@pytest.mark.slow
+def test_tune_dry_run_prints_tables_and_appends_rows(tmp_path: Path):
+    """--tune --dry-run: the tuning path on CPU under the interpreter, with the grid scaled to the
+    tiny rows, so both kernel routes run; one table per (op, dtype), CSV rows per candidate."""
+    import csv
+    import re
+    import subprocess
+    import sys
+
+    out_csv = tmp_path / "tune.csv"
+    proc = subprocess.run(
+        [sys.executable, str(_PATH), "--tune", "--dry-run", "--dtypes", "bf16", "fp32",
+         "--csv", str(out_csv)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    announced = re.search(r"candidate settings .*?; (\d+) timings", out)
+    assert announced is not None, out[-3000:]
+    rows = list(csv.DictReader(out_csv.open()))
+    assert len(rows) == int(announced.group(1))
+    assert {r["table"] for r in rows} == {"tune"}
+    assert {(r["op"], r["dtype"]) for r in rows} == {
+        (op, d) for op in ("layer_norm", "rms_norm") for d in ("bf16", "fp32")
+    }
+    for op in ("layer_norm", "rms_norm"):
+        for dname in ("bf16", "fp32"):
+            assert f"{op}, {dname}, M·N = 2^12: best launch setting per N" in out
+    cells = {(r["op"], r["dtype"], r["N"], r["direction"]) for r in rows}
+    defaults = {
+        (r["op"], r["dtype"], r["N"], r["direction"])
+        for r in rows
+        if r["provider"] == "ours[default]"
+    }
+    assert cells == defaults  # every timed cell has its baseline
+    providers = {r["provider"] for r in rows}
+    # the scaled thresholds send N = 512 down the looped kernels in both directions
+    assert {"ours[max_fused_block_n_fwd=256]", "ours[max_fused_block_n_bwd=256]"} <= providers
+    assert all(float(r["ms"]) > 0 and float(r["GB/s"]) > 0 for r in rows)
+    assert "gain over the defaults per candidate" in out

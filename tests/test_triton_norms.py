@@ -310,6 +310,128 @@ def test_launch_config_heuristics():
     assert _norm_core._num_warps(64) == 2 and _norm_core._num_warps(1 << 20) == 32
 
 
+def test_launch_settings_swap_in_and_restore():
+    defaults = _norm_core.current_launch_settings()
+    assert defaults == _norm_core.LaunchSettings()  # no LAYERNORM_TRITON_LAUNCH in the tests
+    assert defaults.max_fused_block_n_bwd == _norm_core.MAX_FUSED_BLOCK_N_BWD
+    with _norm_core.launch_settings(max_fused_block_n_bwd=4096, elems_per_thread=8) as inner:
+        assert _norm_core.current_launch_settings() is inner
+        assert inner.max_fused_block_n_bwd == 4096
+        assert inner.looped_block_n == defaults.looped_block_n
+        assert _norm_core.launch_config(8192, backward=True).looped  # over the lowered limit
+        assert not _norm_core.launch_config(8192).looped  # the forward's limit is unchanged
+        assert _norm_core._num_warps(8192) == 32  # 8192 / (32 threads · 8 elements)
+        with _norm_core.launch_settings(looped_block_n=1024):  # nests on the current settings
+            assert _norm_core.current_launch_settings().elems_per_thread == 8
+            assert _norm_core.launch_config(8192, backward=True).block_n == 1024
+        assert _norm_core.current_launch_settings() is inner
+    assert _norm_core.current_launch_settings() is defaults
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        _norm_core.launch_settings(fused_tile_elems=1024),
+    ):
+        raise RuntimeError("boom")
+    assert _norm_core.current_launch_settings() is defaults
+    explicit = _norm_core.LaunchSettings(programs_per_sm=3)  # any positive count, not only 2^k
+    with _norm_core.launch_settings(explicit, max_fused_block_m=4) as st:
+        assert st.programs_per_sm == 3 and st.max_fused_block_m == 4
+        assert _norm_core.launch_config(64).block_m == 4
+    assert _norm_core.current_launch_settings() is defaults
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"max_fused_block_n_bwd": 12288}, r"power of two, got 12288 \(nearest: 8192 or 16384\)"),
+        ({"looped_block_n": 0}, "looped_block_n must be a positive int, got 0"),
+        ({"elems_per_thread": 12}, "elems_per_thread must be a power of two"),
+        ({"programs_per_sm": -1}, "programs_per_sm must be a positive int, got -1"),
+        ({"fused_tile_elems": 2.0}, "must be a positive int, got 2.0"),
+        ({"max_fused_block_m": True}, "must be a positive int, got True"),
+        ({"max_fused_block_n_fwd": 1 << 21}, "at most 1048576"),
+    ],
+)
+def test_launch_settings_reject_bad_values(overrides: dict, message: str):
+    before = _norm_core.current_launch_settings()
+    with pytest.raises(ValueError, match=message), _norm_core.launch_settings(**overrides):
+        pass
+    assert _norm_core.current_launch_settings() is before
+    unknown = r"unknown launch setting\(s\) \['block_n'\]; expected some of \['max_fused"
+    with pytest.raises(TypeError, match=unknown), _norm_core.launch_settings(block_n=64):
+        pass
+    not_settings = {"looped_block_n": 64}
+    with (
+        pytest.raises(TypeError, match="LaunchSettings or None, got dict"),
+        _norm_core.launch_settings(not_settings),  # type: ignore[arg-type]
+    ):
+        pass
+    assert _norm_core.current_launch_settings() is before
+
+
+def test_launch_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch):
+    var = _norm_core.LAUNCH_ENV_VAR
+    monkeypatch.setenv(var, " max_fused_block_n_bwd=16384, elems_per_thread=8 ")
+    st = _norm_core._settings_from_env()
+    assert st == _norm_core.LaunchSettings(max_fused_block_n_bwd=16384, elems_per_thread=8)
+    monkeypatch.setenv(var, "")
+    assert _norm_core._settings_from_env() == _norm_core.LaunchSettings()
+    for bad, message in (("looped_block_n", "name=integer pairs"),
+                         ("looped_block_n=big", "got item 'looped_block_n=big'"),
+                         ("looped_block_n=1000", "power of two, got 1000"),
+                         ("warps=4", "unknown launch setting")):  # fmt: skip
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=message):
+            _norm_core._settings_from_env()
+
+
+# Non-default settings at sizes the interpreter runs quickly (rows of N = 40), each with the
+# (forward looped, backward looped) route it must give; every route must match the reference.
+NON_DEFAULT_SETTINGS = [
+    # both directions looped in 16-element chunks: 3 chunks, the last one 8 wide
+    (dict(max_fused_block_n_fwd=32, max_fused_block_n_bwd=16, looped_block_n=16), (True, True)),
+    # fused forward, looped backward (the default split, moved down to N = 40)
+    (dict(max_fused_block_n_bwd=32, looped_block_n=32, elems_per_thread=8), (False, True)),
+    # fused both ways with 2-row tiles: several tiles per persistent program
+    (dict(fused_tile_elems=128, max_fused_block_m=2, programs_per_sm=2, elems_per_thread=32),
+     (False, False)),
+]  # fmt: skip
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("settings", "looped"), NON_DEFAULT_SETTINGS)
+def test_norms_match_reference_under_non_default_settings(
+    settings: dict, looped: tuple[bool, bool], dtype: torch.dtype
+):
+    m, n = 9, 40
+    x = make_x((m, n), dtype).to(DEVICE).requires_grad_()
+    w = make_param((n,), torch.float32, center=1.0).to(DEVICE).requires_grad_()
+    b = make_param((n,), torch.float32, center=0.0).to(DEVICE).requires_grad_()
+    dy = make_x((m, n), dtype, offset=0.5, scale=1.0).to(DEVICE)
+    with _norm_core.launch_settings(**settings) as st:
+        fwd_cfg = _norm_core.launch_config(n)
+        bwd_cfg = _norm_core.launch_config(n, backward=True)
+        with force_backend("triton"):
+            y = layernorm.layer_norm(x, n, w, b)
+            dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
+            y_rms = layernorm.rms_norm(x, n, w, 1e-6)
+            dx_rms, dw_rms = torch.autograd.grad(y_rms, (x, w), dy)
+    assert (fwd_cfg.looped, bwd_cfg.looped) == looped
+    if not fwd_cfg.looped:
+        assert fwd_cfg.block_m == min(st.max_fused_block_m, st.fused_tile_elems // 64)
+    yr, dxr, dwr, dbr = _ref_grads(
+        lambda a, g, c: layer_norm_reference(a, (n,), g, c), [x, w, b], dy
+    )
+    assert_close(y, yr, TOLERANCES_FWD[dtype], "y")
+    assert_close(dx, dxr, TOLERANCES_BWD[dtype]["dx"], "dx")
+    assert_close(dw, dwr, _dparam_tol(torch.float32, m), "dweight")
+    assert_close(db, dbr, _dparam_tol(torch.float32, m), "dbias")
+    yr, dxr, dwr = _ref_grads(lambda a, g: rms_norm_reference(a, (n,), g, 1e-6), [x, w], dy)
+    assert_close(y_rms, yr, TOLERANCES_FWD[dtype], "rms y")
+    assert_close(dx_rms, dxr, TOLERANCES_BWD[dtype]["dx"], "rms dx")
+    assert_close(dw_rms, dwr, _dparam_tol(torch.float32, m), "rms dweight")
+
+
 # ----------------------------------------------------------------------------------------------
 # Through the custom ops: functional API, autograd, torch.compile
 # ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ differentiates the pure-PyTorch reference instead, since the fused backward is n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,10 +53,9 @@ def layer_norm_bwd(
     need_db: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias)``; a gradient not asked for comes back as an empty tensor."""
-    dx, dw, db = backend_module(x, "layer_norm").layer_norm_bwd(
-        dy.contiguous(), x, mean, rstd, weight,
-        detach_mean, detach_std, need_dx, need_dw, need_db,
-    )  # fmt: skip
+    dx, dw, db = _backend_bwd(
+        dy, x, mean, rstd, weight, detach_mean, detach_std, need_dx, need_dw, need_db
+    )
     return empty_like_none(dx, x), empty_like_none(dw, x), empty_like_none(db, x)
 
 
@@ -77,21 +77,34 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.mark_non_differentiable(mean, rstd)
 
 
-def _backward(ctx: Any, dy: Tensor, _dmean: Tensor, _drstd: Tensor):
+def _fused_backward(ctx: Any, dy: Tensor, bwd: Callable[..., tuple]) -> tuple:
+    """Gradients of ``(x, weight, bias, eps, detach_mean, detach_std)`` from ``bwd`` (the custom op
+    or the backend's ``layer_norm_bwd``: same arguments, ``None`` for what is not asked for)."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    detach_mean, detach_std = ctx.detach_mean, ctx.detach_std
-    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     if torch.is_grad_enabled():
         # create_graph=True: differentiate the reference so the result is itself differentiable.
         return (*_reference_backward(ctx, dy, x, weight, bias), None, None, None)
-    dx, dw, db = layer_norm_bwd(
-        dy, x, mean, rstd, weight, detach_mean, detach_std,
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dx, dw, db = bwd(
+        dy, x, mean, rstd, weight, ctx.detach_mean, ctx.detach_std,
         need_dx, need_dw and weight is not None, need_db and bias is not None,
     )  # fmt: skip
-    db_out = none_if_empty(db)
-    if db_out is not None and bias is not None:
-        db_out = db_out.to(bias.dtype)
-    return none_if_empty(dx), none_if_empty(dw), db_out, None, None, None
+    if db is not None and bias is not None:
+        db = db.to(bias.dtype)
+    return dx, dw, db, None, None, None
+
+
+def _op_bwd(*args: Any) -> tuple[Tensor | None, ...]:
+    # the custom op returns an empty tensor for a gradient not asked for
+    return tuple(none_if_empty(t) for t in layer_norm_bwd(*args))
+
+
+def _backend_bwd(dy: Tensor, x: Tensor, *args: Any) -> tuple[Tensor | None, ...]:
+    return backend_module(x, "layer_norm").layer_norm_bwd(dy.contiguous(), x, *args)
+
+
+def _backward(ctx: Any, dy: Tensor, _dmean: Tensor, _drstd: Tensor):
+    return _fused_backward(ctx, dy, _op_bwd)
 
 
 def _reference_backward(ctx: Any, dy: Tensor, x: Tensor, weight, bias) -> tuple:
@@ -122,17 +135,7 @@ class _LayerNormEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor):  # type: ignore[override]
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            return (*_reference_backward(ctx, dy, x, weight, bias), None, None, None)
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx, dw, db = backend_module(x, "layer_norm").layer_norm_bwd(
-            dy.contiguous(), x, mean, rstd, weight, ctx.detach_mean, ctx.detach_std,
-            need_dx, need_dw and weight is not None, need_db and bias is not None,
-        )  # fmt: skip
-        if db is not None and bias is not None:
-            db = db.to(bias.dtype)
-        return dx, dw, db, None, None, None
+        return _fused_backward(ctx, dy, _backend_bwd)
 
 
 def layer_norm_rows(

@@ -34,8 +34,11 @@ Two kernel shapes, chosen by ``N``:
 The partials are summed over dim 0 by ``torch.sum``: no atomics, and the summation order depends
 only on the shapes, so ``dw``/``db`` are bitwise identical from run to run.
 
-Launch heuristics are deliberately simple (``_num_warps``, ``_fused_block_m``, ``_num_programs``);
-they are tuned on the GPU with ``benchmarks/bench_norms_gpu.py``.
+Launch heuristics are deliberately simple (``_num_warps``, ``_fused_block_m``, ``_num_programs``)
+and read their constants from the current :class:`LaunchSettings`; :func:`launch_settings` swaps
+other values in for a ``with`` block, which is how ``benchmarks/bench_norms_gpu.py --tune`` times
+the candidates on a GPU. ``LAYERNORM_TRITON_LAUNCH="max_fused_block_n_bwd=16384,..."`` in the
+environment sets them for a whole process (a one-off experiment without code changes).
 """
 
 # Kernel bodies keep compile-time branches as plain `if` blocks, the form the Triton front end
@@ -44,6 +47,10 @@ they are tuned on the GPU with ``benchmarks/bench_norms_gpu.py``.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -57,11 +64,11 @@ MODE_LN: int = 0  # centred: layer norm, LN-simple, DetachNorm
 MODE_RMS: int = 1  # not centred: RMSNorm
 MODE_ADA: int = 2  # centred, z = C·x̂·(1 − k·x̂): AdaNorm
 
-# Rows up to these lengths are normalized in registers; longer rows use the looped kernels. The
-# limits and the warp counts keep about 16 elements per thread for each row-sized operand: compiled
-# for sm_90 (ptxas -v), the forward at 16384 x 32 warps and the backward at 8192 x 16 warps use 64
-# and 128 registers with no spills, while the backward at 16384 spills over 1.8 KB per thread
-# (x, dy, w and the two partial-sum vectors all live in registers).
+# Defaults of LaunchSettings. Rows up to these lengths are normalized in registers; longer rows use
+# the looped kernels. The limits and the warp counts keep about 16 elements per thread for each
+# row-sized operand: compiled for sm_90 (ptxas -v), the forward at 16384 x 32 warps and the backward
+# at 8192 x 16 warps use 64 and 128 registers with no spills, while the backward at 16384 spills
+# over 1.8 KB per thread (x, dy, w and the two partial-sum vectors all live in registers).
 MAX_FUSED_BLOCK_N_FWD: int = 16384
 MAX_FUSED_BLOCK_N_BWD: int = 8192
 # Chunk length of the looped kernels.
@@ -74,21 +81,132 @@ MAX_FUSED_BLOCK_M: int = 32
 PROGRAMS_PER_SM: int = 4
 INTERPRETER_PROGRAMS: int = 4
 ELEMS_PER_THREAD: int = 16
+# Triton's limit on the elements of one block (tl.arange, a register tile).
+_MAX_BLOCK_ELEMS: int = 1 << 20
+LAUNCH_ENV_VAR: str = "LAYERNORM_TRITON_LAUNCH"
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Constants of the launch heuristics (kernel choice, tile sizes, warps, grid size).
+
+    Every field is a positive int; all but ``programs_per_sm`` must be powers of two (they become
+    block shapes or divide into warp counts, which Triton needs as powers of two). Block sizes are
+    at most 2^20, Triton's limit for one block.
+
+    Attributes:
+        max_fused_block_n_fwd: longest (power-of-two padded) row the forward keeps in registers.
+        max_fused_block_n_bwd: the same for the backward.
+        looped_block_n: chunk length of the looped kernels.
+        fused_tile_elems: about this many elements per row tile of the fused kernels.
+        max_fused_block_m: at most this many rows per fused tile.
+        programs_per_sm: programs per SM of the persistent backward grid (CUDA only).
+        elems_per_thread: target elements per thread and operand; sets ``num_warps``.
+    """
+
+    max_fused_block_n_fwd: int = MAX_FUSED_BLOCK_N_FWD
+    max_fused_block_n_bwd: int = MAX_FUSED_BLOCK_N_BWD
+    looped_block_n: int = LOOPED_BLOCK_N
+    fused_tile_elems: int = FUSED_TILE_ELEMS
+    max_fused_block_m: int = MAX_FUSED_BLOCK_M
+    programs_per_sm: int = PROGRAMS_PER_SM
+    elems_per_thread: int = ELEMS_PER_THREAD
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LaunchSettings.{f.name} must be a positive int, got {value!r}")
+            if f.name != "programs_per_sm" and value & (value - 1):
+                raise ValueError(
+                    f"LaunchSettings.{f.name} must be a power of two, got {value}"
+                    f" (nearest: {triton.next_power_of_2(value) // 2} or "
+                    f"{triton.next_power_of_2(value)})"
+                )
+            if f.name != "programs_per_sm" and value > _MAX_BLOCK_ELEMS:
+                raise ValueError(
+                    f"LaunchSettings.{f.name} must be at most {_MAX_BLOCK_ELEMS} (Triton's block "
+                    f"limit), got {value}"
+                )
+
+    def replace(self, **overrides: int) -> LaunchSettings:
+        """A copy with ``overrides`` applied; unknown names raise ``TypeError``, bad values
+        ``ValueError``."""
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise TypeError(f"unknown launch setting(s) {unknown}; expected some of {names}")
+        return dataclasses.replace(self, **overrides)
+
+
+def _settings_from_env() -> LaunchSettings:
+    """Defaults, with ``LAYERNORM_TRITON_LAUNCH="name=value,name=value"`` applied if set."""
+    spec = os.environ.get(LAUNCH_ENV_VAR, "").strip()
+    if not spec:
+        return LaunchSettings()
+    overrides: dict[str, int] = {}
+    for item in spec.split(","):
+        name, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError("no '='")
+            overrides[name.strip()] = int(value)
+        except ValueError:
+            raise ValueError(
+                f"{LAUNCH_ENV_VAR} must be comma-separated name=integer pairs, e.g. "
+                f"'max_fused_block_n_bwd=16384,elems_per_thread=8'; got item {item!r}"
+            ) from None
+    try:
+        return LaunchSettings().replace(**overrides)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{LAUNCH_ENV_VAR}={spec!r}: {err}") from None
+
+
+_settings: LaunchSettings = _settings_from_env()
+
+
+def current_launch_settings() -> LaunchSettings:
+    """The settings the launchers use now."""
+    return _settings
+
+
+@contextmanager
+def launch_settings(
+    settings: LaunchSettings | None = None, /, **overrides: int
+) -> Iterator[LaunchSettings]:
+    """Launch the kernels with other heuristic constants inside a ``with`` block.
+
+    ``settings`` (default: the current ones) with ``overrides`` applied, e.g.
+    ``with launch_settings(max_fused_block_n_bwd=16384, elems_per_thread=8): ...``; the previous
+    settings come back on exit, also after an exception. Block sizes and ``num_warps`` are
+    constexprs and launch options of the kernels, so Triton compiles (and caches) a variant per
+    setting. The settings are process-wide, not per thread: for benchmarks and experiments.
+    """
+    global _settings
+    if settings is not None and not isinstance(settings, LaunchSettings):
+        raise TypeError(f"settings must be a LaunchSettings or None, got {type(settings).__name__}")
+    new = (settings or _settings).replace(**overrides)
+    previous = _settings
+    _settings = new
+    try:
+        yield new
+    finally:
+        _settings = previous
 
 
 def _num_warps(tile_elems: int) -> int:
-    """About ``ELEMS_PER_THREAD`` elements per thread for each operand, 2 to 32 warps."""
-    return max(2, min(32, tile_elems // (32 * ELEMS_PER_THREAD)))
+    """About ``elems_per_thread`` elements per thread for each operand, 2 to 32 warps."""
+    return max(2, min(32, tile_elems // (32 * _settings.elems_per_thread)))
 
 
 def _fused_block_m(block_n: int) -> int:
-    return max(1, min(MAX_FUSED_BLOCK_M, FUSED_TILE_ELEMS // block_n))
+    return max(1, min(_settings.max_fused_block_m, _settings.fused_tile_elems // block_n))
 
 
 def _num_programs(device: torch.device, work_items: int) -> int:
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        target = sms * PROGRAMS_PER_SM
+        target = sms * _settings.programs_per_sm
     else:
         target = INTERPRETER_PROGRAMS
     return max(1, min(target, work_items))
@@ -115,6 +233,64 @@ def _sum(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _SUM_COMBINE)
 
 
+@triton.jit
+def _ld(ptr, mask):
+    """Masked load, as float32 (the arithmetic's precision); 0 where masked off."""
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _st(ptr, value, mask):
+    """Masked store, cast to the buffer's dtype."""
+    tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_out(xhat, W, B, cols, mask, k, scale, MODE: tl.constexpr, HAS_W: tl.constexpr,
+              HAS_B: tl.constexpr):  # fmt: skip
+    """The op's output from x̂, float32: ``x̂ ⊙ w + b``, or AdaNorm's ``C·x̂ − C·k·x̂²``.
+
+    ``w`` and ``b`` are loaded at ``cols`` and broadcast over x̂'s rows if x̂ is a row tile.
+    """
+    if MODE == 2:
+        y = scale * xhat - (scale * k) * xhat * xhat
+    else:
+        y = xhat
+        if HAS_W:
+            y = y * _ld(W + cols, mask)
+        if HAS_B:
+            y = y + _ld(B + cols, mask)
+    return y
+
+
+@triton.jit
+def _grad_xhat(dy, xhat, w, k, scale, MODE: tl.constexpr, HAS_W: tl.constexpr):
+    """``g``, the gradient reaching x̂: ``dy ⊙ w`` (``dy`` without a gain), or AdaNorm's
+    ``dz ⊙ φ(x̂)`` with φ = C(1 − k x̂) detached. ``w`` is unused unless ``HAS_W``."""
+    if MODE == 2:
+        g = dy * (scale - (scale * k) * xhat)
+    elif HAS_W:
+        g = dy * w
+    else:
+        g = dy
+    return g
+
+
+@triton.jit
+def _grad_x(g, xhat, rstd, mean_g, mean_gx, MODE: tl.constexpr, DETACH_MEAN: tl.constexpr,
+            DETACH_STD: tl.constexpr):  # fmt: skip
+    """``dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂))`` from the two row means; DetachNorm drops
+    the first (μ detached) or the second (σ detached) term, RMSNorm has no first term. The
+    arguments broadcast: row tiles pass per-row columns ``[:, None]``, single rows scalars."""
+    dx = g
+    if MODE != 1:
+        if not DETACH_MEAN:
+            dx = dx - mean_g
+    if not DETACH_STD:
+        dx = dx - xhat * mean_gx
+    return dx * rstd
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Which kernel runs and with what tile. ``looped`` rows are walked in ``block_n`` chunks."""
@@ -136,11 +312,27 @@ def launch_config(n: int, block_n: int | None = None, *, backward: bool = False)
             raise ValueError(f"block_n must be a positive power of two, got {block_n}")
         if block_n < n:
             return LaunchConfig(True, 1, block_n, _num_warps(block_n))
+    st = _settings
     full = triton.next_power_of_2(n)
-    if full <= (MAX_FUSED_BLOCK_N_BWD if backward else MAX_FUSED_BLOCK_N_FWD):
+    if full <= (st.max_fused_block_n_bwd if backward else st.max_fused_block_n_fwd):
         block_m = _fused_block_m(full)
         return LaunchConfig(False, block_m, full, _num_warps(block_m * full))
-    return LaunchConfig(True, 1, LOOPED_BLOCK_N, _num_warps(LOOPED_BLOCK_N))
+    return LaunchConfig(True, 1, st.looped_block_n, _num_warps(st.looped_block_n))
+
+
+def backward_groups(
+    cfg: LaunchConfig, m: int, n: int, device: torch.device, num_programs: int | None = None
+) -> int:
+    """Programs along the rows of the backward (persistent fused grid, or the looped path's row
+    groups per column block): the number of ``dw``/``db`` partial-sum rows. ``num_programs``
+    overrides the heuristic (clamped to the work there is)."""
+    if cfg.looped:
+        # the column blocks already spread the work: split rows into just enough groups
+        col_blocks = triton.cdiv(n, cfg.block_n)
+        groups = num_programs or triton.cdiv(_num_programs(device, m * col_blocks), col_blocks)
+        return max(1, min(groups, m))
+    tiles = triton.cdiv(m, cfg.block_m)
+    return max(1, min(num_programs or _num_programs(device, tiles), tiles))
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,7 +366,7 @@ def _norm_fwd_fused_kernel(
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)  # BLOCK_M, BLOCK_N
+    x = _ld(X + offs, mask)  # BLOCK_M, BLOCK_N
     if MODE == 1:
         xc = x
     else:
@@ -185,18 +377,8 @@ def _norm_fwd_fused_kernel(
     var = _sum(xc * xc, axis=1) / N  # BLOCK_M; biased, like torch.var(unbiased=False)
     rstd = 1.0 / tl.sqrt(var + eps)
     tl.store(RSTD + rows, rstd.to(RSTD.dtype.element_ty), mask=row_mask)
-    xhat = xc * rstd[:, None]
-    if MODE == 2:
-        y = scale * xhat - (scale * k) * xhat * xhat
-    else:
-        y = xhat
-        if HAS_W:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = y * w[None, :]
-        if HAS_B:
-            b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = y + b[None, :]
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    y = _norm_out(xc * rstd[:, None], W, B, cols, col_mask, k, scale, MODE, HAS_W, HAS_B)
+    _st(Y + offs, y, mask)
 
 
 @triton.jit
@@ -228,7 +410,7 @@ def _norm_fwd_looped_kernel(
     for start in range(0, N, BLOCK_N):
         cols = start + cols0
         msk = cols < N
-        x = tl.load(X + cols, mask=msk, other=0.0).to(tl.float32)
+        x = _ld(X + cols, msk)
         if MODE == 1:
             m2 += _sum(x * x, axis=0)
         else:
@@ -248,22 +430,13 @@ def _norm_fwd_looped_kernel(
     for start in range(0, N, BLOCK_N):
         cols = start + cols0
         msk = cols < N
-        x = tl.load(X + cols, mask=msk, other=0.0).to(tl.float32)
+        x = _ld(X + cols, msk)
         if MODE == 1:
             xhat = x * rstd
         else:
             xhat = (x - mean) * rstd
-        if MODE == 2:
-            y = scale * xhat - (scale * k) * xhat * xhat
-        else:
-            y = xhat
-            if HAS_W:
-                w = tl.load(W + cols, mask=msk, other=0.0).to(tl.float32)
-                y = y * w
-            if HAS_B:
-                b = tl.load(B + cols, mask=msk, other=0.0).to(tl.float32)
-                y = y + b
-        tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=msk)
+        y = _norm_out(xhat, W, B, cols, msk, k, scale, MODE, HAS_W, HAS_B)
+        _st(Y + cols, y, msk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,8 +472,9 @@ def _norm_bwd_fused_kernel(
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    w = 1.0  # no gain
     if HAS_W:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = _ld(W + cols, col_mask)
     dw_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     num_tiles = (M + BLOCK_M - 1) // BLOCK_M
@@ -311,33 +485,25 @@ def _norm_bwd_fused_kernel(
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0).to(tl.float32)
+        x = _ld(X + offs, mask)
+        dy = _ld(DY + offs, mask)
+        rstd = _ld(RSTD + rows, row_mask)
         if MODE == 1:
             xhat = x * rstd[:, None]
         else:
-            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0).to(tl.float32)
+            mean = _ld(MEAN + rows, row_mask)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if NEED_DW:
             dw_acc += _sum(dy * xhat, axis=0)
         if NEED_DB:
             db_acc += _sum(dy, axis=0)
         if STORE_DX:
-            if MODE == 2:
-                g = dy * (scale - (scale * k) * xhat)  # dz ⊙ φ(x̂), φ detached
-            elif HAS_W:
-                g = dy * w[None, :]
-            else:
-                g = dy
-            dx = g
-            if MODE != 1:
-                if not DETACH_MEAN:
-                    dx = dx - (_sum(g, axis=1) / N)[:, None]
-            if not DETACH_STD:
-                dx = dx - xhat * (_sum(g * xhat, axis=1) / N)[:, None]
-            dx = dx * rstd[:, None]
-            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            g = _grad_xhat(dy, xhat, w, k, scale, MODE, HAS_W)
+            # the compiler drops a row mean that a detached term leaves unused
+            mean_g = (_sum(g, axis=1) / N)[:, None]
+            mean_gx = (_sum(g * xhat, axis=1) / N)[:, None]
+            dx = _grad_x(g, xhat, rstd[:, None], mean_g, mean_gx, MODE, DETACH_MEAN, DETACH_STD)
+            _st(DX + offs, dx, mask)
     if NEED_DW:
         tl.store(DW_PART + pid * N + cols, dw_acc, mask=col_mask)
     if NEED_DB:
@@ -374,15 +540,13 @@ def _norm_bwd_coeffs_kernel(
     for start in range(0, N, BLOCK_N):
         cols = start + cols0
         msk = cols < N
-        x = tl.load(X + cols, mask=msk, other=0.0).to(tl.float32)
-        dy = tl.load(DY + cols, mask=msk, other=0.0).to(tl.float32)
+        x = _ld(X + cols, msk)
+        dy = _ld(DY + cols, msk)
         xhat = tl.where(msk, (x - mean) * rstd, 0.0)
-        if MODE == 2:
-            g = dy * (scale - (scale * k) * xhat)
-        elif HAS_W:
-            g = dy * tl.load(W + cols, mask=msk, other=0.0).to(tl.float32)
-        else:
-            g = dy
+        w = 1.0  # no gain
+        if HAS_W:
+            w = _ld(W + cols, msk)
+        g = _grad_xhat(dy, xhat, w, k, scale, MODE, HAS_W)
         sum_g += g
         sum_gx += g * xhat
     # Which of the two terms enter dx is decided by _norm_bwd_cols_kernel's flags.
@@ -421,8 +585,9 @@ def _norm_bwd_cols_kernel(
     num_groups = tl.num_programs(1)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    w = 1.0  # no gain
     if HAS_W:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = _ld(W + cols, col_mask)
     dw_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     # 64-bit row offsets: pointers start at this group's first row and step num_groups rows
@@ -431,8 +596,8 @@ def _norm_bwd_cols_kernel(
     DY += group.to(tl.int64) * N
     DX += group.to(tl.int64) * N
     for row in range(group, M, num_groups):
-        x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x = _ld(X + cols, col_mask)
+        dy = _ld(DY + cols, col_mask)
         rstd = tl.load(RSTD + row).to(tl.float32)
         if MODE == 1:
             xhat = x * rstd
@@ -443,20 +608,11 @@ def _norm_bwd_cols_kernel(
         if NEED_DB:
             db_acc += dy
         if STORE_DX:
-            if MODE == 2:
-                g = dy * (scale - (scale * k) * xhat)
-            elif HAS_W:
-                g = dy * w
-            else:
-                g = dy
-            dx = g
-            if MODE != 1:
-                if not DETACH_MEAN:
-                    dx = dx - tl.load(C1 + row)
-            if not DETACH_STD:
-                dx = dx - xhat * tl.load(C2 + row)
-            dx = dx * rstd
-            tl.store(DX + cols, dx.to(DX.dtype.element_ty), mask=col_mask)
+            g = _grad_xhat(dy, xhat, w, k, scale, MODE, HAS_W)
+            # C1/C2 are written whenever dx is stored; the compiler drops a load left unused
+            dx = _grad_x(g, xhat, rstd, tl.load(C1 + row), tl.load(C2 + row), MODE, DETACH_MEAN,
+                         DETACH_STD)  # fmt: skip
+            _st(DX + cols, dx, col_mask)
         X += step
         DY += step
         DX += step
@@ -535,7 +691,8 @@ def norm_bwd(
     block_n: int | None = None,
     num_programs: int | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(dx, dw, db)``: ``dx`` in ``x``'s dtype, ``dw`` and ``db`` as float32 sums (callers cast).
+    """``(dx, dw, db)``: ``dx`` in ``x``'s dtype, ``dw`` in the weight's, ``db`` as a float32 sum
+    (the caller casts it to the bias dtype).
 
     ``num_programs`` fixes how many partial-sum rows the weight gradients are reduced from (the
     persistent grid size, or the number of row groups on the looped path).
@@ -550,20 +707,14 @@ def norm_bwd(
     dx = torch.empty_like(x) if need_dx else None
     if m == 0:
         zeros = torch.zeros(n, dtype=torch.float32, device=x.device)
-        return dx, (zeros if need_dw else None), (zeros.clone() if need_db else None)
+        dw0 = zeros.to(weight.dtype) if need_dw else None  # type: ignore[union-attr]
+        return dx, dw0, (zeros.clone() if need_db else None)
     if not (need_dx or need_dw or need_db):
         return None, None, None
     w = weight.contiguous() if weight is not None else x
     cfg = launch_config(n, block_n, backward=True)
     dx_arg = dx if dx is not None else x  # dummy pointer when dx is not wanted
-    if cfg.looped:
-        # the column blocks already spread the work: split rows into just enough groups
-        col_blocks = triton.cdiv(n, cfg.block_n)
-        groups = num_programs or triton.cdiv(_num_programs(x.device, m * col_blocks), col_blocks)
-        groups = max(1, min(groups, m))
-    else:
-        tiles = triton.cdiv(m, cfg.block_m)
-        groups = max(1, min(num_programs or _num_programs(x.device, tiles), tiles))
+    groups = backward_groups(cfg, m, n, x.device, num_programs)
     part_shape = (groups, n) if (need_dw or need_db) else (1, 1)
     dw_part = torch.empty(part_shape, dtype=torch.float32, device=x.device)
     db_part = torch.empty(part_shape, dtype=torch.float32, device=x.device)
@@ -589,6 +740,6 @@ def norm_bwd(
             DETACH_MEAN=detach_mean, DETACH_STD=detach_std, STORE_DX=need_dx,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags,
         )  # fmt: skip
-    dw = dw_part.sum(dim=0) if need_dw else None
+    dw = dw_part.sum(dim=0).to(weight.dtype) if need_dw else None  # type: ignore[union-attr]
     db = db_part.sum(dim=0) if need_db else None
     return dx, dw, db

@@ -11,7 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._norm_core import _sum  # tl.reduce-based row sum (see there why not tl.sum)
+# _sum is tl.reduce-based (see there why not tl.sum); _ld/_st: masked float32 loads, casting stores
+from ._norm_core import _ld, _st, _sum
 
 
 @triton.jit
@@ -28,15 +29,31 @@ def _tanh(a):
 
 
 @triton.jit
-def _ld(ptr, m):
-    """Masked load of a row block, as float32 (the arithmetic's precision)."""
-    return tl.load(ptr, mask=m, other=0.0).to(tl.float32)
+def _ln_stats(x, m, n, eps):
+    """``(mean, x − mean, rstd)`` of one row block of ``n`` valid elements; ``x`` must be 0 where
+    the mask ``m`` is off, and so is the centred block."""
+    mean = _sum(x, axis=0) / n
+    xc = tl.where(m, x - mean, 0.0)
+    return mean, xc, 1.0 / tl.sqrt(_sum(xc * xc, axis=0) / n + eps)
 
 
 @triton.jit
-def _st(ptr, value, m):
-    """Masked store of a row block, cast to the buffer's dtype."""
-    tl.store(ptr, value.to(ptr.dtype.element_ty), mask=m)
+def _ln_affine(xc, rstd, W, B, cols, m):
+    """``w ⊙ xc·rstd + b`` of a centred block; gain and bias at ``W + cols``, ``B + cols``."""
+    return xc * rstd * _ld(W + cols, m) + _ld(B + cols, m)
+
+
+@triton.jit
+def _xhat(ptr, m, mean, rstd):
+    """x̂ of a saved row block, recomputed from its statistics; 0 where masked off."""
+    return tl.where(m, (_ld(ptr, m) - mean) * rstd, 0.0)
+
+
+@triton.jit
+def _ln_grad(g, xhat, rstd, mean_g, mean_gx):
+    """Layer-norm backward, ``rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂))``, from the two means over
+    the normalized group (which may span several row blocks)."""
+    return rstd * (g - mean_g - xhat * mean_gx)
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,14 +114,10 @@ def _lstm_step_fwd_kernel(
         + _sum(h_o * h_o, axis=0)
     ) / (4 * H)
     rstd_h = 1.0 / tl.sqrt(var_h + eps)
-    a_i = h_i * rstd_h * _ld(W_H + cols, m)
-    a_f = h_f * rstd_h * _ld(W_H + H + cols, m)
-    a_g = h_g * rstd_h * _ld(W_H + 2 * H + cols, m)
-    a_o = h_o * rstd_h * _ld(W_H + 3 * H + cols, m)
-    a_i += _ld(B_H + cols, m)
-    a_f += _ld(B_H + H + cols, m)
-    a_g += _ld(B_H + 2 * H + cols, m)
-    a_o += _ld(B_H + 3 * H + cols, m)
+    a_i = _ln_affine(h_i, rstd_h, W_H, B_H, cols, m)
+    a_f = _ln_affine(h_f, rstd_h, W_H + H, B_H + H, cols, m)
+    a_g = _ln_affine(h_g, rstd_h, W_H + 2 * H, B_H + 2 * H, cols, m)
+    a_o = _ln_affine(h_o, rstd_h, W_H + 3 * H, B_H + 3 * H, cols, m)
     a_i += _ld(gx_row + cols, m)
     a_f += _ld(gx_row + H + cols, m)
     a_g += _ld(gx_row + 2 * H + cols, m)
@@ -116,11 +129,8 @@ def _lstm_step_fwd_kernel(
     c_prev = _ld(C_PREV + row * stride_c + cols, m)
     c = s_f * c_prev + s_i * t_g
     # LN(c_t) over the H cells
-    mean_c = _sum(tl.where(m, c, 0.0), axis=0) / H
-    cc = tl.where(m, c - mean_c, 0.0)
-    rstd_c = 1.0 / tl.sqrt(_sum(cc * cc, axis=0) / H + eps)
-    lc = cc * rstd_c * _ld(W_C + cols, m)
-    lc += _ld(B_C + cols, m)
+    mean_c, cc, rstd_c = _ln_stats(tl.where(m, c, 0.0), m, H, eps)
+    lc = _ln_affine(cc, rstd_c, W_C, B_C, cols, m)
     tc = _tanh(lc)
     h = s_o * tc
     out = row * stride_h + cols
@@ -186,13 +196,9 @@ def _lstm_step_bwd_kernel(
     _st(DLC + hrow, dlc, m)
     # back through LN(c_t) over H
     rstd_c = tl.load(RC + row).to(tl.float32)
-    chat = tl.where(
-        m,
-        (_ld(CN + hrow, m) - tl.load(MC + row).to(tl.float32)) * rstd_c,
-        0.0,
-    )
+    chat = _xhat(CN + hrow, m, tl.load(MC + row).to(tl.float32), rstd_c)
     g_c = dlc * _ld(W_C + cols, m)
-    dcn = rstd_c * (g_c - _sum(g_c, axis=0) / H - chat * (_sum(g_c * chat, axis=0) / H))
+    dcn = _ln_grad(g_c, chat, rstd_c, _sum(g_c, axis=0) / H, _sum(g_c * chat, axis=0) / H)
     if not CARRY_NORMALIZED:
         dcn += dc
     c_prev = _ld(C_PREV + hrow, m)
@@ -210,10 +216,10 @@ def _lstm_step_bwd_kernel(
     mean_h = tl.load(MH + row).to(tl.float32)
     rstd_h = tl.load(RH + row).to(tl.float32)
     hp_row = HP + row * stride_hp
-    x_i = tl.where(m, (_ld(hp_row + cols, m) - mean_h) * rstd_h, 0.0)
-    x_f = tl.where(m, (_ld(hp_row + H + cols, m) - mean_h) * rstd_h, 0.0)
-    x_g = tl.where(m, (_ld(hp_row + 2 * H + cols, m) - mean_h) * rstd_h, 0.0)
-    x_o = tl.where(m, (_ld(hp_row + 3 * H + cols, m) - mean_h) * rstd_h, 0.0)
+    x_i = _xhat(hp_row + cols, m, mean_h, rstd_h)
+    x_f = _xhat(hp_row + H + cols, m, mean_h, rstd_h)
+    x_g = _xhat(hp_row + 2 * H + cols, m, mean_h, rstd_h)
+    x_o = _xhat(hp_row + 3 * H + cols, m, mean_h, rstd_h)
     g_i = d_i * _ld(W_H + cols, m)
     g_f = d_f * _ld(W_H + H + cols, m)
     g_g = d_g * _ld(W_H + 2 * H + cols, m)
@@ -226,10 +232,10 @@ def _lstm_step_bwd_kernel(
         + _sum(g_o * x_o, axis=0)
     ) / (4 * H)
     dhp_row = DHP + row * stride_a
-    _st(dhp_row + cols, rstd_h * (g_i - c1 - x_i * c2), m)
-    _st(dhp_row + H + cols, rstd_h * (g_f - c1 - x_f * c2), m)
-    _st(dhp_row + 2 * H + cols, rstd_h * (g_g - c1 - x_g * c2), m)
-    _st(dhp_row + 3 * H + cols, rstd_h * (g_o - c1 - x_o * c2), m)
+    _st(dhp_row + cols, _ln_grad(g_i, x_i, rstd_h, c1, c2), m)
+    _st(dhp_row + H + cols, _ln_grad(g_f, x_f, rstd_h, c1, c2), m)
+    _st(dhp_row + 2 * H + cols, _ln_grad(g_g, x_g, rstd_h, c1, c2), m)
+    _st(dhp_row + 3 * H + cols, _ln_grad(g_o, x_o, rstd_h, c1, c2), m)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,18 +283,13 @@ def _gru_step_fwd_kernel(
     h_z = tl.where(m, h_z - mean_rz, 0.0)
     rstd_rz = 1.0 / tl.sqrt((_sum(h_r * h_r, axis=0) + _sum(h_z * h_z, axis=0)) / (2 * H) + eps)
     h_n = _ld(HP_N + row * stride_n + cols, m)
-    mean_n = _sum(h_n, axis=0) / H
-    h_n = tl.where(m, h_n - mean_n, 0.0)
-    rstd_n = 1.0 / tl.sqrt(_sum(h_n * h_n, axis=0) / H + eps)
+    mean_n, h_n, rstd_n = _ln_stats(h_n, m, H, eps)
     gx_row = GX + row * stride_gx
-    a_r = h_r * rstd_rz * _ld(W_RZ + cols, m)
-    a_z = h_z * rstd_rz * _ld(W_RZ + H + cols, m)
-    a_r += _ld(B_RZ + cols, m)
-    a_z += _ld(B_RZ + H + cols, m)
+    a_r = _ln_affine(h_r, rstd_rz, W_RZ, B_RZ, cols, m)
+    a_z = _ln_affine(h_z, rstd_rz, W_RZ + H, B_RZ + H, cols, m)
     a_r += _ld(gx_row + cols, m)
     a_z += _ld(gx_row + H + cols, m)
-    ghn = h_n * rstd_n * _ld(W_N + cols, m)
-    ghn += _ld(B_N + cols, m)
+    ghn = _ln_affine(h_n, rstd_n, W_N, B_N, cols, m)
     if HAS_B_HN:
         ghn += _ld(B_HN + cols, m)
     s_r = _sigmoid(a_r)
@@ -364,21 +365,17 @@ def _gru_step_bwd_kernel(
     mean_rz = tl.load(MH + row).to(tl.float32)
     rstd_rz = tl.load(RH + row).to(tl.float32)
     hp_row = HP_RZ + row * stride_hrz
-    x_r = tl.where(m, (_ld(hp_row + cols, m) - mean_rz) * rstd_rz, 0.0)
-    x_z = tl.where(m, (_ld(hp_row + H + cols, m) - mean_rz) * rstd_rz, 0.0)
+    x_r = _xhat(hp_row + cols, m, mean_rz, rstd_rz)
+    x_z = _xhat(hp_row + H + cols, m, mean_rz, rstd_rz)
     g_r = d_r * _ld(W_RZ + cols, m)
     g_z = d_z * _ld(W_RZ + H + cols, m)
     c1 = (_sum(g_r, axis=0) + _sum(g_z, axis=0)) / (2 * H)
     c2 = (_sum(g_r * x_r, axis=0) + _sum(g_z * x_z, axis=0)) / (2 * H)
-    _st(DHP + row3 + cols, rstd_rz * (g_r - c1 - x_r * c2), m)
-    _st(DHP + row3 + H + cols, rstd_rz * (g_z - c1 - x_z * c2), m)
+    _st(DHP + row3 + cols, _ln_grad(g_r, x_r, rstd_rz, c1, c2), m)
+    _st(DHP + row3 + H + cols, _ln_grad(g_z, x_z, rstd_rz, c1, c2), m)
     # LN(hp_n) backward over H
     rstd_n = tl.load(RN + row).to(tl.float32)
-    x_n = tl.where(
-        m,
-        (_ld(HP_N + row * stride_n + cols, m) - tl.load(MN + row).to(tl.float32)) * rstd_n,
-        0.0,
-    )
+    x_n = _xhat(HP_N + row * stride_n + cols, m, tl.load(MN + row).to(tl.float32), rstd_n)
     g_n = d_ghn * _ld(W_N + cols, m)
-    dhp_n = rstd_n * (g_n - _sum(g_n, axis=0) / H - x_n * (_sum(g_n * x_n, axis=0) / H))
+    dhp_n = _ln_grad(g_n, x_n, rstd_n, _sum(g_n, axis=0) / H, _sum(g_n * x_n, axis=0) / H)
     _st(DHP + row3 + 2 * H + cols, dhp_n, m)

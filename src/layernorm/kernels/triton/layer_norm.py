@@ -51,12 +51,9 @@ def layer_norm_bwd(
         return _aten.layer_norm_bwd(
             dy, x, mean, rstd, weight, detach_mean, detach_std, need_dx, need_dw, need_db
         )
-    dx, dw, db = norm_bwd(
+    return norm_bwd(
         dy, x, mean, rstd, weight, MODE_LN,
         detach_mean=detach_mean, detach_std=detach_std,
-        need_dx=need_dx, need_dw=need_dw and weight is not None, need_db=need_db,
+        need_dx=need_dx, need_dw=need_dw, need_db=need_db,
         block_n=block_n, num_programs=num_programs,
     )  # fmt: skip
-    if dw is not None and weight is not None:
-        dw = dw.to(weight.dtype)
-    return dx, dw, db

@@ -41,9 +41,6 @@ def rms_norm_bwd(
         return _aten.rms_norm_bwd(dy, x, rstd, weight, need_dx, need_dw)
     dx, dw, _ = norm_bwd(
         dy, x, rstd, rstd, weight, MODE_RMS,  # the mean argument is never read for RMSNorm
-        need_dx=need_dx, need_dw=need_dw and weight is not None,
-        block_n=block_n, num_programs=num_programs,
+        need_dx=need_dx, need_dw=need_dw, block_n=block_n, num_programs=num_programs,
     )  # fmt: skip
-    if dw is not None and weight is not None:
-        dw = dw.to(weight.dtype)
     return dx, dw

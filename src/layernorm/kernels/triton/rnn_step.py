@@ -58,7 +58,7 @@ themselves are in :mod:`._rnn_kernels`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -80,6 +80,27 @@ MAX_HIDDEN: int = 2048
 
 def _num_warps(block_h: int) -> int:
     return max(1, min(16, block_h // 128))
+
+
+def _block(h: int) -> dict[str, int]:
+    """The kernels' ``BLOCK_H`` and ``num_warps`` for rows of ``h`` units."""
+    block = triton.next_power_of_2(h)
+    return {"BLOCK_H": block, "num_warps": _num_warps(block)}
+
+
+# Per-step buffers, by name, with their widths in units of H (B rows each): the activations a
+# forward saves for its backward, then its float32 row statistics (B,), and the gradients the
+# backward writes. The sequence buffers of layernorm.recurrent use the same names.
+_LSTM_SAVED = {"acts": 4, "cn": 1, "tc": 1}
+_LSTM_STATS = ("mh", "rh", "mc", "rc")
+_LSTM_GRADS = {"dgates": 4, "dhp": 4, "dlc": 1}
+_GRU_SAVED = {"rz": 2, "n": 1, "ghn": 1}
+_GRU_STATS = ("mh", "rh", "mn", "rn")
+_GRU_GRADS = {"dgx": 3, "dgh": 3, "dhp": 3}
+
+
+def _shapes(widths: dict[str, int], b: int, h: int) -> dict[str, tuple[int, int]]:
+    return {key: (b, w * h) for key, w in widths.items()}
 
 
 #: Tensor dtypes the kernels take. They compute in float32, so float64 would silently lose
@@ -106,15 +127,15 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _saved_buffers(
+def _buffers(
     like: Tensor,
-    saved: dict[str, Tensor] | None,
+    given: dict[str, Tensor] | None,
     shapes: dict[str, tuple[int, ...]],
-    stat_keys: tuple[str, ...],
+    stat_keys: tuple[str, ...] = (),
 ) -> dict[str, Tensor]:
-    """``saved`` completed with new activations ``shapes`` (``like``'s dtype) and float32 row
+    """``given`` completed with new tensors of ``shapes`` (``like``'s dtype) and float32 row
     statistics ``stat_keys`` of ``like``'s rows, for those not passed in."""
-    sv = dict(saved) if saved is not None else {}
+    sv = dict(given) if given is not None else {}
     for key, shape in shapes.items():
         if key not in sv:
             sv[key] = like.new_empty(shape)
@@ -169,20 +190,18 @@ def lstm_step_fwd(
     _check_hidden(h, "lstm step")
     _check_dtype(hp, "lstm step")
     hp, gx, c_prev = _rows(hp), _rows(gx), _rows(c_prev)
-    sv = _saved_buffers(hp, saved, {"acts": (b, 4 * h), "cn": (b, h), "tc": (b, h)},
-                        ("mh", "rh", "mc", "rc"))  # fmt: skip
+    sv = _buffers(hp, saved, _shapes(_LSTM_SAVED, b, h), _LSTM_STATS)
     if h_out is None:
         h_out = hp.new_empty((b, h))
     lc = hp.new_empty((b, h)) if carry_normalized else h_out  # dummy pointer when not written
     if sv["cn"].stride() != h_out.stride() or sv["tc"].stride() != h_out.stride():
         raise ValueError("lstm step: saved cn/tc buffers must be contiguous (B, H)")
     if b > 0:
-        block = triton.next_power_of_2(h)
         _lstm_step_fwd_kernel[(b,)](
             hp, gx, c_prev, w_h, b_h, w_c, b_c, h_out, lc,
             sv["acts"], sv["cn"], sv["tc"], sv["mh"], sv["rh"], sv["mc"], sv["rc"],
             hp.stride(0), gx.stride(0), c_prev.stride(0), h_out.stride(0), sv["acts"].stride(0),
-            h, eps, CARRY_NORMALIZED=carry_normalized, BLOCK_H=block, num_warps=_num_warps(block),
+            h, eps, CARRY_NORMALIZED=carry_normalized, **_block(h),
         )  # fmt: skip
     return h_out, (lc if carry_normalized else sv["cn"]), sv
 
@@ -207,19 +226,15 @@ def lstm_step_bwd(
     dh, dc, hp, c_prev = _rows(dh), _rows(dc), _rows(hp), _rows(c_prev)
     if c_prev.stride(0) != h or dc.stride(0) != h or dh.stride(0) != h:
         dh, dc, c_prev = dh.contiguous(), dc.contiguous(), c_prev.contiguous()
-    g = dict(out) if out is not None else {}
-    for key, shape in (("dgates", (b, 4 * h)), ("dhp", (b, 4 * h)), ("dlc", (b, h))):
-        if key not in g:
-            g[key] = hp.new_empty(shape)
+    g = _buffers(hp, out, _shapes(_LSTM_GRADS, b, h))
     dc_prev = hp.new_empty((b, h))
     if b > 0:
-        block = triton.next_power_of_2(h)
         _lstm_step_bwd_kernel[(b,)](
             dh, dc, hp, c_prev, sv["acts"], sv["cn"], sv["tc"],
             sv["mh"], sv["rh"], sv["mc"], sv["rc"], w_h, w_c,
             g["dgates"], g["dhp"], g["dlc"], dc_prev,
             h, hp.stride(0), sv["acts"].stride(0), h,
-            CARRY_NORMALIZED=carry_normalized, BLOCK_H=block, num_warps=_num_warps(block),
+            CARRY_NORMALIZED=carry_normalized, **_block(h),
         )  # fmt: skip
     return dc_prev, g
 
@@ -248,8 +263,7 @@ def gru_step_fwd(
     _check_hidden(h, "gru step")
     _check_dtype(h_prev, "gru step")
     hp_rz, hp_n, gx, h_prev = _rows(hp_rz), _rows(hp_n), _rows(gx), h_prev.contiguous()
-    sv = _saved_buffers(hp_rz, saved, {"rz": (b, 2 * h), "n": (b, h), "ghn": (b, h)},
-                        ("mh", "rh", "mn", "rn"))  # fmt: skip
+    sv = _buffers(hp_rz, saved, _shapes(_GRU_SAVED, b, h), _GRU_STATS)
     if sv["rz"].stride(-1) != 1:
         raise ValueError("gru step: the saved rz buffer must have unit column stride")
     if h_out is None:
@@ -257,12 +271,11 @@ def gru_step_fwd(
     if h_out.stride() != h_prev.stride():
         raise ValueError("gru step: h_out must be contiguous (B, H)")
     if b > 0:
-        block = triton.next_power_of_2(h)
         _gru_step_fwd_kernel[(b,)](
             hp_rz, hp_n, gx, h_prev, w_rz, b_rz, w_n, b_n, b_hn if b_hn is not None else b_n,
             h_out, sv["rz"], sv["n"], sv["ghn"], sv["mh"], sv["rh"], sv["mn"], sv["rn"],
             hp_rz.stride(0), sv["rz"].stride(0), hp_n.stride(0), gx.stride(0), h,
-            h, eps, HAS_B_HN=b_hn is not None, BLOCK_H=block, num_warps=_num_warps(block),
+            h, eps, HAS_B_HN=b_hn is not None, **_block(h),
         )  # fmt: skip
     return h_out, sv
 
@@ -285,21 +298,17 @@ def gru_step_bwd(
     b, h = dh.shape
     dh, h_prev = dh.contiguous(), h_prev.contiguous()
     hp_rz, hp_n = _rows(hp_rz), _rows(hp_n)
-    g = dict(out) if out is not None else {}
-    for key in ("dgx", "dgh", "dhp"):
-        if key not in g:
-            g[key] = dh.new_empty((b, 3 * h))
-        elif g[key].stride() != (3 * h, 1):
+    for key, t in (out or {}).items():
+        if key in _GRU_GRADS and t.stride() != (3 * h, 1):
             raise ValueError(f"gru step: the {key} buffer must be contiguous (B, 3H)")
+    g = _buffers(dh, out, _shapes(_GRU_GRADS, b, h))
     dh_prev = dh.new_empty((b, h))
     if b > 0:
-        block = triton.next_power_of_2(h)
         _gru_step_bwd_kernel[(b,)](
             dh, h_prev, hp_rz, hp_n, sv["rz"], sv["n"], sv["ghn"],
             sv["mh"], sv["rh"], sv["mn"], sv["rn"], w_rz, w_n,
             g["dgx"], g["dgh"], g["dhp"], dh_prev,
-            h, hp_rz.stride(0), sv["rz"].stride(0), hp_n.stride(0), 3 * h, h,
-            BLOCK_H=block, num_warps=_num_warps(block),
+            h, hp_rz.stride(0), sv["rz"].stride(0), hp_n.stride(0), 3 * h, h, **_block(h),
         )  # fmt: skip
     return dh_prev, g
 
@@ -315,7 +324,7 @@ def _saved_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
-def _empty_saved(like: Tensor, b: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
+def _empty_saved(like: Tensor, shapes: dict[str, tuple[int, int]]) -> dict[str, Tensor]:
     dt = _saved_dtype(like)
     return {k: torch.empty(s, dtype=dt, device=like.device) for k, s in shapes.items()}
 
@@ -358,7 +367,7 @@ class LNLSTMStepFunction(torch.autograd.Function):
         gx_dtype = gx.dtype
         gx = gx.to(_saved_dtype(gx)).contiguous()
         gxn, mx, rx = _ln.layer_norm_fwd(gx, w_x, b_x_eff, eps)
-        saved = _empty_saved(gh, b, {"acts": (b, 4 * h), "cn": (b, h), "tc": (b, h)})
+        saved = _empty_saved(gh, _shapes(_LSTM_SAVED, b, h))
         h_t, carried, sv = lstm_step_fwd(
             gh, gxn, c_prev, w_h, b_h, w_c, b_c, eps, carry_normalized, saved=saved
         )
@@ -378,7 +387,7 @@ class LNLSTMStepFunction(torch.autograd.Function):
         b, h = c_prev.shape
         dh = torch.zeros_like(c_prev) if dh is None else dh.to(c_prev.dtype)
         dc = torch.zeros_like(c_prev) if dc is None else dc.to(c_prev.dtype)
-        grads = _empty_saved(gh, b, {"dgates": (b, 4 * h), "dhp": (b, 4 * h), "dlc": (b, h)})
+        grads = _empty_saved(gh, _shapes(_LSTM_GRADS, b, h))
         dc_prev, g = lstm_step_bwd(dh, dc, gh, c_prev, w_h, w_c, sv, ctx.carry_normalized, grads)
         dgates = g["dgates"]
         # gx went through LN(·; α_x, β_x + b): its backward also gives dα_x and Σ dgates
@@ -428,7 +437,7 @@ class LNGRUStepFunction(torch.autograd.Function):
         gn, mxn, rxn = _ln.layer_norm_fwd(gx_n, w_x[2 * h :], b_x[2 * h :], eps)
         gxn = torch.cat([grz, gn], dim=1)
         hp_rz, hp_n = gh[:, : 2 * h], gh[:, 2 * h :]  # strided views: the kernels take row strides
-        saved = _empty_saved(gh, b, {"rz": (b, 2 * h), "n": (b, h), "ghn": (b, h)})
+        saved = _empty_saved(gh, _shapes(_GRU_SAVED, b, h))
         h_t, sv = gru_step_fwd(
             hp_rz, hp_n, gxn, h_prev, w_h[: 2 * h], b_h[: 2 * h], w_h[2 * h :], b_h[2 * h :],
             b_hn, eps, saved=saved,
@@ -447,7 +456,7 @@ class LNGRUStepFunction(torch.autograd.Function):
         )
         sv = dict(zip(ctx.sv_keys, rest, strict=True))
         b, h = h_prev.shape
-        grads = _empty_saved(hp_rz, b, {k: (b, 3 * h) for k in ("dgx", "dgh", "dhp")})
+        grads = _empty_saved(hp_rz, _shapes(_GRU_GRADS, b, h))
         dh_prev, g = gru_step_bwd(
             dh.to(h_prev.dtype), h_prev, hp_rz, hp_n, w_h[: 2 * h], w_h[2 * h :], sv, grads
         )
@@ -578,6 +587,9 @@ def seam_functions(fallback: Any) -> dict[str, Callable[..., Any]]:
     lstm_keys = ("w1", "b1", "w3", "b3")
     gru_keys = ("w_rz", "b_rz", "w_n", "b_n")
 
+    def views(st: dict[str, Any], keys: Iterable[str], sl: slice) -> dict[str, Tensor]:
+        return {k: st[k][sl] for k in keys}
+
     def fused(st: dict[str, Any], keys: tuple[str, ...]) -> bool:
         return (
             bool(st["normalize"])
@@ -594,7 +606,7 @@ def seam_functions(fallback: Any) -> dict[str, Callable[..., Any]]:
         st["hprev"][sl] = h
         c_prev = st["cprev"][sl]
         c_prev.copy_(c)
-        sv = {k: st[k][sl] for k in ("acts", "cn", "tc", "mh", "rh", "mc", "rc")}
+        sv = views(st, (*_LSTM_SAVED, *_LSTM_STATS), sl)
         h_new, carried, _ = lstm_step_fwd(
             st["hp"][sl], st["gx"][sl], c_prev, st["w1"], st["b1"], st["w3"], st["b3"],
             st["eps"], st["carry_normalized"], saved=sv, h_out=st["out"][sl],
@@ -609,8 +621,8 @@ def seam_functions(fallback: Any) -> dict[str, Callable[..., Any]]:
         sl = slice(off, off + bs)
         dh_t = st["dh"][:bs] + st["dout"][sl]
         dc = st["dc"][:bs]
-        sv = {k: st[k][sl] for k in ("acts", "cn", "tc", "mh", "rh", "mc", "rc")}
-        out = {k: st[k][sl] for k in ("dgates", "dhp", "dlc")}
+        sv = views(st, (*_LSTM_SAVED, *_LSTM_STATS), sl)
+        out = views(st, _LSTM_GRADS, sl)
         dc_prev, _ = lstm_step_bwd(
             dh_t, dc, st["hp"][sl], st["cprev"][sl], st["w1"], st["w3"], sv,
             st["carry_normalized"], out=out,
@@ -626,7 +638,7 @@ def seam_functions(fallback: Any) -> dict[str, Callable[..., Any]]:
         h_prev = st["hprev"][sl]
         h_prev.copy_(h)
         hp = st["hp"][sl]
-        sv = {k: st[k][sl] for k in ("rz", "n", "ghn", "mh", "rh", "mn", "rn")}
+        sv = views(st, (*_GRU_SAVED, *_GRU_STATS), sl)
         h_new, _ = gru_step_fwd(
             hp[:, : 2 * hs], hp[:, 2 * hs :], st["gx"][sl], h_prev, st["w_rz"], st["b_rz"],
             st["w_n"], st["b_n"], st["b_hn"], st["eps"], saved=sv, h_out=st["out"][sl],
@@ -641,8 +653,8 @@ def seam_functions(fallback: Any) -> dict[str, Callable[..., Any]]:
         dh = st["dh"][:bs]
         dh_t = dh + st["dout"][sl]
         hp = st["hp"][sl]
-        sv = {k: st[k][sl] for k in ("rz", "n", "ghn", "mh", "rh", "mn", "rn")}
-        out = {k: st[k][sl] for k in ("dgx", "dgh", "dhp")}
+        sv = views(st, (*_GRU_SAVED, *_GRU_STATS), sl)
+        out = views(st, _GRU_GRADS, sl)
         dh_prev, _ = gru_step_bwd(
             dh_t, st["hprev"][sl], hp[:, : 2 * hs], hp[:, 2 * hs :], st["w_rz"], st["w_n"], sv,
             out=out,

@@ -597,6 +597,48 @@ def test_gpu_autocast_dtypes():
 
 
 # ----------------------------------------------------------------------------------------------
+# Where the kernels cannot run: a clear error, not a failure deep inside Triton
+# ----------------------------------------------------------------------------------------------
+
+
+def test_cpu_tensor_without_interpreter_is_a_clear_error():
+    code = (
+        "import torch, layernorm.functional as F\n"
+        "from layernorm.backend import force_backend\n"
+        "with force_backend('triton'):\n"
+        "    F.layer_norm(torch.randn(2, 8) + 1, (8,))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "RuntimeError: the Triton kernels got a cpu tensor" in proc.stderr, proc.stderr[-2000:]
+    assert "TRITON_INTERPRET=1" in proc.stderr
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter check runs on CPU tensors")
+def test_broken_interpreter_is_reported_with_the_versions(monkeypatch):
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args):
+                raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
+
+            return launch
+
+    assert _norm_core._interpreter_problem() is None  # this environment's interpreter works
+    monkeypatch.setattr(_norm_core, "_range_probe_kernel", Failing())
+    monkeypatch.setattr(_norm_core, "InterpretedFunction", Failing)
+    _norm_core._interpreter_problem.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"Triton interpreter \(Triton 3\.\d+.*NumPy \d"):
+            _norm_core.norm_fwd(make_x((2, 8), torch.float32), None, None, 1e-5, 0)
+    finally:
+        _norm_core._interpreter_problem.cache_clear()
+
+
+# ----------------------------------------------------------------------------------------------
 # Fallback when this process cannot interpret: run the file again in a fresh interpreter
 # ----------------------------------------------------------------------------------------------
 

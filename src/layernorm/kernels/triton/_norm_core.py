@@ -48,6 +48,7 @@ environment sets them for a whole process (a one-off experiment without code cha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
 
 from ..._validation import stats_dtype
 
@@ -627,7 +629,59 @@ def _norm_bwd_cols_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _range_probe_kernel(OUT, n):
+    """A loop bounded by a run-time integer: what the interpreter check below runs."""
+    for i in range(0, n, 1):
+        tl.store(OUT + i, i)
+
+
+@functools.cache
+def _interpreter_problem() -> str | None:
+    """Why the Triton interpreter cannot run these kernels in this environment, or ``None``.
+
+    Triton 3.6's interpreter turns a run-time integer (held as a 1-element array) into a Python int
+    with ``int()``, which NumPy 2.4 refuses for arrays of one dimension; every kernel looping to a
+    run-time bound then fails deep in the interpreter. One tiny launch tells.
+    """
+    out = torch.zeros(2, dtype=torch.int32)
+    try:
+        _range_probe_kernel[(1,)](out, 2)
+    except Exception as e:  # any failure here means the kernels cannot run
+        import numpy as np
+
+        return (
+            f"the Triton interpreter (Triton {triton.__version__}, NumPy {np.__version__}) cannot "
+            f"run a loop with a run-time bound: {e!r}. Triton 3.6's interpreter needs NumPy < 2.4; "
+            "Triton 3.9 runs with either"
+        )
+    if out.tolist() != [0, 1]:
+        return f"the Triton interpreter computed {out.tolist()} for [0, 1] in a probe kernel"
+    return None
+
+
+def check_runnable(t: Tensor) -> None:
+    """``RuntimeError`` with the reason unless the kernels can run on ``t``'s device.
+
+    CUDA tensors run compiled kernels. Other tensors run only when this module's kernels were
+    decorated under ``TRITON_INTERPRET=1`` (set before the first import of the Triton backend), and
+    the interpreter works with the installed NumPy.
+    """
+    if t.is_cuda:
+        return
+    if not isinstance(_range_probe_kernel, InterpretedFunction):
+        raise RuntimeError(
+            f"the Triton kernels got a {t.device.type} tensor: off CUDA they run only under the "
+            "Triton interpreter, with TRITON_INTERPRET=1 set before layernorm's Triton backend is "
+            "first imported"
+        )
+    problem = _interpreter_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
 def _check_rows(x: Tensor, name: str = "x") -> None:
+    check_runnable(x)
     if x.dim() != 2:
         raise ValueError(f"{name} must be a 2-D (M, N) tensor of rows, got shape {tuple(x.shape)}")
 

@@ -66,6 +66,7 @@ import triton
 from torch import Tensor
 
 from . import layer_norm as _ln
+from ._norm_core import check_runnable
 from ._rnn_kernels import (
     _gru_step_bwd_kernel,
     _gru_step_fwd_kernel,
@@ -153,7 +154,9 @@ def _check_hidden(h: int, what: str) -> None:
         )
 
 
-def _check_dtype(t: Tensor, what: str) -> None:
+def _check_input(t: Tensor, what: str) -> None:
+    """A device the kernels run on (see ``_norm_core.check_runnable``) and a supported dtype."""
+    check_runnable(t)
     if not supports_dtype(t.dtype):
         names = ", ".join(str(d) for d in DTYPES)
         raise TypeError(
@@ -188,7 +191,7 @@ def lstm_step_fwd(
             f"{tuple(gx.shape)}, {tuple(c_prev.shape)}"
         )
     _check_hidden(h, "lstm step")
-    _check_dtype(hp, "lstm step")
+    _check_input(hp, "lstm step")
     hp, gx, c_prev = _rows(hp), _rows(gx), _rows(c_prev)
     sv = _buffers(hp, saved, _shapes(_LSTM_SAVED, b, h), _LSTM_STATS)
     if h_out is None:
@@ -261,7 +264,7 @@ def gru_step_fwd(
             f"got {tuple(hp_rz.shape)}, {tuple(hp_n.shape)}, {tuple(gx.shape)}"
         )
     _check_hidden(h, "gru step")
-    _check_dtype(h_prev, "gru step")
+    _check_input(h_prev, "gru step")
     hp_rz, hp_n, gx, h_prev = _rows(hp_rz), _rows(hp_n), _rows(gx), h_prev.contiguous()
     sv = _buffers(hp_rz, saved, _shapes(_GRU_SAVED, b, h), _GRU_STATS)
     if sv["rz"].stride(-1) != 1:
@@ -513,7 +516,7 @@ def _check_step(
         if p.device != state.device:
             raise ValueError(f"{name}: {pname} is on {p.device} but the state is on {state.device}")
     _check_hidden(h, name)
-    _check_dtype(state, name)
+    _check_input(state, name)
 
 
 def ln_lstm_step(

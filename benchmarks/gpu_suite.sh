@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Everything the Triton backend needs checked and measured on a CUDA machine, in stages that each
+# fit in a few minutes:
+#
+#   bash benchmarks/gpu_suite.sh tests  [OUTDIR]   # the Triton tests, compiled, gpu-marked included
+#   bash benchmarks/gpu_suite.sh sweep  [OUTDIR]   # bench_norms_gpu.py: GB/s sweep, latency, LN-LSTM
+#   bash benchmarks/gpu_suite.sh tune   [OUTDIR]   # bench_norms_gpu.py --tune: launch settings
+#   bash benchmarks/gpu_suite.sh all    [OUTDIR]
+#
+# OUTDIR (default benchmarks/results) receives the logs, the CSV and the plot. Liger-Kernel is
+# compared when it imports; wheels placed in .whl/ are installed first (the machine may be
+# offline). The package is used from src/ so that no install step is needed.
+set -euo pipefail
+
+stage="${1:-all}"
+out="${2:-benchmarks/results}"
+case "$stage" in
+    tests | sweep | tune | all) ;;
+    *) echo "gpu_suite.sh: stage must be tests, sweep, tune or all, got '$stage'" >&2; exit 2 ;;
+esac
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+py="${PYTHON:-python3}"
+
+if [[ -d .whl ]] && compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/layernorm-site .whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:/tmp/layernorm-site"
+fi
+
+"$py" - <<'EOF'
+import torch, triton
+print(f"torch {torch.__version__}, triton {triton.__version__}, "
+      f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+if not torch.cuda.is_available():
+    raise SystemExit("gpu_suite.sh: no CUDA device")
+EOF
+
+run_tests() {
+    # Compiled kernels (no TRITON_INTERPRET): the same correctness tests plus the gpu-marked ones.
+    "$py" -m pytest -q -p no:cacheprovider tests/test_triton_norms.py tests/test_triton_rnn_step.py \
+        tests/test_triton_compile.py tests/test_recurrent_layers.py 2>&1 | tee "$out/gpu_tests.log"
+}
+
+run_sweep() {
+    "$py" benchmarks/bench_norms_gpu.py --csv "$out/bench_norms_gpu.csv" \
+        --plot "$out/norms_gpu.png" 2>&1 | tee "$out/gpu_sweep.log"
+}
+
+run_tune() {
+    "$py" benchmarks/bench_norms_gpu.py --tune --csv "$out/bench_norms_gpu.csv" 2>&1 \
+        | tee "$out/gpu_tune.log"
+}
+
+case "$stage" in
+    tests) run_tests ;;
+    sweep) run_sweep ;;
+    tune) run_tune ;;
+    all) run_tests; run_sweep; run_tune ;;
+esac

@@ -151,3 +151,38 @@ def test_module_input_shape_error():
         layernorm.LayerNorm(512)(X)
     with pytest.raises(ValueError, match=r"got input of shape \(8, 256\)"):
         layernorm.RMSNorm((4, 256))(X)
+
+
+def test_integer_like_sizes_are_accepted():
+    # NumPy integers (np.prod of a shape, a config array) and 0-d integer tensors (x.shape[-1]
+    # under torch.jit.trace) are ints to torch.nn.LayerNorm too.
+    np = pytest.importorskip("numpy")
+    ref = layernorm.layer_norm(X, (256,))
+    for shape in (np.int64(256), (np.int32(256),), torch.tensor(256), [torch.tensor(256)]):
+        assert torch.equal(layernorm.layer_norm(X, shape), ref)
+        assert torch.equal(layernorm.rms_norm(X, shape), layernorm.rms_norm(X, 256))
+    m = layernorm.LayerNorm(np.int64(256))
+    assert m.normalized_shape == (256,) and type(m.normalized_shape[0]) is int
+    assert repr(m) == repr(layernorm.LayerNorm(256))
+    with pytest.raises(TypeError, match=r"int or a sequence of ints, got Tensor"):
+        layernorm.LayerNorm(torch.tensor(256.0))
+    with pytest.raises(TypeError, match=r"must contain ints, got \(np.float64\(256.0\),\)"):
+        layernorm.LayerNorm((np.float64(256),))
+
+
+def test_numpy_float_scalars_are_accepted():
+    np = pytest.importorskip("numpy")
+    eps = np.float32(1e-3)
+    assert torch.equal(
+        layernorm.layer_norm(X, 256, eps=eps), layernorm.layer_norm(X, 256, eps=float(eps))
+    )
+    assert layernorm.LayerNorm(256, eps=np.float64(1e-3)).eps == 1e-3
+    assert type(layernorm.RMSNorm(256, eps=np.float64(1e-3)).eps) is float
+    ada = layernorm.AdaNorm(256, k=np.float32(0.25), scale=np.float64(2.0))
+    assert (ada.k, ada.scale) == (0.25, 2.0)
+    with pytest.raises(TypeError, match=r"eps must be a positive float, got bool"):
+        layernorm.layer_norm(X, 256, eps=np.bool_(True))
+    with pytest.raises(
+        ValueError, match=r"eps must be a positive finite float, got np.float32\(nan\)"
+    ):
+        layernorm.layer_norm(X, 256, eps=np.float32("nan"))

@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
-from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
+from layernorm import (
+    LayerNormGRU,
+    LayerNormGRUCell,
+    LayerNormLSTM,
+    LayerNormLSTMCell,
+    LayerNormRNN,
+    LayerNormRNNCell,
+)
 
 
 def test_wrong_rank_and_feature_size() -> None:
@@ -103,3 +110,40 @@ def test_bad_constructor_arguments() -> None:
         half(torch.randn(5, 2, 3, dtype=torch.bfloat16))
     half.impl = "auto"
     assert half(torch.randn(5, 2, 3, dtype=torch.bfloat16))[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        LayerNormRNN,
+        LayerNormLSTM,
+        LayerNormGRU,
+        LayerNormRNNCell,
+        LayerNormLSTMCell,
+        LayerNormGRUCell,
+    ],
+)
+def test_sizes_of_the_wrong_kind_are_type_errors(cls) -> None:
+    # torch.nn.LSTM(3.0, 4) is a TypeError too; a wrong value (0) stays a ValueError
+    with pytest.raises(TypeError, match=r"input_size must be a positive int, got float 3.0"):
+        cls(3.0, 4)
+    with pytest.raises(TypeError, match=r"hidden_size must be a positive int, got bool True"):
+        cls(3, True)
+    with pytest.raises(TypeError, match=r"gain_init must be a finite float, got str '1'"):
+        cls(3, 4, gain_init="1")
+    with pytest.raises(ValueError, match=r"gain_init must be a finite float, got inf"):
+        cls(3, 4, gain_init=float("inf"))
+    # NumPy integers (from a config array, say) are ints
+    np = pytest.importorskip("numpy")
+    m = cls(np.int64(3), np.int32(4))
+    assert (type(m.input_size), type(m.hidden_size)) == (int, int)
+    assert m.weight_ih_l0.shape[1] == 3 if hasattr(m, "weight_ih_l0") else m.weight_ih.shape[1] == 3
+
+
+def test_num_layers_and_max_steps_kinds() -> None:
+    with pytest.raises(TypeError, match=r"num_layers must be a positive int, got float 2.0"):
+        LayerNormLSTM(3, 4, num_layers=2.0)
+    with pytest.raises(TypeError, match=r"max_steps must be a positive int, got NoneType None"):
+        LayerNormLSTM(3, 4, norm="batch", max_steps=None)
+    with pytest.raises(TypeError, match=r"momentum must be a finite float, got str"):
+        LayerNormLSTM(3, 4, norm="batch", momentum="0.1")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_eps, check_float_tensor, stats_dtype
+from .._validation import as_int, check_eps, check_float_tensor, stats_dtype
 
 
 class BatchNorm(nn.Module):
@@ -34,10 +34,15 @@ class BatchNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
-            raise ValueError(
-                f"BatchNorm: num_features must be a positive int, got {num_features!r}"
+        size = as_int(num_features)
+        if size is None:
+            raise TypeError(
+                f"BatchNorm: num_features must be a positive int, got "
+                f"{type(num_features).__name__} {num_features!r}"
             )
+        if size <= 0:
+            raise ValueError(f"BatchNorm: num_features must be a positive int, got {size!r}")
+        num_features = size
         if isinstance(momentum, bool) or not isinstance(momentum, int | float):
             raise TypeError(
                 f"BatchNorm: momentum must be a float in [0, 1], got {type(momentum).__name__} "

@@ -7,23 +7,34 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 
 import torch
 from torch import Tensor
 
-from .._validation import check_float_tensor
+from .._validation import as_int, check_float_tensor
 
 NORMS = ("layer", "none", "batch")
 
 
 def check_size(value: object, name: str, owner: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    """A positive int (NumPy integers too); ``TypeError`` for another kind, as torch's RNNs."""
+    size = as_int(value)
+    if size is None:
+        raise TypeError(
+            f"{owner}: {name} must be a positive int, got {type(value).__name__} {value!r}"
+        )
+    if size <= 0:
         raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
-    return value
+    return size
 
 
 def check_gain(value: object, name: str, owner: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float | numbers.Real):
+        raise TypeError(
+            f"{owner}: {name} must be a finite float, got {type(value).__name__} {value!r}"
+        )
+    if not math.isfinite(value):
         raise ValueError(f"{owner}: {name} must be a finite float, got {value!r}")
     return float(value)
 

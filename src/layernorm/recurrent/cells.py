@@ -111,9 +111,10 @@ class _LNCellBase(nn.Module):
         self.gain_init = check_gain(gain_init, "gain_init", owner)
         self.eps = check_eps(eps, owner)
         factory = {"device": device, "dtype": dtype}
-        gh = self.gate_count * hidden_size
-        self.weight_ih = nn.Parameter(torch.empty(gh, input_size, **factory))
-        self.weight_hh = nn.Parameter(torch.empty(gh, hidden_size, **factory))
+        hs = self.hidden_size
+        gh = self.gate_count * hs
+        self.weight_ih = nn.Parameter(torch.empty(gh, self.input_size, **factory))
+        self.weight_hh = nn.Parameter(torch.empty(gh, hs, **factory))
         if self.bias:
             self.bias_ih = nn.Parameter(torch.empty(gh, **factory))
             self.bias_hh = nn.Parameter(torch.empty(gh, **factory))
@@ -122,7 +123,7 @@ class _LNCellBase(nn.Module):
             self.register_parameter("bias_hh", None)
         self._ln_names: list[tuple[str, str]] = []
         for suffix, units in _steps.LN_PARTS[self.mode]:
-            self._add_ln(suffix, units * hidden_size, factory)
+            self._add_ln(suffix, units * hs, factory)
 
     @classmethod
     def from_torch(cls, cell: nn.RNNCellBase, **kwargs: Any) -> Self:

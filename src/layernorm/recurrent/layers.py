@@ -140,10 +140,10 @@ class _LNRNNBase(nn.Module):
         self.nonlinearity = nonlinearity
         self.normalize_cell_state = bool(normalize_cell_state)
         factory = {"device": device, "dtype": dtype}
-        hs, gh = hidden_size, self.gate_count * hidden_size
+        hs, gh = self.hidden_size, self.gate_count * self.hidden_size
         self._norm_params: list[tuple[str, float]] = []  # (name, init value)
         for k in range(self.num_layers):
-            in_k = input_size if k == 0 else hs * self.num_directions
+            in_k = self.input_size if k == 0 else hs * self.num_directions
             for sfx in self._suffixes(k):
                 self._param(f"weight_ih{sfx}", (gh, in_k), factory)
                 self._param(f"weight_hh{sfx}", (gh, hs), factory)

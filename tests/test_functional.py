@@ -570,8 +570,8 @@ def test_partial_requires_grad(needs, detach_mean, detach_std):
 
 
 # torch.func transforms: grad/vjp/jacrev reject the custom ops' generated autograd.Function and
-# jvp/jacfwd would get zero tangents from it, so the ops switch to their reference there; vmap alone
-# keeps the custom op. Every transform must give the derivatives plain autograd gives on the kernels.
+# jvp/jacfwd would get zero tangents from it, so the ops switch to their reference there; vmap
+# alone keeps the custom op. Each transform must give the derivatives autograd gives on the kernels.
 FUNC_OPS = {
     "layer_norm": lambda x, w, b: layernorm.layer_norm(x, (3, 5), w, b),
     "detach_mean": lambda x, w, b: layernorm.layer_norm(x, (3, 5), w, b, detach_mean=True),

@@ -150,3 +150,58 @@ def test_fake_implementations_agree_with_kernels(dtype, wdtype):
         opcheck(ops.ada_norm_bwd.default, (dy, x, mean, rstd, 0.1, 2.0), test_utils=fake_only)
         # statistics are kept in float32 for half inputs
         assert mean.dtype == rstd.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
+
+
+# Other tracers and transforms on the sequence layers: the fused path (raw pointers, preallocated
+# buffers, autograd.Functions without functorch support) steps aside and the step-by-step loop runs.
+_RNN_KINDS = ["LSTM", "GRU", "RNN"]
+
+
+def _rnn(kind: str, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return getattr(layernorm, f"LayerNorm{kind}")(3, 4, num_layers=2, bidirectional=True, **kw)
+
+
+@pytest.mark.parametrize("kind", _RNN_KINDS)
+def test_sequence_layers_under_jit_trace(kind):
+    # the fused path under torch.jit.trace used to crash the interpreter (segmentation fault)
+    model = _rnn(kind)
+    x = make_x((5, 2, 3), torch.float32)
+    with pytest.warns(torch.jit.TracerWarning):
+        traced = torch.jit.trace(model, x, check_trace=False)
+    torch.testing.assert_close(traced(x)[0], model(x)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", _RNN_KINDS)
+def test_sequence_layers_under_torch_func(kind):
+    model = _rnn(kind, dtype=torch.float64)
+    x = make_x((5, 2, 3), torch.float64)
+    params = dict(model.named_parameters())
+
+    def loss(p, x):
+        out, _ = torch.func.functional_call(model, p, (x,))
+        return (out**2).sum()
+
+    grads = torch.func.grad(loss)(params, x)
+    expected = torch.autograd.grad(loss(params, x), list(params.values()))
+    for (name, g), e in zip(grads.items(), expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10, msg=name)
+    # vmap over a batch of sequences, each unbatched (T, I)
+    out = torch.func.vmap(lambda s: model(s)[0], in_dims=1, out_dims=1)(x)
+    torch.testing.assert_close(out, model(x)[0], atol=1e-10, rtol=1e-10)
+    # jacfwd (forward mode) agrees with jacrev
+    jf = torch.func.jacfwd(lambda s: model(s)[0])(x[:, 0])
+    jr = torch.func.jacrev(lambda s: model(s)[0])(x[:, 0])
+    torch.testing.assert_close(jf, jr, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("kind", _RNN_KINDS)
+def test_sequence_layers_under_cpu_autocast(kind):
+    # the fused LSTM/RNN path used to fail on autocast's bfloat16 projections
+    model = _rnn(kind)
+    x = make_x((5, 2, 3), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = model(x)
+    torch.testing.assert_close(out.float(), model(x)[0], atol=0.1, rtol=0.1)
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())

@@ -21,8 +21,9 @@ A trained ``torch.nn.LSTM`` loads into ``norm="layer"`` with ``load_state_dict(s
 Speed: by default (``impl="auto"``) float32/float64 layer-norm and plain recurrences run on the
 fused path of :mod:`layernorm.recurrent._fused` (one GEMM + one LN for all input projections, one
 autograd node per direction with an analytic backward in time). ``impl="loop"`` runs the readable
-per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare against; batch norm
-and torch.compile tracing always use it.
+per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare against; batch
+norm, torch.compile, torch.jit.trace, ``torch.func`` transforms, forward-mode AD and autocast always
+use it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import warnings
 from typing import Any, Literal, Self
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
@@ -297,7 +299,8 @@ class _LNRNNBase(nn.Module):
                 x = x.unsqueeze(1)
             elif self.batch_first:
                 x = x.transpose(0, 1)
-            seq_len, n_batch = x.shape[0], x.shape[1]
+            # ints, not the 0-d tensors torch.jit.trace makes of sizes: the time loop is unrolled
+            seq_len, n_batch = int(x.shape[0]), int(x.shape[1])
             if seq_len == 0 or n_batch == 0:
                 raise ValueError(f"{owner}: got an empty input of shape {tuple(input.shape)}")
             data = x.reshape(seq_len * n_batch, self.input_size)
@@ -373,6 +376,16 @@ class _LNRNNBase(nn.Module):
             return False
         if torch.compiler.is_compiling():
             return False  # the loop traces into plain ops; the fused node's Python loop would not
+        if (
+            torch.jit.is_tracing()
+            or torch._C._are_functorch_transforms_active()
+            or _forward_ad._current_level >= 0
+        ):
+            # jit.trace would record the fused node's raw pointers (and crash); torch.func and
+            # forward-mode AD need ops they can differentiate or batch, which the loop's are
+            return False
+        if torch.is_autocast_enabled(data.device.type):
+            return False  # the fused node's preallocated buffers take one dtype, autocast mixes
         if data.dtype in _FUSED_DTYPES:
             return True
         if self.impl == "fused":

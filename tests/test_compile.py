@@ -205,3 +205,31 @@ def test_sequence_layers_under_cpu_autocast(kind):
     torch.testing.assert_close(out.float(), model(x)[0], atol=0.1, rtol=0.1)
     out.float().sum().backward()
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: layernorm.LayerNorm(4),
+        lambda: layernorm.RMSNorm(4),
+        lambda: layernorm.AdaNorm(4),
+        lambda: layernorm.BatchNorm(4),
+        lambda: layernorm.LayerNormLSTM(4, 4),
+        lambda: layernorm.LayerNormGRUCell(4, 4),
+        lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), layernorm.LayerNorm(4)),
+    ],
+    ids=["LayerNorm", "RMSNorm", "AdaNorm", "BatchNorm", "LayerNormLSTM", "GRUCell", "nested"],
+)
+def test_jit_script_says_what_to_use_instead(make):
+    # TorchScript cannot compile the modules; the error names the module and the alternatives
+    # (it used to be "Unknown type annotation: 'nn.Parameter | None'")
+    with pytest.raises(TypeError, match=r"cannot be compiled by torch.jit.script.*torch.compile"):
+        torch.jit.script(make())
+
+
+def test_jit_trace_of_the_norms():
+    model = _Net()
+    x = make_x((2, 3, 12), torch.float32)
+    with pytest.warns(torch.jit.TracerWarning):
+        traced = torch.jit.trace(model, x, check_trace=False)
+    torch.testing.assert_close(traced(x), model(x))

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .._torchscript import NotScriptable
 from .._validation import as_int, check_eps, check_float_tensor, stats_dtype
 
 
-class BatchNorm(nn.Module):
+class BatchNorm(NotScriptable, nn.Module):
     r"""Batch norm over ``(N, C)`` or ``(N, C, *)`` inputs, statistics per channel ``C``.
 
     .. math:: y = \gamma \odot \frac{a - \mu_B}{\sqrt{\sigma_B^2 + \epsilon}} + \beta

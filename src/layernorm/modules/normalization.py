@@ -8,10 +8,11 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as F
+from .._torchscript import NotScriptable
 from .._validation import ShapeLike, as_shape, check_eps, check_finite_scalar
 
 
-class _Norm(nn.Module):
+class _Norm(NotScriptable, nn.Module):
     """Shared ``normalized_shape``/``elementwise_affine``/``bias`` handling (torch's contract)."""
 
     normalized_shape: tuple[int, ...]

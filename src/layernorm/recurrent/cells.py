@@ -33,6 +33,7 @@ from typing import Any, Self, TypeVar
 import torch
 from torch import Tensor, nn
 
+from .._torchscript import NotScriptable
 from . import _steps
 from ._checks import (
     check_cell_input,
@@ -83,7 +84,7 @@ def _build_from_torch(
     return new
 
 
-class _LNCellBase(nn.Module):
+class _LNCellBase(NotScriptable, nn.Module):
     """Weights as torch's cells plus the layer norms of :data:`._steps.LN_PARTS` for ``mode``.
 
     The subclasses check and set their own options after this constructor, then call

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from .._torchscript import NotScriptable
 from .._validation import check_float_tensor
 from ..functional import layer_norm
 from . import _fused, _steps
@@ -62,7 +63,7 @@ _FUSED_DTYPES = (torch.float32, torch.float64)
 _TORCH_LAYERS: dict[str, type[nn.RNNBase]] = {"RNN": nn.RNN, "LSTM": nn.LSTM, "GRU": nn.GRU}
 
 
-class _LNRNNBase(nn.Module):
+class _LNRNNBase(NotScriptable, nn.Module):
     """Parameters, input handling and the layer/direction loop shared by the three layers.
 
     The public classes only spell out their constructors, in torch's argument order (``RNN``'s

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
+import layernorm
 from layernorm import (
     LayerNormGRU,
     LayerNormGRUCell,
@@ -147,3 +148,28 @@ def test_num_layers_and_max_steps_kinds() -> None:
         LayerNormLSTM(3, 4, norm="batch", max_steps=None)
     with pytest.raises(TypeError, match=r"momentum must be a finite float, got str"):
         LayerNormLSTM(3, 4, norm="batch", momentum="0.1")
+
+
+@pytest.mark.parametrize("kind", ["RNN", "LSTM", "GRU"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_empty_batch_gives_empty_outputs_like_torch(kind, batch_first) -> None:
+    # torch.nn.LSTM returns empty outputs for a batch of 0 sequences; no time steps is an error
+    ours = getattr(layernorm, f"LayerNorm{kind}")(
+        3, 4, 2, batch_first=batch_first, bidirectional=True
+    )
+    ref = getattr(torch.nn, kind)(3, 4, 2, batch_first=batch_first, bidirectional=True)
+    x = torch.randn((0, 5, 3) if batch_first else (5, 0, 3), requires_grad=True)
+    out, h = ours(x)
+    ref_out, ref_h = ref(x)
+    assert out.shape == ref_out.shape
+    if kind == "LSTM":
+        assert [t.shape for t in h] == [t.shape for t in ref_h]
+    else:
+        assert h.shape == ref_h.shape
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    hx = torch.zeros(4, 0, 4)
+    out2, _ = ours(x, (hx, hx) if kind == "LSTM" else hx)
+    assert out2.shape == out.shape
+    with pytest.raises(ValueError, match=r"empty input of shape .* \(no time steps\)"):
+        ours(torch.randn((2, 0, 3) if batch_first else (0, 2, 3)))

@@ -268,9 +268,9 @@ class _LNRNNBase(NotScriptable, nn.Module):
         unbatched, zeros when ``None``; for a packed input in the callers' batch order, as torch's.
         Returned states have the same shapes.
 
-        Raises ``ValueError`` for a wrong or empty shape, or a device other than the weights';
-        ``TypeError`` for a non-floating input, an ``hx`` of the wrong structure, or a dtype other
-        than the weights'.
+        An empty batch gives empty outputs, as torch's. Raises ``ValueError`` for a wrong shape,
+        no time steps, or a device other than the weights'; ``TypeError`` for a non-floating
+        input, an ``hx`` of the wrong structure, or a dtype other than the weights'.
         """
         owner = type(self).__name__
         if isinstance(input, PackedSequence):
@@ -302,8 +302,11 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 x = x.transpose(0, 1)
             # ints, not the 0-d tensors torch.jit.trace makes of sizes: the time loop is unrolled
             seq_len, n_batch = int(x.shape[0]), int(x.shape[1])
-            if seq_len == 0 or n_batch == 0:
-                raise ValueError(f"{owner}: got an empty input of shape {tuple(input.shape)}")
+            if seq_len == 0:
+                # torch.nn.LSTM refuses it too; an empty batch (n_batch == 0) is fine, as in torch
+                raise ValueError(
+                    f"{owner}: got an empty input of shape {tuple(input.shape)} (no time steps)"
+                )
             data = x.reshape(seq_len * n_batch, self.input_size)
             sizes = [n_batch] * seq_len
             sorted_idx = unsorted_idx = None
@@ -336,7 +339,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 hs_out = hs_out.index_select(1, unsorted_idx)
                 cs_out = None if cs_out is None else cs_out.index_select(1, unsorted_idx)
         else:
-            output = layer_in.view(seq_len, n_batch, -1)
+            output = layer_in.view(seq_len, n_batch, self.num_directions * self.hidden_size)
             if not batched:
                 output = output.squeeze(1)
                 hs_out = hs_out.squeeze(1)
@@ -373,8 +376,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
         return states[0], (states[1] if is_lstm else None)
 
     def _use_fused(self, data: Tensor) -> bool:
-        if self.impl == "loop" or self.norm == "batch":
-            return False
+        if self.impl == "loop" or self.norm == "batch" or data.shape[0] == 0:
+            return False  # (an empty batch has nothing for the fused kernels to do)
         if torch.compiler.is_compiling():
             return False  # the loop traces into plain ops; the fused node's Python loop would not
         if (

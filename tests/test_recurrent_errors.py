@@ -173,3 +173,19 @@ def test_empty_batch_gives_empty_outputs_like_torch(kind, batch_first) -> None:
     assert out2.shape == out.shape
     with pytest.raises(ValueError, match=r"empty input of shape .* \(no time steps\)"):
         ours(torch.randn((2, 0, 3) if batch_first else (0, 2, 3)))
+
+
+def test_lstm_takes_torch_proj_size_keyword() -> None:
+    # code that builds torch.nn.LSTM(**cfg) with proj_size=0 passes the same cfg here
+    cfg = {"input_size": 3, "hidden_size": 4, "num_layers": 2, "proj_size": 0}
+    model = LayerNormLSTM(**cfg)
+    assert model.proj_size == 0
+    assert (
+        model(torch.randn(5, 2, 3))[0].shape == torch.nn.LSTM(**cfg)(torch.randn(5, 2, 3))[0].shape
+    )
+    with pytest.raises(
+        ValueError, match=r"proj_size=2 \(an LSTM with projections\) is not supported"
+    ):
+        LayerNormLSTM(3, 4, proj_size=2)
+    with pytest.raises(TypeError, match=r"proj_size must be an int, got float 2.0"):
+        LayerNormLSTM(3, 4, proj_size=2.0)

@@ -73,8 +73,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
 
     mode = "RNN"  # "RNN", "LSTM" or "GRU"
     gate_count = 1
-    #: torch.nn.LSTM's projection size; projections are not implemented (see :meth:`from_torch`),
-    #: the attribute is there for code that reads it.
+    #: torch.nn.LSTM's projection size; projections are not implemented (``LayerNormLSTM`` takes
+    #: ``proj_size=0`` only), the attribute is there for code that reads it.
     proj_size = 0
 
     def __init__(
@@ -652,6 +652,7 @@ class LayerNormLSTM(_LNRNNBase):
         dropout: float = 0.0,
         bidirectional: bool = False,
         *,
+        proj_size: int = 0,
         norm: str = "layer",
         gain_init: float = 1.0,
         normalize_cell_state: bool = False,
@@ -663,6 +664,17 @@ class LayerNormLSTM(_LNRNNBase):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        # torch.nn.LSTM's keyword, so that its configurations pass through; only 0 is implemented
+        if isinstance(proj_size, bool) or not isinstance(proj_size, int):
+            raise TypeError(
+                f"LayerNormLSTM: proj_size must be an int, got {type(proj_size).__name__} "
+                f"{proj_size!r}"
+            )
+        if proj_size != 0:
+            raise ValueError(
+                f"LayerNormLSTM: proj_size={proj_size} (an LSTM with projections) is not "
+                "supported; use proj_size=0"
+            )
         super().__init__(
             input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
             norm=norm, gain_init=gain_init, eps=eps, impl=impl,

@@ -186,3 +186,42 @@ def test_numpy_float_scalars_are_accepted():
         ValueError, match=r"eps must be a positive finite float, got np.float32\(nan\)"
     ):
         layernorm.layer_norm(X, 256, eps=np.float32("nan"))
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda v: layernorm.LayerNorm(256, elementwise_affine=v), "elementwise_affine"),
+        (lambda v: layernorm.LayerNorm(256, bias=v), "bias"),
+        (lambda v: layernorm.LayerNorm(256, detach_mean=v), "detach_mean"),
+        (lambda v: layernorm.LayerNorm(256, detach_std=v), "detach_std"),
+        (lambda v: layernorm.RMSNorm(256, elementwise_affine=v), "elementwise_affine"),
+        (lambda v: layernorm.AdaNorm(256, elementwise_affine=v), "elementwise_affine"),
+        (lambda v: layernorm.BatchNorm(256, unbiased=v), "unbiased"),
+        (lambda v: layernorm.BatchNorm(256, affine=v), "affine"),
+        (lambda v: layernorm.layer_norm(X, 256, detach_mean=v), "detach_mean"),
+        (lambda v: layernorm.layer_norm(X, 256, detach_std=v), "detach_std"),
+        (lambda v: layernorm.LayerNormLSTM(3, 4, batch_first=v), "batch_first"),
+        (lambda v: layernorm.LayerNormGRU(3, 4, bidirectional=v), "bidirectional"),
+        (lambda v: layernorm.LayerNormRNN(3, 4, bias=v), "bias"),
+        (
+            lambda v: layernorm.LayerNormLSTMCell(3, 4, normalize_cell_state=v),
+            "normalize_cell_state",
+        ),
+    ],
+)
+def test_flags_must_be_bools(make, name):
+    # read by truth value, detach_std="no" would switch DetachNorm on without a word
+    for bad in ("no", None, 2, 0.0):
+        with pytest.raises(TypeError, match=rf"{name} must be a bool, got {type(bad).__name__}"):
+            make(bad)
+    np = pytest.importorskip("numpy")
+    for good in (False, True, 0, 1, np.bool_(True)):
+        make(good)
+
+
+def test_flags_are_stored_as_bools():
+    np = pytest.importorskip("numpy")
+    m = layernorm.LayerNorm(256, elementwise_affine=np.bool_(True), bias=0, detach_std=1)
+    assert (m.elementwise_affine, m.bias, m.detach_std) == (True, None, True)
+    assert repr(m) == repr(layernorm.LayerNorm(256, bias=False, detach_std=True))

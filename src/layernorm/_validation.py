@@ -60,6 +60,19 @@ def as_shape(normalized_shape: ShapeLike, name: str = "normalized_shape") -> tup
     return shape
 
 
+def check_flag(value: object, name: str, owner: str) -> bool:
+    """A bool (NumPy's too, and the ints 0 and 1). Anything else is refused rather than read by its
+    truth value: ``detach_std="no"`` would otherwise switch DetachNorm on."""
+    if type(value) is bool:
+        return value
+    kind = type(value)
+    numpy_bool = kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+    integral = numpy_bool or isinstance(value, numbers.Integral)
+    if integral and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{owner}: {name} must be a bool, got {type(value).__name__} {value!r}")
+
+
 def check_float_tensor(x: object, name: str = "input") -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

@@ -17,6 +17,7 @@ from ._validation import (
     ShapeLike,
     check_eps,
     check_finite_scalar,
+    check_flag,
     check_input,
     check_param,
     stats_dtype,
@@ -86,9 +87,9 @@ def layer_norm(
     bias = check_param(bias, "bias", shape, x, "layer_norm")
     eps_ = check_eps(eps, "layer_norm")
     assert eps_ is not None
-    y = layer_norm_rows(
-        _rows(x, shape), _flat(weight), _flat(bias), eps_, bool(detach_mean), bool(detach_std)
-    )
+    dm = check_flag(detach_mean, "detach_mean", "layer_norm")
+    ds = check_flag(detach_std, "detach_std", "layer_norm")
+    y = layer_norm_rows(_rows(x, shape), _flat(weight), _flat(bias), eps_, dm, ds)
     return _unrows(y, x, shape)
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from .._torchscript import NotScriptable
-from .._validation import as_int, check_eps, check_float_tensor, stats_dtype
+from .._validation import as_int, check_eps, check_flag, check_float_tensor, stats_dtype
 
 
 class BatchNorm(NotScriptable, nn.Module):
@@ -55,9 +55,9 @@ class BatchNorm(NotScriptable, nn.Module):
         self.num_features = num_features
         self.eps = check_eps(eps, "BatchNorm")
         self.momentum = float(momentum)
-        self.affine = affine
-        self.unbiased = unbiased
-        if affine:
+        self.affine = check_flag(affine, "affine", "BatchNorm")
+        self.unbiased = check_flag(unbiased, "unbiased", "BatchNorm")
+        if self.affine:
             self.weight = nn.Parameter(torch.ones(num_features, **factory))
             self.bias = nn.Parameter(torch.zeros(num_features, **factory))
         else:

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .. import functional as F
 from .._torchscript import NotScriptable
-from .._validation import ShapeLike, as_shape, check_eps, check_finite_scalar
+from .._validation import ShapeLike, as_shape, check_eps, check_finite_scalar, check_flag
 
 
 class _Norm(NotScriptable, nn.Module):
@@ -20,6 +20,9 @@ class _Norm(NotScriptable, nn.Module):
     bias: nn.Parameter | None
 
     def _init_affine(self, elementwise_affine: bool, bias: bool, factory: dict[str, Any]) -> None:
+        owner = type(self).__name__
+        elementwise_affine = check_flag(elementwise_affine, "elementwise_affine", owner)
+        bias = check_flag(bias, "bias", owner)
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
@@ -84,8 +87,8 @@ class LayerNorm(_Norm):
         super().__init__()
         self.normalized_shape = as_shape(normalized_shape)
         self.eps = check_eps(eps, "LayerNorm")
-        self.detach_mean = bool(detach_mean)
-        self.detach_std = bool(detach_std)
+        self.detach_mean = check_flag(detach_mean, "detach_mean", "LayerNorm")
+        self.detach_std = check_flag(detach_std, "detach_std", "LayerNorm")
         self._init_affine(elementwise_affine, bias, {"device": device, "dtype": dtype})
 
     def forward(self, x: Tensor) -> Tensor:

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .._torchscript import NotScriptable
+from .._validation import check_flag
 from . import _steps
 from ._checks import (
     check_cell_input,
@@ -108,7 +109,7 @@ class _LNCellBase(NotScriptable, nn.Module):
         owner = type(self).__name__
         self.input_size = check_size(input_size, "input_size", owner)
         self.hidden_size = check_size(hidden_size, "hidden_size", owner)
-        self.bias = bool(bias)
+        self.bias = check_flag(bias, "bias", owner)
         self.gain_init = check_gain(gain_init, "gain_init", owner)
         self.eps = check_eps(eps, owner)
         factory = {"device": device, "dtype": dtype}
@@ -307,7 +308,9 @@ class LayerNormLSTMCell(_LNCellBase):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(input_size, hidden_size, bias, gain_init, eps, device, dtype)
-        self.normalize_cell_state = bool(normalize_cell_state)
+        self.normalize_cell_state = check_flag(
+            normalize_cell_state, "normalize_cell_state", "LayerNormLSTMCell"
+        )
         self.reset_parameters()
 
     def forward(

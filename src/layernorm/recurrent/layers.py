@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .._torchscript import NotScriptable
-from .._validation import check_float_tensor
+from .._validation import check_flag, check_float_tensor
 from ..functional import layer_norm
 from . import _fused, _steps
 from ._batchnorm import make_step_bn
@@ -128,10 +128,10 @@ class _LNRNNBase(NotScriptable, nn.Module):
             raise ValueError(
                 f"{owner}: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}"
             )
-        self.bias = bool(bias)
-        self.batch_first = bool(batch_first)
+        self.bias = check_flag(bias, "bias", owner)
+        self.batch_first = check_flag(batch_first, "batch_first", owner)
         self.dropout = float(dropout)
-        self.bidirectional = bool(bidirectional)
+        self.bidirectional = check_flag(bidirectional, "bidirectional", owner)
         self.gain_init = check_gain(gain_init, "gain_init", owner)
         self.bn_gain_init = check_gain(bn_gain_init, "bn_gain_init", owner)
         self.eps = check_eps(eps, owner)
@@ -141,7 +141,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         self.max_steps = check_size(max_steps, "max_steps", owner)
         self.impl: Impl = impl
         self.nonlinearity = nonlinearity
-        self.normalize_cell_state = bool(normalize_cell_state)
+        self.normalize_cell_state = check_flag(normalize_cell_state, "normalize_cell_state", owner)
         factory = {"device": device, "dtype": dtype}
         hs, gh = self.hidden_size, self.gate_count * self.hidden_size
         self._norm_params: list[tuple[str, float]] = []  # (name, init value)

@@ -15,6 +15,9 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import layernorm
 from conftest import ALL_DTYPES, make_param, make_x, upcast
+from layernorm.ops import ada_norm as ada_ops
+from layernorm.ops import layer_norm as ln_ops
+from layernorm.ops import rms_norm as rms_ops
 from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
 
 # (atol, rtol) of the output against the float64 reference on the same rounded inputs.
@@ -569,9 +572,9 @@ def test_partial_requires_grad(needs, detach_mean, detach_std):
         assert_close(gw, rw, TOLERANCES_BWD[torch.float64]["dx"], "rms dweight")
 
 
-# torch.func transforms: grad/vjp/jacrev reject the custom ops' generated autograd.Function and
-# jvp/jacfwd would get zero tangents from it, so the ops switch to their reference there; vmap
-# alone keeps the custom op. Each transform must give the derivatives autograd gives on the kernels.
+# torch.func transforms: grad/vjp/jacrev reject the custom ops' generated autograd.Function,
+# jvp/jacfwd would get zero tangents from it and vmap would loop over the examples, so the ops run
+# their reference there. Each transform must give the derivatives autograd gives on the kernels.
 FUNC_OPS = {
     "layer_norm": lambda x, w, b: layernorm.layer_norm(x, (3, 5), w, b),
     "detach_mean": lambda x, w, b: layernorm.layer_norm(x, (3, 5), w, b, detach_mean=True),
@@ -636,3 +639,25 @@ def test_torch_func_grad_half_inputs(dtype):
         tol = TOLERANCES_FWD[dtype][0] * 16 * x.shape[0]
         torch.testing.assert_close(grads[name], p.grad, atol=tol, rtol=TOLERANCES_FWD[dtype][1])
     assert y_eager.dtype == dtype
+
+
+@pytest.mark.parametrize("op", list(FUNC_OPS))
+def test_vmap_batches_without_a_per_example_fallback(op, monkeypatch):
+    # ensembles (torch.func.stack_module_state + vmap) give each model its own gain and bias
+    fn = FUNC_OPS[op]
+    x = make_x((4, 2, 3, 5), torch.float64)
+    calls = []
+    for mod in (ln_ops, rms_ops, ada_ops):
+        real = mod.backend_module
+        monkeypatch.setattr(
+            mod, "backend_module", lambda t, fam, real=real: calls.append(fam) or real(t, fam)
+        )
+    w = torch.stack([make_param((3, 5), torch.float64, center=1.0) for _ in range(4)])
+    b = torch.stack([make_param((3, 5), torch.float64, center=0.0) for _ in range(4)])
+    got = torch.func.vmap(fn)(x, w, b)
+    shared = torch.func.vmap(fn, in_dims=(0, None, None))(x, w[0], b[0])
+    # no batching rule for the custom ops: they would run once per example
+    assert calls == []
+    expected = torch.stack([fn(x[i], w[i], b[i]) for i in range(4)])
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(shared, fn(x, w[0], b[0]), atol=1e-12, rtol=1e-12)

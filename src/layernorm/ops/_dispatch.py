@@ -43,27 +43,20 @@ def forward_ad_on() -> bool:
 
 
 def needs_reference() -> bool:
-    """True where the ops must run their differentiable reference (:mod:`layernorm.reference`),
-    the definition the kernels are tested against, instead of the kernels:
+    """True where the ops run their differentiable reference (:mod:`layernorm.reference`), the
+    definition the kernels are tested against, instead of the kernels: inside any ``torch.func``
+    transform and under forward-mode AD, outside ``torch.compile``.
 
-    * ``torch.func.grad``/``vjp``/``jacrev``/``hessian``: they reject the autograd.Function that
+    * ``grad``/``vjp``/``jacrev``/``hessian`` reject the autograd.Function that
       ``torch.library.register_autograd`` generates for a custom op (no ``setup_context``);
-    * ``torch.func.jvp``/``jacfwd`` and forward-mode AD: the ops have no forward derivative (the
-      custom op would give zero tangents without a word, the eager Function raises).
-
-    ``vmap`` alone keeps the custom op; so does ``torch.compile``.
+    * ``jvp``/``jacfwd`` and forward-mode AD: the ops have no forward derivative (the custom op
+      would give zero tangents without a word, the eager Function raises);
+    * ``vmap`` has no batching rule for the custom ops: it would call them once per example, with
+      a performance warning, where the reference's tensor ops batch.
     """
     if torch.compiler.is_compiling():
         return False
-    if forward_ad_on():
-        return True
-    if not torch._C._are_functorch_transforms_active():
-        return False
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    derivative = (TransformType.Grad, TransformType.Jvp)
-    return any(i.key() in derivative for i in retrieve_all_functorch_interpreters())
+    return forward_ad_on() or torch._C._are_functorch_transforms_active()
 
 
 def in_stats_dtype(fn: Callable[..., Tensor], x: Tensor, *params: Tensor | None) -> Tensor:

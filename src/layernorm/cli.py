@@ -236,11 +236,15 @@ def _bench(a: argparse.Namespace) -> int:
     if fn is None:
         raise SystemExit(f"layernorm bench: {script} has no main() function")
     args = [x for x in a.args if x != "--"]
-    if inspect.signature(fn).parameters:
-        fn(args)
-    else:
-        sys.argv = [str(script), *args]
-        fn()
+    # the script's argparse names itself after argv[0]: "layernorm bench", not "__main__.py"
+    saved, sys.argv = sys.argv, ["layernorm bench", *args]
+    try:
+        if inspect.signature(fn).parameters:
+            fn(args)
+        else:
+            fn()
+    finally:
+        sys.argv = saved
     return 0
 
 

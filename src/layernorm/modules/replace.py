@@ -74,6 +74,7 @@ def replace_norms(module: nn.Module, kind: NormKind) -> nn.Module:
 
     Example::
 
+        >>> import torch, layernorm
         >>> enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4), 2)
         >>> enc = layernorm.replace_norms(enc, "ada")
     """

@@ -116,8 +116,13 @@ class RMSNorm(_Norm):
     .. math:: y = g \odot \frac{x}{\sqrt{\frac{1}{N}\sum_i x_i^2 + \epsilon}}
 
     ``eps=None`` uses the machine epsilon of the statistics' dtype like torch (float32's for half
-    inputs). Keys ``weight`` only, shape
-    ``normalized_shape``.
+    inputs). Keys ``weight`` only, shape ``normalized_shape``.
+
+    Args:
+        normalized_shape: trailing shape normalized together.
+        eps: added to the mean square inside the square root; ``None`` as above.
+        elementwise_affine: learn a gain ``g`` (init 1).
+        device, dtype: of the gain, as in ``torch.nn`` modules.
     """
 
     def __init__(
@@ -156,6 +161,10 @@ class AdaNorm(_Norm):
         k: the slope of φ; the paper uses 1/10.
         scale: ``C``.
         eps: added to the variance inside the square root.
+        elementwise_affine: add a learned gain ``g`` (init 1) and bias ``b`` (init 0) after φ;
+            not in the paper.
+        bias: learn ``b`` too (only with ``elementwise_affine``).
+        device, dtype: of the gain and bias, as in ``torch.nn`` modules.
     """
 
     def __init__(

@@ -189,3 +189,14 @@ def test_lstm_takes_torch_proj_size_keyword() -> None:
         LayerNormLSTM(3, 4, proj_size=2)
     with pytest.raises(TypeError, match=r"proj_size must be an int, got float 2.0"):
         LayerNormLSTM(3, 4, proj_size=2.0)
+
+
+def test_lstm_hx_of_the_wrong_length_says_how_many() -> None:
+    x = torch.randn(5, 2, 3)
+    h = torch.zeros(1, 2, 4)
+    with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\), got a tuple of 3 items"):
+        LayerNormLSTM(3, 4)(x, (h, h, h))
+    with pytest.raises(TypeError, match=r"hx must be a tuple \(h, c\), got a list of 1 items"):
+        LayerNormLSTMCell(3, 4)(x[0], [h[0]])
+    with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\), got Tensor"):
+        LayerNormLSTM(3, 4)(x, h)

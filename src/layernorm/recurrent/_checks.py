@@ -82,6 +82,14 @@ def check_state(
     return t
 
 
+def describe(value: object) -> str:
+    """How an error names what came: the type, and the length of a tuple or list (a 3-tuple given
+    where ``(h, c)`` was expected is "a tuple of 3 items", not just "tuple")."""
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return type(value).__name__
+
+
 def check_cell_input(x: object, input_size: int, owner: str) -> tuple[Tensor, bool]:
     """A cell takes ``(B, input_size)`` or unbatched ``(input_size,)``; returns (x, batched)."""
     x = check_float_tensor(x)

@@ -43,6 +43,7 @@ from ._checks import (
     check_params_match,
     check_size,
     check_state,
+    describe,
 )
 
 __all__ = ["LayerNormGRUCell", "LayerNormLSTMCell", "LayerNormRNNCell"]
@@ -324,9 +325,7 @@ class LayerNormLSTMCell(_LNCellBase):
             h = c = x.new_zeros(x.shape[0], self.hidden_size)
         else:
             if not isinstance(hx, tuple | list) or len(hx) != 2:
-                raise TypeError(
-                    f"LayerNormLSTMCell: hx must be a tuple (h, c), got {type(hx).__name__}"
-                )
+                raise TypeError(f"LayerNormLSTMCell: hx must be a tuple (h, c), got {describe(hx)}")
             h = self._state(hx[0], "hx[0]", x, batched)
             c = self._state(hx[1], "hx[1]", x, batched)
         h, c = _steps.lstm_step(

@@ -52,6 +52,7 @@ from ._checks import (
     check_permutation,
     check_size,
     check_state,
+    describe,
 )
 from .cells import _build_from_torch, _require_torch_kind
 
@@ -362,7 +363,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             return z, (z if is_lstm else None)
         if is_lstm:
             if not isinstance(hx, tuple | list) or len(hx) != 2:
-                raise TypeError(f"{owner}: hx must be a tuple (h_0, c_0), got {type(hx).__name__}")
+                raise TypeError(f"{owner}: hx must be a tuple (h_0, c_0), got {describe(hx)}")
             states = [check_state(t, f"hx[{i}]", expected, data, owner) for i, t in enumerate(hx)]
         else:
             if isinstance(hx, tuple | list):

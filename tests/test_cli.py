@@ -114,3 +114,16 @@ def test_bench_help_names_the_command(capsys):
         cli.main(["bench", "--", "--help"])
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("usage: layernorm bench ")
+
+
+def test_version(capsys):
+    import torch
+
+    import layernorm
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == (
+        f"layernorm {layernorm.__version__} (torch {torch.__version__})"
+    )

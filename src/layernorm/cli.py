@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action=_VersionAction, nargs=0, help="print the versions and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     r = sub.add_parser(
@@ -112,6 +113,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
     return p
+
+
+class _VersionAction(argparse.Action):
+    """``--version``; torch is imported only when asked (``--help`` stays quick)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        import torch
+
+        from . import __version__
+
+        print(f"layernorm {__version__} (torch {torch.__version__})")
+        parser.exit()
 
 
 def _nonneg_int(text: str) -> int:

@@ -200,3 +200,14 @@ def test_lstm_hx_of_the_wrong_length_says_how_many() -> None:
         LayerNormLSTMCell(3, 4)(x[0], [h[0]])
     with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\), got Tensor"):
         LayerNormLSTM(3, 4)(x, h)
+
+
+def test_dropout_kind_and_value() -> None:
+    with pytest.raises(TypeError, match=r"dropout must be a number in \[0, 1\], got str 'a'"):
+        LayerNormLSTM(3, 4, 2, dropout="a")
+    with pytest.raises(TypeError, match=r"dropout must be a number in \[0, 1\], got NoneType"):
+        LayerNormGRU(3, 4, 2, dropout=None)
+    with pytest.raises(ValueError, match=r"dropout must be a number in \[0, 1\], got nan"):
+        LayerNormRNN(3, 4, 2, dropout=float("nan"))
+    np = pytest.importorskip("numpy")
+    assert LayerNormLSTM(3, 4, 2, dropout=np.float32(0.5)).dropout == 0.5

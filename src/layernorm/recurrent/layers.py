@@ -29,6 +29,7 @@ use it.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import Any, Literal, Self
 
@@ -105,11 +106,12 @@ class _LNRNNBase(NotScriptable, nn.Module):
         self.input_size = check_size(input_size, "input_size", owner)
         self.hidden_size = check_size(hidden_size, "hidden_size", owner)
         self.num_layers = check_size(num_layers, "num_layers", owner)
-        if (
-            isinstance(dropout, bool)
-            or not isinstance(dropout, int | float)
-            or not 0 <= dropout <= 1
-        ):
+        if isinstance(dropout, bool) or not isinstance(dropout, int | float | numbers.Real):
+            raise TypeError(
+                f"{owner}: dropout must be a number in [0, 1], got {type(dropout).__name__} "
+                f"{dropout!r}"
+            )
+        if not 0 <= dropout <= 1:
             raise ValueError(f"{owner}: dropout must be a number in [0, 1], got {dropout!r}")
         if dropout > 0 and self.num_layers == 1:
             # as torch.nn.LSTM: dropout acts between layers only, so here it would do nothing

@@ -160,3 +160,10 @@ def test_num_features_kind() -> None:
     bn = layernorm.BatchNorm(np.int64(3))
     assert type(bn.num_features) is int and bn.weight.shape == (3,)
     assert repr(bn) == repr(layernorm.BatchNorm(3))
+
+
+def test_numpy_momentum_and_eps() -> None:
+    np = pytest.importorskip("numpy")
+    bn = layernorm.BatchNorm(3, eps=np.float32(1e-3), momentum=np.float64(0.2))
+    assert (type(bn.momentum), bn.momentum) == (float, 0.2)
+    assert type(bn.eps) is float

@@ -3,6 +3,8 @@ the unbiased batch variance that the LN paper uses at batch size 4."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor, nn
 
@@ -44,7 +46,7 @@ class BatchNorm(NotScriptable, nn.Module):
         if size <= 0:
             raise ValueError(f"BatchNorm: num_features must be a positive int, got {size!r}")
         num_features = size
-        if isinstance(momentum, bool) or not isinstance(momentum, int | float):
+        if isinstance(momentum, bool) or not isinstance(momentum, int | float | numbers.Real):
             raise TypeError(
                 f"BatchNorm: momentum must be a float in [0, 1], got {type(momentum).__name__} "
                 f"{momentum!r}"

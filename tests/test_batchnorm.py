@@ -164,6 +164,7 @@ def test_num_features_kind() -> None:
 
 def test_numpy_momentum_and_eps() -> None:
     np = pytest.importorskip("numpy")
-    bn = layernorm.BatchNorm(3, eps=np.float32(1e-3), momentum=np.float64(0.2))
-    assert (type(bn.momentum), bn.momentum) == (float, 0.2)
+    # np.float32 is no Python float (np.float64 is one)
+    bn = layernorm.BatchNorm(3, eps=np.float32(1e-3), momentum=np.float32(0.25))
+    assert (type(bn.momentum), bn.momentum) == (float, 0.25)
     assert type(bn.eps) is float

@@ -233,3 +233,15 @@ def test_jit_trace_of_the_norms():
     with pytest.warns(torch.jit.TracerWarning):
         traced = torch.jit.trace(model, x, check_trace=False)
     torch.testing.assert_close(traced(x), model(x))
+
+
+def test_compiled_torch_func_grad():
+    # torch.compile(torch.func.grad(f)): Dynamo traces the transform, the ops trace their
+    # reference into the graph (the custom op failed there on a GradTrackingTensor)
+    model = _Net()
+    x = make_x((2, 3, 12), torch.float32)
+    grad = torch.func.grad(lambda x: model(x).pow(2).sum())
+    counter = CompileCounter()
+    got = torch.compile(grad, backend=counter, fullgraph=True)(x)
+    torch.testing.assert_close(got, grad(x), atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1

@@ -45,7 +45,8 @@ def forward_ad_on() -> bool:
 def needs_reference() -> bool:
     """True where the ops run their differentiable reference (:mod:`layernorm.reference`), the
     definition the kernels are tested against, instead of the kernels: inside any ``torch.func``
-    transform and under forward-mode AD, outside ``torch.compile``.
+    transform (under ``torch.compile`` too, which traces the reference into its graph) and under
+    forward-mode AD outside ``torch.compile``.
 
     * ``grad``/``vjp``/``jacrev``/``hessian`` reject the autograd.Function that
       ``torch.library.register_autograd`` generates for a custom op (no ``setup_context``);
@@ -54,9 +55,9 @@ def needs_reference() -> bool:
     * ``vmap`` has no batching rule for the custom ops: it would call them once per example, with
       a performance warning, where the reference's tensor ops batch.
     """
-    if torch.compiler.is_compiling():
-        return False
-    return forward_ad_on() or torch._C._are_functorch_transforms_active()
+    if torch._C._are_functorch_transforms_active():
+        return True
+    return not torch.compiler.is_compiling() and forward_ad_on()
 
 
 def in_stats_dtype(fn: Callable[..., Tensor], x: Tensor, *params: Tensor | None) -> Tensor:

@@ -24,6 +24,8 @@ def as_int(value: object) -> int | None:
     """``value`` as an int if it is one: Python and NumPy integers, 0-d integer tensors (what
     ``x.shape[-1]`` is under ``torch.jit.trace``), anything with ``__index__``; bools are not.
     ``None`` otherwise."""
+    if type(value) is int:
+        return value
     if isinstance(value, bool | float):
         return None
     try:
@@ -34,6 +36,12 @@ def as_int(value: object) -> int | None:
 
 def as_shape(normalized_shape: ShapeLike, name: str = "normalized_shape") -> tuple[int, ...]:
     """Turn an int or a sequence of ints into a tuple, rejecting anything else."""
+    if (
+        type(normalized_shape) is tuple
+        and normalized_shape
+        and all(type(d) is int and d > 0 for d in normalized_shape)
+    ):
+        return normalized_shape  # the modules' case, on every call: nothing to convert
     if isinstance(normalized_shape, bool | str | bytes):
         # a str is a Sequence too: reject it here rather than complain about its characters
         raise TypeError(

@@ -245,3 +245,13 @@ def test_compiled_torch_func_grad():
     got = torch.compile(grad, backend=counter, fullgraph=True)(x)
     torch.testing.assert_close(got, grad(x), atol=1e-5, rtol=1e-5)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("kind", _RNN_KINDS)
+def test_sequence_layers_export_with_a_dynamic_batch(kind):
+    model = getattr(layernorm, f"LayerNorm{kind}")(3, 4, batch_first=True)
+    x = make_x((4, 5, 3), torch.float32)
+    batch = torch.export.Dim("batch")
+    exported = torch.export.export(model, (x,), dynamic_shapes=({0: batch},)).module()
+    x7 = make_x((7, 5, 3), torch.float32)
+    torch.testing.assert_close(exported(x7)[0], model(x7)[0], atol=1e-5, rtol=1e-5)

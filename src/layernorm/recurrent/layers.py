@@ -303,8 +303,11 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 x = x.unsqueeze(1)
             elif self.batch_first:
                 x = x.transpose(0, 1)
-            # ints, not the 0-d tensors torch.jit.trace makes of sizes: the time loop is unrolled
-            seq_len, n_batch = int(x.shape[0]), int(x.shape[1])
+            seq_len, n_batch = x.shape[0], x.shape[1]
+            if torch.jit.is_tracing():
+                # ints, not the 0-d tensors jit.trace makes of sizes (its time loop is unrolled);
+                # elsewhere sizes stay as they are: torch.export keeps a dynamic batch symbolic
+                seq_len, n_batch = int(seq_len), int(n_batch)
             if seq_len == 0:
                 # torch.nn.LSTM refuses it too; an empty batch (n_batch == 0) is fine, as in torch
                 raise ValueError(

@@ -382,8 +382,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
         return states[0], (states[1] if is_lstm else None)
 
     def _use_fused(self, data: Tensor) -> bool:
-        if self.impl == "loop" or self.norm == "batch" or data.shape[0] == 0:
-            return False  # (an empty batch has nothing for the fused kernels to do)
+        if self.impl == "loop" or self.norm == "batch":
+            return False
         if torch.compiler.is_compiling():
             return False  # the loop traces into plain ops; the fused node's Python loop would not
         if (
@@ -396,6 +396,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
             return False
         if torch.is_autocast_enabled(data.device.type):
             return False  # the fused node's preallocated buffers take one dtype, autocast mixes
+        if data.shape[0] == 0:
+            return False  # an empty batch: nothing for the fused kernels to do
         if data.dtype in _FUSED_DTYPES:
             return True
         if self.impl == "fused":

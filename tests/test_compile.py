@@ -255,3 +255,28 @@ def test_sequence_layers_export_with_a_dynamic_batch(kind):
     exported = torch.export.export(model, (x,), dynamic_shapes=({0: batch},)).module()
     x7 = make_x((7, 5, 3), torch.float32)
     torch.testing.assert_close(exported(x7)[0], model(x7)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", _RNN_KINDS)
+def test_recurrent_layers_take_autocast_activations(kind):
+    # under autocast an nn.Linear hands a bfloat16 activation to float32 weights, as torch's RNNs
+    # accept; outside autocast that mix stays a TypeError
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    layer = _rnn(kind)
+    cell = getattr(layernorm, f"LayerNorm{kind}Cell")(3, 4)
+    x = make_x((5, 2, 3), torch.float32)
+    h = torch.zeros(4, 2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = lin(x)
+        assert a.dtype == torch.bfloat16
+        out, _ = layer(a, (h, h) if kind == "LSTM" else h)
+        c_out = cell(a[0])
+    c_out = c_out[0] if kind == "LSTM" else c_out
+    ref = layer(lin(x))[0]
+    c_ref = cell(lin(x[0]))
+    c_ref = c_ref[0] if kind == "LSTM" else c_ref
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.1)
+    torch.testing.assert_close(c_out.float(), c_ref, atol=0.1, rtol=0.1)
+    with pytest.raises(TypeError, match=r"input has dtype torch\.bfloat16 but the weights are"):
+        layer(x.bfloat16())

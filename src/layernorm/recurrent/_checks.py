@@ -56,7 +56,7 @@ def check_like(t: object, name: str, like: Tensor, owner: str) -> Tensor:
     """``t`` is a float tensor with ``like``'s dtype and device."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != like.dtype:
+    if t.dtype != like.dtype and not torch.is_autocast_enabled(like.device.type):
         raise TypeError(f"{owner}: {name} has dtype {t.dtype} but the input has dtype {like.dtype}")
     if t.device != like.device:
         raise ValueError(f"{owner}: {name} is on {t.device} but the input is on {like.device}")
@@ -64,7 +64,9 @@ def check_like(t: object, name: str, like: Tensor, owner: str) -> Tensor:
 
 
 def check_params_match(x: Tensor, weight: Tensor, owner: str) -> None:
-    if x.dtype != weight.dtype:
+    """Input and weights share dtype and device; under autocast the dtypes may differ (a bfloat16
+    activation from an autocast Linear meets float32 weights, and autocast casts the GEMMs)."""
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
         raise TypeError(
             f"{owner}: input has dtype {x.dtype} but the weights are {weight.dtype}; "
             f"convert one (e.g. module.to({x.dtype}))"

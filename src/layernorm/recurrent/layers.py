@@ -273,7 +273,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
 
         An empty batch gives empty outputs, as torch's. Raises ``ValueError`` for a wrong shape,
         no time steps, or a device other than the weights'; ``TypeError`` for a non-floating
-        input, an ``hx`` of the wrong structure, or a dtype other than the weights'.
+        input, an ``hx`` of the wrong structure, or a dtype other than the weights' (outside
+        autocast).
         """
         owner = type(self).__name__
         if isinstance(input, PackedSequence):

@@ -148,3 +148,23 @@ def test_half_input_float32_parameters(dtype):
     torch.testing.assert_close(ours.running_var, theirs.running_var, atol=1e-5, rtol=1e-5)
     ours.eval()
     assert ours(x).dtype == dtype
+
+
+def test_num_features_kind() -> None:
+    # as torch.nn.BatchNorm1d(3.0): a TypeError; NumPy integers are ints
+    with pytest.raises(TypeError, match=r"num_features must be a positive int, got float 3.0"):
+        layernorm.BatchNorm(3.0)
+    with pytest.raises(TypeError, match=r"num_features must be a positive int, got bool True"):
+        layernorm.BatchNorm(True)
+    np = pytest.importorskip("numpy")
+    bn = layernorm.BatchNorm(np.int64(3))
+    assert type(bn.num_features) is int and bn.weight.shape == (3,)
+    assert repr(bn) == repr(layernorm.BatchNorm(3))
+
+
+def test_numpy_momentum_and_eps() -> None:
+    np = pytest.importorskip("numpy")
+    # np.float32 is no Python float (np.float64 is one)
+    bn = layernorm.BatchNorm(3, eps=np.float32(1e-3), momentum=np.float32(0.25))
+    assert (type(bn.momentum), bn.momentum) == (float, 0.25)
+    assert type(bn.eps) is float

@@ -104,3 +104,26 @@ def test_python_dash_m():
     r = subprocess.run([sys.executable, "-m", "layernorm", "reproduce", "--list"],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0 and "mnist-ff" in r.stdout
+
+
+def test_bench_help_names_the_command(capsys):
+    # the benchmark script's usage line used to read "__main__.py" (or the script's path)
+    if cli._bench_script() is None:
+        pytest.skip("no source checkout")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--", "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: layernorm bench ")
+
+
+def test_version(capsys):
+    import torch
+
+    import layernorm
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == (
+        f"layernorm {layernorm.__version__} (torch {torch.__version__})"
+    )

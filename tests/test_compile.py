@@ -150,3 +150,133 @@ def test_fake_implementations_agree_with_kernels(dtype, wdtype):
         opcheck(ops.ada_norm_bwd.default, (dy, x, mean, rstd, 0.1, 2.0), test_utils=fake_only)
         # statistics are kept in float32 for half inputs
         assert mean.dtype == rstd.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
+
+
+# Other tracers and transforms on the sequence layers: the fused path (raw pointers, preallocated
+# buffers, autograd.Functions without functorch support) steps aside and the step-by-step loop runs.
+_RNN_KINDS = ["LSTM", "GRU", "RNN"]
+
+
+def _rnn(kind: str, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return getattr(layernorm, f"LayerNorm{kind}")(3, 4, num_layers=2, bidirectional=True, **kw)
+
+
+@pytest.mark.parametrize("kind", _RNN_KINDS)
+def test_sequence_layers_under_jit_trace(kind):
+    # the fused path under torch.jit.trace used to crash the interpreter (segmentation fault)
+    model = _rnn(kind)
+    x = make_x((5, 2, 3), torch.float32)
+    with pytest.warns(torch.jit.TracerWarning):
+        traced = torch.jit.trace(model, x, check_trace=False)
+    torch.testing.assert_close(traced(x)[0], model(x)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", _RNN_KINDS)
+def test_sequence_layers_under_torch_func(kind):
+    model = _rnn(kind, dtype=torch.float64)
+    x = make_x((5, 2, 3), torch.float64)
+    params = dict(model.named_parameters())
+
+    def loss(p, x):
+        out, _ = torch.func.functional_call(model, p, (x,))
+        return (out**2).sum()
+
+    grads = torch.func.grad(loss)(params, x)
+    expected = torch.autograd.grad(loss(params, x), list(params.values()))
+    for (name, g), e in zip(grads.items(), expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10, msg=name)
+    # vmap over a batch of sequences, each unbatched (T, I)
+    out = torch.func.vmap(lambda s: model(s)[0], in_dims=1, out_dims=1)(x)
+    torch.testing.assert_close(out, model(x)[0], atol=1e-10, rtol=1e-10)
+    # jacfwd (forward mode) agrees with jacrev
+    jf = torch.func.jacfwd(lambda s: model(s)[0])(x[:, 0])
+    jr = torch.func.jacrev(lambda s: model(s)[0])(x[:, 0])
+    torch.testing.assert_close(jf, jr, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("kind", _RNN_KINDS)
+def test_sequence_layers_under_cpu_autocast(kind):
+    # the fused LSTM/RNN path used to fail on autocast's bfloat16 projections
+    model = _rnn(kind)
+    x = make_x((5, 2, 3), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = model(x)
+    torch.testing.assert_close(out.float(), model(x)[0], atol=0.1, rtol=0.1)
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: layernorm.LayerNorm(4),
+        lambda: layernorm.RMSNorm(4),
+        lambda: layernorm.AdaNorm(4),
+        lambda: layernorm.BatchNorm(4),
+        lambda: layernorm.LayerNormLSTM(4, 4),
+        lambda: layernorm.LayerNormGRUCell(4, 4),
+        lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), layernorm.LayerNorm(4)),
+    ],
+    ids=["LayerNorm", "RMSNorm", "AdaNorm", "BatchNorm", "LayerNormLSTM", "GRUCell", "nested"],
+)
+def test_jit_script_says_what_to_use_instead(make):
+    # TorchScript cannot compile the modules; the error names the module and the alternatives
+    # (it used to be "Unknown type annotation: 'nn.Parameter | None'")
+    with pytest.raises(TypeError, match=r"cannot be compiled by torch.jit.script.*torch.compile"):
+        torch.jit.script(make())
+
+
+def test_jit_trace_of_the_norms():
+    model = _Net()
+    x = make_x((2, 3, 12), torch.float32)
+    with pytest.warns(torch.jit.TracerWarning):
+        traced = torch.jit.trace(model, x, check_trace=False)
+    torch.testing.assert_close(traced(x), model(x))
+
+
+def test_compiled_torch_func_grad():
+    # torch.compile(torch.func.grad(f)): Dynamo traces the transform, the ops trace their
+    # reference into the graph (the custom op failed there on a GradTrackingTensor)
+    model = _Net()
+    x = make_x((2, 3, 12), torch.float32)
+    grad = torch.func.grad(lambda x: model(x).pow(2).sum())
+    counter = CompileCounter()
+    got = torch.compile(grad, backend=counter, fullgraph=True)(x)
+    torch.testing.assert_close(got, grad(x), atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("kind", _RNN_KINDS)
+def test_sequence_layers_export_with_a_dynamic_batch(kind):
+    model = getattr(layernorm, f"LayerNorm{kind}")(3, 4, batch_first=True)
+    x = make_x((4, 5, 3), torch.float32)
+    batch = torch.export.Dim("batch")
+    exported = torch.export.export(model, (x,), dynamic_shapes=({0: batch},)).module()
+    x7 = make_x((7, 5, 3), torch.float32)
+    torch.testing.assert_close(exported(x7)[0], model(x7)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", _RNN_KINDS)
+def test_recurrent_layers_take_autocast_activations(kind):
+    # under autocast an nn.Linear hands a bfloat16 activation to float32 weights, as torch's RNNs
+    # accept; outside autocast that mix stays a TypeError
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    layer = _rnn(kind)
+    cell = getattr(layernorm, f"LayerNorm{kind}Cell")(3, 4)
+    x = make_x((5, 2, 3), torch.float32)
+    h = torch.zeros(4, 2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = lin(x)
+        assert a.dtype == torch.bfloat16
+        out, _ = layer(a, (h, h) if kind == "LSTM" else h)
+        c_out = cell(a[0])
+    c_out = c_out[0] if kind == "LSTM" else c_out
+    ref = layer(lin(x))[0]
+    c_ref = cell(lin(x[0]))
+    c_ref = c_ref[0] if kind == "LSTM" else c_ref
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.1)
+    torch.testing.assert_close(c_out.float(), c_ref, atol=0.1, rtol=0.1)
+    with pytest.raises(TypeError, match=r"input has dtype torch\.bfloat16 but the weights are"):
+        layer(x.bfloat16())

@@ -151,3 +151,77 @@ def test_module_input_shape_error():
         layernorm.LayerNorm(512)(X)
     with pytest.raises(ValueError, match=r"got input of shape \(8, 256\)"):
         layernorm.RMSNorm((4, 256))(X)
+
+
+def test_integer_like_sizes_are_accepted():
+    # NumPy integers (np.prod of a shape, a config array) and 0-d integer tensors (x.shape[-1]
+    # under torch.jit.trace) are ints to torch.nn.LayerNorm too.
+    np = pytest.importorskip("numpy")
+    ref = layernorm.layer_norm(X, (256,))
+    for shape in (np.int64(256), (np.int32(256),), torch.tensor(256), [torch.tensor(256)]):
+        assert torch.equal(layernorm.layer_norm(X, shape), ref)
+        assert torch.equal(layernorm.rms_norm(X, shape), layernorm.rms_norm(X, 256))
+    m = layernorm.LayerNorm(np.int64(256))
+    assert m.normalized_shape == (256,) and type(m.normalized_shape[0]) is int
+    assert repr(m) == repr(layernorm.LayerNorm(256))
+    with pytest.raises(TypeError, match=r"int or a sequence of ints, got Tensor"):
+        layernorm.LayerNorm(torch.tensor(256.0))
+    with pytest.raises(TypeError, match=r"must contain ints, got \(np.float64\(256.0\),\)"):
+        layernorm.LayerNorm((np.float64(256),))
+
+
+def test_numpy_float_scalars_are_accepted():
+    np = pytest.importorskip("numpy")
+    eps = np.float32(1e-3)
+    assert torch.equal(
+        layernorm.layer_norm(X, 256, eps=eps), layernorm.layer_norm(X, 256, eps=float(eps))
+    )
+    assert layernorm.LayerNorm(256, eps=np.float64(1e-3)).eps == 1e-3
+    assert type(layernorm.RMSNorm(256, eps=np.float64(1e-3)).eps) is float
+    ada = layernorm.AdaNorm(256, k=np.float32(0.25), scale=np.float64(2.0))
+    assert (ada.k, ada.scale) == (0.25, 2.0)
+    with pytest.raises(TypeError, match=r"eps must be a positive float, got bool"):
+        layernorm.layer_norm(X, 256, eps=np.bool_(True))
+    with pytest.raises(
+        ValueError, match=r"eps must be a positive finite float, got np.float32\(nan\)"
+    ):
+        layernorm.layer_norm(X, 256, eps=np.float32("nan"))
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda v: layernorm.LayerNorm(256, elementwise_affine=v), "elementwise_affine"),
+        (lambda v: layernorm.LayerNorm(256, bias=v), "bias"),
+        (lambda v: layernorm.LayerNorm(256, detach_mean=v), "detach_mean"),
+        (lambda v: layernorm.LayerNorm(256, detach_std=v), "detach_std"),
+        (lambda v: layernorm.RMSNorm(256, elementwise_affine=v), "elementwise_affine"),
+        (lambda v: layernorm.AdaNorm(256, elementwise_affine=v), "elementwise_affine"),
+        (lambda v: layernorm.BatchNorm(256, unbiased=v), "unbiased"),
+        (lambda v: layernorm.BatchNorm(256, affine=v), "affine"),
+        (lambda v: layernorm.layer_norm(X, 256, detach_mean=v), "detach_mean"),
+        (lambda v: layernorm.layer_norm(X, 256, detach_std=v), "detach_std"),
+        (lambda v: layernorm.LayerNormLSTM(3, 4, batch_first=v), "batch_first"),
+        (lambda v: layernorm.LayerNormGRU(3, 4, bidirectional=v), "bidirectional"),
+        (lambda v: layernorm.LayerNormRNN(3, 4, bias=v), "bias"),
+        (
+            lambda v: layernorm.LayerNormLSTMCell(3, 4, normalize_cell_state=v),
+            "normalize_cell_state",
+        ),
+    ],
+)
+def test_flags_must_be_bools(make, name):
+    # read by truth value, detach_std="no" would switch DetachNorm on without a word
+    for bad in ("no", None, 2, 0.0):
+        with pytest.raises(TypeError, match=rf"{name} must be a bool, got {type(bad).__name__}"):
+            make(bad)
+    np = pytest.importorskip("numpy")
+    for good in (False, True, 0, 1, np.bool_(True)):
+        make(good)
+
+
+def test_flags_are_stored_as_bools():
+    np = pytest.importorskip("numpy")
+    m = layernorm.LayerNorm(256, elementwise_affine=np.bool_(True), bias=0, detach_std=1)
+    assert (m.elementwise_affine, m.bias, m.detach_std) == (True, None, True)
+    assert repr(m) == repr(layernorm.LayerNorm(256, bias=False, detach_std=True))

@@ -15,6 +15,9 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import layernorm
 from conftest import ALL_DTYPES, make_param, make_x, upcast
+from layernorm.ops import ada_norm as ada_ops
+from layernorm.ops import layer_norm as ln_ops
+from layernorm.ops import rms_norm as rms_ops
 from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
 
 # (atol, rtol) of the output against the float64 reference on the same rounded inputs.
@@ -567,3 +570,94 @@ def test_partial_requires_grad(needs, detach_mean, detach_std):
         (gw,) = torch.autograd.grad(layernorm.rms_norm(x, 7, w.requires_grad_()), [w], dy)
         (rw,) = torch.autograd.grad(rms_norm_reference(x, (7,), w), [w], dy)
         assert_close(gw, rw, TOLERANCES_BWD[torch.float64]["dx"], "rms dweight")
+
+
+# torch.func transforms: grad/vjp/jacrev reject the custom ops' generated autograd.Function,
+# jvp/jacfwd would get zero tangents from it and vmap would loop over the examples, so the ops run
+# their reference there. Each transform must give the derivatives autograd gives on the kernels.
+FUNC_OPS = {
+    "layer_norm": lambda x, w, b: layernorm.layer_norm(x, (3, 5), w, b),
+    "detach_mean": lambda x, w, b: layernorm.layer_norm(x, (3, 5), w, b, detach_mean=True),
+    "detach_std": lambda x, w, b: layernorm.layer_norm(x, (3, 5), w, b, detach_std=True),
+    "rms_norm": lambda x, w, b: layernorm.rms_norm(x, (3, 5), w, eps=1e-5) + b,
+    "ada_norm": lambda x, w, b: layernorm.ada_norm(x, (3, 5), k=0.2, scale=1.5) * w + b,
+}
+
+
+@pytest.mark.parametrize("op", list(FUNC_OPS))
+def test_torch_func_grad_jacrev_vmap(op):
+    fn = FUNC_OPS[op]
+    x = make_x((4, 3, 5), torch.float64)
+    w = make_param((3, 5), torch.float64, center=1.0)
+    b = make_param((3, 5), torch.float64, center=0.0)
+
+    def loss(x, w, b):
+        return (fn(x, w, b) ** 3).sum()
+
+    xs, ws, bs = (t.detach().requires_grad_() for t in (x, w, b))
+    expected = torch.autograd.grad(loss(xs, ws, bs), (xs, ws, bs))
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(x, w, b)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
+    # per-example gradients: vmap over grad
+    per_ex = torch.func.vmap(torch.func.grad(loss, argnums=1), in_dims=(0, None, None))(x, w, b)
+    torch.testing.assert_close(per_ex.sum(0), expected[1], atol=1e-10, rtol=1e-10)
+    # jacrev and jacfwd (forward mode: it used to give zeros without a word) agree with the
+    # jacobian of torch.autograd on the kernels' analytic backward (detached terms included)
+    ja = torch.autograd.functional.jacobian(lambda x: fn(x, w, b), x[0])
+    assert ja.abs().max() > 0.1
+    for jac in (torch.func.jacrev, torch.func.jacfwd):
+        torch.testing.assert_close(jac(lambda x: fn(x, w, b))(x[0]), ja, atol=1e-10, rtol=1e-10)
+    # forward-mode AD with dual tensors: the tangent is the jacobian-vector product
+    t = torch.randn_like(x[0])
+    with torch.autograd.forward_ad.dual_level():
+        y = fn(torch.autograd.forward_ad.make_dual(x[0], t), w, b)
+        tangent = torch.autograd.forward_ad.unpack_dual(y).tangent
+    expected_t = (ja.reshape(15, 15) @ t.reshape(15)).reshape(3, 5)
+    torch.testing.assert_close(tangent, expected_t, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_torch_func_grad_half_inputs(dtype):
+    # the reference path keeps the kernels' dtype contract: float32 statistics, output in x's dtype
+    m = layernorm.LayerNorm(16)
+    x = make_x((6, 16), dtype)
+    y_eager = m(x)
+    params = dict(m.named_parameters())
+
+    def f(p, x):
+        y = torch.func.functional_call(m, p, (x,))
+        assert y.dtype == dtype
+        return y.float().pow(2).sum()
+
+    grads = torch.func.grad(f)(params, x)
+    xs = x.detach()
+    m.zero_grad()
+    f(params, xs).backward()
+    for name, p in params.items():
+        assert grads[name].dtype == torch.float32
+        tol = TOLERANCES_FWD[dtype][0] * 16 * x.shape[0]
+        torch.testing.assert_close(grads[name], p.grad, atol=tol, rtol=TOLERANCES_FWD[dtype][1])
+    assert y_eager.dtype == dtype
+
+
+@pytest.mark.parametrize("op", list(FUNC_OPS))
+def test_vmap_batches_without_a_per_example_fallback(op, monkeypatch):
+    # ensembles (torch.func.stack_module_state + vmap) give each model its own gain and bias
+    fn = FUNC_OPS[op]
+    x = make_x((4, 2, 3, 5), torch.float64)
+    calls = []
+    for mod in (ln_ops, rms_ops, ada_ops):
+        real = mod.backend_module
+        monkeypatch.setattr(
+            mod, "backend_module", lambda t, fam, real=real: calls.append(fam) or real(t, fam)
+        )
+    w = torch.stack([make_param((3, 5), torch.float64, center=1.0) for _ in range(4)])
+    b = torch.stack([make_param((3, 5), torch.float64, center=0.0) for _ in range(4)])
+    got = torch.func.vmap(fn)(x, w, b)
+    shared = torch.func.vmap(fn, in_dims=(0, None, None))(x, w[0], b[0])
+    # no batching rule for the custom ops: they would run once per example
+    assert calls == []
+    expected = torch.stack([fn(x[i], w[i], b[i]) for i in range(4)])
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(shared, fn(x, w[0], b[0]), atol=1e-12, rtol=1e-12)

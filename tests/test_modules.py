@@ -237,3 +237,16 @@ def test_half_input_float32_parameters(make, dtype):
     y.float().sum().backward()
     assert x.grad.dtype == dtype
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+@pytest.mark.parametrize(
+    "module",
+    ["layernorm.modules.normalization", "layernorm.modules.replace", "layernorm.recurrent.layers"],
+)
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -6,7 +6,15 @@ import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
-from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
+import layernorm
+from layernorm import (
+    LayerNormGRU,
+    LayerNormGRUCell,
+    LayerNormLSTM,
+    LayerNormLSTMCell,
+    LayerNormRNN,
+    LayerNormRNNCell,
+)
 
 
 def test_wrong_rank_and_feature_size() -> None:
@@ -103,3 +111,103 @@ def test_bad_constructor_arguments() -> None:
         half(torch.randn(5, 2, 3, dtype=torch.bfloat16))
     half.impl = "auto"
     assert half(torch.randn(5, 2, 3, dtype=torch.bfloat16))[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        LayerNormRNN,
+        LayerNormLSTM,
+        LayerNormGRU,
+        LayerNormRNNCell,
+        LayerNormLSTMCell,
+        LayerNormGRUCell,
+    ],
+)
+def test_sizes_of_the_wrong_kind_are_type_errors(cls) -> None:
+    # torch.nn.LSTM(3.0, 4) is a TypeError too; a wrong value (0) stays a ValueError
+    with pytest.raises(TypeError, match=r"input_size must be a positive int, got float 3.0"):
+        cls(3.0, 4)
+    with pytest.raises(TypeError, match=r"hidden_size must be a positive int, got bool True"):
+        cls(3, True)
+    with pytest.raises(TypeError, match=r"gain_init must be a finite float, got str '1'"):
+        cls(3, 4, gain_init="1")
+    with pytest.raises(ValueError, match=r"gain_init must be a finite float, got inf"):
+        cls(3, 4, gain_init=float("inf"))
+    # NumPy integers (from a config array, say) are ints
+    np = pytest.importorskip("numpy")
+    m = cls(np.int64(3), np.int32(4))
+    assert (type(m.input_size), type(m.hidden_size)) == (int, int)
+    assert m.weight_ih_l0.shape[1] == 3 if hasattr(m, "weight_ih_l0") else m.weight_ih.shape[1] == 3
+
+
+def test_num_layers_and_max_steps_kinds() -> None:
+    with pytest.raises(TypeError, match=r"num_layers must be a positive int, got float 2.0"):
+        LayerNormLSTM(3, 4, num_layers=2.0)
+    with pytest.raises(TypeError, match=r"max_steps must be a positive int, got NoneType None"):
+        LayerNormLSTM(3, 4, norm="batch", max_steps=None)
+    with pytest.raises(TypeError, match=r"momentum must be a finite float, got str"):
+        LayerNormLSTM(3, 4, norm="batch", momentum="0.1")
+
+
+@pytest.mark.parametrize("kind", ["RNN", "LSTM", "GRU"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_empty_batch_gives_empty_outputs_like_torch(kind, batch_first) -> None:
+    # torch.nn.LSTM returns empty outputs for a batch of 0 sequences; no time steps is an error
+    ours = getattr(layernorm, f"LayerNorm{kind}")(
+        3, 4, 2, batch_first=batch_first, bidirectional=True
+    )
+    ref = getattr(torch.nn, kind)(3, 4, 2, batch_first=batch_first, bidirectional=True)
+    x = torch.randn((0, 5, 3) if batch_first else (5, 0, 3), requires_grad=True)
+    out, h = ours(x)
+    ref_out, ref_h = ref(x)
+    assert out.shape == ref_out.shape
+    if kind == "LSTM":
+        assert [t.shape for t in h] == [t.shape for t in ref_h]
+    else:
+        assert h.shape == ref_h.shape
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    hx = torch.zeros(4, 0, 4)
+    out2, _ = ours(x, (hx, hx) if kind == "LSTM" else hx)
+    assert out2.shape == out.shape
+    with pytest.raises(ValueError, match=r"empty input of shape .* \(no time steps\)"):
+        ours(torch.randn((2, 0, 3) if batch_first else (0, 2, 3)))
+
+
+def test_lstm_takes_torch_proj_size_keyword() -> None:
+    # code that builds torch.nn.LSTM(**cfg) with proj_size=0 passes the same cfg here
+    cfg = {"input_size": 3, "hidden_size": 4, "num_layers": 2, "proj_size": 0}
+    model = LayerNormLSTM(**cfg)
+    assert model.proj_size == 0
+    assert (
+        model(torch.randn(5, 2, 3))[0].shape == torch.nn.LSTM(**cfg)(torch.randn(5, 2, 3))[0].shape
+    )
+    with pytest.raises(
+        ValueError, match=r"proj_size=2 \(an LSTM with projections\) is not supported"
+    ):
+        LayerNormLSTM(3, 4, proj_size=2)
+    with pytest.raises(TypeError, match=r"proj_size must be an int, got float 2.0"):
+        LayerNormLSTM(3, 4, proj_size=2.0)
+
+
+def test_lstm_hx_of_the_wrong_length_says_how_many() -> None:
+    x = torch.randn(5, 2, 3)
+    h = torch.zeros(1, 2, 4)
+    with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\), got a tuple of 3 items"):
+        LayerNormLSTM(3, 4)(x, (h, h, h))
+    with pytest.raises(TypeError, match=r"hx must be a tuple \(h, c\), got a list of 1 items"):
+        LayerNormLSTMCell(3, 4)(x[0], [h[0]])
+    with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\), got Tensor"):
+        LayerNormLSTM(3, 4)(x, h)
+
+
+def test_dropout_kind_and_value() -> None:
+    with pytest.raises(TypeError, match=r"dropout must be a number in \[0, 1\], got str 'a'"):
+        LayerNormLSTM(3, 4, 2, dropout="a")
+    with pytest.raises(TypeError, match=r"dropout must be a number in \[0, 1\], got NoneType"):
+        LayerNormGRU(3, 4, 2, dropout=None)
+    with pytest.raises(ValueError, match=r"dropout must be a number in \[0, 1\], got nan"):
+        LayerNormRNN(3, 4, 2, dropout=float("nan"))
+    np = pytest.importorskip("numpy")
+    assert LayerNormLSTM(3, 4, 2, dropout=np.float32(0.5)).dropout == 0.5

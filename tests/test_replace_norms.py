@@ -268,3 +268,19 @@ def test_full_transformer_eval_with_padding_masks():
     with torch.no_grad():
         out = model(src, tgt, src_key_padding_mask=mask, memory_key_padding_mask=mask)
     assert out.shape == (2, 4, D_MODEL) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms", "ada"])
+def test_frozen_norms_stay_frozen(kind):
+    # fine-tuning with the norms fixed: swapping them must not make them trainable again
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8))
+    model[1].requires_grad_(False)
+    model[3].bias.requires_grad_(False)
+    layernorm.replace_norms(model, kind)
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    expected = {"0.weight": True, "0.bias": True, "2.weight": True, "2.bias": True}
+    if kind == "layer":
+        expected |= {"1.weight": False, "1.bias": False, "3.weight": True, "3.bias": False}
+    elif kind == "rms":
+        expected |= {"1.weight": False, "3.weight": True}
+    assert flags == expected

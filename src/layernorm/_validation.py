@@ -7,6 +7,8 @@ with a message that names what was expected and what came, so a user can fix the
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -18,30 +20,65 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 ShapeLike = int | Sequence[int] | torch.Size
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as an int if it is one: Python and NumPy integers, 0-d integer tensors (what
+    ``x.shape[-1]`` is under ``torch.jit.trace``), anything with ``__index__``; bools are not.
+    ``None`` otherwise."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool | float):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def as_shape(normalized_shape: ShapeLike, name: str = "normalized_shape") -> tuple[int, ...]:
     """Turn an int or a sequence of ints into a tuple, rejecting anything else."""
+    if (
+        type(normalized_shape) is tuple
+        and normalized_shape
+        and all(type(d) is int and d > 0 for d in normalized_shape)
+    ):
+        return normalized_shape  # the modules' case, on every call: nothing to convert
     if isinstance(normalized_shape, bool | str | bytes):
         # a str is a Sequence too: reject it here rather than complain about its characters
         raise TypeError(
             f"{name} must be an int or a sequence of ints, "
             f"got {type(normalized_shape).__name__} {normalized_shape!r}"
         )
-    if isinstance(normalized_shape, int):
-        shape: tuple[int, ...] = (normalized_shape,)
+    single = as_int(normalized_shape)
+    if single is not None:
+        given: tuple[object, ...] = (single,)
     elif isinstance(normalized_shape, Sequence | torch.Size):
-        shape = tuple(normalized_shape)
+        given = tuple(normalized_shape)
     else:
         raise TypeError(
             f"{name} must be an int or a sequence of ints, got {type(normalized_shape).__name__}"
         )
-    if len(shape) == 0:
+    if len(given) == 0:
         raise ValueError(f"{name} must name at least one dimension, got ()")
-    for d in shape:
-        if isinstance(d, bool) or not isinstance(d, int):
-            raise TypeError(f"{name} must contain ints, got {shape!r}")
-        if d <= 0:
-            raise ValueError(f"{name} must contain positive sizes, got {shape!r}")
+    sizes = [as_int(d) for d in given]
+    if any(d is None for d in sizes):
+        raise TypeError(f"{name} must contain ints, got {given!r}")
+    shape = tuple(d for d in sizes if d is not None)
+    if any(d <= 0 for d in shape):
+        raise ValueError(f"{name} must contain positive sizes, got {shape!r}")
     return shape
+
+
+def check_flag(value: object, name: str, owner: str) -> bool:
+    """A bool (NumPy's too, and the ints 0 and 1). Anything else is refused rather than read by its
+    truth value: ``detach_std="no"`` would otherwise switch DetachNorm on."""
+    if type(value) is bool:
+        return value
+    kind = type(value)
+    numpy_bool = kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+    integral = numpy_bool or isinstance(value, numbers.Integral)
+    if integral and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{owner}: {name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def check_float_tensor(x: object, name: str = "input") -> Tensor:
@@ -91,22 +128,28 @@ def _finite(v: float) -> bool:
     return -math.inf < v < math.inf
 
 
+def _is_real(v: object) -> bool:
+    """A real number that is not a bool: Python's int/float and NumPy's scalars (``np.float32``
+    from a config array, say), which :class:`numbers.Real` covers."""
+    return not isinstance(v, bool) and isinstance(v, int | float | numbers.Real)
+
+
 def check_eps(eps: object, op: str, allow_none: bool = False) -> float | None:
     if eps is None and allow_none:
         return None
-    if isinstance(eps, bool) or not isinstance(eps, int | float):
+    if not _is_real(eps):
         raise TypeError(f"{op}: eps must be a positive float, got {type(eps).__name__} {eps!r}")
-    if not _finite(eps) or eps <= 0:
+    if not _finite(eps) or eps <= 0:  # type: ignore[operator]
         raise ValueError(f"{op}: eps must be a positive finite float, got {eps!r}")
-    return float(eps)
+    return float(eps)  # type: ignore[arg-type]
 
 
 def check_finite_scalar(v: object, name: str, op: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
+    if not _is_real(v):
         raise TypeError(f"{op}: {name} must be a finite float, got {type(v).__name__} {v!r}")
-    if not _finite(v):
+    if not _finite(v):  # type: ignore[arg-type]
         raise ValueError(f"{op}: {name} must be a finite float, got {v!r}")
-    return float(v)
+    return float(v)  # type: ignore[arg-type]
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:

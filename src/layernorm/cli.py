@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action=_VersionAction, nargs=0, help="print the versions and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     r = sub.add_parser(
@@ -112,6 +113,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
     return p
+
+
+class _VersionAction(argparse.Action):
+    """``--version``; torch is imported only when asked (``--help`` stays quick)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        import torch
+
+        from . import __version__
+
+        print(f"layernorm {__version__} (torch {torch.__version__})")
+        parser.exit()
 
 
 def _nonneg_int(text: str) -> int:
@@ -236,11 +249,15 @@ def _bench(a: argparse.Namespace) -> int:
     if fn is None:
         raise SystemExit(f"layernorm bench: {script} has no main() function")
     args = [x for x in a.args if x != "--"]
-    if inspect.signature(fn).parameters:
-        fn(args)
-    else:
-        sys.argv = [str(script), *args]
-        fn()
+    # the script's argparse names itself after argv[0]: "layernorm bench", not "__main__.py"
+    saved, sys.argv = sys.argv, ["layernorm bench", *args]
+    try:
+        if inspect.signature(fn).parameters:
+            fn(args)
+        else:
+            fn()
+    finally:
+        sys.argv = saved
     return 0
 
 

@@ -2,8 +2,11 @@
 
 Each op normalizes every example over its trailing ``normalized_shape`` dimensions. Inputs of any
 rank and layout are flattened to ``(M, N)`` rows and handed to a custom op with an analytic backward
-(:mod:`layernorm.ops`), which runs on PyTorch's native kernels on CPU and on Triton kernels for CUDA
-tensors. The modules in :mod:`layernorm.modules` wrap these functions.
+(:mod:`layernorm.ops`), which runs on fused C kernels on CPU (float32/float64; PyTorch's ATen ops
+for half types or without a C compiler) and on Triton kernels for CUDA tensors. Under
+``torch.func`` derivative transforms and forward-mode AD the differentiable reference
+(:mod:`layernorm.reference`) runs instead. The modules in :mod:`layernorm.modules` wrap these
+functions.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from ._validation import (
     ShapeLike,
     check_eps,
     check_finite_scalar,
+    check_flag,
     check_input,
     check_param,
     stats_dtype,
@@ -86,9 +90,9 @@ def layer_norm(
     bias = check_param(bias, "bias", shape, x, "layer_norm")
     eps_ = check_eps(eps, "layer_norm")
     assert eps_ is not None
-    y = layer_norm_rows(
-        _rows(x, shape), _flat(weight), _flat(bias), eps_, bool(detach_mean), bool(detach_std)
-    )
+    dm = check_flag(detach_mean, "detach_mean", "layer_norm")
+    ds = check_flag(detach_std, "detach_std", "layer_norm")
+    y = layer_norm_rows(_rows(x, shape), _flat(weight), _flat(bias), eps_, dm, ds)
     return _unrows(y, x, shape)
 
 

@@ -3,13 +3,16 @@ the unbiased batch variance that the LN paper uses at batch size 4."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_eps, check_float_tensor, stats_dtype
+from .._torchscript import NotScriptable
+from .._validation import as_int, check_eps, check_flag, check_float_tensor, stats_dtype
 
 
-class BatchNorm(nn.Module):
+class BatchNorm(NotScriptable, nn.Module):
     r"""Batch norm over ``(N, C)`` or ``(N, C, *)`` inputs, statistics per channel ``C``.
 
     .. math:: y = \gamma \odot \frac{a - \mu_B}{\sqrt{\sigma_B^2 + \epsilon}} + \beta
@@ -34,11 +37,16 @@ class BatchNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
-            raise ValueError(
-                f"BatchNorm: num_features must be a positive int, got {num_features!r}"
+        size = as_int(num_features)
+        if size is None:
+            raise TypeError(
+                f"BatchNorm: num_features must be a positive int, got "
+                f"{type(num_features).__name__} {num_features!r}"
             )
-        if isinstance(momentum, bool) or not isinstance(momentum, int | float):
+        if size <= 0:
+            raise ValueError(f"BatchNorm: num_features must be a positive int, got {size!r}")
+        num_features = size
+        if isinstance(momentum, bool) or not isinstance(momentum, int | float | numbers.Real):
             raise TypeError(
                 f"BatchNorm: momentum must be a float in [0, 1], got {type(momentum).__name__} "
                 f"{momentum!r}"
@@ -49,9 +57,9 @@ class BatchNorm(nn.Module):
         self.num_features = num_features
         self.eps = check_eps(eps, "BatchNorm")
         self.momentum = float(momentum)
-        self.affine = affine
-        self.unbiased = unbiased
-        if affine:
+        self.affine = check_flag(affine, "affine", "BatchNorm")
+        self.unbiased = check_flag(unbiased, "unbiased", "BatchNorm")
+        if self.affine:
             self.weight = nn.Parameter(torch.ones(num_features, **factory))
             self.bias = nn.Parameter(torch.zeros(num_features, **factory))
         else:

@@ -8,10 +8,11 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as F
-from .._validation import ShapeLike, as_shape, check_eps, check_finite_scalar
+from .._torchscript import NotScriptable
+from .._validation import ShapeLike, as_shape, check_eps, check_finite_scalar, check_flag
 
 
-class _Norm(nn.Module):
+class _Norm(NotScriptable, nn.Module):
     """Shared ``normalized_shape``/``elementwise_affine``/``bias`` handling (torch's contract)."""
 
     normalized_shape: tuple[int, ...]
@@ -19,6 +20,9 @@ class _Norm(nn.Module):
     bias: nn.Parameter | None
 
     def _init_affine(self, elementwise_affine: bool, bias: bool, factory: dict[str, Any]) -> None:
+        owner = type(self).__name__
+        elementwise_affine = check_flag(elementwise_affine, "elementwise_affine", owner)
+        bias = check_flag(bias, "bias", owner)
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
@@ -83,8 +87,8 @@ class LayerNorm(_Norm):
         super().__init__()
         self.normalized_shape = as_shape(normalized_shape)
         self.eps = check_eps(eps, "LayerNorm")
-        self.detach_mean = bool(detach_mean)
-        self.detach_std = bool(detach_std)
+        self.detach_mean = check_flag(detach_mean, "detach_mean", "LayerNorm")
+        self.detach_std = check_flag(detach_std, "detach_std", "LayerNorm")
         self._init_affine(elementwise_affine, bias, {"device": device, "dtype": dtype})
 
     def forward(self, x: Tensor) -> Tensor:
@@ -112,8 +116,13 @@ class RMSNorm(_Norm):
     .. math:: y = g \odot \frac{x}{\sqrt{\frac{1}{N}\sum_i x_i^2 + \epsilon}}
 
     ``eps=None`` uses the machine epsilon of the statistics' dtype like torch (float32's for half
-    inputs). Keys ``weight`` only, shape
-    ``normalized_shape``.
+    inputs). Keys ``weight`` only, shape ``normalized_shape``.
+
+    Args:
+        normalized_shape: trailing shape normalized together.
+        eps: added to the mean square inside the square root; ``None`` as above.
+        elementwise_affine: learn a gain ``g`` (init 1).
+        device, dtype: of the gain, as in ``torch.nn`` modules.
     """
 
     def __init__(
@@ -152,6 +161,10 @@ class AdaNorm(_Norm):
         k: the slope of φ; the paper uses 1/10.
         scale: ``C``.
         eps: added to the variance inside the square root.
+        elementwise_affine: add a learned gain ``g`` (init 1) and bias ``b`` (init 0) after φ;
+            not in the paper.
+        bias: learn ``b`` too (only with ``elementwise_affine``).
+        device, dtype: of the gain and bias, as in ``torch.nn`` modules.
     """
 
     def __init__(

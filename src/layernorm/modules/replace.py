@@ -46,10 +46,12 @@ def _build(src: nn.Module, kind: str) -> nn.Module:
         new = RMSNorm(shape, eps=eps, elementwise_affine=True, **factory)
 
     with torch.no_grad():
-        if getattr(new, "weight", None) is not None and weight is not None:
-            new.weight.copy_(weight)  # type: ignore[union-attr]
-        if getattr(new, "bias", None) is not None and bias is not None:
-            new.bias.copy_(bias)  # type: ignore[union-attr]
+        for name, old in (("weight", weight), ("bias", bias)):
+            p = getattr(new, name, None)
+            if p is not None and old is not None:
+                p.copy_(old)
+                # a frozen norm (fine-tuning with norms fixed) stays frozen
+                p.requires_grad_(old.requires_grad)
     new.train(src.training)
     return new
 
@@ -60,8 +62,9 @@ def replace_norms(module: nn.Module, kind: NormKind) -> nn.Module:
 
     Kinds: ``"layer"`` (:class:`LayerNorm`), ``"simple"`` (LN-simple: no gain or bias),
     ``"detach"`` (DetachNorm: LN-simple with μ and σ detached), ``"ada"`` (:class:`AdaNorm`),
-    ``"rms"`` (:class:`RMSNorm`). Gains and biases are carried over where the new layer has them;
-    ``eps``, device, dtype and train/eval mode are kept. If ``module`` is itself a norm layer the
+    ``"rms"`` (:class:`RMSNorm`). Gains and biases are carried over where the new layer has them,
+    frozen ones (``requires_grad=False``) stay frozen; ``eps``, device, dtype and train/eval mode
+    are kept. If ``module`` is itself a norm layer the
     replacement is returned (the caller must keep it).
 
     ``torch.nn.TransformerEncoderLayer`` has an inference fast path that hard-codes layer norm;
@@ -71,6 +74,7 @@ def replace_norms(module: nn.Module, kind: NormKind) -> nn.Module:
 
     Example::
 
+        >>> import torch, layernorm
         >>> enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4), 2)
         >>> enc = layernorm.replace_norms(enc, "ada")
     """

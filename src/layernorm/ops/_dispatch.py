@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
+from .._validation import stats_dtype
 from ..backend import select_backend
 
 _MODULES: dict[tuple[str, str], ModuleType] = {}
@@ -32,6 +35,38 @@ def plain_eager() -> bool:
         or torch._C._are_functorch_transforms_active()
         or torch._C._len_torch_dispatch_stack() > 0
     )
+
+
+def forward_ad_on() -> bool:
+    """True inside ``torch.autograd.forward_ad.dual_level()`` (dual tensors may flow)."""
+    return _forward_ad._current_level >= 0
+
+
+def needs_reference() -> bool:
+    """True where the ops run their differentiable reference (:mod:`layernorm.reference`), the
+    definition the kernels are tested against, instead of the kernels: inside any ``torch.func``
+    transform (under ``torch.compile`` too, which traces the reference into its graph) and under
+    forward-mode AD outside ``torch.compile``.
+
+    * ``grad``/``vjp``/``jacrev``/``hessian`` reject the autograd.Function that
+      ``torch.library.register_autograd`` generates for a custom op (no ``setup_context``);
+    * ``jvp``/``jacfwd`` and forward-mode AD: the ops have no forward derivative (the custom op
+      would give zero tangents without a word, the eager Function raises);
+    * ``vmap`` has no batching rule for the custom ops: it would call them once per example, with
+      a performance warning, where the reference's tensor ops batch.
+    """
+    if torch._C._are_functorch_transforms_active():
+        return True
+    return not torch.compiler.is_compiling() and forward_ad_on()
+
+
+def in_stats_dtype(fn: Callable[..., Tensor], x: Tensor, *params: Tensor | None) -> Tensor:
+    """``fn(x, *params)`` computed in the statistics' dtype (float32 for half inputs,
+    params cast to it), returned in ``x``'s dtype: the kernels' dtype contract, for the
+    reference path."""
+    cdt = stats_dtype(x.dtype)
+    cast = [None if p is None else p.to(cdt) for p in params]
+    return fn(x.to(cdt), *cast).to(x.dtype)
 
 
 def empty_like_none(t: Tensor | None, like: Tensor) -> Tensor:

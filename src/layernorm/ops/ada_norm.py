@@ -12,7 +12,13 @@ from torch import Tensor
 
 from .._validation import stats_dtype
 from ..reference import ada_norm_reference
-from ._dispatch import backend_module, plain_eager
+from ._dispatch import (
+    backend_module,
+    forward_ad_on,
+    in_stats_dtype,
+    needs_reference,
+    plain_eager,
+)
 
 
 @torch.library.custom_op("layernorm::ada_norm_fwd", mutates_args=())
@@ -84,6 +90,9 @@ class _AdaNormEager(torch.autograd.Function):
 def ada_norm_rows(x: Tensor, k: float, scale: float, eps: float) -> Tensor:
     """AdaNorm of the rows of contiguous 2-D ``x``: the custom op when a tracer is active, the
     identical kernels behind a plain autograd.Function otherwise (see ``layer_norm_rows``)."""
-    if plain_eager():
+    if plain_eager() and not forward_ad_on():
         return _AdaNormEager.apply(x, k, scale, eps)
+    if needs_reference():
+        shape = (x.shape[1],)
+        return in_stats_dtype(lambda x_: ada_norm_reference(x_, shape, k, scale, eps), x)
     return ada_norm_fwd(x, k, scale, eps)[0]

@@ -16,7 +16,15 @@ from torch import Tensor
 
 from .._validation import stats_dtype
 from ..reference import layer_norm_reference
-from ._dispatch import backend_module, empty_like_none, none_if_empty, plain_eager
+from ._dispatch import (
+    backend_module,
+    empty_like_none,
+    forward_ad_on,
+    in_stats_dtype,
+    needs_reference,
+    none_if_empty,
+    plain_eager,
+)
 
 
 @torch.library.custom_op("layernorm::layer_norm_fwd", mutates_args=())
@@ -149,6 +157,12 @@ def layer_norm_rows(
     """Layer norm of the rows of contiguous 2-D ``x``: the custom op when a tracer (compile, export,
     vmap, fake tensors) is active, the identical kernels behind a plain autograd.Function otherwise.
     """
-    if plain_eager():
+    if plain_eager() and not forward_ad_on():
         return _LayerNormEager.apply(x, weight, bias, eps, detach_mean, detach_std)
+    if needs_reference():
+        shape = (x.shape[1],)
+        return in_stats_dtype(
+            lambda x_, w, b: layer_norm_reference(x_, shape, w, b, eps, detach_mean, detach_std),
+            x, weight, bias,
+        )  # fmt: skip
     return layer_norm_fwd(x, weight, bias, eps, detach_mean, detach_std)[0]

@@ -12,7 +12,15 @@ from torch import Tensor
 
 from .._validation import stats_dtype
 from ..reference import rms_norm_reference
-from ._dispatch import backend_module, empty_like_none, none_if_empty, plain_eager
+from ._dispatch import (
+    backend_module,
+    empty_like_none,
+    forward_ad_on,
+    in_stats_dtype,
+    needs_reference,
+    none_if_empty,
+    plain_eager,
+)
 
 
 @torch.library.custom_op("layernorm::rms_norm_fwd", mutates_args=())
@@ -94,6 +102,9 @@ class _RMSNormEager(torch.autograd.Function):
 def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm of the rows of contiguous 2-D ``x``: the custom op when a tracer is active, the
     identical kernels behind a plain autograd.Function otherwise (see ``layer_norm_rows``)."""
-    if plain_eager():
+    if plain_eager() and not forward_ad_on():
         return _RMSNormEager.apply(x, weight, eps)
+    if needs_reference():
+        shape = (x.shape[1],)
+        return in_stats_dtype(lambda x_, w: rms_norm_reference(x_, shape, w, eps), x, weight)
     return rms_norm_fwd(x, weight, eps)[0]

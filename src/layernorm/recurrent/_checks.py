@@ -7,23 +7,34 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 
 import torch
 from torch import Tensor
 
-from .._validation import check_float_tensor
+from .._validation import as_int, check_float_tensor
 
 NORMS = ("layer", "none", "batch")
 
 
 def check_size(value: object, name: str, owner: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    """A positive int (NumPy integers too); ``TypeError`` for another kind, as torch's RNNs."""
+    size = as_int(value)
+    if size is None:
+        raise TypeError(
+            f"{owner}: {name} must be a positive int, got {type(value).__name__} {value!r}"
+        )
+    if size <= 0:
         raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
-    return value
+    return size
 
 
 def check_gain(value: object, name: str, owner: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float | numbers.Real):
+        raise TypeError(
+            f"{owner}: {name} must be a finite float, got {type(value).__name__} {value!r}"
+        )
+    if not math.isfinite(value):
         raise ValueError(f"{owner}: {name} must be a finite float, got {value!r}")
     return float(value)
 
@@ -45,7 +56,7 @@ def check_like(t: object, name: str, like: Tensor, owner: str) -> Tensor:
     """``t`` is a float tensor with ``like``'s dtype and device."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != like.dtype:
+    if t.dtype != like.dtype and not torch.is_autocast_enabled(like.device.type):
         raise TypeError(f"{owner}: {name} has dtype {t.dtype} but the input has dtype {like.dtype}")
     if t.device != like.device:
         raise ValueError(f"{owner}: {name} is on {t.device} but the input is on {like.device}")
@@ -53,7 +64,9 @@ def check_like(t: object, name: str, like: Tensor, owner: str) -> Tensor:
 
 
 def check_params_match(x: Tensor, weight: Tensor, owner: str) -> None:
-    if x.dtype != weight.dtype:
+    """Input and weights share dtype and device; under autocast the dtypes may differ (a bfloat16
+    activation from an autocast Linear meets float32 weights, and autocast casts the GEMMs)."""
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
         raise TypeError(
             f"{owner}: input has dtype {x.dtype} but the weights are {weight.dtype}; "
             f"convert one (e.g. module.to({x.dtype}))"
@@ -69,6 +82,14 @@ def check_state(
     if tuple(t.shape) != expected:
         raise ValueError(f"{owner}: {name} must have shape {expected}, got {tuple(t.shape)}")
     return t
+
+
+def describe(value: object) -> str:
+    """How an error names what came: the type, and the length of a tuple or list (a 3-tuple given
+    where ``(h, c)`` was expected is "a tuple of 3 items", not just "tuple")."""
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return type(value).__name__
 
 
 def check_cell_input(x: object, input_size: int, owner: str) -> tuple[Tensor, bool]:

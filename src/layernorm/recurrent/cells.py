@@ -33,6 +33,8 @@ from typing import Any, Self, TypeVar
 import torch
 from torch import Tensor, nn
 
+from .._torchscript import NotScriptable
+from .._validation import check_flag
 from . import _steps
 from ._checks import (
     check_cell_input,
@@ -41,6 +43,7 @@ from ._checks import (
     check_params_match,
     check_size,
     check_state,
+    describe,
 )
 
 __all__ = ["LayerNormGRUCell", "LayerNormLSTMCell", "LayerNormRNNCell"]
@@ -83,7 +86,7 @@ def _build_from_torch(
     return new
 
 
-class _LNCellBase(nn.Module):
+class _LNCellBase(NotScriptable, nn.Module):
     """Weights as torch's cells plus the layer norms of :data:`._steps.LN_PARTS` for ``mode``.
 
     The subclasses check and set their own options after this constructor, then call
@@ -107,13 +110,14 @@ class _LNCellBase(nn.Module):
         owner = type(self).__name__
         self.input_size = check_size(input_size, "input_size", owner)
         self.hidden_size = check_size(hidden_size, "hidden_size", owner)
-        self.bias = bool(bias)
+        self.bias = check_flag(bias, "bias", owner)
         self.gain_init = check_gain(gain_init, "gain_init", owner)
         self.eps = check_eps(eps, owner)
         factory = {"device": device, "dtype": dtype}
-        gh = self.gate_count * hidden_size
-        self.weight_ih = nn.Parameter(torch.empty(gh, input_size, **factory))
-        self.weight_hh = nn.Parameter(torch.empty(gh, hidden_size, **factory))
+        hs = self.hidden_size
+        gh = self.gate_count * hs
+        self.weight_ih = nn.Parameter(torch.empty(gh, self.input_size, **factory))
+        self.weight_hh = nn.Parameter(torch.empty(gh, hs, **factory))
         if self.bias:
             self.bias_ih = nn.Parameter(torch.empty(gh, **factory))
             self.bias_hh = nn.Parameter(torch.empty(gh, **factory))
@@ -122,7 +126,7 @@ class _LNCellBase(nn.Module):
             self.register_parameter("bias_hh", None)
         self._ln_names: list[tuple[str, str]] = []
         for suffix, units in _steps.LN_PARTS[self.mode]:
-            self._add_ln(suffix, units * hidden_size, factory)
+            self._add_ln(suffix, units * hs, factory)
 
     @classmethod
     def from_torch(cls, cell: nn.RNNCellBase, **kwargs: Any) -> Self:
@@ -305,7 +309,9 @@ class LayerNormLSTMCell(_LNCellBase):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(input_size, hidden_size, bias, gain_init, eps, device, dtype)
-        self.normalize_cell_state = bool(normalize_cell_state)
+        self.normalize_cell_state = check_flag(
+            normalize_cell_state, "normalize_cell_state", "LayerNormLSTMCell"
+        )
         self.reset_parameters()
 
     def forward(
@@ -319,9 +325,7 @@ class LayerNormLSTMCell(_LNCellBase):
             h = c = x.new_zeros(x.shape[0], self.hidden_size)
         else:
             if not isinstance(hx, tuple | list) or len(hx) != 2:
-                raise TypeError(
-                    f"LayerNormLSTMCell: hx must be a tuple (h, c), got {type(hx).__name__}"
-                )
+                raise TypeError(f"LayerNormLSTMCell: hx must be a tuple (h, c), got {describe(hx)}")
             h = self._state(hx[0], "hx[0]", x, batched)
             c = self._state(hx[1], "hx[1]", x, batched)
         h, c = _steps.lstm_step(

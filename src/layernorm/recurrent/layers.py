@@ -21,22 +21,26 @@ A trained ``torch.nn.LSTM`` loads into ``norm="layer"`` with ``load_state_dict(s
 Speed: by default (``impl="auto"``) float32/float64 layer-norm and plain recurrences run on the
 fused path of :mod:`layernorm.recurrent._fused` (one GEMM + one LN for all input projections, one
 autograd node per direction with an analytic backward in time). ``impl="loop"`` runs the readable
-per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare against; batch norm
-and torch.compile tracing always use it.
+per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare against; batch
+norm, torch.compile, torch.jit.trace, ``torch.func`` transforms, forward-mode AD and autocast always
+use it.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import Any, Literal, Self
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from .._validation import check_float_tensor
+from .._torchscript import NotScriptable
+from .._validation import check_flag, check_float_tensor
 from ..functional import layer_norm
 from . import _fused, _steps
 from ._batchnorm import make_step_bn
@@ -49,6 +53,7 @@ from ._checks import (
     check_permutation,
     check_size,
     check_state,
+    describe,
 )
 from .cells import _build_from_torch, _require_torch_kind
 
@@ -60,7 +65,7 @@ _FUSED_DTYPES = (torch.float32, torch.float64)
 _TORCH_LAYERS: dict[str, type[nn.RNNBase]] = {"RNN": nn.RNN, "LSTM": nn.LSTM, "GRU": nn.GRU}
 
 
-class _LNRNNBase(nn.Module):
+class _LNRNNBase(NotScriptable, nn.Module):
     """Parameters, input handling and the layer/direction loop shared by the three layers.
 
     The public classes only spell out their constructors, in torch's argument order (``RNN``'s
@@ -70,8 +75,8 @@ class _LNRNNBase(nn.Module):
 
     mode = "RNN"  # "RNN", "LSTM" or "GRU"
     gate_count = 1
-    #: torch.nn.LSTM's projection size; projections are not implemented (see :meth:`from_torch`),
-    #: the attribute is there for code that reads it.
+    #: torch.nn.LSTM's projection size; projections are not implemented (``LayerNormLSTM`` takes
+    #: ``proj_size=0`` only), the attribute is there for code that reads it.
     proj_size = 0
 
     def __init__(
@@ -101,11 +106,12 @@ class _LNRNNBase(nn.Module):
         self.input_size = check_size(input_size, "input_size", owner)
         self.hidden_size = check_size(hidden_size, "hidden_size", owner)
         self.num_layers = check_size(num_layers, "num_layers", owner)
-        if (
-            isinstance(dropout, bool)
-            or not isinstance(dropout, int | float)
-            or not 0 <= dropout <= 1
-        ):
+        if isinstance(dropout, bool) or not isinstance(dropout, int | float | numbers.Real):
+            raise TypeError(
+                f"{owner}: dropout must be a number in [0, 1], got {type(dropout).__name__} "
+                f"{dropout!r}"
+            )
+        if not 0 <= dropout <= 1:
             raise ValueError(f"{owner}: dropout must be a number in [0, 1], got {dropout!r}")
         if dropout > 0 and self.num_layers == 1:
             # as torch.nn.LSTM: dropout acts between layers only, so here it would do nothing
@@ -125,10 +131,10 @@ class _LNRNNBase(nn.Module):
             raise ValueError(
                 f"{owner}: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}"
             )
-        self.bias = bool(bias)
-        self.batch_first = bool(batch_first)
+        self.bias = check_flag(bias, "bias", owner)
+        self.batch_first = check_flag(batch_first, "batch_first", owner)
         self.dropout = float(dropout)
-        self.bidirectional = bool(bidirectional)
+        self.bidirectional = check_flag(bidirectional, "bidirectional", owner)
         self.gain_init = check_gain(gain_init, "gain_init", owner)
         self.bn_gain_init = check_gain(bn_gain_init, "bn_gain_init", owner)
         self.eps = check_eps(eps, owner)
@@ -138,12 +144,12 @@ class _LNRNNBase(nn.Module):
         self.max_steps = check_size(max_steps, "max_steps", owner)
         self.impl: Impl = impl
         self.nonlinearity = nonlinearity
-        self.normalize_cell_state = bool(normalize_cell_state)
+        self.normalize_cell_state = check_flag(normalize_cell_state, "normalize_cell_state", owner)
         factory = {"device": device, "dtype": dtype}
-        hs, gh = hidden_size, self.gate_count * hidden_size
+        hs, gh = self.hidden_size, self.gate_count * self.hidden_size
         self._norm_params: list[tuple[str, float]] = []  # (name, init value)
         for k in range(self.num_layers):
-            in_k = input_size if k == 0 else hs * self.num_directions
+            in_k = self.input_size if k == 0 else hs * self.num_directions
             for sfx in self._suffixes(k):
                 self._param(f"weight_ih{sfx}", (gh, in_k), factory)
                 self._param(f"weight_hh{sfx}", (gh, hs), factory)
@@ -265,9 +271,10 @@ class _LNRNNBase(nn.Module):
         unbatched, zeros when ``None``; for a packed input in the callers' batch order, as torch's.
         Returned states have the same shapes.
 
-        Raises ``ValueError`` for a wrong or empty shape, or a device other than the weights';
-        ``TypeError`` for a non-floating input, an ``hx`` of the wrong structure, or a dtype other
-        than the weights'.
+        An empty batch gives empty outputs, as torch's. Raises ``ValueError`` for a wrong shape,
+        no time steps, or a device other than the weights'; ``TypeError`` for a non-floating
+        input, an ``hx`` of the wrong structure, or a dtype other than the weights' (outside
+        autocast).
         """
         owner = type(self).__name__
         if isinstance(input, PackedSequence):
@@ -298,8 +305,15 @@ class _LNRNNBase(nn.Module):
             elif self.batch_first:
                 x = x.transpose(0, 1)
             seq_len, n_batch = x.shape[0], x.shape[1]
-            if seq_len == 0 or n_batch == 0:
-                raise ValueError(f"{owner}: got an empty input of shape {tuple(input.shape)}")
+            if torch.jit.is_tracing():
+                # ints, not the 0-d tensors jit.trace makes of sizes (its time loop is unrolled);
+                # elsewhere sizes stay as they are: torch.export keeps a dynamic batch symbolic
+                seq_len, n_batch = int(seq_len), int(n_batch)
+            if seq_len == 0:
+                # torch.nn.LSTM refuses it too; an empty batch (n_batch == 0) is fine, as in torch
+                raise ValueError(
+                    f"{owner}: got an empty input of shape {tuple(input.shape)} (no time steps)"
+                )
             data = x.reshape(seq_len * n_batch, self.input_size)
             sizes = [n_batch] * seq_len
             sorted_idx = unsorted_idx = None
@@ -332,7 +346,7 @@ class _LNRNNBase(nn.Module):
                 hs_out = hs_out.index_select(1, unsorted_idx)
                 cs_out = None if cs_out is None else cs_out.index_select(1, unsorted_idx)
         else:
-            output = layer_in.view(seq_len, n_batch, -1)
+            output = layer_in.view(seq_len, n_batch, self.num_directions * self.hidden_size)
             if not batched:
                 output = output.squeeze(1)
                 hs_out = hs_out.squeeze(1)
@@ -355,7 +369,7 @@ class _LNRNNBase(nn.Module):
             return z, (z if is_lstm else None)
         if is_lstm:
             if not isinstance(hx, tuple | list) or len(hx) != 2:
-                raise TypeError(f"{owner}: hx must be a tuple (h_0, c_0), got {type(hx).__name__}")
+                raise TypeError(f"{owner}: hx must be a tuple (h_0, c_0), got {describe(hx)}")
             states = [check_state(t, f"hx[{i}]", expected, data, owner) for i, t in enumerate(hx)]
         else:
             if isinstance(hx, tuple | list):
@@ -373,6 +387,18 @@ class _LNRNNBase(nn.Module):
             return False
         if torch.compiler.is_compiling():
             return False  # the loop traces into plain ops; the fused node's Python loop would not
+        if (
+            torch.jit.is_tracing()
+            or torch._C._are_functorch_transforms_active()
+            or _forward_ad._current_level >= 0
+        ):
+            # jit.trace would record the fused node's raw pointers (and crash); torch.func and
+            # forward-mode AD need ops they can differentiate or batch, which the loop's are
+            return False
+        if torch.is_autocast_enabled(data.device.type):
+            return False  # the fused node's preallocated buffers take one dtype, autocast mixes
+        if data.shape[0] == 0:
+            return False  # an empty batch: nothing for the fused kernels to do
         if data.dtype in _FUSED_DTYPES:
             return True
         if self.impl == "fused":
@@ -635,6 +661,7 @@ class LayerNormLSTM(_LNRNNBase):
         dropout: float = 0.0,
         bidirectional: bool = False,
         *,
+        proj_size: int = 0,
         norm: str = "layer",
         gain_init: float = 1.0,
         normalize_cell_state: bool = False,
@@ -646,6 +673,17 @@ class LayerNormLSTM(_LNRNNBase):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        # torch.nn.LSTM's keyword, so that its configurations pass through; only 0 is implemented
+        if isinstance(proj_size, bool) or not isinstance(proj_size, int):
+            raise TypeError(
+                f"LayerNormLSTM: proj_size must be an int, got {type(proj_size).__name__} "
+                f"{proj_size!r}"
+            )
+        if proj_size != 0:
+            raise ValueError(
+                f"LayerNormLSTM: proj_size={proj_size} (an LSTM with projections) is not "
+                "supported; use proj_size=0"
+            )
         super().__init__(
             input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
             norm=norm, gain_init=gain_init, eps=eps, impl=impl,

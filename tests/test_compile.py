@@ -220,6 +220,7 @@ def test_sequence_layers_under_cpu_autocast(kind):
     ],
     ids=["LayerNorm", "RMSNorm", "AdaNorm", "BatchNorm", "LayerNormLSTM", "GRUCell", "nested"],
 )
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_jit_script_says_what_to_use_instead(make):
     # TorchScript cannot compile the modules; the error names the module and the alternatives
     # (it used to be "Unknown type annotation: 'nn.Parameter | None'")

@@ -168,3 +168,10 @@ def test_numpy_momentum_and_eps() -> None:
     bn = layernorm.BatchNorm(3, eps=np.float32(1e-3), momentum=np.float32(0.25))
     assert (type(bn.momentum), bn.momentum) == (float, 0.25)
     assert type(bn.eps) is float
+
+
+def test_unbiased_is_keyword_only() -> None:
+    # torch.nn.BatchNorm1d(4, 1e-5, 0.1, True, False) means track_running_stats=False there
+    with pytest.raises(TypeError, match="positional argument"):
+        layernorm.BatchNorm(4, 1e-5, 0.1, True, True)  # type: ignore[misc]
+    assert layernorm.BatchNorm(4, 1e-5, 0.1, True, unbiased=True).unbiased

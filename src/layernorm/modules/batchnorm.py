@@ -21,6 +21,8 @@ class BatchNorm(NotScriptable, nn.Module):
     estimates are used. ``unbiased=False`` normalizes with the biased batch variance, like
     ``torch.nn.BatchNorm1d``; ``unbiased=True`` uses ``σ²·n/(n−1)``, the setting of the LN paper's
     batch-size-4 MNIST run. Running variance is always updated with the unbiased estimate.
+    ``unbiased`` is keyword-only: ``torch.nn.BatchNorm1d``'s fifth positional argument is
+    ``track_running_stats``, which a positional call must not turn into this switch.
 
     A batch of one example cannot be normalized by its own batch statistics: in training that is an
     error (use :class:`layernorm.LayerNorm`, which does not depend on the batch).
@@ -32,6 +34,7 @@ class BatchNorm(NotScriptable, nn.Module):
         eps: float = 1e-5,
         momentum: float = 0.1,
         affine: bool = True,
+        *,
         unbiased: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,

@@ -5,7 +5,9 @@ cache directory the CPU norm kernels use, keyed by a hash of the source, flags, 
 ``libgomp`` and the CPU's flags; the build helpers are shared with
 :mod:`layernorm.kernels.cpu._native`. Kernels are called through :mod:`ctypes` with an int64 array
 of the buffers' base addresses (built once per sequence) and the step's first row, so a step slices
-no tensors and a call passes 6–8 arguments.
+no tensors and a call passes 6–8 arguments. The sequence layers call the ``*_seq`` entry points
+instead: one foreign call per direction runs every step, recurrent GEMM included (a small GEMM of
+:mod:`._csrc`), which removes the per-step ``torch.mm`` dispatch and Python loop.
 
 ``LAYERNORM_CPU_COMPILE=0`` or a failed build selects the eager step functions of
 :mod:`._pointwise` instead (a warning says why, once).
@@ -48,6 +50,16 @@ _SIGNATURES = {
     "gru_fwd": (_P, _I64, _I64, _I64, _DBL, _INT, _INT),
     "gru_bwd": (_P, _I64, _I64, _I64, _INT, _INT),
 }
+# The whole-sequence entry points: buffer addresses, the (first row, rows) pairs of the steps, the
+# recurrent weight (W_hhᵀ forward, W_hh backward), H, [eps,] flags, threads, step grain, GEMM grain.
+_SEQ_SIGNATURES = {
+    "lstm_fwd_seq": (_P, _P, _I64, _P, _I64, _DBL, _INT, _INT, _INT, _I64, _I64),
+    "lstm_bwd_seq": (_P, _P, _I64, _P, _I64, _INT, _INT, _INT, _I64, _I64),
+    "gru_fwd_seq": (_P, _P, _I64, _P, _I64, _DBL, _INT, _INT, _I64, _I64),
+    "gru_bwd_seq": (_P, _P, _I64, _P, _I64, _INT, _INT, _I64, _I64),
+}
+# Below this many multiply-adds per thread a step's recurrent GEMM runs on one thread.
+_GEMM_GRAIN = 1 << 21
 _FNS: dict[tuple[str, torch.dtype], Any] = {}
 # On top of the norm kernels' flags: no errno and no FP traps, which changes no result but lets the
 # gate loops (exp, tanh) vectorize; there is no -ffast-math, so NaN and rounding behave as written.
@@ -64,9 +76,11 @@ def _build() -> Path:
 def _library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_build()))
-        for base, argtypes in _SIGNATURES.items():
+        entries = {f"{k}_at": (k, v) for k, v in _SIGNATURES.items()}
+        entries.update({k: (k, v) for k, v in _SEQ_SIGNATURES.items()})
+        for symbol, (base, argtypes) in entries.items():
             for dtype, suffix in _SUFFIX.items():
-                fn = getattr(lib, f"{base}_at_{suffix}")
+                fn = getattr(lib, f"{symbol}_{suffix}")
                 fn.restype = None
                 fn.argtypes = argtypes
                 _FNS[base, dtype] = fn
@@ -150,3 +164,55 @@ def gru_bwd(st: dict[str, Any], off: int, bs: int) -> None:
     _FNS["gru_bwd", st["gx"].dtype](
         _addresses(st, "gru_bwd"), off, bs, hs, st["normalize"], _threads(bs, 3 * hs)
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole sequences: the time loop, recurrent GEMM included, in one foreign call per direction.
+# ---------------------------------------------------------------------------------------------
+
+
+def _steps(sched: tuple[tuple[int, int, int], ...]) -> Any:
+    """The (first row, rows) pairs of ``sched`` (in its processing order) as an int64 array."""
+    flat = [v for _, off, bs in sched for v in (off, bs)]
+    return (ctypes.c_int64 * len(flat))(*flat)
+
+
+def _weight(st: dict[str, Any], w: Tensor) -> Tensor:
+    """``w`` contiguous in the buffers' dtype on the CPU (the C GEMM reads it raw)."""
+    like = st["gx"]
+    if w.dtype != like.dtype or not w.is_cpu:
+        raise TypeError(f"C step kernels: W_hh must be a CPU {like.dtype} tensor, got {w.dtype} "
+                        f"on {w.device}")  # fmt: skip
+    return w.contiguous()
+
+
+def lstm_fwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]) -> None:
+    wt = _weight(st, w_hh.t())
+    _FNS["lstm_fwd_seq", wt.dtype](
+        _addresses(st, "lstm_fwd"), _steps(sched), len(sched), wt.data_ptr(), st["H"], st["eps"],
+        st["normalize"], st["carry_normalized"], torch.get_num_threads(), _GRAIN, _GEMM_GRAIN,
+    )  # fmt: skip
+
+
+def lstm_bwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]) -> None:
+    w = _weight(st, w_hh)
+    _FNS["lstm_bwd_seq", w.dtype](
+        _addresses(st, "lstm_bwd"), _steps(sched), len(sched), w.data_ptr(), st["H"],
+        st["normalize"], st["carry_normalized"], torch.get_num_threads(), _GRAIN, _GEMM_GRAIN,
+    )  # fmt: skip
+
+
+def gru_fwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]) -> None:
+    wt = _weight(st, w_hh.t())
+    _FNS["gru_fwd_seq", wt.dtype](
+        _addresses(st, "gru_fwd"), _steps(sched), len(sched), wt.data_ptr(), st["H"], st["eps"],
+        st["normalize"], torch.get_num_threads(), _GRAIN, _GEMM_GRAIN,
+    )  # fmt: skip
+
+
+def gru_bwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]) -> None:
+    w = _weight(st, w_hh)
+    _FNS["gru_bwd_seq", w.dtype](
+        _addresses(st, "gru_bwd"), _steps(sched), len(sched), w.data_ptr(), st["H"],
+        st["normalize"], torch.get_num_threads(), _GRAIN, _GEMM_GRAIN,
+    )  # fmt: skip

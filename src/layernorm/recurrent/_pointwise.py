@@ -35,16 +35,27 @@ from ..ops._dispatch import backend_module
 from . import _cstep
 
 StepFn = Callable[[dict[str, Any], int, int], None]
+# (st, w_hh, schedule): a whole direction, the recurrent GEMMs included (see ``StepKernels``).
+SeqFn = Callable[[dict[str, Any], Tensor, tuple[tuple[int, int, int], ...]], None]
 
 
 @dataclass(frozen=True)
 class StepKernels:
-    """The per-step functions of one implementation (see the module docstring)."""
+    """The per-step functions of one implementation (see the module docstring).
+
+    The optional ``*_seq`` functions run a whole direction instead, time loop and recurrent GEMMs
+    included, with the same buffers as a loop of GEMM + step function would leave (the C kernels:
+    one foreign call per direction instead of two calls per step).
+    """
 
     lstm_fwd: StepFn
     lstm_bwd: StepFn
     gru_fwd: StepFn
     gru_bwd: StepFn
+    lstm_fwd_seq: SeqFn | None = None
+    lstm_bwd_seq: SeqFn | None = None
+    gru_fwd_seq: SeqFn | None = None
+    gru_bwd_seq: SeqFn | None = None
 
 
 _REGISTRY: dict[str, StepKernels] = {}
@@ -235,4 +246,8 @@ C_KERNELS = StepKernels(
     lstm_bwd=_cstep.lstm_bwd,
     gru_fwd=_cstep.gru_fwd,
     gru_bwd=_cstep.gru_bwd,
+    lstm_fwd_seq=_cstep.lstm_fwd_seq,
+    lstm_bwd_seq=_cstep.lstm_bwd_seq,
+    gru_fwd_seq=_cstep.gru_fwd_seq,
+    gru_bwd_seq=_cstep.gru_bwd_seq,
 )

@@ -112,3 +112,16 @@ def test_sequence_kernels_threaded(monkeypatch) -> None:
                 torch.testing.assert_close(a, b, **TOL[torch.float64])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("rows", "gates", "hidden"), [(300, 148, 37), (7, 64, 16), (0, 12, 3)])
+def test_weight_grad_equals_mm(rows, gates, hidden, dtype) -> None:
+    """dhpᵀ · hprev over chunks of k (rows > 128), partial row tiles and column tails."""
+    gen = torch.Generator().manual_seed(4)
+    dhp = torch.randn(rows, gates, generator=gen, dtype=torch.float64)
+    hprev = 0.5 + torch.randn(rows, hidden, generator=gen, dtype=torch.float64)
+    got = _cstep.weight_grad(dhp.to(dtype), hprev.to(dtype))
+    assert got.shape == (gates, hidden) and got.dtype == dtype
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-4}
+    torch.testing.assert_close(got.double(), dhp.t() @ hprev, **tol)

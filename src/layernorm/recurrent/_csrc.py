@@ -395,17 +395,22 @@ void gru_bwd_at_SUF(const i64* p, i64 off, i64 bs, i64 H, int normalize, int nt)
 
 /* ------------------------------------------------------------------ whole sequences -------- */
 
-/* The recurrent GEMM C[M, N] (=|+=) A[M, K] · B[K, N] (row-major, leading dimensions lda, ldb,
-   ldc). A step's GEMM is small (M = the step's rows, often 8–64): through torch.mm it costs a
-   dispatch and MKL's small-M path. Here a tile of up to GEMM_MR rows × nv vectors of columns keeps
-   its accumulators in registers over the whole K loop; B is read once per row tile. The sum over
-   k runs in order, in scalar_t (as a BLAS does; only float rounding differs from torch.mm). */
+/* The recurrent GEMMs C[M, N] (=|+=) A[M, K] · B[K, N]: B and C row-major (leading dimensions
+   ldb, ldc), A[i, k] at A + i·sar + k·sak (so Aᵀ of a row-major matrix is read in place, as the
+   weight gradient needs). A step's GEMM is small (M = the step's rows, often 8–64): through
+   torch.mm it costs a dispatch and MKL's small-M path. Here a tile of up to GEMM_MR rows × nv
+   vectors of columns keeps its accumulators in registers over all of K; B is read once per row
+   tile. The weight gradient's K (all rows of the sequence) is long, so it runs in chunks of
+   GEMM_KC values of k, each chunk of B staying in L1 while every row tile passes over it.
+   Products are summed in scalar_t in order of k (chunk after chunk), as a BLAS does: only float
+   rounding differs from torch.mm. */
 #define GEMM_MR 8
+#define GEMM_KC 128
 typedef scalar_t vec_SUF __attribute__((vector_size(64), aligned(sizeof(scalar_t)), may_alias));
 #define VL_SUF ((i64)(64 / sizeof(scalar_t)))
 
 static inline __attribute__((always_inline)) void gemm_tile_SUF(
-    const scalar_t* A, i64 lda, const scalar_t* B, i64 ldb, scalar_t* C, i64 ldc, i64 K,
+    const scalar_t* A, i64 sar, i64 sak, const scalar_t* B, i64 ldb, scalar_t* C, i64 ldc, i64 K,
     i64 mr, const int nv, const int full, int accumulate) {
     vec_SUF acc[GEMM_MR][2];
     const i64 rows = full ? GEMM_MR : mr;
@@ -415,7 +420,7 @@ static inline __attribute__((always_inline)) void gemm_tile_SUF(
         vec_SUF b[2];
         for (int v = 0; v < nv; ++v) b[v] = *(const vec_SUF*)(B + k * ldb + v * VL_SUF);
         for (i64 r = 0; r < rows; ++r) {
-            const scalar_t a = A[r * lda + k];
+            const scalar_t a = A[r * sar + k * sak];
             for (int v = 0; v < nv; ++v) acc[r][v] += a * b[v];
         }
     }
@@ -427,7 +432,8 @@ static inline __attribute__((always_inline)) void gemm_tile_SUF(
         }
 }
 
-static void gemm_SUF(i64 M, i64 N, i64 K, const scalar_t* A, i64 lda, const scalar_t* B,
+/* All of C for the given K, its column tiles split across nt threads. */
+static void gemm_SUF(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, const scalar_t* B,
                      i64 ldb, scalar_t* C, i64 ldc, int accumulate, int nt) {
     const i64 W = 2 * VL_SUF, tiles = (N + W - 1) / W;
     #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
@@ -436,28 +442,43 @@ static void gemm_SUF(i64 M, i64 N, i64 K, const scalar_t* A, i64 lda, const scal
         const i64 w = N - j0 < W ? N - j0 : W;
         for (i64 i0 = 0; i0 < M; i0 += GEMM_MR) {
             const i64 mr = M - i0 < GEMM_MR ? M - i0 : GEMM_MR;
-            const scalar_t* a = A + i0 * lda;
+            const scalar_t* a = A + i0 * sar;
             scalar_t* c = C + i0 * ldc;
             i64 j = j0;
             if (w == W) {
                 /* constant nv / full: each call compiles to its own register-resident tile */
                 if (mr == GEMM_MR)
-                    gemm_tile_SUF(a, lda, B + j, ldb, c + j, ldc, K, mr, 2, 1, accumulate);
+                    gemm_tile_SUF(a, sar, sak, B + j, ldb, c + j, ldc, K, mr, 2, 1, accumulate);
                 else
-                    gemm_tile_SUF(a, lda, B + j, ldb, c + j, ldc, K, mr, 2, 0, accumulate);
+                    gemm_tile_SUF(a, sar, sak, B + j, ldb, c + j, ldc, K, mr, 2, 0, accumulate);
                 continue;
             }
             if (w >= VL_SUF) {
-                gemm_tile_SUF(a, lda, B + j, ldb, c + j, ldc, K, mr, 1, 0, accumulate);
+                gemm_tile_SUF(a, sar, sak, B + j, ldb, c + j, ldc, K, mr, 1, 0, accumulate);
                 j += VL_SUF;
             }
             for (; j < j0 + w; ++j) /* the last < VL columns */
                 for (i64 r = 0; r < mr; ++r) {
                     scalar_t s = 0;
-                    for (i64 k = 0; k < K; ++k) s += a[r * lda + k] * B[k * ldb + j];
+                    for (i64 k = 0; k < K; ++k) s += a[r * sar + k * sak] * B[k * ldb + j];
                     c[r * ldc + j] = accumulate ? c[r * ldc + j] + s : s;
                 }
         }
+    }
+}
+
+/* The recurrent weight's gradient over all rows of a sequence: dw (G, H) = dhpᵀ · hprev with
+   dhp (N, G) and hprev (N, H) row-major. */
+void weight_grad_SUF(const scalar_t* dhp, const scalar_t* hprev, i64 N, i64 G, i64 H,
+                     scalar_t* dw, int nt, i64 ggrain) {
+    if (N == 0) {
+        for (i64 i = 0; i < G * H; ++i) dw[i] = 0;
+        return;
+    }
+    const int threads = threads_for(G * H * N, (H + 2 * VL_SUF - 1) / (2 * VL_SUF), ggrain, nt);
+    for (i64 k0 = 0; k0 < N; k0 += GEMM_KC) {
+        const i64 kc = N - k0 < GEMM_KC ? N - k0 : GEMM_KC;
+        gemm_SUF(G, H, kc, dhp + k0 * G, 1, G, hprev + k0 * H, H, dw, H, k0 > 0, threads);
     }
 }
 
@@ -473,7 +494,7 @@ void lstm_fwd_seq_SUF(const i64* p, const i64* steps, i64 n, const scalar_t* wt,
     const i64 G = 4 * H;
     for (i64 s = 0; s < n; ++s) {
         const i64 off = steps[2 * s], bs = steps[2 * s + 1];
-        gemm_SUF(bs, G, H, BASE_SUF(6), H, wt, G, ROWS_SUF(0, G), G, 0,
+        gemm_SUF(bs, G, H, BASE_SUF(6), H, 1, wt, G, ROWS_SUF(0, G), G, 0,
                  threads_for(bs * G * H, (G + 2 * VL_SUF - 1) / (2 * VL_SUF), ggrain, nt));
         lstm_fwd_at_SUF(p, off, bs, H, eps, normalize, carry_norm,
                         threads_for(bs * G, bs, grain, nt));
@@ -487,7 +508,7 @@ void lstm_bwd_seq_SUF(const i64* p, const i64* steps, i64 n, const scalar_t* w, 
     for (i64 s = n - 1; s >= 0; --s) {
         const i64 off = steps[2 * s], bs = steps[2 * s + 1];
         lstm_bwd_at_SUF(p, off, bs, H, normalize, carry_norm, threads_for(bs * G, bs, grain, nt));
-        gemm_SUF(bs, H, G, ROWS_SUF(k_dhp, G), G, w, H, BASE_SUF(1), H, 0,
+        gemm_SUF(bs, H, G, ROWS_SUF(k_dhp, G), G, 1, w, H, BASE_SUF(1), H, 0,
                  threads_for(bs * G * H, (H + 2 * VL_SUF - 1) / (2 * VL_SUF), ggrain, nt));
     }
 }
@@ -497,7 +518,7 @@ void gru_fwd_seq_SUF(const i64* p, const i64* steps, i64 n, const scalar_t* wt, 
     const i64 G = 3 * H;
     for (i64 s = 0; s < n; ++s) {
         const i64 off = steps[2 * s], bs = steps[2 * s + 1];
-        gemm_SUF(bs, G, H, BASE_SUF(7), H, wt, G, ROWS_SUF(0, G), G, 0,
+        gemm_SUF(bs, G, H, BASE_SUF(7), H, 1, wt, G, ROWS_SUF(0, G), G, 0,
                  threads_for(bs * G * H, (G + 2 * VL_SUF - 1) / (2 * VL_SUF), ggrain, nt));
         gru_fwd_at_SUF(p, off, bs, H, eps, normalize, threads_for(bs * G, bs, grain, nt));
     }
@@ -510,7 +531,7 @@ void gru_bwd_seq_SUF(const i64* p, const i64* steps, i64 n, const scalar_t* w, i
     for (i64 s = n - 1; s >= 0; --s) {
         const i64 off = steps[2 * s], bs = steps[2 * s + 1];
         gru_bwd_at_SUF(p, off, bs, H, normalize, threads_for(bs * G, bs, grain, nt));
-        gemm_SUF(bs, H, G, ROWS_SUF(k_dhp, G), G, w, H, BASE_SUF(1), H, 1,
+        gemm_SUF(bs, H, G, ROWS_SUF(k_dhp, G), G, 1, w, H, BASE_SUF(1), H, 1,
                  threads_for(bs * G * H, (H + 2 * VL_SUF - 1) / (2 * VL_SUF), ggrain, nt));
     }
 }

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._pointwise import SeqFn, StepFn, ln_kernels, step_kernels
+from ._pointwise import SeqFn, StepFn, StepKernels, ln_kernels, step_kernels
 
 Schedule = tuple[tuple[int, int, int], ...]  # (time index, first row, rows) in processing order
 
@@ -136,6 +136,13 @@ def _backward_in_time(
             torch.mm(dhp[off : off + bs], w_hh, out=dh_rows)
 
 
+def _weight_grad(kernels: StepKernels, dhp: Tensor, hprev: Tensor) -> Tensor:
+    """``dhpᵀ · hprev`` (the recurrent weight's gradient, one GEMM over all rows)."""
+    if kernels.weight_grad is not None:
+        return kernels.weight_grad(dhp, hprev)
+    return dhp.t().mm(hprev)
+
+
 def _save(
     ctx: Any, st: dict[str, Any], w_hh: Tensor, sched: Schedule, names: tuple[str, ...]
 ) -> None:
@@ -208,7 +215,7 @@ class LSTMSequence(torch.autograd.Function):
             st, w_hh, ctx.sched, kernels.lstm_bwd, kernels.lstm_bwd_seq, accumulate=False
         )
         dh, dhp, need = st["dh"], st["dhp"], ctx.needs_input_grad
-        d_w_hh = _grad_or_none(need[3], lambda: dhp.t().mm(st["hprev"]))
+        d_w_hh = _grad_or_none(need[3], lambda: _weight_grad(kernels, dhp, st["hprev"]))
         dw1 = db1 = dw3 = db3 = None
         if normalize:
             ln = ln_kernels(gx)
@@ -272,7 +279,7 @@ class GRUSequence(torch.autograd.Function):
             st, w_hh, ctx.sched, kernels.gru_bwd, kernels.gru_bwd_seq, accumulate=True
         )
         dh, dhp, need = st["dh"], st["dhp"], ctx.needs_input_grad
-        d_w_hh = _grad_or_none(need[2], lambda: dhp.t().mm(st["hprev"]))
+        d_w_hh = _grad_or_none(need[2], lambda: _weight_grad(kernels, dhp, st["hprev"]))
         dgh, hp = st["dgh"], st["hp"]
         dw_rz = db_rz = dw_n = db_n = None
         if normalize:

@@ -45,7 +45,8 @@ class StepKernels:
 
     The optional ``*_seq`` functions run a whole direction instead, time loop and recurrent GEMMs
     included, with the same buffers as a loop of GEMM + step function would leave (the C kernels:
-    one foreign call per direction instead of two calls per step).
+    one foreign call per direction instead of two calls per step). The optional ``weight_grad``
+    replaces ``dhp.t().mm(hprev)``, the recurrent weight's gradient over all rows.
     """
 
     lstm_fwd: StepFn
@@ -56,6 +57,7 @@ class StepKernels:
     lstm_bwd_seq: SeqFn | None = None
     gru_fwd_seq: SeqFn | None = None
     gru_bwd_seq: SeqFn | None = None
+    weight_grad: Callable[[Tensor, Tensor], Tensor] | None = None
 
 
 _REGISTRY: dict[str, StepKernels] = {}
@@ -250,4 +252,5 @@ C_KERNELS = StepKernels(
     lstm_bwd_seq=_cstep.lstm_bwd_seq,
     gru_fwd_seq=_cstep.gru_fwd_seq,
     gru_bwd_seq=_cstep.gru_bwd_seq,
+    weight_grad=_cstep.weight_grad,
 )

@@ -9,7 +9,9 @@ small autograd nodes per step. The split used here:
   without recording a graph, writing what backward needs into preallocated ``(N, ·)`` buffers
   (N = rows of the packed sequence); backward walks the steps in reverse, per step one GEMM for
   ``dh_{t−1}`` plus the step's pointwise backward (:mod:`._pointwise`), and then gets the weight
-  and gain gradients with **one** GEMM / reduction over all steps.
+  and gain gradients with **one** GEMM / reduction over all steps. Where the step kernels have
+  whole-sequence functions (the CPU C kernels), each direction's time loop is one call of those,
+  recurrent GEMMs included, instead of a Python loop of ``torch.mm`` + step calls.
 
 Sequences are handled in packed form: a padded ``(T, B, ·)`` input is the special case of ``T``
 steps of ``B`` rows. A step of ``bs`` rows updates rows ``[:bs]`` of the ``(B, H)`` state buffer, so

@@ -66,12 +66,6 @@ def with_steps(fn, kernels: StepKernels):
     return wrapped
 
 
-def per_step_kernels() -> StepKernels:
-    """The C step kernels without their whole-sequence functions (Python time loop)."""
-    c = _pointwise.C_KERNELS
-    return StepKernels(c.lstm_fwd, c.lstm_bwd, c.gru_fwd, c.gru_bwd)
-
-
 def bench_shape(
     kind: str,
     shape: tuple[int, int, int, int],
@@ -92,7 +86,7 @@ def bench_shape(
     if eager:
         fns["ln-eager"] = with_steps(step(models["ln"], x), _pointwise.EAGER)
     if per_step:
-        fns["ln-steps"] = with_steps(step(models["ln"], x), per_step_kernels())
+        fns["ln-steps"] = with_steps(step(models["ln"], x), _pointwise.C_STEPS)
     return interleaved_ms(fns, warmup=2, reps=reps)
 
 

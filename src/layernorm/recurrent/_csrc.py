@@ -48,6 +48,19 @@ static inline float fast_expf(float x) {
     return p * scale.f;
 }
 
+/* The sequence GEMM's vector: the widest the build's target (-march=native) has. 64-byte GCC
+   vectors on a target without AVX-512 compile to split code about 40x slower, so the width
+   follows the target; below 64 bytes the callers keep torch.mm (see _cstep.sequence_gemm). */
+#if defined(__AVX512F__)
+#define VEC_BYTES 64
+#elif defined(__AVX__)
+#define VEC_BYTES 32
+#else
+#define VEC_BYTES 16
+#endif
+
+int seq_gemm_vector_bytes(void) { return VEC_BYTES; }
+
 /* Threads for `work` units split `parts` ways, at least `grain` units each, at most `nt`. */
 static inline int threads_for(i64 work, i64 parts, i64 grain, int nt) {
     i64 n = work / grain;
@@ -406,8 +419,9 @@ void gru_bwd_at_SUF(const i64* p, i64 off, i64 bs, i64 H, int normalize, int nt)
    rounding differs from torch.mm. */
 #define GEMM_MR 8
 #define GEMM_KC 128
-typedef scalar_t vec_SUF __attribute__((vector_size(64), aligned(sizeof(scalar_t)), may_alias));
-#define VL_SUF ((i64)(64 / sizeof(scalar_t)))
+typedef scalar_t vec_SUF
+    __attribute__((vector_size(VEC_BYTES), aligned(sizeof(scalar_t)), may_alias));
+#define VL_SUF ((i64)(VEC_BYTES / sizeof(scalar_t)))
 
 static inline __attribute__((always_inline)) void gemm_tile_SUF(
     const scalar_t* A, i64 sar, i64 sak, const scalar_t* B, i64 ldb, scalar_t* C, i64 ldc, i64 K,

@@ -65,6 +65,8 @@ _GEMM_GRAIN = 1 << 21
 # at (N, G, H) = (400, 512, 128)); beyond, MKL's cache blocking wins (1.5x at (6400, 2048, 512)).
 _WEIGHT_GRAD_MAX = 1 << 26
 _FNS: dict[tuple[str, torch.dtype], Any] = {}
+# Bytes per vector of the sequence GEMM as built (64 with AVX-512, 32 with AVX, else 16).
+_VECTOR_BYTES = [0]
 # On top of the norm kernels' flags: no errno and no FP traps, which changes no result but lets the
 # gate loops (exp, tanh) vectorize; there is no -ffast-math, so NaN and rounding behave as written.
 _EXTRA_FLAGS = ("-fno-math-errno", "-fno-trapping-math")
@@ -88,6 +90,8 @@ def _library() -> ctypes.CDLL | None:
                 fn.restype = None
                 fn.argtypes = argtypes
                 _FNS[base, dtype] = fn
+        lib.seq_gemm_vector_bytes.restype = ctypes.c_int
+        _VECTOR_BYTES[0] = lib.seq_gemm_vector_bytes()
         return lib
     except Exception as err:  # any failure falls back to the eager step functions
         warnings.warn(
@@ -103,6 +107,14 @@ def available(x: Tensor) -> bool:
     if x.dtype not in _SUFFIX or not x.is_cpu:
         return False
     return os.environ.get(ENV_SWITCH, "1") != "0" and _library() is not None
+
+
+def sequence_gemm() -> bool:
+    """Whether the whole-sequence functions are used: only where the build has AVX-512 (64-byte
+    vectors), where their GEMM was measured faster than ``torch.mm``. Built without AVX-512 on the
+    same CPU, its 32-byte tile reached 63 GFLOP/s and the layers were no faster than with the time
+    loop in Python, which therefore stays there on such targets."""
+    return _library() is not None and _VECTOR_BYTES[0] >= 64
 
 
 def _threads(rows: int, cols: int) -> int:

@@ -84,7 +84,9 @@ def step_kernels(x: Tensor) -> StepKernels:
         triton_steps = _triton_step_kernels()
         if triton_steps is not None:
             return triton_steps
-    return C_KERNELS if _cstep.available(x) else EAGER
+    if not _cstep.available(x):
+        return EAGER
+    return C_KERNELS if _cstep.sequence_gemm() else C_STEPS
 
 
 @functools.cache
@@ -243,6 +245,14 @@ def gru_bwd(st: dict[str, Any], off: int, bs: int) -> None:
 
 
 EAGER = StepKernels(lstm_fwd=lstm_fwd, lstm_bwd=lstm_bwd, gru_fwd=gru_fwd, gru_bwd=gru_bwd)
+# The C step kernels with the time loop in Python (per step torch.mm, then one C call).
+C_STEPS = StepKernels(
+    lstm_fwd=_cstep.lstm_fwd,
+    lstm_bwd=_cstep.lstm_bwd,
+    gru_fwd=_cstep.gru_fwd,
+    gru_bwd=_cstep.gru_bwd,
+)
+# The same plus the whole-sequence functions (time loop and recurrent GEMMs in C).
 C_KERNELS = StepKernels(
     lstm_fwd=_cstep.lstm_fwd,
     lstm_bwd=_cstep.lstm_bwd,

@@ -5,11 +5,15 @@ shared machine:
 
 * ``torch``      — ``torch.nn.LSTM`` / ``GRU`` (ATen's fused CPU RNN, oneDNN where available)
 * ``ln``         — ``LayerNormLSTM`` / ``LayerNormGRU`` (fused path: one GEMM + one LN for all
-  input projections, one C call per step for the pointwise work, analytic backward in time)
+  input projections, one C call per direction for the time loop, its recurrent GEMMs and pointwise
+  work, analytic backward in time)
 * ``none``       — our fused path with ``norm="none"`` (what the LN costs on top of our recurrence)
 * ``ln-loop``    — the readable step-by-step reference (eager autograd), with ``--loop``
 * ``ln-eager``   — the fused path with the eager (PyTorch-op) step functions instead of the C
   kernels, i.e. what runs without a C compiler, with ``--eager-steps``
+* ``ln-steps``   — the fused path with the C step kernels but the time loop in Python (per step
+  ``torch.mm`` for the recurrent GEMM, then one C call; ``torch.mm`` for the weight gradient),
+  i.e. the C kernels without their whole-sequence functions, with ``--per-step`` (adds a column)
 
 One timed call = forward over the whole sequence + ``backward()`` of ``output.sum()``, float32.
 Work per call (LSTM, G = 4): forward ``2·T·B·G·H·(I + H)`` FLOPs in the GEMMs, backward twice that;
@@ -32,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import cpu_model, interleaved_ms
 from layernorm import LayerNormGRU, LayerNormLSTM
-from layernorm.recurrent import _pointwise, register_step_kernels
+from layernorm.recurrent import StepKernels, _pointwise, register_step_kernels
 
 SHAPES = ((100, 32, 128, 256), (100, 64, 256, 512), (50, 8, 64, 128))  # (T, B, I, H)
 KINDS = {"lstm": (torch.nn.LSTM, LayerNormLSTM), "gru": (torch.nn.GRU, LayerNormGRU)}
@@ -49,11 +53,11 @@ def step(model: torch.nn.Module, x: torch.Tensor):
     return fn
 
 
-def eager_steps(fn):
-    """Run ``fn`` with the eager step functions registered for CPU tensors."""
+def with_steps(fn, kernels: StepKernels):
+    """Run ``fn`` with ``kernels`` registered as the step functions for CPU tensors."""
 
     def wrapped() -> None:
-        register_step_kernels("cpu", _pointwise.EAGER)
+        register_step_kernels("cpu", kernels)
         try:
             fn()
         finally:
@@ -63,7 +67,12 @@ def eager_steps(fn):
 
 
 def bench_shape(
-    kind: str, shape: tuple[int, int, int, int], loop: bool, eager: bool, reps: int
+    kind: str,
+    shape: tuple[int, int, int, int],
+    loop: bool,
+    eager: bool,
+    reps: int,
+    per_step: bool = False,
 ) -> dict:
     t, b, i, h = shape
     torch.manual_seed(0)
@@ -75,7 +84,9 @@ def bench_shape(
     x = (torch.randn(t, b, i) + 0.5).requires_grad_()
     fns = {k: step(m, x) for k, m in models.items()}
     if eager:
-        fns["ln-eager"] = eager_steps(step(models["ln"], x))
+        fns["ln-eager"] = with_steps(step(models["ln"], x), _pointwise.EAGER)
+    if per_step:
+        fns["ln-steps"] = with_steps(step(models["ln"], x), _pointwise.C_STEPS)
     return interleaved_ms(fns, warmup=2, reps=reps)
 
 
@@ -85,6 +96,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7, help="timed rounds per provider")
     ap.add_argument("--loop", action="store_true", help="also time the eager reference loop")
     ap.add_argument("--eager-steps", action="store_true", help="also time eager step functions")
+    ap.add_argument("--per-step", action="store_true", help="also time the per-step C loop")
     ap.add_argument("--kinds", default="lstm,gru")
     ap.add_argument("--shapes", default=None, help="e.g. 50x8x64x128,100x32x128x256")
     ap.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
@@ -95,22 +107,25 @@ def main() -> None:
     print(f"device: {cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} "
           f"| mkldnn {torch.backends.mkldnn.is_available()} | {date}")  # fmt: skip
     print("forward + backward, float32, median ms (ratio = ours / torch in the same run)\n")
+    extra = " LN per-step C loop / torch |" if args.per_step else ""
     print("| kind | (T, B, I, H) | torch ms | LN ms | LN / torch | none / torch | loop / torch "
-          "| LN eager steps / torch |")  # fmt: skip
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| LN eager steps / torch |" + extra)  # fmt: skip
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if extra else ""))
     shapes = SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     rows = []
     for kind in args.kinds.split(","):
         for shape in shapes:
-            r = bench_shape(kind, shape, args.loop, args.eager_steps, args.reps)  # type: ignore[arg-type]
+            r = bench_shape(kind, shape, args.loop, args.eager_steps, args.reps, args.per_step)  # type: ignore[arg-type]
 
             def ratio(name: str, r: dict = r) -> str:
                 return f"{r[name] / r['torch']:.2f}" if name in r else "-"
 
             cells = [kind, str(shape), f"{r['torch']:.1f}", f"{r['ln']:.1f}", ratio("ln"),
                      ratio("none"), ratio("ln-loop"), ratio("ln-eager")]  # fmt: skip
+            if args.per_step:
+                cells.append(ratio("ln-steps"))
             print("| " + " | ".join(cells) + " |", flush=True)
             for provider, ms in r.items():
                 rows.append({"date": date, "device": cpu_model(), "torch": torch.__version__,

@@ -9,6 +9,10 @@ each costing a few microseconds of dispatch on ``(B, 4H)`` tensors; here it is o
 Per row, layer-norm ``dx`` with ``x̂ = (x − μ)·rstd`` and ``g = dy ⊙ w``:
 ``dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂))``.
 
+The ``*_seq`` functions run a whole direction of a sequence in one call: per step the recurrent
+GEMM ``h_{t−1} W_hhᵀ`` (forward) or ``dhp · W_hh`` (backward) with a register-tiled GEMM written
+for these shapes (few rows, H to 4H columns), then the step kernel above.
+
 The source is written once over ``scalar_t`` / ``SUF`` / ``EXP`` / ``TANH`` and instantiated for
 float32 and float64 by :func:`source`. Rows are independent, so they are split across OpenMP threads
 when a step is large enough to pay for waking them.
@@ -42,6 +46,27 @@ static inline float fast_expf(float x) {
     union { int32_t i; float f; } scale;
     scale.i = ((int32_t)n + 127) << 23;
     return p * scale.f;
+}
+
+/* The sequence GEMM's vector: the widest the build's target (-march=native) has. 64-byte GCC
+   vectors on a target without AVX-512 compile to split code about 40x slower, so the width
+   follows the target; below 64 bytes the callers keep torch.mm (see _cstep.sequence_gemm). */
+#if defined(__AVX512F__)
+#define VEC_BYTES 64
+#elif defined(__AVX__)
+#define VEC_BYTES 32
+#else
+#define VEC_BYTES 16
+#endif
+
+int seq_gemm_vector_bytes(void) { return VEC_BYTES; }
+
+/* Threads for `work` units split `parts` ways, at least `grain` units each, at most `nt`. */
+static inline int threads_for(i64 work, i64 parts, i64 grain, int nt) {
+    i64 n = work / grain;
+    n = n < parts ? n : parts;
+    n = n < nt ? n : nt;
+    return n < 1 ? 1 : (int)n;
 }
 
 /* tanh(x) = sign(x)·(1 − e)/(1 + e), e = exp(−2|x|): absolute error about 1e-7. */
@@ -379,6 +404,150 @@ void gru_bwd_at_SUF(const i64* p, i64 off, i64 bs, i64 H, int normalize, int nt)
                 ROWS_SUF(5, H), ROWS_SUF(6, H), ROWS_SUF(7, 1), ROWS_SUF(8, 1), ROWS_SUF(9, 1),
                 ROWS_SUF(10, 1), BASE_SUF(11), BASE_SUF(12), ROWS_SUF(13, G), ROWS_SUF(14, G),
                 ROWS_SUF(15, G), bs, H, normalize, nt);
+}
+
+/* ------------------------------------------------------------------ whole sequences -------- */
+
+/* The recurrent GEMMs C[M, N] (=|+=) A[M, K] · B[K, N]: B and C row-major (leading dimensions
+   ldb, ldc), A[i, k] at A + i·sar + k·sak (so Aᵀ of a row-major matrix is read in place, as the
+   weight gradient needs). A step's GEMM is small (M = the step's rows, often 8–64): through
+   torch.mm it costs a dispatch and MKL's small-M path. Here a tile of up to GEMM_MR rows × nv
+   vectors of columns keeps its accumulators in registers over all of K; B is read once per row
+   tile. The weight gradient's K (all rows of the sequence) is long, so it runs in chunks of
+   GEMM_KC values of k, each chunk of B staying in L1 while every row tile passes over it.
+   Products are summed in scalar_t in order of k (chunk after chunk), as a BLAS does: only float
+   rounding differs from torch.mm. */
+#define GEMM_MR 8
+#define GEMM_KC 128
+typedef scalar_t vec_SUF
+    __attribute__((vector_size(VEC_BYTES), aligned(sizeof(scalar_t)), may_alias));
+#define VL_SUF ((i64)(VEC_BYTES / sizeof(scalar_t)))
+
+static inline __attribute__((always_inline)) void gemm_tile_SUF(
+    const scalar_t* A, i64 sar, i64 sak, const scalar_t* B, i64 ldb, scalar_t* C, i64 ldc, i64 K,
+    i64 mr, const int nv, const int full, int accumulate) {
+    vec_SUF acc[GEMM_MR][2];
+    const i64 rows = full ? GEMM_MR : mr;
+    for (i64 r = 0; r < rows; ++r)
+        for (int v = 0; v < nv; ++v) acc[r][v] = (vec_SUF){0};
+    for (i64 k = 0; k < K; ++k) {
+        vec_SUF b[2];
+        for (int v = 0; v < nv; ++v) b[v] = *(const vec_SUF*)(B + k * ldb + v * VL_SUF);
+        for (i64 r = 0; r < rows; ++r) {
+            const scalar_t a = A[r * sar + k * sak];
+            for (int v = 0; v < nv; ++v) acc[r][v] += a * b[v];
+        }
+    }
+    for (i64 r = 0; r < rows; ++r)
+        for (int v = 0; v < nv; ++v) {
+            vec_SUF* c = (vec_SUF*)(C + r * ldc + v * VL_SUF);
+            if (accumulate) *c += acc[r][v];
+            else *c = acc[r][v];
+        }
+}
+
+/* All of C for the given K, its column tiles split across nt threads. */
+static void gemm_SUF(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, const scalar_t* B,
+                     i64 ldb, scalar_t* C, i64 ldc, int accumulate, int nt) {
+    const i64 W = 2 * VL_SUF, tiles = (N + W - 1) / W;
+    #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (i64 t = 0; t < tiles; ++t) {
+        const i64 j0 = t * W;
+        const i64 w = N - j0 < W ? N - j0 : W;
+        for (i64 i0 = 0; i0 < M; i0 += GEMM_MR) {
+            const i64 mr = M - i0 < GEMM_MR ? M - i0 : GEMM_MR;
+            const scalar_t* a = A + i0 * sar;
+            scalar_t* c = C + i0 * ldc;
+            i64 j = j0;
+            if (w == W) {
+                /* constant nv / full: each call compiles to its own register-resident tile */
+                if (mr == GEMM_MR)
+                    gemm_tile_SUF(a, sar, sak, B + j, ldb, c + j, ldc, K, mr, 2, 1, accumulate);
+                else
+                    gemm_tile_SUF(a, sar, sak, B + j, ldb, c + j, ldc, K, mr, 2, 0, accumulate);
+                continue;
+            }
+            if (w >= VL_SUF) {
+                gemm_tile_SUF(a, sar, sak, B + j, ldb, c + j, ldc, K, mr, 1, 0, accumulate);
+                j += VL_SUF;
+            }
+            for (; j < j0 + w; ++j) /* the last < VL columns */
+                for (i64 r = 0; r < mr; ++r) {
+                    scalar_t s = 0;
+                    for (i64 k = 0; k < K; ++k) s += a[r * sar + k * sak] * B[k * ldb + j];
+                    c[r * ldc + j] = accumulate ? c[r * ldc + j] + s : s;
+                }
+        }
+    }
+}
+
+/* The recurrent weight's gradient over all rows of a sequence: dw (G, H) = dhpᵀ · hprev with
+   dhp (N, G) and hprev (N, H) row-major. */
+void weight_grad_SUF(const scalar_t* dhp, const scalar_t* hprev, i64 N, i64 G, i64 H,
+                     scalar_t* dw, int nt, i64 ggrain) {
+    if (N == 0) {
+        for (i64 i = 0; i < G * H; ++i) dw[i] = 0;
+        return;
+    }
+    const int threads = threads_for(G * H * N, (H + 2 * VL_SUF - 1) / (2 * VL_SUF), ggrain, nt);
+    for (i64 k0 = 0; k0 < N; k0 += GEMM_KC) {
+        const i64 kc = N - k0 < GEMM_KC ? N - k0 : GEMM_KC;
+        gemm_SUF(G, H, kc, dhp + k0 * G, 1, G, hprev + k0 * H, H, dw, H, k0 > 0, threads);
+    }
+}
+
+/* A whole direction of a sequence in one call: per step (steps[2s] = first row, steps[2s+1] =
+   rows, in processing order) the recurrent GEMM hp = h_{t−1} · W_hhᵀ (wt = W_hhᵀ, (H, G)
+   contiguous) into the step's hp rows, then the step kernel. Forward in time; the backward
+   functions walk the steps in reverse: the step kernel, then dh_{t−1} (=|+=) dhp · W_hh (w =
+   W_hh, (G, H)). `grain` is the step kernels' per-thread minimum of elements, `ggrain` the
+   GEMM's of multiply-adds. Buffer slots are those of the *_at functions; without normalization
+   dhp is the gate gradient buffer (slot 14). */
+void lstm_fwd_seq_SUF(const i64* p, const i64* steps, i64 n, const scalar_t* wt, i64 H,
+                      double eps, int normalize, int carry_norm, int nt, i64 grain, i64 ggrain) {
+    const i64 G = 4 * H;
+    for (i64 s = 0; s < n; ++s) {
+        const i64 off = steps[2 * s], bs = steps[2 * s + 1];
+        gemm_SUF(bs, G, H, BASE_SUF(6), H, 1, wt, G, ROWS_SUF(0, G), G, 0,
+                 threads_for(bs * G * H, (G + 2 * VL_SUF - 1) / (2 * VL_SUF), ggrain, nt));
+        lstm_fwd_at_SUF(p, off, bs, H, eps, normalize, carry_norm,
+                        threads_for(bs * G, bs, grain, nt));
+    }
+}
+
+void lstm_bwd_seq_SUF(const i64* p, const i64* steps, i64 n, const scalar_t* w, i64 H,
+                      int normalize, int carry_norm, int nt, i64 grain, i64 ggrain) {
+    const i64 G = 4 * H;
+    const int k_dhp = normalize ? 15 : 14;
+    for (i64 s = n - 1; s >= 0; --s) {
+        const i64 off = steps[2 * s], bs = steps[2 * s + 1];
+        lstm_bwd_at_SUF(p, off, bs, H, normalize, carry_norm, threads_for(bs * G, bs, grain, nt));
+        gemm_SUF(bs, H, G, ROWS_SUF(k_dhp, G), G, 1, w, H, BASE_SUF(1), H, 0,
+                 threads_for(bs * G * H, (H + 2 * VL_SUF - 1) / (2 * VL_SUF), ggrain, nt));
+    }
+}
+
+void gru_fwd_seq_SUF(const i64* p, const i64* steps, i64 n, const scalar_t* wt, i64 H,
+                     double eps, int normalize, int nt, i64 grain, i64 ggrain) {
+    const i64 G = 3 * H;
+    for (i64 s = 0; s < n; ++s) {
+        const i64 off = steps[2 * s], bs = steps[2 * s + 1];
+        gemm_SUF(bs, G, H, BASE_SUF(7), H, 1, wt, G, ROWS_SUF(0, G), G, 0,
+                 threads_for(bs * G * H, (G + 2 * VL_SUF - 1) / (2 * VL_SUF), ggrain, nt));
+        gru_fwd_at_SUF(p, off, bs, H, eps, normalize, threads_for(bs * G, bs, grain, nt));
+    }
+}
+
+void gru_bwd_seq_SUF(const i64* p, const i64* steps, i64 n, const scalar_t* w, i64 H,
+                     int normalize, int nt, i64 grain, i64 ggrain) {
+    const i64 G = 3 * H;
+    const int k_dhp = normalize ? 15 : 14;
+    for (i64 s = n - 1; s >= 0; --s) {
+        const i64 off = steps[2 * s], bs = steps[2 * s + 1];
+        gru_bwd_at_SUF(p, off, bs, H, normalize, threads_for(bs * G, bs, grain, nt));
+        gemm_SUF(bs, H, G, ROWS_SUF(k_dhp, G), G, 1, w, H, BASE_SUF(1), H, 1,
+                 threads_for(bs * G * H, (H + 2 * VL_SUF - 1) / (2 * VL_SUF), ggrain, nt));
+    }
 }
 """
 

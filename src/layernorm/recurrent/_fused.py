@@ -9,7 +9,9 @@ small autograd nodes per step. The split used here:
   without recording a graph, writing what backward needs into preallocated ``(N, ·)`` buffers
   (N = rows of the packed sequence); backward walks the steps in reverse, per step one GEMM for
   ``dh_{t−1}`` plus the step's pointwise backward (:mod:`._pointwise`), and then gets the weight
-  and gain gradients with **one** GEMM / reduction over all steps.
+  and gain gradients with **one** GEMM / reduction over all steps. Where the step kernels have
+  whole-sequence functions (the CPU C kernels), each direction's time loop is one call of those,
+  recurrent GEMMs included, instead of a Python loop of ``torch.mm`` + step calls.
 
 Sequences are handled in packed form: a padded ``(T, B, ·)`` input is the special case of ``T``
 steps of ``B`` rows. A step of ``bs`` rows updates rows ``[:bs]`` of the ``(B, H)`` state buffer, so
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._pointwise import StepFn, ln_kernels, step_kernels
+from ._pointwise import SeqFn, StepFn, StepKernels, ln_kernels, step_kernels
 
 Schedule = tuple[tuple[int, int, int], ...]  # (time index, first row, rows) in processing order
 
@@ -100,8 +102,13 @@ def _new_bufs(like: Tensor, n_rows: int, spec: dict[str, int]) -> dict[str, Tens
     }
 
 
-def _forward_in_time(st: dict[str, Any], w_hh: Tensor, sched: Schedule, step: StepFn) -> None:
-    """Per step, the recurrent GEMM ``hp = h_{t−1} W_hhᵀ`` into ``st["hp"]``, then ``step``."""
+def _forward_in_time(
+    st: dict[str, Any], w_hh: Tensor, sched: Schedule, step: StepFn, seq: SeqFn | None
+) -> None:
+    """Per step, the recurrent GEMM ``hp = h_{t−1} W_hhᵀ`` into ``st["hp"]``, then ``step``; or
+    all of that in ``seq`` where the kernels have it."""
+    if seq is not None:
+        return seq(st, w_hh, sched)
     h, hp, w_t = st["h"], st["hp"], w_hh.t()
     for _, off, bs in sched:
         torch.mm(h if bs == h.shape[0] else h[:bs], w_t, out=hp[off : off + bs])
@@ -109,11 +116,18 @@ def _forward_in_time(st: dict[str, Any], w_hh: Tensor, sched: Schedule, step: St
 
 
 def _backward_in_time(
-    st: dict[str, Any], w_hh: Tensor, sched: Schedule, step: StepFn, accumulate: bool
+    st: dict[str, Any],
+    w_hh: Tensor,
+    sched: Schedule,
+    step: StepFn,
+    seq: SeqFn | None,
+    accumulate: bool,
 ) -> None:
     """Per step in reverse, ``step`` (which leaves ``st["dhp"]``), then ``dh_{t−1} = dhp · W_hh``:
     added to ``st["dh"]`` where ``step`` already wrote the direct path of ``h_{t−1}`` there
-    (``accumulate``), written over it otherwise."""
+    (``accumulate``), written over it otherwise; or all of that in ``seq``."""
+    if seq is not None:
+        return seq(st, w_hh, sched)
     dh, dhp = st["dh"], st["dhp"]
     for _, off, bs in reversed(sched):
         step(st, off, bs)
@@ -122,6 +136,13 @@ def _backward_in_time(
             dh_rows.addmm_(dhp[off : off + bs], w_hh)
         else:
             torch.mm(dhp[off : off + bs], w_hh, out=dh_rows)
+
+
+def _weight_grad(kernels: StepKernels, dhp: Tensor, hprev: Tensor) -> Tensor:
+    """``dhpᵀ · hprev`` (the recurrent weight's gradient, one GEMM over all rows)."""
+    if kernels.weight_grad is not None:
+        return kernels.weight_grad(dhp, hprev)
+    return dhp.t().mm(hprev)
 
 
 def _save(
@@ -175,7 +196,8 @@ class LSTMSequence(torch.autograd.Function):
                                      "acts": 4 * hs, "cn": hs, "tc": hs,
                                      "mh": 0, "rh": 0, "mc": 0, "rc": 0}),
         }  # fmt: skip
-        _forward_in_time(st, w_hh, sched, step_kernels(gx).lstm_fwd)
+        kernels = step_kernels(gx)
+        _forward_in_time(st, w_hh, sched, kernels.lstm_fwd, kernels.lstm_fwd_seq)
         _save(ctx, st, w_hh, sched, ("w1", "b1", "w3", "b3", "gx", "hp", "hprev", "cprev", "acts",
                                      "cn", "tc", "mh", "rh", "mc", "rc"))  # fmt: skip
         return st["out"], st["h"], st["c"]
@@ -190,9 +212,12 @@ class LSTMSequence(torch.autograd.Function):
                   dc=dc_n.contiguous().clone(),
                   **_new_bufs(gx, n_rows, {"dgates": 4 * hs, "dlc": hs}))  # fmt: skip
         st["dhp"] = gx.new_empty(n_rows, 4 * hs) if normalize else st["dgates"]
-        _backward_in_time(st, w_hh, ctx.sched, step_kernels(gx).lstm_bwd, accumulate=False)
+        kernels = step_kernels(gx)
+        _backward_in_time(
+            st, w_hh, ctx.sched, kernels.lstm_bwd, kernels.lstm_bwd_seq, accumulate=False
+        )
         dh, dhp, need = st["dh"], st["dhp"], ctx.needs_input_grad
-        d_w_hh = _grad_or_none(need[3], lambda: dhp.t().mm(st["hprev"]))
+        d_w_hh = _grad_or_none(need[3], lambda: _weight_grad(kernels, dhp, st["hprev"]))
         dw1 = db1 = dw3 = db3 = None
         if normalize:
             ln = ln_kernels(gx)
@@ -236,7 +261,8 @@ class GRUSequence(torch.autograd.Function):
             **_new_bufs(gx, n_rows, {"hp": 3 * hs, "out": hs, "hprev": hs, "rz": 2 * hs,
                                      "n": hs, "ghn": hs, "mh": 0, "rh": 0, "mn": 0, "rn": 0}),
         }  # fmt: skip
-        _forward_in_time(st, w_hh, sched, step_kernels(gx).gru_fwd)
+        kernels = step_kernels(gx)
+        _forward_in_time(st, w_hh, sched, kernels.gru_fwd, kernels.gru_fwd_seq)
         _save(ctx, st, w_hh, sched, ("w_rz", "b_rz", "w_n", "b_n", "b_hn", "gx", "hp", "hprev",
                                      "rz", "n", "ghn", "mh", "rh", "mn", "rn"))  # fmt: skip
         return st["out"], st["h"]
@@ -250,9 +276,12 @@ class GRUSequence(torch.autograd.Function):
         st.update(dout=dout.contiguous(), dh=dh_n.contiguous().clone(),
                   **_new_bufs(gx, n_rows, {"dgx": 3 * hs, "dgh": 3 * hs}))  # fmt: skip
         st["dhp"] = gx.new_empty(n_rows, 3 * hs) if normalize else st["dgh"]
-        _backward_in_time(st, w_hh, ctx.sched, step_kernels(gx).gru_bwd, accumulate=True)
+        kernels = step_kernels(gx)
+        _backward_in_time(
+            st, w_hh, ctx.sched, kernels.gru_bwd, kernels.gru_bwd_seq, accumulate=True
+        )
         dh, dhp, need = st["dh"], st["dhp"], ctx.needs_input_grad
-        d_w_hh = _grad_or_none(need[2], lambda: dhp.t().mm(st["hprev"]))
+        d_w_hh = _grad_or_none(need[2], lambda: _weight_grad(kernels, dhp, st["hprev"]))
         dgh, hp = st["dgh"], st["hp"]
         dw_rz = db_rz = dw_n = db_n = None
         if normalize:

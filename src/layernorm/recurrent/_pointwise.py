@@ -35,16 +35,29 @@ from ..ops._dispatch import backend_module
 from . import _cstep
 
 StepFn = Callable[[dict[str, Any], int, int], None]
+# (st, w_hh, schedule): a whole direction, the recurrent GEMMs included (see ``StepKernels``).
+SeqFn = Callable[[dict[str, Any], Tensor, tuple[tuple[int, int, int], ...]], None]
 
 
 @dataclass(frozen=True)
 class StepKernels:
-    """The per-step functions of one implementation (see the module docstring)."""
+    """The per-step functions of one implementation (see the module docstring).
+
+    The optional ``*_seq`` functions run a whole direction instead, time loop and recurrent GEMMs
+    included, with the same buffers as a loop of GEMM + step function would leave (the C kernels:
+    one foreign call per direction instead of two calls per step). The optional ``weight_grad``
+    replaces ``dhp.t().mm(hprev)``, the recurrent weight's gradient over all rows.
+    """
 
     lstm_fwd: StepFn
     lstm_bwd: StepFn
     gru_fwd: StepFn
     gru_bwd: StepFn
+    lstm_fwd_seq: SeqFn | None = None
+    lstm_bwd_seq: SeqFn | None = None
+    gru_fwd_seq: SeqFn | None = None
+    gru_bwd_seq: SeqFn | None = None
+    weight_grad: Callable[[Tensor, Tensor], Tensor] | None = None
 
 
 _REGISTRY: dict[str, StepKernels] = {}
@@ -71,7 +84,9 @@ def step_kernels(x: Tensor) -> StepKernels:
         triton_steps = _triton_step_kernels()
         if triton_steps is not None:
             return triton_steps
-    return C_KERNELS if _cstep.available(x) else EAGER
+    if not _cstep.available(x):
+        return EAGER
+    return C_KERNELS if _cstep.sequence_gemm() else C_STEPS
 
 
 @functools.cache
@@ -230,9 +245,22 @@ def gru_bwd(st: dict[str, Any], off: int, bs: int) -> None:
 
 
 EAGER = StepKernels(lstm_fwd=lstm_fwd, lstm_bwd=lstm_bwd, gru_fwd=gru_fwd, gru_bwd=gru_bwd)
+# The C step kernels with the time loop in Python (per step torch.mm, then one C call).
+C_STEPS = StepKernels(
+    lstm_fwd=_cstep.lstm_fwd,
+    lstm_bwd=_cstep.lstm_bwd,
+    gru_fwd=_cstep.gru_fwd,
+    gru_bwd=_cstep.gru_bwd,
+)
+# The same plus the whole-sequence functions (time loop and recurrent GEMMs in C).
 C_KERNELS = StepKernels(
     lstm_fwd=_cstep.lstm_fwd,
     lstm_bwd=_cstep.lstm_bwd,
     gru_fwd=_cstep.gru_fwd,
     gru_bwd=_cstep.gru_bwd,
+    lstm_fwd_seq=_cstep.lstm_fwd_seq,
+    lstm_bwd_seq=_cstep.lstm_bwd_seq,
+    gru_fwd_seq=_cstep.gru_fwd_seq,
+    gru_bwd_seq=_cstep.gru_bwd_seq,
+    weight_grad=_cstep.weight_grad,
 )

@@ -1,0 +1,125 @@
+"""The whole-sequence C kernels (time loop and recurrent GEMMs in one call) vs the per-step loop.
+
+The per-step loop (``torch.mm`` per step, then the C step kernel) is what ran before the sequence
+entry points existed; it is selected here by registering the C step functions without their
+``*_seq`` counterparts. Both run the same pointwise C code, so they differ only in the recurrent
+GEMM's summation order: a few ulps per step. Shapes cover the GEMM's edge cases: row counts that
+fill no, one and several 8-row tiles, packed steps of shrinking size, hidden sizes whose gate
+columns end in a full tile, a single vector and scalar leftovers, in float64 and float32 (whose
+vectors hold twice as many values), and both thread paths of the GEMM.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_sequence
+
+from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
+
+pytestmark = pytest.mark.skipif(
+    not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
+    reason="needs the C step kernels (a C compiler) built with AVX-512",
+)
+TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-11}, torch.float32: {"rtol": 2e-5, "atol": 2e-5}}
+LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU}
+PER_STEP = _pointwise.C_STEPS
+
+
+def _model(kind: str, hidden: int, norm: str, dtype: torch.dtype, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = LAYERS[kind](6, hidden, norm=norm, dtype=dtype, **kw)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = 0.3 * torch.randn_like(p)
+            p.copy_(1.0 + noise if "ln_weight" in name else noise)
+    return model
+
+
+def _run(model: torch.nn.Module, xs: list[torch.Tensor], packed: bool) -> list[torch.Tensor]:
+    """Outputs, final states and the gradients of inputs, initial states and all parameters."""
+    model.zero_grad()
+    xs = [x.detach().clone().requires_grad_() for x in xs]
+    batch, hidden = len(xs), model.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    n_states = 2 if isinstance(model, LayerNormLSTM) else 1
+    dirs = 2 if model.bidirectional else 1
+    hx = [torch.randn(dirs, batch, hidden, generator=gen, dtype=xs[0].dtype).requires_grad_()
+          for _ in range(n_states)]  # fmt: skip
+    inp = pack_sequence(xs, enforce_sorted=False) if packed else torch.stack(xs, 1)
+    out, h_n = model(inp, tuple(hx) if n_states == 2 else hx[0])
+    data = out.data if packed else out
+    h_n = h_n if isinstance(h_n, tuple) else (h_n,)
+    weights = torch.linspace(-1, 2, data.numel(), dtype=data.dtype).view_as(data)
+    ((data * weights).sum() + sum((s * s).sum() for s in h_n)).backward()
+    grads = [*(x.grad for x in xs), *(s.grad for s in hx), *(p.grad for p in model.parameters())]
+    return [data.detach(), *(s.detach() for s in h_n), *grads]
+
+
+def _both(model: torch.nn.Module, xs: list[torch.Tensor], packed: bool):
+    ours = _run(model, xs, packed)
+    register_step_kernels("cpu", PER_STEP)
+    try:
+        ref = _run(model, xs, packed)
+    finally:
+        register_step_kernels("cpu", None)
+    return ours, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize(("batch", "hidden"), [(3, 5), (8, 16), (11, 37), (17, 8)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_sequence_kernels_equal_per_step_loop(kind, batch, hidden, packed, dtype) -> None:
+    assert _pointwise.step_kernels(torch.zeros(1, dtype=dtype)).lstm_fwd_seq is not None
+    model = _model(kind, hidden, "layer", dtype, bidirectional=True)
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5 - (i % 4) for i in range(batch)] if packed else [5] * batch
+    xs = [0.5 + torch.randn(n, 6, generator=gen, dtype=dtype) for n in lengths]
+    ours, ref = _both(model, xs, packed)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("norm", ["none", "layer"])
+def test_sequence_kernels_without_norm_and_normalized_cell(kind, norm) -> None:
+    kw = {"normalize_cell_state": True} if kind == "lstm" and norm == "layer" else {}
+    model = _model(kind, 20, norm, torch.float64, bias=False, **kw)
+    gen = torch.Generator().manual_seed(1)
+    xs = [0.5 + torch.randn(4, 6, generator=gen, dtype=torch.float64) for _ in range(9)]
+    ours, ref = _both(model, xs, packed=False)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])
+
+
+def test_sequence_kernels_threaded(monkeypatch) -> None:
+    """With the grains at 1 every step splits its GEMM columns and its rows across threads."""
+    monkeypatch.setattr(_cstep, "_GEMM_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_GRAIN", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for kind in LAYERS:
+            model = _model(kind, 40, "layer", torch.float64)
+            gen = torch.Generator().manual_seed(1)
+            xs = [0.5 + torch.randn(6, 6, generator=gen, dtype=torch.float64) for _ in range(10)]
+            ours, ref = _both(model, xs, packed=True)
+            for a, b in zip(ours, ref, strict=True):
+                torch.testing.assert_close(a, b, **TOL[torch.float64])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("rows", "gates", "hidden"), [(300, 148, 37), (7, 64, 16), (0, 12, 3)])
+def test_weight_grad_equals_mm(rows, gates, hidden, dtype) -> None:
+    """dhpᵀ · hprev over chunks of k (rows > 128), partial row tiles and column tails."""
+    gen = torch.Generator().manual_seed(4)
+    dhp = torch.randn(rows, gates, generator=gen, dtype=torch.float64)
+    hprev = 0.5 + torch.randn(rows, hidden, generator=gen, dtype=torch.float64)
+    got = _cstep.weight_grad(dhp.to(dtype), hprev.to(dtype))
+    assert got.shape == (gates, hidden) and got.dtype == dtype
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-4}
+    torch.testing.assert_close(got.double(), dhp.t() @ hprev, **tol)

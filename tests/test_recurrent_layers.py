@@ -468,3 +468,16 @@ def test_from_torch_of_another_kind_names_both(kind: str, other: str) -> None:
 def test_cell_from_torch_refuses_a_layer(cell: type, torch_cell: type) -> None:
     with pytest.raises(TypeError, match=rf"expects a torch.nn.{torch_cell.__name__}, got Linear"):
         cell.from_torch(torch.nn.Linear(3, 4))
+
+
+def test_fused_nodes_refuse_jit_trace() -> None:
+    # the fused nodes pass raw pointers to C; a trace would replay them on freed memory
+    from layernorm.recurrent import _fused
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        _fused._check_untraced("LSTMSequence")
+        return x * 2
+
+    with pytest.raises(RuntimeError, match=r"LSTMSequence cannot be recorded by torch\.jit\.trace"):
+        torch.jit.trace(fn, torch.ones(2))
+    fn(torch.ones(2))  # outside a trace it passes

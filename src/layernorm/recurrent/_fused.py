@@ -54,6 +54,16 @@ def _no_double_backward() -> None:
         )
 
 
+def _check_untraced(name: str) -> None:
+    """The fused nodes hand raw data pointers to C kernels: ``torch.jit.trace`` would record them
+    as constants and replay them on freed memory, so tracing through one is refused here (the
+    sequence layers run their step-by-step loop under tracing instead)."""
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            f"{name} cannot be recorded by torch.jit.trace; run the layer with impl='loop'"
+        )
+
+
 def _grad_or_none(needed: bool, fn: Any) -> Tensor | None:
     return fn() if needed else None
 
@@ -186,6 +196,7 @@ class LSTMSequence(torch.autograd.Function):
         normalize: bool,
         carry_normalized: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        _check_untraced("LSTMSequence")
         gx = gx.contiguous()
         n_rows, hs = gx.shape[0], h0.shape[1]
         st: dict[str, Any] = {
@@ -253,6 +264,7 @@ class GRUSequence(torch.autograd.Function):
         eps: float,
         normalize: bool,
     ) -> tuple[Tensor, Tensor]:
+        _check_untraced("GRUSequence")
         gx = gx.contiguous()
         n_rows, hs = gx.shape[0], h0.shape[1]
         st: dict[str, Any] = {
@@ -316,6 +328,7 @@ class RNNSequence(torch.autograd.Function):
         normalize: bool,
         relu: bool,
     ) -> tuple[Tensor, Tensor]:
+        _check_untraced("RNNSequence")
         n_rows, hs = xp.shape[0], h0.shape[1]
         ln = ln_kernels(xp)
         h = h0.contiguous().clone()

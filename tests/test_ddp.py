@@ -64,7 +64,14 @@ def _free_port() -> int:
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")
 def test_ddp_layer_norm_matches_single_process_batch_norm_does_not(tmp_path):
     out = str(tmp_path / "grads.pt")
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    for attempt in range(3):
+        # the free port is found before the workers bind it: another process may take it first
+        try:
+            mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+            break
+        except mp.ProcessRaisedException as e:
+            if "address already in use" not in str(e).lower() or attempt == 2:
+                raise
     ddp = torch.load(out, weights_only=True)
 
     x, y = _data()

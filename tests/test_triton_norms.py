@@ -548,6 +548,28 @@ def test_autocast_mixed_dtypes_reach_the_kernels(monkeypatch: pytest.MonkeyPatch
     assert_close(norm.bias.grad, gb, (1e-4, 1e-4), "dbias under autocast")
 
 
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_longest_rows_with_the_default_launch(dtype: torch.dtype):
+    # N = 262,144 with the launch the heuristics pick (looped, 4096-element chunks): the longest
+    # rows the kernels promise, run here as well as on the GPU
+    n = 262_144
+    x = make_x((2, n), dtype).to(DEVICE)
+    w = make_param((n,), torch.float32, center=1.0).to(DEVICE)
+    b = make_param((n,), torch.float32, center=0.0).to(DEVICE)
+    dy = make_x((2, n), dtype, offset=0.5, scale=1.0).to(DEVICE)
+    assert _norm_core.launch_config(n).looped and _norm_core.launch_config(n, backward=True).looped
+    y, mean, rstd = tln.layer_norm_fwd(x, w, b, 1e-5)
+    dx, dw, db = tln.layer_norm_bwd(dy, x, mean, rstd, w, False, False, True, True, True)
+    yr, dxr, dwr, dbr = _ref_grads(
+        lambda a, g, c: layer_norm_reference(a, (n,), g, c), [x, w, b], dy
+    )
+    assert_close(y, yr, TOLERANCES_FWD[dtype], "y")
+    assert_close(dx, dxr, TOLERANCES_BWD[dtype]["dx"], "dx")
+    assert_close(dw, dwr, _dparam_tol(torch.float32, 2), "dweight")
+    assert_close(db, dbr, _dparam_tol(torch.float32, 2), "dbias")
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU only: long rows, bitwise determinism and native-torch parity at realistic sizes
 # ----------------------------------------------------------------------------------------------

@@ -26,14 +26,16 @@ def backend_module(x: Tensor, family: str) -> ModuleType:
 
 
 def plain_eager() -> bool:
-    """True when no tracer watches: not torch.compile/export, a functorch transform (vmap, grad)
-    or a dispatch mode (fake tensors, make_fx). Only then may an op skip its custom-op wrapper,
-    whose Python dispatch costs tens of microseconds a call, as much as a small op's whole kernel.
+    """True when no tracer watches: not torch.compile/export, a functorch transform (vmap, grad),
+    a dispatch mode (fake tensors, make_fx) or forward-mode AD (dual tensors may flow). Only then
+    may an op skip its custom-op wrapper, whose Python dispatch costs tens of microseconds a call,
+    as much as a small op's whole kernel.
     """
     return not (
         torch.compiler.is_compiling()
         or torch._C._are_functorch_transforms_active()
         or torch._C._len_torch_dispatch_stack() > 0
+        or forward_ad_on()
     )
 
 

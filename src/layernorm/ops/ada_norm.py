@@ -14,7 +14,6 @@ from .._validation import stats_dtype
 from ..reference import ada_norm_reference
 from ._dispatch import (
     backend_module,
-    forward_ad_on,
     in_stats_dtype,
     needs_reference,
     plain_eager,
@@ -90,7 +89,7 @@ class _AdaNormEager(torch.autograd.Function):
 def ada_norm_rows(x: Tensor, k: float, scale: float, eps: float) -> Tensor:
     """AdaNorm of the rows of contiguous 2-D ``x``: the custom op when a tracer is active, the
     identical kernels behind a plain autograd.Function otherwise (see ``layer_norm_rows``)."""
-    if plain_eager() and not forward_ad_on():
+    if plain_eager():
         return _AdaNormEager.apply(x, k, scale, eps)
     if needs_reference():
         shape = (x.shape[1],)

@@ -19,7 +19,6 @@ from ..reference import layer_norm_reference
 from ._dispatch import (
     backend_module,
     empty_like_none,
-    forward_ad_on,
     in_stats_dtype,
     needs_reference,
     none_if_empty,
@@ -157,7 +156,7 @@ def layer_norm_rows(
     """Layer norm of the rows of contiguous 2-D ``x``: the custom op when a tracer (compile, export,
     vmap, fake tensors) is active, the identical kernels behind a plain autograd.Function otherwise.
     """
-    if plain_eager() and not forward_ad_on():
+    if plain_eager():
         return _LayerNormEager.apply(x, weight, bias, eps, detach_mean, detach_std)
     if needs_reference():
         shape = (x.shape[1],)

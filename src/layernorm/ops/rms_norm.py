@@ -15,7 +15,6 @@ from ..reference import rms_norm_reference
 from ._dispatch import (
     backend_module,
     empty_like_none,
-    forward_ad_on,
     in_stats_dtype,
     needs_reference,
     none_if_empty,
@@ -102,7 +101,7 @@ class _RMSNormEager(torch.autograd.Function):
 def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm of the rows of contiguous 2-D ``x``: the custom op when a tracer is active, the
     identical kernels behind a plain autograd.Function otherwise (see ``layer_norm_rows``)."""
-    if plain_eager() and not forward_ad_on():
+    if plain_eager():
         return _RMSNormEager.apply(x, weight, eps)
     if needs_reference():
         shape = (x.shape[1],)

@@ -34,7 +34,6 @@ import warnings
 from typing import Any, Literal, Self
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
@@ -42,6 +41,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .._torchscript import NotScriptable
 from .._validation import check_flag, check_float_tensor
 from ..functional import layer_norm
+from ..ops._dispatch import plain_eager
 from . import _fused, _steps
 from ._batchnorm import make_step_bn
 from ._checks import (
@@ -387,13 +387,10 @@ class _LNRNNBase(NotScriptable, nn.Module):
             return False
         if torch.compiler.is_compiling():
             return False  # the loop traces into plain ops; the fused node's Python loop would not
-        if (
-            torch.jit.is_tracing()
-            or torch._C._are_functorch_transforms_active()
-            or _forward_ad._current_level >= 0
-        ):
-            # jit.trace would record the fused node's raw pointers (and crash); torch.func and
-            # forward-mode AD need ops they can differentiate or batch, which the loop's are
+        if torch.jit.is_tracing() or not plain_eager():
+            # jit.trace would record the fused node's raw pointers (and crash); torch.func,
+            # forward-mode AD and dispatch modes (fake tensors) need ops they can differentiate,
+            # batch or trace, which the loop's are
             return False
         if torch.is_autocast_enabled(data.device.type):
             return False  # the fused node's preallocated buffers take one dtype, autocast mixes

@@ -75,7 +75,7 @@ _EXTRA_FLAGS = ("-fno-math-errno", "-fno-trapping-math")
 def _build() -> Path:
     from ..kernels.cpu import cbuild  # the build step shared with the norm kernels
 
-    return cbuild.build_shared_library(_csrc.source(), "layernorm_rnn", _EXTRA_FLAGS)
+    return cbuild.build_from_text(_csrc.source(), "layernorm_rnn", _EXTRA_FLAGS)
 
 
 @functools.cache

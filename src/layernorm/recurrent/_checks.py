@@ -136,3 +136,29 @@ def check_permutation(idx: Tensor | None, n: int, name: str, owner: str) -> None
             f"(one index per sequence), got "
             f"{idx.tolist() if idx.numel() <= 16 else tuple(idx.shape)}"
         )
+
+
+def check_parameter(
+    p: object, name: str, shape: tuple[int, ...], like: Tensor, same_dtype: bool, owner: str
+) -> None:
+    """A registered parameter as the module built it: a float tensor of ``shape`` on the input's
+    device, in the input's dtype where ``same_dtype`` (outside autocast).
+
+    ``load_state_dict(..., assign=True)`` and attribute assignment can put any tensor in a
+    parameter's place; the fused path hands parameters to C as raw pointers, so a wrong one is
+    refused here, for both paths, rather than read out of bounds."""
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{owner}: parameter {name} must be a tensor, got {type(p).__name__}")
+    if not p.is_floating_point():
+        raise TypeError(f"{owner}: parameter {name} must be floating point, got dtype {p.dtype}")
+    if p.shape != shape:
+        raise ValueError(f"{owner}: parameter {name} must have shape {shape}, got {tuple(p.shape)}")
+    if p.device != like.device:
+        raise ValueError(
+            f"{owner}: parameter {name} is on {p.device} but the input is on {like.device}"
+        )
+    if same_dtype and p.dtype != like.dtype and not torch.is_autocast_enabled(like.device.type):
+        raise TypeError(
+            f"{owner}: parameter {name} has dtype {p.dtype} but the input has dtype {like.dtype}; "
+            f"convert it (e.g. module.to({like.dtype}))"
+        )

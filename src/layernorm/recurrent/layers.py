@@ -49,6 +49,7 @@ from ._checks import (
     check_eps,
     check_gain,
     check_norm,
+    check_parameter,
     check_params_match,
     check_permutation,
     check_size,
@@ -148,6 +149,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         factory = {"device": device, "dtype": dtype}
         hs, gh = self.hidden_size, self.gate_count * self.hidden_size
         self._norm_params: list[tuple[str, float]] = []  # (name, init value)
+        self._param_shapes: dict[str, tuple[int, ...]] = {}  # checked on every call
         for k in range(self.num_layers):
             in_k = self.input_size if k == 0 else hs * self.num_directions
             for sfx in self._suffixes(k):
@@ -170,6 +172,17 @@ class _LNRNNBase(NotScriptable, nn.Module):
 
     def _param(self, name: str, shape: tuple[int, ...], factory: dict[str, Any]) -> None:
         self.register_parameter(name, nn.Parameter(torch.empty(shape, **factory)))
+        self._param_shapes[name] = shape
+
+    def _check_parameters(self, data: Tensor, owner: str) -> None:
+        """Every parameter still as registered (shape, floating, the input's device), torch's
+        weights and biases in the input's dtype. Normalization gains and biases may have another
+        floating dtype: both paths then compute with them in the input's dtype."""
+        params = self._parameters
+        for name, shape in self._param_shapes.items():
+            check_parameter(
+                params.get(name), name, shape, data, not name.startswith(("ln_", "bn_")), owner
+            )
 
     def _norm_param(self, name: str, size: int, init: float, factory: dict[str, Any]) -> None:
         self._param(name, (size,), factory)
@@ -318,6 +331,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             sizes = [n_batch] * seq_len
             sorted_idx = unsorted_idx = None
         check_params_match(data, self.weight_ih_l0, owner)
+        self._check_parameters(data, owner)
         h0, c0 = self._initial_state(hx, data, n_batch, batched, sorted_idx)
 
         layer_in = data
@@ -418,9 +432,15 @@ class _LNRNNBase(NotScriptable, nn.Module):
     def _fused(
         self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        g = self._get
         hs = self.hidden_size
         sched = _fused.make_schedule(sizes, reverse)
+
+        def g(name: str) -> Tensor | None:
+            # A normalization parameter in the compute dtype and contiguous, as the C kernels
+            # read it (a no-op when it already is; autograd takes the gradient back through it).
+            p = self._get(name)
+            return None if p is None else p.to(data.dtype).contiguous()
+
         w_ih, w_hh, b_ih, b_hh = self._weights(sfx)
         ln = self.norm == "layer"
         xp = F.linear(data, w_ih)  # all time steps in one GEMM

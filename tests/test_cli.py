@@ -20,7 +20,8 @@ def test_help_explains_the_commands(capsys):
     with pytest.raises(SystemExit):
         cli.main(["reproduce", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--quick", "--device", "--out", "--seed", "--resume", "--list", "--set"):
+    for flag in ("--quick", "--device", "--out", "--seed", "--resume", "--list", "--set",
+                 "--restart-changed"):  # fmt: skip
         assert flag in text
 
 

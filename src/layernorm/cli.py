@@ -72,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
         "are not repeated and the numbers end up identical to an uninterrupted run",
     )
     r.add_argument(
+        "--restart-changed",
+        action="store_true",
+        help="with --resume: an experiment whose saved settings differ from these starts over "
+        "in a fresh folder (the old one is kept as <name>.<settings id>) instead of failing",
+    )
+    r.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -178,6 +184,7 @@ def _reproduce(a: argparse.Namespace) -> int:
         seed=a.seed,
         quick=a.quick,
         resume=a.resume,
+        restart_changed=a.restart_changed,
         overrides=a.overrides,
         progress=not a.no_progress,
     )
@@ -280,10 +287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"layernorm {a.command}: error: {msg}", file=sys.stderr)
         return 2
-    except Exception as e:  # data errors are expected user-facing failures too
+    except Exception as e:  # data errors, damaged run files, a busy folder: user-facing too
         from .data import DataError
+        from .experiments.engine.checkpoints import RunFileError
+        from .experiments.engine.io import FolderInUseError
 
-        if isinstance(e, DataError):
+        if isinstance(e, DataError | RunFileError | FolderInUseError):
             print(f"layernorm {a.command}: error: {e}", file=sys.stderr)
             return 2
         raise

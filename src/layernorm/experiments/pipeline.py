@@ -22,6 +22,7 @@ def reproduce(
     seed: int = 0,
     quick: bool = False,
     resume: bool = False,
+    restart_changed: bool = False,
     overrides: Sequence[str] = (),
     progress: bool = True,
     report: bool = True,
@@ -29,8 +30,17 @@ def reproduce(
     """Run the experiments ``selected`` (all registered ones when empty), save their records and
     write the report; returns the path of ``report.md`` (``None`` on non-zero ranks). See
     :func:`~layernorm.experiments.engine.runner.run_experiments` for the arguments."""
-    run_experiments(selected, out=out, device=device, seed=seed, quick=quick, resume=resume,
-                    overrides=overrides, progress=progress)  # fmt: skip
+    run_experiments(
+        selected,
+        out=out,
+        device=device,
+        seed=seed,
+        quick=quick,
+        resume=resume,
+        restart_changed=restart_changed,
+        overrides=overrides,
+        progress=progress,
+    )
     if not distributed.is_main():
         return None
     if not report:

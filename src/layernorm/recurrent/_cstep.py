@@ -81,7 +81,9 @@ def _build() -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(_build()))
+        from ..kernels.cpu import cache
+
+        lib = cache.load_library(_build)  # checked, and rebuilt once if damaged
         entries = {f"{k}_at": (k, v) for k, v in _SIGNATURES.items()}
         entries.update({k: (k, v) for k, v in _SEQ_SIGNATURES.items()})
         for symbol, (base, argtypes) in entries.items():

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import _csrc, cbuild
+from . import _csrc, cache, cbuild
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
 ENV_CACHE = cbuild.ENV_CACHE
@@ -47,7 +47,7 @@ def _build() -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = cache.load_library(_build)  # checked, and rebuilt once if damaged
         for base, (restype, argtypes) in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
                 fn = getattr(lib, f"{base}_{suffix}")

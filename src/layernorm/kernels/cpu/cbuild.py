@@ -1,7 +1,8 @@
 """Compile a C source into a cached shared library: the build step of every fused CPU kernel.
 
 Sources include no PyTorch headers, so a build takes about a second with the system C compiler.
-Libraries are cached under ``$LAYERNORM_CACHE_DIR`` (default ``~/.cache/layernorm``), keyed by a
+Libraries are cached under ``$LAYERNORM_CACHE_DIR`` (default ``~/.cache/layernorm``; which folders
+are trusted, and which libraries are loaded, is :mod:`.cache`'s business), keyed by a
 hash of the source, the flags, the compiler and the CPU's instruction sets (the build uses
 ``-march=native``), so a changed kernel or another machine never loads a stale binary. They link
 the ``libgomp`` that PyTorch has already loaded, so both share one OpenMP thread pool.
@@ -19,7 +20,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-ENV_CACHE = "LAYERNORM_CACHE_DIR"
+from . import cache
+
+ENV_CACHE = cache.ENV_CACHE
 BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 
@@ -49,19 +52,8 @@ def loaded_libgomp() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get(ENV_CACHE) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "layernorm"
-    )
-    path = Path(root)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
-    except OSError:
-        pass
-    path = Path(tempfile.gettempdir()) / f"layernorm-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """The cache folder: one this user owns and no one else can write (see :mod:`.cache`)."""
+    return cache.cache_dir()
 
 
 def compiler() -> str | None:
@@ -101,5 +93,6 @@ def build_shared_library(source: str, stem: str, extra_flags: Sequence[str] = ()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        cache.seal(tmp_so)
         os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written library
     return out

@@ -275,6 +275,29 @@ def test_untrusted_default_folders_fall_back_to_a_private_one(tmp_path, monkeypa
     assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
 
 
+def test_refused_explicit_folder_is_named(tmp_path, monkeypatch):
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o757)
+    monkeypatch.setenv(cache.ENV_CACHE, str(loose))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with pytest.warns(RuntimeWarning, match=r"loose is writable by other users \(mode 0757\) "):
+        got = cache.cache_dir()
+    assert got == tmp_path / "xdg" / "layernorm"
+
+
+def test_no_folder_at_all_is_said(tmp_path, monkeypatch):
+    # nothing can be created: the private folder is used, with a warning that says why
+    (tmp_path / "file").write_text("")
+    (tmp_path / f"layernorm-{os.geteuid()}").write_text("")  # a file where the folder would be
+    monkeypatch.delenv(cache.ENV_CACHE, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=r"cannot be created.*private folder"):
+        got = cache.cache_dir()
+    assert got == cache._private_dir()
+
+
 def test_built_library_is_private(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.ENV_CACHE, str(tmp_path / "cache"))
     path = cbuild.build_shared_library("int answer(void) { return 42; }\n", "probe")

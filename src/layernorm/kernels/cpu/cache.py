@@ -94,8 +94,8 @@ def folder_problem(path: Path) -> str | None:
 
 
 def _candidates() -> list[tuple[Path, bool]]:
-    """The folders to try, each with whether its trouble deserves a warning (an explicit
-    ``$LAYERNORM_CACHE_DIR``, or a folder that exists but is not ours)."""
+    """The folders to try, in order, each with whether it was named by ``$LAYERNORM_CACHE_DIR``
+    (then even one that cannot be created is worth a warning)."""
     explicit = os.environ.get(ENV_CACHE)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     shared = Path(tempfile.gettempdir()) / f"layernorm-{_uid()}"
@@ -104,27 +104,38 @@ def _candidates() -> list[tuple[Path, bool]]:
 
 
 def cache_dir() -> Path:
-    """The first trusted folder of :func:`_candidates`, else this process's private folder."""
-    refused = []
+    """The first trusted folder of :func:`_candidates`, else this process's private folder.
+
+    A folder skipped because it exists but fails the checks (or was named by
+    ``$LAYERNORM_CACHE_DIR``) is named in a warning, and so is the fall-back to a private folder;
+    a default folder that cannot be created (HOME=/nonexistent, as for service accounts) is not.
+    """
+    tried, noteworthy = [], []
+    chosen = None
     for path, explicit in _candidates():
         reason = folder_problem(path)
         if reason is None:
-            return path
-        # A folder that cannot be created is the usual case of service accounts (HOME=/nonexistent)
-        # and goes unmentioned; one that exists but fails the checks is worth a word.
+            chosen = path
+            break
+        tried.append(f"{path} {reason}")
         if explicit or not reason.startswith("cannot be created"):
-            refused.append(f"{path} {reason}")
-    if refused:
-        warnings.warn(
-            "layernorm: not using the kernel cache folder "
-            + "; ".join(refused)
-            + " (a cache folder must be a directory of this user that no one else can write: "
-            "`chmod go-w` it or set LAYERNORM_CACHE_DIR); building into a private folder for this "
-            "process instead",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return _private_dir()
+            noteworthy.append(tried[-1])
+    if chosen is not None and not noteworthy:
+        return chosen
+    if chosen is None:
+        chosen = _private_dir()
+        where = f"building the kernels in {chosen}, a private folder for this process"
+    else:
+        where = f"using {chosen}"
+    warnings.warn(
+        "layernorm: not using the kernel cache folder "
+        + "; ".join(noteworthy or tried)
+        + f" ({where}). A cache folder must be a directory of this user that no one else can "
+        "write: `chmod go-w` it, or set LAYERNORM_CACHE_DIR to one.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return chosen
 
 
 @functools.cache
@@ -135,9 +146,15 @@ def _private_dir() -> Path:
 
 
 def seal(path: Path) -> None:
-    """Give a freshly built library its final mode (read-write for this user only) before it is
-    renamed into the cache."""
+    """Give a freshly built library its final mode (read-write for this user only) and write it to
+    disk before it is renamed into the cache, so that a crash cannot leave a cut library under the
+    final name."""
     os.chmod(path, _FILE_MODE)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def open_library(path: Path) -> ctypes.CDLL:

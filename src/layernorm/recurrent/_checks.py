@@ -12,7 +12,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from .._validation import as_int, check_float_tensor
+from .._validation import as_int, check_float_tensor, sizes_of
 
 NORMS = ("layer", "none", "batch")
 
@@ -79,8 +79,8 @@ def check_state(
     t: object, name: str, expected: tuple[int, ...], like: Tensor, owner: str
 ) -> Tensor:
     t = check_like(t, name, like, owner)
-    if tuple(t.shape) != expected:
-        raise ValueError(f"{owner}: {name} must have shape {expected}, got {tuple(t.shape)}")
+    if sizes_of(t) != expected:
+        raise ValueError(f"{owner}: {name} must have shape {expected}, got {sizes_of(t)}")
     return t
 
 
@@ -95,7 +95,7 @@ def describe(value: object) -> str:
 def check_cell_input(x: object, input_size: int, owner: str) -> tuple[Tensor, bool]:
     """A cell takes ``(B, input_size)`` or unbatched ``(input_size,)``; returns (x, batched)."""
     x = check_float_tensor(x)
-    if x.dim() not in (1, 2) or x.shape[-1] != input_size:
+    if x.dim() not in (1, 2) or sizes_of(x)[-1] != input_size:
         raise ValueError(
             f"{owner}(input_size={input_size}) expects input of shape (batch, {input_size}) or "
             f"({input_size},), got {tuple(x.shape)}"

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .._torchscript import NotScriptable
-from .._validation import check_flag, check_float_tensor
+from .._validation import check_flag, check_float_tensor, sizes_of
 from ..functional import layer_norm
 from ..ops._dispatch import plain_eager
 from . import _fused, _steps
@@ -305,7 +305,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             batched, seq_len = True, len(sizes)
         else:
             x = check_float_tensor(input)
-            if x.dim() not in (2, 3) or x.shape[-1] != self.input_size:
+            if x.dim() not in (2, 3) or sizes_of(x)[-1] != self.input_size:
                 layout = "(batch, seq, features)" if self.batch_first else "(seq, batch, features)"
                 raise ValueError(
                     f"{owner}(input_size={self.input_size}) expects a 3-D batched input {layout} "
@@ -321,7 +321,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             if torch.jit.is_tracing():
                 # ints, not the 0-d tensors jit.trace makes of sizes (its time loop is unrolled);
                 # elsewhere sizes stay as they are: torch.export keeps a dynamic batch symbolic
-                seq_len, n_batch = int(seq_len), int(n_batch)
+                seq_len, n_batch = sizes_of(x)[:2]
             if seq_len == 0:
                 # torch.nn.LSTM refuses it too; an empty batch (n_batch == 0) is fine, as in torch
                 raise ValueError(
@@ -524,6 +524,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         weights = self._weights(sfx)
         h, c = h0, c0
+        rows = sizes_of(h0)[0]  # every sequence's row, the ended ones included
         outs: list[Tensor] = [data] * len(sizes)
         carry_norm = self.normalize_cell_state and self.norm == "layer"
         for t, off, bs in _fused.make_schedule(sizes, reverse):
@@ -534,13 +535,13 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 h_t, c_t = _steps.lstm_step(
                     x_t, h[:bs], c[:bs], weights, n_ih, n_hh, n_c, carry_norm
                 )
-                c = c_t if bs == c.shape[0] else torch.cat((c_t, c[bs:]))
+                c = c_t if bs == rows else torch.cat((c_t, c[bs:]))
             elif self.mode == "GRU":
                 h_t = _steps.gru_step(x_t, h[:bs], weights, n_ih, n_hh)
             else:
                 h_t = _steps.rnn_step(x_t, h[:bs], weights, n_ih, self.nonlinearity)
             # rows past bs belong to sequences that ended (or, in reverse, have not begun)
-            h = h_t if bs == h.shape[0] else torch.cat((h_t, h[bs:]))
+            h = h_t if bs == rows else torch.cat((h_t, h[bs:]))
             outs[t] = h_t
         return torch.cat(outs), h, c
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import abi, cbuild
+from . import abi, cache, cbuild
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
 ENV_CACHE = cbuild.ENV_CACHE
@@ -39,7 +39,7 @@ def _build() -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = cache.load_library(_build)  # checked, and rebuilt once if damaged
         for kernel in abi.KERNELS:
             for dtype, (_, suffix) in abi.INSTANCES.items():
                 fn = getattr(lib, f"{kernel.name}_{suffix}")

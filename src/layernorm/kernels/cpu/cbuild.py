@@ -3,7 +3,8 @@
 Sources (``.c``/``.h`` files shipped in the package's ``csrc`` folders) include no PyTorch
 headers, so a build takes about a second with the system C compiler. Headers are found next to the
 sources (``-I`` each source's folder). Libraries are cached under ``$LAYERNORM_CACHE_DIR``
-(default ``~/.cache/layernorm``), keyed by a hash of the content of every ``.c``/``.h`` file in
+(default ``~/.cache/layernorm``; which folders are trusted, and which libraries are loaded, is
+:mod:`.cache`'s business), keyed by a hash of the content of every ``.c``/``.h`` file in
 those folders, the flags, the compiler and the CPU's instruction sets (the default target is
 ``-march=native``), so a changed kernel or another machine never loads a stale binary. They link
 the ``libgomp`` that PyTorch has already loaded, so both share one OpenMP thread pool.
@@ -26,7 +27,9 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-ENV_CACHE = "LAYERNORM_CACHE_DIR"
+from . import cache
+
+ENV_CACHE = cache.ENV_CACHE
 ENV_SANITIZE = "LAYERNORM_CPU_SANITIZE"
 BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wall", "-Wextra")
 #: The instruction-set target when the caller names none.
@@ -64,19 +67,8 @@ def loaded_libgomp() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get(ENV_CACHE) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "layernorm"
-    )
-    path = Path(root)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
-    except OSError:
-        pass
-    path = Path(tempfile.gettempdir()) / f"layernorm-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """The cache folder: one this user owns and no one else can write (see :mod:`.cache`)."""
+    return cache.cache_dir()
 
 
 def compiler() -> str | None:
@@ -155,15 +147,7 @@ def build_shared_library(
                 RuntimeWarning,
                 stacklevel=2,
             )
+        cache.seal(tmp_so)
         os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written library
     return out
 
-
-def build_from_text(source: str, stem: str, extra_flags: Sequence[str] = ()) -> Path:
-    """Build C source held in a string (kernels not yet moved to files): written to a temporary
-    folder as ``<stem>.c`` and built by :func:`build_shared_library`, whose cache key hashes the
-    content, so the temporary path does not matter."""
-    with tempfile.TemporaryDirectory() as tmp:
-        c_file = Path(tmp) / f"{stem}.c"
-        c_file.write_text(source)
-        return build_shared_library([c_file], stem, extra_flags)

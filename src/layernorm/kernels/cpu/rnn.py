@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import cbuild, rnn_abi
+from . import cache, cbuild, rnn_abi
 from .abi import INSTANCES
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
@@ -45,7 +45,7 @@ def _build() -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = cache.load_library(_build)  # checked, and rebuilt once if damaged
         for kernel in rnn_abi.KERNELS:
             for dtype, (_, suffix) in INSTANCES.items():
                 fn = getattr(lib, f"{kernel.name}_{suffix}")

@@ -150,4 +150,3 @@ def build_shared_library(
         cache.seal(tmp_so)
         os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written library
     return out
-

@@ -151,8 +151,8 @@ def check_parameter(
         raise TypeError(f"{owner}: parameter {name} must be a tensor, got {type(p).__name__}")
     if not p.is_floating_point():
         raise TypeError(f"{owner}: parameter {name} must be floating point, got dtype {p.dtype}")
-    if p.shape != shape:
-        raise ValueError(f"{owner}: parameter {name} must have shape {shape}, got {tuple(p.shape)}")
+    if sizes_of(p) != shape:
+        raise ValueError(f"{owner}: parameter {name} must have shape {shape}, got {sizes_of(p)}")
     if p.device != like.device:
         raise ValueError(
             f"{owner}: parameter {name} is on {p.device} but the input is on {like.device}"

@@ -374,6 +374,9 @@ def _shapes(
 ) -> tuple[tuple[Field, tuple[int, ...]], ...]:
     """Each pointer field of ``struct`` with the shape it must have under ``sizes``."""
     bound = dict(sizes)
+    missing = {s for f in struct.fields for _, s in _terms(f.shape) if s and s not in bound}
+    if missing:
+        raise ValueError(f"{_op(struct)}: sizes {sorted(missing)} not given (got {sorted(bound)})")
     return tuple(
         (f, tuple(c * (bound[s] if s else 1) for c, s in _terms(f.shape)))
         for f in struct.fields

@@ -10,6 +10,7 @@ are a few attribute reads, so a (1, 768) call costs about what ``torch.nn.LayerN
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -26,28 +27,33 @@ from .._validation import (
     check_flag,
     stats_dtype,
 )
-from ..backend import select_backend
+from ..backend import _forced as _forced_backend
 from ..ops._dispatch import backend_module, plain_eager
 
 # Below this many elements a LayerNorm that needs gradients runs torch's native kernel: the same
 # formula, and our autograd.Function's Python costs more there than the fused kernels save.
-SMALL_NUMEL = 1 << 16
+SMALL_NUMEL = 1 << 18
+_ENV_BACKEND = bool(os.environ.get("LAYERNORM_BACKEND"))
 _RMS_DEFAULT_EPS = {dt: float(torch.finfo(stats_dtype(dt)).eps) for dt in FLOAT_DTYPES}
 
 
-def _lean_input(x: object, shape: tuple[int, ...], eps: object) -> bool:
-    """True when ``x`` may skip the full checks: a plain CPU tensor of a float dtype ending in
-    ``shape``, a valid ``eps``, and no tracer (compile, export, vmap, fake tensors, forward AD) nor
-    forced backend. Anything else takes the full path, which names what is wrong."""
+def _lean_input(x: object, eps: object) -> bool:
+    """True when ``x`` may skip the full checks: a plain CPU tensor of a float dtype, a valid
+    ``eps``, no forced backend and no tracer (compile, export, vmap, fake tensors, forward AD).
+    Anything else takes the full path, which names what is wrong. The caller checks the shapes (or
+    lets torch's kernel refuse them and falls back to the full path for the message).
+
+    Under 1 µs: every call pays it. ``LAYERNORM_BACKEND`` is read once, at import, for this check
+    (the full path reads it on every call)."""
     return (
         type(x) is Tensor
         and x.is_cpu
         and x.dtype in FLOAT_DTYPES
-        and x.shape[-len(shape) :] == shape
         and type(eps) is float
         and 0.0 < eps < math.inf
+        and not _ENV_BACKEND
+        and _forced_backend.get() is None
         and plain_eager()
-        and select_backend(x) == "cpu"
     )
 
 
@@ -161,16 +167,17 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        shape, eps = self.normalized_shape, self.eps
-        weight, bias = _gain(self.weight, self.gain_offset), self.bias
-        if _lean_input(x, shape, eps) and (
-            not _needs_grad(x, weight, bias)
-            or (x.numel() <= SMALL_NUMEL and not (self.detach_mean or self.detach_std))
+        shape, eps, weight, bias = self.normalized_shape, self.eps, self.weight, self.bias
+        if self.gain_offset:
+            weight = _gain(weight, self.gain_offset)
+        if _lean_input(x, eps) and (
+            (x.numel() <= SMALL_NUMEL and not (self.detach_mean or self.detach_std))
+            or not _needs_grad(x, weight, bias)
         ):
             try:
                 return torch.layer_norm(x, shape, weight, bias, eps)
             except RuntimeError:
-                pass  # a parameter torch refuses: the full path names it (or computes it)
+                pass  # a shape or parameter torch refuses: the full path names it (or runs it)
         return F.layer_norm(
             x, shape, weight, bias, eps,  # type: ignore[arg-type]
             detach_mean=self.detach_mean, detach_std=self.detach_std,
@@ -246,19 +253,23 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
             nn.init.constant_(self.weight, 1.0 - self.gain_offset)
 
     def forward(self, x: Tensor) -> Tensor:
-        shape, eps = self.normalized_shape, self.eps
-        weight = _gain(self.weight, self.gain_offset)
+        shape, eps, weight = self.normalized_shape, self.eps, self.weight
+        if self.gain_offset:
+            weight = _gain(weight, self.gain_offset)
         lean_eps = _RMS_DEFAULT_EPS.get(x.dtype) if eps is None and type(x) is Tensor else eps
         if (
-            _lean_input(x, shape, lean_eps)
+            _lean_input(x, lean_eps)
+            and x.shape[-len(shape) :] == shape
             and not _needs_grad(x, weight)
-            and (weight is None or (weight.shape == shape and weight.is_cpu))
+            and (weight is None or (weight.is_cpu and weight.shape == shape))
         ):
             # the kernels take contiguous rows; the checks above are all they need
-            rows = x.reshape(-1, self._numel).contiguous()
-            w = None if weight is None else weight.reshape(-1).contiguous()
-            y = backend_module(rows, "rms_norm").rms_norm_fwd(rows, w, lean_eps)[0]
-            return y.view(x.shape)
+            rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self._numel)
+            w = weight if weight is None or weight.dim() == 1 else weight.reshape(-1)
+            y = backend_module(rows, "rms_norm").rms_norm_fwd(
+                rows.contiguous(), None if w is None else w.contiguous(), lean_eps
+            )[0]
+            return y if y.shape == x.shape else y.view(x.shape)
         return F.rms_norm(x, shape, weight, eps)
 
     def extra_repr(self) -> str:

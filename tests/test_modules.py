@@ -436,3 +436,16 @@ def test_lean_path_mixed_dtypes_run_like_the_full_path():
     with torch.no_grad():
         y = m(x)
     torch.testing.assert_close(y, layernorm.layer_norm(x, 8, m.weight, m.bias).detach())
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("cls", [layernorm.LayerNorm, layernorm.RMSNorm])
+def test_jit_trace_under_no_grad_replays_on_new_inputs(cls):
+    """An inference trace records the op that computes the output, not an empty buffer that a
+    kernel filled behind the tracer's back."""
+    m = cls(8)
+    _randomize(m)
+    with torch.no_grad():
+        traced = torch.jit.trace(m, make_x((2, 8)), check_trace=False)
+        x = make_x((3, 8), offset=-1.0)
+        torch.testing.assert_close(traced(x), m(x))

@@ -51,9 +51,9 @@ def _lean_input(x: object, eps: object) -> bool:
         and x.dtype in FLOAT_DTYPES
         and type(eps) is float
         and 0.0 < eps < math.inf
+        and plain_eager()  # first: under torch.compile it is False and ends the checks
         and not _ENV_BACKEND
         and _forced_backend.get() is None
-        and plain_eager()
     )
 
 
@@ -261,6 +261,7 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
             _lean_input(x, lean_eps)
             and x.shape[-len(shape) :] == shape
             and not _needs_grad(x, weight)
+            and not torch.jit.is_tracing()  # a trace would not see the kernel fill y
             and (weight is None or (weight.is_cpu and weight.shape == shape))
         ):
             # the kernels take contiguous rows; the checks above are all they need

@@ -178,8 +178,12 @@ def test_parameters_carried_in_dtype(name):
 
 def test_strict_raises_on_dropped_parameters_and_on_nothing_replaced():
     model = _build("gpt2")
+    before = _output(model, "gpt2")
     with pytest.raises(ValueError, match=r"kind='rms'\) dropped the bias of 5 source norm"):
         layernorm.replace_norms(model, "rms", strict=True)
+    # strict checks before it changes anything
+    assert sum(type(m) is nn.LayerNorm for m in model.modules()) == 5
+    torch.testing.assert_close(_output(model, "gpt2"), before, atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"kind='ada'\) dropped the weight of 5"):
         layernorm.replace_norms(_build("llama"), "ada", strict=True)
     with pytest.raises(ValueError, match=r"found no normalization layer to replace in Embedding"):

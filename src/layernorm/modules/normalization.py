@@ -51,7 +51,7 @@ def _lean_input(x: object, eps: object) -> bool:
         and x.dtype in FLOAT_DTYPES
         and type(eps) is float
         and 0.0 < eps < math.inf
-        and plain_eager()  # first: under torch.compile it is False and ends the checks
+        and plain_eager()  # before the ContextVar, which Dynamo cannot trace: False there
         and not _ENV_BACKEND
         and _forced_backend.get() is None
     )

@@ -244,8 +244,17 @@ def _read(module: nn.Module, spec: NormSpec) -> _Source:
     return _Source(shape, eps, weight, bias, offset, factory)
 
 
-def _build(src: nn.Module, spec: NormSpec, kind: str) -> tuple[nn.Module, list[str]]:
-    """The replacement of ``src`` and the names of the parameters it drops."""
+# The source parameters each kind has no place for.
+_DROPS = {"layer": (), "simple": ("weight", "bias"), "detach": ("weight", "bias"),
+          "ada": ("weight", "bias"), "rms": ("bias",)}  # fmt: skip
+
+
+def _dropped(src: nn.Module, kind: str) -> list[str]:
+    return [n for n in _DROPS[kind] if isinstance(getattr(src, n, None), torch.Tensor)]
+
+
+def _build(src: nn.Module, spec: NormSpec, kind: str) -> nn.Module:
+    """The replacement of ``src``."""
     s = _read(src, spec)
     eps_ln = 1e-5 if s.eps is None else s.eps
     new: nn.Module
@@ -267,20 +276,16 @@ def _build(src: nn.Module, spec: NormSpec, kind: str) -> tuple[nn.Module, list[s
     else:  # "rms"
         new = RMSNorm(s.shape, eps=s.eps, gain_offset=s.offset, **s.factory)
 
-    dropped = []
     with torch.no_grad():
         for name, old in (("weight", s.weight), ("bias", s.bias)):
             p = getattr(new, name, None)
-            if old is None:
-                continue
-            if p is None:
-                dropped.append(name)
+            if old is None or p is None:
                 continue
             p.copy_(old)
             # a frozen norm (fine-tuning with norms fixed) stays frozen
             p.requires_grad_(old.requires_grad)
     new.train(src.training)
-    return new, dropped
+    return new
 
 
 def _classify(module: nn.Module, unrecognized: dict[str, str]) -> NormSpec | None:
@@ -372,40 +377,46 @@ def replace_norms(module: nn.Module, kind: NormKind, *, strict: bool = False) ->
     unrecognized: dict[str, str] = {}
     dropped: dict[str, list[str]] = {}
 
-    def note_dropped(names: list[str], where: str) -> None:
-        for name in names:
+    def note_dropped(src: nn.Module, where: str) -> None:
+        for name in _dropped(src, kind):
             dropped.setdefault(name, []).append(f"{where}.{name}" if where else name)
 
     spec = _classify(module, unrecognized)
     if spec is not None:
-        new, lost = _build(module, spec, kind)
-        note_dropped(lost, "")
+        note_dropped(module, "")
         _report(module, kind, strict, 1, dropped, unrecognized)
-        return new
+        return _build(module, spec, kind)
 
-    # A norm shared by several parents (tied weights) gets one shared replacement.
-    built: dict[int, nn.Module] = {}
-    touched: set[int] = set()
+    # Plan first, so that strict=True raises before anything is changed.
+    plan: list[tuple[nn.Module, str, nn.Module, NormSpec]] = []
     specs: dict[int, NormSpec | None] = {}
-    for parent_name, parent in list(module.named_modules(remove_duplicate=False)):
-        if id(parent) in built:
-            continue  # a replaced norm is not a parent
+    for parent_name, parent in module.named_modules(remove_duplicate=False):
+        if specs.get(id(parent)) is not None:
+            continue  # a norm to be replaced is not a parent
         # _modules, not named_children(): the latter yields a module used twice only once
-        for name, child in list(parent._modules.items()):
+        for name, child in parent._modules.items():
             if child is None:
                 continue
             if id(child) not in specs:
                 specs[id(child)] = _classify(child, unrecognized)
+                if specs[id(child)] is not None:
+                    note_dropped(child, f"{parent_name}.{name}" if parent_name else name)
             child_spec = specs[id(child)]
-            if child_spec is None:
-                continue
-            if id(child) not in built:
-                where = f"{parent_name}.{name}" if parent_name else name
-                built[id(child)], lost = _build(child, child_spec, kind)
-                note_dropped(lost, where)
-            setattr(parent, name, built[id(child)])
-            touched.add(id(parent))
-        if id(parent) in touched and isinstance(parent, nn.TransformerEncoderLayer):
+            if child_spec is not None:
+                plan.append((parent, name, child, child_spec))
+    n_norms = sum(s is not None for s in specs.values())
+    _report(module, kind, strict, n_norms, dropped, unrecognized)
+
+    # A norm shared by several parents (tied weights) gets one shared replacement.
+    built: dict[int, nn.Module] = {}
+    touched: dict[int, nn.Module] = {}
+    for parent, name, child, child_spec in plan:
+        if id(child) not in built:
+            built[id(child)] = _build(child, child_spec, kind)
+        setattr(parent, name, built[id(child)])
+        touched[id(parent)] = parent
+    for parent in touched.values():
+        if isinstance(parent, nn.TransformerEncoderLayer):
             # The fused inference kernel (torch._transformer_encoder_layer_fwd) would silently
             # run a plain LayerNorm with our parameters; this flag is one of its preconditions.
             parent.activation_relu_or_gelu = 0
@@ -414,5 +425,4 @@ def replace_norms(module: nn.Module, kind: NormKind, *, strict: bool = False) ->
             # In eval with a padding mask the encoder packs the batch into a nested tensor for
             # that kernel; our norms take dense tensors, so keep the batch padded.
             enc.use_nested_tensor = False
-    _report(module, kind, strict, len(built), dropped, unrecognized)
     return module

@@ -32,7 +32,8 @@ from ..ops._dispatch import backend_module, plain_eager
 
 # Up to this many elements a LayerNorm that needs gradients runs torch's native kernel: the same
 # formula, and there our autograd.Function's Python costs more than the fused kernels save
-# (1.2-1.5x torch at 64-128 rows of 768); at 64 x 4096 the fused kernels win (0.7-0.9x).
+# (fused 1.2-1.5x torch at 64-256 rows of 768); the two are even near 64 x 4096 (fused 0.9x on a
+# quiet machine, 1.0-1.1x on a loaded one), where a fixed Python cost stops mattering.
 SMALL_NUMEL = 1 << 17
 _ENV_BACKEND = bool(os.environ.get("LAYERNORM_BACKEND"))
 _RMS_DEFAULT_EPS = {dt: float(torch.finfo(stats_dtype(dt)).eps) for dt in FLOAT_DTYPES}

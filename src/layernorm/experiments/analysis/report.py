@@ -158,11 +158,15 @@ _HOW_TO_READ = (
     "seeds), and a claim that one model is lower **holds** when the difference of the means is "
     "larger than both 2 standard errors and a minimum size that matters; it **does not hold** "
     "when the difference is clearly the other way, or measurably smaller than that minimum; it "
-    "is **inconclusive** when the seed-to-seed noise is too large to tell. A claim that a change "
+    "is **inconclusive** when the seed-to-seed noise is too large to tell. Models trained with "
+    "the same seeds see the same data in the same order, so they are compared paired by seed "
+    "(the standard error is that of the per-seed differences). A claim that a change "
     'costs nothing ("not worse") holds when even the pessimistic end, the difference minus 2 '
     "standard errors, stays within the margin. A verdict is about this run, at this size: the "
-    "quick setting trains small models for minutes, so a claim that does not hold here is not "
-    "refuted for the paper's models, only not shown at this scale."
+    "quick setting trains small models for minutes, so a claim that does not hold there is not "
+    "refuted for the paper's models, only not shown at that scale; the paper setting states "
+    "next to each experiment what it reduces, and a claim that does not hold there does not "
+    "hold at that scale."
 )
 
 

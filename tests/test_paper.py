@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,13 @@ def test_the_suite_fits_the_budget_and_splits_into_two_even_lanes():
     assert abs(hours[0] - hours[1]) <= max(p.est_cpu_hours for p in PAPER_SETTINGS.values())
     table = budget_table(names())
     assert f"**{total:.2f}**" in table and table.count("\n| `") == len(names())
+
+
+def test_the_published_budget_table_is_the_settings_table():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "results" / "README.md").read_text()
+    listed = re.findall(r"^\| `([a-z0-9-]+)` \|", text, flags=re.M)
+    assert sorted(listed) == sorted(PAPER_SETTINGS)  # every experiment, each once
+    assert budget_table(listed) in text  # regenerate the table after changing a setting
 
 
 def test_paper_overrides_name_a_missing_setting():

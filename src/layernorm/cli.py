@@ -185,13 +185,16 @@ def _list_experiments() -> str:
     import dataclasses
 
     from .experiments import get, names
+    from .experiments.papers import PAPER_SETTINGS
 
     lines = ["Experiments (run order):", ""]
     for n in names():
         e = get(n)
         fields = ", ".join(f.name for f in dataclasses.fields(e.config(True)))
+        ps = PAPER_SETTINGS.get(n)
+        paper = f"; --paper ~{ps.est_cpu_hours:.2f} CPU-hours" if ps else ""
         lines.append(f"  {n:<15} {e.title}")
-        lines.append(f"  {'':<15} {e.section}; quick budget ~{e.quick_budget_s:.0f} s")
+        lines.append(f"  {'':<15} {e.section}; quick budget ~{e.quick_budget_s:.0f} s{paper}")
         lines.append(f"  {'':<15} settings: {fields}")
     return "\n".join(lines)
 

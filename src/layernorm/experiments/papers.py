@@ -54,9 +54,10 @@ class PaperSetting:
 
 #: Paper-scale setting of every experiment, in the order of the budget table. ``basis`` gives the
 #: one-thread CPU seconds per update the estimate scales (``time.process_time`` of short runs of
-#: the full configuration on the 2-core AMD EPYC of PAPER_NOTES, taken while the machine was
+#: the full configuration on a 2-core AMD EPYC (torch's CPU capability AVX512), taken while it was
 #: shared at a load average of 11–14, so upper bounds: contention slows each update too); the
-#: mnist-ff ones are PAPER_NOTES' own measurements. Evaluations are included as a share.
+#: mnist-ff ones were measured per epoch on the same processor when it was quiet. Evaluations are
+#: included as a share.
 PAPER_SETTINGS: dict[str, PaperSetting] = {
     "invariances": PaperSetting(
         "Table 1: which of six weight and data transformations leave each normalization's "
@@ -81,7 +82,8 @@ PAPER_SETTINGS: dict[str, PaperSetting] = {
         ("10 epochs per run (the text states no epoch count; Fig. 6 gives only curves)",),
         {"epochs": "10", "seeds": "3", "threads": "1"},
         2.75,
-        "PAPER_NOTES: 13 s/epoch at batch 128, 95 s/epoch at batch 4 with fused Adam; "
+        "measured on a quiet machine: 13 s/epoch at batch 128, 95 s/epoch at batch 4 with fused "
+        "Adam; "
         "3 models × 3 seeds × 10 epochs × (13 + 95 + 2 for evaluation) s",
     ),
     "convnet": PaperSetting(

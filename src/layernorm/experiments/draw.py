@@ -189,7 +189,7 @@ def epochs_to_reach(records: Sequence[Record], target: float, model: str) -> lis
 def speedup(records: Sequence[Record]) -> tuple[list[float], float]:
     """Per LN seed, (baseline's mean epochs) / (LN's epochs) to reach the worst of the baseline's
     final bounds (a level every baseline run reaches): how many times fewer epochs LN needs to
-    get there; and that target in nats."""
+    get there (0 for a run that never does); and that target in nats."""
     target = max(final(records, "test_nats", model="none"))
     base = mean_sd(epochs_to_reach(records, target, "none"))[0]
     return [base / e for e in epochs_to_reach(records, target, "cell")], target
@@ -242,8 +242,8 @@ def tables(records: Sequence[Record], cfg: DrawConfig) -> str:
     ]
     if "none" in cfg.norms and "cell" in cfg.norms:
         ratios, target = speedup(records)
-        finite = [r for r in ratios if math.isfinite(r)]
-        txt = f"{mean_sd(finite)[0]:.2f}× (per seed: " + ", ".join(f"{r:.2f}" for r in ratios)
+        per_seed = ", ".join(f"{r:.2f}" if r > 0 else "never reached" for r in ratios)
+        txt = f"{mean_sd(ratios)[0]:.2f}× (per seed: {per_seed}"
         lines_.append(f"Speed-up per epoch: the baseline's epochs to reach the worst of its final "
                       f"bounds ({target:.2f} nats) divided by LN's epochs to reach it: {txt}). "
                       "The paper: LN DRAW \"converges almost twice as fast\" (Fig. 4, 100 "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import platform
 import statistics
 import time
@@ -39,6 +40,9 @@ from layernorm.data import load_mnist
 
 # positions of the three normalizations in the CNN below: conv1, conv2, fc
 NORM_AT = (2, 6, 11)
+# positions of the four weight layers: conv1, conv2, fc, logits
+LAYERS = (1, 5, 10, 13)
+COS = ("conv1", "conv2", "fc", "logits")
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,32 @@ def _weight_norms(net: nn.Sequential) -> list[float]:
     return [float(net[i - 1].weight.detach().norm()) for i in NORM_AT]  # type: ignore[union-attr]
 
 
+def _grads(net: nn.Sequential, x: Tensor, y: Tensor) -> list[Tensor]:
+    net.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(net(x), y).backward()
+    return [net[i].weight.grad.flatten().clone() for i in LAYERS]  # type: ignore[union-attr]
+
+
+def gradient_cosines(net: nn.Sequential, x: Tensor, y: Tensor) -> list[float]:
+    """Per weight matrix (conv1, conv2, fc, logits): the cosine between the gradient the model's
+    norms give and the true gradient of the same loss (every μ and σ differentiated: LN-simple).
+
+    DetachNorm's forward equals LN-simple's, so both gradients are of the same network at the same
+    point; a cosine near 1 means the detached backward points where the loss actually falls."""
+    norms = [m for m in net.modules() if isinstance(m, LayerNorm)]
+    flags = [(m.detach_mean, m.detach_std) for m in norms]
+    used = _grads(net, x, y)
+    for m in norms:
+        m.detach_mean = m.detach_std = False
+    true = _grads(net, x, y)
+    for m, (dm, ds) in zip(norms, flags, strict=True):
+        m.detach_mean, m.detach_std = dm, ds
+    net.zero_grad(set_to_none=True)
+    return [
+        float(nn.functional.cosine_similarity(a, b, dim=0)) for a, b in zip(used, true, strict=True)
+    ]
+
+
 @torch.no_grad()
 def _test_error(net: nn.Module, x: Tensor, y: Tensor) -> float:
     net.eval()
@@ -108,7 +138,9 @@ def _test_error(net: nn.Module, x: Tensor, y: Tensor) -> float:
 
 def train(v: Variant, seed: int, data: tuple[Tensor, Tensor, Tensor, Tensor]) -> list[dict]:
     """Adam on the first ``n_train`` images with the same seeding, data order and dropped last
-    batch as the experiments' shared loop (``train_classifier``); one row per epoch."""
+    batch as the experiments' shared loop (``train_classifier``); one row per epoch, and one for
+    the initial network (epoch 0). The gradient cosines use the first 512 training images and
+    draw no random numbers, so the training itself is the shared loop's."""
     tx, ty, ex, ey = data
     tx, ty = tx[: v.n_train], ty[: v.n_train]
     torch.manual_seed(seed)
@@ -117,22 +149,26 @@ def train(v: Variant, seed: int, data: tuple[Tensor, Tensor, Tensor, Tensor]) ->
     order = torch.Generator().manual_seed(seed)
     w0 = _weight_norms(net)
     rows, steps, t0 = [], v.n_train // v.batch_size, time.perf_counter()
-    for epoch in range(1, v.epochs + 1):
-        perm = torch.randperm(v.n_train, generator=order)
-        total = 0.0
-        for s in range(steps):
-            idx = perm[s * v.batch_size : (s + 1) * v.batch_size]
-            loss = nn.functional.cross_entropy(net(tx[idx]), ty[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += float(loss.detach())
+    for epoch in range(v.epochs + 1):  # epoch 0: the initial network, before any update
+        total = math.nan
+        if epoch:
+            perm = torch.randperm(v.n_train, generator=order)
+            total = 0.0
+            for s in range(steps):
+                idx = perm[s * v.batch_size : (s + 1) * v.batch_size]
+                loss = nn.functional.cross_entropy(net(tx[idx]), ty[idx])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += float(loss.detach())
         w = _weight_norms(net)
+        cos = gradient_cosines(net, tx[:512], ty[:512])
         ratios = {f"w_ratio_{n}": w[j] / w0[j] for j, n in enumerate(("conv1", "conv2", "fc"))}
         rows.append({**asdict(v), "norms": "/".join(v.norms),
                      "channels": "x".join(map(str, v.channels)), "seed": seed, "epoch": epoch,
                      "train_loss": total / steps, "test_err": _test_error(net, ex, ey),
-                     **ratios, "seconds": time.perf_counter() - t0})  # fmt: skip
+                     **ratios, **{f"cos_{n}": c for n, c in zip(COS, cos, strict=True)},
+                     "seconds": time.perf_counter() - t0})  # fmt: skip
     return rows
 
 
@@ -171,10 +207,11 @@ def variants(full: bool) -> list[Variant]:
 
 
 def summarize(rows: Sequence[dict]) -> str:
-    """Per variant: final test error and the final ‖W‖/‖W₀‖ per layer, mean ± sd over seeds."""
-    lines = ["| variant | lr | images | epochs | test error (%) | ‖W‖/‖W₀‖ conv1 | conv2 | fc "
-             "| s/run |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    """Per variant, after the last epoch: test error, training loss (mean over the last epoch),
+    ‖W‖/‖W₀‖ in front of each norm and the gradient cosines, mean ± sd over seeds."""
+    lines = ["| variant | lr | images | epochs | test error (%) | train loss | ‖W‖/‖W₀‖ conv1 | "
+             "conv2 | fc | cos conv1 | conv2 | fc | logits | s/run |",
+             "|" + " --- |" * 14]  # fmt: skip
     names = list(dict.fromkeys(r["name"] for r in rows))
     for name in names:
         last = {}
@@ -190,8 +227,25 @@ def summarize(rows: Sequence[dict]) -> str:
 
         r0 = fin[0]
         lines.append(f"| {name} | {r0['lr']:g} | {r0['n_train']} | {r0['epochs']} | "
-                     f"{ms('test_err', 100.0)} | {ms('w_ratio_conv1')} | {ms('w_ratio_conv2')} | "
-                     f"{ms('w_ratio_fc')} | {ms('seconds', fmt='{:.1f}')} |")  # fmt: skip
+                     f"{ms('test_err', 100.0)} | {ms('train_loss', fmt='{:.3f}')} | "
+                     + " | ".join(ms(f"w_ratio_{n}") for n in COS[:3]) + " | "
+                     + " | ".join(ms(f"cos_{n}") for n in COS)
+                     + f" | {ms('seconds', fmt='{:.1f}')} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def init_table(rows: Sequence[dict]) -> str:
+    """Per distinct choice of norms: the gradient cosines of the initial network (epoch 0, the
+    quick setting's first seed), before training has moved the weights."""
+    lines = ["| norms (conv1/conv2/fc) | conv axes | cos conv1 | conv2 | fc | logits |",
+             "|" + " --- |" * 6]  # fmt: skip
+    seen = set()
+    for r in rows:
+        key = (r["norms"], r["conv_axes"])
+        if r["epoch"] == 0 and r["seed"] == 0 and key not in seen:
+            seen.add(key)
+            cells = " | ".join(f"{float(r[f'cos_{n}']):.2f}" for n in COS)
+            lines.append(f"| {r['norms']} | {r['conv_axes']} | {cells} |")
     return "\n".join(lines)
 
 
@@ -221,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     env = (f"torch {torch.__version__}, layernorm {layernorm.__version__}, "
            f"{platform.processor() or platform.machine()}, 1 thread, "
            f"total wall time {time.perf_counter() - t0:.0f} s")  # fmt: skip
-    (a.out / "summary.md").write_text(summarize(rows) + "\n\n" + env + "\n")
+    text = (f"After the last epoch:\n\n{summarize(rows)}\n\nGradient cosines at initialization:"
+            f"\n\n{init_table(rows)}\n\n{env}\n")  # fmt: skip
+    (a.out / "summary.md").write_text(text)
     print(env)
 
 

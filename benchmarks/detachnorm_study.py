@@ -196,7 +196,7 @@ def variants(full: bool) -> list[Variant]:
         replace(simple, name="LN-simple, 10 epochs", epochs=10),
         replace(base, name="DetachNorm, 10 epochs", epochs=10),
     ]
-    if full:  # all 55,000 images (4.6 times the quick setting's updates per epoch), 2 epochs
+    if full:  # all 55,000 images (13.75 times the updates per epoch of 4,000), 2 epochs
         out += [
             replace(simple, name="LN-simple, 55,000 images, 2 epochs", n_train=55_000, epochs=2),
             replace(base, name="DetachNorm, 55,000 images, 2 epochs", n_train=55_000, epochs=2),

@@ -173,3 +173,16 @@ def test_draw_killed_after_an_epoch_resumes_to_the_same_numbers(tmp_path: Path):
     a = nats(tmp_path / "full")
     assert a == nats(tmp_path / "cut")  # bitwise: the posterior noise is replayed too
     assert len(set(a)) == len(a)
+
+
+def test_attention_starts_centred_wide_and_with_unit_gain():
+    model = DRAW(1, 8, 2)
+    h = torch.zeros(1, 8)
+    fx, _, gamma = filterbank(model.read_attn(h), 2)
+    assert float(gamma) == 1.0
+    assert fx[0].argmax(1).tolist() == [7, 20]  # centres 14.5 ∓ 6.75 (1-based), i.e. on the digit
+    with torch.no_grad():
+        model.write_patch.weight.zero_()
+        model.write_patch.bias.fill_(1.0)
+    canvas = model.write(h).view(28, 28)
+    assert 0.8 < float(canvas[8:20, 8:20].mean()) < 1.25  # a constant patch adds about itself

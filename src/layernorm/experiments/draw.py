@@ -112,8 +112,8 @@ class DrawConfig:
 
 def config(quick: bool) -> DrawConfig:
     if quick:
-        return DrawConfig(glimpses=8, hidden=64, z_size=10, n_train=3200, n_test=1000, epochs=6,
-                          batch_size=64, seeds=2)  # fmt: skip
+        return DrawConfig(glimpses=4, hidden=64, z_size=10, n_train=3200, n_test=1000, epochs=6,
+                          batch_size=32, seeds=2)  # fmt: skip
     return DrawConfig()
 
 

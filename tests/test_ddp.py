@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from layernorm.experiments import distributed
-from layernorm.experiments.mnist_ff import build_mlp
+from layernorm.experiments.engine import distributed
+from layernorm.experiments.models.mlp import build_mlp
 
 GLOBAL_BATCH = 8
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import layernorm
-from layernorm.experiments.adanorm_study import build_cnn
+from layernorm.experiments.definitions.adanorm_study import build_cnn
 
 
 def test_detach_norm_in_the_cnn_is_ln_simple_forward_with_constant_statistics():

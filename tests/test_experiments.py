@@ -12,12 +12,14 @@ import pytest
 import torch
 
 import layernorm
-from layernorm.experiments import geometry, invariances, mnist_ff, registry
-from layernorm.experiments.convnet import build_cnn
-from layernorm.experiments.registry import RunContext, apply_overrides, get, names
-from layernorm.experiments.report import write_report
-from layernorm.experiments.runner import reproduce
-from layernorm.experiments.stats import compare_lower
+from layernorm.experiments import reproduce
+from layernorm.experiments.analysis.report import write_report
+from layernorm.experiments.analysis.stats import compare_lower
+from layernorm.experiments.definitions import geometry, invariances, mnist_ff
+from layernorm.experiments.engine import registry
+from layernorm.experiments.engine.registry import RunContext, apply_overrides, get, names
+from layernorm.experiments.models.cnn import build_cnn
+from layernorm.experiments.models.mlp import build_mlp
 
 TINY_FF = [
     "n_train=256", "n_test=400", "hidden=24", "epochs=2", "seeds=2", "batch_sizes=64,8",
@@ -89,22 +91,20 @@ def test_geometry_claims_hold():
 
 
 def test_models_use_the_library_norms():
-    m4 = mnist_ff.build_mlp("batch", 16, batch_size=4)
+    m4 = build_mlp("batch", 16, batch_size=4)
     bns = [m for m in m4 if isinstance(m, layernorm.BatchNorm)]
     assert len(bns) == 2 and all(b.unbiased for b in bns)
-    assert not any(
-        m.unbiased for m in mnist_ff.build_mlp("batch", 16, 128) if hasattr(m, "unbiased")
-    )
-    lns = [m for m in mnist_ff.build_mlp("layer", 16, 4) if isinstance(m, layernorm.LayerNorm)]
+    assert not any(m.unbiased for m in build_mlp("batch", 16, 128) if hasattr(m, "unbiased"))
+    lns = [m for m in build_mlp("layer", 16, 4) if isinstance(m, layernorm.LayerNorm)]
     assert len(lns) == 2  # hidden layers only: the logits stay un-normalized
-    assert isinstance(mnist_ff.build_mlp("layer", 16, 4)[-1], torch.nn.Linear)
-    assert isinstance(mnist_ff.build_mlp("batch", 16, 4, bn_logits=True)[-1], layernorm.BatchNorm)
-    assert isinstance(mnist_ff.build_mlp("layer", 16, 4, bn_logits=True)[-1], torch.nn.Linear)
+    assert isinstance(build_mlp("layer", 16, 4)[-1], torch.nn.Linear)
+    assert isinstance(build_mlp("batch", 16, 4, bn_logits=True)[-1], layernorm.BatchNorm)
+    assert isinstance(build_mlp("layer", 16, 4, bn_logits=True)[-1], torch.nn.Linear)
     x = torch.rand(3, 784)
     for norm in ("none", "batch", "layer"):
         assert build_cnn(norm, (2, 3))(x).shape == (3, 10)
     with pytest.raises(ValueError, match="norm must be one of"):
-        mnist_ff.build_mlp("group", 8, 4)
+        build_mlp("group", 8, 4)
 
 
 def test_mnist_ff_tiny_end_to_end(tmp_path):
@@ -172,7 +172,7 @@ def test_run_seed_and_check_choices():
 
 
 def test_run_files_restore_what_they_saved(tmp_path):
-    from layernorm.experiments.training import RunFiles
+    from layernorm.experiments.engine.checkpoints import RunFiles
 
     def parts(seed: int):
         torch.manual_seed(seed)
@@ -205,13 +205,15 @@ def test_run_files_restore_what_they_saved(tmp_path):
 
 
 def test_epoch_lower_compares_the_two_models_summaries():
-    from layernorm.experiments.epoch_records import auc, lower
+    from layernorm.experiments.analysis.compare import lower
+    from layernorm.experiments.analysis.epochs import auc
 
     recs = [{"model": m, "batch_size": 8, "seed": s, "epoch": e, "nll": v + 0.1 * e + 0.01 * s}
             for m, v in (("layer", 1.0), ("batch", 2.0))
             for s in range(3) for e in (1, 2)]  # fmt: skip
     kw = {"quantity": "q", "margin": 0.1}
-    c = lower(recs, auc, "nll", 8, ("LN", "layer"), ("BN", "batch"), **kw)
-    ln, bn = auc(recs, "layer", 8, "nll"), auc(recs, "batch", 8, "nll")
+    c = lower(recs, auc, "nll", ("LN", {"model": "layer"}), ("BN", {"model": "batch"}), **kw)
+    ln, bn = auc(recs, "nll", model="layer"), auc(recs, "nll", model="batch")
+    assert ln == [pytest.approx(1.15 + 0.01 * s) for s in range(3)]  # mean over epochs 1 and 2
     assert c == compare_lower("LN", ln, "BN", bn, **kw)
     assert c.status == "holds" and c.statistic.startswith("q: LN 1.16")

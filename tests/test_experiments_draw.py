@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import layernorm
-from layernorm.experiments import draw
-from layernorm.experiments.draw_model import DRAW, DrawLSTMCell, filterbank
-from layernorm.experiments.registry import get
-from layernorm.experiments.runner import reproduce
-from layernorm.experiments.training import KILL_ENV
+from layernorm.experiments import reproduce
+from layernorm.experiments.definitions import draw
+from layernorm.experiments.engine.checkpoints import KILL_ENV
+from layernorm.experiments.engine.registry import get
+from layernorm.experiments.models.draw import DRAW, DrawLSTMCell, filterbank
 
 TINY = ["glimpses=2", "hidden=8", "z_size=3", "n_train=64", "n_test=32", "epochs=2",
         "batch_size=32", "seeds=2"]  # fmt: skip

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from layernorm.experiments import get, reproduce, stats
-from layernorm.experiments import seq_training as st
-from layernorm.experiments.io import read_json
-from layernorm.experiments.registry import STATUSES, RunContext
-from layernorm.experiments.runner import config_from_json
+from layernorm.experiments import get, reproduce
+from layernorm.experiments.analysis import curves, stats
+from layernorm.experiments.engine import steps
+from layernorm.experiments.engine.io import read_json
+from layernorm.experiments.engine.registry import STATUSES, RunContext, config_from_json
 
 TINY = {
     "char-lm": ["seq_len=8", "batch_size=4", "hidden=8", "embed=4", "steps=4", "eval_every=2",
@@ -89,10 +89,10 @@ def test_compare_not_worse_three_outcomes():
 def test_at_time_and_final_use_each_seed():
     recs = [{"model": "m", "seed": s, "step": k, "seconds": float(k), "diverged": d, "v": 10.0 - k}
             for s, d in ((0, False), (1, True)) for k in (1, 2, 3)]  # fmt: skip
-    assert st.at_time(recs, "v", 2.5, model="m") == [7.5, 7.5]  # between the evaluations
-    assert st.at_time(recs, "v", 0.5, model="m") == [9.0, 9.0]  # before the first one
-    assert st.common_time(recs, [{"model": "m"}]) == 3.0
-    fin = st.final(recs, "v", model="m")
+    assert curves.at_time(recs, "v", 2.5, model="m") == [7.5, 7.5]  # between the evaluations
+    assert curves.at_time(recs, "v", 0.5, model="m") == [9.0, 9.0]  # before the first one
+    assert curves.common_time(recs, [{"model": "m"}]) == 3.0
+    fin = curves.final(recs, "v", model="m")
     assert fin[0] == 7.0 and math.isnan(fin[1])  # a diverged run never counts as finished
 
 
@@ -127,7 +127,7 @@ def _tiny_run(out, resume: bool):
         return {"valid": float(loss(m, gen_data[:45].view(5, 9)))}
 
     ctx = RunContext(out, torch.device("cpu"), resume=resume, progress=False)
-    return st.train_steps("r", Model, sample, loss, evaluate, st.StepSpec(6, 2, 1e-2, 3), ctx,
+    return steps.train_steps("r", Model, sample, loss, evaluate, steps.StepSpec(6, 2, 1e-2, 3), ctx,
                           {"model": "lstm", "seed": 3})  # fmt: skip
 
 
@@ -140,7 +140,7 @@ def test_resume_after_crash_matches_uninterrupted_run(tmp_path, monkeypatch):
         if calls["n"] == 1:
             raise _Crash
 
-    monkeypatch.setattr(st, "checkpoint_written", crash_after_first_checkpoint)
+    monkeypatch.setattr(steps, "checkpoint_written", crash_after_first_checkpoint)
     with pytest.raises(_Crash):
         _tiny_run(tmp_path / "b", resume=False)
     assert (tmp_path / "b" / "ckpt" / "r.pt").exists()
@@ -169,7 +169,7 @@ def test_char_lm_resume_through_the_runner(tmp_path, monkeypatch):
         if calls["n"] == 3:  # the first model wrote 2 checkpoints; this is the second's first
             raise _Crash
 
-    monkeypatch.setattr(st, "checkpoint_written", crash_on_third_checkpoint)
+    monkeypatch.setattr(steps, "checkpoint_written", crash_on_third_checkpoint)
     with pytest.raises(_Crash):
         reproduce(["char-lm"], out=tmp_path / "b", quick=True, overrides=sets, progress=False,
                   report=False)  # fmt: skip

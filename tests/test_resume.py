@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from layernorm.experiments.io import torch_load, torch_save
-from layernorm.experiments.training import KILL_ENV
+from layernorm.experiments.engine.checkpoints import KILL_ENV
+from layernorm.experiments.engine.io import torch_load, torch_save
 
 # 2 runs (batch 32 and 8, one seed) × 3 models × 2 epochs = 12 epoch checkpoints in all
 TINY = ["n_train=128", "n_test=100", "hidden=16", "epochs=2", "seeds=1", "batch_sizes=32,8"]

@@ -188,7 +188,7 @@ def _reproduce(a: argparse.Namespace) -> int:
 
 
 def _print_summary(out: Path) -> None:
-    from .experiments.report import load_results
+    from .experiments.analysis.report import load_results
 
     results = load_results(out)
     rows = [(res.exp.name, v.claim_id, v.status) for res in results for v in res.verdicts]
@@ -199,7 +199,7 @@ def _print_summary(out: Path) -> None:
 
 
 def _report(a: argparse.Namespace) -> int:
-    from .experiments.report import write_report
+    from .experiments.analysis.report import write_report
 
     md, html = write_report(a.out)
     _print_summary(a.out)
@@ -210,8 +210,8 @@ def _report(a: argparse.Namespace) -> int:
 def _invariances(a: argparse.Namespace) -> int:
     import torch
 
-    from .experiments import invariances as inv
-    from .experiments.registry import RunContext
+    from .experiments.definitions import invariances as inv
+    from .experiments.engine.registry import RunContext
 
     cfg = inv.config(False)
     records = inv.run(cfg, RunContext(Path("."), torch.device("cpu"), seed=a.seed))

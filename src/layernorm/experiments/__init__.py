@@ -1,10 +1,36 @@
-"""The paper's experiments, the training loop they share, and the report drawn from their data.
+"""The paper's experiments, the training loops they share, and the report drawn from their data.
+
+Layout
+------
+``engine/``
+    what runs experiments: :mod:`~.engine.registry` (the interface below),
+    :mod:`~.engine.runner` (settings, output folders, metadata), the two training loops
+    (:mod:`~.engine.training` per epoch, :mod:`~.engine.steps` per update), their checkpoint and
+    run files (:mod:`~.engine.checkpoints`), atomic writes (:mod:`~.engine.io`) and data
+    parallelism (:mod:`~.engine.distributed`).
+``analysis/``
+    what is drawn from saved records: statistics and verdict rules (:mod:`~.analysis.stats`,
+    :mod:`~.analysis.compare`), per-seed summaries and tables (:mod:`~.analysis.epochs` for
+    per-epoch records, :mod:`~.analysis.curves` for per-evaluation ones), figures
+    (:mod:`~.analysis.plots`) and the report (:mod:`~.analysis.report`).
+``models/``, ``data.py``
+    models and data used by more than one experiment.
+``definitions/``
+    one module per experiment.
+``pipeline.py``
+    :func:`reproduce`: run, then report.
+
+Imports flow one way: ``pipeline → definitions → models, data → analysis → engine → layernorm``
+(the engine never imports the analysis, and nothing below ``definitions`` imports an experiment).
 
 Adding an experiment
 --------------------
-Write one module here that builds an :class:`~layernorm.experiments.registry.Experiment` and
-passes it to :func:`~layernorm.experiments.registry.register`, then add one import line at the
-bottom of this file. The experiment provides:
+Write one module in ``definitions/`` that builds an
+:class:`~layernorm.experiments.engine.registry.Experiment` and passes it to
+:func:`~layernorm.experiments.engine.registry.register`, then add its name to the import in
+``definitions/__init__.py``. Take shared models from ``models/`` and data from ``data.py``
+(move a model there when a second experiment needs it, rather than importing another
+experiment). The experiment provides:
 
 ``name``, ``title``, ``section``
     command-line name (``layernorm reproduce NAME``), one-line title, place in the paper.
@@ -13,48 +39,39 @@ bottom of this file. The experiment provides:
 ``config(quick: bool) -> dataclass``
     the full (paper) or quick (a few minutes on a 2-core CPU) setting; every field can be
     overridden from the command line with ``--set KEY=VALUE``. A ``__post_init__`` calling
-    :func:`~layernorm.experiments.registry.check_config` rejects bad values before any work.
+    :func:`~layernorm.experiments.engine.registry.check_config` rejects bad values before any
+    work.
 ``run(config, ctx: RunContext) -> list[Record]``
     does the work and returns tidy records (flat dicts, one row per measurement, e.g.
     ``{"model": "layer", "batch_size": 4, "seed": 0, "epoch": 3, "test_err": 0.031}``). It must be
     deterministic for a given ``ctx.seed`` and honour ``ctx.resume``; training experiments get
-    both for free from :func:`layernorm.experiments.training.train_classifier` (per-epoch atomic
-    checkpoints under ``ctx.out_dir``), or can follow its pattern for other losses.
+    both for free from :func:`~layernorm.experiments.engine.training.train_classifier` (per-epoch
+    atomic checkpoints under ``ctx.out_dir``) or
+    :func:`~layernorm.experiments.engine.steps.train_steps` (per-evaluation checkpoints; the
+    seeds × models grid with :func:`~layernorm.experiments.engine.steps.train_grid`).
 ``verdicts(records, config) -> list[Verdict]``
     one :class:`Verdict` per claim, computed from the records only, with the statistic and the
-    explicit threshold (see :func:`layernorm.experiments.stats.compare_lower`).
+    explicit threshold (:func:`~layernorm.experiments.analysis.compare.lower` of two sides'
+    per-seed summaries, or :mod:`~layernorm.experiments.analysis.stats` directly).
 ``plot(records, config, fig_dir) -> list[Path]``
-    PNG figures (matplotlib, Agg backend; see :mod:`layernorm.experiments.plots`).
+    PNG figures (matplotlib, Agg backend; see :mod:`~layernorm.experiments.analysis.plots`).
 ``tables(records, config) -> str`` (optional)
     Markdown shown in the report before the claims.
 ``quick_budget_s``, ``order``
     the intended quick run time and the position in ``layernorm reproduce``'s run order.
 
-The runner (:func:`layernorm.experiments.runner.reproduce`) saves ``records.json``/``.csv``,
-``config.json`` and ``meta.json`` under ``<out>/<name>/``; the report
-(:func:`layernorm.experiments.report.write_report`) reads them back, so it never trains.
+The runner saves ``records.json``/``.csv``, ``config.json`` and ``meta.json`` under
+``<out>/<name>/``; the report (:func:`~layernorm.experiments.analysis.report.write_report`) reads
+them back, so it never trains.
 
 ``layernorm reproduce --list`` prints the registered experiments.
 """
 
 from __future__ import annotations
 
-# One import per experiment module: importing it registers it (run order: Experiment.order).
-from . import (  # noqa: F401
-    adanorm_study,
-    char_lm,
-    convnet,
-    draw,
-    gain_init,
-    geometry,
-    invariances,
-    longer_than_train,
-    mnist_ff,
-    seq_mnist,
-    spoken_digits,
-)
-from .registry import Claim, Experiment, Record, RunContext, Verdict, get, names, register
-from .runner import reproduce
+from . import definitions  # noqa: F401  (importing it registers every experiment)
+from .engine.registry import Claim, Experiment, Record, RunContext, Verdict, get, names, register
+from .pipeline import reproduce
 
 __all__ = [
     "Claim",

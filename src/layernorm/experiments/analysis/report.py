@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .io import atomic_write_bytes, read_json
-from .registry import Experiment, Verdict, get, names
-from .runner import config_from_json
+from ..engine.io import atomic_write_bytes, read_json
+from ..engine.registry import Experiment, Verdict, config_from_json, get, names
 
 __all__ = ["ExperimentResult", "load_results", "write_report"]
 

@@ -24,13 +24,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..recurrent import LayerNormLSTM
-from .mnist_ff import mnist_subsets
-from .plots import COLORS, LABELS
-from .registry import Claim, Experiment, Record, RunContext, Verdict, register
-from .seq_common import check_choices, claim, lines, lower, lower_per_second, rows, train_grid
-from .seq_training import final, final_table, mean_curve, step_time_figure
-from .training import evaluate
+from ...recurrent import LayerNormLSTM
+from ..analysis.compare import claim, lower, lower_per_second
+from ..analysis.curves import final, final_table, lines, mean_curve, rows, step_time_figure
+from ..analysis.plots import COLORS, LABELS
+from ..data import mnist_subsets
+from ..engine.registry import (
+    Claim,
+    Experiment,
+    Record,
+    RunContext,
+    Verdict,
+    check_choices,
+    register,
+)
+from ..engine.steps import train_grid
+from ..engine.training import evaluate
 
 NORMS = ("none", "layer", "batch")
 MODES = {"rows": (28, 28), "pixels": (784, 1)}  # mode → (time steps, features per step)
@@ -95,7 +104,7 @@ class SeqClassifier(nn.Module):
 
 def classify(model: nn.Module, x: Tensor, y: Tensor, device: torch.device, batch: int = 500
              ) -> dict[str, float]:  # fmt: skip
-    """Test NLL (nats) and error rate (:func:`~layernorm.experiments.training.evaluate`)."""
+    """Test NLL (nats) and error rate (:func:`~layernorm.experiments.engine.training.evaluate`)."""
     nll, err = evaluate(model, x, y, device, batch)
     return {"test_nll": nll, "test_err": err}
 

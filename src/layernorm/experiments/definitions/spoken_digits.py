@@ -21,11 +21,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
-from ..data import load_spoken_digits
-from ..recurrent import LayerNormGRU, LayerNormLSTM
-from .registry import Claim, Experiment, Record, RunContext, Verdict, register
-from .seq_common import check_choices, claim, lines, lower, lower_per_second, rows, train_grid
-from .seq_training import final, final_table, mean_curve, missing, step_time_figure
+from ...data import load_spoken_digits
+from ...recurrent import LayerNormGRU, LayerNormLSTM
+from ..analysis.compare import claim, lower, lower_per_second, missing
+from ..analysis.curves import final, final_table, lines, mean_curve, rows, step_time_figure
+from ..engine.registry import (
+    Claim,
+    Experiment,
+    Record,
+    RunContext,
+    Verdict,
+    check_choices,
+    register,
+)
+from ..engine.steps import train_grid
 
 MODELS = ("lstm-none", "lstm-layer", "gru-none", "gru-layer")
 LABELS = {"lstm-none": "LSTM", "lstm-layer": "LN-LSTM", "gru-none": "GRU", "gru-layer": "LN-GRU"}

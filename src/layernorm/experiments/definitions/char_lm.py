@@ -15,149 +15,27 @@ Transformer half of ``adanorm``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-
-from ..data import load_shakespeare
-from ..recurrent import LayerNormLSTM
-from .plots import COLORS, LABELS
-from .registry import Claim, Experiment, Record, RunContext, Verdict, register
-from .seq_common import (
-    StepSettings,
+from ..analysis.compare import claim, lower, lower_per_second
+from ..analysis.curves import final, final_table, lines, mean_curve, rows, step_time_figure
+from ..analysis.plots import COLORS, LABELS
+from ..data import load_corpus
+from ..engine.registry import (
+    Claim,
+    Experiment,
+    Record,
+    RunContext,
+    Verdict,
     check_choices,
-    claim,
-    lines,
-    lower,
-    lower_per_second,
-    rows,
-    train_grid,
+    register,
 )
-from .seq_training import final, final_table, mean_curve, step_time_figure
+from ..models.char_lstm import CharLSTM, bpc_evaluator, train_lms
 
 NORMS = ("none", "layer", "batch")
 LN2 = math.log(2.0)
-
-
-# -- data ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CharCorpus:
-    """Shakespeare as int64 character ids: ``train`` (first 90%) and ``valid`` (last 10%)."""
-
-    train: Tensor
-    valid: Tensor
-    vocab: int
-
-
-@lru_cache(maxsize=1)
-def load_corpus() -> CharCorpus:
-    raw = torch.frombuffer(bytearray(load_shakespeare().encode("latin-1")), dtype=torch.uint8)
-    present = torch.bincount(raw.long(), minlength=256) > 0
-    ids = torch.cumsum(present.long(), 0) - 1  # byte value → dense id in byte order
-    data = ids[raw.long()]
-    cut = int(0.9 * data.numel())
-    return CharCorpus(data[:cut].clone(), data[cut:].clone(), int(present.sum()))
-
-
-def sample_windows(data: Tensor, length: int, batch: int, gen: torch.Generator) -> Tensor:
-    """``batch`` random windows of ``length + 1`` ids, shape ``(batch, length + 1)``."""
-    start = torch.randint(0, data.numel() - length - 1, (batch,), generator=gen)
-    return data[start[:, None] + torch.arange(length + 1)]
-
-
-def fixed_windows(data: Tensor, length: int, n: int) -> Tensor:
-    """``n`` evenly spaced windows of ``length + 1`` ids (the validation set)."""
-    if n * (length + 1) > data.numel():
-        raise ValueError(f"{n} windows of {length + 1} characters do not fit in {data.numel()}")
-    start = torch.linspace(0, data.numel() - length - 2, n).long()
-    return data[start[:, None] + torch.arange(length + 1)]
-
-
-# -- model ---------------------------------------------------------------------------------------
-
-
-class CharLSTM(nn.Module):
-    """Embedding → LSTM (``norm``) → linear; ``forward(ids (B, T)) → logits (B, T, vocab)``."""
-
-    def __init__(self, vocab: int, embed: int, hidden: int, norm: str, *, gain_init: float = 1.0,
-                 bn_gain_init: float = 0.1, max_steps: int = 100) -> None:  # fmt: skip
-        super().__init__()
-        self.embed = nn.Embedding(vocab, embed)
-        self.rnn = LayerNormLSTM(embed, hidden, batch_first=True, norm=norm, gain_init=gain_init,
-                                 bn_gain_init=bn_gain_init, max_steps=max_steps)  # fmt: skip
-        self.out = nn.Linear(hidden, vocab)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        h, _ = self.rnn(self.embed(ids))
-        return self.out(h)
-
-
-def lm_loss(model: nn.Module, windows: Tensor, device: torch.device) -> Tensor:
-    """Mean next-character cross-entropy (nats) of ``(B, T + 1)`` windows."""
-    w = windows.to(device)
-    logits = model(w[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
-
-
-def position_nll(
-    model: nn.Module, windows: Tensor, device: torch.device, batch: int = 256
-) -> Tensor:
-    """Cross-entropy (nats) per position, averaged over windows: shape ``(T,)``."""
-    total = torch.zeros(windows.shape[1] - 1, dtype=torch.float64)
-    for i in range(0, windows.shape[0], batch):
-        w = windows[i : i + batch].to(device)
-        logits = model(w[:, :-1])
-        nll = F.cross_entropy(logits.transpose(1, 2), w[:, 1:], reduction="none")
-        total += nll.double().sum(0).cpu()
-    return total / windows.shape[0]
-
-
-def valid_bpc(model: nn.Module, windows: Tensor, device: torch.device) -> float:
-    return float(position_nll(model, windows, device).mean()) / LN2
-
-
-def bpc_evaluator(
-    length: int, n: int, device: torch.device
-) -> Callable[[nn.Module], dict[str, float]]:
-    """The ``evaluate`` of a character LM's training run: ``{"valid_bpc": BPC}`` over ``n`` fixed
-    validation windows of ``length`` characters (:func:`fixed_windows` of the last 10%)."""
-    valid = fixed_windows(load_corpus().valid, length, n)
-    return lambda m: {"valid_bpc": valid_bpc(m, valid, device)}
-
-
-class LMSettings(StepSettings, Protocol):
-    """The settings :func:`train_lms` reads: :class:`~layernorm.experiments.seq_common.
-    StepSettings` and the batch size."""
-
-    batch_size: int
-
-
-def train_lms(
-    cfg: LMSettings,
-    ctx: RunContext,
-    names: Sequence[str],
-    build: Callable[[str], nn.Module],
-    train_len: int,
-    evaluate: Callable[[nn.Module], Mapping[str, float]],
-    tags: Callable[[str, int], Mapping[str, Any]] | None = None,
-) -> list[Record]:
-    """The seeds × models grid of a character LM experiment: ``build(name)`` trained on random
-    windows of ``train_len`` characters of the training text (see
-    :func:`~layernorm.experiments.seq_common.train_grid`)."""
-    corpus = load_corpus()
-    return train_grid(
-        cfg, ctx, names, build,
-        lambda g: sample_windows(corpus.train, train_len, cfg.batch_size, g),
-        lambda m, b: lm_loss(m, b, ctx.device), evaluate, tags,
-    )  # fmt: skip
 
 
 # -- the experiment ------------------------------------------------------------------------------

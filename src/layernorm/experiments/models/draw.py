@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import LayerNorm, LayerNormLSTMCell
+from ... import LayerNorm, LayerNormLSTMCell
 
 __all__ = ["DRAW", "NORMS", "DrawLSTMCell"]
 

@@ -12,13 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch import Tensor, nn
-
-from .. import BatchNorm, LayerNorm
-from ..data import load_mnist
-from .epoch_records import auc, final_epoch_table, late, lower
-from .plots import classifier_panels, curves_figure
-from .registry import (
+from ..analysis.compare import Side, lower
+from ..analysis.epochs import auc, final_epoch_table, late
+from ..analysis.plots import classifier_panels, curves_figure
+from ..analysis.stats import compare_lower, verdict
+from ..data import mnist_subsets
+from ..engine.registry import (
     Claim,
     Experiment,
     Record,
@@ -28,13 +27,14 @@ from .registry import (
     check_config,
     register,
 )
-from .stats import compare_lower, verdict
-from .training import TrainSpec, torch_threads, train_classifier
+from ..engine.training import TrainSpec, torch_threads, train_classifier
+from ..models.mlp import NORMS, build_mlp
 
-NORMS = ("none", "batch", "layer")
-LN, BN = ("LN", "layer"), ("BN", "batch")
-#: Images ``(n, 784)`` and their labels ``(n,)``.
-Examples = tuple[Tensor, Tensor]
+
+def _sides(bs: int) -> tuple[Side, Side]:
+    """Layer norm's and batch norm's records at batch size ``bs``."""
+    ln: Side = ("LN", {"model": "layer", "batch_size": bs})
+    return ln, ("BN", {"model": "batch", "batch_size": bs})
 
 
 @dataclass(frozen=True)
@@ -75,41 +75,6 @@ def config(quick: bool) -> MnistFFConfig:
     if quick:
         return MnistFFConfig(n_train=2500, hidden=256, epochs=5, seeds=5, threads=1)
     return MnistFFConfig()
-
-
-def mnist_subsets(n_train: int, n_test: int) -> tuple[Examples, Examples]:
-    """``(train, test)``: the first ``n_train`` training and ``n_test`` test images of MNIST (the
-    paper's split, :func:`~layernorm.data.load_mnist`)."""
-    data = load_mnist()
-    return ((data.train_x[:n_train], data.train_y[:n_train]),
-            (data.test_x[:n_test], data.test_y[:n_test]))  # fmt: skip
-
-
-def build_mlp(
-    norm: str, hidden: int, batch_size: int, depth: int = 2, bn_logits: bool = False
-) -> nn.Sequential:
-    """784-hidden-…-hidden-10; ``norm`` in ``none``/``batch``/``layer`` on the hidden layers.
-
-    ``bn_logits`` also batch-normalizes the logits when ``norm == "batch"`` (the paper's Fig. 6
-    batch-norm model is "applied to all layers"); layer norm never touches the logits, whose
-    scale carries the prediction's confidence (§6.6).
-    """
-    layers: list[nn.Module] = []
-    width = 784
-    for _ in range(depth):
-        layers.append(nn.Linear(width, hidden))
-        if norm == "batch":
-            layers.append(BatchNorm(hidden, unbiased=batch_size < 128))
-        elif norm == "layer":
-            layers.append(LayerNorm(hidden))
-        elif norm != "none":
-            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-        layers.append(nn.ReLU())
-        width = hidden
-    layers.append(nn.Linear(width, 10))
-    if bn_logits and norm == "batch":
-        layers.append(BatchNorm(10, unbiased=batch_size < 128))
-    return nn.Sequential(*layers)
 
 
 def run(cfg: MnistFFConfig, ctx: RunContext) -> list[Record]:
@@ -155,7 +120,8 @@ def verdicts(records: Sequence[Record], cfg: MnistFFConfig) -> list[Verdict]:
 
     def degradation(m: str) -> list[float]:
         """Per seed: the late test error at the small batch minus that at the big one."""
-        at_small, at_big = late(records, m, small, "test_err"), late(records, m, big, "test_err")
+        at_small = late(records, "test_err", model=m, batch_size=small)
+        at_big = late(records, "test_err", model=m, batch_size=big)
         return [a - b for a, b in zip(at_small, at_big, strict=True)]
 
     def robust() -> Verdict:
@@ -169,17 +135,18 @@ def verdicts(records: Sequence[Record], cfg: MnistFFConfig) -> list[Verdict]:
     # `missing or verdict(...)`: the comparison is computed only when nothing is missing
     return [
         _missing(cfg, [big], need, "ff-faster") or verdict("ff-faster", lower(
-            records, auc, "train_nll", big, LN, BN,
+            records, auc, "train_nll", *_sides(big),
             quantity=f"training NLL averaged over the epochs (batch {big})", margin=0.002)),
         _missing(cfg, [big, small], need, "ff-robust") or robust(),
         _missing(cfg, [small], need, "ff-small-batch") or verdict("ff-small-batch", lower(
-            records, late, "test_err", small, LN, BN,
+            records, late, "test_err", *_sides(small),
             quantity=f"late test error at batch {small}", margin=0.002, scale=100, unit="%")),
     ]  # fmt: skip
 
 
 def tables(records: Sequence[Record], cfg: MnistFFConfig) -> str:
-    rows = [((str(bs), m), m, bs) for bs in cfg.batch_sizes for m in cfg.norms]
+    rows = [((str(bs), m), {"model": m, "batch_size": bs}) for bs in cfg.batch_sizes
+            for m in cfg.norms]  # fmt: skip
     return final_epoch_table(records, rows, ("batch", "model"))
 
 

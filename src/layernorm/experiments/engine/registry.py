@@ -1,9 +1,10 @@
 """The experiment interface: what an experiment declares and how the runner finds it.
 
 An experiment is an :class:`Experiment` value registered under a unique name with
-:func:`register`. The runner (:mod:`layernorm.experiments.runner`) calls ``run`` to produce tidy
-records, saves them, and the report (:mod:`layernorm.experiments.report`) later reads the saved
-records back and calls ``verdicts`` and ``plot`` on them, so a report never needs training.
+:func:`register`. The runner (:mod:`layernorm.experiments.engine.runner`) calls ``run`` to
+produce tidy records and saves them; the report (:mod:`layernorm.experiments.analysis.report`)
+later reads the saved records back and calls ``verdicts`` and ``plot`` on them, so a report never
+needs training.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ __all__ = [
     "apply_overrides",
     "check_choices",
     "check_config",
+    "config_from_json",
+    "config_to_json",
     "get",
     "names",
     "register",
@@ -241,3 +244,21 @@ def check_config(
             raise ValueError(
                 f"{name}.{key} must be a non-empty selection of {tuple(allowed)}, got {vals!r}"
             )
+
+
+def config_to_json(cfg: Any) -> dict[str, Any]:
+    """A configuration dataclass as plain JSON-ready values (the inverse of
+    :func:`config_from_json`)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_json(exp: Experiment, quick: bool, saved: Mapping[str, Any]) -> Any:
+    """Rebuild a saved configuration (JSON turns tuples into lists; turn them back)."""
+    base = exp.config(quick)
+    kinds = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    values = {
+        k: (tuple(v) if isinstance(kinds.get(k), tuple) else v)
+        for k, v in saved.items()
+        if k in kinds
+    }
+    return dataclasses.replace(base, **values)

@@ -1,6 +1,6 @@
 """DRAW on binarized MNIST (Ba et al. 2016, §6.4, Fig. 4): baseline vs layer-normalized DRAW.
 
-The model is :class:`~layernorm.experiments.draw_model.DRAW` (read and write attention, LSTM
+The model is :class:`~layernorm.experiments.models.draw.DRAW` (read and write attention, LSTM
 encoder and decoder). The layer-normalized model puts LN on the LSTMs' cell state inside the
 output tanh, ``h_t = σ(o) ⊙ tanh(LN(c_t))`` (``cell``, the LN paper's DRAW); ``full`` (the full
 LN-LSTM of :class:`layernorm.LayerNormLSTMCell`) can be added with ``--set norms=none,cell,full``.
@@ -32,12 +32,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..data import load_mnist
-from .draw_model import DRAW, NORMS
-from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
-from .seq_common import claim, lines, lower, lower_per_second, train_grid
-from .seq_training import final, mean_curve, step_time_figure
-from .stats import compare_not_worse, mean_sd
+from ...data import load_mnist
+from ..analysis.compare import claim, lower, lower_per_second
+from ..analysis.curves import final, lines, mean_curve, step_time_figure
+from ..analysis.stats import compare_not_worse, mean_sd
+from ..engine.registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
+from ..engine.steps import train_grid
+from ..models.draw import DRAW, NORMS
 
 #: Seed of the one-off Bernoulli binarization of MNIST.
 BINARIZE_SEED = 20160721

@@ -13,15 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch import nn
-
-from .. import BatchNorm, LayerNorm
-from .epoch_records import auc, final_epoch_table, late, lower
-from .mnist_ff import BN, LN, NORMS, mnist_subsets
-from .plots import classifier_panels, curves_figure
-from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
-from .stats import verdict
-from .training import TrainSpec, torch_threads, train_classifier
+from ..analysis.compare import Side, lower
+from ..analysis.epochs import auc, final_epoch_table, late
+from ..analysis.plots import classifier_panels, curves_figure
+from ..analysis.stats import verdict
+from ..data import mnist_subsets
+from ..engine.registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
+from ..engine.training import TrainSpec, torch_threads, train_classifier
+from ..models.cnn import build_cnn
+from ..models.mlp import NORMS
 
 
 @dataclass(frozen=True)
@@ -62,31 +62,6 @@ def config(quick: bool) -> ConvnetConfig:
     return ConvnetConfig()
 
 
-class _Image(nn.Module):
-    def forward(self, x):  # (n, 784) → (n, 1, 28, 28)
-        return x.view(-1, 1, 28, 28)
-
-
-def build_cnn(norm: str, channels: Sequence[int]) -> nn.Sequential:
-    c1, c2 = channels
-    layers: list[nn.Module] = [_Image()]
-    size, cin = 28, 1
-    for c in (c1, c2):
-        size = size - 4  # 5×5 convolution, no padding
-        layers.append(nn.Conv2d(cin, c, 5))
-        if norm == "batch":
-            layers.append(BatchNorm(c))
-        elif norm == "layer":
-            layers.append(LayerNorm((c, size, size)))
-        elif norm != "none":
-            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-        layers += [nn.ReLU(), nn.MaxPool2d(2)]
-        size //= 2
-        cin = c
-    layers += [nn.Flatten(), nn.Linear(c2 * size * size, 10)]
-    return nn.Sequential(*layers)
-
-
 def run(cfg: ConvnetConfig, ctx: RunContext) -> list[Record]:
     if len(cfg.channels) != 2:
         raise ValueError(f"convnet: channels must hold two sizes, got {cfg.channels!r}")
@@ -122,21 +97,23 @@ def _missing(cfg: ConvnetConfig, need: tuple[str, str], cid: str) -> Verdict | N
 
 
 def verdicts(records: Sequence[Record], cfg: ConvnetConfig) -> list[Verdict]:
-    bs = cfg.batch_size
+    def side(label: str, model: str) -> Side:
+        return label, {"model": model, "batch_size": cfg.batch_size}
+
     # `missing or verdict(...)`: the comparison is computed only when nothing is missing
     return [
         _missing(cfg, ("none", "layer"), "cnn-ln-speedup") or verdict("cnn-ln-speedup", lower(
-            records, auc, "train_nll", bs, LN, ("none", "none"),
+            records, auc, "train_nll", side("LN", "layer"), side("none", "none"),
             quantity="training NLL averaged over the epochs", margin=0.002)),
         _missing(cfg, ("batch", "layer"), "cnn-bn-best") or verdict("cnn-bn-best", lower(
-            records, late, "test_err", bs, BN, LN,
+            records, late, "test_err", side("BN", "batch"), side("LN", "layer"),
             quantity="late test error (mean over the second half of the epochs)", margin=0.001,
             scale=100, unit="%")),
     ]  # fmt: skip
 
 
 def tables(records: Sequence[Record], cfg: ConvnetConfig) -> str:
-    rows = [((m,), m, cfg.batch_size) for m in cfg.norms]
+    rows = [((m,), {"model": m, "batch_size": cfg.batch_size}) for m in cfg.norms]
     return final_epoch_table(records, rows, ("model",))
 
 

@@ -13,10 +13,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .char_lm import CharLSTM, bpc_evaluator, load_corpus, train_lms
-from .registry import Claim, Experiment, Record, RunContext, Verdict, register
-from .seq_common import check_choices, claim, lines, lower, rows
-from .seq_training import final, final_table, step_time_figure
+from ..analysis.compare import claim, lower
+from ..analysis.curves import final, final_table, lines, rows, step_time_figure
+from ..data import load_corpus
+from ..engine.registry import (
+    Claim,
+    Experiment,
+    Record,
+    RunContext,
+    Verdict,
+    check_choices,
+    register,
+)
+from ..models.char_lstm import CharLSTM, bpc_evaluator, train_lms
 
 # model name → (norm, initial gain)
 MODELS = {"layer-g1": ("layer", 1.0), "layer-g0.1": ("layer", 0.1),
@@ -29,7 +38,8 @@ COLORS = {"layer-g1": "tab:red", "layer-g0.1": "salmon", "batch-g0.1": "tab:blue
 
 @dataclass(frozen=True)
 class GainInitConfig:
-    """Settings of ``gain-init`` (see :class:`~layernorm.experiments.char_lm.CharLMConfig`).
+    """Settings of ``gain-init`` (see
+    :class:`~layernorm.experiments.definitions.char_lm.CharLMConfig`).
 
     Attributes:
         seq_len, batch_size, hidden, embed, steps, eval_every, n_valid, seeds, lr, clip, threads:

@@ -18,12 +18,21 @@ from pathlib import Path
 
 import torch
 
-from .char_lm import LN2, CharLSTM, fixed_windows, load_corpus, position_nll, train_lms
-from .plots import COLORS, LABELS, plt, save_figure
-from .registry import Claim, Experiment, Record, RunContext, Verdict, register
-from .seq_common import check_choices, claim, lines, rows
-from .seq_training import final, final_table, step_time_figure
-from .stats import compare_lower, compare_not_worse
+from ..analysis.compare import claim
+from ..analysis.curves import final, final_table, lines, rows, step_time_figure
+from ..analysis.plots import COLORS, LABELS, plt, save_figure
+from ..analysis.stats import compare_lower, compare_not_worse
+from ..data import fixed_windows, load_corpus
+from ..engine.registry import (
+    Claim,
+    Experiment,
+    Record,
+    RunContext,
+    Verdict,
+    check_choices,
+    register,
+)
+from ..models.char_lstm import LN2, CharLSTM, position_nll, train_lms
 
 NORMS = ("none", "layer", "batch")
 

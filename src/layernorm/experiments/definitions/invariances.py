@@ -18,9 +18,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from .. import BatchNorm, LayerNorm, RMSNorm
-from .plots import plt, save_figure
-from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
+from ... import BatchNorm, LayerNorm, RMSNorm
+from ..analysis.plots import plt, save_figure
+from ..engine.registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
 
 METHODS = ("batch norm", "weight norm", "layer norm", "RMSNorm")
 TRANSFORMS = (

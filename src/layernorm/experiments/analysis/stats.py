@@ -12,7 +12,7 @@ deviations; ``se = 0`` with a single seed). Then
 
 :func:`compare_not_worse` is the non-inferiority counterpart (A at most ``margin`` worse than B),
 for claims that a change costs nothing. :func:`verdict` turns either result into the
-:class:`~layernorm.experiments.registry.Verdict` of a claim.
+:class:`~layernorm.experiments.engine.registry.Verdict` of a claim.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .registry import Verdict
+from ..engine.registry import Verdict
 
 __all__ = ["Comparison", "compare_lower", "compare_not_worse", "mean_sd", "verdict"]
 

@@ -7,9 +7,9 @@ Five normalizations in the same networks: none, LN, LN-simple (no gain and bias)
 
 * **MNIST** with a small CNN: two 5×5 convolutions and one fully connected hidden layer, each
   followed by the normalization (over all of the layer's units, ``(C, H, W)`` for a convolution)
-  and ReLU; trained with the shared epoch loop (:func:`~layernorm.experiments.training.
-  train_classifier`). Xu et al.'s accuracies: none 99.14, LN 99.13, LN-simple 99.09, DetachNorm
-  99.10, AdaNorm 99.35.
+  and ReLU; trained with the shared epoch loop
+  (:func:`~layernorm.experiments.engine.training.train_classifier`). Xu et al.'s accuracies:
+  none 99.14, LN 99.13, LN-simple 99.09, DetachNorm 99.10, AdaNorm 99.35.
 * **Character LM** with a small post-norm Transformer encoder (``torch.nn.TransformerEncoder``,
   causal mask) on Shakespeare, in place of their enwik8 model; validation bits per character.
 """
@@ -25,13 +25,22 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .. import replace_norms
-from .char_lm import bpc_evaluator, lm_loss, load_corpus, sample_windows
-from .mnist_ff import mnist_subsets
-from .registry import Claim, Experiment, Record, RunContext, Verdict, check_choices, register
-from .seq_training import StepSpec, final, final_table, step_time_figure, train_steps
-from .stats import compare_lower, compare_not_worse, mean_sd, verdict
-from .training import TrainSpec, torch_threads, train_classifier
+from ... import replace_norms
+from ..analysis.curves import final, final_table, step_time_figure
+from ..analysis.stats import compare_lower, compare_not_worse, mean_sd, verdict
+from ..data import load_corpus, mnist_subsets, sample_windows
+from ..engine.registry import (
+    Claim,
+    Experiment,
+    Record,
+    RunContext,
+    Verdict,
+    check_choices,
+    register,
+)
+from ..engine.steps import StepSpec, train_steps
+from ..engine.training import TrainSpec, torch_threads, train_classifier
+from ..models.char_lstm import bpc_evaluator, lm_loss
 
 KINDS = ("none", "layer", "simple", "detach", "ada")
 NAMES = {"none": "w/o Norm", "layer": "LayerNorm", "simple": "LayerNorm-simple",

@@ -1,4 +1,4 @@
-"""Running registered experiments: configuration, output layout, metadata and the report.
+"""Running registered experiments: configuration, output layout and metadata.
 
 Layout of ``--out`` (default ``results/``)::
 
@@ -21,17 +21,16 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from . import distributed
 from .io import read_json, save_records, write_json
-from .registry import Experiment, RunContext, apply_overrides, get, names
+from .registry import RunContext, apply_overrides, config_to_json, get, names
 
-__all__ = ["config_from_json", "config_to_json", "parse_overrides", "reproduce", "resolve_device"]
+__all__ = ["parse_overrides", "resolve_device", "run_experiments"]
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -76,28 +75,12 @@ def parse_overrides(items: Sequence[str], selected: Sequence[str]) -> dict[str, 
     return out
 
 
-def config_to_json(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-def config_from_json(exp: Experiment, quick: bool, saved: Mapping[str, Any]) -> Any:
-    """Rebuild a saved configuration (JSON turns tuples into lists; turn them back)."""
-    base = exp.config(quick)
-    kinds = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    values = {
-        k: (tuple(v) if isinstance(kinds.get(k), tuple) else v)
-        for k, v in saved.items()
-        if k in kinds
-    }
-    return dataclasses.replace(base, **values)
-
-
 def _log(msg: str) -> None:
     if distributed.is_main():
         print(msg, file=sys.stderr, flush=True)
 
 
-def reproduce(
+def run_experiments(
     selected: Sequence[str] | None = None,
     *,
     out: Path = Path("results"),
@@ -107,10 +90,9 @@ def reproduce(
     resume: bool = False,
     overrides: Sequence[str] = (),
     progress: bool = True,
-    report: bool = True,
-) -> Path | None:
-    """Run the experiments ``selected`` (all registered ones when empty), save their records and
-    write the report; returns the path of ``report.md`` (``None`` on non-zero ranks)."""
+) -> None:
+    """Run the experiments ``selected`` (all registered ones when empty) and save their records,
+    configurations and metadata under ``out/<name>/`` (on rank 0 only)."""
     chosen = list(selected) if selected else names()
     exps = [get(n) for n in chosen]
     per_exp = parse_overrides(overrides, chosen)
@@ -161,11 +143,3 @@ def reproduce(
             )
         _log(f"[{exp.name}] done in {seconds:.1f} s, records in {exp_dir}")
     distributed.barrier()
-    if not distributed.is_main():
-        return None
-    if not report:
-        return out / "report.md"
-    from .report import write_report
-
-    md, _ = write_report(out)
-    return md

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..functional import layer_norm
-from .plots import plt, save_figure
-from .registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
+from ...functional import layer_norm
+from ..analysis.plots import plt, save_figure
+from ..engine.registry import Claim, Experiment, Record, RunContext, Verdict, check_config, register
 
 DT = torch.float64
 

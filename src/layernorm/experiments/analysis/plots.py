@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .registry import Record
+from ..engine.registry import Record
 
 __all__ = ["COLORS", "LABELS", "Panel", "classifier_panels", "curves_figure", "plt", "save_figure"]
 

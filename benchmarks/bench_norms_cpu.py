@@ -9,8 +9,14 @@ Absolute times on a shared machine move from run to run; the ratios are what to 
 Memory traffic of one forward+backward, the floor for every variant: read x, write y (forward),
 read dy and x, write dx (backward) = 5·M·N·4 bytes, plus O(N) for the gain/bias gradients.
 
+A second table times the modules on small inputs, the per-token calls of a decoder on a CPU:
+``layernorm.LayerNorm(N)`` against ``torch.nn.LayerNorm(N)`` and ``layernorm.RMSNorm(N)`` against
+``torch.nn.RMSNorm(N)``, forward only under ``no_grad`` and forward+backward, at 1 and 2 threads.
+There the Python between the module call and the kernel is most of the time.
+
     python benchmarks/bench_norms_cpu.py                  # the three default shapes
     python benchmarks/bench_norms_cpu.py --shapes 4096x768 --reps 30 --csv out.csv
+    python benchmarks/bench_norms_cpu.py --shapes --small-shapes 1x768 8x768   # modules only
     LAYERNORM_CPU_COMPILE=0 python benchmarks/bench_norms_cpu.py   # eager ATen fallback
 """
 
@@ -29,12 +35,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import layernorm
 import layernorm.functional as LF
 from _timing import cpu_model, interleaved_ms
 from layernorm.kernels.cpu import _native
 from layernorm.reference import layer_norm_reference
 
 DEFAULT_SHAPES = ((8192, 1024), (32768, 256), (64, 4096))
+SMALL_SHAPES = ((1, 768), (8, 768))
+SMALL_THREADS = (1, 2)
 ANCHOR = "torch layer_norm"
 RMS_ANCHOR = "torch rms_norm"
 COMPOSITE = "eager composite LN"
@@ -74,6 +83,68 @@ def providers(m: int, n: int, composite: bool) -> dict[str, Callable[[], None]]:
     return fns
 
 
+def module_providers(m: int, n: int) -> dict[str, Callable[[], None]]:
+    """Module calls on one small input: forward under no_grad, and forward+backward."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, n, generator=g) + 0.5
+    xg = x.clone().requires_grad_()
+    dy = torch.randn(m, n, generator=g)
+    modules = {
+        "LayerNorm": (layernorm.LayerNorm(n), torch.nn.LayerNorm(n)),
+        "RMSNorm": (layernorm.RMSNorm(n), torch.nn.RMSNorm(n)),
+    }
+    fns: dict[str, Callable[[], None]] = {}
+    for name, pair in modules.items():
+        for who, mod in zip(("ours", "torch"), pair, strict=True):
+
+            def fwd(mod: torch.nn.Module = mod) -> None:
+                with torch.no_grad():
+                    mod(x)
+
+            def fwd_bwd(mod: torch.nn.Module = mod) -> None:
+                xg.grad = None
+                mod.zero_grad(set_to_none=True)
+                mod(xg).backward(dy)
+
+            fns[f"{name} fwd {who}"] = fwd
+            fns[f"{name} fwd+bwd {who}"] = fwd_bwd
+    return fns
+
+
+def cpu_isa() -> str:
+    """The widest x86 vector extension the processor reports (the kernels' build uses it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.machine()
+    for isa in ("avx512f", "avx2", "avx", "sse4_2"):
+        if isa in flags:
+            return isa.upper()
+    return platform.machine()
+
+
+def small_module_table(shapes: list[tuple[int, int]], reps: int, threads: list[int]) -> None:
+    """Ours / torch for the modules at small shapes, each thread count in its own round."""
+    before = torch.get_num_threads()
+    print("modules on small inputs, float32, median µs; ratio = ours / torch's module")
+    cols = ("module", "mode", "M x N", "threads", "ours", "torch", "ratio")
+    print("{:<10} {:<8} {:>8} {:>7} {:>8} {:>8} {:>6}".format(*cols))
+    for n_threads in threads:
+        torch.set_num_threads(n_threads)
+        for m, n in shapes:
+            times = interleaved_ms(module_providers(m, n), warmup=50, reps=reps)
+            for name in ("LayerNorm", "RMSNorm"):
+                for mode in ("fwd", "fwd+bwd"):
+                    ours, theirs = times[f"{name} {mode} ours"], times[f"{name} {mode} torch"]
+                    print(
+                        f"{name:<10} {mode:<8} {f'{m}x{n}':>8} {n_threads:>7} {1e3 * ours:8.1f} "
+                        f"{1e3 * theirs:8.1f} {ours / theirs:6.2f}"
+                    )
+    torch.set_num_threads(before)
+    print()
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     try:
         m, n = (int(v) for v in text.lower().split("x"))
@@ -86,7 +157,12 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=list(DEFAULT_SHAPES))
+    parser.add_argument("--shapes", type=parse_shape, nargs="*", default=list(DEFAULT_SHAPES))
+    parser.add_argument(
+        "--small-shapes", type=parse_shape, nargs="*", default=list(SMALL_SHAPES),
+        help="module calls on small inputs (none: skip that table)",
+    )  # fmt: skip
+    parser.add_argument("--small-reps", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=0, help="0: 15 for big shapes, 1000 for small")
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
@@ -99,8 +175,15 @@ def main(argv: list[str] | None = None) -> None:
     fused = _native.enabled()  # builds the kernels now, outside the timed region
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"device: {cpu_model()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
-    print(f"torch {torch.__version__}, python {platform.python_version()}, {stamp}")
-    print(f"fused C kernels: {'on' if fused else 'off (eager ATen compositions)'}")
+    print(
+        f"ISA: {cpu_isa()}, torch {torch.__version__}, python {platform.python_version()}, {stamp}"
+    )
+    print(f"fused C kernels: {'on' if fused else 'off (eager ATen compositions)'}\n")
+    if args.small_shapes:
+        threads = [args.threads] if args.threads else list(SMALL_THREADS)
+        small_module_table(args.small_shapes, args.small_reps, threads)
+    if not args.shapes:
+        return
     print("forward+backward, float32, median ms; ratio = ours / torch layer_norm (w, b)\n")
 
     header = f"{'variant':<20} {'M x N':>12} {'ours ms':>9} {'torch LN ms':>12} {'ratio':>6}"

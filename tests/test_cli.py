@@ -20,7 +20,8 @@ def test_help_explains_the_commands(capsys):
     with pytest.raises(SystemExit):
         cli.main(["reproduce", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--quick", "--device", "--out", "--seed", "--resume", "--list", "--set"):
+    for flag in ("--quick", "--demo", "--device", "--out", "--seed", "--resume", "--list", "--set",
+                 "--restart-changed"):  # fmt: skip
         assert flag in text
 
 
@@ -53,6 +54,7 @@ def test_unknown_experiment_lists_valid_names(capsys):
         (["reproduce", "mnist-ff", "--set", "seeds=0"], "seeds must be positive"),
         (["reproduce", "mnist-ff", "--set", "norms=layer,group"], "non-empty selection"),
         (["report", "--out", "/nonexistent/place"], "no saved results"),
+        (["reproduce", "--demo", "convnet"], "--demo runs its own selection"),
     ],
 )
 def test_bad_arguments_give_clear_errors(capsys, argv, message):

@@ -142,9 +142,20 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     small = ["n_train=64", "n_test=64", "hidden=8", "epochs=1", "seeds=1", "batch_sizes=32"]
     reproduce(["mnist-ff"], out=tmp_path, device="cpu", quick=True, overrides=small,
               progress=False, report=False)  # fmt: skip
-    with pytest.raises(ValueError, match="different settings"):
+    saved = (tmp_path / "mnist-ff" / "records.json").read_text()
+    with pytest.raises(ValueError, match=r"other settings .*config\.hidden: 8 there, 9 now"):
         reproduce(["mnist-ff"], out=tmp_path, device="cpu", quick=True, resume=True,
                   overrides=[*small, "hidden=9"], progress=False, report=False)  # fmt: skip
+    assert (tmp_path / "mnist-ff" / "records.json").read_text() == saved  # nothing touched
+    # asked for explicitly, the changed experiment starts over in a fresh folder; the old run is
+    # kept beside it under its settings id
+    old_id = json.loads((tmp_path / "mnist-ff" / "config.json").read_text())["settings_id"]
+    reproduce(["mnist-ff"], out=tmp_path, device="cpu", quick=True, resume=True,
+              restart_changed=True, overrides=[*small, "hidden=9"], progress=False,
+              report=False)  # fmt: skip
+    assert (tmp_path / f"mnist-ff.{old_id}" / "records.json").read_text() == saved
+    new = json.loads((tmp_path / "mnist-ff" / "config.json").read_text())
+    assert new["config"]["hidden"] == 9 and new["settings_id"] != old_id
 
 
 def test_report_without_results_is_a_clear_error(tmp_path):
@@ -197,7 +208,7 @@ def test_run_files_restore_what_they_saved(tmp_path):
     assert torch.equal(torch.get_rng_state(), rng)
     assert torch.equal(gen2.get_state(), gen.get_state())
     assert torch.equal(model.weight, model2.weight) and torch.equal(model.bias, model2.bias)
-    keys = ["epoch", "model", "optimizer", "order_rng", "torch_rng"]  # the checkpoint format
+    keys = ["epoch", "model", "optimizer", "order_rng", "torch_rng", "settings_id", "settings"]
     assert list(torch.load(files.ckpt, weights_only=False)) == keys
     files.finish(history)
     assert files.finished() == history

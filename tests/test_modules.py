@@ -250,3 +250,202 @@ def test_docstring_examples_run(module):
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+# -- torch subclasses ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        (lambda **k: layernorm.LayerNorm((4, 6), 1e-3, True, False, **k),
+         lambda **k: torch.nn.LayerNorm((4, 6), 1e-3, True, False, **k)),
+        (lambda **k: layernorm.LayerNorm(6, elementwise_affine=False, **k),
+         lambda **k: torch.nn.LayerNorm(6, elementwise_affine=False, **k)),
+        (lambda **k: layernorm.RMSNorm((4, 6), 1e-6, **k),
+         lambda **k: torch.nn.RMSNorm((4, 6), 1e-6, **k)),
+        (lambda **k: layernorm.RMSNorm(6, None, False, **k),
+         lambda **k: torch.nn.RMSNorm(6, None, False, **k)),
+    ],
+    ids=["layer", "layer-simple", "rms", "rms-no-affine"],
+)  # fmt: skip
+def test_subclass_of_torch_norm_with_the_same_attributes(ours, theirs):
+    """Type checks treat ours as torch's norm; every attribute torch sets has the same value."""
+    m, t = ours(dtype=torch.float64), theirs(dtype=torch.float64)
+    assert isinstance(m, type(t))
+    torch_attrs = {k: v for k, v in vars(t).items() if not k.startswith("_") and k != "training"}
+    assert torch_attrs, "torch's module keeps its options as attributes"
+    for name, value in torch_attrs.items():
+        assert getattr(m, name) == value and type(getattr(m, name)) is type(value), name
+    assert list(m.state_dict()) == list(t.state_dict())
+    assert repr(m) == repr(t)
+
+
+def test_rms_norm_keeps_a_none_bias():
+    """torch.nn.RMSNorm has no bias; ours answers ``None`` as before, without a state_dict key."""
+    m = layernorm.RMSNorm(6)
+    assert m.bias is None and "bias" not in m.state_dict()
+
+
+@pytest.mark.parametrize("cls", [layernorm.LayerNorm, layernorm.RMSNorm])
+def test_gain_offset(cls):
+    """gain_offset=1 stores gain − 1 (Gemma's convention): init 0, output (1 + w)·x̂."""
+    m = cls(8, eps=1e-6, gain_offset=1.0, dtype=torch.float64)
+    assert torch.equal(m.weight, torch.zeros(8, dtype=torch.float64))
+    assert "gain_offset=1.0" in repr(m)
+    plain = cls(8, eps=1e-6, dtype=torch.float64)
+    _randomize(m)
+    with torch.no_grad():
+        plain.weight.copy_(m.weight + 1.0)
+        if getattr(m, "bias", None) is not None:
+            plain.bias.copy_(m.bias)
+    x = make_x((3, 8), torch.float64, requires_grad=True)
+    torch.testing.assert_close(m(x), plain(x))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), plain(x))
+    m(x).sum().backward()
+    assert m.weight.grad is not None
+    m.reset_parameters()
+    assert torch.equal(m.weight, torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"gain_offset=1\.0 needs elementwise_affine=True"):
+        cls(8, elementwise_affine=False, gain_offset=1.0)
+    with pytest.raises(TypeError, match=r"gain_offset must be a finite float, got str"):
+        cls(8, gain_offset="1")
+
+
+def test_transformer_encoder_layer_with_our_norms_inside():
+    """TransformerEncoderLayer's fused inference kernel reads norm.weight/bias/eps and runs
+    torch's layer norm. Our LayerNorm (a subclass) computes that same function, so the kernel may
+    run; with a gain offset torch's kernel would be wrong, and the module keeps it off."""
+    torch.manual_seed(0)
+
+    def layer(**norm_kwargs):
+        enc = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        enc.norm1 = layernorm.LayerNorm(16, **norm_kwargs)
+        enc.norm2 = layernorm.LayerNorm(16, **norm_kwargs)
+        _randomize(enc.norm1)
+        _randomize(enc.norm2)
+        return enc.eval()
+
+    def manual(enc, x):
+        h = enc.norm1(x + enc.self_attn(x, x, x, need_weights=False)[0])
+        return enc.norm2(h + enc.linear2(enc.activation(enc.linear1(h))))
+
+    x = make_x((2, 5, 16))
+    for kwargs in ({}, {"detach_mean": True, "detach_std": True}, {"gain_offset": 1.0}):
+        enc = layer(**kwargs)
+        with torch.no_grad():
+            torch.testing.assert_close(enc(x), manual(enc, x), atol=1e-5, rtol=1e-5)
+
+
+# -- the lean path for small and inference calls ------------------------------------------------
+
+
+def _spy_full_path(monkeypatch):
+    """Count calls of the functional ops the modules fall back to."""
+    from layernorm.modules import normalization
+
+    calls = []
+    for name in ("layer_norm", "rms_norm"):
+        fn = getattr(normalization.F, name)
+        monkeypatch.setattr(
+            normalization.F, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k)
+        )
+    return calls
+
+
+@pytest.mark.parametrize("shape", [(1, 768), (8, 768), (2, 3, 4, 6)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_lean_path_matches_full_path(monkeypatch, shape, dtype):
+    """Inference and small calls skip the custom ops; the results are the full path's, NaN and
+    infinite rows included, and no full-path call happens."""
+    nshape = shape[-1:] if len(shape) == 2 else shape[-2:]
+    x = make_x(shape, dtype)
+    x.view(-1, x.shape[-1])[0, 1] = float("nan")
+    x.view(-1, x.shape[-1])[-1, 0] = float("inf")
+    for m in (
+        layernorm.LayerNorm(nshape),
+        layernorm.RMSNorm(nshape),
+        layernorm.RMSNorm(nshape, 1e-3),
+    ):
+        m = m.to(dtype)
+        _randomize(m)
+        expected_fn = (
+            layernorm.layer_norm
+            if isinstance(m, torch.nn.LayerNorm)
+            else lambda x, s, w, b, e: layernorm.rms_norm(x, s, w, e)
+        )
+        expected = expected_fn(x, nshape, m.weight, getattr(m, "bias", None), m.eps)
+        calls = _spy_full_path(monkeypatch)
+        with torch.no_grad():
+            y = m(x)
+        assert calls == [], "no_grad took the full path"
+        assert y.dtype == dtype and y.shape == x.shape
+        tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(y, expected.detach(), equal_nan=True, **tol)
+        monkeypatch.undo()
+
+
+def test_small_layer_norm_with_grad_uses_torch_kernel_detach_norm_does_not(monkeypatch):
+    """With gradients, a small plain LayerNorm runs torch's kernel (same formula, same gradients);
+    DetachNorm keeps the fused path, whose backward differs, and large inputs do too."""
+    from layernorm.modules import normalization
+
+    calls = _spy_full_path(monkeypatch)
+    ln, dn = layernorm.LayerNorm(16), layernorm.LayerNorm(16, detach_mean=True)
+    x = make_x((4, 16), requires_grad=True)
+    ln(x).sum().backward()
+    assert calls == []
+    dn(x).sum().backward()
+    assert calls == ["layer_norm"]
+    big = make_x((normalization.SMALL_NUMEL // 16 + 1, 16), requires_grad=True)
+    ln(big)
+    assert calls == ["layer_norm", "layer_norm"]
+
+
+@pytest.mark.parametrize("cls", [layernorm.LayerNorm, layernorm.RMSNorm])
+def test_lean_path_keeps_the_errors(cls):
+    """Under no_grad the same clear errors as with gradients."""
+    m = cls(16)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"\(16,\)\) got input of shape \(3, 15\)"):
+            m(torch.randn(3, 15))
+        with pytest.raises(ValueError, match=r"got input of shape \(\)"):
+            m(torch.tensor(1.0))
+        with pytest.raises(TypeError, match=r"input must be a floating-point tensor.*int64"):
+            m(torch.ones(3, 16, dtype=torch.long))
+        with pytest.raises(TypeError, match=r"input must be a torch\.Tensor, got list"):
+            m([1.0] * 16)
+        m.eps = -1.0
+        with pytest.raises(ValueError, match=r"eps must be a positive finite float, got -1\.0"):
+            m(torch.randn(3, 16))
+        m.eps = 1e-5
+        m.weight = torch.nn.Parameter(torch.ones(15))
+        with pytest.raises(ValueError, match=r"weight must have shape normalized_shape=\(16,\)"):
+            m(torch.randn(3, 16))
+        m.weight = torch.nn.Parameter(torch.ones(16, device="meta"))
+        with pytest.raises(ValueError, match=r"weight is on meta but input is on cpu"):
+            m(torch.randn(3, 16))
+
+
+def test_lean_path_mixed_dtypes_run_like_the_full_path():
+    """float64 gains on float32 activations: torch's kernel refuses them, the full path runs."""
+    m = layernorm.LayerNorm(8, dtype=torch.float64)
+    _randomize(m)
+    x = make_x((3, 8))
+    with torch.no_grad():
+        y = m(x)
+    torch.testing.assert_close(y, layernorm.layer_norm(x, 8, m.weight, m.bias).detach())
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("cls", [layernorm.LayerNorm, layernorm.RMSNorm])
+def test_jit_trace_under_no_grad_replays_on_new_inputs(cls):
+    """An inference trace records the op that computes the output, not an empty buffer that a
+    kernel filled behind the tracer's back."""
+    m = cls(8)
+    _randomize(m)
+    with torch.no_grad():
+        traced = torch.jit.trace(m, make_x((2, 8)), check_trace=False)
+        x = make_x((3, 8), offset=-1.0)
+        torch.testing.assert_close(traced(x), m(x))

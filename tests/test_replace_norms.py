@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -19,6 +21,22 @@ EXPECTED_TYPE = {
     "rms": layernorm.RMSNorm,
 }
 D_MODEL = 16
+# what each kind drops from a source with a gain and a bias
+DROPS = {"layer": (), "simple": ("weight", "bias"), "detach": ("weight", "bias"),
+         "ada": ("weight", "bias"), "rms": ("bias",)}  # fmt: skip
+
+
+def _replace(model: nn.Module, kind: str, drops: tuple[str, ...] | None = None) -> nn.Module:
+    """replace_norms, checking it warns about exactly the parameters ``kind`` drops (the models
+    here all have norms with gains and biases unless ``drops`` says otherwise)."""
+    drops = DROPS[kind] if drops is None else drops
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = layernorm.replace_norms(model, kind)
+    messages = " ".join(str(w.message) for w in caught)
+    for name in ("weight", "bias"):
+        assert (f"dropped the {name} of" in messages) == (name in drops), messages
+    return out
 
 
 def _randomize_norms(model: nn.Module) -> None:
@@ -87,12 +105,12 @@ def test_transformer_encoder_eval_runs_new_norm(kind, batch_first, norm_first):
     enc.eval()
     with torch.no_grad():
         before = enc(x)
-        out = layernorm.replace_norms(enc, kind)
+        out = _replace(enc, kind)
         assert out is enc
         after = enc(x)
         expected = _manual_encoder(manual_model.eval(), kind, x)
-    assert not any(isinstance(m, nn.LayerNorm) for m in enc.modules())
-    assert sum(isinstance(m, EXPECTED_TYPE[kind]) for m in enc.modules()) == 5
+    assert not any(type(m) is nn.LayerNorm for m in enc.modules())
+    assert sum(type(m) is EXPECTED_TYPE[kind] for m in enc.modules()) == 5
     torch.testing.assert_close(after, expected, atol=1e-10, rtol=1e-10)
     if kind == "layer":
         torch.testing.assert_close(after, before, atol=1e-10, rtol=1e-10)
@@ -107,7 +125,7 @@ def test_transformer_encoder_eval_with_padding_mask(kind):
     enc = _encoder(batch_first=True)
     manual_model = _encoder(batch_first=True)
     manual_model.load_state_dict(enc.state_dict())
-    layernorm.replace_norms(enc, kind).eval()
+    _replace(enc, kind).eval()
     x = make_x((3, 6, D_MODEL), torch.float64)
     mask = torch.zeros(3, 6, dtype=torch.bool)
     mask[0, 4:] = True
@@ -125,7 +143,7 @@ def test_transformer_encoder_train(kind, batch_first):
     enc = _encoder(batch_first)
     manual_model = _encoder(batch_first)
     manual_model.load_state_dict(enc.state_dict())
-    layernorm.replace_norms(enc, kind)
+    _replace(enc, kind)
     assert enc.training and all(m.training for m in enc.modules())
     x = make_x((3, 5, D_MODEL), torch.float64, requires_grad=True)
     y = enc(x)
@@ -165,8 +183,11 @@ def _zoo() -> nn.Module:
     )
 
 
+_NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, layernorm.AdaNorm)
+
+
 def _norms(model):
-    return [m for m in model.modules() if isinstance(m, layernorm.modules.replace._SOURCES)]
+    return [m for m in model.modules() if isinstance(m, _NORM_TYPES)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -175,7 +196,7 @@ def test_arbitrary_nested_model(kind):
     _randomize_norms(model)
     old = _norms(model)
     assert len(old) == 8
-    out = layernorm.replace_norms(model, kind)
+    out = _replace(model, kind)
     assert out is model
     new = _norms(model)
     assert len(new) == 8 and all(type(m) is EXPECTED_TYPE[kind] for m in new)
@@ -212,7 +233,7 @@ def test_layer_kind_preserves_outputs():
     x = make_x((4, 8))
     before = model[1](model[0](x))
     block_before = model[2][0](x)
-    layernorm.replace_norms(model, "layer")
+    _replace(model, "layer")
     torch.testing.assert_close(model[1](model[0](x)), before, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(model[2][0](x), block_before, atol=1e-6, rtol=1e-6)
 
@@ -221,31 +242,34 @@ def test_shared_norm_stays_shared():
     """A norm used twice (tied parameters) must become one module used twice, not two copies."""
     shared = nn.LayerNorm(8)
     model = nn.Sequential(nn.Linear(8, 8), shared, nn.Linear(8, 8), shared)
-    layernorm.replace_norms(model, "rms")
+    _replace(model, "rms")
     assert model[1] is model[3]
     assert len(list(model.parameters())) == 4 + 1
 
 
 def test_dtype_device_and_mode_kept():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).double().eval()
-    layernorm.replace_norms(model, "rms")
+    _replace(model, "rms")
     assert model[1].weight.dtype == torch.float64 and not model[1].training
     meta = nn.Sequential(nn.Linear(8, 8, device="meta"), nn.LayerNorm(8, device="meta"))
-    layernorm.replace_norms(meta, "layer")
+    _replace(meta, "layer")
     assert meta[1].weight.device.type == "meta"
 
 
 def test_norm_module_itself_returns_replacement():
     ln = nn.LayerNorm(8)
-    new = layernorm.replace_norms(ln, "ada")
+    new = _replace(ln, "ada")
     assert isinstance(new, layernorm.AdaNorm) and new.normalized_shape == (8,)
 
 
 def test_model_without_norms_unchanged():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     before = [type(m) for m in model.modules()]
-    assert layernorm.replace_norms(model, "rms") is model
+    with pytest.warns(UserWarning, match=r"kind='rms'\) found no normalization layer .*Sequential"):
+        assert layernorm.replace_norms(model, "rms") is model
     assert [type(m) for m in model.modules()] == before
+    with pytest.raises(ValueError, match=r"(?s)found no normalization layer.*strict=True"):
+        layernorm.replace_norms(model, "rms", strict=True)
 
 
 def test_bad_arguments():
@@ -259,9 +283,9 @@ def test_full_transformer_eval_with_padding_masks():
     """nn.Transformer: encoder (with its nested-tensor path) and decoder norms all replaced; eval
     with padding masks runs and no torch.nn.LayerNorm is left."""
     model = nn.Transformer(D_MODEL, 2, 1, 1, 32, dropout=0.0, batch_first=True).double()
-    layernorm.replace_norms(model, "rms").eval()
-    assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())
-    assert sum(isinstance(m, layernorm.RMSNorm) for m in model.modules()) == 2 + 3 + 2
+    _replace(model, "rms").eval()
+    assert not any(type(m) is nn.LayerNorm for m in model.modules())
+    assert sum(type(m) is layernorm.RMSNorm for m in model.modules()) == 2 + 3 + 2
     src, tgt = make_x((2, 5, D_MODEL), torch.float64), make_x((2, 4, D_MODEL), torch.float64)
     mask = torch.zeros(2, 5, dtype=torch.bool)
     mask[1, 3:] = True
@@ -276,7 +300,7 @@ def test_frozen_norms_stay_frozen(kind):
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8))
     model[1].requires_grad_(False)
     model[3].bias.requires_grad_(False)
-    layernorm.replace_norms(model, kind)
+    _replace(model, kind)
     flags = {name: p.requires_grad for name, p in model.named_parameters()}
     expected = {"0.weight": True, "0.bias": True, "2.weight": True, "2.bias": True}
     if kind == "layer":

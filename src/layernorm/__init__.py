@@ -8,7 +8,7 @@ layer-normalized recurrent networks and the baselines the papers compare against
 from __future__ import annotations
 
 from .functional import ada_norm, layer_norm, rms_norm
-from .modules import AdaNorm, BatchNorm, LayerNorm, RMSNorm, replace_norms
+from .modules import AdaNorm, BatchNorm, LayerNorm, RMSNorm, register_norm, replace_norms
 from .recurrent import (
     LayerNormGRU,
     LayerNormGRUCell,
@@ -34,6 +34,7 @@ __all__ = [
     "__version__",
     "ada_norm",
     "layer_norm",
+    "register_norm",
     "replace_norms",
     "rms_norm",
 ]

@@ -20,6 +20,21 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 ShapeLike = int | Sequence[int] | torch.Size
 
 
+def sizes_of(t: Tensor) -> tuple[int, ...]:
+    """``t``'s sizes as ints. Under ``torch.jit.trace`` ``t.shape`` holds 0-d tensors that record
+    how each size is used, and comparing one with an int prints a TracerWarning. A check needs only
+    the example's sizes (the graph it leads to is recorded for them), so they are read with the
+    tracer set aside; everywhere else this is ``tuple(t.shape)``."""
+    state = torch._C._get_tracing_state()
+    if state is None:
+        return tuple(t.shape)
+    torch._C._set_tracing_state(None)
+    try:
+        return tuple(t.shape)
+    finally:
+        torch._C._set_tracing_state(state)
+
+
 def as_int(value: object) -> int | None:
     """``value`` as an int if it is one: Python and NumPy integers, 0-d integer tensors (what
     ``x.shape[-1]`` is under ``torch.jit.trace``), anything with ``__index__``; bools are not.
@@ -97,9 +112,10 @@ def check_input(x: object, normalized_shape: ShapeLike, op: str) -> tuple[Tensor
     shape = as_shape(normalized_shape)
     x = check_float_tensor(x, f"{op}: input")
     k = len(shape)
-    if x.dim() < k or tuple(x.shape[x.dim() - k :]) != shape:
+    given = sizes_of(x)
+    if len(given) < k or given[len(given) - k :] != shape:
         raise ValueError(
-            f"{op}(normalized_shape={shape}) got input of shape {tuple(x.shape)}: "
+            f"{op}(normalized_shape={shape}) got input of shape {given}: "
             f"its last {k} dimension(s) must be {shape}"
         )
     return x, shape
@@ -112,9 +128,9 @@ def check_param(
     if p is None:
         return None
     check_float_tensor(p, f"{op}: {name}")
-    if tuple(p.shape) != shape:
+    if sizes_of(p) != shape:
         raise ValueError(
-            f"{op}: {name} must have shape normalized_shape={shape}, got {tuple(p.shape)}"
+            f"{op}: {name} must have shape normalized_shape={shape}, got {sizes_of(p)}"
         )
     if p.device != x.device:
         raise ValueError(f"{op}: {name} is on {p.device} but input is on {x.device}")

@@ -34,9 +34,15 @@ __all__ = ["ada_norm", "layer_norm", "rms_norm"]
 
 def _rows(x: Tensor, normalized_shape: tuple[int, ...]) -> Tensor:
     """View ``x`` as contiguous ``(M, N)`` rows, N = prod(normalized_shape)."""
+    n = math.prod(normalized_shape)
+    if torch._C._get_tracing_state() is not None:  # torch.jit.is_tracing(), at half the cost
+        # A traced module replays these ops on later inputs, which nothing else checks: a reshape
+        # to x's own leading sizes (recorded as sizes of the input) and N fails where the trailing
+        # sizes do not multiply to N; to (-1, N) an input of (2, 3, 8) for N = 4 would pass.
+        return x.reshape(*x.shape[: x.dim() - len(normalized_shape)], n).reshape(-1, n).contiguous()
     if len(normalized_shape) == 1 and x.dim() == 2 and x.is_contiguous():
         return x  # already rows; skipping reshape saves microseconds on small inputs
-    return x.reshape(-1, math.prod(normalized_shape)).contiguous()
+    return x.reshape(-1, n).contiguous()
 
 
 def _flat(p: Tensor | None) -> Tensor | None:

@@ -71,9 +71,10 @@ from __future__ import annotations
 
 from . import definitions  # noqa: F401  (importing it registers every experiment)
 from .engine.registry import Claim, Experiment, Record, RunContext, Verdict, get, names, register
-from .pipeline import reproduce
+from .pipeline import DEMO, reproduce
 
 __all__ = [
+    "DEMO",
     "Claim",
     "Experiment",
     "Record",

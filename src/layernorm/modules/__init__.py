@@ -2,6 +2,15 @@
 
 from .batchnorm import BatchNorm
 from .normalization import AdaNorm, LayerNorm, RMSNorm
-from .replace import NormKind, replace_norms
+from .replace import NormKind, NormSpec, register_norm, replace_norms
 
-__all__ = ["AdaNorm", "BatchNorm", "LayerNorm", "NormKind", "RMSNorm", "replace_norms"]
+__all__ = [
+    "AdaNorm",
+    "BatchNorm",
+    "LayerNorm",
+    "NormKind",
+    "NormSpec",
+    "RMSNorm",
+    "register_norm",
+    "replace_norms",
+]

@@ -9,7 +9,14 @@ import torch
 from torch import Tensor, nn
 
 from .._torchscript import NotScriptable
-from .._validation import as_int, check_eps, check_flag, check_float_tensor, stats_dtype
+from .._validation import (
+    as_int,
+    check_eps,
+    check_flag,
+    check_float_tensor,
+    sizes_of,
+    stats_dtype,
+)
 
 
 class BatchNorm(NotScriptable, nn.Module):
@@ -82,7 +89,7 @@ class BatchNorm(NotScriptable, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         check_float_tensor(x, "BatchNorm: input")
-        if x.dim() < 2 or x.shape[1] != self.num_features:
+        if x.dim() < 2 or sizes_of(x)[1] != self.num_features:
             raise ValueError(
                 f"BatchNorm(num_features={self.num_features}) expects input of shape (N, "
                 f"{self.num_features}) or (N, {self.num_features}, *), got {tuple(x.shape)}"

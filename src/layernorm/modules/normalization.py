@@ -1,7 +1,16 @@
-"""``torch.nn``-style modules for layer norm, LN-simple, DetachNorm, RMSNorm and AdaNorm."""
+"""``torch.nn``-style modules for layer norm, LN-simple, DetachNorm, RMSNorm and AdaNorm.
+
+:class:`LayerNorm` and :class:`RMSNorm` subclass :class:`torch.nn.LayerNorm` and
+:class:`torch.nn.RMSNorm`, so code that finds norms by type (weight-decay splits, mixed-precision
+and FSDP policies) treats them as norms. Each ``forward`` takes a lean path when it can: the
+arguments are plain eager CPU tensors and no tracer watches (see :func:`_lean_input`). Its checks
+are a few attribute reads, so a (1, 768) call costs about what ``torch.nn.LayerNorm``'s does.
+"""
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import torch
@@ -9,11 +18,272 @@ from torch import Tensor, nn
 
 from .. import functional as F
 from .._torchscript import NotScriptable
-from .._validation import ShapeLike, as_shape, check_eps, check_finite_scalar, check_flag
+from .._validation import (
+    FLOAT_DTYPES,
+    ShapeLike,
+    as_shape,
+    check_eps,
+    check_finite_scalar,
+    check_flag,
+    stats_dtype,
+)
+from ..backend import _forced as _forced_backend
+from ..ops._dispatch import backend_module, plain_eager
+
+# Up to this many elements a LayerNorm that needs gradients runs torch's native kernel: the same
+# formula, and there our autograd.Function's Python costs more than the fused kernels save
+# (fused 1.2-1.5x torch at 64-256 rows of 768); the two are even near 64 x 4096 (fused 0.9x on a
+# quiet machine, 1.0-1.1x on a loaded one), where a fixed Python cost stops mattering.
+SMALL_NUMEL = 1 << 17
+_ENV_BACKEND = bool(os.environ.get("LAYERNORM_BACKEND"))
+_RMS_DEFAULT_EPS = {dt: float(torch.finfo(stats_dtype(dt)).eps) for dt in FLOAT_DTYPES}
+
+
+def _lean_input(x: object, eps: object) -> bool:
+    """True when ``x`` may skip the full checks: a plain CPU tensor of a float dtype, a valid
+    ``eps``, no forced backend and no tracer (compile, export, vmap, fake tensors, forward AD).
+    Anything else takes the full path, which names what is wrong. The caller checks the shapes (or
+    lets torch's kernel refuse them and falls back to the full path for the message).
+
+    Under 1 µs: every call pays it. ``LAYERNORM_BACKEND`` is read once, at import, for this check
+    (the full path reads it on every call)."""
+    return (
+        type(x) is Tensor
+        and x.is_cpu
+        and x.dtype in FLOAT_DTYPES
+        and type(eps) is float
+        and 0.0 < eps < math.inf
+        and plain_eager()  # before the ContextVar, which Dynamo cannot trace: False there
+        and not _ENV_BACKEND
+        and _forced_backend.get() is None
+    )
+
+
+def _needs_grad(x: Tensor, *params: Tensor | None) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return x.requires_grad or any(p is not None and p.requires_grad for p in params)
+
+
+def _gain(weight: Tensor | None, offset: float) -> Tensor | None:
+    """The gain ``offset + weight``; in float32 for half weights, as Gemma computes it."""
+    if weight is None or not offset:
+        return weight
+    return (weight.float() if weight.dtype in (torch.float16, torch.bfloat16) else weight) + offset
+
+
+def _keep_off_fused_paths(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """No-op forward pre-hook of a :class:`LayerNorm` with a gain offset.
+
+    ``torch.nn.TransformerEncoderLayer``'s fused inference kernel reads ``norm.weight`` and runs
+    torch's own layer norm, which knows no offset; it steps aside when a submodule has hooks."""
+    return None
+
+
+def _check_offset(offset: object, affine: bool, owner: str) -> float:
+    value = check_finite_scalar(offset, "gain_offset", owner)
+    if value and not affine:
+        raise ValueError(
+            f"{owner}: gain_offset={value!r} needs elementwise_affine=True (there is no gain to "
+            "offset), got elementwise_affine=False"
+        )
+    return value
+
+
+class LayerNorm(NotScriptable, nn.LayerNorm):
+    r"""Layer normalization (Ba, Kiros & Hinton 2016), a subclass of :class:`torch.nn.LayerNorm`.
+
+    .. math:: y = (c + g) \odot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + b
+
+    with the gain offset :math:`c` 0 unless set. μ and σ² (biased) are computed per example over
+    the last ``len(normalized_shape)`` dims, the same at training and test time, so it works with
+    batch size 1. Constructor arguments, attributes and state_dict keys are
+    ``torch.nn.LayerNorm``'s, so checkpoints load either way and ``isinstance(m, nn.LayerNorm)``
+    holds.
+
+    Which kernel runs: in plain eager mode on the CPU, when nothing needs a gradient (``no_grad``,
+    inference) or the input has at most :data:`SMALL_NUMEL` elements and no DetachNorm flag is
+    set, torch's native ``layer_norm`` runs — the same formula (DetachNorm changes only the
+    backward), and at these sizes the call overhead is the cost. Otherwise the fused kernels of
+    :mod:`layernorm.ops` do, with their analytic backward.
+
+    Args:
+        normalized_shape: trailing shape normalized together.
+        eps: added to the variance inside the square root. Default ``1e-5``.
+        elementwise_affine: learn a gain ``g`` (init 1) and bias ``b`` (init 0). ``False`` gives
+            *LN-simple* (Xu et al. 2019).
+        bias: learn ``b`` too (only with ``elementwise_affine``).
+        device, dtype: of the gain and bias, as in ``torch.nn`` modules.
+        detach_mean, detach_std: *DetachNorm* (Xu et al. 2019): no gradient through μ / σ.
+        gain_offset: the stored ``weight`` is the gain minus this (init ``1 - gain_offset``), as
+            Gemma's norms store it (``1 + weight``); keeps such checkpoints loadable as they are.
+            Fixed at construction.
+
+    Shape:
+        input ``(*, *normalized_shape)``, output the same.
+
+    Example::
+
+        >>> import torch, layernorm
+        >>> ln = layernorm.LayerNorm(512)
+        >>> y = ln(torch.randn(8, 20, 512))
+        >>> isinstance(ln, torch.nn.LayerNorm)
+        True
+        >>> detach_norm = layernorm.LayerNorm(512, elementwise_affine=False,
+        ...                                   detach_mean=True, detach_std=True)
+    """
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        detach_mean: bool = False,
+        detach_std: bool = False,
+        gain_offset: float = 0.0,
+    ) -> None:
+        shape = as_shape(normalized_shape)
+        eps_ = check_eps(eps, "LayerNorm")
+        affine = check_flag(elementwise_affine, "elementwise_affine", "LayerNorm")
+        bias = check_flag(bias, "bias", "LayerNorm")
+        offset = _check_offset(gain_offset, affine, "LayerNorm")
+        detach_mean = check_flag(detach_mean, "detach_mean", "LayerNorm")
+        detach_std = check_flag(detach_std, "detach_std", "LayerNorm")
+        # torch's __init__ ends in reset_parameters, which reads the offset
+        self.__dict__["gain_offset"] = offset
+        super().__init__(shape, eps_, affine, bias, device=device, dtype=dtype)  # type: ignore[arg-type]
+        self.detach_mean = detach_mean
+        self.detach_std = detach_std
+        if offset:
+            self.register_forward_pre_hook(_keep_off_fused_paths)
+
+    def reset_parameters(self) -> None:
+        """Gain 1 and bias 0, as in the paper (Section 6)."""
+        if self.weight is not None:
+            nn.init.constant_(self.weight, 1.0 - self.gain_offset)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape, eps, weight, bias = self.normalized_shape, self.eps, self.weight, self.bias
+        if self.gain_offset:
+            weight = _gain(weight, self.gain_offset)
+        if _lean_input(x, eps) and (
+            (x.numel() <= SMALL_NUMEL and not (self.detach_mean or self.detach_std))
+            or not _needs_grad(x, weight, bias)
+        ):
+            try:
+                return torch.layer_norm(x, shape, weight, bias, eps)
+            except RuntimeError:
+                pass  # a shape or parameter torch refuses: the full path names it (or runs it)
+        return F.layer_norm(
+            x, shape, weight, bias, eps,  # type: ignore[arg-type]
+            detach_mean=self.detach_mean, detach_std=self.detach_std,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        # torch.nn.LayerNorm's repr word for word, then our options when set
+        s = super().extra_repr()
+        if self.detach_mean:
+            s += ", detach_mean=True"
+        if self.detach_std:
+            s += ", detach_std=True"
+        if self.gain_offset:
+            s += f", gain_offset={self.gain_offset}"
+        return s
+
+
+class RMSNorm(NotScriptable, nn.RMSNorm):
+    r"""RMSNorm (Zhang & Sennrich 2019), a subclass of :class:`torch.nn.RMSNorm`.
+
+    .. math:: y = (c + g) \odot \frac{x}{\sqrt{\frac{1}{N}\sum_i x_i^2 + \epsilon}}
+
+    with the gain offset :math:`c` 0 unless set. ``eps=None`` uses the machine epsilon of the
+    statistics' dtype like torch (float32's for half inputs). Constructor arguments, attributes and
+    the state_dict (``weight`` only, shape ``normalized_shape``) are ``torch.nn.RMSNorm``'s.
+
+    Which kernel runs: the fused kernels of :mod:`layernorm.ops` (torch's CPU ``rms_norm`` is a
+    composition of several ops). When nothing needs a gradient, in plain eager mode on the CPU,
+    the forward kernel is called directly, with nothing saved for backward.
+
+    Args:
+        normalized_shape: trailing shape normalized together.
+        eps: added to the mean square inside the square root; ``None`` as above.
+        elementwise_affine: learn a gain ``g`` (init 1).
+        device, dtype: of the gain, as in ``torch.nn`` modules.
+        gain_offset: the stored ``weight`` is the gain minus this (init ``1 - gain_offset``):
+            Gemma's ``GemmaRMSNorm`` computes ``(1 + weight) * x̂``, i.e. ``gain_offset=1``.
+            Fixed at construction.
+
+    Example::
+
+        >>> import torch, layernorm
+        >>> rms = layernorm.RMSNorm(64, eps=1e-6)
+        >>> isinstance(rms, torch.nn.RMSNorm)
+        True
+        >>> y = rms(torch.randn(2, 5, 64))
+    """
+
+    # No bias, as torch's; kept as ``None`` for code that reads ``.bias`` of every norm.
+    bias: None = None
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        gain_offset: float = 0.0,
+    ) -> None:
+        shape = as_shape(normalized_shape)
+        eps_ = check_eps(eps, "RMSNorm", allow_none=True)
+        affine = check_flag(elementwise_affine, "elementwise_affine", "RMSNorm")
+        offset = _check_offset(gain_offset, affine, "RMSNorm")
+        self.__dict__["gain_offset"] = offset
+        super().__init__(shape, eps_, affine, device=device, dtype=dtype)  # type: ignore[arg-type]
+        self._numel = math.prod(shape)
+
+    def reset_parameters(self) -> None:
+        """Gain 1."""
+        if self.weight is not None:
+            nn.init.constant_(self.weight, 1.0 - self.gain_offset)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape, eps, weight = self.normalized_shape, self.eps, self.weight
+        if self.gain_offset:
+            weight = _gain(weight, self.gain_offset)
+        lean_eps = _RMS_DEFAULT_EPS.get(x.dtype) if eps is None and type(x) is Tensor else eps
+        if (
+            _lean_input(x, lean_eps)
+            and x.shape[-len(shape) :] == shape
+            and not _needs_grad(x, weight)
+            and not torch.jit.is_tracing()  # a trace would not see the kernel fill y
+            and (weight is None or (weight.is_cpu and weight.shape == shape))
+        ):
+            # the kernels take contiguous rows; the checks above are all they need
+            rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self._numel)
+            w = weight if weight is None or weight.dim() == 1 else weight.reshape(-1)
+            y = backend_module(rows, "rms_norm").rms_norm_fwd(
+                rows.contiguous(), None if w is None else w.contiguous(), lean_eps
+            )[0]
+            return y if y.shape == x.shape else y.view(x.shape)
+        return F.rms_norm(x, shape, weight, eps)
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        if self.gain_offset:
+            s += f", gain_offset={self.gain_offset}"
+        return s
 
 
 class _Norm(NotScriptable, nn.Module):
-    """Shared ``normalized_shape``/``elementwise_affine``/``bias`` handling (torch's contract)."""
+    """AdaNorm's normalized_shape, elementwise_affine and bias handling (torch's contract)."""
 
     normalized_shape: tuple[int, ...]
     weight: nn.Parameter | None
@@ -36,115 +306,11 @@ class _Norm(NotScriptable, nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Gain 1 and bias 0, as in the paper (Section 6)."""
+        """Gain 1 and bias 0."""
         if self.weight is not None:
             nn.init.ones_(self.weight)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
-
-
-class LayerNorm(_Norm):
-    r"""Layer normalization (Ba, Kiros & Hinton 2016), a drop-in for :class:`torch.nn.LayerNorm`.
-
-    .. math:: y = g \odot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + b
-
-    μ and σ² (biased) are computed per example over the last ``len(normalized_shape)`` dims, the
-    same at training and test time, so it works with batch size 1. The state_dict has the same keys
-    and shapes as ``torch.nn.LayerNorm``'s, so checkpoints load either way.
-
-    Args:
-        normalized_shape: trailing shape normalized together.
-        eps: added to the variance inside the square root. Default ``1e-5``.
-        elementwise_affine: learn a gain ``g`` (init 1) and bias ``b`` (init 0). ``False`` gives
-            *LN-simple* (Xu et al. 2019).
-        bias: learn ``b`` too (only with ``elementwise_affine``).
-        detach_mean, detach_std: *DetachNorm* (Xu et al. 2019): no gradient through μ / σ.
-
-    Shape:
-        input ``(*, *normalized_shape)``, output the same.
-
-    Example::
-
-        >>> import torch, layernorm
-        >>> ln = layernorm.LayerNorm(512)
-        >>> y = ln(torch.randn(8, 20, 512))
-        >>> detach_norm = layernorm.LayerNorm(512, elementwise_affine=False,
-        ...                                   detach_mean=True, detach_std=True)
-    """
-
-    def __init__(
-        self,
-        normalized_shape: ShapeLike,
-        eps: float = 1e-5,
-        elementwise_affine: bool = True,
-        bias: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        detach_mean: bool = False,
-        detach_std: bool = False,
-    ) -> None:
-        super().__init__()
-        self.normalized_shape = as_shape(normalized_shape)
-        self.eps = check_eps(eps, "LayerNorm")
-        self.detach_mean = check_flag(detach_mean, "detach_mean", "LayerNorm")
-        self.detach_std = check_flag(detach_std, "detach_std", "LayerNorm")
-        self._init_affine(elementwise_affine, bias, {"device": device, "dtype": dtype})
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(
-            x, self.normalized_shape, self.weight, self.bias, self.eps,  # type: ignore[arg-type]
-            detach_mean=self.detach_mean, detach_std=self.detach_std,
-        )  # fmt: skip
-
-    def extra_repr(self) -> str:
-        # torch.nn.LayerNorm's repr word for word, then the DetachNorm flags when set
-        s = (
-            f"{self.normalized_shape}, eps={self.eps}, "
-            f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}"
-        )
-        if self.detach_mean:
-            s += ", detach_mean=True"
-        if self.detach_std:
-            s += ", detach_std=True"
-        return s
-
-
-class RMSNorm(_Norm):
-    r"""RMSNorm (Zhang & Sennrich 2019), a drop-in for :class:`torch.nn.RMSNorm`.
-
-    .. math:: y = g \odot \frac{x}{\sqrt{\frac{1}{N}\sum_i x_i^2 + \epsilon}}
-
-    ``eps=None`` uses the machine epsilon of the statistics' dtype like torch (float32's for half
-    inputs). Keys ``weight`` only, shape ``normalized_shape``.
-
-    Args:
-        normalized_shape: trailing shape normalized together.
-        eps: added to the mean square inside the square root; ``None`` as above.
-        elementwise_affine: learn a gain ``g`` (init 1).
-        device, dtype: of the gain, as in ``torch.nn`` modules.
-    """
-
-    def __init__(
-        self,
-        normalized_shape: ShapeLike,
-        eps: float | None = None,
-        elementwise_affine: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.normalized_shape = as_shape(normalized_shape)
-        self.eps = check_eps(eps, "RMSNorm", allow_none=True)
-        self._init_affine(elementwise_affine, False, {"device": device, "dtype": dtype})
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
-        )
 
 
 class AdaNorm(_Norm):

@@ -26,13 +26,16 @@ def backend_module(x: Tensor, family: str) -> ModuleType:
 
 
 def plain_eager() -> bool:
-    """True when no tracer watches: not torch.compile/export, a functorch transform (vmap, grad),
-    a dispatch mode (fake tensors, make_fx) or forward-mode AD (dual tensors may flow). Only then
-    may an op skip its custom-op wrapper, whose Python dispatch costs tens of microseconds a call,
-    as much as a small op's whole kernel.
+    """True when no tracer watches: not torch.jit.trace, torch.compile/export, a functorch
+    transform (vmap, grad), a dispatch mode (fake tensors, make_fx) or forward-mode AD (dual
+    tensors may flow). Only then may an op skip its custom-op wrapper, whose Python dispatch costs
+    tens of microseconds a call, as much as a small op's whole kernel.
     """
     return not (
-        torch.compiler.is_compiling()
+        # torch.jit.trace must record the ops (an autograd.Function cannot be saved). This is
+        # torch.jit.is_tracing() at half its cost on every op, and torch.compile knows it too.
+        torch._C._get_tracing_state() is not None
+        or torch.compiler.is_compiling()
         or torch._C._are_functorch_transforms_active()
         or torch._C._len_torch_dispatch_stack() > 0
         or forward_ad_on()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._validation import sizes_of
 from ._steps import Norm
 
 
@@ -41,7 +42,7 @@ def make_step_bn(
     ``running_mean``/``running_var`` are ``(max_steps, units)`` buffers; the row views are updated
     in place by :func:`torch.nn.functional.batch_norm` in training.
     """
-    slot = min(t, running_mean.shape[0] - 1)
+    slot = min(t, sizes_of(running_mean)[0] - 1)
 
     def norm(z: Tensor) -> Tensor:
         if training and z.shape[0] < 2:

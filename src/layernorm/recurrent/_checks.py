@@ -12,7 +12,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from .._validation import as_int, check_float_tensor
+from .._validation import as_int, check_float_tensor, sizes_of
 
 NORMS = ("layer", "none", "batch")
 
@@ -79,8 +79,8 @@ def check_state(
     t: object, name: str, expected: tuple[int, ...], like: Tensor, owner: str
 ) -> Tensor:
     t = check_like(t, name, like, owner)
-    if tuple(t.shape) != expected:
-        raise ValueError(f"{owner}: {name} must have shape {expected}, got {tuple(t.shape)}")
+    if sizes_of(t) != expected:
+        raise ValueError(f"{owner}: {name} must have shape {expected}, got {sizes_of(t)}")
     return t
 
 
@@ -95,7 +95,7 @@ def describe(value: object) -> str:
 def check_cell_input(x: object, input_size: int, owner: str) -> tuple[Tensor, bool]:
     """A cell takes ``(B, input_size)`` or unbatched ``(input_size,)``; returns (x, batched)."""
     x = check_float_tensor(x)
-    if x.dim() not in (1, 2) or x.shape[-1] != input_size:
+    if x.dim() not in (1, 2) or sizes_of(x)[-1] != input_size:
         raise ValueError(
             f"{owner}(input_size={input_size}) expects input of shape (batch, {input_size}) or "
             f"({input_size},), got {tuple(x.shape)}"
@@ -135,4 +135,30 @@ def check_permutation(idx: Tensor | None, n: int, name: str, owner: str) -> None
             f"{owner}: PackedSequence.{name} must be a permutation of range({n}) "
             f"(one index per sequence), got "
             f"{idx.tolist() if idx.numel() <= 16 else tuple(idx.shape)}"
+        )
+
+
+def check_parameter(
+    p: object, name: str, shape: tuple[int, ...], like: Tensor, same_dtype: bool, owner: str
+) -> None:
+    """A registered parameter as the module built it: a float tensor of ``shape`` on the input's
+    device, in the input's dtype where ``same_dtype`` (outside autocast).
+
+    ``load_state_dict(..., assign=True)`` and attribute assignment can put any tensor in a
+    parameter's place; the fused path hands parameters to C as raw pointers, so a wrong one is
+    refused here, for both paths, rather than read out of bounds."""
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{owner}: parameter {name} must be a tensor, got {type(p).__name__}")
+    if not p.is_floating_point():
+        raise TypeError(f"{owner}: parameter {name} must be floating point, got dtype {p.dtype}")
+    if sizes_of(p) != shape:
+        raise ValueError(f"{owner}: parameter {name} must have shape {shape}, got {sizes_of(p)}")
+    if p.device != like.device:
+        raise ValueError(
+            f"{owner}: parameter {name} is on {p.device} but the input is on {like.device}"
+        )
+    if same_dtype and p.dtype != like.dtype and not torch.is_autocast_enabled(like.device.type):
+        raise TypeError(
+            f"{owner}: parameter {name} has dtype {p.dtype} but the input has dtype {like.dtype}; "
+            f"convert it (e.g. module.to({like.dtype}))"
         )

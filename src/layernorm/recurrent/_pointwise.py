@@ -13,10 +13,11 @@ do the GEMM ``hp = h_{t−1} W_hhᵀ`` themselves and call
 
 :func:`step_kernels` picks the implementation for a tensor: for CUDA tensors the fused Triton
 steps of :mod:`layernorm.kernels.triton.rnn_step` (one launch per step; they defer to the eager
-functions where they do not apply), for CPU float32/float64 the C kernels of :mod:`._cstep`,
-otherwise the eager functions below (PyTorch ops plus this library's layer-norm backend kernels),
-which run on any device. :func:`register_step_kernels` overrides the choice for a device type. All
-read and write the same buffers, whose names and shapes are documented at each eager function.
+functions where they do not apply), for CPU float32/float64 the C kernels of
+:mod:`layernorm.kernels.cpu.rnn` (through :mod:`._cstep`), otherwise the eager functions below
+(PyTorch ops plus this library's layer-norm backend kernels), which run on any device.
+:func:`register_step_kernels` overrides the choice for a device type. All read and write the same
+buffers, whose names and shapes are documented at each eager function.
 """
 
 from __future__ import annotations

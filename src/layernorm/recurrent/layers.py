@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .._torchscript import NotScriptable
-from .._validation import check_flag, check_float_tensor
+from .._validation import check_flag, check_float_tensor, sizes_of
 from ..functional import layer_norm
 from ..ops._dispatch import plain_eager
 from . import _fused, _steps
@@ -49,6 +49,7 @@ from ._checks import (
     check_eps,
     check_gain,
     check_norm,
+    check_parameter,
     check_params_match,
     check_permutation,
     check_size,
@@ -148,6 +149,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         factory = {"device": device, "dtype": dtype}
         hs, gh = self.hidden_size, self.gate_count * self.hidden_size
         self._norm_params: list[tuple[str, float]] = []  # (name, init value)
+        self._param_shapes: dict[str, tuple[int, ...]] = {}  # checked on every call
         for k in range(self.num_layers):
             in_k = self.input_size if k == 0 else hs * self.num_directions
             for sfx in self._suffixes(k):
@@ -170,6 +172,17 @@ class _LNRNNBase(NotScriptable, nn.Module):
 
     def _param(self, name: str, shape: tuple[int, ...], factory: dict[str, Any]) -> None:
         self.register_parameter(name, nn.Parameter(torch.empty(shape, **factory)))
+        self._param_shapes[name] = shape
+
+    def _check_parameters(self, data: Tensor, owner: str) -> None:
+        """Every parameter still as registered (shape, floating, the input's device), torch's
+        weights and biases in the input's dtype. Normalization gains and biases may have another
+        floating dtype: both paths then compute with them in the input's dtype."""
+        params = self._parameters
+        for name, shape in self._param_shapes.items():
+            check_parameter(
+                params.get(name), name, shape, data, not name.startswith(("ln_", "bn_")), owner
+            )
 
     def _norm_param(self, name: str, size: int, init: float, factory: dict[str, Any]) -> None:
         self._param(name, (size,), factory)
@@ -292,7 +305,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             batched, seq_len = True, len(sizes)
         else:
             x = check_float_tensor(input)
-            if x.dim() not in (2, 3) or x.shape[-1] != self.input_size:
+            if x.dim() not in (2, 3) or sizes_of(x)[-1] != self.input_size:
                 layout = "(batch, seq, features)" if self.batch_first else "(seq, batch, features)"
                 raise ValueError(
                     f"{owner}(input_size={self.input_size}) expects a 3-D batched input {layout} "
@@ -308,7 +321,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             if torch.jit.is_tracing():
                 # ints, not the 0-d tensors jit.trace makes of sizes (its time loop is unrolled);
                 # elsewhere sizes stay as they are: torch.export keeps a dynamic batch symbolic
-                seq_len, n_batch = int(seq_len), int(n_batch)
+                seq_len, n_batch = sizes_of(x)[:2]
             if seq_len == 0:
                 # torch.nn.LSTM refuses it too; an empty batch (n_batch == 0) is fine, as in torch
                 raise ValueError(
@@ -318,6 +331,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             sizes = [n_batch] * seq_len
             sorted_idx = unsorted_idx = None
         check_params_match(data, self.weight_ih_l0, owner)
+        self._check_parameters(data, owner)
         h0, c0 = self._initial_state(hx, data, n_batch, batched, sorted_idx)
 
         layer_in = data
@@ -418,9 +432,15 @@ class _LNRNNBase(NotScriptable, nn.Module):
     def _fused(
         self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        g = self._get
         hs = self.hidden_size
         sched = _fused.make_schedule(sizes, reverse)
+
+        def g(name: str) -> Tensor | None:
+            # A normalization parameter in the compute dtype and contiguous, as the C kernels
+            # read it (a no-op when it already is; autograd takes the gradient back through it).
+            p = self._get(name)
+            return None if p is None else p.to(data.dtype).contiguous()
+
         w_ih, w_hh, b_ih, b_hh = self._weights(sfx)
         ln = self.norm == "layer"
         xp = F.linear(data, w_ih)  # all time steps in one GEMM
@@ -453,7 +473,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 gx, h0, w_hh,
                 None if w1 is None else w1[: 2 * hs], None if b1 is None else b1[: 2 * hs],
                 None if w1 is None else w1[2 * hs :], None if b1 is None else b1[2 * hs :],
-                None if b_hh is None else b_hh[2 * hs :], sched, self.eps, ln,
+                None if b_hh is None else b_hh[2 * hs :].contiguous(), sched, self.eps, ln,
             )  # fmt: skip
             return out, h_n, None
         bsum = None if b_ih is None else b_ih + b_hh
@@ -504,6 +524,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         weights = self._weights(sfx)
         h, c = h0, c0
+        rows = sizes_of(h0)[0]  # every sequence's row, the ended ones included
         outs: list[Tensor] = [data] * len(sizes)
         carry_norm = self.normalize_cell_state and self.norm == "layer"
         for t, off, bs in _fused.make_schedule(sizes, reverse):
@@ -514,13 +535,13 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 h_t, c_t = _steps.lstm_step(
                     x_t, h[:bs], c[:bs], weights, n_ih, n_hh, n_c, carry_norm
                 )
-                c = c_t if bs == c.shape[0] else torch.cat((c_t, c[bs:]))
+                c = c_t if bs == rows else torch.cat((c_t, c[bs:]))
             elif self.mode == "GRU":
                 h_t = _steps.gru_step(x_t, h[:bs], weights, n_ih, n_hh)
             else:
                 h_t = _steps.rnn_step(x_t, h[:bs], weights, n_ih, self.nonlinearity)
             # rows past bs belong to sequences that ended (or, in reverse, have not begun)
-            h = h_t if bs == h.shape[0] else torch.cat((h_t, h[bs:]))
+            h = h_t if bs == rows else torch.cat((h_t, h[bs:]))
             outs[t] = h_t
         return torch.cat(outs), h, c
 

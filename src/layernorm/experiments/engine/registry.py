@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ __all__ = [
     "Experiment",
     "Record",
     "RunContext",
+    "RunIdentity",
     "Verdict",
     "apply_overrides",
     "check_choices",
@@ -78,6 +81,48 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class RunIdentity:
+    """What a run's saved files must have been made with for ``--resume`` to trust them.
+
+    Attributes:
+        settings: canonical JSON of everything that determines the records: the experiment, the
+            full configuration, quick or not, the seed and the code's version (see
+            :func:`~layernorm.experiments.engine.runner.run_identity`).
+        id: a hash of ``settings``, stored in every checkpoint and run file.
+    """
+
+    settings: str
+    id: str
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any]) -> RunIdentity:
+        """The identity of ``settings`` (JSON values)."""
+        text = json.dumps(settings, sort_keys=True, separators=(",", ":"))
+        return cls(text, hashlib.sha256(text.encode()).hexdigest()[:16])
+
+    def difference(self, other: Mapping[str, Any] | None) -> str:
+        """``"lr: 0.001 there, 0.01 now; seed: …"``: how saved ``other`` settings differ from
+        these, key by key (nested keys joined with dots)."""
+        if other is None:
+            return "the saved files record no settings (made by an older version)"
+        now, then = _flatten(json.loads(self.settings)), _flatten(other)
+        keys = sorted(set(now) | set(then))
+        diffs = [f"{k}: {then.get(k, '(absent)')!r} there, {now.get(k, '(absent)')!r} now"
+                 for k in keys if now.get(k) != then.get(k)]  # fmt: skip
+        return "; ".join(diffs) or "the same settings"
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out |= _flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@dataclass(frozen=True)
 class RunContext:
     """Everything a run needs besides its configuration.
 
@@ -88,6 +133,8 @@ class RunContext:
         quick: the reduced setting (minutes on a 2-core CPU) instead of the paper's.
         resume: continue from checkpoints found in ``out_dir`` instead of starting over.
         progress: show progress bars.
+        identity: the settings the run's files are made with and checked against on resume
+            (``None``: not checked; the runner always sets it).
     """
 
     out_dir: Path
@@ -96,6 +143,7 @@ class RunContext:
     quick: bool = False
     resume: bool = False
     progress: bool = True
+    identity: RunIdentity | None = None
 
     def run_seed(self, index: int) -> int:
         """The seed of run ``index`` of an experiment's seed loop: ``seed · 1000 + index``, so the

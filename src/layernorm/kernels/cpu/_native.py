@@ -1,6 +1,8 @@
-"""Load and call the fused C kernels of :mod:`._csrc` (built and cached by :mod:`.cbuild`).
+"""Load and call the fused C kernels of ``csrc/norms.c`` (built and cached by :mod:`.cbuild`).
 
-The functions are called through :mod:`ctypes` on raw data pointers. Set
+Each kernel takes one pointer to its argument struct (:mod:`.abi` describes every field). Every
+call first checks each tensor's dtype, device, layout and shape and each scalar's range against
+that description (:func:`.abi.check_call`), so C never sees a pointer to too little memory. Set
 ``LAYERNORM_CPU_COMPILE=0`` to use the eager ATen compositions instead. If the compiler is missing
 or the build fails, the eager path is used and a warning says why, once.
 """
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import _csrc, cbuild
+from . import abi, cache, cbuild
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
 ENV_CACHE = cbuild.ENV_CACHE
@@ -24,36 +26,26 @@ ENV_CACHE = cbuild.ENV_CACHE
 # (the same grain PyTorch uses for its own parallel loops).
 _GRAIN = 32768
 
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_INT = ctypes.c_int
-_DBL = ctypes.c_double
-_SIGNATURES: dict[str, tuple[object, tuple]] = {
-    "ln_fwd": (None, (_P, _P, _P, _P, _P, _P, _I64, _I64, _DBL, _INT)),
-    "ln_bwd": (_INT, (_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT)),
-    "rms_fwd": (None, (_P, _P, _P, _P, _I64, _I64, _DBL, _INT)),
-    "rms_bwd": (_INT, (_P, _P, _P, _P, _P, _P, _I64, _I64, _INT)),
-    "ada_fwd": (None, (_P, _P, _P, _P, _I64, _I64, _DBL, _DBL, _DBL, _INT)),
-    "ada_bwd": (None, (_P, _P, _P, _P, _P, _I64, _I64, _DBL, _DBL, _INT)),
-}
+_CSRC = abi.CSRC_DIR
+#: The translation units of the norm kernels (headers are found next to them).
+SOURCES = (_CSRC / "norms.c",)
 
 
 def _build() -> Path:
     """Compile the kernels if no cached build matches; return the library's path."""
-    return cbuild.build_shared_library(_csrc.source(), "layernorm_cpu")
+    return cbuild.build_shared_library(SOURCES, "layernorm_cpu")
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(_build()))
-        for base, (restype, argtypes) in _SIGNATURES.items():
-            for dtype, suffix in _SUFFIX.items():
-                fn = getattr(lib, f"{base}_{suffix}")
-                fn.restype = restype
-                fn.argtypes = argtypes
-                _FNS[base, dtype] = fn
+        lib = cache.load_library(_build)  # checked, and rebuilt once if damaged
+        for kernel in abi.KERNELS:
+            for dtype, (_, suffix) in abi.INSTANCES.items():
+                fn = getattr(lib, f"{kernel.name}_{suffix}")
+                fn.restype = ctypes.c_int
+                fn.argtypes = (ctypes.POINTER(abi.structure(kernel, dtype)),)
+                _FNS[kernel.name, dtype] = fn
         return lib
     except Exception as err:  # any failure falls back to the always-correct eager path
         warnings.warn(
@@ -77,7 +69,7 @@ def supports(x: Tensor, *params: Tensor | None) -> bool:
     params (``None`` allowed) in x's dtype. Called on every op, so only cheap attribute checks.
     """
     dt = x.dtype
-    if dt not in _SUFFIX or not x.is_cpu or not x.is_contiguous():
+    if dt not in abi.INSTANCES or not x.is_cpu or not x.is_contiguous():
         return False
     for p in params:
         if p is not None and (p.dtype is not dt or not p.is_cpu or not p.is_contiguous()):
@@ -89,13 +81,17 @@ def _threads(m: int, n: int) -> int:
     return max(1, min(torch.get_num_threads(), m, (m * n) // _GRAIN))
 
 
-def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+_BINDERS = {k.name: abi.Binder(k) for k in abi.KERNELS}
 
 
-def _check(status: int) -> None:
+def _call(name: str, **values: object) -> None:
+    """Check ``values`` against kernel ``name``'s description, then run it."""
+    args = _BINDERS[name](values)
+    x = values["x"]
+    assert isinstance(x, Tensor)
+    status = _FNS[name, x.dtype](ctypes.byref(args))
     if status != 0:
-        raise MemoryError("layernorm: the fused CPU backward could not allocate its buffers")
+        raise MemoryError(f"layernorm: the fused CPU kernel {name} could not allocate its buffers")
 
 
 def ln_fwd(
@@ -104,9 +100,8 @@ def ln_fwd(
     m, n = x.shape
     y = torch.empty_like(x)
     mean, rstd = x.new_empty(m), x.new_empty(m)
-    fn = _FNS["ln_fwd", x.dtype]
-    yp, mp, rp = y.data_ptr(), mean.data_ptr(), rstd.data_ptr()
-    fn(x.data_ptr(), _ptr(weight), _ptr(bias), yp, mp, rp, m, n, eps, _threads(m, n))
+    _call("ln_fwd", x=x, weight=weight, bias=bias, y=y, mean=mean, rstd=rstd, eps=eps,
+          threads=_threads(m, n))  # fmt: skip
     return y, mean, rstd
 
 
@@ -116,8 +111,8 @@ def ln_bwd(
     mean: Tensor,
     rstd: Tensor,
     weight: Tensor | None,
-    keep_mean: bool,
-    keep_std: bool,
+    detach_mean: bool,
+    detach_std: bool,
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
@@ -126,18 +121,16 @@ def ln_bwd(
     dx = torch.empty_like(x) if need_dx else None
     dw = x.new_empty(n) if need_dw else None
     db = x.new_empty(n) if need_db else None
-    fn = _FNS["ln_bwd", x.dtype]
-    inputs = (dy.data_ptr(), x.data_ptr(), mean.data_ptr(), rstd.data_ptr(), _ptr(weight))
-    outputs = (_ptr(dx), _ptr(dw), _ptr(db))
-    _check(fn(*inputs, *outputs, m, n, keep_mean, keep_std, _threads(m, n)))
+    _call("ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=weight, dx=dx, dweight=dw,
+          dbias=db, detach_mean=int(detach_mean), detach_std=int(detach_std),
+          threads=_threads(m, n))  # fmt: skip
     return dx, dw, db
 
 
 def rms_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     m, n = x.shape
     y, rstd = torch.empty_like(x), x.new_empty(m)
-    fn = _FNS["rms_fwd", x.dtype]
-    fn(x.data_ptr(), _ptr(weight), y.data_ptr(), rstd.data_ptr(), m, n, eps, _threads(m, n))
+    _call("rms_fwd", x=x, weight=weight, y=y, rstd=rstd, eps=eps, threads=_threads(m, n))
     return y, rstd
 
 
@@ -147,9 +140,8 @@ def rms_bwd(
     m, n = x.shape
     dx = torch.empty_like(x) if need_dx else None
     dw = x.new_empty(n) if need_dw else None
-    fn = _FNS["rms_bwd", x.dtype]
-    inputs = (dy.data_ptr(), x.data_ptr(), rstd.data_ptr(), _ptr(weight))
-    _check(fn(*inputs, _ptr(dx), _ptr(dw), m, n, _threads(m, n)))
+    _call("rms_bwd", dy=dy, x=x, rstd=rstd, weight=weight, dx=dx, dweight=dw,
+          threads=_threads(m, n))  # fmt: skip
     return dx, dw
 
 
@@ -157,16 +149,14 @@ def ada_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tens
     m, n = x.shape
     z = torch.empty_like(x)
     mean, rstd = x.new_empty(m), x.new_empty(m)
-    fn = _FNS["ada_fwd", x.dtype]
-    outputs = (z.data_ptr(), mean.data_ptr(), rstd.data_ptr())
-    fn(x.data_ptr(), *outputs, m, n, eps, k, scale, _threads(m, n))
+    _call("ada_fwd", x=x, z=z, mean=mean, rstd=rstd, eps=eps, k=k, scale=scale,
+          threads=_threads(m, n))  # fmt: skip
     return z, mean, rstd
 
 
 def ada_bwd(dz: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, k: float, scale: float) -> Tensor:
     m, n = x.shape
     dx = torch.empty_like(x)
-    fn = _FNS["ada_bwd", x.dtype]
-    inputs = (dz.data_ptr(), x.data_ptr(), mean.data_ptr(), rstd.data_ptr())
-    fn(*inputs, dx.data_ptr(), m, n, k, scale, _threads(m, n))
+    _call("ada_bwd", dz=dz, x=x, mean=mean, rstd=rstd, dx=dx, k=k, scale=scale,
+          threads=_threads(m, n))  # fmt: skip
     return dx

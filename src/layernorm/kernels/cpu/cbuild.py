@@ -1,10 +1,17 @@
-"""Compile a C source into a cached shared library: the build step of every fused CPU kernel.
+"""Compile C source files into a cached shared library: the build step of every fused CPU kernel.
 
-Sources include no PyTorch headers, so a build takes about a second with the system C compiler.
-Libraries are cached under ``$LAYERNORM_CACHE_DIR`` (default ``~/.cache/layernorm``), keyed by a
-hash of the source, the flags, the compiler and the CPU's instruction sets (the build uses
+Sources (``.c``/``.h`` files shipped in the package's ``csrc`` folders) include no PyTorch
+headers, so a build takes about a second with the system C compiler. Headers are found next to the
+sources (``-I`` each source's folder). Libraries are cached under ``$LAYERNORM_CACHE_DIR``
+(default ``~/.cache/layernorm``; which folders are trusted, and which libraries are loaded, is
+:mod:`.cache`'s business), keyed by a hash of the content of every ``.c``/``.h`` file in
+those folders, the flags, the compiler and the CPU's instruction sets (the default target is
 ``-march=native``), so a changed kernel or another machine never loads a stale binary. They link
 the ``libgomp`` that PyTorch has already loaded, so both share one OpenMP thread pool.
+
+Builds use ``-Wall -Wextra``; the compiler's warnings are shown as a ``RuntimeWarning``.
+``LAYERNORM_CPU_SANITIZE=1`` adds AddressSanitizer and UndefinedBehaviorSanitizer (a separate
+cache entry; the process must preload their runtimes, see the Makefile's ``sanitize`` target).
 """
 
 from __future__ import annotations
@@ -16,11 +23,22 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-ENV_CACHE = "LAYERNORM_CACHE_DIR"
-BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+from . import cache
+
+ENV_CACHE = cache.ENV_CACHE
+ENV_SANITIZE = "LAYERNORM_CPU_SANITIZE"
+BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wall", "-Wextra")
+#: The instruction-set target when the caller names none.
+NATIVE_ISA = ("-march=native",)
+SANITIZE_FLAGS = (
+    "-fsanitize=address,undefined",
+    "-fno-omit-frame-pointer",
+    "-fno-sanitize-recover=undefined",
+)
 
 
 def cpu_flags() -> str:
@@ -49,19 +67,8 @@ def loaded_libgomp() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get(ENV_CACHE) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "layernorm"
-    )
-    path = Path(root)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
-    except OSError:
-        pass
-    path = Path(tempfile.gettempdir()) / f"layernorm-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """The cache folder: one this user owns and no one else can write (see :mod:`.cache`)."""
+    return cache.cache_dir()
 
 
 def compiler() -> str | None:
@@ -72,8 +79,37 @@ def compiler() -> str | None:
     return None
 
 
-def build_shared_library(source: str, stem: str, extra_flags: Sequence[str] = ()) -> Path:
-    """Compile ``source`` unless a matching cached build exists; return the library's path.
+def sanitizing() -> bool:
+    """True when ``LAYERNORM_CPU_SANITIZE=1``: build with ASan + UBSan."""
+    return os.environ.get(ENV_SANITIZE, "0") == "1"
+
+
+def build_flags(
+    extra_flags: Sequence[str] = (), isa_flags: Sequence[str] = NATIVE_ISA
+) -> tuple[str, ...]:
+    """The compiler flags of a build (all part of the cache key)."""
+    sanitize = SANITIZE_FLAGS if sanitizing() else ()
+    return (*BASE_FLAGS, *isa_flags, *sanitize, *extra_flags)
+
+
+def source_files(sources: Sequence[Path]) -> list[Path]:
+    """Every ``.c``/``.h`` file a build of ``sources`` may read: the sources and their folders'
+    C files (headers are found there), sorted, each once."""
+    found = {Path(s).resolve() for s in sources}
+    for folder in {p.parent for p in found}:
+        found.update(p.resolve() for p in folder.iterdir() if p.suffix in (".c", ".h"))
+    return sorted(found)
+
+
+def build_shared_library(
+    sources: Sequence[Path],
+    stem: str,
+    extra_flags: Sequence[str] = (),
+    *,
+    isa_flags: Sequence[str] = NATIVE_ISA,
+) -> Path:
+    """Compile the C files ``sources`` into one library unless a matching cached build exists;
+    return the library's path. ``isa_flags`` picks the instruction-set target.
 
     Raises ``RuntimeError`` naming the cause (not Linux, no compiler, compiler error); callers
     fall back to their eager PyTorch paths.
@@ -84,22 +120,33 @@ def build_shared_library(source: str, stem: str, extra_flags: Sequence[str] = ()
     if cc is None:
         raise RuntimeError("no C compiler found (tried $CC, cc, gcc)")
     gomp = loaded_libgomp()
-    flags = (*BASE_FLAGS, *extra_flags)
-    key = hashlib.sha256(
-        "\n".join([source, " ".join(flags), cc, gomp or "", cpu_flags()]).encode()
-    ).hexdigest()[:16]
+    srcs = [Path(s).resolve() for s in sources]
+    includes = [f"-I{d}" for d in dict.fromkeys(p.parent for p in srcs)]
+    flags = build_flags(extra_flags, isa_flags)
+    digest = hashlib.sha256("\n".join([" ".join(flags), cc, gomp or "", cpu_flags()]).encode())
+    for path in source_files(srcs):
+        # the name too: the same text as another file must not collide; folders may move
+        digest.update(f"\0{path.name}\0".encode())
+        digest.update(path.read_bytes())
+    digest.update("\0".join(p.name for p in srcs).encode())
+    key = digest.hexdigest()[:16]
     out = cache_dir() / f"{stem}_{key}.so"
     if out.exists():
         return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        c_file = Path(tmp) / f"{stem}.c"
-        c_file.write_text(source)
         tmp_so = Path(tmp) / out.name
         # Link PyTorch's own libgomp when it has one (same soname, so the loader maps it once).
         link = [gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"] if gomp else []
-        cmd = [cc, *flags, str(c_file), "-o", str(tmp_so), *link, "-lm"]
+        cmd = [cc, *flags, *includes, *map(str, srcs), "-o", str(tmp_so), *link, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        if proc.stderr.strip():
+            warnings.warn(
+                f"layernorm: compiler warnings building {stem}:\n{proc.stderr[-4000:]}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        cache.seal(tmp_so)
         os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written library
     return out

@@ -49,7 +49,7 @@ def layer_norm_bwd(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     if _native.supports(x, dy, weight):
         return _native.ln_bwd(
-            dy, x, mean, rstd, weight, not detach_mean, not detach_std,
+            dy, x, mean, rstd, weight, detach_mean, detach_std,
             need_dx, need_dw and weight is not None, need_db,
         )  # fmt: skip
     cdt = compute_dtype(x)

@@ -1,0 +1,482 @@
+/* The norm kernels over one scalar type: included by norms.c with scalar_t (float or double) and
+   SUF (f32 or f64) defined; every external name ends in _SUF.
+
+   Per row, with x̂ = (x − μ)·rstd and g = dy ⊙ w:
+
+     layer norm   dx = rstd · (g − a·mean(g) − b·x̂·mean(g ⊙ x̂))   a = 0 if μ detached, b = 0 if σ
+     RMSNorm      dx = rstd · (g − x̂·mean(g ⊙ x̂))                 x̂ = x·rstd
+     AdaNorm      d  = dz ⊙ C·(1 − k·x̂),  dx = rstd · (d − mean(d) − x̂·mean(d ⊙ x̂))
+     all          dw = Σ_rows dy ⊙ x̂,  db = Σ_rows dy
+
+   Statistics. μ is found in two sweeps (the second finds the row in cache). The first sums
+   x − x0, x0 = the row's first element, so μ = x0 + Σ(x − x0)/N in float64; on a constant row
+   every term is exactly 0 and μ = x0 exactly. μ is kept as hi + lo, hi = μ rounded to scalar_t;
+   the second sweep sums (x − hi)², exact in scalar_t for x near hi, and
+   var = Σ(x − hi)²/N − lo²  (= Σ(x − μ)²/N, since Σ(x − hi) = N·lo). A constant row thus has
+   μ = x, var = 0 and y = bias exactly. The forward computes (x − hi) − lo, so y carries the
+   rounding of a subtraction of the exact mean, not of a rounded one. Every sum is blocked (see
+   BLOCK in norms_common.h). */
+
+#define FN(name) LN_CAT(name, SUF)
+
+/* A vector of N ones, kept per calling thread: a missing gain becomes w = 1, so every backward
+   loop has a single form instead of one per combination of optional arguments. */
+static __thread scalar_t* FN(ones_buf) = NULL;
+static __thread i64 FN(ones_cap) = 0;
+
+static const scalar_t* FN(ones)(i64 n) {
+    if (n > FN(ones_cap)) {
+        free(FN(ones_buf));
+        FN(ones_buf) = (scalar_t*)malloc((size_t)n * sizeof(scalar_t));
+        FN(ones_cap) = FN(ones_buf) ? n : 0;
+        if (!FN(ones_buf)) return NULL;
+        for (i64 j = 0; j < n; ++j) FN(ones_buf)[j] = 1;
+    }
+    return FN(ones_buf);
+}
+
+/* End of a block: the LANES partial sums, folded once in scalar_t, are added into HALF float64
+   partial sums (a vector add and conversions, where a full fold per block would cost as much
+   as the block's own adds). */
+static inline void FN(flush)(const scalar_t* restrict p, acc_t* restrict acc) {
+    for (int l = 0; l < HALF; ++l) acc[l] += (acc_t)(p[l] + p[l + HALF]);
+}
+
+/* Σ x² over one row. */
+static acc_t FN(row_sum_sq)(const scalar_t* restrict xr, i64 N) {
+    const i64 nfull = N - N % LANES;
+    acc_t sa[HALF] = {0};
+    for (i64 j = 0; j < nfull;) {
+        const i64 end = block_end(j, nfull);
+        scalar_t ps[LANES] = {0};
+        for (; j < end; j += LANES)
+            for (int l = 0; l < LANES; ++l) ps[l] += xr[j + l] * xr[j + l];
+        FN(flush)(ps, sa);
+    }
+    acc_t s = 0;
+    for (i64 j = nfull; j < N; ++j) s += (acc_t)xr[j] * xr[j];
+    return s + fold_half(sa);
+}
+
+/* μ (as hi + lo) and 1/sqrt(var + eps) of one row; see the statistics note at the top. The second
+   sweep finds the row in cache. */
+static void FN(row_moments)(const scalar_t* restrict xr, i64 N, double eps, scalar_t* hi,
+                            scalar_t* lo, acc_t* r) {
+    const scalar_t x0 = xr[0];
+    const i64 nfull = N - N % LANES;
+    acc_t sa[HALF] = {0}, sb[HALF] = {0};
+    for (i64 j = 0; j < nfull;) {
+        const i64 end = block_end(j, nfull);
+        scalar_t ps[LANES] = {0};
+        for (; j < end; j += LANES)
+            for (int l = 0; l < LANES; ++l) ps[l] += xr[j + l] - x0;
+        FN(flush)(ps, sa);
+    }
+    acc_t s = 0;
+    for (i64 j = nfull; j < N; ++j) s += (scalar_t)(xr[j] - x0);
+    const acc_t mu = (acc_t)x0 + (s + fold_half(sa)) / (acc_t)N;
+    const scalar_t h = (scalar_t)mu;
+    const acc_t dl = mu - (acc_t)h;
+    for (i64 j = 0; j < nfull;) {
+        const i64 end = block_end(j, nfull);
+        scalar_t pss[LANES] = {0};
+        for (; j < end; j += LANES)
+            for (int l = 0; l < LANES; ++l) {
+                const scalar_t d = xr[j + l] - h;
+                pss[l] += d * d;
+            }
+        FN(flush)(pss, sb);
+    }
+    acc_t sdd = 0;
+    for (i64 j = nfull; j < N; ++j) {
+        const acc_t d = (scalar_t)(xr[j] - h);
+        sdd += d * d;
+    }
+    acc_t var = (sdd + fold_half(sb)) / (acc_t)N - dl * dl;
+    if (var < 0) var = 0;
+    *hi = h;
+    *lo = (scalar_t)dl;
+    *r = 1.0 / sqrt(var + eps);
+}
+
+/* Σ g and Σ g·x̂ over one row (g = dy ⊙ w, x̂ = (x − m)·r); with fwa/fba, also adds the row's
+   dy ⊙ x̂ and dy to the weight/bias accumulators in the same sweep. */
+static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* restrict xr,
+                              const scalar_t* restrict w, scalar_t m, scalar_t r, i64 N,
+                              scalar_t* restrict fwa, scalar_t* restrict fba, acc_t* sg,
+                              acc_t* sgx) {
+    const i64 nfull = N - N % LANES;
+    acc_t sa[HALF] = {0}, sb[HALF] = {0};
+    for (i64 j = 0; j < nfull;) {
+        const i64 end = block_end(j, nfull);
+        scalar_t pg[LANES] = {0}, pgx[LANES] = {0};
+        if (fwa) {
+            for (; j < end; j += LANES)
+                for (int l = 0; l < LANES; ++l) {
+                    const scalar_t d = dyr[j + l], xh = (xr[j + l] - m) * r, g = d * w[j + l];
+                    pg[l] += g;
+                    pgx[l] += g * xh;
+                    fwa[j + l] += d * xh;
+                    fba[j + l] += d;
+                }
+        } else {
+            for (; j < end; j += LANES)
+                for (int l = 0; l < LANES; ++l) {
+                    const scalar_t g = dyr[j + l] * w[j + l];
+                    pg[l] += g;
+                    pgx[l] += g * ((xr[j + l] - m) * r);
+                }
+        }
+        FN(flush)(pg, sa);
+        FN(flush)(pgx, sb);
+    }
+    acc_t tg = 0, tgx = 0;
+    for (i64 j = nfull; j < N; ++j) {
+        const scalar_t d = dyr[j], xh = (xr[j] - m) * r, g = d * w[j];
+        tg += g;
+        tgx += (acc_t)g * xh;
+        if (fwa) {
+            fwa[j] += d * xh;
+            fba[j] += d;
+        }
+    }
+    *sg = tg + fold_half(sa);
+    *sgx = tgx + fold_half(sb);
+}
+
+/* row_grad_sums for two rows at once, when dw/db are wanted: each accumulator element is loaded
+   and stored once per pair of rows instead of once per row. */
+static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t* restrict x0,
+                                   const scalar_t* restrict dy1, const scalar_t* restrict x1,
+                                   const scalar_t* restrict w, const scalar_t* m,
+                                   const scalar_t* r, i64 N, scalar_t* restrict fwa,
+                                   scalar_t* restrict fba, acc_t* sg, acc_t* sgx) {
+    const scalar_t m0 = m[0], r0 = r[0], m1 = m[1], r1 = r[1];
+    const i64 nfull = N - N % LANES;
+    acc_t a0[HALF] = {0}, b0[HALF] = {0}, a1[HALF] = {0}, b1[HALF] = {0};
+    for (i64 j = 0; j < nfull;) {
+        const i64 end = block_end(j, nfull);
+        scalar_t pg0[LANES] = {0}, pgx0[LANES] = {0}, pg1[LANES] = {0}, pgx1[LANES] = {0};
+        for (; j < end; j += LANES)
+            for (int l = 0; l < LANES; ++l) {
+                const scalar_t d0 = dy0[j + l], xh0 = (x0[j + l] - m0) * r0, g0 = d0 * w[j + l];
+                const scalar_t d1 = dy1[j + l], xh1 = (x1[j + l] - m1) * r1, g1 = d1 * w[j + l];
+                pg0[l] += g0;
+                pgx0[l] += g0 * xh0;
+                pg1[l] += g1;
+                pgx1[l] += g1 * xh1;
+                fwa[j + l] += d0 * xh0 + d1 * xh1;
+                fba[j + l] += d0 + d1;
+            }
+        FN(flush)(pg0, a0);
+        FN(flush)(pgx0, b0);
+        FN(flush)(pg1, a1);
+        FN(flush)(pgx1, b1);
+    }
+    acc_t tg0 = 0, tgx0 = 0, tg1 = 0, tgx1 = 0;
+    for (i64 j = nfull; j < N; ++j) {
+        const scalar_t d0 = dy0[j], xh0 = (x0[j] - m0) * r0, g0 = d0 * w[j];
+        const scalar_t d1 = dy1[j], xh1 = (x1[j] - m1) * r1, g1 = d1 * w[j];
+        tg0 += g0;
+        tgx0 += (acc_t)g0 * xh0;
+        tg1 += g1;
+        tgx1 += (acc_t)g1 * xh1;
+        fwa[j] += d0 * xh0 + d1 * xh1;
+        fba[j] += d0 + d1;
+    }
+    sg[0] = tg0 + fold_half(a0);
+    sgx[0] = tgx0 + fold_half(b0);
+    sg[1] = tg1 + fold_half(a1);
+    sgx[1] = tgx1 + fold_half(b1);
+}
+
+/* ------------------------------------------------------------------ layer norm forward ---- */
+
+static void FN(ln_fwd_rows)(const FN(ln_fwd_args)* a, i64 lo, i64 hi) {
+    const i64 N = a->N;
+    const scalar_t* restrict w = a->weight;
+    const scalar_t* restrict b = a->bias;
+    for (i64 i = lo; i < hi; ++i) {
+        const scalar_t* restrict xr = a->x + i * N;
+        scalar_t* restrict yr = a->y + i * N;
+        scalar_t mh, ml;
+        acc_t r;
+        FN(row_moments)(xr, N, a->eps, &mh, &ml, &r);
+        a->mean[i] = mh;
+        const scalar_t rf = a->rstd[i] = (scalar_t)r;
+        if (w && b) {
+            #pragma omp simd
+            for (i64 j = 0; j < N; ++j) yr[j] = ((xr[j] - mh) - ml) * rf * w[j] + b[j];
+        } else if (w) {
+            #pragma omp simd
+            for (i64 j = 0; j < N; ++j) yr[j] = ((xr[j] - mh) - ml) * rf * w[j];
+        } else if (b) {
+            #pragma omp simd
+            for (i64 j = 0; j < N; ++j) yr[j] = ((xr[j] - mh) - ml) * rf + b[j];
+        } else {
+            #pragma omp simd
+            for (i64 j = 0; j < N; ++j) yr[j] = ((xr[j] - mh) - ml) * rf;
+        }
+    }
+}
+
+int FN(ln_fwd)(const FN(ln_fwd_args)* a) {
+    if (a->threads <= 1) {
+        FN(ln_fwd_rows)(a, 0, a->M);
+        return 0;
+    }
+    #pragma omp parallel num_threads(a->threads)
+    {
+        i64 lo, hi;
+        row_block(a->M, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
+        FN(ln_fwd_rows)(a, lo, hi);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ shared backward ------- */
+
+/* What the layer-norm and RMSNorm backwards share. mean = NULL means μ = 0 (RMSNorm, whose
+   detach_mean is then 1: there is no mean term); w is never NULL (ones stand in); dx may be NULL;
+   fwa/fba (per-row-block sums in scalar_t) and dwa/dba (float64) are all NULL or all set. */
+typedef struct {
+    const scalar_t* dy;
+    const scalar_t* x;
+    const scalar_t* mean;
+    const scalar_t* rstd;
+    const scalar_t* w;
+    scalar_t* dx;
+    scalar_t* dw;
+    scalar_t* db;
+    i64 M, N;
+    int detach_mean, detach_std, threads;
+} FN(bwd_job);
+
+/* Rows [lo, hi). The first sweep reads dy and x from memory; the second, which writes dx, finds
+   them in cache. */
+static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* restrict dba,
+                         scalar_t* restrict fwa, scalar_t* restrict fba, i64 lo, i64 hi) {
+    const i64 N = jb->N;
+    const scalar_t* restrict w = jb->w;
+    scalar_t* restrict dx = jb->dx;
+    const int need_sums = dx && !(jb->detach_mean && jb->detach_std);
+    int pending = 0;  /* rows added to fwa/fba since the last float64 flush */
+    for (i64 i = lo; i < hi;) {
+        const int rows = (dwa && i + 1 < hi) ? 2 : 1;
+        scalar_t m[2], r[2];
+        acc_t sg[2] = {0, 0}, sgx[2] = {0, 0};
+        for (int k = 0; k < rows; ++k) {
+            m[k] = jb->mean ? jb->mean[i + k] : 0;
+            r[k] = jb->rstd[i + k];
+        }
+        const scalar_t *dy0 = jb->dy + i * N, *x0 = jb->x + i * N;
+        if (rows == 2)
+            FN(row_pair_grad_sums)(dy0, x0, dy0 + N, x0 + N, w, m, r, N, fwa, fba, sg, sgx);
+        else if (need_sums || dwa)
+            FN(row_grad_sums)(dy0, x0, w, m[0], r[0], N, fwa, fba, sg, sgx);
+        pending += rows;
+        /* dw/db: FLUSH rows summed in the input precision, then moved into float64 (a float64
+           add per element and row would cost as much as the rest of the sweep). */
+        if (dwa && (pending >= FLUSH || i + rows == hi)) {
+            #pragma omp simd
+            for (i64 j = 0; j < N; ++j) {
+                dwa[j] += fwa[j];
+                dba[j] += fba[j];
+                fwa[j] = 0;
+                fba[j] = 0;
+            }
+            pending = 0;
+        }
+        for (int k = 0; dx && k < rows; ++k) {
+            const scalar_t* restrict dyr = dy0 + k * N;
+            const scalar_t* restrict xr = x0 + k * N;
+            scalar_t* restrict dxr = dx + (i + k) * N;
+            const scalar_t c1 = jb->detach_mean ? 0 : (scalar_t)(sg[k] / (acc_t)N);
+            const scalar_t c2 = jb->detach_std ? 0 : (scalar_t)(sgx[k] / (acc_t)N);
+            const scalar_t mf = m[k], rf = r[k];
+            #pragma omp simd
+            for (i64 j = 0; j < N; ++j)
+                dxr[j] = rf * (dyr[j] * w[j] - c1 - (xr[j] - mf) * rf * c2);
+        }
+        i += rows;
+    }
+}
+
+static int FN(bwd_run)(FN(bwd_job)* jb) {
+    const i64 N = jb->N;
+    const int nt = jb->threads < 1 ? 1 : jb->threads;
+    if (!jb->w && !(jb->w = FN(ones)(N))) return 1;
+    /* Per thread: float64 dw/db sums, then blocks of rows in the input precision. Both always
+       accumulate together: one loop form, and db costs one add. */
+    acc_t *dwa = NULL, *dba = NULL;
+    scalar_t *fwa = NULL, *fba = NULL;
+    if (jb->dw || jb->db) {
+        const i64 nacc = 2 * (i64)nt * N;
+        const i64 nflt = (i64)((2 * (size_t)nt * (size_t)N * sizeof(scalar_t) + 7) / sizeof(acc_t));
+        if (!(dwa = zeroed_scratch(nacc + nflt))) return 2;
+        dba = dwa + (i64)nt * N;
+        fwa = (scalar_t*)(dwa + nacc);
+        fba = fwa + (i64)nt * N;
+    }
+    if (nt == 1) {
+        FN(bwd_rows)(jb, dwa, dba, fwa, fba, 0, jb->M);
+    } else {
+        #pragma omp parallel num_threads(nt)
+        {
+            const i64 t = omp_get_thread_num();
+            i64 lo, hi;
+            row_block(jb->M, omp_get_num_threads(), (int)t, &lo, &hi);
+            if (dwa)
+                FN(bwd_rows)(jb, dwa + t * N, dba + t * N, fwa + t * N, fba + t * N, lo, hi);
+            else
+                FN(bwd_rows)(jb, NULL, NULL, NULL, NULL, lo, hi);
+        }
+    }
+    if (jb->dw) {
+        reduce_buffers(dwa, nt, N);
+        for (i64 j = 0; j < N; ++j) jb->dw[j] = (scalar_t)dwa[j];
+    }
+    if (jb->db) {
+        reduce_buffers(dba, nt, N);
+        for (i64 j = 0; j < N; ++j) jb->db[j] = (scalar_t)dba[j];
+    }
+    return 0;
+}
+
+int FN(ln_bwd)(const FN(ln_bwd_args)* a) {
+    FN(bwd_job) jb = {a->dy, a->x, a->mean, a->rstd, a->weight, a->dx, a->dweight, a->dbias,
+                      a->M, a->N, a->detach_mean, a->detach_std, a->threads};
+    return FN(bwd_run)(&jb);
+}
+
+/* ------------------------------------------------------------------------ RMSNorm -------- */
+
+static void FN(rms_fwd_rows)(const FN(rms_fwd_args)* a, i64 lo, i64 hi) {
+    const i64 N = a->N;
+    const scalar_t* restrict w = a->weight;
+    for (i64 i = lo; i < hi; ++i) {
+        const scalar_t* restrict xr = a->x + i * N;
+        scalar_t* restrict yr = a->y + i * N;
+        const acc_t ss = FN(row_sum_sq)(xr, N);
+        const scalar_t rf = a->rstd[i] = (scalar_t)(1.0 / sqrt(ss / (acc_t)N + a->eps));
+        if (w) {
+            #pragma omp simd
+            for (i64 j = 0; j < N; ++j) yr[j] = xr[j] * rf * w[j];
+        } else {
+            #pragma omp simd
+            for (i64 j = 0; j < N; ++j) yr[j] = xr[j] * rf;
+        }
+    }
+}
+
+int FN(rms_fwd)(const FN(rms_fwd_args)* a) {
+    if (a->threads <= 1) {
+        FN(rms_fwd_rows)(a, 0, a->M);
+        return 0;
+    }
+    #pragma omp parallel num_threads(a->threads)
+    {
+        i64 lo, hi;
+        row_block(a->M, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
+        FN(rms_fwd_rows)(a, lo, hi);
+    }
+    return 0;
+}
+
+/* RMSNorm's backward is the layer-norm one with μ = 0 and no mean term (μ is not a variable). */
+int FN(rms_bwd)(const FN(rms_bwd_args)* a) {
+    FN(bwd_job) jb = {a->dy, a->x, NULL, a->rstd, a->weight, a->dx, a->dweight, NULL,
+                      a->M, a->N, 1, 0, a->threads};
+    return FN(bwd_run)(&jb);
+}
+
+/* ------------------------------------------------------------------------ AdaNorm -------- */
+
+static void FN(ada_fwd_rows)(const FN(ada_fwd_args)* a, i64 lo, i64 hi) {
+    const i64 N = a->N;
+    const scalar_t c = (scalar_t)a->scale, ck = (scalar_t)(a->scale * a->k);
+    for (i64 i = lo; i < hi; ++i) {
+        const scalar_t* restrict xr = a->x + i * N;
+        scalar_t* restrict zr = a->z + i * N;
+        scalar_t mh, ml;
+        acc_t r;
+        FN(row_moments)(xr, N, a->eps, &mh, &ml, &r);
+        a->mean[i] = mh;
+        const scalar_t rf = a->rstd[i] = (scalar_t)r;
+        #pragma omp simd
+        for (i64 j = 0; j < N; ++j) {
+            const scalar_t yv = ((xr[j] - mh) - ml) * rf;
+            zr[j] = (c - ck * yv) * yv;
+        }
+    }
+}
+
+int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
+    if (a->threads <= 1) {
+        FN(ada_fwd_rows)(a, 0, a->M);
+        return 0;
+    }
+    #pragma omp parallel num_threads(a->threads)
+    {
+        i64 lo, hi;
+        row_block(a->M, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
+        FN(ada_fwd_rows)(a, lo, hi);
+    }
+    return 0;
+}
+
+static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
+    const i64 N = a->N, nfull = N - N % LANES;
+    const scalar_t c = (scalar_t)a->scale, ck = (scalar_t)(a->scale * a->k);
+    for (i64 i = lo; i < hi; ++i) {
+        const scalar_t* restrict dzr = a->dz + i * N;
+        const scalar_t* restrict xr = a->x + i * N;
+        scalar_t* restrict dxr = a->dx + i * N;
+        const scalar_t m = a->mean[i], r = a->rstd[i];
+        acc_t sa[HALF] = {0}, sb[HALF] = {0};
+        for (i64 j = 0; j < nfull;) {
+            const i64 end = block_end(j, nfull);
+            scalar_t pd[LANES] = {0}, pdy[LANES] = {0};
+            for (; j < end; j += LANES)
+                for (int l = 0; l < LANES; ++l) {
+                    const scalar_t yv = (xr[j + l] - m) * r;
+                    const scalar_t d = dzr[j + l] * (c - ck * yv);  /* φ(y) held constant */
+                    pd[l] += d;
+                    pdy[l] += d * yv;
+                }
+            FN(flush)(pd, sa);
+            FN(flush)(pdy, sb);
+        }
+        acc_t sd = 0, sdy = 0;
+        for (i64 j = nfull; j < N; ++j) {
+            const scalar_t yv = (xr[j] - m) * r;
+            const scalar_t d = dzr[j] * (c - ck * yv);
+            sd += d;
+            sdy += (acc_t)d * yv;
+        }
+        const scalar_t c1 = (scalar_t)((sd + fold_half(sa)) / (acc_t)N);
+        const scalar_t c2 = (scalar_t)((sdy + fold_half(sb)) / (acc_t)N);
+        #pragma omp simd
+        for (i64 j = 0; j < N; ++j) {
+            const scalar_t yv = (xr[j] - m) * r;
+            const scalar_t d = dzr[j] * (c - ck * yv);
+            dxr[j] = r * (d - c1 - yv * c2);
+        }
+    }
+}
+
+int FN(ada_bwd)(const FN(ada_bwd_args)* a) {
+    if (a->threads <= 1) {
+        FN(ada_bwd_rows)(a, 0, a->M);
+        return 0;
+    }
+    #pragma omp parallel num_threads(a->threads)
+    {
+        i64 lo, hi;
+        row_block(a->M, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
+        FN(ada_bwd_rows)(a, lo, hi);
+    }
+    return 0;
+}
+
+#undef FN

@@ -1,0 +1,72 @@
+/* Definitions shared by the recurrent kernels (rnn_step.c, rnn_seq.c) and every instantiation of
+   their templates (rnn_step_impl.h, rnn_seq_impl.h). */
+#ifndef LAYERNORM_RNN_COMMON_H
+#define LAYERNORM_RNN_COMMON_H
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include "layernorm_rnn_abi.h"
+
+typedef int64_t i64;
+typedef double acc_t;
+
+/* Token pasting through one more macro level, so SUF is expanded before it is pasted. */
+#define RNN_CAT_(a, b) a##_##b
+#define RNN_CAT(a, b) RNN_CAT_(a, b)
+
+/* float32 exp without a libm call, so the gate loops vectorize: exp(x) = 2^n · e^r with
+   n = round(x / ln 2), r = x − n·ln 2 (ln 2 split in two for exactness) and a degree-6 minimax
+   polynomial for e^r on [−ln2/2, ln2/2] (the Cephes expf coefficients), max relative error about
+   2 ulp. x is clamped so 2^n stays a normal float. */
+static inline float fast_expf(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); /* a NaN passes through as NaN */
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* tanh(x) = sign(x)·(1 − e)/(1 + e), e = exp(−2|x|): absolute error about 1e-7. */
+static inline float fast_tanhf(float x) {
+    const float e = fast_expf(-2.0f * fabsf(x));
+    const float t = (1.0f - e) / (1.0f + e);
+    return x < 0 ? -t : t;
+}
+
+/* The sequence GEMM's vector: the widest the build's target (-march=native) has. 64-byte GCC
+   vectors on a target without AVX-512 compile to split code about 40x slower, so the width
+   follows the target; below 64 bytes the callers keep torch.mm (see rnn.sequence_gemm). */
+#if defined(__AVX512F__)
+#define VEC_BYTES 64
+#elif defined(__AVX__)
+#define VEC_BYTES 32
+#else
+#define VEC_BYTES 16
+#endif
+
+/* Threads for `work` units split `parts` ways, at least `grain` units each, at most `nt`. */
+static inline int threads_for(i64 work, i64 parts, i64 grain, int nt) {
+    i64 n = work / grain;
+    n = n < parts ? n : parts;
+    n = n < nt ? n : nt;
+    return n < 1 ? 1 : (int)n;
+}
+
+/* Whether a step's rows [off, off + rows) lie in the N rows of the sequence buffers and its
+   first `rows` rows in the B rows of the state buffers: a step outside them is refused
+   (RNN_ERR_ROWS) before any memory is touched. */
+static inline int rows_in_range(i64 off, i64 rows, i64 N, i64 B) {
+    return off >= 0 && rows >= 0 && rows <= B && off <= N - rows;
+}
+
+#endif

@@ -1,0 +1,147 @@
+"""Load and call the recurrent layers' C kernels (``csrc/rnn_step.c``, ``csrc/rnn_seq.c``).
+
+The library is compiled once per machine with the system C compiler (about a second, no PyTorch
+headers) by :mod:`.cbuild`. Every kernel takes pointers to argument structs of named fields that
+:mod:`.rnn_abi` describes; :func:`prepare` checks each tensor's dtype, device, layout and shape and
+each number's range against that description before packing a struct, so C never sees a pointer
+to too little memory. A struct is prepared once per sequence and direction; a step call then sets
+only the step's rows and threads (which C checks against the buffers' rows again).
+
+``LAYERNORM_CPU_COMPILE=0`` or a failed build makes :func:`available` false: the recurrent layers
+then use their eager step functions (a warning says why, once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import cache, cbuild, rnn_abi
+from .abi import INSTANCES
+
+ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
+#: The translation units (headers are found next to them).
+SOURCES = (rnn_abi.CSRC_DIR / "rnn_step.c", rnn_abi.CSRC_DIR / "rnn_seq.c")
+# On top of the shared flags: no errno and no FP traps, which changes no result but lets the gate
+# loops (exp, tanh) vectorize; there is no -ffast-math, so NaN and rounding behave as written.
+EXTRA_FLAGS = ("-fno-math-errno", "-fno-trapping-math")
+
+_FNS: dict[tuple[str, torch.dtype], Any] = {}
+_VECTOR_BYTES = [0]
+
+
+def _build() -> Path:
+    return cbuild.build_shared_library(SOURCES, "layernorm_rnn", EXTRA_FLAGS)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = cache.load_library(_build)  # checked, and rebuilt once if damaged
+        for kernel in rnn_abi.KERNELS:
+            for dtype, (_, suffix) in INSTANCES.items():
+                fn = getattr(lib, f"{kernel.name}_{suffix}")
+                fn.restype = ctypes.c_int
+                fn.argtypes = tuple(
+                    ctypes.POINTER(rnn_abi.structure(s, dtype)) for s in kernel.structs
+                )
+                _FNS[kernel.name, dtype] = fn
+        lib.rnn_vector_bytes.restype = ctypes.c_int
+        lib.rnn_vector_bytes.argtypes = ()
+        _VECTOR_BYTES[0] = lib.rnn_vector_bytes()
+        return lib
+    except Exception as err:  # any failure falls back to the eager step functions
+        warnings.warn(
+            f"layernorm: C recurrent kernels unavailable, using eager ops ({err})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def available(x: Tensor) -> bool:
+    """Whether the kernels run on ``x``: a CPU float32/float64 tensor, switch on, library built."""
+    if x.dtype not in INSTANCES or not x.is_cpu:
+        return False
+    return os.environ.get(ENV_SWITCH, "1") != "0" and _library() is not None
+
+
+def vector_bytes() -> int:
+    """Bytes per vector of the sequence kernels' GEMM as built (64 with AVX-512); 0 unbuilt."""
+    return _VECTOR_BYTES[0] if _library() is not None else 0
+
+
+def _fn(kernel: str, dtype: torch.dtype) -> Any:
+    """The loaded entry point of ``kernel`` for ``dtype`` (building the library on first use)."""
+    if _library() is None:
+        raise RuntimeError("layernorm: the C recurrent kernels are unavailable (see the warning)")
+    return _FNS[kernel, dtype]
+
+
+def prepare(
+    struct: rnn_abi.Struct,
+    dtype: torch.dtype,
+    values: Mapping[str, object],
+    sizes: Mapping[str, int],
+) -> ctypes.Structure:
+    """The checked argument struct of ``values`` (see :func:`.rnn_abi.check`)."""
+    return rnn_abi.pack(struct, dtype, values, sizes)
+
+
+def _raise_for(status: int, kernel: str) -> None:
+    if status != 0:
+        raise ValueError(
+            f"layernorm recurrent CPU kernel {kernel}: a step's rows lie outside the buffers "
+            f"(status {status}); nothing was written for it"
+        )
+
+
+def step(kernel: str, dtype: torch.dtype, args: Any, off: int, rows: int, threads: int) -> None:
+    """Run step kernel ``kernel`` (``"lstm_fwd_step"``, ...) on rows ``[off, off + rows)`` with
+    the struct from :func:`prepare`. C refuses rows outside the buffers."""
+    args.off, args.rows, args.threads = off, rows, max(1, threads)
+    _raise_for(_fn(kernel, dtype)(ctypes.byref(args)), kernel)
+
+
+def sequence(
+    kernel: str,
+    dtype: torch.dtype,
+    args: Any,
+    w: Tensor,
+    steps: Tensor,
+    sizes: Mapping[str, int],
+    threads: int,
+    grain: int,
+    gemm_grain: int,
+) -> None:
+    """Run sequence kernel ``kernel`` (``"lstm_fwd_seq"``, ...): every step of ``steps`` (an
+    ``(S, 2)`` int64 tensor of (first row, rows) pairs in the forward pass's order; backward
+    kernels walk them in reverse) with the recurrent weight ``w``
+    (``W_hhᵀ`` contiguous forward, ``W_hh`` backward), on the step struct ``args`` from
+    :func:`prepare`."""
+    seq_struct = rnn_abi.BY_NAME[kernel].structs[1]
+    values = {"w": w, "steps": steps, "threads": max(1, threads), "grain": grain,
+              "gemm_grain": gemm_grain}  # fmt: skip
+    seq_args = rnn_abi.pack(seq_struct, dtype, values, {**sizes, "S": steps.shape[0]})
+    _raise_for(_fn(kernel, dtype)(ctypes.byref(args), ctypes.byref(seq_args)), kernel)
+
+
+def weight_grad(dhp: Tensor, hprev: Tensor, threads: int, gemm_grain: int) -> Tensor:
+    """``dhpᵀ · hprev`` (``(N, G)``, ``(N, H)`` → ``(G, H)``) with the C GEMM."""
+    n_rows, gates = dhp.shape
+    hs = hprev.shape[1]
+    dw = dhp.new_empty((gates, hs))
+    values = {"dhp": dhp, "hprev": hprev, "dw": dw, "threads": max(1, threads),
+              "gemm_grain": gemm_grain}  # fmt: skip
+    sizes = {"N": n_rows, "G": gates, "H": hs}
+    args = rnn_abi.pack(rnn_abi.WEIGHT_GRAD, dhp.dtype, values, sizes)
+    _raise_for(_fn("weight_grad", dhp.dtype)(ctypes.byref(args)), "weight_grad")
+    return dw

@@ -1,0 +1,497 @@
+"""One typed description of every recurrent C kernel's arguments, and what follows from it.
+
+The recurrent kernels (``csrc/rnn_step.c``, ``csrc/rnn_seq.c``) take pointers to argument structs
+of named fields. :data:`STRUCTS` describes each field once: name, kind (which fixes its C type),
+shape rule over the sizes ``N`` (rows of the packed sequence), ``B`` (rows of the state), ``H``,
+``G`` (gate rows of ``W_hh``) and ``S`` (steps), and a doc line. From that come
+
+* the C header ``csrc/layernorm_rnn_abi.h`` (struct typedefs, prototypes, and ``_Static_assert``
+  s on every field offset, so the compiler checks the layout ctypes assumes); :func:`c_header`
+  generates it and a test checks the checked-in file equals it;
+* the :class:`ctypes.Structure` of each struct and dtype (:func:`structure`);
+* the checks run before C sees a pointer (:func:`check`): dtype, device, contiguity and shape of
+  every tensor, kind and range of every number.
+
+This follows :mod:`.abi` (the norm kernels' description) with what the recurrence needs beyond
+it: state buffers a kernel reads and updates, an ``int64`` array (the steps), several sizes.
+Run ``python -m layernorm.kernels.cpu.rnn_abi`` to rewrite the header after changing it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import functools
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .abi import CSRC_DIR, INSTANCES
+
+HEADER_NAME = "layernorm_rnn_abi.h"
+#: What a kernel returns when a step's rows lie outside the buffers (it then touches nothing).
+ERR_ROWS = 1
+
+
+class Kind(enum.Enum):
+    """A field's kind; it fixes the C type (``scalar_t`` is the instantiated float type)."""
+
+    IN = "input"  # const scalar_t*: read
+    OUT = "output"  # scalar_t*: written
+    INOUT = "in/out"  # scalar_t*: read and updated (the state)
+    STEPS = "steps"  # const int64_t*: (first row, rows) of each step
+    SIZE = "size"  # int64_t: a size the caller binds (N, B, H, G, S)
+    INDEX = "index"  # int64_t: a count or grain, >= minimum
+    FLOAT = "float"  # double: finite, >= minimum
+    FLAG = "flag"  # int32_t: 0 or 1
+    COUNT = "count"  # int32_t: >= 1
+
+
+_C_TYPES = {Kind.IN: "const {s}*", Kind.OUT: "{s}*", Kind.INOUT: "{s}*",
+            Kind.STEPS: "const int64_t*", Kind.SIZE: "int64_t", Kind.INDEX: "int64_t",
+            Kind.FLOAT: "double", Kind.FLAG: "int32_t", Kind.COUNT: "int32_t"}  # fmt: skip
+_CTYPES = {"int64_t": ctypes.c_int64, "double": ctypes.c_double, "int32_t": ctypes.c_int32}
+_POINTERS = (Kind.IN, Kind.OUT, Kind.INOUT, Kind.STEPS)
+# Struct order: pointers, then 8-byte numbers, then 4-byte ones (no padding inside).
+_RANK = {Kind.SIZE: 1, Kind.INDEX: 1, Kind.FLOAT: 1, Kind.FLAG: 2, Kind.COUNT: 2}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of an argument struct. ``shape`` is a tuple of size terms such as ``"N"`` or
+    ``"4H"`` (a coefficient times a size); ``minimum`` bounds an INDEX or FLOAT field."""
+
+    name: str
+    kind: Kind
+    shape: tuple[str, ...] = ()
+    doc: str = ""
+    minimum: float = 0
+    symbol: str = ""  # a SIZE field's size symbol, when not its name
+
+    def c_type(self, scalar: str = "scalar_t") -> str:
+        return _C_TYPES[self.kind].format(s=scalar)
+
+    @property
+    def is_pointer(self) -> bool:
+        return self.kind in _POINTERS
+
+
+@dataclass(frozen=True)
+class Struct:
+    """An argument struct ``<name>_<suffix>``: its fields in declaration order."""
+
+    name: str
+    doc: str
+    fields: tuple[Field, ...]
+
+    def field(self, name: str) -> Field:
+        return next(f for f in self.fields if f.name == name)
+
+    def layout(self) -> tuple[Field, ...]:
+        """The fields in struct order (pointers, 8-byte numbers, 4-byte numbers)."""
+        return tuple(sorted(self.fields, key=lambda f: _RANK.get(f.kind, 0)))
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel ``int <name>_<suffix>(const <struct>_<suffix>* ...)``: 0 on success, else
+    :data:`ERR_ROWS`."""
+
+    name: str
+    doc: str
+    structs: tuple[Struct, ...]
+
+
+def _t(name: str, kind: Kind, shape: str, doc: str = "") -> Field:
+    return Field(name, kind, tuple(shape.split()), doc)
+
+
+_IN, _OUT, _INOUT = Kind.IN, Kind.OUT, Kind.INOUT
+# Sizes, the step's rows and threads, and the normalization switches of the step structs.
+_SIZES = (
+    Field("N", Kind.SIZE, doc="rows of the packed sequence"),
+    Field("B", Kind.SIZE, doc="rows of the state (the batch)"),
+    Field("H", Kind.SIZE, doc="hidden units"),
+)
+_STEP = (
+    Field("off", Kind.INDEX, doc="the step's first row in the (N, ·) buffers"),
+    Field("rows", Kind.INDEX, doc="the step's rows: rows [off, off + rows), state rows [0, rows)"),
+    Field("threads", Kind.COUNT, doc="OpenMP threads to split the rows over"),
+)
+_LAYER_NORM = Field("layer_norm", Kind.FLAG, doc="1: layer-normalize hp (and c_t) with the gains")
+_EPS = Field("eps", Kind.FLOAT, doc="added to the variance", minimum=0.0)
+_CELL = Field("normalize_cell_state", Kind.FLAG, doc="1: carry LN(c_t) as the state, 0: c_t")
+
+LSTM_FWD = Struct(
+    "lstm_fwd_step_args",
+    "One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence.",
+    (
+        _t("hp", _INOUT, "N 4H", "W_hh h_{t-1} (the sequence kernel's GEMM writes it)"),
+        _t("gx", _IN, "N 4H", "LN(W_ih x) + biases"),
+        _t("w1", _IN, "4H", "gain of LN(hp)"),
+        _t("b1", _IN, "4H", "bias of LN(hp)"),
+        _t("w3", _IN, "H", "gain of LN(c_t)"),
+        _t("b3", _IN, "H", "bias of LN(c_t)"),
+        _t("h", _INOUT, "B H", "h_{t-1} in, h_t out"),
+        _t("c", _INOUT, "B H", "carried cell state in and out"),
+        _t("out", _OUT, "N H", "h_t"),
+        _t("hprev", _OUT, "N H", "h_{t-1}"),
+        _t("cprev", _OUT, "N H", "carried c_{t-1}"),
+        _t("acts", _OUT, "N 4H", "gate activations"),
+        _t("mh", _OUT, "N", "mean of hp"),
+        _t("rh", _OUT, "N", "1/std of hp"),
+        _t("cn", _OUT, "N H", "c_t un-normalized"),
+        _t("mc", _OUT, "N", "mean of c_t"),
+        _t("rc", _OUT, "N", "1/std of c_t"),
+        _t("tc", _OUT, "N H", "tanh(LN(c_t))"),
+        *_SIZES, _EPS, *_STEP, _LAYER_NORM, _CELL,
+    ),
+)  # fmt: skip
+LSTM_BWD = Struct(
+    "lstm_bwd_step_args",
+    "One LN-LSTM step backward; dhp equals dgates without layer_norm (pass dgates).",
+    (
+        _t("dout", _IN, "N H", "gradient of this step's output"),
+        _t("dh", _INOUT, "B H", "gradient of h_t from later steps"),
+        _t("dc", _INOUT, "B H", "gradient of the carried c_t in, of c_{t-1} out"),
+        _t("hp", _IN, "N 4H"),
+        _t("mh", _IN, "N"),
+        _t("rh", _IN, "N"),
+        _t("w1", _IN, "4H"),
+        _t("acts", _IN, "N 4H"),
+        _t("cprev", _IN, "N H"),
+        _t("cn", _IN, "N H"),
+        _t("mc", _IN, "N"),
+        _t("rc", _IN, "N"),
+        _t("w3", _IN, "H"),
+        _t("tc", _IN, "N H"),
+        _t("dgates", _OUT, "N 4H", "gradient of the gate pre-activations"),
+        _t("dhp", _OUT, "N 4H", "gradient of hp"),
+        _t("dlc", _OUT, "N H", "gradient of LN(c_t)"),
+        *_SIZES, *_STEP, _LAYER_NORM, _CELL,
+    ),
+)  # fmt: skip
+GRU_FWD = Struct(
+    "gru_fwd_step_args",
+    "One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence.",
+    (
+        _t("hp", _INOUT, "N 3H", "W_hh h_{t-1} (the sequence kernel's GEMM writes it)"),
+        _t("gx", _IN, "N 3H", "LN(W_ih x) + b_ih + [b_hr, b_hz, 0]"),
+        _t("w_rz", _IN, "2H", "gain of LN(hp_rz)"),
+        _t("b_rz", _IN, "2H", "bias of LN(hp_rz)"),
+        _t("w_n", _IN, "H", "gain of LN(hp_n)"),
+        _t("b_n", _IN, "H", "bias of LN(hp_n)"),
+        _t("b_hn", _IN, "H", "torch's b_hn"),
+        _t("h", _INOUT, "B H", "h_{t-1} in, h_t out"),
+        _t("out", _OUT, "N H", "h_t"),
+        _t("hprev", _OUT, "N H", "h_{t-1}"),
+        _t("rz", _OUT, "N 2H", "r and z"),
+        _t("n", _OUT, "N H", "candidate"),
+        _t("ghn", _OUT, "N H", "LN(hp_n) + b_hn"),
+        _t("mh", _OUT, "N", "mean of hp_rz"),
+        _t("rh", _OUT, "N", "1/std of hp_rz"),
+        _t("mn", _OUT, "N", "mean of hp_n"),
+        _t("rn", _OUT, "N", "1/std of hp_n"),
+        *_SIZES, _EPS, *_STEP, _LAYER_NORM,
+    ),
+)  # fmt: skip
+GRU_BWD = Struct(
+    "gru_bwd_step_args",
+    "One LN-GRU step backward; dhp equals dgh without layer_norm (pass dgh).",
+    (
+        _t("dout", _IN, "N H", "gradient of this step's output"),
+        _t("dh", _INOUT, "B H", "gradient of h_t in, its direct part for h_{t-1} out"),
+        _t("hprev", _IN, "N H"),
+        _t("hp", _IN, "N 3H"),
+        _t("rz", _IN, "N 2H"),
+        _t("n", _IN, "N H"),
+        _t("ghn", _IN, "N H"),
+        _t("mh", _IN, "N"),
+        _t("rh", _IN, "N"),
+        _t("mn", _IN, "N"),
+        _t("rn", _IN, "N"),
+        _t("w_rz", _IN, "2H"),
+        _t("w_n", _IN, "H"),
+        _t("dgx", _OUT, "N 3H", "gradient of gx"),
+        _t("dgh", _OUT, "N 3H", "gradient of LN(hp_rz) and of LN(hp_n) + b_hn"),
+        _t("dhp", _OUT, "N 3H", "gradient of hp"),
+        *_SIZES, *_STEP, _LAYER_NORM,
+    ),
+)  # fmt: skip
+
+
+def _seq(name: str, w_shape: str, w_doc: str) -> Struct:
+    return Struct(
+        name,
+        "The time loop of a sequence kernel: its steps in order, the recurrent weight, threads.",
+        (
+            _t("w", _IN, w_shape, w_doc),
+            _t("steps", Kind.STEPS, "S 2", "(first row, rows) of each step, in forward order"),
+            Field("n_steps", Kind.SIZE, doc="steps", symbol="S"),
+            Field("grain", Kind.INDEX, doc="step kernel: elements per thread at least", minimum=1),
+            Field("gemm_grain", Kind.INDEX, doc="GEMM: multiply-adds per thread at least",
+                  minimum=1),
+            Field("threads", Kind.COUNT, doc="OpenMP threads at most"),
+        ),
+    )  # fmt: skip
+
+
+SEQ_FWD = _seq("rnn_seq_fwd_args", "H G", "W_hh transposed, contiguous")
+SEQ_BWD = _seq("rnn_seq_bwd_args", "G H", "W_hh")
+WEIGHT_GRAD = Struct(
+    "weight_grad_args",
+    "dw = dhpᵀ · hprev: the recurrent weight's gradient summed over all rows.",
+    (
+        _t("dhp", _IN, "N G"),
+        _t("hprev", _IN, "N H"),
+        _t("dw", _OUT, "G H"),
+        Field("N", Kind.SIZE, doc="rows"),
+        Field("G", Kind.SIZE, doc="gate rows"),
+        Field("H", Kind.SIZE, doc="hidden units"),
+        Field("gemm_grain", Kind.INDEX, doc="multiply-adds per thread at least", minimum=1),
+        Field("threads", Kind.COUNT, doc="OpenMP threads at most"),
+    ),
+)
+
+STRUCTS: tuple[Struct, ...] = (LSTM_FWD, LSTM_BWD, GRU_FWD, GRU_BWD, SEQ_FWD, SEQ_BWD, WEIGHT_GRAD)
+KERNELS: tuple[Kernel, ...] = (
+    Kernel("lstm_fwd_step", "LN-LSTM step forward.", (LSTM_FWD,)),
+    Kernel("lstm_bwd_step", "LN-LSTM step backward.", (LSTM_BWD,)),
+    Kernel("gru_fwd_step", "LN-GRU step forward.", (GRU_FWD,)),
+    Kernel("gru_bwd_step", "LN-GRU step backward.", (GRU_BWD,)),
+    Kernel("lstm_fwd_seq", "LN-LSTM direction forward: GEMM + step per step.", (LSTM_FWD, SEQ_FWD)),
+    Kernel("lstm_bwd_seq", "LN-LSTM direction backward, steps in reverse.", (LSTM_BWD, SEQ_BWD)),
+    Kernel("gru_fwd_seq", "LN-GRU direction forward: GEMM + step per step.", (GRU_FWD, SEQ_FWD)),
+    Kernel("gru_bwd_seq", "LN-GRU direction backward, steps in reverse.", (GRU_BWD, SEQ_BWD)),
+    Kernel("weight_grad", "The recurrent weight's gradient.", (WEIGHT_GRAD,)),
+)
+BY_NAME: dict[str, Kernel] = {k.name: k for k in KERNELS}
+
+
+# ------------------------------------------------------------------------------ ctypes side
+
+_STRUCT_TYPES: dict[tuple[str, torch.dtype], type[ctypes.Structure]] = {}
+
+
+def structure(struct: Struct, dtype: torch.dtype) -> type[ctypes.Structure]:
+    """The ctypes mirror of ``<struct>_<suffix>`` (pointer fields are ``void*``)."""
+    key = (struct.name, dtype)
+    if key not in _STRUCT_TYPES:
+        fields = [
+            (f.name, ctypes.c_void_p if f.is_pointer else _CTYPES[f.c_type()])
+            for f in struct.layout()
+        ]
+        name = f"{struct.name}_{INSTANCES[dtype][1]}"
+        _STRUCT_TYPES[key] = type(name, (ctypes.Structure,), {"_fields_": fields})
+    return _STRUCT_TYPES[key]
+
+
+# ------------------------------------------------------------------------------ checks
+
+_TERM = re.compile(r"(\d*)([A-Z]?)")
+
+
+@functools.cache
+def _terms(shape: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
+    """``shape``'s terms as (coefficient, size symbol or "") pairs, parsed once."""
+    out = []
+    for term in shape:
+        m = _TERM.fullmatch(term)
+        if m is None or not term:
+            raise ValueError(f"bad shape term {term!r}")
+        coef, sym = m.groups()
+        out.append((int(coef) if coef else 1, sym))
+    return tuple(out)
+
+
+def size_of(term: str, sizes: Mapping[str, int]) -> int:
+    """The value of a shape term: ``"4H"`` is 4·H, ``"N"`` is N, ``"2"`` is 2."""
+    ((coef, sym),) = _terms((term,))
+    return coef * (sizes[sym] if sym else 1)
+
+
+def check(
+    struct: Struct, dtype: torch.dtype, values: Mapping[str, object], sizes: Mapping[str, int]
+) -> None:
+    """Check every field of ``struct`` (the ``dtype`` instance) against its description.
+
+    ``values`` holds a tensor for every pointer field and a number for every other field except
+    the sizes, which come from ``sizes``. Raises ``TypeError`` for a wrong kind or dtype,
+    ``ValueError`` for a wrong shape, device, layout or value, each naming the struct, the field,
+    what was expected and what came.
+    """
+    _checked(struct, dtype, values, sizes, None)
+
+
+def _checked(
+    struct: Struct,
+    dtype: torch.dtype,
+    values: Mapping[str, object],
+    sizes: Mapping[str, int],
+    out: ctypes.Structure | None,
+) -> None:
+    """:func:`check`, storing each checked value into ``out`` when given (one pass: a struct is
+    packed once per sequence and direction, so this stays cheap next to a short sequence)."""
+    if dtype not in INSTANCES:
+        raise TypeError(f"{_op(struct)}: the kernels take float32 or float64, got {dtype}")
+    for f in struct.fields:
+        if f.kind is Kind.SIZE:
+            v = sizes.get(f.symbol or f.name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{_op(struct)}: size {f.name} must be an int >= 0, got {v!r}")
+            if out is not None:
+                setattr(out, f.name, v)
+    shapes = _shapes(struct, tuple(sorted(sizes.items())))
+    for f, shape in shapes:
+        v = values.get(f.name)
+        want = torch.int64 if f.kind is Kind.STEPS else dtype
+        if (
+            not isinstance(v, Tensor)
+            or v.dtype != want
+            or not v.is_cpu
+            or v.shape != shape
+            or not v.is_contiguous()
+        ):
+            _tensor_error(_op(struct), f, v, want, sizes)
+        if out is not None:
+            setattr(out, f.name, v.data_ptr())
+    for f in struct.fields:
+        if f.kind not in _POINTERS and f.kind is not Kind.SIZE:
+            v = values.get(f.name)
+            _check_number(struct, f, v)
+            if out is not None:
+                setattr(out, f.name, v)
+
+
+@functools.lru_cache(maxsize=256)
+def _shapes(
+    struct: Struct, sizes: tuple[tuple[str, int], ...]
+) -> tuple[tuple[Field, tuple[int, ...]], ...]:
+    """Each pointer field of ``struct`` with the shape it must have under ``sizes``."""
+    bound = dict(sizes)
+    missing = {s for f in struct.fields for _, s in _terms(f.shape) if s and s not in bound}
+    if missing:
+        raise ValueError(f"{_op(struct)}: sizes {sorted(missing)} not given (got {sorted(bound)})")
+    return tuple(
+        (f, tuple(c * (bound[s] if s else 1) for c, s in _terms(f.shape)))
+        for f in struct.fields
+        if f.kind in _POINTERS
+    )
+
+
+def _op(struct: Struct) -> str:
+    return f"layernorm recurrent CPU kernel ({struct.name})"
+
+
+def _tensor_error(
+    op: str, f: Field, v: object, dtype: torch.dtype, sizes: Mapping[str, int]
+) -> None:
+    """Raise the error that names what is wrong with tensor field ``f`` (``v`` failed a check)."""
+    if not isinstance(v, Tensor):
+        raise TypeError(f"{op}: {f.name} must be a torch.Tensor, got {type(v).__name__}")
+    if v.dtype != dtype:
+        raise TypeError(f"{op}: {f.name} must have dtype {dtype}, got {v.dtype}")
+    if not v.is_cpu:
+        raise ValueError(f"{op}: {f.name} must be on the CPU, got {v.device}")
+    shape = tuple(size_of(t, sizes) for t in f.shape)
+    if v.shape != shape:
+        rule = ", ".join(f.shape)
+        raise ValueError(f"{op}: {f.name} must have shape ({rule}) = {shape}, "
+                         f"got {tuple(v.shape)}")  # fmt: skip
+    raise ValueError(f"{op}: {f.name} must be contiguous, got strides {v.stride()}")
+
+
+def _check_number(struct: Struct, f: Field, v: object) -> None:
+    if f.kind is Kind.FLOAT:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise TypeError(f"{_op(struct)}: {f.name} must be a float, got {type(v).__name__}")
+        ok, rule = -math.inf < v < math.inf and v >= f.minimum, f"finite and >= {f.minimum}"
+    else:
+        if not isinstance(v, int):  # bool is an int: flags take True/False
+            raise TypeError(f"{_op(struct)}: {f.name} must be an int, got {type(v).__name__}")
+        if f.kind is Kind.FLAG:
+            ok, rule = v in (0, 1), "0 or 1"
+        elif f.kind is Kind.COUNT:
+            ok, rule = v >= 1, ">= 1"
+        else:
+            ok, rule = v >= f.minimum, f">= {f.minimum:g}"
+    if not ok:
+        raise ValueError(f"{_op(struct)}: {f.name} must be {rule}, got {v!r}")
+
+
+def pack(
+    struct: Struct, dtype: torch.dtype, values: Mapping[str, object], sizes: Mapping[str, int]
+) -> ctypes.Structure:
+    """The argument struct of ``values``, each field checked as :func:`check` does."""
+    out = structure(struct, dtype)()
+    _checked(struct, dtype, values, sizes, out)
+    return out
+
+
+# ------------------------------------------------------------------------------ C side
+
+
+def _describe(f: Field) -> str:
+    shape = f" ({', '.join(f.shape)})" if f.shape else ""
+    bound = f", >= {f.minimum:g}" if f.kind in (Kind.INDEX, Kind.FLOAT) else ""
+    return f"{f.kind.value}{shape}{bound}" + (f": {f.doc}" if f.doc else "")
+
+
+def c_header() -> str:
+    """The C header of the recurrent kernels: argument structs, prototypes and layout assertions
+    whose offsets come from the ctypes structures (so C and Python agree on every field)."""
+    lines = [
+        "/* Generated by `python -m layernorm.kernels.cpu.rnn_abi` from",
+        "   layernorm/kernels/cpu/rnn_abi.py: edit that file, not this one (a test checks the two",
+        "   agree). */",
+        "#ifndef LAYERNORM_RNN_ABI_H",
+        "#define LAYERNORM_RNN_ABI_H",
+        "",
+        "#include <stddef.h>",
+        "#include <stdint.h>",
+        "",
+        "/* Returned by a kernel whose step rows lie outside its buffers (nothing is touched). */",
+        f"#define RNN_ERR_ROWS {ERR_ROWS}",
+        "",
+        "/* Bytes per vector of the sequence GEMM: 64 with AVX-512, 32 with AVX, else 16. */",
+        "int rnn_vector_bytes(void);",
+        "",
+    ]
+    for dtype, (scalar, suffix) in INSTANCES.items():
+        for struct in STRUCTS:
+            tname = f"{struct.name}_{suffix}"
+            lines.append(f"/* {struct.doc} */")
+            lines.append("typedef struct {")
+            for f in struct.layout():
+                lines.append(f"    {f.c_type(scalar)} {f.name}; /* {_describe(f)} */")
+            lines.append(f"}} {tname};")
+            ct = structure(struct, dtype)
+            for f in struct.layout():
+                off = getattr(ct, f.name).offset
+                lines.append(f'_Static_assert(offsetof({tname}, {f.name}) == {off}, '
+                             f'"{tname}.{f.name}");')  # fmt: skip
+            lines.append(f'_Static_assert(sizeof({tname}) == {ctypes.sizeof(ct)}, '
+                         f'"{tname} size");')  # fmt: skip
+            lines.append("")
+        for kernel in KERNELS:
+            params = ", ".join(f"const {s.name}_{suffix}* {'as'[i]}"
+                               for i, s in enumerate(kernel.structs))  # fmt: skip
+            lines.append(f"/* {kernel.doc} */")
+            lines.append(f"int {kernel.name}_{suffix}({params});")
+        lines.append("")
+    lines.append("#endif")
+    return "\n".join(lines) + "\n"
+
+
+def header_path() -> Path:
+    return CSRC_DIR / HEADER_NAME
+
+
+if __name__ == "__main__":
+    header_path().write_text(c_header())
+    print(f"wrote {header_path()}")

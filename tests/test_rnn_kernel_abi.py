@@ -1,0 +1,185 @@
+"""The recurrent C kernels' argument description (:mod:`layernorm.kernels.cpu.rnn_abi`) and what
+follows from it: the checked-in C header, the ctypes structs, and the checks before C sees a
+pointer, both in Python (every tensor of a struct) and in C (a step's rows against the buffers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from layernorm.kernels.cpu import rnn, rnn_abi
+from layernorm.recurrent import _fused
+
+needs_c = pytest.mark.skipif(
+    not rnn.available(torch.zeros(1)), reason="needs the C recurrent kernels (a C compiler)"
+)
+
+
+def test_checked_in_header_is_the_generated_one() -> None:
+    """The compiler reads the file on disk; it must be what rnn_abi.py describes (regenerate with
+    ``python -m layernorm.kernels.cpu.rnn_abi``)."""
+    assert rnn_abi.header_path().read_text() == rnn_abi.c_header()
+
+
+@pytest.mark.parametrize("struct", rnn_abi.STRUCTS, ids=lambda s: s.name)
+def test_every_field_has_a_rule_over_bound_sizes(struct) -> None:
+    names = [f.name for f in struct.fields]
+    assert len(set(names)) == len(names)
+    bound = {f.symbol or f.name for f in struct.fields if f.kind is rnn_abi.Kind.SIZE}
+    if struct in (rnn_abi.SEQ_FWD, rnn_abi.SEQ_BWD):
+        bound |= {"N", "B", "H"}  # passed with a step struct, whose sizes they share
+    for f in struct.fields:
+        if f.is_pointer:
+            assert f.shape
+            symbols = {t.lstrip("0123456789") for t in f.shape} - {""}
+            # G is bound by the caller from the cell's gate count (4H, 3H)
+            assert symbols <= bound | {"G"}, (f.name, symbols)
+        else:
+            assert not f.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("struct", rnn_abi.STRUCTS, ids=lambda s: s.name)
+def test_ctypes_struct_follows_the_description(struct, dtype) -> None:
+    ct = rnn_abi.structure(struct, dtype)
+    assert [name for name, _ in ct._fields_] == [f.name for f in struct.layout()]
+    for f in struct.fields:
+        if f.is_pointer:
+            assert dict(ct._fields_)[f.name] is ctypes.c_void_p
+    # pointers first, then 8-byte numbers, then 4-byte ones: each field right after the last
+    offset = 0
+    for name, ctype in ct._fields_:
+        assert getattr(ct, name).offset == offset, name
+        offset += ctypes.sizeof(ctype)
+
+
+def test_size_terms() -> None:
+    sizes = {"N": 7, "H": 5}
+    assert [rnn_abi.size_of(t, sizes) for t in ("N", "4H", "H", "2")] == [7, 20, 5, 2]
+    with pytest.raises(ValueError, match="bad shape term"):
+        rnn_abi.size_of("H4", sizes)
+
+
+def _lstm_inputs(hs: int = 3, batch: int = 2, steps: int = 4, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(0)
+    gx = torch.randn(steps * batch, 4 * hs, generator=gen, dtype=dtype)
+    h0 = torch.randn(batch, hs, generator=gen, dtype=dtype)
+    c0 = torch.randn(batch, hs, generator=gen, dtype=dtype)
+    w_hh = torch.randn(4 * hs, hs, generator=gen, dtype=dtype)
+    params = {"w1": torch.ones(4 * hs, dtype=dtype), "b1": torch.zeros(4 * hs, dtype=dtype),
+              "w3": torch.ones(hs, dtype=dtype), "b3": torch.zeros(hs, dtype=dtype)}  # fmt: skip
+    sched = _fused.make_schedule([batch] * steps, reverse=False)
+    return gx, h0, c0, w_hh, params, sched
+
+
+def _lstm(gx, h0, c0, w_hh, params, sched):
+    return _fused.LSTMSequence.apply(
+        gx, h0, c0, w_hh, params["w1"], params["b1"], params["w3"], params["b3"], sched, 1e-5,
+        True, False,
+    )  # fmt: skip
+
+
+@needs_c
+@pytest.mark.parametrize("name", ["w1", "b1", "w3", "b3"])
+def test_sequence_function_refuses_a_gain_of_the_wrong_size_dtype_or_layout(name) -> None:
+    """Called directly (below the layers' own checks), the fused LSTM node still checks every
+    tensor against the kernel's description before C reads it."""
+    gx, h0, c0, w_hh, params, sched = _lstm_inputs()
+    size = params[name].numel()
+    unit = "4H" if size == 12 else "H"
+    bad = dict(params, **{name: params[name][:1].clone()})
+    with pytest.raises(ValueError, match=rf"{name} must have shape \({unit}\) = \({size},\)"):
+        _lstm(gx, h0, c0, w_hh, bad, sched)
+    bad = dict(params, **{name: params[name].float()})
+    with pytest.raises(
+        TypeError, match=rf"{name} must have dtype torch.float64, got torch.float32"
+    ):
+        _lstm(gx, h0, c0, w_hh, bad, sched)
+    bad = dict(params, **{name: torch.ones(2 * size, dtype=torch.float64)[::2]})
+    with pytest.raises(ValueError, match=rf"{name} must be contiguous"):
+        _lstm(gx, h0, c0, w_hh, bad, sched)
+
+
+@needs_c
+def test_sequence_function_refuses_a_recurrent_weight_of_the_wrong_shape() -> None:
+    gx, h0, c0, w_hh, params, sched = _lstm_inputs()
+    with pytest.raises(ValueError, match=r"w must have shape \(H, G\) = \(3, 12\), got \(2, 12\)"):
+        _lstm(gx, h0, c0, w_hh[:, :2], params, sched)
+
+
+def _lstm_fwd_struct(hs: int = 3, n: int = 8, b: int = 2):
+    """A checked LSTM forward struct over zeroed buffers of N = n rows and B = b state rows."""
+    f64 = {"dtype": torch.float64}
+    t = {k: torch.zeros(n, c, **f64)
+         for k, c in (("hp", 4 * hs), ("gx", 4 * hs), ("out", hs), ("hprev", hs), ("cprev", hs),
+                      ("acts", 4 * hs), ("cn", hs), ("tc", hs))}  # fmt: skip
+    t.update({k: torch.zeros(n, **f64) for k in ("mh", "rh", "mc", "rc")})
+    t.update(w1=torch.ones(4 * hs, **f64), b1=torch.zeros(4 * hs, **f64), w3=torch.ones(hs, **f64),
+             b3=torch.zeros(hs, **f64), h=torch.ones(b, hs, **f64),
+             c=torch.ones(b, hs, **f64))  # fmt: skip
+    values = {**t, "eps": 1e-5, "off": 0, "rows": 0, "threads": 1, "layer_norm": 1,
+              "normalize_cell_state": 0}  # fmt: skip
+    sizes = {"N": n, "B": b, "H": hs, "G": 4 * hs}
+    return rnn.prepare(rnn_abi.LSTM_FWD, torch.float64, values, sizes), t, sizes
+
+
+@needs_c
+@pytest.mark.parametrize(("off", "rows"), [(7, 2), (-1, 1), (0, 3), (8, 0)])
+def test_c_refuses_step_rows_outside_the_buffers(off, rows) -> None:
+    """A step kernel given rows outside its buffers (N = 8 rows, B = 2 state rows) returns an
+    error before touching memory; (8, 0) is an empty step at the end, which is in range."""
+    args, t, _ = _lstm_fwd_struct()
+    before = {k: v.clone() for k, v in t.items()}
+    if (off, rows) == (8, 0):
+        rnn.step("lstm_fwd_step", torch.float64, args, off, rows, 1)
+    else:
+        with pytest.raises(ValueError, match="rows lie outside the buffers"):
+            rnn.step("lstm_fwd_step", torch.float64, args, off, rows, 1)
+    for k, v in t.items():
+        assert torch.equal(v, before[k]), k
+
+
+@needs_c
+def test_c_refuses_sequence_steps_outside_the_buffers() -> None:
+    args, t, sizes = _lstm_fwd_struct()
+    w = torch.zeros(3, 12, dtype=torch.float64)
+    before = {k: v.clone() for k, v in t.items()}
+    steps = torch.tensor([[6, 2], [8, 2]])  # the second step would run past row 8
+    with pytest.raises(ValueError, match="rows lie outside the buffers"):
+        rnn.sequence("lstm_fwd_seq", torch.float64, args, w, steps, sizes, 1, 1, 1)
+    # only the good first step ran: it stored h_{t-1} (ones) in its rows of hprev
+    assert torch.equal(t["hprev"][:6], before["hprev"][:6])
+    assert torch.equal(t["hprev"][6:], torch.ones(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"sizes \['G'\] not given"):
+        rnn.sequence(
+            "lstm_fwd_seq", torch.float64, args, w, steps, {"N": 8, "B": 2, "H": 3}, 1, 1, 1
+        )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "message"),
+    [
+        ("eps", float("nan"), ValueError, "eps must be finite and >= 0"),
+        ("eps", -1.0, ValueError, "eps must be finite and >= 0"),
+        ("layer_norm", 2, ValueError, "layer_norm must be 0 or 1"),
+        ("threads", 0, ValueError, "threads must be >= 1"),
+        ("off", -1, ValueError, "off must be >= 0"),
+        ("eps", "1e-5", TypeError, "eps must be a float, got str"),
+        ("hp", None, TypeError, "hp must be a torch.Tensor, got NoneType"),
+    ],
+)
+def test_numbers_and_missing_tensors_are_refused(field, value, error, message) -> None:
+    hs, n, b = 2, 2, 1
+    sizes = {"N": n, "B": b, "H": hs}
+    values: dict[str, object] = {}
+    for f in rnn_abi.GRU_FWD.fields:
+        if f.is_pointer:
+            values[f.name] = torch.zeros([rnn_abi.size_of(t, sizes) for t in f.shape])
+    values.update(eps=1e-5, off=0, rows=0, threads=1, layer_norm=1)
+    rnn_abi.check(rnn_abi.GRU_FWD, torch.float32, values, sizes)  # the good ones pass
+    values[field] = value
+    with pytest.raises(error, match=message):
+        rnn_abi.check(rnn_abi.GRU_FWD, torch.float32, values, sizes)

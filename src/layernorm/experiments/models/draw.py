@@ -11,16 +11,17 @@ For ``t = 1 … T`` glimpses, with canvas ``c_0 = 0`` and zero initial LSTM stat
     h^{dec}_t = \mathrm{LSTM}^{dec}(z_t) \\
     c_t = c_{t−1} + \mathrm{write}(h^{dec}_t)
 
-The loss of an image is the negative variational bound in nats (Gregor et al. Eq. 10–12):
+The loss of an image is the negative variational bound in nats (Gregor et al.'s loss function):
 ``L = L^x + L^z`` with ``L^x = −log D(x | c_T)`` (Bernoulli with logits ``c_T``, summed over the
 784 pixels) and ``L^z = Σ_t ½ Σ_j (μ_{t,j}² + σ_{t,j}² − 2 log σ_{t,j} − 1)`` (the KL of each
 glimpse's posterior from ``N(0, I)``).
 
-Attention (Gregor et al. §3.2): a linear map of ``h^{dec}`` gives ``(g̃_X, g̃_Y, log σ², log δ̃,
-log γ)``; the grid centre is ``g_X = (A+1)/2 (g̃_X + 1)``, the stride ``δ = (max(A,B)−1)/(N−1) δ̃``,
-and the ``N × N`` Gaussian filters have centres ``μ_X^i = g_X + (i − N/2 − 0.5) δ`` with rows of
-``F_X`` normalized to sum to one. ``read`` returns ``γ [F_Y x F_Xᵀ, F_Y x̂ F_Xᵀ]`` (2N² values);
-``write`` returns ``(1/γ̂) F̂_Yᵀ w_t F̂_X`` with the ``N × N`` patch ``w_t = W(h^{dec}_t)``.
+Attention (Gregor et al.'s selective attention model): a linear map of ``h^{dec}`` gives
+``(g̃_X, g̃_Y, log σ², log δ̃, log γ)``; the grid centre is ``g_X = (A+1)/2 (g̃_X + 1)``, the stride
+``δ = (max(A,B)−1)/(N−1) δ̃``, and the ``N × N`` Gaussian filters have centres
+``μ_X^i = g_X + (i − N/2 − 0.5) δ`` with rows of ``F_X`` normalized to sum to one. ``read``
+returns ``γ [F_Y x F_Xᵀ, F_Y x̂ F_Xᵀ]`` (2N² values); ``write`` returns
+``(1/γ̂) F̂_Yᵀ w_t F̂_X`` with the ``N × N`` patch ``w_t = W(h^{dec}_t)``.
 
 The LSTM cells, with ``norm``:
 

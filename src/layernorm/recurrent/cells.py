@@ -287,6 +287,9 @@ class LayerNormLSTMCell(_LNCellBase):
         normalize_cell_state: carry ``LN(c_t)`` instead of ``c_t``.
         gain_init: initial α (1.0 in the paper; 0.1 was found worse for the attentive reader).
         eps: added to the variance.
+        forget_bias: initial bias of the forget gate (haste's ``forget_bias``, whose default is
+            1.0; Gers et al. 2000, Jozefowicz et al. 2015). ``None`` (default) leaves it at 0 like
+            the other biases, so the cell starts as before; loading weights overrides it.
 
     Shape:
         ``x``: ``(B, input_size)`` or ``(input_size,)``; ``hx``: a tuple ``(h, c)`` of ``(B, H)`` or
@@ -305,14 +308,28 @@ class LayerNormLSTMCell(_LNCellBase):
         *,
         gain_init: float = 1.0,
         eps: float = 1e-5,
+        forget_bias: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(input_size, hidden_size, bias, gain_init, eps, device, dtype)
-        self.normalize_cell_state = check_flag(
-            normalize_cell_state, "normalize_cell_state", "LayerNormLSTMCell"
+        owner = "LayerNormLSTMCell"
+        self.normalize_cell_state = check_flag(normalize_cell_state, "normalize_cell_state", owner)
+        self.forget_bias = (
+            None if forget_bias is None else check_gain(forget_bias, "forget_bias", owner)
         )
+        if self.forget_bias is not None and not self.bias:
+            raise ValueError(f"{owner}: forget_bias={forget_bias!r} needs bias=True")
         self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """As the other cells; with ``forget_bias`` the forget gate's rows of ``bias_ih`` start at
+        it (``bias_hh``'s and the LN biases at 0, so the gate's summed bias is ``forget_bias``)."""
+        super().reset_parameters()
+        if getattr(self, "forget_bias", None) is not None:
+            hs = self.hidden_size
+            with torch.no_grad():
+                self.bias_ih[hs : 2 * hs] = self.forget_bias
 
     def forward(
         self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None
@@ -339,6 +356,8 @@ class LayerNormLSTMCell(_LNCellBase):
 
     def extra_repr(self) -> str:
         s = super().extra_repr()
+        if self.forget_bias is not None:
+            s += f", forget_bias={self.forget_bias}"
         return s + ", normalize_cell_state=True" if self.normalize_cell_state else s
 
 

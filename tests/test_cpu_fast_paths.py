@@ -1,9 +1,9 @@
 """The fused C kernels of the CPU backend: against the float64 reference and the eager fallback.
 
 test_functional.py already sends every variant through whichever CPU path is active; this file
-aims at what is specific to the fused kernels: row lengths around the 32-lane partial sums, the
-multi-threaded split (M·N past the one-thread grain), the per-thread dweight/dbias buffers, the
-switch back to eager ATen ops, and the build cache.
+aims at what is specific to the fused kernels: row lengths around the 32-lane partial sums and
+512-element blocks, the multi-threaded split (M·N past the one-thread grain), the per-thread
+dweight/dbias buffers, the switch back to eager ATen ops, and the build cache.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import layernorm.functional as LF
+import tolerances
 from conftest import make_param, make_x, upcast
 from layernorm.kernels.cpu import _native, cbuild
 from layernorm.kernels.cpu import layer_norm as cpu_layer_norm
@@ -23,17 +24,17 @@ from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_no
 HAVE_CC = cbuild.compiler() is not None
 needs_kernels = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: eager path only")
 
-# (atol, rtol). float32: row sums run in float32 partial sums folded in float64, about as exact
-# as PyTorch's own kernels (errors ~1e-6 at N ≈ 1000); dparam sums M rows in float64, its atol
-# scaled by √M below for the reference's summation order. float64: rounding order only.
+# (atol, rtol) from the error model of tolerances.py; dparam sums M rows, its atol scaled by √M
+# below for the summation order.
 TOL = {
-    torch.float32: {"y": (1e-5, 1e-5), "dx": (2e-5, 2e-5), "dparam": (2e-5, 2e-5)},
-    torch.float64: {"y": (1e-10, 1e-10), "dx": (1e-9, 1e-9), "dparam": (1e-10, 1e-9)},
+    dt: {q: tolerances.simple(dt, q) for q in ("y", "dx", "dparam")}
+    for dt in (torch.float32, torch.float64)
 }
 
-# N around the 32 partial-sum lanes (tails of 0, 1 and 31 elements) and long rows; the last
-# shape has M·N above the grain, so it runs on two threads whenever torch has two.
-SHAPES = [(3, 1), (5, 31), (5, 32), (7, 33), (2, 65), (4, 1000), (80, 1031)]
+# N around the 32 partial-sum lanes (tails of 0, 1 and 31 elements) and long rows (1537: three
+# 512-element blocks and a tail); (80, 1031) has M·N above the grain, so it runs on two threads
+# whenever torch has two.
+SHAPES = [(3, 1), (5, 31), (5, 32), (7, 33), (2, 65), (4, 1000), (80, 1031), (3, 1537)]
 
 VARIANTS = {
     "ln": ("layer", True, True, {}),
@@ -200,6 +201,25 @@ def test_build_is_cached(tmp_path, monkeypatch):
     mtime = first.stat().st_mtime_ns
     assert _native._build() == first and first.stat().st_mtime_ns == mtime  # no rebuild
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # the temporary build dir is gone
+
+
+@needs_kernels
+def test_cache_key_hashes_every_header_and_the_sanitizer_switch(tmp_path, monkeypatch):
+    """A changed header next to the sources, or the sanitizer switch, gives another library."""
+    monkeypatch.setenv(_native.ENV_CACHE, str(tmp_path / "cache"))
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "k.h").write_text("#define K 1\n")
+    (src / "k.c").write_text('#include "k.h"\nint k(void) { return K; }\n')
+    first = cbuild.build_shared_library([src / "k.c"], "k")
+    assert cbuild.build_shared_library([src / "k.c"], "k") == first
+    (src / "k.h").write_text("#define K 2\n")
+    second = cbuild.build_shared_library([src / "k.c"], "k")
+    assert second != first
+    monkeypatch.setenv(cbuild.ENV_SANITIZE, "1")
+    assert "-fsanitize=address,undefined" in cbuild.build_flags()
+    monkeypatch.setenv(cbuild.ENV_SANITIZE, "0")
+    assert "-fsanitize=address,undefined" not in cbuild.build_flags()
 
 
 def test_missing_compiler_raises_clear_error(monkeypatch):

@@ -17,7 +17,7 @@ import ctypes
 import functools
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,13 @@ def vector_bytes() -> int:
     return _VECTOR_BYTES[0] if _library() is not None else 0
 
 
+def _fn(kernel: str, dtype: torch.dtype) -> Any:
+    """The loaded entry point of ``kernel`` for ``dtype`` (building the library on first use)."""
+    if _library() is None:
+        raise RuntimeError("layernorm: the C recurrent kernels are unavailable (see the warning)")
+    return _FNS[kernel, dtype]
+
+
 def prepare(
     struct: rnn_abi.Struct,
     dtype: torch.dtype,
@@ -101,14 +108,7 @@ def step(kernel: str, dtype: torch.dtype, args: Any, off: int, rows: int, thread
     """Run step kernel ``kernel`` (``"lstm_fwd_step"``, ...) on rows ``[off, off + rows)`` with
     the struct from :func:`prepare`. C refuses rows outside the buffers."""
     args.off, args.rows, args.threads = off, rows, max(1, threads)
-    _raise_for(_FNS[kernel, dtype](ctypes.byref(args)), kernel)
-
-
-@functools.lru_cache(maxsize=256)
-def steps_tensor(pairs: tuple[tuple[int, int], ...]) -> Tensor:
-    """The ``(S, 2)`` int64 tensor of (first row, rows) pairs a sequence kernel walks (cached: a
-    layer's schedule is the same on every call with the same lengths; C only reads it)."""
-    return torch.tensor(pairs, dtype=torch.int64).reshape(len(pairs), 2)
+    _raise_for(_fn(kernel, dtype)(ctypes.byref(args)), kernel)
 
 
 def sequence(
@@ -116,21 +116,22 @@ def sequence(
     dtype: torch.dtype,
     args: Any,
     w: Tensor,
-    pairs: tuple[tuple[int, int], ...],
+    steps: Tensor,
     sizes: Mapping[str, int],
     threads: int,
     grain: int,
     gemm_grain: int,
 ) -> None:
-    """Run sequence kernel ``kernel`` (``"lstm_fwd_seq"``, ...): every step of ``pairs`` (in the
-    forward pass's order; backward kernels walk them in reverse) with the recurrent weight ``w``
+    """Run sequence kernel ``kernel`` (``"lstm_fwd_seq"``, ...): every step of ``steps`` (an
+    ``(S, 2)`` int64 tensor of (first row, rows) pairs in the forward pass's order; backward
+    kernels walk them in reverse) with the recurrent weight ``w``
     (``W_hhᵀ`` contiguous forward, ``W_hh`` backward), on the step struct ``args`` from
     :func:`prepare`."""
     seq_struct = rnn_abi.BY_NAME[kernel].structs[1]
-    values = {"w": w, "steps": steps_tensor(pairs), "threads": max(1, threads),
-              "grain": grain, "gemm_grain": gemm_grain}  # fmt: skip
-    seq_args = rnn_abi.pack(seq_struct, dtype, values, {**sizes, "S": len(pairs)})
-    _raise_for(_FNS[kernel, dtype](ctypes.byref(args), ctypes.byref(seq_args)), kernel)
+    values = {"w": w, "steps": steps, "threads": max(1, threads), "grain": grain,
+              "gemm_grain": gemm_grain}  # fmt: skip
+    seq_args = rnn_abi.pack(seq_struct, dtype, values, {**sizes, "S": steps.shape[0]})
+    _raise_for(_fn(kernel, dtype)(ctypes.byref(args), ctypes.byref(seq_args)), kernel)
 
 
 def weight_grad(dhp: Tensor, hprev: Tensor, threads: int, gemm_grain: int) -> Tensor:
@@ -142,10 +143,5 @@ def weight_grad(dhp: Tensor, hprev: Tensor, threads: int, gemm_grain: int) -> Te
               "gemm_grain": gemm_grain}  # fmt: skip
     sizes = {"N": n_rows, "G": gates, "H": hs}
     args = rnn_abi.pack(rnn_abi.WEIGHT_GRAD, dhp.dtype, values, sizes)
-    _raise_for(_FNS["weight_grad", dhp.dtype](ctypes.byref(args)), "weight_grad")
+    _raise_for(_fn("weight_grad", dhp.dtype)(ctypes.byref(args)), "weight_grad")
     return dw
-
-
-def step_pairs(sched: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int], ...]:
-    """The (first row, rows) pairs of a schedule of (time index, first row, rows) steps."""
-    return tuple((off, bs) for _, off, bs in sched)

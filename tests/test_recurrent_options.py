@@ -308,10 +308,11 @@ def _zoneout_masks(kind, t, b, h, ph, pc, training, seed=11):
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("training", [True, False])
-def test_zoneout_matches_krueger_et_al(kind: str, training: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("impl", ["fused", "loop"])
+def test_zoneout_matches_krueger_et_al(kind: str, training: bool, impl: str, monkeypatch) -> None:
     h, ph, pc = 4, 0.3, 0.6
     opts = {"zoneout_hidden": ph} | ({"zoneout_cell": pc} if kind == "lstm" else {})
-    model = LAYERS[kind](3, h, dtype=DT, **opts)
+    model = LAYERS[kind](3, h, dtype=DT, impl=impl, **opts)
     randomize(model)
     model.train(training)
     x, hx = seq(6, 3, 3), hx_for(kind, 3, h)
@@ -366,11 +367,12 @@ def test_zoneout_at_eval_on_packed_sequences_equals_each_alone(kind: str) -> Non
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("impl", ["fused", "loop"])
 def test_recurrent_dropout_drops_the_candidate_with_one_mask_per_sequence(
-    kind: str, monkeypatch
+    kind: str, impl: str, monkeypatch
 ) -> None:
     h, p = 4, 0.5
-    model = LAYERS[kind](3, h, recurrent_dropout=p, dtype=DT)
+    model = LAYERS[kind](3, h, recurrent_dropout=p, impl=impl, dtype=DT)
     randomize(model)
     drawn = record_masks(monkeypatch, model)
     x, hx = seq(6, 3, 3).requires_grad_(), hx_for(kind, 3, h)
@@ -386,7 +388,7 @@ def test_recurrent_dropout_drops_the_candidate_with_one_mask_per_sequence(
     ):
         torch.testing.assert_close(a, b, **TOL)
     model.eval()
-    plain = LAYERS[kind](3, h, dtype=DT).eval()
+    plain = LAYERS[kind](3, h, impl=impl, dtype=DT).eval()
     plain.load_state_dict(model.state_dict())
     torch.testing.assert_close(model(x)[0], plain(x)[0], rtol=0, atol=0)  # identity at eval
 
@@ -488,16 +490,64 @@ def test_options_gradcheck_on_the_loop() -> None:
 # -- paths and errors ----------------------------------------------------------------------------
 
 
-def test_options_the_fused_path_lacks_pick_the_loop_or_are_refused() -> None:
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("norm", ["layer", "none"])
+def test_zoneout_and_recurrent_dropout_fused_equals_loop_from_the_same_seed(
+    kind: str, norm: str
+) -> None:
+    opts = {"weight_dropout": 0.2, "zoneout_hidden": 0.3}
+    if kind != "rnn":
+        opts["recurrent_dropout"] = 0.4
+    if kind == "lstm":
+        opts |= {"zoneout_cell": 0.5, "normalize_cell_state": norm == "layer"}
+    model = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, norm=norm, dtype=DT, **opts)
+    randomize(model)
+    x, lengths = seq(5, 4, 3), torch.tensor([5, 2, 5, 1])
+    hx = hx_for(kind, 4, 4, layers=4)
+    for training in (True, False):
+        model.train(training)
+        results = []
+        for impl in ("fused", "loop"):
+            model.impl = impl
+            model.zero_grad()
+            xi = x.clone().requires_grad_()
+            hi = tuple(s.clone().requires_grad_() for s in hx)
+            torch.manual_seed(3)
+            out, states = model(
+                pack_padded_sequence(xi, lengths, enforce_sorted=False),
+                hi if kind == "lstm" else hi[0],
+            )
+            states = states if isinstance(states, tuple) else (states,)
+            grads = grads_of((out.data, states), [xi, *hi, *model.parameters()])
+            results.append([out.data, *states, *grads])
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+def test_the_fused_path_runs_the_masks_on_its_eager_steps(monkeypatch) -> None:
+    """Zoneout and recurrent dropout stay on the fused node (its eager step functions: the C and
+    Triton steps take no masks); proj_size takes the loop, and impl='fused' refuses it."""
+    from layernorm.recurrent import _fused, _pointwise
+
+    used = []
+    original = _fused._kernels
+    monkeypatch.setattr(
+        _fused, "_kernels", lambda gx, st: used.append(original(gx, st)) or used[-1]
+    )
+    model = LayerNormLSTM(3, 4, zoneout_hidden=0.1, recurrent_dropout=0.2, impl="fused")
+    model(torch.randn(3, 2, 3))[0].sum().backward()
+    assert used and all(k is _pointwise.EAGER for k in used)
+    used.clear()
+    LayerNormLSTM(3, 4, impl="fused")(torch.randn(3, 2, 3))
+    assert used and used[0] is _pointwise.step_kernels(torch.randn(1))  # C kernels when built
     calls = []
-    model = LayerNormLSTM(3, 4, zoneout_hidden=0.1)
+    model = LayerNormLSTM(3, 4, proj_size=2)
     model._fused = lambda *a: calls.append(a)  # would be wrong if it ran
     model(torch.randn(3, 2, 3))
     assert not calls
-    for opts in ({"zoneout_hidden": 0.1}, {"zoneout_cell": 0.1}, {"recurrent_dropout": 0.1}):
-        with pytest.raises(ValueError, match=r"run on the step-by-step path only"):
-            LayerNormLSTM(3, 4, impl="fused", **opts)
-    LayerNormLSTM(3, 4, impl="fused", weight_dropout=0.5)  # DropConnect runs on every path
+    with pytest.raises(ValueError, match=r"proj_size=2 run on the step-by-step path only"):
+        LayerNormLSTM(3, 4, proj_size=2, impl="fused")
+    LayerNormLSTM(3, 4, impl="fused", weight_dropout=0.5, zoneout_cell=0.1)
 
 
 @pytest.mark.parametrize(

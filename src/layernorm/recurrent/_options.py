@@ -45,11 +45,6 @@ class Masks(NamedTuple):
     zoneout_c: Tensor | None = None
     candidate: Tensor | None = None
 
-    @property
-    def any_step_mask(self) -> bool:
-        """Whether a mask acts inside the time loop (zoneout or recurrent dropout)."""
-        return not (self.zoneout_h is None and self.zoneout_c is None and self.candidate is None)
-
 
 def dropout_mask(shape: tuple[int, ...], p: float, like: Tensor) -> Tensor:
     """``Bernoulli(1 − p) / (1 − p)`` of ``shape`` in ``like``'s dtype and device."""

@@ -18,6 +18,11 @@ batched ``(T, B, I)`` (or ``(B, T, I)`` with ``batch_first``), unbatched ``(T, I
 A trained ``torch.nn.LSTM`` loads into ``norm="layer"`` with ``load_state_dict(sd, strict=False)``
 (the LN gains and biases keep their init) or with :meth:`LayerNormLSTM.from_torch`.
 
+Options of the LN-LSTM libraries (see each class's arguments, :mod:`._options` for the equations):
+``forget_bias`` (LSTM, at init), ``weight_dropout`` (DropConnect on ``W_hh``, Wan et al. 2013),
+``zoneout_hidden`` / ``zoneout_cell`` (Krueger et al. 2016), ``recurrent_dropout`` (LSTM, GRU:
+Semeniuta et al. 2016) and torch.nn.LSTM's ``proj_size`` (with ``weight_hr_l{k}``).
+
 Speed: by default (``impl="auto"``) float32/float64 layer-norm and plain recurrences run on the
 fused path of :mod:`layernorm.recurrent._fused` (one GEMM + one LN for all input projections, one
 autograd node per direction with an analytic backward in time). ``impl="loop"`` runs the readable
@@ -205,9 +210,9 @@ class _LNRNNBase(NotScriptable, nn.Module):
         return size
 
     def _loop_only_options(self) -> list[str]:
-        """The options set that only the step-by-step path runs (named in errors)."""
-        names = ("proj_size", "zoneout_hidden", "zoneout_cell", "recurrent_dropout")
-        return [f"{n}={getattr(self, n)}" for n in names if getattr(self, n)]
+        """The options set that only the step-by-step path runs (named in errors): the fused
+        kernels keep ``h`` and ``c`` of one size, so projections run on the loop."""
+        return [f"proj_size={self.proj_size}"] if self.proj_size else []
 
     def _draw_masks(self, sfx: str, n_rows: int, n_batch: int, like: Tensor) -> _options.Masks:
         """The masks of layer-direction ``sfx`` for one call over ``n_rows`` packed rows of
@@ -516,14 +521,16 @@ class _LNRNNBase(NotScriptable, nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Run one layer in one direction over packed rows ``data``: ``(out, h_n, c_n)``.
 
-        The masks are drawn first, whatever the path; DropConnect acts on the weights before
-        either path sees them, zoneout, recurrent dropout and projections run on the loop."""
+        The masks are drawn first, whatever the path, and both paths take them: DropConnect acts
+        on the weights before either sees them; the fused path runs zoneout and recurrent dropout
+        on its eager step functions (the C and Triton steps take no masks). Projections run on
+        the loop."""
         masks = self._draw_masks(sfx, data.shape[0], h0.shape[0], data)
         weights = self._weights(sfx)
         if masks.w_hh is not None:
             weights = weights._replace(w_hh=weights.w_hh * masks.w_hh)
-        if not (masks.any_step_mask or self.proj_size) and self._use_fused(data):
-            return self._fused(data, sizes, sfx, reverse, h0, c0, weights)
+        if not self.proj_size and self._use_fused(data):
+            return self._fused(data, sizes, sfx, reverse, h0, c0, weights, masks)
         return self._loop(data, sizes, sfx, reverse, h0, c0, weights, masks)
 
     # -- fused path --------------------------------------------------------------------------
@@ -537,6 +544,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         h0: Tensor,
         c0: Tensor | None,
         weights: _steps.Weights,
+        masks: _options.Masks,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         hs = self.hidden_size
         sched = _fused.make_schedule(sizes, reverse)
@@ -562,7 +570,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
             out, h_n, c_n = _fused.LSTMSequence.apply(
                 gx, h0, c0, w_hh, g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"),
                 g(f"ln_weight_c{sfx}"), g(f"ln_bias_c{sfx}"), sched, self.eps, ln,
-                self.normalize_cell_state and ln,
+                self.normalize_cell_state and ln, masks.zoneout_h, masks.zoneout_c,
+                masks.candidate,
             )  # fmt: skip
             return out, h_n, c_n
         if self.mode == "GRU":
@@ -580,6 +589,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 None if w1 is None else w1[: 2 * hs], None if b1 is None else b1[: 2 * hs],
                 None if w1 is None else w1[2 * hs :], None if b1 is None else b1[2 * hs :],
                 None if b_hh is None else b_hh[2 * hs :].contiguous(), sched, self.eps, ln,
+                masks.zoneout_h, masks.candidate,
             )  # fmt: skip
             return out, h_n, None
         bsum = None if b_ih is None else b_ih + b_hh
@@ -591,7 +601,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             xp = xp if bsum is None else xp + bsum
             w = b = None
         out, h_n = _fused.RNNSequence.apply(
-            xp, h0, w_hh, w, b, sched, self.eps, ln, self.nonlinearity == "relu"
+            xp, h0, w_hh, w, b, sched, self.eps, ln, self.nonlinearity == "relu", masks.zoneout_h
         )
         return out, h_n, None
 
@@ -722,10 +732,12 @@ _RECURRENT_DROPOUT_DOC = """\
             ``m = Bernoulli(1 − p)/(1 − p)`` per unit, one mask per sequence for all its steps,
             in training; identity at eval.
 """
-_LOOP_ONLY_DOC = """
-        Paths: {names}
-        run on the step-by-step path: ``impl="auto"`` takes it when one is set, and
-        ``impl="fused"`` refuses them at construction (DropConnect runs on every path).
+_PATHS_DOC = """
+        Paths: the masks are drawn before a direction runs and both paths take them, so the
+        fused path and the loop agree given the same masks (or seed). DropConnect runs on every
+        path (C, Triton, eager steps); {names}
+        run{s} on the fused node's eager step functions (the C and Triton steps take no
+        masks).{proj}
 """
 
 _SHAPES_DOC = """
@@ -761,7 +773,11 @@ class LayerNormRNN(_LNRNNBase):
     ``f`` = ``nonlinearity``. Call: ``output, h_n = rnn(input, h_0=None)``.
 """ + _SHAPES_DOC.replace("{batch}", "").replace(
         "{options}",
-        _WEIGHT_DROPOUT_DOC + _ZONEOUT_DOC + _LOOP_ONLY_DOC.replace("{names}", "zoneout_hidden"),
+        _WEIGHT_DROPOUT_DOC
+        + _ZONEOUT_DOC
+        + _PATHS_DOC.replace("{names}", "``zoneout_hidden``")
+        .replace("{s}", "s")
+        .replace("{proj}", ""),
     )
 
     mode = "RNN"
@@ -843,8 +859,12 @@ class LayerNormLSTM(_LNRNNBase):
         + _RECURRENT_DROPOUT_DOC.replace(
             "{candidate}", "``c_t = σ(f) ⊙ c_{t−1} + σ(i) ⊙ m ⊙ tanh(g)``"
         )
-        + _LOOP_ONLY_DOC.replace(
-            "{names}", "``proj_size``, ``zoneout_*`` and ``recurrent_dropout`` (in training)"
+        + _PATHS_DOC.replace("{names}", "zoneout and recurrent dropout")
+        .replace("{s}", "")
+        .replace(
+            "{proj}",
+            '\n        ``proj_size`` runs on the loop: ``impl="auto"`` takes it, ``impl="fused"``'
+            " is refused.",
         ),
     )
 
@@ -910,7 +930,9 @@ class LayerNormGRU(_LNRNNBase):
         + _RECURRENT_DROPOUT_DOC.replace(
             "{candidate}", "``h_t = (1 − z) ⊙ (m ⊙ n_t) + z ⊙ h_{t−1}``"
         )
-        + _LOOP_ONLY_DOC.replace("{names}", "``zoneout_hidden`` and ``recurrent_dropout``"),
+        + _PATHS_DOC.replace("{names}", "zoneout and recurrent dropout")
+        .replace("{s}", "")
+        .replace("{proj}", ""),
     )
 
     mode = "GRU"

@@ -8,6 +8,8 @@ given masks (or by recording the masks it drew).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -578,3 +580,37 @@ def test_options_are_keywords_of_the_right_layers_and_shown_in_repr() -> None:
     for s in ("proj_size=2", "forget_bias=0.0", "weight_dropout=0.1", "zoneout_hidden=0.2",
               "zoneout_cell=0.3", "recurrent_dropout=0.4"):  # fmt: skip
         assert s in r
+
+
+_TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not _TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_triton_steps_take_dropconnect_and_defer_masks_to_the_eager_steps(kind: str) -> None:
+    """The Triton steps (CUDA, or the interpreter on CPU) with DropConnect, and with zoneout and
+    recurrent dropout (which the fused node runs on its eager steps), vs the loop, same seed."""
+    from layernorm.recurrent import _pointwise, register_step_kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    steps = _pointwise._triton_step_kernels()
+    assert steps is not None
+    for opts in ({"weight_dropout": 0.3}, {"weight_dropout": 0.3, "zoneout_hidden": 0.2,
+                                           "recurrent_dropout": 0.25}):  # fmt: skip
+        model = LAYERS[kind](3, 8, bidirectional=True, device=device, **opts)
+        randomize(model)
+        x = seq(5, 4, 3).float().to(device)
+        results = []
+        for impl in ("fused", "loop"):
+            model.impl = impl
+            model.zero_grad()
+            register_step_kernels(device, steps if impl == "fused" else None)
+            try:
+                torch.manual_seed(9)
+                out, _ = model(x)
+                out.pow(2).sum().backward()
+            finally:
+                register_step_kernels(device, None)
+            results.append([out.detach(), *(p.grad.clone() for p in model.parameters())])
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

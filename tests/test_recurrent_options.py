@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import _options
-from layernorm.recurrent.cells import LayerNormLSTMCell
+from layernorm.recurrent.cells import LayerNormGRUCell, LayerNormLSTMCell, LayerNormRNNCell
 
 DT = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-11}
@@ -614,3 +614,60 @@ def test_triton_steps_take_dropconnect_and_defer_masks_to_the_eager_steps(kind: 
             results.append([out.detach(), *(p.grad.clone() for p in model.parameters())])
         for a, b in zip(*results, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# -- cells ---------------------------------------------------------------------------------------
+
+CELLS = {"lstm": LayerNormLSTMCell, "gru": LayerNormGRUCell, "rnn": LayerNormRNNCell}
+
+
+def _cell_opts(kind: str, ph: float, pc: float) -> dict[str, float]:
+    return {"zoneout_hidden": ph} | ({"zoneout_cell": pc} if kind == "lstm" else {})
+
+
+def _cell_states(kind: str, out) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_cell_zoneout_eval_is_the_expectation_and_training_picks_old_or_new(kind: str) -> None:
+    ph, pc = 0.3, 0.7
+    cell = CELLS[kind](3, 64, dtype=DT, **_cell_opts(kind, ph, pc))
+    plain = CELLS[kind](3, 64, dtype=DT)
+    randomize(cell)
+    plain.load_state_dict(cell.state_dict())
+    x = seq(1, 40, 3)[0]
+    gen = torch.Generator().manual_seed(4)
+    prev = tuple(
+        torch.randn(40, 64, generator=gen, dtype=DT) for _ in range(2 if kind == "lstm" else 1)
+    )
+    hx = prev if kind == "lstm" else prev[0]
+    new = _cell_states(kind, plain(x, hx))
+    rates = (ph, pc)
+    cell.eval()
+    for got, old, nw, p in zip(_cell_states(kind, cell(x, hx)), prev, new, rates, strict=False):
+        torch.testing.assert_close(got, p * old + (1 - p) * nw, **TOL)
+    cell.train()
+    first = _cell_states(kind, cell(x, hx))
+    second = _cell_states(kind, cell(x, hx))
+    for got, again, old, nw, p in zip(first, second, prev, new, rates, strict=False):
+        kept = got == old
+        assert torch.all(kept | (got == nw))  # each unit is either the old or the new state
+        assert abs(kept.double().mean().item() - p) < 0.05  # 2560 Bernoulli(p) draws
+        assert not torch.equal(got, again)  # a new mask each call (each step)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_layer_zoneout_at_eval_equals_its_cell_driven_over_time(kind: str) -> None:
+    opts = _cell_opts(kind, 0.25, 0.5)
+    layer = LAYERS[kind](3, 4, dtype=DT, **opts).eval()
+    randomize(layer)
+    cell = CELLS[kind](3, 4, dtype=DT, **opts).eval()
+    cell.load_state_dict({k.removesuffix("_l0"): v for k, v in layer.state_dict().items()})
+    x = seq(6, 2, 3)
+    out, _ = layer(x)
+    state = None
+    for t in range(6):
+        state = cell(x[t], state)
+        h = state[0] if kind == "lstm" else state
+        torch.testing.assert_close(out[t], h, **TOL)

@@ -671,3 +671,36 @@ def test_layer_zoneout_at_eval_equals_its_cell_driven_over_time(kind: str) -> No
         state = cell(x[t], state)
         h = state[0] if kind == "lstm" else state
         torch.testing.assert_close(out[t], h, **TOL)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"num_layers": 1, "bidirectional": False, "batch_first": False, "bias": True},
+        {"num_layers": 2, "bidirectional": True, "batch_first": True, "bias": False},
+        {"num_layers": 3, "bidirectional": False, "batch_first": True, "bias": True},
+    ],
+)
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("with_hx", [True, False])
+def test_proj_size_as_torch_over_configurations(cfg: dict, batched: bool, with_hx: bool) -> None:
+    ref = torch.nn.LSTM(3, 6, proj_size=2, dtype=DT, **cfg)
+    ours = LayerNormLSTM.from_torch(ref, norm="none")
+    assert ours.proj_size == 2
+    n_states = cfg["num_layers"] * (2 if cfg["bidirectional"] else 1)
+    gen = torch.Generator().manual_seed(3)
+    shape = ((2, 4) if cfg["batch_first"] else (4, 2)) if batched else (4,)
+    x = torch.randn(*shape, 3, generator=gen, dtype=DT)
+    lead = (n_states, 2) if batched else (n_states,)
+    hx = (
+        (
+            torch.randn(*lead, 2, generator=gen, dtype=DT),
+            torch.randn(*lead, 6, generator=gen, dtype=DT),
+        )
+        if with_hx
+        else None
+    )
+    want = ref(x, hx)
+    got = ours(x, hx)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-12)

@@ -191,8 +191,6 @@ def test_lstm_takes_torch_proj_size_keyword() -> None:
             LayerNormLSTM(3, 4, proj_size=bad)
     with pytest.raises(TypeError, match=r"proj_size must be an int, got float 2.0"):
         LayerNormLSTM(3, 4, proj_size=2.0)
-    with pytest.raises(ValueError, match=r"proj_size=2.* run on the step-by-step path only"):
-        LayerNormLSTM(3, 4, proj_size=2, impl="fused")
 
 
 def test_lstm_hx_of_the_wrong_length_says_how_many() -> None:

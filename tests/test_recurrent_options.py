@@ -93,10 +93,12 @@ def hand_lstm(model, x, h, c, masks: _options.Masks):
         i, f, g, o = gates.chunk(4, dim=1)
         cand = torch.tanh(g) if masks.candidate is None else masks.candidate * torch.tanh(g)
         c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * cand
-        h_new = torch.sigmoid(o) * torch.tanh(_ln(c_new, model, "_c_l0"))
+        c_norm = _ln(c_new, model, "_c_l0")
+        h_new = torch.sigmoid(o) * torch.tanh(c_norm)
         if w_hr is not None:
             h_new = h_new @ w_hr.T
-        c = _zone(_per_step(masks.zoneout_c, t, x.shape[1]), c, c_new)
+        carried = c_norm if model.normalize_cell_state else c_new  # TF-Addons' variant carries LN
+        c = _zone(_per_step(masks.zoneout_c, t, x.shape[1]), c, carried)
         h = _zone(_per_step(masks.zoneout_h, t, x.shape[1]), h, h_new)
         outs.append(h)
     return torch.stack(outs), h, c
@@ -410,9 +412,12 @@ def test_recurrent_dropout_of_a_whole_row_leaves_lstm_c_decaying(monkeypatch) ->
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_proj_size_norm_none_equals_torch_lstm(packed: bool) -> None:
+@pytest.mark.parametrize("impl", ["fused", "loop"])
+def test_proj_size_norm_none_equals_torch_lstm(packed: bool, impl: str) -> None:
     ref = torch.nn.LSTM(3, 5, num_layers=2, bidirectional=True, proj_size=2, dtype=DT)
-    ours = LayerNormLSTM(3, 5, num_layers=2, bidirectional=True, proj_size=2, norm="none", dtype=DT)
+    ours = LayerNormLSTM(
+        3, 5, num_layers=2, bidirectional=True, proj_size=2, norm="none", impl=impl, dtype=DT
+    )
     assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()]
     ours.load_state_dict(ref.state_dict())  # strict
     x = seq(5, 4, 3)
@@ -451,11 +456,16 @@ def test_proj_size_from_torch_and_layer_norm_matches_the_equations() -> None:
         ours(x.transpose(0, 1), (hx[1], hx[1]))
 
 
-def test_proj_size_with_every_option_against_the_equations(monkeypatch) -> None:
+@pytest.mark.parametrize("impl", ["fused", "loop"])
+@pytest.mark.parametrize("carry_normalized", [False, True])
+def test_proj_size_with_every_option_against_the_equations(
+    impl: str, carry_normalized: bool, monkeypatch
+) -> None:
     h, p, t, b = 6, 2, 5, 3
     model = LayerNormLSTM(
         3, h, proj_size=p, forget_bias=1.0, weight_dropout=0.3, zoneout_hidden=0.2,
-        zoneout_cell=0.4, recurrent_dropout=0.25, dtype=DT,
+        zoneout_cell=0.4, recurrent_dropout=0.25, impl=impl, dtype=DT,
+        normalize_cell_state=carry_normalized,
     )  # fmt: skip
     randomize(model)
     masks = _options.Masks(
@@ -476,8 +486,11 @@ def test_proj_size_with_every_option_against_the_equations(monkeypatch) -> None:
         torch.testing.assert_close(a, b_, **TOL)
 
 
-def test_options_gradcheck_on_the_loop() -> None:
-    model = LayerNormLSTM(2, 3, proj_size=2, zoneout_hidden=0.3, zoneout_cell=0.5, dtype=DT)
+@pytest.mark.parametrize("impl", ["fused", "loop"])
+def test_options_gradcheck(impl: str) -> None:
+    model = LayerNormLSTM(
+        2, 3, proj_size=2, zoneout_hidden=0.3, zoneout_cell=0.5, impl=impl, dtype=DT
+    )
     model.eval()  # deterministic: the zoneout expectation
     randomize(model)
     names = [n for n, _ in model.named_parameters()]
@@ -500,12 +513,12 @@ def test_zoneout_and_recurrent_dropout_fused_equals_loop_from_the_same_seed(
     opts = {"weight_dropout": 0.2, "zoneout_hidden": 0.3}
     if kind != "rnn":
         opts["recurrent_dropout"] = 0.4
-    if kind == "lstm":
-        opts |= {"zoneout_cell": 0.5, "normalize_cell_state": norm == "layer"}
+    if kind == "lstm":  # with a projection too
+        opts |= {"zoneout_cell": 0.5, "normalize_cell_state": norm == "layer", "proj_size": 3}
     model = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, norm=norm, dtype=DT, **opts)
     randomize(model)
     x, lengths = seq(5, 4, 3), torch.tensor([5, 2, 5, 1])
-    hx = hx_for(kind, 4, 4, layers=4)
+    hx = hx_for(kind, 4, 4, p=3 if kind == "lstm" else None, layers=4)
     for training in (True, False):
         model.train(training)
         results = []
@@ -527,8 +540,8 @@ def test_zoneout_and_recurrent_dropout_fused_equals_loop_from_the_same_seed(
 
 
 def test_the_fused_path_runs_the_masks_on_its_eager_steps(monkeypatch) -> None:
-    """Zoneout and recurrent dropout stay on the fused node (its eager step functions: the C and
-    Triton steps take no masks); proj_size takes the loop, and impl='fused' refuses it."""
+    """Zoneout, recurrent dropout and proj_size stay on the fused node, on its eager step
+    functions (the C and Triton steps take no masks and no projection)."""
     from layernorm.recurrent import _fused, _pointwise
 
     used = []
@@ -542,14 +555,9 @@ def test_the_fused_path_runs_the_masks_on_its_eager_steps(monkeypatch) -> None:
     used.clear()
     LayerNormLSTM(3, 4, impl="fused")(torch.randn(3, 2, 3))
     assert used and used[0] is _pointwise.step_kernels(torch.randn(1))  # C kernels when built
-    calls = []
-    model = LayerNormLSTM(3, 4, proj_size=2)
-    model._fused = lambda *a: calls.append(a)  # would be wrong if it ran
-    model(torch.randn(3, 2, 3))
-    assert not calls
-    with pytest.raises(ValueError, match=r"proj_size=2 run on the step-by-step path only"):
-        LayerNormLSTM(3, 4, proj_size=2, impl="fused")
-    LayerNormLSTM(3, 4, impl="fused", weight_dropout=0.5, zoneout_cell=0.1)
+    used.clear()
+    LayerNormLSTM(3, 4, proj_size=2, impl="fused")(torch.randn(3, 2, 3))
+    assert used and all(k is _pointwise.EAGER for k in used)
 
 
 @pytest.mark.parametrize(

@@ -35,8 +35,8 @@ from ._pointwise import (
     SeqFn,
     StepFn,
     StepKernels,
-    has_step_masks,
     ln_kernels,
+    needs_eager_steps,
     step_kernels,
 )
 
@@ -73,10 +73,11 @@ def _check_untraced(name: str) -> None:
 
 
 def _kernels(gx: Tensor, st: dict[str, Any]) -> StepKernels:
-    """The step functions for ``st``: zoneout and recurrent-dropout masks are taken by the eager
-    steps only (the C and Triton steps have no mask arguments), so with any of them the eager
-    steps run, whatever the device; otherwise :func:`._pointwise.step_kernels`."""
-    return EAGER if has_step_masks(st) else step_kernels(gx)
+    """The step functions for ``st``: zoneout and recurrent-dropout masks and the LSTM's projection
+    are taken by the eager steps only (the C and Triton steps have no such arguments), so with
+    any of them the eager steps run, whatever the device; otherwise
+    :func:`._pointwise.step_kernels`."""
+    return EAGER if needs_eager_steps(st) else step_kernels(gx)
 
 
 def _grad_or_none(needed: bool, fn: Any) -> Tensor | None:
@@ -191,9 +192,11 @@ class LSTMSequence(torch.autograd.Function):
 
     Inputs: ``gx (N, 4H)``, ``h0, c0 (B, H)``, ``w_hh (4H, H)``, LN(hp) gain/bias ``(4H)``, LN(c)
     gain/bias ``(H)`` (``None`` when absent), the schedule, eps, whether to normalize, whether the
-    carried state is LN(c), and the optional masks (:class:`._options.Masks`): zoneout ``zh``,
-    ``zc (N, H)``, recurrent dropout ``cm (B, H)`` (not differentiated). Outputs: ``out (N, H)``
-    (h at every row), ``h_n, c_n (B, H)``. Buffer names are those of :mod:`._pointwise`.
+    carried state is LN(c), the optional masks (:class:`._options.Masks`): zoneout ``zh (N, P)``,
+    ``zc (N, H)``, recurrent dropout ``cm (B, H)`` (not differentiated), and torch.nn.LSTM's
+    projection ``w_hr (P, H)`` (then ``h0`` and ``w_hh`` have P columns; without it P = H).
+    Outputs: ``out (N, P)`` (h at every row), ``h_n (B, P)``, ``c_n (B, H)``. Buffer names are
+    those of :mod:`._pointwise`.
     """
 
     @staticmethod
@@ -214,23 +217,25 @@ class LSTMSequence(torch.autograd.Function):
         zh: Tensor | None = None,
         zc: Tensor | None = None,
         cm: Tensor | None = None,
+        w_hr: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         _check_untraced("LSTMSequence")
         gx = gx.contiguous()
-        n_rows, hs = gx.shape[0], h0.shape[1]
+        n_rows, hs, ps = gx.shape[0], c0.shape[1], h0.shape[1]
         st: dict[str, Any] = {
             "H": hs, "eps": eps, "normalize": normalize, "carry_normalized": carry_normalized,
             "gx": gx, "w1": w1, "b1": b1, "w3": w3, "b3": b3, "zh": zh, "zc": zc, "cm": cm,
-            "h": h0.contiguous().clone(), "c": c0.contiguous().clone(),
-            **_new_bufs(gx, n_rows, {"hp": 4 * hs, "out": hs, "hprev": hs, "cprev": hs,
+            "w_hr": w_hr, "h": h0.contiguous().clone(), "c": c0.contiguous().clone(),
+            **_new_bufs(gx, n_rows, {"hp": 4 * hs, "out": ps, "hprev": ps, "cprev": hs,
                                      "acts": 4 * hs, "cn": hs, "tc": hs,
                                      "mh": 0, "rh": 0, "mc": 0, "rc": 0}),
+            "hu": None if w_hr is None else gx.new_empty(n_rows, hs),
         }  # fmt: skip
         kernels = _kernels(gx, st)
         _forward_in_time(st, w_hh, sched, kernels.lstm_fwd, kernels.lstm_fwd_seq)
         _save(ctx, st, w_hh, sched, ("w1", "b1", "w3", "b3", "gx", "hp", "hprev", "cprev", "acts",
                                      "cn", "tc", "mh", "rh", "mc", "rc",
-                                     "zh", "zc", "cm"))  # fmt: skip
+                                     "zh", "zc", "cm", "w_hr", "hu"))  # fmt: skip
         return st["out"], st["h"], st["c"]
 
     @staticmethod
@@ -243,6 +248,8 @@ class LSTMSequence(torch.autograd.Function):
                   dc=dc_n.contiguous().clone(),
                   **_new_bufs(gx, n_rows, {"dgates": 4 * hs, "dlc": hs}))  # fmt: skip
         st["dhp"] = gx.new_empty(n_rows, 4 * hs) if normalize else st["dgates"]
+        w_hr = st["w_hr"]
+        st["dhr"] = None if w_hr is None else gx.new_empty(n_rows, w_hr.shape[0])
         kernels = _kernels(gx, st)
         # with zoneout of h the step leaves the direct path zh ⊙ dh_t in dh for the GEMM to add to
         _backward_in_time(
@@ -260,7 +267,10 @@ class LSTMSequence(torch.autograd.Function):
             dw3, db3 = _ln_param_grads(
                 ln, st["dlc"], st["cn"], st["mc"], st["rc"], w3, need[6], need[7]
             )
-        return (st["dgates"], dh, st["dc"], d_w_hh, dw1, db1, dw3, db3, *(None,) * 7)
+        d_w_hr = None
+        if w_hr is not None and need[15]:
+            d_w_hr = st["dhr"].t().mm(st["hu"])
+        return (st["dgates"], dh, st["dc"], d_w_hh, dw1, db1, dw3, db3, *(None,) * 7, d_w_hr)
 
 
 class GRUSequence(torch.autograd.Function):

@@ -129,9 +129,12 @@ def _ln_dx(dy: Tensor, x: Tensor, m: Tensor, r: Tensor, w: Tensor | None) -> Ten
 #         cn (N, H) c_t un-normalized    mc, rc (N,) stats of LN(c_t)    tc (N, H) tanh(LN(c_t))
 #   backward: dout (N, H); dh, dc (B, H) state gradients; dgates, dhp (N, 4H); dlc (N, H)
 #   masks (optional, see layernorm.recurrent._options; absent or None = off; the eager steps
-#   only): zh, zc (N, H) zoneout coefficients of h and of the carried c; cm (B, H) recurrent
-#   dropout on tanh(g). With zh the step's backward writes the direct path zh ⊙ dh_t into dh,
-#   and the caller adds the GEMM's dh_{t−1} to it.
+#   only): zh (N, P), zc (N, H) zoneout coefficients of h and of the carried c; cm (B, H)
+#   recurrent dropout on tanh(g). With zh the step's backward writes the direct path zh ⊙ dh_t
+#   into dh, and the caller adds the GEMM's dh_{t−1} to it.
+#   projection (optional, eager steps only): w_hr (P, H), h_t = W_hr(σ(o) ⊙ tanh(LN(c_t))); then
+#   h, hprev, out, dh, dout have P columns; saved hu (N, H) the unprojected h; backward dhr (N, P)
+#   the gradient of the projected h̃_t, for W_hr's gradient dhrᵀ · hu.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -146,10 +149,10 @@ def _rows(st: dict[str, Any], name: str, sl: slice) -> Tensor | None:
     return None if m is None else m[sl]
 
 
-def has_step_masks(st: dict[str, Any]) -> bool:
-    """Whether ``st`` carries masks that act inside the time loop (zoneout, recurrent dropout):
-    only the eager step functions take them."""
-    return any(st.get(k) is not None for k in ("zh", "zc", "cm"))
+def needs_eager_steps(st: dict[str, Any]) -> bool:
+    """Whether ``st`` carries what only the eager step functions take: masks acting inside the
+    time loop (zoneout, recurrent dropout) or a projection ``w_hr``."""
+    return any(st.get(k) is not None for k in ("zh", "zc", "cm", "w_hr"))
 
 
 def lstm_fwd(st: dict[str, Any], off: int, bs: int) -> None:
@@ -174,7 +177,12 @@ def lstm_fwd(st: dict[str, Any], off: int, bs: int) -> None:
     lc = _ln_fwd(st, cn, st["w3"], st["b3"], st["mc"][sl], st["rc"][sl]) if st["normalize"] else cn
     tc = st["tc"][sl]
     torch.tanh(lc, out=tc)
-    h_new = _zone(_rows(st, "zh", sl), h_prev, o * tc)
+    h_own = o * tc
+    w_hr = st.get("w_hr")
+    if w_hr is not None:
+        st["hu"][sl] = h_own
+        h_own = h_own.mm(w_hr.t())
+    h_new = _zone(_rows(st, "zh", sl), h_prev, h_own)
     c_new = _zone(_rows(st, "zc", sl), c_prev, lc if st["carry_normalized"] else cn)
     st["out"][sl] = h_new
     h.copy_(h_new)
@@ -189,6 +197,10 @@ def lstm_bwd(st: dict[str, Any], off: int, bs: int) -> None:
     # of the cell's own h̃_t, c̃_t (all of it without zoneout)
     dh_t = dh_zoned if zh is None else (1.0 - zh) * dh_zoned
     dc = dc_zoned if zc is None else (1.0 - zc) * dc_zoned
+    w_hr = st.get("w_hr")
+    if w_hr is not None:  # back through the projection to the unprojected h
+        st["dhr"][sl] = dh_t
+        dh_t = dh_t.mm(w_hr)
     acts, tc = st["acts"][sl], st["tc"][sl]
     i, f, g, o = acts.split(hs, dim=1)
     dgates, dlc = st["dgates"][sl], st["dlc"][sl]

@@ -167,11 +167,6 @@ class _LNRNNBase(NotScriptable, nn.Module):
         )
         self.zoneout_cell = check_probability(zoneout_cell, "zoneout_cell", owner, allow_one=True)
         self.recurrent_dropout = check_probability(recurrent_dropout, "recurrent_dropout", owner)
-        if impl == "fused" and self._loop_only_options():
-            raise ValueError(
-                f"{owner}: {', '.join(self._loop_only_options())} run on the step-by-step path "
-                "only; use impl='auto' or 'loop'"
-            )
         factory = {"device": device, "dtype": dtype}
         hs, gh = self.hidden_size, self.gate_count * self.hidden_size
         hout = self.output_size
@@ -208,11 +203,6 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 f"{proj_size!r}"
             )
         return size
-
-    def _loop_only_options(self) -> list[str]:
-        """The options set that only the step-by-step path runs (named in errors): the fused
-        kernels keep ``h`` and ``c`` of one size, so projections run on the loop."""
-        return [f"proj_size={self.proj_size}"] if self.proj_size else []
 
     def _draw_masks(self, sfx: str, n_rows: int, n_batch: int, like: Tensor) -> _options.Masks:
         """The masks of layer-direction ``sfx`` for one call over ``n_rows`` packed rows of
@@ -522,14 +512,13 @@ class _LNRNNBase(NotScriptable, nn.Module):
         """Run one layer in one direction over packed rows ``data``: ``(out, h_n, c_n)``.
 
         The masks are drawn first, whatever the path, and both paths take them: DropConnect acts
-        on the weights before either sees them; the fused path runs zoneout and recurrent dropout
-        on its eager step functions (the C and Triton steps take no masks). Projections run on
-        the loop."""
+        on the weights before either sees them; the fused path runs zoneout, recurrent dropout
+        and projections on its eager step functions (the C and Triton steps take neither)."""
         masks = self._draw_masks(sfx, data.shape[0], h0.shape[0], data)
         weights = self._weights(sfx)
         if masks.w_hh is not None:
             weights = weights._replace(w_hh=weights.w_hh * masks.w_hh)
-        if not self.proj_size and self._use_fused(data):
+        if self._use_fused(data):
             return self._fused(data, sizes, sfx, reverse, h0, c0, weights, masks)
         return self._loop(data, sizes, sfx, reverse, h0, c0, weights, masks)
 
@@ -571,7 +560,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 gx, h0, c0, w_hh, g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"),
                 g(f"ln_weight_c{sfx}"), g(f"ln_bias_c{sfx}"), sched, self.eps, ln,
                 self.normalize_cell_state and ln, masks.zoneout_h, masks.zoneout_c,
-                masks.candidate,
+                masks.candidate, self._get(f"weight_hr{sfx}"),
             )  # fmt: skip
             return out, h_n, c_n
         if self.mode == "GRU":
@@ -737,7 +726,7 @@ _PATHS_DOC = """
         fused path and the loop agree given the same masks (or seed). DropConnect runs on every
         path (C, Triton, eager steps); {names}
         run{s} on the fused node's eager step functions (the C and Triton steps take no
-        masks).{proj}
+        such arguments).{proj}
 """
 
 _SHAPES_DOC = """
@@ -859,13 +848,9 @@ class LayerNormLSTM(_LNRNNBase):
         + _RECURRENT_DROPOUT_DOC.replace(
             "{candidate}", "``c_t = σ(f) ⊙ c_{t−1} + σ(i) ⊙ m ⊙ tanh(g)``"
         )
-        + _PATHS_DOC.replace("{names}", "zoneout and recurrent dropout")
+        + _PATHS_DOC.replace("{names}", "zoneout, recurrent dropout and ``proj_size``")
         .replace("{s}", "")
-        .replace(
-            "{proj}",
-            '\n        ``proj_size`` runs on the loop: ``impl="auto"`` takes it, ``impl="fused"``'
-            " is refused.",
-        ),
+        .replace("{proj}", ""),
     )
 
     mode = "LSTM"

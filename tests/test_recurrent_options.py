@@ -341,11 +341,12 @@ def test_zoneout_matches_krueger_et_al(kind: str, training: bool, impl: str, mon
 
 
 def test_zoneout_one_freezes_the_state_and_masks_are_per_unit_and_step(monkeypatch) -> None:
-    model = LayerNormLSTM(3, 16, zoneout_hidden=1.0, zoneout_cell=1.0, dtype=DT)
     x, hx = seq(5, 2, 3), hx_for("lstm", 2, 16)
-    out, (_, c) = model(x, hx)
-    torch.testing.assert_close(out, hx[0].expand(5, 2, 16), rtol=0, atol=0)
-    torch.testing.assert_close(c, hx[1], rtol=0, atol=0)
+    for norm in ("layer", "none", "batch"):
+        model = LayerNormLSTM(3, 16, zoneout_hidden=1.0, zoneout_cell=1.0, norm=norm, dtype=DT)
+        out, (_, c) = model(x, hx)
+        torch.testing.assert_close(out, hx[0].expand(5, 2, 16), rtol=0, atol=0)
+        torch.testing.assert_close(c, hx[1], rtol=0, atol=0)
     model = LayerNormGRU(3, 64, zoneout_hidden=0.25, dtype=DT)
     drawn = record_masks(monkeypatch, model)
     model(seq(50, 4, 3))

@@ -53,10 +53,11 @@ def dropout_mask(shape: tuple[int, ...], p: float, like: Tensor) -> Tensor:
 
 
 def zoneout_coefficients(shape: tuple[int, ...], p: float, training: bool, like: Tensor) -> Tensor:
-    """The zoneout ``d``: ``Bernoulli(p)`` in training, the constant ``p`` at eval."""
+    """The zoneout ``d``: ``Bernoulli(p)`` in training, the constant ``p`` at eval (one value
+    broadcast to ``shape``, not a buffer of it)."""
     if training:
         return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(p)
-    return torch.full(shape, p, dtype=like.dtype, device=like.device)
+    return torch.full((1,) * len(shape), p, dtype=like.dtype, device=like.device).expand(shape)
 
 
 def zoneout(d: Tensor | None, previous: Tensor, new: Tensor) -> Tensor:

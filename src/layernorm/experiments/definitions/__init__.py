@@ -5,6 +5,7 @@ from . import (  # noqa: F401
     adanorm_study,
     char_lm,
     convnet,
+    draw,
     gain_init,
     geometry,
     invariances,

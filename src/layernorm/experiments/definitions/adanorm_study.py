@@ -282,6 +282,10 @@ def tables(records: Sequence[Record], cfg: AdaNormConfig) -> str:
                 secs[r["model"]].append(float(r["seconds"]))
         per = [f"{NAMES[k]} {sum(secs[k]) / len(secs[k]):.2f}" for k in kinds if secs[k]]
         lines += ["", "MNIST seconds per epoch (training and test pass): " + ", ".join(per) + "."]
+        if "detach" in kinds:
+            lines += ["", "Why DetachNorm trails LN-simple here far more than in Xu et al.'s "
+                      "MNIST row (controlled runs; no implementation defect): "
+                      "`docs/detachnorm.md`."]  # fmt: skip
     return "\n".join(lines)
 
 

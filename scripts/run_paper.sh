@@ -12,6 +12,7 @@
 # results/checkpoints/ (ignored by git), logs to results/paper-logs/<name>.log. An experiment
 # whose provenance.json exists is finished and skipped (FORCE=1 resumes it anyway, which reads its
 # finished runs back). The report is written once both lanes are done: layernorm report docs/results.
+# OUT=DIR writes elsewhere; EXTRA_ARGS="--set KEY=VALUE ..." is passed to every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -38,7 +39,7 @@ run_one() {
     fi
     echo "$(date -u '+%F %T') started  $name (log: $LOGS/$name.log)"
     if OMP_NUM_THREADS=1 "$PY" -m layernorm reproduce "$name" --paper --resume --out "$OUT" \
-        --no-report --no-progress >"$LOGS/$name.log" 2>&1; then
+        --no-report --no-progress ${EXTRA_ARGS:-} >"$LOGS/$name.log" 2>&1; then
         echo "$(date -u '+%F %T') finished $name: commit $OUT/$name"
     else
         echo "$(date -u '+%F %T') FAILED   $name (exit $?): see $LOGS/$name.log"

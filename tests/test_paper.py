@@ -82,6 +82,7 @@ def test_paper_run_writes_provenance_and_keeps_checkpoints_out_of_the_results(tm
                 "load_average_end"):  # fmt: skip
         assert key in prov
     assert json.loads((exp_dir / "meta.json").read_text())["setting"] == "paper"
+    assert (exp_dir / "figures" / "mnist_ff.png").stat().st_size > 0  # complete on its own
     # checkpoints and finished-run files live outside the published folder
     assert not [p for p in out.rglob("*") if p.suffix == ".pt" or p.parent.name == "runs"]
     assert list(ckpt.rglob("*.pt")) and list(ckpt.glob("mnist-ff/*/runs/*.json"))

@@ -13,6 +13,7 @@ Layout of ``--out`` (default ``results/``)::
         meta.json                 seed, setting, device, versions, date, seconds
         provenance.json           command, commit, versions, processor and ISA, threads, wall
                                   time, load average at the start and the end
+        figures/*.png             the experiment's figures, drawn from its records
         records.json, records.csv tidy results, one row per measurement
         ckpt/, runs/              per-run checkpoints and finished-run records (for --resume);
                                   with ``checkpoints`` set, under ``<checkpoints>/<experiment>/
@@ -30,6 +31,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from .io import lock_folder, read_json, remove_partial_writes, save_records, wri
 from .provenance import load_average, provenance
 from .registry import (
     Experiment,
+    Record,
     RunContext,
     RunIdentity,
     apply_overrides,
@@ -175,6 +178,16 @@ def prepare_folder(
     )
 
 
+def _figures(exp: Experiment, cfg: Any, records: list[Record], fig_dir: Path) -> None:
+    """The experiment's figures beside its records (the report draws its own copy too), so that
+    a published experiment folder is complete on its own. A figure that fails to draw is
+    reported, not fatal: the records are already saved."""
+    try:
+        exp.plot(records, cfg, fig_dir)
+    except Exception as e:  # plotting is never worth losing a finished run over
+        warnings.warn(f"[{exp.name}] figures not drawn: {type(e).__name__}: {e}", stacklevel=2)
+
+
 def _earlier_sessions(path: Path, settings_id: str) -> list[dict[str, Any]]:
     """The sessions of the same run recorded in ``path`` before this one (a resumed run keeps the
     command, machine and wall time of every session that produced its records)."""
@@ -268,6 +281,7 @@ def _run_one(
                  "resumed": resume, "setting": setting, "settings_id": identity.id}  # fmt: skip
         prov["earlier_sessions"] = _earlier_sessions(exp_dir / "provenance.json", identity.id)
         write_json(exp_dir / "provenance.json", prov)
+        _figures(exp, cfg, records, exp_dir / "figures")
         write_json(
             exp_dir / "meta.json",
             {

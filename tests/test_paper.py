@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from layernorm import cli
 from layernorm.experiments import get, names, reproduce
 from layernorm.experiments.analysis.report import reference_rows
 from layernorm.experiments.definitions import adanorm_study
@@ -65,6 +66,7 @@ def test_paper_overrides_name_a_missing_setting():
         paper_overrides(["not-an-experiment"])
     with pytest.raises(ValueError, match="--quick or --paper"):
         reproduce(["mnist-ff"], quick=True, paper=True)
+    assert cli.main(["reproduce", "mnist-ff", "--paper", "--quick"]) == 2
 
 
 def test_paper_run_writes_provenance_and_keeps_checkpoints_out_of_the_results(tmp_path):
@@ -96,6 +98,9 @@ def test_paper_run_writes_provenance_and_keeps_checkpoints_out_of_the_results(tm
     again = json.loads((exp_dir / "provenance.json").read_text())
     assert [s["wall_seconds"] for s in again["earlier_sessions"]] == [prov["wall_seconds"]]
     assert "1 earlier session(s)" in md.read_text()
+    # `layernorm report DIR` rebuilds it from the saved files
+    md.unlink()
+    assert cli.main(["report", str(out)]) == 0 and md.exists()
 
 
 def test_provenance_records_the_command_line():

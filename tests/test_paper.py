@@ -15,6 +15,7 @@ from layernorm import cli
 from layernorm.experiments import get, names, reproduce
 from layernorm.experiments.analysis.report import reference_rows
 from layernorm.experiments.definitions import adanorm_study
+from layernorm.experiments.engine.io import FolderInUseError
 from layernorm.experiments.engine.provenance import command_line
 from layernorm.experiments.engine.registry import apply_overrides
 from layernorm.experiments.papers import (
@@ -137,6 +138,8 @@ def test_runs_of_different_experiments_may_share_a_results_folder(tmp_path):
         reproduce(["invariances"], out=tmp_path, device="cpu", quick=True, progress=False,
                   report=False)  # fmt: skip
         assert (tmp_path / "invariances" / "records.json").exists()
+        with pytest.raises(FolderInUseError, match="in use by another run"):  # the same one: no
+            reproduce(["mnist-ff"], out=tmp_path, device="cpu", quick=True, progress=False)
     finally:
         holder.kill()
         holder.wait()

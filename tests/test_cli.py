@@ -129,3 +129,17 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == (
         f"layernorm {layernorm.__version__} (torch {torch.__version__})"
     )
+
+
+def test_demo_runs_its_selection_quick_with_the_users_settings_last(monkeypatch):
+    import layernorm.experiments as ex
+    from layernorm.experiments.engine.runner import parse_overrides
+
+    seen = {}
+    monkeypatch.setattr(ex, "reproduce", lambda names, **kw: seen.update(names=names, **kw))
+    assert cli.main(["reproduce", "--demo", "--set", "mnist-ff.seeds=2"]) == 0
+    assert seen["names"] == list(ex.DEMO) and seen["quick"] is True
+    assert seen["overrides"] == [*ex.DEMO_SETTINGS, "mnist-ff.seeds=2"]
+    # every name is registered and every demo setting applies to one of them
+    assert parse_overrides(seen["overrides"], seen["names"])["mnist-ff"] == {"seeds": "2"}
+    assert parse_overrides(ex.DEMO_SETTINGS, ex.DEMO)["mnist-ff"] == {"seeds": "3"}

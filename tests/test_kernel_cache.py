@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 
 import layernorm
-from layernorm.kernels.cpu import _native, cache, cbuild
-from layernorm.recurrent import _cstep
+from layernorm.kernels.cpu import _native, cache, cbuild, rnn
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or cbuild.compiler() is None,
@@ -43,7 +42,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import layernorm
     from layernorm.kernels.cpu import _native, cbuild
-    from layernorm.recurrent import _cstep
+    from layernorm.kernels.cpu import rnn
     torch.manual_seed(0)
     x = torch.randn(6, 40, dtype=torch.float64) * 3 + 2
     y = layernorm.functional.layer_norm(x, 40)
@@ -53,7 +52,7 @@ with warnings.catch_warnings(record=True) as caught:
     fused = lstm(seq)[0]
     lstm.impl = "loop"
     rnn_err = (fused - lstm(seq)[0]).abs().max().item()
-    native, steps = _native.enabled(), _cstep.available(seq)
+    native, steps = _native.enabled(), rnn.available(seq)
 print(json.dumps({
     "native": native, "steps": steps, "ln_err": ln_err, "rnn_err": rnn_err,
     "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
@@ -63,7 +62,7 @@ print(json.dumps({
 
 def _library_names() -> list[str]:
     """The file names the kernels are cached under (the same for every user of this machine)."""
-    return [_native._build().name, _cstep._build().name]
+    return [_native._build().name, rnn._build().name]
 
 
 def _plant(folder: Path, marker: Path) -> Path:
@@ -207,7 +206,7 @@ def test_truncated_library_is_rebuilt(tmp_path):
     folder = tmp_path / "cache"
     folder.mkdir(mode=0o700)
     sizes = {}
-    for name, built in zip(_library_names(), (_native._build(), _cstep._build()), strict=True):
+    for name, built in zip(_library_names(), (_native._build(), rnn._build()), strict=True):
         sizes[name] = built.stat().st_size
         (folder / name).write_bytes(built.read_bytes()[:4096])
         (folder / name).chmod(0o600)
@@ -298,9 +297,18 @@ def test_no_folder_at_all_is_said(tmp_path, monkeypatch):
     assert got == cache._private_dir()
 
 
+def _source(folder: Path, answer: int) -> Path:
+    """A one-function C file in a folder of its own (a build hashes every C file beside it)."""
+    src = folder / "src"
+    src.mkdir()
+    path = src / "probe.c"
+    path.write_text(f"int answer(void);\nint answer(void) {{ return {answer}; }}\n")
+    return path
+
+
 def test_built_library_is_private(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.ENV_CACHE, str(tmp_path / "cache"))
-    path = cbuild.build_shared_library("int answer(void) { return 42; }\n", "probe")
+    path = cbuild.build_shared_library([_source(tmp_path, 42)], "probe")
     assert path.parent == tmp_path / "cache"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
@@ -310,7 +318,7 @@ def test_built_library_is_private(tmp_path, monkeypatch):
 
 def test_open_library_refuses_a_link_and_names_it(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.ENV_CACHE, str(tmp_path / "cache"))
-    real = cbuild.build_shared_library("int answer(void) { return 7; }\n", "probe")
+    real = cbuild.build_shared_library([_source(tmp_path, 7)], "probe")
     link = real.with_name("link.so")
     link.symlink_to(real)
     with pytest.raises(cache.UntrustedLibraryError, match=r"link\.so is a symbolic link"):

@@ -183,10 +183,12 @@ def test_lstm_takes_torch_proj_size_keyword() -> None:
     assert (
         model(torch.randn(5, 2, 3))[0].shape == torch.nn.LSTM(**cfg)(torch.randn(5, 2, 3))[0].shape
     )
-    with pytest.raises(
-        ValueError, match=r"proj_size=2 \(an LSTM with projections\) is not supported"
-    ):
-        LayerNormLSTM(3, 4, proj_size=2)
+    # torch's rule: 0 <= proj_size < hidden_size
+    for bad in (4, 5, -1):
+        with pytest.raises(
+            ValueError, match=rf"proj_size must be in \[0, hidden_size=4\), got {bad}"
+        ):
+            LayerNormLSTM(3, 4, proj_size=bad)
     with pytest.raises(TypeError, match=r"proj_size must be an int, got float 2.0"):
         LayerNormLSTM(3, 4, proj_size=2.0)
 

@@ -308,3 +308,23 @@ def test_frozen_norms_stay_frozen(kind):
     elif kind == "rms":
         expected |= {"1.weight": False, "3.weight": True}
     assert flags == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gain_offset_carried_between_kinds(dtype):
+    """A norm storing gain − 1 (gain_offset=1) keeps storing it through replacements: the
+    stored weight is unchanged and the gain the new norm applies is the old one."""
+    src = layernorm.RMSNorm(8, eps=1e-6, gain_offset=1.0, dtype=dtype)
+    with torch.no_grad():
+        src.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+    x = make_x((3, 8), dtype)
+    layer = layernorm.replace_norms(src, "layer")
+    assert layer.gain_offset == 1.0 and torch.equal(layer.weight, src.weight)
+    assert layer.bias is None and layer.weight.dtype == dtype
+    gain = src.weight.float() + 1.0
+    expected = torch.nn.functional.layer_norm(x.float(), (8,), gain, None, 1e-6).to(dtype)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(layer(x), expected, **tol)
+    back = layernorm.replace_norms(layer, "rms")
+    assert back.gain_offset == 1.0 and torch.equal(back.weight, src.weight)
+    torch.testing.assert_close(back(x), src(x), **tol)

@@ -71,10 +71,11 @@ from __future__ import annotations
 
 from . import definitions  # noqa: F401  (importing it registers every experiment)
 from .engine.registry import Claim, Experiment, Record, RunContext, Verdict, get, names, register
-from .pipeline import DEMO, reproduce
+from .pipeline import DEMO, DEMO_SETTINGS, reproduce
 
 __all__ = [
     "DEMO",
+    "DEMO_SETTINGS",
     "Claim",
     "Experiment",
     "Record",

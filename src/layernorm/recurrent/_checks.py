@@ -162,3 +162,17 @@ def check_parameter(
             f"{owner}: parameter {name} has dtype {p.dtype} but the input has dtype {like.dtype}; "
             f"convert it (e.g. module.to({like.dtype}))"
         )
+
+
+def check_probability(value: object, name: str, owner: str, *, allow_one: bool = False) -> float:
+    """A probability in ``[0, 1)`` (``[0, 1]`` with ``allow_one``): dropout rates exclude 1 (the
+    kept values are scaled by ``1/(1 − p)``), a zoneout rate may be 1 (the state never updates)."""
+    interval = "[0, 1]" if allow_one else "[0, 1)"
+    if isinstance(value, bool) or not isinstance(value, int | float | numbers.Real):
+        raise TypeError(
+            f"{owner}: {name} must be a number in {interval}, got {type(value).__name__} {value!r}"
+        )
+    p = float(value)
+    if not (0.0 <= p < 1.0 or (allow_one and p == 1.0)):
+        raise ValueError(f"{owner}: {name} must be a number in {interval}, got {value!r}")
+    return p

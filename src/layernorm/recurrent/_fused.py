@@ -30,7 +30,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._pointwise import SeqFn, StepFn, StepKernels, ln_kernels, step_kernels
+from ._pointwise import (
+    EAGER,
+    SeqFn,
+    StepFn,
+    StepKernels,
+    ln_kernels,
+    needs_eager_steps,
+    step_kernels,
+)
 
 Schedule = tuple[tuple[int, int, int], ...]  # (time index, first row, rows) in processing order
 
@@ -62,6 +70,14 @@ def _check_untraced(name: str) -> None:
         raise RuntimeError(
             f"{name} cannot be recorded by torch.jit.trace; run the layer with impl='loop'"
         )
+
+
+def _kernels(gx: Tensor, st: dict[str, Any]) -> StepKernels:
+    """The step functions for ``st``: zoneout and recurrent-dropout masks and the LSTM's projection
+    are taken by the eager steps only (the C and Triton steps have no such arguments), so with
+    any of them the eager steps run, whatever the device; otherwise
+    :func:`._pointwise.step_kernels`."""
+    return EAGER if needs_eager_steps(st) else step_kernels(gx)
 
 
 def _grad_or_none(needed: bool, fn: Any) -> Tensor | None:
@@ -176,8 +192,11 @@ class LSTMSequence(torch.autograd.Function):
 
     Inputs: ``gx (N, 4H)``, ``h0, c0 (B, H)``, ``w_hh (4H, H)``, LN(hp) gain/bias ``(4H)``, LN(c)
     gain/bias ``(H)`` (``None`` when absent), the schedule, eps, whether to normalize, whether the
-    carried state is LN(c). Outputs: ``out (N, H)`` (h at every row), ``h_n, c_n (B, H)``.
-    Buffer names are those of :mod:`._pointwise`.
+    carried state is LN(c), the optional masks (:class:`._options.Masks`): zoneout ``zh (N, P)``,
+    ``zc (N, H)``, recurrent dropout ``cm (B, H)`` (not differentiated), and torch.nn.LSTM's
+    projection ``w_hr (P, H)`` (then ``h0`` and ``w_hh`` have P columns; without it P = H).
+    Outputs: ``out (N, P)`` (h at every row), ``h_n (B, P)``, ``c_n (B, H)``. Buffer names are
+    those of :mod:`._pointwise`.
     """
 
     @staticmethod
@@ -195,22 +214,28 @@ class LSTMSequence(torch.autograd.Function):
         eps: float,
         normalize: bool,
         carry_normalized: bool,
+        zh: Tensor | None = None,
+        zc: Tensor | None = None,
+        cm: Tensor | None = None,
+        w_hr: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         _check_untraced("LSTMSequence")
         gx = gx.contiguous()
-        n_rows, hs = gx.shape[0], h0.shape[1]
+        n_rows, hs, ps = gx.shape[0], c0.shape[1], h0.shape[1]
         st: dict[str, Any] = {
             "H": hs, "eps": eps, "normalize": normalize, "carry_normalized": carry_normalized,
-            "gx": gx, "w1": w1, "b1": b1, "w3": w3, "b3": b3,
-            "h": h0.contiguous().clone(), "c": c0.contiguous().clone(),
-            **_new_bufs(gx, n_rows, {"hp": 4 * hs, "out": hs, "hprev": hs, "cprev": hs,
+            "gx": gx, "w1": w1, "b1": b1, "w3": w3, "b3": b3, "zh": zh, "zc": zc, "cm": cm,
+            "w_hr": w_hr, "h": h0.contiguous().clone(), "c": c0.contiguous().clone(),
+            **_new_bufs(gx, n_rows, {"hp": 4 * hs, "out": ps, "hprev": ps, "cprev": hs,
                                      "acts": 4 * hs, "cn": hs, "tc": hs,
                                      "mh": 0, "rh": 0, "mc": 0, "rc": 0}),
+            "hu": None if w_hr is None else gx.new_empty(n_rows, hs),
         }  # fmt: skip
-        kernels = step_kernels(gx)
+        kernels = _kernels(gx, st)
         _forward_in_time(st, w_hh, sched, kernels.lstm_fwd, kernels.lstm_fwd_seq)
         _save(ctx, st, w_hh, sched, ("w1", "b1", "w3", "b3", "gx", "hp", "hprev", "cprev", "acts",
-                                     "cn", "tc", "mh", "rh", "mc", "rc"))  # fmt: skip
+                                     "cn", "tc", "mh", "rh", "mc", "rc",
+                                     "zh", "zc", "cm", "w_hr", "hu"))  # fmt: skip
         return st["out"], st["h"], st["c"]
 
     @staticmethod
@@ -223,10 +248,14 @@ class LSTMSequence(torch.autograd.Function):
                   dc=dc_n.contiguous().clone(),
                   **_new_bufs(gx, n_rows, {"dgates": 4 * hs, "dlc": hs}))  # fmt: skip
         st["dhp"] = gx.new_empty(n_rows, 4 * hs) if normalize else st["dgates"]
-        kernels = step_kernels(gx)
+        w_hr = st["w_hr"]
+        st["dhr"] = None if w_hr is None else gx.new_empty(n_rows, w_hr.shape[0])
+        kernels = _kernels(gx, st)
+        # with zoneout of h the step leaves the direct path zh ⊙ dh_t in dh for the GEMM to add to
         _backward_in_time(
-            st, w_hh, ctx.sched, kernels.lstm_bwd, kernels.lstm_bwd_seq, accumulate=False
-        )
+            st, w_hh, ctx.sched, kernels.lstm_bwd, kernels.lstm_bwd_seq,
+            accumulate=st["zh"] is not None,
+        )  # fmt: skip
         dh, dhp, need = st["dh"], st["dhp"], ctx.needs_input_grad
         d_w_hh = _grad_or_none(need[3], lambda: _weight_grad(kernels, dhp, st["hprev"]))
         dw1 = db1 = dw3 = db3 = None
@@ -238,14 +267,18 @@ class LSTMSequence(torch.autograd.Function):
             dw3, db3 = _ln_param_grads(
                 ln, st["dlc"], st["cn"], st["mc"], st["rc"], w3, need[6], need[7]
             )
-        return (st["dgates"], dh, st["dc"], d_w_hh, dw1, db1, dw3, db3, None, None, None, None)
+        d_w_hr = None
+        if w_hr is not None and need[15]:
+            d_w_hr = st["dhr"].t().mm(st["hu"])
+        return (st["dgates"], dh, st["dc"], d_w_hh, dw1, db1, dw3, db3, *(None,) * 7, d_w_hr)
 
 
 class GRUSequence(torch.autograd.Function):
     """Recurrence of one GRU direction given ``gx = LN(W_ih x) + b_ih + [b_hr, b_hz, 0]``.
 
     Inputs: ``gx (N, 3H)``, ``h0 (B, H)``, ``w_hh (3H, H)``, the ``(r, z)`` LN's gain/bias (2H), the
-    candidate LN's gain/bias (H), ``b_hn (H)`` (``None`` when absent), schedule, eps, normalize.
+    candidate LN's gain/bias (H), ``b_hn (H)`` (``None`` when absent), schedule, eps, normalize,
+    and the optional masks: zoneout ``zh (N, H)``, recurrent dropout ``cm (B, H)``.
     Outputs: ``out (N, H)``, ``h_n (B, H)``. Buffer names are those of :mod:`._pointwise`.
     """
 
@@ -263,20 +296,23 @@ class GRUSequence(torch.autograd.Function):
         sched: Schedule,
         eps: float,
         normalize: bool,
+        zh: Tensor | None = None,
+        cm: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         _check_untraced("GRUSequence")
         gx = gx.contiguous()
         n_rows, hs = gx.shape[0], h0.shape[1]
         st: dict[str, Any] = {
             "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz, "b_rz": b_rz,
-            "w_n": w_n, "b_n": b_n, "b_hn": b_hn, "h": h0.contiguous().clone(),
+            "w_n": w_n, "b_n": b_n, "b_hn": b_hn, "h": h0.contiguous().clone(), "zh": zh, "cm": cm,
             **_new_bufs(gx, n_rows, {"hp": 3 * hs, "out": hs, "hprev": hs, "rz": 2 * hs,
                                      "n": hs, "ghn": hs, "mh": 0, "rh": 0, "mn": 0, "rn": 0}),
         }  # fmt: skip
-        kernels = step_kernels(gx)
+        kernels = _kernels(gx, st)
         _forward_in_time(st, w_hh, sched, kernels.gru_fwd, kernels.gru_fwd_seq)
         _save(ctx, st, w_hh, sched, ("w_rz", "b_rz", "w_n", "b_n", "b_hn", "gx", "hp", "hprev",
-                                     "rz", "n", "ghn", "mh", "rh", "mn", "rn"))  # fmt: skip
+                                     "rz", "n", "ghn", "mh", "rh", "mn", "rn",
+                                     "zh", "cm"))  # fmt: skip
         return st["out"], st["h"]
 
     @staticmethod
@@ -288,7 +324,7 @@ class GRUSequence(torch.autograd.Function):
         st.update(dout=dout.contiguous(), dh=dh_n.contiguous().clone(),
                   **_new_bufs(gx, n_rows, {"dgx": 3 * hs, "dgh": 3 * hs}))  # fmt: skip
         st["dhp"] = gx.new_empty(n_rows, 3 * hs) if normalize else st["dgh"]
-        kernels = step_kernels(gx)
+        kernels = _kernels(gx, st)
         _backward_in_time(
             st, w_hh, ctx.sched, kernels.gru_bwd, kernels.gru_bwd_seq, accumulate=True
         )
@@ -305,7 +341,7 @@ class GRUSequence(torch.autograd.Function):
                 ln, dgh[:, 2 * hs :], hp[:, 2 * hs :], st["mn"], st["rn"], w_n, need[5], need[6]
             )
         d_b_hn = _grad_or_none(need[7], lambda: dgh[:, 2 * hs :].sum(0))
-        return (st["dgx"], dh, d_w_hh, dw_rz, db_rz, dw_n, db_n, d_b_hn, None, None, None)
+        return (st["dgx"], dh, d_w_hh, dw_rz, db_rz, dw_n, db_n, d_b_hn, *(None,) * 5)
 
 
 class RNNSequence(torch.autograd.Function):
@@ -313,6 +349,8 @@ class RNNSequence(torch.autograd.Function):
 
     ``h_t = f(LN(xp_t + W_hh h_{t−1}; g, b))`` with ``b`` the LN bias plus both torch biases;
     without normalization ``xp`` already holds the biases and ``h_t = f(xp_t + W_hh h_{t−1})``.
+    With zoneout coefficients ``zh (N, H)`` the output and carried state is
+    ``zh ⊙ h_{t−1} + (1 − zh) ⊙ h_t``.
     """
 
     @staticmethod
@@ -327,6 +365,7 @@ class RNNSequence(torch.autograd.Function):
         eps: float,
         normalize: bool,
         relu: bool,
+        zh: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         _check_untraced("RNNSequence")
         n_rows, hs = xp.shape[0], h0.shape[1]
@@ -334,6 +373,8 @@ class RNNSequence(torch.autograd.Function):
         h = h0.contiguous().clone()
         bufs = _new_bufs(xp, n_rows, {"out": hs, "hprev": hs, "a": hs, "mean": 0, "rstd": 0})
         out, hprev_all, a_all, mean_all, rstd_all = bufs.values()
+        # the cell's own h̃_t, which backward differentiates f at; the output itself without zoneout
+        own = out if zh is None else torch.empty_like(out)
         w_t = w_hh.t()
         for _, off, bs in sched:
             sl = slice(off, off + bs)
@@ -347,18 +388,20 @@ class RNNSequence(torch.autograd.Function):
             else:
                 y = a
             if relu:
-                torch.clamp_min(y, 0.0, out=out[sl])
+                torch.clamp_min(y, 0.0, out=own[sl])
             else:
-                torch.tanh(y, out=out[sl])
+                torch.tanh(y, out=own[sl])
+            if zh is not None:
+                torch.lerp(own[sl], hprev, zh[sl], out=out[sl])  # zh·h_{t−1} + (1 − zh)·h̃_t
             h[:bs] = out[sl]
-        ctx.save_for_backward(w_hh, g, out, hprev_all, a_all, mean_all, rstd_all)
+        ctx.save_for_backward(w_hh, g, own, hprev_all, a_all, mean_all, rstd_all, zh)
         ctx.sched, ctx.normalize, ctx.relu, ctx.ln = sched, normalize, relu, ln
         return out, h
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         _no_double_backward()
-        w_hh, g, out, hprev_all, a_all, mean_all, rstd_all = ctx.saved_tensors
+        w_hh, g, own, hprev_all, a_all, mean_all, rstd_all, zh = ctx.saved_tensors
         ln = ctx.ln
         dh = dh_n.contiguous().clone()
         dy_all, da_all = torch.empty_like(a_all), torch.empty_like(a_all)
@@ -366,7 +409,10 @@ class RNNSequence(torch.autograd.Function):
             sl = slice(off, off + bs)
             dy = dy_all[sl]
             torch.add(dh[:bs], dout[sl], out=dy)
-            h = out[sl]
+            direct = None if zh is None else zh[sl] * dy  # zoneout's path to h_{t−1}
+            if zh is not None:
+                dy.mul_(1.0 - zh[sl])
+            h = own[sl]
             if ctx.relu:
                 dy.mul_(h > 0)
             else:
@@ -379,9 +425,11 @@ class RNNSequence(torch.autograd.Function):
             else:
                 da_all[sl] = dy
             torch.mm(da_all[sl], w_hh, out=dh[:bs])
+            if direct is not None:
+                dh[:bs] += direct
         need = ctx.needs_input_grad
         d_w_hh = _grad_or_none(need[2], lambda: da_all.t().mm(hprev_all))
         dg = db = None
         if ctx.normalize:
             dg, db = _ln_param_grads(ln, dy_all, a_all, mean_all, rstd_all, g, need[3], need[4])
-        return (da_all, dh, d_w_hh, dg, db, None, None, None, None)
+        return (da_all, dh, d_w_hh, dg, db, None, None, None, None, None)

@@ -128,13 +128,38 @@ def _ln_dx(dy: Tensor, x: Tensor, m: Tensor, r: Tensor, w: Tensor | None) -> Ten
 #   saved hprev, cprev (N, H)  acts (N, 4H) σ(i), σ(f), tanh(g), σ(o)  mh, rh (N,) stats of LN(hp)
 #         cn (N, H) c_t un-normalized    mc, rc (N,) stats of LN(c_t)    tc (N, H) tanh(LN(c_t))
 #   backward: dout (N, H); dh, dc (B, H) state gradients; dgates, dhp (N, 4H); dlc (N, H)
+#   masks (optional, see layernorm.recurrent._options; absent or None = off; the eager steps
+#   only): zh (N, P), zc (N, H) zoneout coefficients of h and of the carried c; cm (B, H)
+#   recurrent dropout on tanh(g). With zh the step's backward writes the direct path zh ⊙ dh_t
+#   into dh, and the caller adds the GEMM's dh_{t−1} to it.
+#   projection (optional, eager steps only): w_hr (P, H), h_t = W_hr(σ(o) ⊙ tanh(LN(c_t))); then
+#   h, hprev, out, dh, dout have P columns; saved hu (N, H) the unprojected h; backward dhr (N, P)
+#   the gradient of the projected h̃_t, for W_hr's gradient dhrᵀ · hu.
 # ---------------------------------------------------------------------------------------------
+
+
+def _zone(d: Tensor | None, previous: Tensor, new: Tensor) -> Tensor:
+    """Zoneout ``d ⊙ previous + (1 − d) ⊙ new`` (``new`` where ``d`` is ``None``)."""
+    return new if d is None else d * previous + (1.0 - d) * new
+
+
+def _rows(st: dict[str, Any], name: str, sl: slice) -> Tensor | None:
+    """Rows ``sl`` of mask ``name``, or ``None`` where there is none."""
+    m = st.get(name)
+    return None if m is None else m[sl]
+
+
+def needs_eager_steps(st: dict[str, Any]) -> bool:
+    """Whether ``st`` carries what only the eager step functions take: masks acting inside the
+    time loop (zoneout, recurrent dropout) or a projection ``w_hr``."""
+    return any(st.get(k) is not None for k in ("zh", "zc", "cm", "w_hr"))
 
 
 def lstm_fwd(st: dict[str, Any], off: int, bs: int) -> None:
     hs, sl = st["H"], slice(off, off + bs)
     h, c = st["h"][:bs], st["c"][:bs]
-    st["hprev"][sl] = h
+    h_prev = st["hprev"][sl]
+    h_prev.copy_(h)
     c_prev = st["cprev"][sl]
     c_prev.copy_(c)
     if st["normalize"]:
@@ -147,20 +172,35 @@ def lstm_fwd(st: dict[str, Any], off: int, bs: int) -> None:
     acts[:, 2 * hs : 3 * hs] = torch.tanh(gates[:, 2 * hs : 3 * hs])
     i, f, g, o = acts.split(hs, dim=1)
     cn = st["cn"][sl]
-    torch.addcmul(f * c_prev, i, g, out=cn)
+    cm = _rows(st, "cm", slice(0, bs))
+    torch.addcmul(f * c_prev, i, g if cm is None else g * cm, out=cn)
     lc = _ln_fwd(st, cn, st["w3"], st["b3"], st["mc"][sl], st["rc"][sl]) if st["normalize"] else cn
     tc = st["tc"][sl]
     torch.tanh(lc, out=tc)
-    h_new = o * tc
+    h_own = o * tc
+    w_hr = st.get("w_hr")
+    if w_hr is not None:
+        st["hu"][sl] = h_own
+        h_own = h_own.mm(w_hr.t())
+    h_new = _zone(_rows(st, "zh", sl), h_prev, h_own)
+    c_new = _zone(_rows(st, "zc", sl), c_prev, lc if st["carry_normalized"] else cn)
     st["out"][sl] = h_new
     h.copy_(h_new)
-    c.copy_(lc if st["carry_normalized"] else cn)
+    c.copy_(c_new)
 
 
 def lstm_bwd(st: dict[str, Any], off: int, bs: int) -> None:
     hs, sl = st["H"], slice(off, off + bs)
-    dh_t = st["dh"][:bs] + st["dout"][sl]
-    dc = st["dc"][:bs]
+    zh, zc, cm = _rows(st, "zh", sl), _rows(st, "zc", sl), _rows(st, "cm", slice(0, bs))
+    dh_zoned = st["dh"][:bs] + st["dout"][sl]  # of the output h_t
+    dc_zoned = st["dc"][:bs]  # of the carried c_t
+    # of the cell's own h̃_t, c̃_t (all of it without zoneout)
+    dh_t = dh_zoned if zh is None else (1.0 - zh) * dh_zoned
+    dc = dc_zoned if zc is None else (1.0 - zc) * dc_zoned
+    w_hr = st.get("w_hr")
+    if w_hr is not None:  # back through the projection to the unprojected h
+        st["dhr"][sl] = dh_t
+        dh_t = dh_t.mm(w_hr)
     acts, tc = st["acts"][sl], st["tc"][sl]
     i, f, g, o = acts.split(hs, dim=1)
     dgates, dlc = st["dgates"][sl], st["dlc"][sl]
@@ -175,15 +215,18 @@ def lstm_bwd(st: dict[str, Any], off: int, bs: int) -> None:
         dcn = dlc.clone()
     if not st["carry_normalized"]:
         dcn = dcn + dc
-    torch.mul(dcn, g, out=d_i)
+    torch.mul(dcn, g if cm is None else g * cm, out=d_i)
     torch.mul(dcn, st["cprev"][sl], out=d_f)
-    torch.mul(dcn, i, out=d_g)
+    torch.mul(dcn, i if cm is None else i * cm, out=d_g)
     deriv = acts * (1.0 - acts)  # σ' = s(1 − s) for i, f, o; tanh' = 1 − g² for g
     deriv[:, 2 * hs : 3 * hs] = 1.0 - g * g
     dgates.mul_(deriv)
     if st["normalize"]:
         st["dhp"][sl] = _ln_dx(dgates, st["hp"][sl], st["mh"][sl], st["rh"][sl], st["w1"])
-    dc.copy_(dcn * f)
+    dc_prev = dcn * f if zc is None else dcn * f + zc * dc_zoned
+    st["dc"][:bs] = dc_prev
+    if zh is not None:
+        st["dh"][:bs] = zh * dh_zoned  # the direct path to h_{t−1}; the GEMM adds the rest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,6 +237,7 @@ def lstm_bwd(st: dict[str, Any], off: int, bs: int) -> None:
 #   saved hprev (N, H)  rz (N, 2H) σ(r), σ(z)  n (N, H)  ghn (N, H) LN(hp_n) + b_hn
 #         mh, rh, mn, rn (N,) stats of the two LNs
 #   backward: dout (N, H); dh (B, H); dgx, dgh, dhp (N, 3H)
+#   masks (optional, eager steps only): zh (N, H) zoneout of h; cm (B, H) recurrent dropout on n
 # ---------------------------------------------------------------------------------------------
 
 
@@ -215,7 +259,9 @@ def gru_fwd(st: dict[str, Any], off: int, bs: int) -> None:
     torch.sigmoid(g_rz + gx[:, : 2 * hs], out=rz)
     n = st["n"][sl]
     torch.tanh(torch.addcmul(gx[:, 2 * hs :], rz[:, :hs], ghn), out=n)
-    h_new = torch.addcmul(n, rz[:, hs:], h_prev - n)
+    cm = _rows(st, "cm", slice(0, bs))
+    nm = n if cm is None else n * cm
+    h_new = _zone(_rows(st, "zh", sl), h_prev, torch.addcmul(nm, rz[:, hs:], h_prev - nm))
     st["out"][sl] = h_new
     h.copy_(h_new)
 
@@ -223,14 +269,19 @@ def gru_fwd(st: dict[str, Any], off: int, bs: int) -> None:
 def gru_bwd(st: dict[str, Any], off: int, bs: int) -> None:
     hs, sl = st["H"], slice(off, off + bs)
     dh = st["dh"][:bs]
-    dh_t = dh + st["dout"][sl]
+    zh, cm = _rows(st, "zh", sl), _rows(st, "cm", slice(0, bs))
+    dh_zoned = dh + st["dout"][sl]
+    dh_t = dh_zoned if zh is None else (1.0 - zh) * dh_zoned  # of the cell's own h̃_t
     rz, n, ghn, h_prev = st["rz"][sl], st["n"][sl], st["ghn"][sl], st["hprev"][sl]
     r, z = rz[:, :hs], rz[:, hs:]
+    nm = n if cm is None else n * cm
     dgx, dgh = st["dgx"][sl], st["dgh"][sl]
     d_n = dgx[:, 2 * hs :]
     torch.mul(dh_t * (1.0 - z), 1.0 - n * n, out=d_n)
+    if cm is not None:
+        d_n.mul_(cm)
     torch.mul(d_n, ghn, out=dgx[:, :hs])
-    torch.mul(dh_t, h_prev - n, out=dgx[:, hs : 2 * hs])
+    torch.mul(dh_t, h_prev - nm, out=dgx[:, hs : 2 * hs])
     dgx[:, : 2 * hs].mul_(rz * (1.0 - rz))
     dgh[:, : 2 * hs] = dgx[:, : 2 * hs]
     torch.mul(d_n, r, out=dgh[:, 2 * hs :])
@@ -242,7 +293,7 @@ def gru_bwd(st: dict[str, Any], off: int, bs: int) -> None:
         dhp[:, 2 * hs :] = _ln_dx(
             dgh[:, 2 * hs :], hp[:, 2 * hs :], st["mn"][sl], st["rn"][sl], st["w_n"]
         )
-    dh.copy_(dh_t * z)
+    dh.copy_(dh_t * z if zh is None else dh_t * z + zh * dh_zoned)
 
 
 EAGER = StepKernels(lstm_fwd=lstm_fwd, lstm_bwd=lstm_bwd, gru_fwd=gru_fwd, gru_bwd=gru_bwd)

@@ -108,6 +108,8 @@ def lstm_step(
     norm_hh: Norm | None,
     norm_c: Norm | None,
     carry_normalized: bool = False,
+    candidate_mask: Tensor | None = None,
+    w_hr: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     r"""LN-LSTM (Ba et al., supplementary), in torch's gate order ``i, f, g, o``:
 
@@ -117,19 +119,33 @@ def lstm_step(
 
     Returns ``(h_t, c_carried)``: the un-normalized ``c_t`` (the paper), or ``LN(c_t)`` when
     ``carry_normalized`` (TF-Addons / PyTorch fastrnns variant).
+
+    ``candidate_mask`` ``m`` is recurrent dropout (Semeniuta et al. 2016):
+    ``c_t = σ(f)⊙c_{t−1} + σ(i)⊙m⊙tanh(g)``. ``w_hr`` ``(P, H)`` is torch.nn.LSTM's projection:
+    ``h_t = W_{hr}(σ(o)⊙tanh(LN(c_t)))`` of size P.
     """
     w_ih, w_hh, b_ih, b_hh = weights
     gates = _apply(norm_ih, F.linear(x, w_ih)) + _apply(norm_hh, F.linear(h, w_hh))
     gates = _add_bias(gates, b_ih, b_hh)
     i, f, g, o = gates.chunk(4, dim=-1)
-    c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    candidate = torch.tanh(g)
+    if candidate_mask is not None:
+        candidate = candidate * candidate_mask
+    c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * candidate
     c_norm = _apply(norm_c, c_new)
     h_new = torch.sigmoid(o) * torch.tanh(c_norm)
+    if w_hr is not None:
+        h_new = F.linear(h_new, w_hr)
     return h_new, (c_norm if carry_normalized else c_new)
 
 
 def gru_step(
-    x: Tensor, h: Tensor, weights: Weights, norm_ih: Norm | None, norm_hh: Norm | None
+    x: Tensor,
+    h: Tensor,
+    weights: Weights,
+    norm_ih: Norm | None,
+    norm_hh: Norm | None,
+    candidate_mask: Tensor | None = None,
 ) -> Tensor:
     r"""LN-GRU (Ba et al., supplementary) on torch's GRU layout (gates ``r, z, n``):
 
@@ -142,6 +158,9 @@ def gru_step(
     ``b_hn`` inside the reset product (the LN bias β of ``U h`` plays the same role). torch's ``z``
     is the paper's ``1 − z`` (``h_t = (1 − z)⊙h_{t−1} + z⊙ĥ_t``): the same model with the update
     gate's pre-activation negated, kept so that ``norm="none"`` reproduces ``torch.nn.GRU``.
+
+    ``candidate_mask`` ``m`` is recurrent dropout (Semeniuta et al. 2016) on the candidate:
+    ``h_t = (1 − z)⊙(m⊙n_t) + z⊙h_{t−1}``.
     """
     w_ih, w_hh, b_ih, b_hh = weights
     hs = h.shape[-1]
@@ -154,4 +173,6 @@ def gru_step(
     rz = torch.sigmoid(gx[..., : 2 * hs] + gh[..., : 2 * hs])
     r, z = rz[..., :hs], rz[..., hs:]
     n = torch.tanh(gx[..., 2 * hs :] + r * gh[..., 2 * hs :])
+    if candidate_mask is not None:
+        n = n * candidate_mask
     return n + z * (h - n)

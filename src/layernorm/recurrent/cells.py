@@ -35,12 +35,13 @@ from torch import Tensor, nn
 
 from .._torchscript import NotScriptable
 from .._validation import check_flag
-from . import _steps
+from . import _options, _steps
 from ._checks import (
     check_cell_input,
     check_eps,
     check_gain,
     check_params_match,
+    check_probability,
     check_size,
     check_state,
     describe,
@@ -176,6 +177,18 @@ class _LNCellBase(NotScriptable, nn.Module):
     def _weights(self) -> _steps.Weights:
         return _steps.Weights(self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
 
+    def _zoneout_rate(self, value: object, name: str) -> float:
+        return check_probability(value, name, type(self).__name__, allow_one=True)
+
+    def _zone(self, p: float, previous: Tensor, new: Tensor) -> Tensor:
+        """Zoneout of one step (Krueger et al. 2016): ``d ⊙ previous + (1 − d) ⊙ new`` with
+        ``d ~ Bernoulli(p)`` per unit and example, drawn on each call in training; ``d = p`` (the
+        expectation) at eval. A cell call is one step, so this is the paper's per-step mask."""
+        if p == 0.0:
+            return new
+        d = _options.zoneout_coefficients(tuple(new.shape), p, self.training, new)
+        return _options.zoneout(d, previous, new)
+
     def _prepare(self, x: object) -> tuple[Tensor, bool]:
         owner = type(self).__name__
         x_, batched = check_cell_input(x, self.input_size, owner)
@@ -197,6 +210,9 @@ class _LNCellBase(NotScriptable, nn.Module):
             s += f", gain_init={self.gain_init}"
         if self.eps != 1e-5:
             s += f", eps={self.eps}"
+        for name in ("zoneout_hidden", "zoneout_cell"):
+            if getattr(self, name, 0.0):
+                s += f", {name}={getattr(self, name)}"
         return s
 
 
@@ -218,6 +234,9 @@ class LayerNormRNNCell(_LNCellBase):
         nonlinearity: ``"tanh"`` or ``"relu"``.
         gain_init: initial LN gain (the paper uses 1.0).
         eps: added to the variance.
+        zoneout_hidden: zoneout of ``h`` (Krueger et al. 2016; see :meth:`_zone`): in training
+            ``h' = d ⊙ h + (1 − d) ⊙ h̃``, ``d ~ Bernoulli(p)`` drawn per call; at eval
+            ``p h + (1 − p) h̃``.
 
     Shape:
         ``x``: ``(B, input_size)`` or ``(input_size,)``; ``hx``: ``(B, H)`` or ``(H,)``, zeros when
@@ -235,10 +254,12 @@ class LayerNormRNNCell(_LNCellBase):
         *,
         gain_init: float = 1.0,
         eps: float = 1e-5,
+        zoneout_hidden: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(input_size, hidden_size, bias, gain_init, eps, device, dtype)
+        self.zoneout_hidden = self._zoneout_rate(zoneout_hidden, "zoneout_hidden")
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(
                 f"LayerNormRNNCell: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}"
@@ -249,10 +270,12 @@ class LayerNormRNNCell(_LNCellBase):
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
         """``h' = cell(x, h)``; ``hx=None`` starts from zeros (shapes in the class docstring)."""
         x, batched = self._prepare(input)
+        h_prev = self._hidden(hx, x, batched)
         h = _steps.rnn_step(
-            x, self._hidden(hx, x, batched), self._weights(),
+            x, h_prev, self._weights(),
             _steps.make_ln(self.ln_weight, self.ln_bias, self.eps), self.nonlinearity,
         )  # fmt: skip
+        h = self._zone(self.zoneout_hidden, h_prev, h)
         return h if batched else h.squeeze(0)
 
     def extra_repr(self) -> str:
@@ -287,6 +310,12 @@ class LayerNormLSTMCell(_LNCellBase):
         normalize_cell_state: carry ``LN(c_t)`` instead of ``c_t``.
         gain_init: initial α (1.0 in the paper; 0.1 was found worse for the attentive reader).
         eps: added to the variance.
+        forget_bias: initial bias of the forget gate (haste's ``forget_bias``, whose default is
+            1.0; Gers et al. 2000, Jozefowicz et al. 2015). ``None`` (default) leaves it at 0 like
+            the other biases, so the cell starts as before; loading weights overrides it.
+        zoneout_hidden, zoneout_cell: zoneout of ``h`` and of the carried ``c`` (Krueger et al.
+            2016): in training ``h' = d ⊙ h + (1 − d) ⊙ h̃`` with ``d ~ Bernoulli(p)`` drawn per
+            call (a call is a step), at eval ``p h + (1 − p) h̃``; the same for ``c``.
 
     Shape:
         ``x``: ``(B, input_size)`` or ``(input_size,)``; ``hx``: a tuple ``(h, c)`` of ``(B, H)`` or
@@ -305,14 +334,32 @@ class LayerNormLSTMCell(_LNCellBase):
         *,
         gain_init: float = 1.0,
         eps: float = 1e-5,
+        forget_bias: float | None = None,
+        zoneout_hidden: float = 0.0,
+        zoneout_cell: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(input_size, hidden_size, bias, gain_init, eps, device, dtype)
-        self.normalize_cell_state = check_flag(
-            normalize_cell_state, "normalize_cell_state", "LayerNormLSTMCell"
+        owner = "LayerNormLSTMCell"
+        self.zoneout_hidden = self._zoneout_rate(zoneout_hidden, "zoneout_hidden")
+        self.zoneout_cell = self._zoneout_rate(zoneout_cell, "zoneout_cell")
+        self.normalize_cell_state = check_flag(normalize_cell_state, "normalize_cell_state", owner)
+        self.forget_bias = (
+            None if forget_bias is None else check_gain(forget_bias, "forget_bias", owner)
         )
+        if self.forget_bias is not None and not self.bias:
+            raise ValueError(f"{owner}: forget_bias={forget_bias!r} needs bias=True")
         self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """As the other cells; with ``forget_bias`` the forget gate's rows of ``bias_ih`` start at
+        it (``bias_hh``'s and the LN biases at 0, so the gate's summed bias is ``forget_bias``)."""
+        super().reset_parameters()
+        if getattr(self, "forget_bias", None) is not None:
+            hs = self.hidden_size
+            with torch.no_grad():
+                self.bias_ih[hs : 2 * hs] = self.forget_bias
 
     def forward(
         self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None
@@ -328,17 +375,20 @@ class LayerNormLSTMCell(_LNCellBase):
                 raise TypeError(f"LayerNormLSTMCell: hx must be a tuple (h, c), got {describe(hx)}")
             h = self._state(hx[0], "hx[0]", x, batched)
             c = self._state(hx[1], "hx[1]", x, batched)
-        h, c = _steps.lstm_step(
+        h_new, c_new = _steps.lstm_step(
             x, h, c, self._weights(),
             _steps.make_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps),
             _steps.make_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps),
             _steps.make_ln(self.ln_weight_c, self.ln_bias_c, self.eps),
             self.normalize_cell_state,
         )  # fmt: skip
+        h, c = self._zone(self.zoneout_hidden, h, h_new), self._zone(self.zoneout_cell, c, c_new)
         return (h, c) if batched else (h.squeeze(0), c.squeeze(0))
 
     def extra_repr(self) -> str:
         s = super().extra_repr()
+        if self.forget_bias is not None:
+            s += f", forget_bias={self.forget_bias}"
         return s + ", normalize_cell_state=True" if self.normalize_cell_state else s
 
 
@@ -354,6 +404,8 @@ class LayerNormGRUCell(_LNCellBase):
     the candidate rows (H units) of each projection are normalized separately, so ``ln_weight_ih``
     / ``ln_weight_hh`` (3H each) hold two LNs' gains. torch's ``z`` is the paper's ``1 − z`` (the
     update gate's pre-activation negated), kept so that plain GRU weights mean the same thing.
+
+    ``zoneout_hidden``: zoneout of ``h`` (Krueger et al. 2016), as :class:`LayerNormRNNCell`'s.
 
     Shape:
         ``x``: ``(B, input_size)`` or ``(input_size,)``; ``hx``: ``(B, H)`` or ``(H,)``, zeros when
@@ -371,19 +423,23 @@ class LayerNormGRUCell(_LNCellBase):
         *,
         gain_init: float = 1.0,
         eps: float = 1e-5,
+        zoneout_hidden: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(input_size, hidden_size, bias, gain_init, eps, device, dtype)
+        self.zoneout_hidden = self._zoneout_rate(zoneout_hidden, "zoneout_hidden")
         self.reset_parameters()
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
         """``h' = cell(x, h)``; ``hx=None`` starts from zeros (shapes in the class docstring)."""
         x, batched = self._prepare(input)
         hs = self.hidden_size
+        h_prev = self._hidden(hx, x, batched)
         h = _steps.gru_step(
-            x, self._hidden(hx, x, batched), self._weights(),
+            x, h_prev, self._weights(),
             _steps.make_grouped_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps, hs),
             _steps.make_grouped_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps, hs),
         )  # fmt: skip
+        h = self._zone(self.zoneout_hidden, h_prev, h)
         return h if batched else h.squeeze(0)

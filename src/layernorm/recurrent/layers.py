@@ -18,6 +18,11 @@ batched ``(T, B, I)`` (or ``(B, T, I)`` with ``batch_first``), unbatched ``(T, I
 A trained ``torch.nn.LSTM`` loads into ``norm="layer"`` with ``load_state_dict(sd, strict=False)``
 (the LN gains and biases keep their init) or with :meth:`LayerNormLSTM.from_torch`.
 
+Options of the LN-LSTM libraries (see each class's arguments, :mod:`._options` for the equations):
+``forget_bias`` (LSTM, at init), ``weight_dropout`` (DropConnect on ``W_hh``, Wan et al. 2013),
+``zoneout_hidden`` / ``zoneout_cell`` (Krueger et al. 2016), ``recurrent_dropout`` (LSTM, GRU:
+Semeniuta et al. 2016) and torch.nn.LSTM's ``proj_size`` (with ``weight_hr_l{k}``).
+
 Speed: by default (``impl="auto"``) float32/float64 layer-norm and plain recurrences run on the
 fused path of :mod:`layernorm.recurrent._fused` (one GEMM + one LN for all input projections, one
 autograd node per direction with an analytic backward in time). ``impl="loop"`` runs the readable
@@ -39,10 +44,10 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .._torchscript import NotScriptable
-from .._validation import check_flag, check_float_tensor, sizes_of
+from .._validation import as_int, check_flag, check_float_tensor, sizes_of
 from ..functional import layer_norm
 from ..ops._dispatch import plain_eager
-from . import _fused, _steps
+from . import _fused, _options, _steps
 from ._batchnorm import make_step_bn
 from ._checks import (
     check_batch_sizes,
@@ -52,6 +57,7 @@ from ._checks import (
     check_parameter,
     check_params_match,
     check_permutation,
+    check_probability,
     check_size,
     check_state,
     describe,
@@ -76,9 +82,6 @@ class _LNRNNBase(NotScriptable, nn.Module):
 
     mode = "RNN"  # "RNN", "LSTM" or "GRU"
     gate_count = 1
-    #: torch.nn.LSTM's projection size; projections are not implemented (``LayerNormLSTM`` takes
-    #: ``proj_size=0`` only), the attribute is there for code that reads it.
-    proj_size = 0
 
     def __init__(
         self,
@@ -99,6 +102,12 @@ class _LNRNNBase(NotScriptable, nn.Module):
         bn_gain_init: float = 0.1,
         max_steps: int = 100,
         momentum: float = 0.1,
+        proj_size: int = 0,
+        forget_bias: float | None = None,
+        weight_dropout: float = 0.0,
+        zoneout_hidden: float = 0.0,
+        zoneout_cell: float = 0.0,
+        recurrent_dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -146,26 +155,88 @@ class _LNRNNBase(NotScriptable, nn.Module):
         self.impl: Impl = impl
         self.nonlinearity = nonlinearity
         self.normalize_cell_state = check_flag(normalize_cell_state, "normalize_cell_state", owner)
+        self.proj_size = self._check_proj_size(proj_size, owner)
+        self.forget_bias = (
+            None if forget_bias is None else check_gain(forget_bias, "forget_bias", owner)
+        )
+        if self.forget_bias is not None and not self.bias:
+            raise ValueError(f"{owner}: forget_bias={forget_bias!r} needs bias=True")
+        self.weight_dropout = check_probability(weight_dropout, "weight_dropout", owner)
+        self.zoneout_hidden = check_probability(
+            zoneout_hidden, "zoneout_hidden", owner, allow_one=True
+        )
+        self.zoneout_cell = check_probability(zoneout_cell, "zoneout_cell", owner, allow_one=True)
+        self.recurrent_dropout = check_probability(recurrent_dropout, "recurrent_dropout", owner)
         factory = {"device": device, "dtype": dtype}
         hs, gh = self.hidden_size, self.gate_count * self.hidden_size
+        hout = self.output_size
         self._norm_params: list[tuple[str, float]] = []  # (name, init value)
         self._param_shapes: dict[str, tuple[int, ...]] = {}  # checked on every call
         for k in range(self.num_layers):
-            in_k = self.input_size if k == 0 else hs * self.num_directions
+            in_k = self.input_size if k == 0 else hout * self.num_directions
             for sfx in self._suffixes(k):
                 self._param(f"weight_ih{sfx}", (gh, in_k), factory)
-                self._param(f"weight_hh{sfx}", (gh, hs), factory)
+                self._param(f"weight_hh{sfx}", (gh, hout), factory)
                 if self.bias:
                     self._param(f"bias_ih{sfx}", (gh,), factory)
                     self._param(f"bias_hh{sfx}", (gh,), factory)
+                if self.proj_size:
+                    self._param(f"weight_hr{sfx}", (self.proj_size, hs), factory)
                 self._make_norm_params(sfx, factory)
         self.reset_parameters()
+
+    # -- options ----------------------------------------------------------------------------
+
+    def _check_proj_size(self, proj_size: object, owner: str) -> int:
+        """torch.nn.LSTM's rule: an int in ``[0, hidden_size)``; only the LSTM has projections."""
+        if isinstance(proj_size, bool) or as_int(proj_size) is None:
+            raise TypeError(
+                f"{owner}: proj_size must be an int, got {type(proj_size).__name__} {proj_size!r}"
+            )
+        size = as_int(proj_size)
+        assert size is not None
+        if size and self.mode != "LSTM":
+            raise ValueError(f"{owner}: proj_size is an LSTM option, got proj_size={proj_size!r}")
+        if not 0 <= size < self.hidden_size:
+            raise ValueError(
+                f"{owner}: proj_size must be in [0, hidden_size={self.hidden_size}), got "
+                f"{proj_size!r}"
+            )
+        return size
+
+    def _draw_masks(self, sfx: str, n_rows: int, n_batch: int, like: Tensor) -> _options.Masks:
+        """The masks of layer-direction ``sfx`` for one call over ``n_rows`` packed rows of
+        ``n_batch`` sequences (see :class:`._options.Masks`; ``None`` where an option is off or,
+        for the dropouts, at eval). Drawn from torch's global generator, in the order DropConnect,
+        zoneout of h, zoneout of c, recurrent dropout."""
+        training = self.training
+        hs, masks = self.hidden_size, _options.Masks()
+        if training and self.weight_dropout > 0:
+            shape = tuple(getattr(self, f"weight_hh{sfx}").shape)
+            masks = masks._replace(w_hh=_options.dropout_mask(shape, self.weight_dropout, like))
+        if self.zoneout_hidden > 0:
+            d = _options.zoneout_coefficients(
+                (n_rows, self.output_size), self.zoneout_hidden, training, like
+            )
+            masks = masks._replace(zoneout_h=d)
+        if self.zoneout_cell > 0:
+            d = _options.zoneout_coefficients((n_rows, hs), self.zoneout_cell, training, like)
+            masks = masks._replace(zoneout_c=d)
+        if training and self.recurrent_dropout > 0:
+            m = _options.dropout_mask((n_batch, hs), self.recurrent_dropout, like)
+            masks = masks._replace(candidate=m)
+        return masks
 
     # -- parameters -------------------------------------------------------------------------
 
     @property
     def num_directions(self) -> int:
         return 2 if self.bidirectional else 1
+
+    @property
+    def output_size(self) -> int:
+        """The size of ``h``: ``proj_size`` when set, else ``hidden_size``."""
+        return self.proj_size or self.hidden_size
 
     def _suffixes(self, k: int) -> list[str]:
         return [f"_l{k}"] + ([f"_l{k}_reverse"] if self.bidirectional else [])
@@ -221,6 +292,14 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 nn.init.zeros_(p)
             else:
                 nn.init.uniform_(p, -bound, bound)
+        if self.forget_bias is not None:
+            # the forget gate's summed bias (torch's order i, f, g, o; the LN biases are 0)
+            hs = self.hidden_size
+            with torch.no_grad():
+                for k in range(self.num_layers):
+                    for sfx in self._suffixes(k):
+                        getattr(self, f"bias_ih{sfx}")[hs : 2 * hs] = self.forget_bias
+                        getattr(self, f"bias_hh{sfx}")[hs : 2 * hs] = 0.0
         for name, b in self.named_buffers(recurse=False):
             if name.startswith("bn_running_mean"):
                 b.zero_()
@@ -243,8 +322,10 @@ class _LNRNNBase(NotScriptable, nn.Module):
     def all_weights(self) -> list[list[nn.Parameter]]:
         """torch's ``all_weights``: per layer and direction ``[weight_ih, weight_hh, bias_ih,
         bias_hh]`` (without the biases when ``bias=False``). The normalization parameters are not
-        included; they are in :meth:`named_parameters` as ``ln_*`` / ``bn_*``."""
+        included; they are in :meth:`named_parameters` as ``ln_*`` / ``bn_*``. With
+        ``proj_size`` each list ends with ``weight_hr``, as torch's."""
         names = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if self.bias else ())
+        names += ("weight_hr",) if self.proj_size else ()
         return [
             [getattr(self, f"{n}{sfx}") for n in names]
             for k in range(self.num_layers)
@@ -265,8 +346,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
         }  # fmt: skip
         if cls.mode == "RNN":
             cfg["nonlinearity"] = module.nonlinearity
-        if getattr(module, "proj_size", 0):
-            raise ValueError(f"{cls.__name__}.from_torch: proj_size > 0 is not supported")
+        if cls.mode == "LSTM":
+            cfg["proj_size"] = module.proj_size
         p0 = module.weight_ih_l0
         cfg.update(device=p0.device, dtype=p0.dtype)
         return _build_from_torch(cls, module, cfg, kwargs)
@@ -360,7 +441,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 hs_out = hs_out.index_select(1, unsorted_idx)
                 cs_out = None if cs_out is None else cs_out.index_select(1, unsorted_idx)
         else:
-            output = layer_in.view(seq_len, n_batch, self.num_directions * self.hidden_size)
+            output = layer_in.view(seq_len, n_batch, self.num_directions * self.output_size)
             if not batched:
                 output = output.squeeze(1)
                 hs_out = hs_out.squeeze(1)
@@ -374,21 +455,27 @@ class _LNRNNBase(NotScriptable, nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         owner = type(self).__name__
         n_states = self.num_layers * self.num_directions
-        expected = (
-            (n_states, n_batch, self.hidden_size) if batched else (n_states, self.hidden_size)
-        )
+
+        def expected(size: int) -> tuple[int, ...]:
+            return (n_states, n_batch, size) if batched else (n_states, size)
+
         is_lstm = self.mode == "LSTM"
         if hx is None:
-            z = data.new_zeros(n_states, n_batch, self.hidden_size)
-            return z, (z if is_lstm else None)
+            z = data.new_zeros(n_states, n_batch, self.output_size)
+            zc = data.new_zeros(n_states, n_batch, self.hidden_size) if self.proj_size else z
+            return z, (zc if is_lstm else None)
         if is_lstm:
             if not isinstance(hx, tuple | list) or len(hx) != 2:
                 raise TypeError(f"{owner}: hx must be a tuple (h_0, c_0), got {describe(hx)}")
-            states = [check_state(t, f"hx[{i}]", expected, data, owner) for i, t in enumerate(hx)]
+            sizes = (self.output_size, self.hidden_size)  # h_0 has proj_size units when set
+            states = [
+                check_state(t, f"hx[{i}]", expected(size), data, owner)
+                for i, (t, size) in enumerate(zip(hx, sizes, strict=True))
+            ]
         else:
             if isinstance(hx, tuple | list):
                 raise TypeError(f"{owner}: hx must be a tensor h_0, got a {type(hx).__name__}")
-            states = [check_state(hx, "hx", expected, data, owner)]
+            states = [check_state(hx, "hx", expected(self.hidden_size), data, owner)]
         if not batched:
             states = [s.unsqueeze(1) for s in states]
         if sorted_idx is not None:
@@ -422,15 +509,31 @@ class _LNRNNBase(NotScriptable, nn.Module):
     def _direction(
         self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Run one layer in one direction over packed rows ``data``: ``(out, h_n, c_n)``."""
+        """Run one layer in one direction over packed rows ``data``: ``(out, h_n, c_n)``.
+
+        The masks are drawn first, whatever the path, and both paths take them: DropConnect acts
+        on the weights before either sees them; the fused path runs zoneout, recurrent dropout
+        and projections on its eager step functions (the C and Triton steps take neither)."""
+        masks = self._draw_masks(sfx, data.shape[0], h0.shape[0], data)
+        weights = self._weights(sfx)
+        if masks.w_hh is not None:
+            weights = weights._replace(w_hh=weights.w_hh * masks.w_hh)
         if self._use_fused(data):
-            return self._fused(data, sizes, sfx, reverse, h0, c0)
-        return self._loop(data, sizes, sfx, reverse, h0, c0)
+            return self._fused(data, sizes, sfx, reverse, h0, c0, weights, masks)
+        return self._loop(data, sizes, sfx, reverse, h0, c0, weights, masks)
 
     # -- fused path --------------------------------------------------------------------------
 
     def _fused(
-        self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
+        self,
+        data: Tensor,
+        sizes: list[int],
+        sfx: str,
+        reverse: bool,
+        h0: Tensor,
+        c0: Tensor | None,
+        weights: _steps.Weights,
+        masks: _options.Masks,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         hs = self.hidden_size
         sched = _fused.make_schedule(sizes, reverse)
@@ -441,7 +544,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             p = self._get(name)
             return None if p is None else p.to(data.dtype).contiguous()
 
-        w_ih, w_hh, b_ih, b_hh = self._weights(sfx)
+        w_ih, w_hh, b_ih, b_hh = weights
         ln = self.norm == "layer"
         xp = F.linear(data, w_ih)  # all time steps in one GEMM
         if self.mode == "LSTM":
@@ -456,7 +559,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
             out, h_n, c_n = _fused.LSTMSequence.apply(
                 gx, h0, c0, w_hh, g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"),
                 g(f"ln_weight_c{sfx}"), g(f"ln_bias_c{sfx}"), sched, self.eps, ln,
-                self.normalize_cell_state and ln,
+                self.normalize_cell_state and ln, masks.zoneout_h, masks.zoneout_c,
+                masks.candidate, self._get(f"weight_hr{sfx}"),
             )  # fmt: skip
             return out, h_n, c_n
         if self.mode == "GRU":
@@ -474,6 +578,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 None if w1 is None else w1[: 2 * hs], None if b1 is None else b1[: 2 * hs],
                 None if w1 is None else w1[2 * hs :], None if b1 is None else b1[2 * hs :],
                 None if b_hh is None else b_hh[2 * hs :].contiguous(), sched, self.eps, ln,
+                masks.zoneout_h, masks.candidate,
             )  # fmt: skip
             return out, h_n, None
         bsum = None if b_ih is None else b_ih + b_hh
@@ -485,7 +590,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             xp = xp if bsum is None else xp + bsum
             w = b = None
         out, h_n = _fused.RNNSequence.apply(
-            xp, h0, w_hh, w, b, sched, self.eps, ln, self.nonlinearity == "relu"
+            xp, h0, w_hh, w, b, sched, self.eps, ln, self.nonlinearity == "relu", masks.zoneout_h
         )
         return out, h_n, None
 
@@ -520,28 +625,42 @@ class _LNRNNBase(NotScriptable, nn.Module):
         )
 
     def _loop(
-        self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
+        self,
+        data: Tensor,
+        sizes: list[int],
+        sfx: str,
+        reverse: bool,
+        h0: Tensor,
+        c0: Tensor | None,
+        weights: _steps.Weights,
+        masks: _options.Masks,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        weights = self._weights(sfx)
         h, c = h0, c0
-        rows = sizes_of(h0)[0]  # every sequence's row, the ended ones included
+        n_rows = sizes_of(h0)[0]  # every sequence's row, the ended ones included
+        w_hr = self._get(f"weight_hr{sfx}")
         outs: list[Tensor] = [data] * len(sizes)
         carry_norm = self.normalize_cell_state and self.norm == "layer"
         for t, off, bs in _fused.make_schedule(sizes, reverse):
-            x_t = data[off : off + bs]
+            rows = slice(off, off + bs)
+            x_t = data[rows]
             n_ih, n_hh, n_c = self._step_norms(sfx, t)
+            cand = None if masks.candidate is None else masks.candidate[:bs]
             if self.mode == "LSTM":
                 assert c is not None
                 h_t, c_t = _steps.lstm_step(
-                    x_t, h[:bs], c[:bs], weights, n_ih, n_hh, n_c, carry_norm
+                    x_t, h[:bs], c[:bs], weights, n_ih, n_hh, n_c, carry_norm, cand, w_hr
                 )
-                c = c_t if bs == rows else torch.cat((c_t, c[bs:]))
+                if masks.zoneout_c is not None:
+                    c_t = _options.zoneout(masks.zoneout_c[rows], c[:bs], c_t)
+                c = c_t if bs == n_rows else torch.cat((c_t, c[bs:]))
             elif self.mode == "GRU":
-                h_t = _steps.gru_step(x_t, h[:bs], weights, n_ih, n_hh)
+                h_t = _steps.gru_step(x_t, h[:bs], weights, n_ih, n_hh, cand)
             else:
                 h_t = _steps.rnn_step(x_t, h[:bs], weights, n_ih, self.nonlinearity)
+            if masks.zoneout_h is not None:
+                h_t = _options.zoneout(masks.zoneout_h[rows], h[:bs], h_t)
             # rows past bs belong to sequences that ended (or, in reverse, have not begun)
-            h = h_t if bs == rows else torch.cat((h_t, h[bs:]))
+            h = h_t if bs == n_rows else torch.cat((h_t, h[bs:]))
             outs[t] = h_t
         return torch.cat(outs), h, c
 
@@ -564,6 +683,13 @@ class _LNRNNBase(NotScriptable, nn.Module):
             s += f", gain_init={self.gain_init}"
         if self.norm == "layer" and self.normalize_cell_state:
             s += ", normalize_cell_state=True"
+        if self.proj_size:
+            s += f", proj_size={self.proj_size}"
+        if self.forget_bias is not None:
+            s += f", forget_bias={self.forget_bias}"
+        for name in ("weight_dropout", "zoneout_hidden", "zoneout_cell", "recurrent_dropout"):
+            if getattr(self, name):
+                s += f", {name}={getattr(self, name)}"
         if self.norm == "batch":
             s += f", bn_gain_init={self.bn_gain_init}, max_steps={self.max_steps}"
             if self.momentum != 0.1:
@@ -574,6 +700,35 @@ class _LNRNNBase(NotScriptable, nn.Module):
             s += f", impl={self.impl!r}"
         return s
 
+
+# The regularizers (see :mod:`._options` for the equations), as each layer's docstring lists them.
+_WEIGHT_DROPOUT_DOC = """\
+        weight_dropout: DropConnect on ``W_hh`` (Wan et al. 2013; haste's ``dropout``, renamed
+            as torch's ``dropout`` is the dropout between layers): in training each call, layer
+            and direction uses ``W_hh ⊙ M / (1 − p)``, ``M ~ Bernoulli(1 − p)`` shared by all
+            steps; the gradient reaches the kept weights only; identity at eval. Every path.
+"""
+_ZONEOUT_DOC = """\
+        zoneout_hidden: zoneout of ``h`` (Krueger et al. 2016): ``h_t = d ⊙ h_{t−1} + (1 − d)
+            ⊙ h̃_t``, ``d ~ Bernoulli(p)`` per unit, example and step in training; at eval the
+            expectation ``p h_{t−1} + (1 − p) h̃_t``. The output at ``t`` is the zoned ``h_t``.
+"""
+_ZONEOUT_CELL_DOC = """\
+        zoneout_cell: the same for the carried cell state ``c`` (its own rate).
+"""
+_RECURRENT_DROPOUT_DOC = """\
+        recurrent_dropout: dropout on the candidate, not on the state (Semeniuta et al. 2016, as
+            TF-Addons): {candidate},
+            ``m = Bernoulli(1 − p)/(1 − p)`` per unit, one mask per sequence for all its steps,
+            in training; identity at eval.
+"""
+_PATHS_DOC = """
+        Paths: the masks are drawn before a direction runs and both paths take them, so the
+        fused path and the loop agree given the same masks (or seed). DropConnect runs on every
+        path (C, Triton, eager steps); {names}
+        run{s} on the fused node's eager step functions (the C and Triton steps take no
+        such arguments).{proj}
+"""
 
 _SHAPES_DOC = """
     Args:
@@ -588,7 +743,7 @@ _SHAPES_DOC = """
         gain_init: initial LN gain (1.0 in the paper; 0.1 for the comparison with recurrent BN).
         eps: added to the variance.
         impl: ``"auto"`` (fused path when it applies), ``"fused"`` or ``"loop"`` (reference).
-
+{options}
     Shape:
         input: ``(T, B, input_size)``, ``(B, T, input_size)`` with ``batch_first``, unbatched
         ``(T, input_size)``, or a ``PackedSequence``. Output: ``(T, B, D·H)`` likewise (a
@@ -606,7 +761,14 @@ class LayerNormRNN(_LNRNNBase):
 
     ``g`` = ``ln_weight_l{k}``, ``b`` = ``ln_bias_l{k} + bias_ih_l{k} + bias_hh_l{k}``;
     ``f`` = ``nonlinearity``. Call: ``output, h_n = rnn(input, h_0=None)``.
-""" + _SHAPES_DOC.replace("{batch}", "")
+""" + _SHAPES_DOC.replace("{batch}", "").replace(
+        "{options}",
+        _WEIGHT_DROPOUT_DOC
+        + _ZONEOUT_DOC
+        + _PATHS_DOC.replace("{names}", "``zoneout_hidden``")
+        .replace("{s}", "s")
+        .replace("{proj}", ""),
+    )
 
     mode = "RNN"
     gate_count = 1
@@ -626,12 +788,15 @@ class LayerNormRNN(_LNRNNBase):
         gain_init: float = 1.0,
         eps: float = 1e-5,
         impl: Impl = "auto",
+        weight_dropout: float = 0.0,
+        zoneout_hidden: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
             norm=norm, gain_init=gain_init, eps=eps, impl=impl, nonlinearity=nonlinearity,
+            weight_dropout=weight_dropout, zoneout_hidden=zoneout_hidden,
             device=device, dtype=dtype,
         )  # fmt: skip
 
@@ -664,7 +829,30 @@ class LayerNormLSTM(_LNRNNBase):
         <All keys matched successfully>
         >>> lnlstm = LayerNormLSTM.from_torch(ref)              # LN gains 1, LN biases 0
         >>> out, (h, c) = lnlstm(torch.randn(5, 3, 8))
-""" + _SHAPES_DOC.replace("{batch}", ' or ``"batch"`` (recurrent batch norm)')
+""" + _SHAPES_DOC.replace("{batch}", ' or ``"batch"`` (recurrent batch norm)').replace(
+        "{options}",
+        """        proj_size: torch.nn.LSTM's projection: ``h_t = W_hr (σ(o) ⊙ tanh(LN(c_t)))`` with
+            ``weight_hr_l{k}`` of shape ``(proj_size, H)``; ``h``, the output and the next layer's
+            input have ``proj_size`` units, ``c`` keeps ``H``; names, shapes and init as torch's,
+            so a ``torch.nn.LSTM(proj_size=…)`` loads (``from_torch``, ``load_state_dict``) and
+            ``norm="none"`` computes what it does.
+        forget_bias: the forget gate's initial bias (haste's ``forget_bias``, default 1.0 there):
+            ``reset_parameters`` sets the forget rows of ``bias_ih`` to it and those of
+            ``bias_hh`` to 0 (the LN biases start at 0), so the gate's summed bias starts at
+            ``forget_bias``. ``None`` (default) leaves the usual init, which is 0 with a
+            normalization and torch's uniform init with ``norm="none"``, so the layer starts as
+            torch's; weights loaded afterwards replace it.
+"""
+        + _WEIGHT_DROPOUT_DOC
+        + _ZONEOUT_DOC
+        + _ZONEOUT_CELL_DOC
+        + _RECURRENT_DROPOUT_DOC.replace(
+            "{candidate}", "``c_t = σ(f) ⊙ c_{t−1} + σ(i) ⊙ m ⊙ tanh(g)``"
+        )
+        + _PATHS_DOC.replace("{names}", "zoneout, recurrent dropout and ``proj_size``")
+        .replace("{s}", "")
+        .replace("{proj}", ""),
+    )
 
     mode = "LSTM"
     gate_count = 4
@@ -688,25 +876,22 @@ class LayerNormLSTM(_LNRNNBase):
         momentum: float = 0.1,
         eps: float = 1e-5,
         impl: Impl = "auto",
+        forget_bias: float | None = None,
+        weight_dropout: float = 0.0,
+        zoneout_hidden: float = 0.0,
+        zoneout_cell: float = 0.0,
+        recurrent_dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        # torch.nn.LSTM's keyword, so that its configurations pass through; only 0 is implemented
-        if isinstance(proj_size, bool) or not isinstance(proj_size, int):
-            raise TypeError(
-                f"LayerNormLSTM: proj_size must be an int, got {type(proj_size).__name__} "
-                f"{proj_size!r}"
-            )
-        if proj_size != 0:
-            raise ValueError(
-                f"LayerNormLSTM: proj_size={proj_size} (an LSTM with projections) is not "
-                "supported; use proj_size=0"
-            )
         super().__init__(
             input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
             norm=norm, gain_init=gain_init, eps=eps, impl=impl,
             normalize_cell_state=normalize_cell_state, bn_gain_init=bn_gain_init,
-            max_steps=max_steps, momentum=momentum, device=device, dtype=dtype,
+            max_steps=max_steps, momentum=momentum, proj_size=proj_size, forget_bias=forget_bias,
+            weight_dropout=weight_dropout, zoneout_hidden=zoneout_hidden,
+            zoneout_cell=zoneout_cell, recurrent_dropout=recurrent_dropout,
+            device=device, dtype=dtype,
         )  # fmt: skip
 
 
@@ -724,7 +909,17 @@ class LayerNormGRU(_LNRNNBase):
     order.
     torch's ``b_hn`` stays inside the reset product, and torch's ``z`` is the paper's ``1 − z``.
     Call: ``output, h_n = gru(input, h_0=None)``.
-""" + _SHAPES_DOC.replace("{batch}", "")
+""" + _SHAPES_DOC.replace("{batch}", "").replace(
+        "{options}",
+        _WEIGHT_DROPOUT_DOC
+        + _ZONEOUT_DOC
+        + _RECURRENT_DROPOUT_DOC.replace(
+            "{candidate}", "``h_t = (1 − z) ⊙ (m ⊙ n_t) + z ⊙ h_{t−1}``"
+        )
+        + _PATHS_DOC.replace("{names}", "zoneout and recurrent dropout")
+        .replace("{s}", "")
+        .replace("{proj}", ""),
+    )
 
     mode = "GRU"
     gate_count = 3
@@ -743,10 +938,15 @@ class LayerNormGRU(_LNRNNBase):
         gain_init: float = 1.0,
         eps: float = 1e-5,
         impl: Impl = "auto",
+        weight_dropout: float = 0.0,
+        zoneout_hidden: float = 0.0,
+        recurrent_dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
-            norm=norm, gain_init=gain_init, eps=eps, impl=impl, device=device, dtype=dtype,
+            norm=norm, gain_init=gain_init, eps=eps, impl=impl, weight_dropout=weight_dropout,
+            zoneout_hidden=zoneout_hidden, recurrent_dropout=recurrent_dropout,
+            device=device, dtype=dtype,
         )  # fmt: skip

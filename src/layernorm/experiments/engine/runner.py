@@ -279,7 +279,9 @@ def _run_one(
         save_records(exp_dir, records)
         prov |= {"wall_seconds": round(seconds, 2), "load_average_end": load_average(),
                  "resumed": resume, "setting": setting, "settings_id": identity.id}  # fmt: skip
-        prov["earlier_sessions"] = _earlier_sessions(exp_dir / "provenance.json", identity.id)
+        # a resumed run's records come from every session; a fresh one's from this one alone
+        earlier = _earlier_sessions(exp_dir / "provenance.json", identity.id) if resume else []
+        prov["earlier_sessions"] = earlier
         write_json(exp_dir / "provenance.json", prov)
         _figures(exp, cfg, records, exp_dir / "figures")
         write_json(

@@ -118,6 +118,9 @@ def test_report_prints_the_published_numbers_and_our_difference():
     assert rows["LayerNorm"][3].startswith("99 ± 0")
     assert rows["LayerNorm"][4] == "-0.13"
     assert rows["AdaNorm"][3] == "—"  # not run: no number of ours
+    # every published number belongs to a registered experiment, each with its source
+    assert {r.experiment for r in REFERENCES} <= set(names())
+    assert all(r.source for r in REFERENCES)
     # the adanorm table reads the same constants
     assert {
         str(r.where["model"]): r.value for r in REFERENCES if r.experiment == "adanorm"

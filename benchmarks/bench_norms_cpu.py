@@ -1,16 +1,19 @@
 """Forward+backward time of every normalization variant on the CPU vs torch's native layer norm.
 
 Each variant runs ``y = op(x); y.backward(dy)`` with gradients for x (and the gain/bias it has),
-float32. All providers of a shape are timed round-robin in the same run (medians), and every
+in float32 or, with ``--dtype``, bfloat16/float16 (x, dy, gain and bias all in that dtype). All
+providers of a shape are timed round-robin in the same run (medians), and every
 variant is reported as a ratio to ``torch.nn.functional.layer_norm`` with weight and bias, which on
 CPU is PyTorch's fused native kernel; RMSNorm is also compared with ``F.rms_norm``.
 Absolute times on a shared machine move from run to run; the ratios are what to read.
 
 Memory traffic of one forward+backward, the floor for every variant: read x, write y (forward),
-read dy and x, write dx (backward) = 5·M·N·4 bytes, plus O(N) for the gain/bias gradients.
+read dy and x, write dx (backward) = 5·M·N·s bytes (s = 4 for float32, 2 for the half types),
+plus O(N) for the gain/bias gradients.
 
     python benchmarks/bench_norms_cpu.py                  # the three default shapes
     python benchmarks/bench_norms_cpu.py --shapes 4096x768 --reps 30 --csv out.csv
+    python benchmarks/bench_norms_cpu.py --dtype bfloat16 --threads 1
     LAYERNORM_CPU_COMPILE=0 python benchmarks/bench_norms_cpu.py   # eager ATen fallback
 """
 
@@ -40,14 +43,19 @@ RMS_ANCHOR = "torch rms_norm"
 COMPOSITE = "eager composite LN"
 
 
-def providers(m: int, n: int, composite: bool) -> dict[str, Callable[[], None]]:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def providers(
+    m: int, n: int, composite: bool, dtype: torch.dtype = torch.float32
+) -> dict[str, Callable[[], None]]:
     """One closure per provider, each a full forward+backward on fresh-gradient leaves."""
     g = torch.Generator().manual_seed(0)
     # Non-zero mean: the centring matters, as it does for real activations.
-    x = (torch.randn(m, n, generator=g) + 0.5).requires_grad_()
-    w = (torch.rand(n, generator=g) + 0.5).requires_grad_()
-    b = torch.randn(n, generator=g).requires_grad_()
-    dy = torch.randn(m, n, generator=g)
+    x = (torch.randn(m, n, generator=g) + 0.5).to(dtype).requires_grad_()
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype).requires_grad_()
+    b = torch.randn(n, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(m, n, generator=g).to(dtype)
 
     def fwd_bwd(op: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
@@ -91,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=0, help="0: 15 for big shapes, 1000 for small")
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--composite", action="store_true", help="also time the eager reference")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
     args = parser.parse_args(argv)
     if args.threads:
@@ -101,13 +110,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: {cpu_model()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
     print(f"torch {torch.__version__}, python {platform.python_version()}, {stamp}")
     print(f"fused C kernels: {'on' if fused else 'off (eager ATen compositions)'}")
-    print("forward+backward, float32, median ms; ratio = ours / torch layer_norm (w, b)\n")
+    print(f"forward+backward, {args.dtype}, median ms; ratio = ours / torch layer_norm (w, b)\n")
 
     header = f"{'variant':<20} {'M x N':>12} {'ours ms':>9} {'torch LN ms':>12} {'ratio':>6}"
     rows: list[dict[str, object]] = []
     for m, n in args.shapes:
         reps = args.reps or (15 if m * n >= 1 << 20 else 1000)
-        times = interleaved_ms(providers(m, n, args.composite), warmup=args.warmup, reps=reps)
+        fns = providers(m, n, args.composite, DTYPES[args.dtype])
+        times = interleaved_ms(fns, warmup=args.warmup, reps=reps)
         base, rms_base = times[ANCHOR], times[RMS_ANCHOR]
         print(header)
         print(f"{ANCHOR:<20} {f'{m}x{n}':>12} {base:9.3f} {base:12.3f} {1.0:6.2f}")
@@ -119,9 +129,10 @@ def main(argv: list[str] | None = None) -> None:
                 note = f"   vs torch rms_norm: {ms / rms_base:.2f}"
             print(f"{name:<20} {f'{m}x{n}':>12} {ms:9.3f} {base:12.3f} {ms / base:6.2f}{note}")
             rows.append(
-                dict(variant=name, m=m, n=n, ms=round(ms, 4), torch_ln_ms=round(base, 4),
-                     ratio=round(ms / base, 3), reps=reps, threads=torch.get_num_threads(),
-                     fused=int(fused), device=cpu_model(), torch=torch.__version__, date=stamp)
+                dict(variant=name, dtype=args.dtype, m=m, n=n, ms=round(ms, 4),
+                     torch_ln_ms=round(base, 4), ratio=round(ms / base, 3), reps=reps,
+                     threads=torch.get_num_threads(), fused=int(fused), device=cpu_model(),
+                     torch=torch.__version__, date=stamp)
             )  # fmt: skip
         print()
 

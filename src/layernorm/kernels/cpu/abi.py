@@ -120,13 +120,23 @@ class Kernel:
 
     def fields(self) -> tuple[Arg, ...]:
         """Struct order: pointers, then 8-byte scalars, then 4-byte ones (no inner padding)."""
-        rank = {DType.INDEX: 1, DType.FLOAT: 1, DType.FLAG: 2, DType.COUNT: 2}
-        return tuple(sorted(self.args, key=lambda a: rank.get(a.dtype, 0) if a.role is Role.SCALAR
-                            else 0))  # fmt: skip
+        return tuple(sorted(self.args, key=_field_rank))
 
 
-def _tensor(name: str, role: Role, shape: tuple[str, ...], dtype: DType = DType.SAME,
-            optional: bool = False, doc: str = "") -> Arg:  # fmt: skip
+def _field_rank(a: Arg) -> int:
+    if a.role is not Role.SCALAR:
+        return 0
+    return 1 if a.dtype in (DType.INDEX, DType.FLOAT) else 2
+
+
+def _tensor(
+    name: str,
+    role: Role,
+    shape: tuple[str, ...],
+    dtype: DType = DType.SAME,
+    optional: bool = False,
+    doc: str = "",
+) -> Arg:
     return Arg(name, role, dtype, shape, optional, None, doc)
 
 

@@ -5,7 +5,9 @@ in float32 or, with ``--dtype``, bfloat16/float16 (x, dy, gain and bias all in t
 providers of a shape are timed round-robin in the same run (medians), and every
 variant is reported as a ratio to ``torch.nn.functional.layer_norm`` with weight and bias, which on
 CPU is PyTorch's fused native kernel; RMSNorm is also compared with ``F.rms_norm``.
-Absolute times on a shared machine move from run to run; the ratios are what to read.
+Absolute times on a shared machine move from run to run; the ratios are what to read. Each row
+gives the ratio of medians and the ratio of minima (the fastest of the reps: on a loaded machine
+the median carries the neighbours' share of the processor, the minimum little of it).
 
 Memory traffic of one forward+backward, the floor for every variant: read x, write y (forward),
 read dy and x, write dx (backward) = 5·M·N·s bytes (s = 4 for float32, 2 for the half types),
@@ -24,6 +26,7 @@ import csv
 import datetime as dt
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layernorm.functional as LF
-from _timing import cpu_model, interleaved_ms
+from _timing import cpu_model, interleaved_samples
 from layernorm.kernels.cpu import _native
 from layernorm.reference import layer_norm_reference
 
@@ -44,6 +47,18 @@ COMPOSITE = "eager composite LN"
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ISA_FLAGS = ("avx2", "f16c", "avx512f", "avx512_bf16", "avx512fp16")
+
+
+def isa_flags() -> list[str]:
+    """The vector instruction sets of this processor that the kernels' builds may use."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")),
+                         [])  # fmt: skip
+    except OSError:
+        return []
+    return [f for f in ISA_FLAGS if f in flags]
 
 
 def providers(
@@ -110,27 +125,36 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: {cpu_model()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
     print(f"torch {torch.__version__}, python {platform.python_version()}, {stamp}")
     print(f"fused C kernels: {'on' if fused else 'off (eager ATen compositions)'}")
+    print(f"ISA: {' '.join(isa_flags()) or 'none of ' + ' '.join(ISA_FLAGS)}; "
+          f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")  # fmt: skip
     print(f"forward+backward, {args.dtype}, median ms; ratio = ours / torch layer_norm (w, b)\n")
 
-    header = f"{'variant':<20} {'M x N':>12} {'ours ms':>9} {'torch LN ms':>12} {'ratio':>6}"
+    header = (f"{'variant':<20} {'M x N':>12} {'ours ms':>9} {'torch LN ms':>12} {'ratio':>6}"
+              f" {'min ms':>8} {'min ratio':>9}")  # fmt: skip
     rows: list[dict[str, object]] = []
     for m, n in args.shapes:
         reps = args.reps or (15 if m * n >= 1 << 20 else 1000)
         fns = providers(m, n, args.composite, DTYPES[args.dtype])
-        times = interleaved_ms(fns, warmup=args.warmup, reps=reps)
+        samples = interleaved_samples(fns, warmup=args.warmup, reps=reps)
+        times = {k: statistics.median(v) for k, v in samples.items()}
+        fastest = {k: min(v) for k, v in samples.items()}
         base, rms_base = times[ANCHOR], times[RMS_ANCHOR]
+        base_min = fastest[ANCHOR]
         print(header)
-        print(f"{ANCHOR:<20} {f'{m}x{n}':>12} {base:9.3f} {base:12.3f} {1.0:6.2f}")
         for name, ms in times.items():
-            if name == ANCHOR:
-                continue
             note = ""
             if name == "RMSNorm (w)":
-                note = f"   vs torch rms_norm: {ms / rms_base:.2f}"
-            print(f"{name:<20} {f'{m}x{n}':>12} {ms:9.3f} {base:12.3f} {ms / base:6.2f}{note}")
+                note = (f"   vs torch rms_norm: {ms / rms_base:.2f}"
+                        f" (min {fastest[name] / fastest[RMS_ANCHOR]:.2f})")  # fmt: skip
+            lo = fastest[name]
+            print(f"{name:<20} {f'{m}x{n}':>12} {ms:9.3f} {base:12.3f} {ms / base:6.2f}"
+                  f" {lo:8.3f} {lo / base_min:9.2f}{note}")  # fmt: skip
+            if name == ANCHOR:
+                continue
             rows.append(
                 dict(variant=name, dtype=args.dtype, m=m, n=n, ms=round(ms, 4),
-                     torch_ln_ms=round(base, 4), ratio=round(ms / base, 3), reps=reps,
+                     torch_ln_ms=round(base, 4), ratio=round(ms / base, 3),
+                     min_ms=round(lo, 4), ratio_min=round(lo / base_min, 3), reps=reps,
                      threads=torch.get_num_threads(), fused=int(fused), device=cpu_model(),
                      torch=torch.__version__, date=stamp)
             )  # fmt: skip

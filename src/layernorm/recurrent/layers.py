@@ -61,6 +61,9 @@ __all__ = ["LayerNormGRU", "LayerNormLSTM", "LayerNormRNN"]
 
 Impl = Literal["auto", "fused", "loop"]
 _FUSED_DTYPES = (torch.float32, torch.float64)
+# On the CPU, half inputs take the fused path too, computed in float32 (as the norm kernels do)
+# and returned in their own dtype: the step-by-step loop is many times slower.
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
 # The torch layer whose weights each recurrence takes, for ``from_torch``.
 _TORCH_LAYERS: dict[str, type[nn.RNNBase]] = {"RNN": nn.RNN, "LSTM": nn.LSTM, "GRU": nn.GRU}
 
@@ -398,10 +401,13 @@ class _LNRNNBase(NotScriptable, nn.Module):
             return False  # an empty batch: nothing for the fused kernels to do
         if data.dtype in _FUSED_DTYPES:
             return True
+        if data.dtype in _HALF_DTYPES and data.device.type == "cpu":
+            return True
         if self.impl == "fused":
             raise TypeError(
-                f"{type(self).__name__}: impl='fused' runs float32 and float64, got {data.dtype}; "
-                "use impl='auto' (the step-by-step path for other dtypes)"
+                f"{type(self).__name__}: impl='fused' runs float32 and float64 (and half types on "
+                f"the CPU), got {data.dtype} on {data.device.type}; use impl='auto' (the "
+                "step-by-step path for other dtypes)"
             )
         return False
 
@@ -410,18 +416,41 @@ class _LNRNNBase(NotScriptable, nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Run one layer in one direction over packed rows ``data``: ``(out, h_n, c_n)``."""
         if self._use_fused(data):
+            if data.dtype in _HALF_DTYPES:
+                f32 = torch.float32
+                out, h_n, c_n = self._fused(
+                    data.to(f32), sizes, sfx, reverse, h0.to(f32),
+                    None if c0 is None else c0.to(f32), compute=f32,
+                )  # fmt: skip
+                c_dtype = data.dtype if c0 is None else c0.dtype
+                return (out.to(data.dtype), h_n.to(h0.dtype),
+                        None if c_n is None else c_n.to(c_dtype))  # fmt: skip
             return self._fused(data, sizes, sfx, reverse, h0, c0)
         return self._loop(data, sizes, sfx, reverse, h0, c0)
 
     # -- fused path --------------------------------------------------------------------------
 
     def _fused(
-        self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
+        self,
+        data: Tensor,
+        sizes: list[int],
+        sfx: str,
+        reverse: bool,
+        h0: Tensor,
+        c0: Tensor | None,
+        compute: torch.dtype | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        g = self._get
+        """``compute``: the dtype the parameters are cast to (differentiably), for half inputs."""
+
+        def cast(t: Tensor | None) -> Tensor | None:
+            return t if t is None or compute is None else t.to(compute)
+
+        def g(name: str) -> Tensor | None:
+            return cast(self._get(name))
+
         hs = self.hidden_size
         sched = _fused.make_schedule(sizes, reverse)
-        w_ih, w_hh, b_ih, b_hh = self._weights(sfx)
+        w_ih, w_hh, b_ih, b_hh = (cast(t) for t in self._weights(sfx))
         ln = self.norm == "layer"
         xp = F.linear(data, w_ih)  # all time steps in one GEMM
         if self.mode == "LSTM":

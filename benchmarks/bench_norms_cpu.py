@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--composite", action="store_true", help="also time the eager reference")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--rms-anchor", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time torch's F.rms_norm (slow: an eager composition)")  # fmt: skip
+                        help="also time torch's F.rms_norm (an eager composition)")  # fmt: skip
     parser.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
     args = parser.parse_args(argv)
     if args.threads:

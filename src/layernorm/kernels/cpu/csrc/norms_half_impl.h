@@ -171,7 +171,8 @@ typedef struct {
 static int FN(bwd_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, float* fwa, float* fba,
                          i64 lo, i64 hi) {
     const i64 N = jb->N;
-    i64 R = half_block_rows(N, HALF_BWD_ELEMS);
+    /* without dw/db there are no sums to flush: blocks as small as the forward's */
+    i64 R = half_block_rows(N, dwa ? HALF_BWD_ELEMS : HALF_FWD_ELEMS);
     if (R > 1) R -= R % 2;
     float* dyf = half_buffers(R * N, 3);
     if (!dyf) return 1;

@@ -17,7 +17,7 @@ CC ?= cc
 CSRC := src/layernorm/kernels/cpu/csrc
 CHECK_CFLAGS := -std=gnu11 -O3 -march=native -fopenmp -fPIC -Wall -Wextra -Werror
 SANITIZE_TESTS := tests/test_cpu_fast_paths.py tests/test_raw_ops.py tests/test_kernel_abi.py \
-	tests/test_kernel_accuracy.py tests/test_fuzz_kernels.py
+	tests/test_kernel_accuracy.py tests/test_fuzz_kernels.py tests/test_half_kernels.py
 SANITIZE_ENV := LAYERNORM_CPU_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so):$$($(CC) -print-file-name=libubsan.so)"
 

@@ -35,6 +35,8 @@ from .abi import CSRC_DIR, INSTANCES
 HEADER_NAME = "layernorm_rnn_abi.h"
 #: What a kernel returns when a step's rows lie outside the buffers (it then touches nothing).
 ERR_ROWS = 1
+#: What a kernel returns when it cannot allocate its buffers (it then touches nothing).
+ERR_NOMEM = 2
 
 
 class Kind(enum.Enum):
@@ -407,6 +409,8 @@ def c_header() -> str:
         "",
         "/* Returned by a kernel whose step rows lie outside its buffers (nothing is touched). */",
         f"#define RNN_ERR_ROWS {ERR_ROWS}",
+        "/* Returned by a kernel that cannot allocate its buffers (nothing is touched). */",
+        f"#define RNN_ERR_NOMEM {ERR_NOMEM}",
         "",
         "/* Bytes per vector of the sequence GEMM: 64 with AVX-512, 32 with AVX, else 16. */",
         "int rnn_vector_bytes(void);",

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "layernorm_rnn_abi.h"
 

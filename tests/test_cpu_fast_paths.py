@@ -1,20 +1,22 @@
 """The fused C kernels of the CPU backend: against the float64 reference and the eager fallback.
 
 test_functional.py already sends every variant through whichever CPU path is active; this file
-aims at what is specific to the fused kernels: row lengths around the 32-lane partial sums, the
-multi-threaded split (M·N past the one-thread grain), the per-thread dweight/dbias buffers, the
-switch back to eager ATen ops, and the build cache.
+aims at what is specific to the fused kernels: row lengths around the 32-lane partial sums and
+512-element blocks, the multi-threaded split (M·N past the one-thread grain), the per-thread
+dweight/dbias buffers, the switch back to eager ATen ops, and the build cache.
 """
 
 from __future__ import annotations
 
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 import layernorm.functional as LF
+import tolerances
 from conftest import make_param, make_x, upcast
 from layernorm.kernels.cpu import _native, cbuild
 from layernorm.kernels.cpu import layer_norm as cpu_layer_norm
@@ -23,17 +25,17 @@ from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_no
 HAVE_CC = cbuild.compiler() is not None
 needs_kernels = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: eager path only")
 
-# (atol, rtol). float32: row sums run in float32 partial sums folded in float64, about as exact
-# as PyTorch's own kernels (errors ~1e-6 at N ≈ 1000); dparam sums M rows in float64, its atol
-# scaled by √M below for the reference's summation order. float64: rounding order only.
+# (atol, rtol) from the error model of tolerances.py; dparam sums M rows, its atol scaled by √M
+# below for the summation order.
 TOL = {
-    torch.float32: {"y": (1e-5, 1e-5), "dx": (2e-5, 2e-5), "dparam": (2e-5, 2e-5)},
-    torch.float64: {"y": (1e-10, 1e-10), "dx": (1e-9, 1e-9), "dparam": (1e-10, 1e-9)},
+    dt: {q: tolerances.simple(dt, q) for q in ("y", "dx", "dparam")}
+    for dt in (torch.float32, torch.float64)
 }
 
-# N around the 32 partial-sum lanes (tails of 0, 1 and 31 elements) and long rows; the last
-# shape has M·N above the grain, so it runs on two threads whenever torch has two.
-SHAPES = [(3, 1), (5, 31), (5, 32), (7, 33), (2, 65), (4, 1000), (80, 1031)]
+# N around the 32 partial-sum lanes (tails of 0, 1 and 31 elements) and long rows (1537: three
+# 512-element blocks and a tail); (80, 1031) has M·N above the grain, so it runs on two threads
+# whenever torch has two.
+SHAPES = [(3, 1), (5, 31), (5, 32), (7, 33), (2, 65), (4, 1000), (80, 1031), (3, 1537)]
 
 VARIANTS = {
     "ln": ("layer", True, True, {}),
@@ -202,6 +204,34 @@ def test_build_is_cached(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # the temporary build dir is gone
 
 
+@needs_kernels
+def test_cache_key_hashes_every_header_and_the_sanitizer_switch(tmp_path, monkeypatch):
+    """A changed header next to the sources, or the sanitizer switch, gives another library."""
+    monkeypatch.setenv(_native.ENV_CACHE, str(tmp_path / "cache"))
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "k.h").write_text("#define K 1\n")
+    (src / "k.c").write_text('#include "k.h"\nint k(void) { return K; }\n')
+    first = cbuild.build_shared_library([src / "k.c"], "k")
+    assert cbuild.build_shared_library([src / "k.c"], "k") == first
+    (src / "k.h").write_text("#define K 2\n")
+    second = cbuild.build_shared_library([src / "k.c"], "k")
+    assert second != first
+    monkeypatch.setenv(cbuild.ENV_SANITIZE, "1")
+    assert "-fsanitize=address,undefined" in cbuild.build_flags()
+    monkeypatch.setenv(cbuild.ENV_SANITIZE, "0")
+    assert "-fsanitize=address,undefined" not in cbuild.build_flags()
+
+
+@pytest.mark.skipif(not cbuild.sanitizing(), reason="only under `make sanitize`")
+def test_sanitized_build_is_loaded():
+    """Under ``make sanitize`` the kernels run from the ASan + UBSan build, not the eager path."""
+    assert _native.enabled()
+    assert any(f in cbuild.build_flags() for f in cbuild.SANITIZE_FLAGS)
+    maps = Path("/proc/self/maps").read_text()
+    assert "libasan" in maps and "libubsan" in maps
+
+
 def test_missing_compiler_raises_clear_error(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.delenv("CC", raising=False)
@@ -228,3 +258,36 @@ def test_every_op_runs_the_fused_kernels(monkeypatch):
         y = _run(kind, x, w if kind != "ada" else None, None, {})
         y.backward(torch.ones_like(y))
     assert calls == ["ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd", "ada_fwd", "ada_bwd"]
+
+
+@needs_kernels
+def test_concurrent_calls_equal_serial_bitwise():
+    """Four Python threads calling the kernels at once (per-thread scratch buffers, OpenMP teams
+    started from several threads) give exactly the serial results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def work(seed: int):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(64, 700, generator=g) + 3).requires_grad_()
+        w = (torch.rand(700, generator=g) + 0.5).requires_grad_()
+        b = torch.randn(700, generator=g).requires_grad_()
+        dy = torch.randn(64, 700, generator=g)
+        out = []
+        for fn in (
+            lambda: LF.layer_norm(x, 700, w, b),
+            lambda: LF.rms_norm(x, 700, w),
+            lambda: LF.ada_norm(x, 700, 0.1, 2.0),
+        ):
+            y = fn()
+            grads = torch.autograd.grad(y, (x, w, b), dy, allow_unused=True)
+            out.append((y.detach(), *[gr for gr in grads if gr is not None]))
+        return out
+
+    seeds = list(range(8))
+    serial = [work(s) for s in seeds]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        parallel = list(pool.map(work, seeds))
+    for a, b in zip(serial, parallel, strict=True):
+        for ta, tb in zip(a, b, strict=True):
+            for u, v in zip(ta, tb, strict=True):
+                assert torch.equal(u, v)

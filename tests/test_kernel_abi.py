@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
+import torch
 
 from layernorm.kernels.cpu import abi
 
@@ -37,3 +38,84 @@ def test_struct_fields_follow_the_description(dtype):
             want = ctypes.c_void_p if a.role is not abi.Role.SCALAR else None
             if want is not None:
                 assert dict(struct._fields_)[a.name] is want
+
+
+def test_kernel_sources_ship_as_package_data():
+    """Every C file next to the kernels matches a package-data pattern (built on first use)."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["layernorm"]
+    package = abi.CSRC_DIR.parents[2]  # src/layernorm
+    files = [p for p in abi.CSRC_DIR.iterdir() if p.suffix in (".c", ".h")]
+    assert files
+    for path in files:
+        rel = path.relative_to(package).as_posix()
+        assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), rel
+
+
+def _valid(kernel: abi.Kernel, dtype: torch.dtype, m: int = 3, n: int = 5) -> dict:
+    sizes = {"M": m, "N": n}
+    values: dict = {}
+    for a in kernel.args:
+        if a.role is not abi.Role.SCALAR:
+            values[a.name] = torch.ones(tuple(sizes[s] for s in a.shape), dtype=dtype)
+        elif a.dtype is abi.DType.FLOAT:
+            values[a.name] = 0.5
+        elif a.dtype is abi.DType.FLAG:
+            values[a.name] = 1
+        elif a.dtype is abi.DType.COUNT:
+            values[a.name] = 2
+    return values
+
+
+def _perturbations(kernel: abi.Kernel, values: dict):
+    """(what, values with one argument broken) for every argument and every way to break it."""
+    for a in kernel.args:
+        if a.dtype is abi.DType.INDEX:
+            continue
+        v = values[a.name]
+        if a.role is not abi.Role.SCALAR:
+            other = torch.float64 if v.dtype == torch.float32 else torch.float32
+            yield f"{a.name} dtype", {**values, a.name: v.to(other)}
+            yield f"{a.name} short", {**values, a.name: v.reshape(-1)[:-1].clone()}
+            yield f"{a.name} 3-D", {**values, a.name: v.reshape(1, *v.shape)}
+            yield f"{a.name} meta", {**values, a.name: v.to("meta")}
+            yield f"{a.name} list", {**values, a.name: v.tolist()}
+            if v.dim() == 2 and v.shape[0] > 1 and v.shape[1] > 1:
+                yield f"{a.name} strided", {**values, a.name: v.t().contiguous().t()}
+            if not a.optional:
+                yield f"{a.name} None", {**values, a.name: None}
+        elif a.dtype is abi.DType.FLOAT:
+            for bad in (float("nan"), float("inf"), "1", None, True):
+                yield f"{a.name}={bad!r}", {**values, a.name: bad}
+            if a.minimum is not None:
+                yield f"{a.name} below", {**values, a.name: a.minimum - 1.0}
+        else:
+            for bad in (-1, 2 if a.dtype is abi.DType.FLAG else 0, 1.0, None):
+                yield f"{a.name}={bad!r}", {**values, a.name: bad}
+
+
+@pytest.mark.parametrize("dtype", list(abi.INSTANCES))
+@pytest.mark.parametrize("kernel", abi.KERNELS, ids=lambda k: k.name)
+def test_fast_binder_agrees_with_the_described_checks(kernel, dtype):
+    """The precompiled checks of every call refuse exactly what check_call refuses, with its
+    error, and pack the same struct as pack() where both accept."""
+    binder = abi.Binder(kernel)
+    values = _valid(kernel, dtype)
+    sizes = abi.check_call(kernel, values)
+    fast, slow = binder(values), abi.pack(kernel, values, sizes)
+    assert bytes(fast) == bytes(slow)
+    count = 0
+    for what, bad in _perturbations(kernel, values):
+        with pytest.raises((TypeError, ValueError)) as slow_err:
+            abi.check_call(kernel, bad)
+        with pytest.raises(slow_err.type) as fast_err:
+            binder(bad)
+        assert str(fast_err.value) == str(slow_err.value), what
+        count += 1
+    assert count >= 3 * len(kernel.args)

@@ -172,3 +172,35 @@ def test_norm_parameter_of_the_wrong_kind_is_refused(kind, name, impl) -> None:
     model._parameters[name] = None
     with pytest.raises(TypeError, match=rf"parameter {name} must be a tensor, got NoneType"):
         model(x)
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_non_contiguous_parameters_give_the_loops_result(kind) -> None:
+    """Every parameter replaced by a strided view of the same values: the fused path copies what
+    C reads into contiguous memory (C takes rows of consecutive values)."""
+    x = 0.5 + torch.randn(6, 3, 4, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for impl in ("fused", "loop"):
+        model = _model(kind, impl)
+        for name, p in list(model.named_parameters()):
+            wide = torch.stack((p.detach(), torch.full_like(p, float("nan"))), dim=-1)
+            view = wide[..., 0]
+            assert not view.is_contiguous()
+            setattr(model, name, torch.nn.Parameter(view))
+        runs[impl] = _run(model, x)
+    for a, b in zip(runs["fused"], runs["loop"], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_autocast_runs_the_loop(kind) -> None:
+    """Under autocast the layers take torch.nn.LSTM's mixed dtypes; both settings of impl then
+    give the loop's result (the fused path's buffers take one dtype)."""
+    x = 0.5 + torch.randn(6, 3, 4, generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for impl in ("auto", "loop"):
+        model = _model(kind, impl)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[impl] = model(x)[0]
+    assert outs["auto"].dtype == outs["loop"].dtype
+    torch.testing.assert_close(outs["auto"], outs["loop"], rtol=0, atol=0)

@@ -110,31 +110,53 @@ def test_sequence_function_refuses_a_recurrent_weight_of_the_wrong_shape() -> No
         _lstm(gx, h0, c0, w_hh[:, :2], params, sched)
 
 
-@needs_c
-@pytest.mark.parametrize(("off", "rows"), [(7, 2), (-1, 1), (0, 3), (8, 0)])
-def test_c_refuses_step_rows_outside_the_buffers(off, rows) -> None:
-    """A step kernel given rows outside its buffers (N = 8 rows, B = 2 state rows) returns an
-    error before touching memory; (8, 0) is an empty step at the end, which is in range."""
-    hs, n, b = 3, 8, 2
-    t = {k: torch.zeros(n, c, dtype=torch.float64)
+def _lstm_fwd_struct(hs: int = 3, n: int = 8, b: int = 2):
+    """A checked LSTM forward struct over zeroed buffers of N = n rows and B = b state rows."""
+    f64 = {"dtype": torch.float64}
+    t = {k: torch.zeros(n, c, **f64)
          for k, c in (("hp", 4 * hs), ("gx", 4 * hs), ("out", hs), ("hprev", hs), ("cprev", hs),
                       ("acts", 4 * hs), ("cn", hs), ("tc", hs))}  # fmt: skip
-    t.update({k: torch.zeros(n, dtype=torch.float64) for k in ("mh", "rh", "mc", "rc")})
-    f64 = {"dtype": torch.float64}
+    t.update({k: torch.zeros(n, **f64) for k in ("mh", "rh", "mc", "rc")})
     t.update(w1=torch.ones(4 * hs, **f64), b1=torch.zeros(4 * hs, **f64), w3=torch.ones(hs, **f64),
              b3=torch.zeros(hs, **f64), h=torch.ones(b, hs, **f64),
              c=torch.ones(b, hs, **f64))  # fmt: skip
     values = {**t, "eps": 1e-5, "off": 0, "rows": 0, "threads": 1, "layer_norm": 1,
               "normalize_cell_state": 0}  # fmt: skip
-    args = rnn.prepare(rnn_abi.LSTM_FWD, torch.float64, values, {"N": n, "B": b, "H": hs})
+    sizes = {"N": n, "B": b, "H": hs, "G": 4 * hs}
+    return rnn.prepare(rnn_abi.LSTM_FWD, torch.float64, values, sizes), t, sizes
+
+
+@needs_c
+@pytest.mark.parametrize(("off", "rows"), [(7, 2), (-1, 1), (0, 3), (8, 0)])
+def test_c_refuses_step_rows_outside_the_buffers(off, rows) -> None:
+    """A step kernel given rows outside its buffers (N = 8 rows, B = 2 state rows) returns an
+    error before touching memory; (8, 0) is an empty step at the end, which is in range."""
+    args, t, _ = _lstm_fwd_struct()
     before = {k: v.clone() for k, v in t.items()}
-    if off + rows <= n and off >= 0 and rows <= b:
+    if (off, rows) == (8, 0):
         rnn.step("lstm_fwd_step", torch.float64, args, off, rows, 1)
-        return
-    with pytest.raises(ValueError, match="rows lie outside the buffers"):
-        rnn.step("lstm_fwd_step", torch.float64, args, off, rows, 1)
+    else:
+        with pytest.raises(ValueError, match="rows lie outside the buffers"):
+            rnn.step("lstm_fwd_step", torch.float64, args, off, rows, 1)
     for k, v in t.items():
         assert torch.equal(v, before[k]), k
+
+
+@needs_c
+def test_c_refuses_sequence_steps_outside_the_buffers() -> None:
+    args, t, sizes = _lstm_fwd_struct()
+    w = torch.zeros(3, 12, dtype=torch.float64)
+    before = {k: v.clone() for k, v in t.items()}
+    steps = torch.tensor([[6, 2], [8, 2]])  # the second step would run past row 8
+    with pytest.raises(ValueError, match="rows lie outside the buffers"):
+        rnn.sequence("lstm_fwd_seq", torch.float64, args, w, steps, sizes, 1, 1, 1)
+    # only the good first step ran: it stored h_{t-1} (ones) in its rows of hprev
+    assert torch.equal(t["hprev"][:6], before["hprev"][:6])
+    assert torch.equal(t["hprev"][6:], torch.ones(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"sizes \['G'\] not given"):
+        rnn.sequence(
+            "lstm_fwd_seq", torch.float64, args, w, steps, {"N": 8, "B": 2, "H": 3}, 1, 1, 1
+        )
 
 
 @pytest.mark.parametrize(

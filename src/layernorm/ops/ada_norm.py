@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .._validation import stats_dtype
 from ..reference import ada_norm_reference
+from . import _checks
 from ._dispatch import (
     backend_module,
     in_stats_dtype,
@@ -23,6 +24,11 @@ from ._dispatch import (
 @torch.library.custom_op("layernorm::ada_norm_fwd", mutates_args=())
 def ada_norm_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """Rows of 2-D ``x`` → ``(z, mean, rstd)``."""
+    op = "layernorm::ada_norm_fwd"
+    _checks.rows(op, x)
+    _checks.finite(op, "k", k)
+    _checks.finite(op, "scale", scale)
+    _checks.eps(op, eps)
     return backend_module(x, "ada_norm").ada_norm_fwd(x, k, scale, eps)
 
 
@@ -36,6 +42,14 @@ def _(x, k, scale, eps):
 def ada_norm_bwd(
     dz: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, k: float, scale: float
 ) -> Tensor:
+    """``dx`` of AdaNorm with φ(y) held constant."""
+    op = "layernorm::ada_norm_bwd"
+    _checks.rows(op, x)
+    _checks.grad(op, "dz", dz, x)
+    _checks.stats(op, "mean", mean, x)
+    _checks.stats(op, "rstd", rstd, x)
+    _checks.finite(op, "k", k)
+    _checks.finite(op, "scale", scale)
     return backend_module(x, "ada_norm").ada_norm_bwd(dz.contiguous(), x, mean, rstd, k, scale)
 
 

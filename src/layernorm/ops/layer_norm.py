@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .._validation import stats_dtype
 from ..reference import layer_norm_reference
+from . import _checks
 from ._dispatch import (
     backend_module,
     empty_like_none,
@@ -36,6 +37,11 @@ def layer_norm_fwd(
     detach_std: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Rows of 2-D ``x`` → ``(y, mean, rstd)``. The detach flags only change the backward."""
+    op = "layernorm::layer_norm_fwd"
+    _checks.rows(op, x)
+    _checks.vector(op, "weight", weight, x)
+    _checks.vector(op, "bias", bias, x)
+    _checks.eps(op, eps)
     return backend_module(x, "layer_norm").layer_norm_fwd(x, weight, bias, eps)
 
 
@@ -60,6 +66,12 @@ def layer_norm_bwd(
     need_db: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias)``; a gradient not asked for comes back as an empty tensor."""
+    op = "layernorm::layer_norm_bwd"
+    _checks.rows(op, x)
+    _checks.grad(op, "dy", dy, x)
+    _checks.stats(op, "mean", mean, x)
+    _checks.stats(op, "rstd", rstd, x)
+    _checks.vector(op, "weight", weight, x)
     dx, dw, db = _backend_bwd(
         dy, x, mean, rstd, weight, detach_mean, detach_std, need_dx, need_dw, need_db
     )

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .._validation import stats_dtype
 from ..reference import rms_norm_reference
+from . import _checks
 from ._dispatch import (
     backend_module,
     empty_like_none,
@@ -25,6 +26,10 @@ from ._dispatch import (
 @torch.library.custom_op("layernorm::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     """Rows of 2-D ``x`` → ``(y, rstd)``."""
+    op = "layernorm::rms_norm_fwd"
+    _checks.rows(op, x)
+    _checks.vector(op, "weight", weight, x)
+    _checks.eps(op, eps)
     return backend_module(x, "rms_norm").rms_norm_fwd(x, weight, eps)
 
 
@@ -38,6 +43,11 @@ def rms_norm_bwd(
     dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, need_dx: bool, need_dw: bool
 ) -> tuple[Tensor, Tensor]:
     """``(dx, dweight)``; a gradient not asked for comes back as an empty tensor."""
+    op = "layernorm::rms_norm_bwd"
+    _checks.rows(op, x)
+    _checks.grad(op, "dy", dy, x)
+    _checks.stats(op, "rstd", rstd, x)
+    _checks.vector(op, "weight", weight, x)
     dx, dw = backend_module(x, "rms_norm").rms_norm_bwd(
         dy.contiguous(), x, rstd, weight, need_dx, need_dw
     )

@@ -10,6 +10,7 @@ C GEMM and ``torch.mm`` are made here.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -106,12 +107,19 @@ def gru_bwd(st: dict[str, Any], off: int, bs: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
+def _steps(sched: tuple[tuple[int, int, int], ...]) -> Tensor:
+    """The (first row, rows) pairs of ``sched`` as an ``(S, 2)`` int64 tensor (cached: a layer's
+    schedule is the same on every call with the same lengths, and C only reads it)."""
+    return torch.tensor([(off, bs) for _, off, bs in sched], dtype=torch.int64).reshape(-1, 2)
+
+
 def _sequence(
     kernel: str, st: dict[str, Any], w: Tensor, sched: tuple[tuple[int, int, int], ...]
 ) -> None:
     rnn.sequence(
         kernel, st["gx"].dtype, _args(st, kernel.replace("_seq", "_step")), w.contiguous(),
-        rnn.step_pairs(sched), _sizes(st, kernel), torch.get_num_threads(), _GRAIN, _GEMM_GRAIN,
+        _steps(sched), _sizes(st, kernel), torch.get_num_threads(), _GRAIN, _GEMM_GRAIN,
     )  # fmt: skip
 
 

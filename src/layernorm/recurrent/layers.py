@@ -473,7 +473,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 gx, h0, w_hh,
                 None if w1 is None else w1[: 2 * hs], None if b1 is None else b1[: 2 * hs],
                 None if w1 is None else w1[2 * hs :], None if b1 is None else b1[2 * hs :],
-                None if b_hh is None else b_hh[2 * hs :], sched, self.eps, ln,
+                None if b_hh is None else b_hh[2 * hs :].contiguous(), sched, self.eps, ln,
             )  # fmt: skip
             return out, h_n, None
         bsum = None if b_ih is None else b_ih + b_hh

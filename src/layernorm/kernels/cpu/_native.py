@@ -94,15 +94,17 @@ def _threads(m: int, n: int) -> int:
     return max(1, min(torch.get_num_threads(), m, (m * n) // _GRAIN))
 
 
+_BINDERS = {k.name: abi.Binder(k) for k in abi.KERNELS}
+
+
 def _call(name: str, **values: object) -> None:
     """Check ``values`` against kernel ``name``'s description, then run it."""
-    kernel = abi.BY_NAME[name]
-    sizes = abi.check_call(kernel, values)
+    args = _BINDERS[name](values)
     x = values["x"]
     assert isinstance(x, Tensor)
     fns = _library()
     assert fns is not None  # callers check supports() first
-    status = fns[name, x.dtype](ctypes.byref(abi.pack(kernel, values, sizes)))
+    status = fns[name, x.dtype](ctypes.byref(args))
     if status != 0:
         raise MemoryError(f"layernorm: the fused CPU kernel {name} could not allocate its buffers")
 

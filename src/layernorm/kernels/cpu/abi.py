@@ -95,13 +95,23 @@ class Kernel:
 
     def fields(self) -> tuple[Arg, ...]:
         """Struct order: pointers, then 8-byte scalars, then 4-byte ones (no inner padding)."""
-        rank = {DType.INDEX: 1, DType.FLOAT: 1, DType.FLAG: 2, DType.COUNT: 2}
-        return tuple(sorted(self.args, key=lambda a: rank.get(a.dtype, 0) if a.role is Role.SCALAR
-                            else 0))  # fmt: skip
+        return tuple(sorted(self.args, key=_field_rank))
 
 
-def _tensor(name: str, role: Role, shape: tuple[str, ...], dtype: DType = DType.SAME,
-            optional: bool = False, doc: str = "") -> Arg:  # fmt: skip
+def _field_rank(a: Arg) -> int:
+    if a.role is not Role.SCALAR:
+        return 0
+    return 1 if a.dtype in (DType.INDEX, DType.FLOAT) else 2
+
+
+def _tensor(
+    name: str,
+    role: Role,
+    shape: tuple[str, ...],
+    dtype: DType = DType.SAME,
+    optional: bool = False,
+    doc: str = "",
+) -> Arg:
     return Arg(name, role, dtype, shape, optional, None, doc)
 
 
@@ -308,6 +318,93 @@ def pack(kernel: Kernel, values: Mapping[str, object], sizes: Mapping[str, int])
             t = values.get(arg.name)
             setattr(struct, arg.name, None if t is None else t.data_ptr())  # type: ignore[union-attr]
     return struct
+
+
+_SHAPE_CODES = {("M", "N"): 0, ("M",): 1, ("N",): 2}
+
+
+class Binder:
+    """:func:`check_call` then :func:`pack` for one kernel, on every call of an op.
+
+    The same rules, precompiled into tuples so that well-formed arguments cost a few attribute
+    reads each (a kernel call on a small tensor takes microseconds); anything that fails the fast
+    test is handed to :func:`check_call`, which raises the error naming what is wrong.
+    """
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        order = kernel.fields()
+        # (field name, 0 tensor / 1 size / 2 float scalar / 3 flag / 4 count, shape code, optional)
+        plan = []
+        for a in order:
+            if a.role is not Role.SCALAR:
+                plan.append((a.name, 0, _SHAPE_CODES[a.shape], a.optional))
+            elif a.dtype is DType.INDEX:
+                plan.append((a.name, 1, 0 if a.name == "M" else 1, False))
+            elif a.dtype is DType.FLOAT:
+                lo = -math.inf if a.minimum is None else a.minimum
+                plan.append((a.name, 2, lo, False))
+            else:
+                plan.append((a.name, 3 if a.dtype is DType.FLAG else 4, 0, False))
+        self.plan = tuple(plan)
+        self.structs = {dt: structure(kernel, dt) for dt in INSTANCES}
+
+    def __call__(self, values: Mapping[str, object]) -> ctypes.Structure:
+        """The argument struct of ``values``, after checking them all; raises as check_call."""
+        x = values.get("x")
+        if type(x) is not Tensor and not isinstance(x, Tensor):
+            check_call(self.kernel, values)
+        assert isinstance(x, Tensor)
+        dt = x.dtype
+        struct_cls = self.structs.get(dt)
+        if struct_cls is None or x.dim() != 2 or x.shape[1] < 1:
+            check_call(self.kernel, values)
+            raise AssertionError("unreachable: check_call raises")
+        m, n = x.shape
+        try:
+            fields = self._fields(values, dt, m, n)
+        except (AttributeError, TypeError):  # not a tensor, or a number of the wrong kind
+            fields = None
+        if fields is not None:
+            return struct_cls(*fields)
+        check_call(self.kernel, values)
+        raise AssertionError(f"{self.kernel.name}: arguments refused without a reason")
+
+    def _fields(
+        self, values: Mapping[str, object], dt: torch.dtype, m: int, n: int
+    ) -> list[object] | None:
+        """The struct's fields in order, or ``None`` at the first argument that breaks a rule."""
+        shapes = ((m, n), (m,), (n,))
+        fields: list[object] = []
+        for name, kind, code, optional in self.plan:
+            v = values.get(name)
+            if kind == 0:  # a tensor: dtype, device, shape, layout
+                if v is None:
+                    if not optional:
+                        return None
+                    fields.append(None)
+                elif (
+                    v.dtype is dt  # type: ignore[union-attr]
+                    and v.is_cpu  # type: ignore[union-attr]
+                    and v.shape == shapes[code]  # type: ignore[union-attr]
+                    and v.is_contiguous()  # type: ignore[union-attr]
+                ):
+                    fields.append(v.data_ptr())  # type: ignore[union-attr]
+                else:
+                    return None
+            elif kind == 1:  # a size, from x
+                fields.append(m if code == 0 else n)
+            elif kind == 2:  # a float scalar: finite, at least its minimum (NaN fails)
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    return None
+                if not code <= v < math.inf:  # type: ignore[operator]
+                    return None
+                fields.append(float(v))
+            else:  # a flag (0 or 1) or a count (at least 1)
+                if not isinstance(v, int) or not (v in (0, 1) if kind == 3 else v >= 1):
+                    return None
+                fields.append(int(v))
+        return fields
 
 
 # ------------------------------------------------------------------------------ C side

@@ -92,6 +92,14 @@ def sanitizing() -> bool:
     return os.environ.get(ENV_SANITIZE, "0") == "1"
 
 
+def build_flags(
+    extra_flags: Sequence[str] = (), isa_flags: Sequence[str] = NATIVE_ISA
+) -> tuple[str, ...]:
+    """The compiler flags of a build (all part of the cache key)."""
+    sanitize = SANITIZE_FLAGS if sanitizing() else ()
+    return (*BASE_FLAGS, *isa_flags, *sanitize, *extra_flags)
+
+
 def source_files(sources: Sequence[Path]) -> list[Path]:
     """Every ``.c``/``.h`` file a build of ``sources`` may read: the sources and their folders'
     C files (headers are found there), sorted, each once."""
@@ -122,8 +130,7 @@ def build_shared_library(
     gomp = loaded_libgomp()
     srcs = [Path(s).resolve() for s in sources]
     includes = [f"-I{d}" for d in dict.fromkeys(p.parent for p in srcs)]
-    sanitize = SANITIZE_FLAGS if sanitizing() else ()
-    flags = (*BASE_FLAGS, *isa_flags, *sanitize, *extra_flags)
+    flags = build_flags(extra_flags, isa_flags)
     digest = hashlib.sha256("\n".join([" ".join(flags), cc, gomp or "", cpu_flags()]).encode())
     for path in source_files(srcs):
         # the name too: the same text as another file must not collide; folders may move

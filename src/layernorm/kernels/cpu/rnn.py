@@ -18,7 +18,7 @@ import ctypes
 import functools
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +79,11 @@ def _library() -> tuple[KernelTable, int] | None:
 
 
 def _fn(kernel: str, dtype: torch.dtype) -> Any:
+    """The loaded entry point of ``kernel`` for ``dtype`` on the selected target (building the
+    library on first use)."""
     lib = _library()
-    assert lib is not None  # callers check available() first
+    if lib is None:
+        raise RuntimeError("layernorm: the C recurrent kernels are unavailable (see the warning)")
     return lib[0][kernel, dtype]
 
 
@@ -131,32 +134,26 @@ def step(kernel: str, dtype: torch.dtype, args: Any, off: int, rows: int, thread
     _raise_for(_fn(kernel, dtype)(ctypes.byref(args)), kernel)
 
 
-@functools.lru_cache(maxsize=256)
-def steps_tensor(pairs: tuple[tuple[int, int], ...]) -> Tensor:
-    """The ``(S, 2)`` int64 tensor of (first row, rows) pairs a sequence kernel walks (cached: a
-    layer's schedule is the same on every call with the same lengths; C only reads it)."""
-    return torch.tensor(pairs, dtype=torch.int64).reshape(len(pairs), 2)
-
-
 def sequence(
     kernel: str,
     dtype: torch.dtype,
     args: Any,
     w: Tensor,
-    pairs: tuple[tuple[int, int], ...],
+    steps: Tensor,
     sizes: Mapping[str, int],
     threads: int,
     grain: int,
     gemm_grain: int,
 ) -> None:
-    """Run sequence kernel ``kernel`` (``"lstm_fwd_seq"``, ...): every step of ``pairs`` (in the
-    forward pass's order; backward kernels walk them in reverse) with the recurrent weight ``w``
+    """Run sequence kernel ``kernel`` (``"lstm_fwd_seq"``, ...): every step of ``steps`` (an
+    ``(S, 2)`` int64 tensor of (first row, rows) pairs in the forward pass's order; backward
+    kernels walk them in reverse) with the recurrent weight ``w``
     (``W_hhᵀ`` contiguous forward, ``W_hh`` backward), on the step struct ``args`` from
     :func:`prepare`."""
     seq_struct = rnn_abi.BY_NAME[kernel].structs[1]
-    values = {"w": w, "steps": steps_tensor(pairs), "threads": max(1, threads),
-              "grain": grain, "gemm_grain": gemm_grain}  # fmt: skip
-    seq_args = rnn_abi.pack(seq_struct, dtype, values, {**sizes, "S": len(pairs)})
+    values = {"w": w, "steps": steps, "threads": max(1, threads), "grain": grain,
+              "gemm_grain": gemm_grain}  # fmt: skip
+    seq_args = rnn_abi.pack(seq_struct, dtype, values, {**sizes, "S": steps.shape[0]})
     _raise_for(_fn(kernel, dtype)(ctypes.byref(args), ctypes.byref(seq_args)), kernel)
 
 
@@ -171,8 +168,3 @@ def weight_grad(dhp: Tensor, hprev: Tensor, threads: int, gemm_grain: int) -> Te
     args = rnn_abi.pack(rnn_abi.WEIGHT_GRAD, dhp.dtype, values, sizes)
     _raise_for(_fn("weight_grad", dhp.dtype)(ctypes.byref(args)), "weight_grad")
     return dw
-
-
-def step_pairs(sched: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int], ...]:
-    """The (first row, rows) pairs of a schedule of (time index, first row, rows) steps."""
-    return tuple((off, bs) for _, off, bs in sched)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -82,7 +83,7 @@ class Field:
         return self.kind in _POINTERS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: a cache key on every kernel call
 class Struct:
     """An argument struct ``<name>_<suffix>``: its fields in declaration order."""
 
@@ -297,13 +298,23 @@ def structure(struct: Struct, dtype: torch.dtype) -> type[ctypes.Structure]:
 _TERM = re.compile(r"(\d*)([A-Z]?)")
 
 
+@functools.cache
+def _terms(shape: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
+    """``shape``'s terms as (coefficient, size symbol or "") pairs, parsed once."""
+    out = []
+    for term in shape:
+        m = _TERM.fullmatch(term)
+        if m is None or not term:
+            raise ValueError(f"bad shape term {term!r}")
+        coef, sym = m.groups()
+        out.append((int(coef) if coef else 1, sym))
+    return tuple(out)
+
+
 def size_of(term: str, sizes: Mapping[str, int]) -> int:
     """The value of a shape term: ``"4H"`` is 4·H, ``"N"`` is N, ``"2"`` is 2."""
-    m = _TERM.fullmatch(term)
-    if m is None or not term:
-        raise ValueError(f"bad shape term {term!r}")
-    coef, sym = m.groups()
-    return (int(coef) if coef else 1) * (sizes[sym] if sym else 1)
+    ((coef, sym),) = _terms((term,))
+    return coef * (sizes[sym] if sym else 1)
 
 
 def check(
@@ -316,25 +327,79 @@ def check(
     ``ValueError`` for a wrong shape, device, layout or value, each naming the struct, the field,
     what was expected and what came.
     """
-    op = f"layernorm recurrent CPU kernel ({struct.name})"
+    _checked(struct, dtype, values, sizes, None)
+
+
+def _checked(
+    struct: Struct,
+    dtype: torch.dtype,
+    values: Mapping[str, object],
+    sizes: Mapping[str, int],
+    out: ctypes.Structure | None,
+) -> None:
+    """:func:`check`, storing each checked value into ``out`` when given (one pass: a struct is
+    packed once per sequence and direction, so this stays cheap next to a short sequence)."""
     if dtype not in INSTANCES:
-        raise TypeError(f"{op}: the kernels take float32 or float64, got {dtype}")
-    for f in struct.fields:
-        if f.kind is Kind.SIZE:
-            v = sizes.get(f.symbol or f.name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"{op}: size {f.name} must be an int >= 0, got {v!r}")
-            continue
+        raise TypeError(f"{_op(struct)}: the kernels take float32 or float64, got {dtype}")
+    sized, numbers = _plan(struct)
+    for f in sized:
+        v = sizes.get(f.symbol or f.name)
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"{_op(struct)}: size {f.name} must be an int >= 0, got {v!r}")
+        if out is not None:
+            setattr(out, f.name, v)
+    for f, shape in _shapes(struct, tuple(sorted(sizes.items()))):
         v = values.get(f.name)
-        if f.is_pointer:
-            _check_tensor(op, f, v, torch.int64 if f.kind is Kind.STEPS else dtype, sizes)
-        else:
-            _check_number(op, f, v)
+        want = torch.int64 if f.kind is Kind.STEPS else dtype
+        if (
+            not isinstance(v, Tensor)
+            or v.dtype != want
+            or not v.is_cpu
+            or v.shape != shape
+            or not v.is_contiguous()
+        ):
+            _tensor_error(_op(struct), f, v, want, sizes)
+        if out is not None:
+            setattr(out, f.name, v.data_ptr())
+    for f in numbers:
+        v = values.get(f.name)
+        _check_number(struct, f, v)
+        if out is not None:
+            setattr(out, f.name, v)
 
 
-def _check_tensor(
+@functools.cache
+def _plan(struct: Struct) -> tuple[tuple[Field, ...], tuple[Field, ...]]:
+    """``struct``'s size fields and its other number fields."""
+    sized = tuple(f for f in struct.fields if f.kind is Kind.SIZE)
+    numbers = tuple(f for f in struct.fields if f.kind not in _POINTERS and f not in sized)
+    return sized, numbers
+
+
+@functools.lru_cache(maxsize=256)
+def _shapes(
+    struct: Struct, sizes: tuple[tuple[str, int], ...]
+) -> tuple[tuple[Field, tuple[int, ...]], ...]:
+    """Each pointer field of ``struct`` with the shape it must have under ``sizes``."""
+    bound = dict(sizes)
+    missing = {s for f in struct.fields for _, s in _terms(f.shape) if s and s not in bound}
+    if missing:
+        raise ValueError(f"{_op(struct)}: sizes {sorted(missing)} not given (got {sorted(bound)})")
+    return tuple(
+        (f, tuple(c * (bound[s] if s else 1) for c, s in _terms(f.shape)))
+        for f in struct.fields
+        if f.kind in _POINTERS
+    )
+
+
+def _op(struct: Struct) -> str:
+    return f"layernorm recurrent CPU kernel ({struct.name})"
+
+
+def _tensor_error(
     op: str, f: Field, v: object, dtype: torch.dtype, sizes: Mapping[str, int]
 ) -> None:
+    """Raise the error that names what is wrong with tensor field ``f`` (``v`` failed a check)."""
     if not isinstance(v, Tensor):
         raise TypeError(f"{op}: {f.name} must be a torch.Tensor, got {type(v).__name__}")
     if v.dtype != dtype:
@@ -346,18 +411,17 @@ def _check_tensor(
         rule = ", ".join(f.shape)
         raise ValueError(f"{op}: {f.name} must have shape ({rule}) = {shape}, "
                          f"got {tuple(v.shape)}")  # fmt: skip
-    if not v.is_contiguous():
-        raise ValueError(f"{op}: {f.name} must be contiguous, got strides {v.stride()}")
+    raise ValueError(f"{op}: {f.name} must be contiguous, got strides {v.stride()}")
 
 
-def _check_number(op: str, f: Field, v: object) -> None:
+def _check_number(struct: Struct, f: Field, v: object) -> None:
     if f.kind is Kind.FLOAT:
         if isinstance(v, bool) or not isinstance(v, int | float):
-            raise TypeError(f"{op}: {f.name} must be a float, got {type(v).__name__}")
+            raise TypeError(f"{_op(struct)}: {f.name} must be a float, got {type(v).__name__}")
         ok, rule = -math.inf < v < math.inf and v >= f.minimum, f"finite and >= {f.minimum}"
     else:
         if not isinstance(v, int):  # bool is an int: flags take True/False
-            raise TypeError(f"{op}: {f.name} must be an int, got {type(v).__name__}")
+            raise TypeError(f"{_op(struct)}: {f.name} must be an int, got {type(v).__name__}")
         if f.kind is Kind.FLAG:
             ok, rule = v in (0, 1), "0 or 1"
         elif f.kind is Kind.COUNT:
@@ -365,23 +429,15 @@ def _check_number(op: str, f: Field, v: object) -> None:
         else:
             ok, rule = v >= f.minimum, f">= {f.minimum:g}"
     if not ok:
-        raise ValueError(f"{op}: {f.name} must be {rule}, got {v!r}")
+        raise ValueError(f"{_op(struct)}: {f.name} must be {rule}, got {v!r}")
 
 
 def pack(
     struct: Struct, dtype: torch.dtype, values: Mapping[str, object], sizes: Mapping[str, int]
 ) -> ctypes.Structure:
-    """The argument struct of ``values``, after :func:`check` (which this calls)."""
-    check(struct, dtype, values, sizes)
+    """The argument struct of ``values``, each field checked as :func:`check` does."""
     out = structure(struct, dtype)()
-    for f in struct.fields:
-        if f.kind is Kind.SIZE:
-            setattr(out, f.name, sizes[f.symbol or f.name])
-        elif f.is_pointer:
-            setattr(out, f.name, values[f.name].data_ptr())  # type: ignore[union-attr]
-        else:
-            setattr(out, f.name, int(values[f.name]) if f.kind is not Kind.FLOAT  # type: ignore[call-overload]
-                    else float(values[f.name]))  # type: ignore[arg-type]  # fmt: skip
+    _checked(struct, dtype, values, sizes, out)
     return out
 
 

@@ -14,10 +14,12 @@ typedef double acc_t;
 /* Row sums run in LANES independent partial sums (two AVX-512 registers of floats): a single
    running sum would wait on the add latency every step and run at a fraction of the speed. */
 #define LANES 32
-/* Elements per block: each lane adds BLOCK / LANES = 16 terms in the input precision, then the
-   lanes are added into float64 partial sums. A float32 row sum then carries the error of a
-   16-term sum plus float64 rounding, at any N, where N / LANES sequential float32 adds per lane
-   (the error grows with N) cost 5.8 units of y at N = 2^22 with an offset of 1e4. */
+#define HALF (LANES / 2)
+/* Elements per block: each lane adds BLOCK / LANES terms in the input precision, pairs of lanes
+   are added (one more add) and the HALF results go into float64 partial sums, folded pairwise
+   at the end of the row. A float32 row sum then carries the error of a float32 sum of
+   BLOCK / LANES + 1 terms at any N, where N / LANES sequential float32 adds per lane (an error
+   growing with N) once cost 5.8 units of y at N = 2^22 with an offset of 1e4. */
 #define BLOCK 512
 /* Rows whose dweight/dbias terms are summed in the input precision before a float64 flush. */
 #define FLUSH 16
@@ -33,11 +35,12 @@ static void row_block(i64 M, int nt, int tid, i64* lo, i64* hi) {
     *hi = *lo + base + (tid < rem ? 1 : 0);
 }
 
-/* Sum of the LANES float64 partial sums, folded pairwise; destroys p. */
-static inline acc_t fold_lanes(acc_t* p) {
-    for (int h = LANES / 2; h > 0; h /= 2)
-        for (int l = 0; l < h; ++l) p[l] += p[l + h];
-    return p[0];
+/* Sum of the HALF float64 partial sums, folded pairwise; destroys p. */
+static inline acc_t fold_half(acc_t* p) {
+    for (int l = 0; l < 8; ++l) p[l] += p[l + 8];
+    for (int l = 0; l < 4; ++l) p[l] += p[l + 4];
+    for (int l = 0; l < 2; ++l) p[l] += p[l + 2];
+    return p[0] + p[1];
 }
 
 /* The end of the block that starts at j, within the first nfull (a multiple of LANES) elements. */

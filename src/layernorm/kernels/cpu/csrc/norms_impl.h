@@ -8,12 +8,14 @@
      AdaNorm      d  = dz ⊙ C·(1 − k·x̂),  dx = rstd · (d − mean(d) − x̂·mean(d ⊙ x̂))
      all          dw = Σ_rows dy ⊙ x̂,  db = Σ_rows dy
 
-   Statistics. μ is found in two sweeps: a rough mean m0 = Σx/N rounded to scalar_t, then the
-   centred sums Σd and Σd² of d = x − m0 (exact in scalar_t for x near m0), giving
-   μ = m0 + Σd/N and var = Σd²/N − (Σd/N)². On a constant row d is the same for every element,
-   so μ = x and var = 0 exactly, and y is the bias exactly. μ is kept as a pair hi + lo of
-   scalar_t values; the forward computes (x − hi) − lo, so y carries the rounding of one subtraction
-   of the exact mean, not of a rounded one. Every sum is blocked (see BLOCK in norms_common.h). */
+   Statistics. μ is found in two sweeps (the second finds the row in cache). The first sums
+   x − x0, x0 = the row's first element, so μ = x0 + Σ(x − x0)/N in float64; on a constant row
+   every term is exactly 0 and μ = x0 exactly. μ is kept as hi + lo, hi = μ rounded to scalar_t;
+   the second sweep sums (x − hi)², exact in scalar_t for x near hi, and
+   var = Σ(x − hi)²/N − lo²  (= Σ(x − μ)²/N, since Σ(x − hi) = N·lo). A constant row thus has
+   μ = x, var = 0 and y = bias exactly. The forward computes (x − hi) − lo, so y carries the
+   rounding of a subtraction of the exact mean, not of a rounded one. Every sum is blocked (see
+   BLOCK in norms_common.h). */
 
 #define FN(name) LN_CAT(name, SUF)
 
@@ -33,71 +35,67 @@ static const scalar_t* FN(ones)(i64 n) {
     return FN(ones_buf);
 }
 
-/* Σ x over one row. */
-static acc_t FN(row_sum)(const scalar_t* restrict xr, i64 N) {
-    const i64 nfull = N - N % LANES;
-    acc_t pa[LANES] = {0};
-    for (i64 j = 0; j < nfull;) {
-        const i64 end = block_end(j, nfull);
-        scalar_t ps[LANES] = {0};
-        for (; j < end; j += LANES)
-            for (int l = 0; l < LANES; ++l) ps[l] += xr[j + l];
-        for (int l = 0; l < LANES; ++l) pa[l] += ps[l];
-    }
-    acc_t s = 0;
-    for (i64 j = nfull; j < N; ++j) s += xr[j];
-    return s + fold_lanes(pa);
+/* End of a block: the LANES partial sums, folded once in scalar_t, are added into HALF float64
+   partial sums (a vector add and conversions, where a full fold per block would cost as much
+   as the block's own adds). */
+static inline void FN(flush)(const scalar_t* restrict p, acc_t* restrict acc) {
+    for (int l = 0; l < HALF; ++l) acc[l] += (acc_t)(p[l] + p[l + HALF]);
 }
 
 /* Σ x² over one row. */
 static acc_t FN(row_sum_sq)(const scalar_t* restrict xr, i64 N) {
     const i64 nfull = N - N % LANES;
-    acc_t pa[LANES] = {0};
+    acc_t sa[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
         const i64 end = block_end(j, nfull);
         scalar_t ps[LANES] = {0};
         for (; j < end; j += LANES)
             for (int l = 0; l < LANES; ++l) ps[l] += xr[j + l] * xr[j + l];
-        for (int l = 0; l < LANES; ++l) pa[l] += ps[l];
+        FN(flush)(ps, sa);
     }
     acc_t s = 0;
     for (i64 j = nfull; j < N; ++j) s += (acc_t)xr[j] * xr[j];
-    return s + fold_lanes(pa);
+    return s + fold_half(sa);
 }
 
 /* μ (as hi + lo) and 1/sqrt(var + eps) of one row; see the statistics note at the top. The second
    sweep finds the row in cache. */
 static void FN(row_moments)(const scalar_t* restrict xr, i64 N, double eps, scalar_t* hi,
                             scalar_t* lo, acc_t* r) {
-    const scalar_t m0 = (scalar_t)(FN(row_sum)(xr, N) / (acc_t)N);
+    const scalar_t x0 = xr[0];
     const i64 nfull = N - N % LANES;
-    acc_t pa[LANES] = {0}, pb[LANES] = {0};
+    acc_t sa[HALF] = {0}, sb[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
         const i64 end = block_end(j, nfull);
-        scalar_t ps[LANES] = {0}, pss[LANES] = {0};
+        scalar_t ps[LANES] = {0};
+        for (; j < end; j += LANES)
+            for (int l = 0; l < LANES; ++l) ps[l] += xr[j + l] - x0;
+        FN(flush)(ps, sa);
+    }
+    acc_t s = 0;
+    for (i64 j = nfull; j < N; ++j) s += (scalar_t)(xr[j] - x0);
+    const acc_t mu = (acc_t)x0 + (s + fold_half(sa)) / (acc_t)N;
+    const scalar_t h = (scalar_t)mu;
+    const acc_t dl = mu - (acc_t)h;
+    for (i64 j = 0; j < nfull;) {
+        const i64 end = block_end(j, nfull);
+        scalar_t pss[LANES] = {0};
         for (; j < end; j += LANES)
             for (int l = 0; l < LANES; ++l) {
-                const scalar_t d = xr[j + l] - m0;
-                ps[l] += d;
+                const scalar_t d = xr[j + l] - h;
                 pss[l] += d * d;
             }
-        for (int l = 0; l < LANES; ++l) {
-            pa[l] += ps[l];
-            pb[l] += pss[l];
-        }
+        FN(flush)(pss, sb);
     }
-    acc_t sd = 0, sdd = 0;
+    acc_t sdd = 0;
     for (i64 j = nfull; j < N; ++j) {
-        const acc_t d = (scalar_t)(xr[j] - m0);
-        sd += d;
+        const acc_t d = (scalar_t)(xr[j] - h);
         sdd += d * d;
     }
-    const acc_t c = (sd + fold_lanes(pa)) / (acc_t)N;
-    acc_t var = (sdd + fold_lanes(pb)) / (acc_t)N - c * c;
-    if (var < 0) var = 0;  /* rounding only: Σd² ≥ (Σd)²/N */
-    const acc_t mu = (acc_t)m0 + c;
-    *hi = (scalar_t)mu;
-    *lo = (scalar_t)(mu - (acc_t)*hi);
+    acc_t var = (sdd + fold_half(sb)) / (acc_t)N - dl * dl;
+    if (var < 0) var = 0;
+    *hi = h;
+    *lo = (scalar_t)dl;
     *r = 1.0 / sqrt(var + eps);
 }
 
@@ -108,7 +106,7 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
                               scalar_t* restrict fwa, scalar_t* restrict fba, acc_t* sg,
                               acc_t* sgx) {
     const i64 nfull = N - N % LANES;
-    acc_t pa[LANES] = {0}, pb[LANES] = {0};
+    acc_t sa[HALF] = {0}, sb[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
         const i64 end = block_end(j, nfull);
         scalar_t pg[LANES] = {0}, pgx[LANES] = {0};
@@ -129,10 +127,8 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
                     pgx[l] += g * ((xr[j + l] - m) * r);
                 }
         }
-        for (int l = 0; l < LANES; ++l) {
-            pa[l] += pg[l];
-            pb[l] += pgx[l];
-        }
+        FN(flush)(pg, sa);
+        FN(flush)(pgx, sb);
     }
     acc_t tg = 0, tgx = 0;
     for (i64 j = nfull; j < N; ++j) {
@@ -144,8 +140,8 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
             fba[j] += d;
         }
     }
-    *sg = tg + fold_lanes(pa);
-    *sgx = tgx + fold_lanes(pb);
+    *sg = tg + fold_half(sa);
+    *sgx = tgx + fold_half(sb);
 }
 
 /* row_grad_sums for two rows at once, when dw/db are wanted: each accumulator element is loaded
@@ -157,7 +153,7 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
                                    scalar_t* restrict fba, acc_t* sg, acc_t* sgx) {
     const scalar_t m0 = m[0], r0 = r[0], m1 = m[1], r1 = r[1];
     const i64 nfull = N - N % LANES;
-    acc_t a0[LANES] = {0}, b0[LANES] = {0}, a1[LANES] = {0}, b1[LANES] = {0};
+    acc_t a0[HALF] = {0}, b0[HALF] = {0}, a1[HALF] = {0}, b1[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
         const i64 end = block_end(j, nfull);
         scalar_t pg0[LANES] = {0}, pgx0[LANES] = {0}, pg1[LANES] = {0}, pgx1[LANES] = {0};
@@ -172,12 +168,10 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
                 fwa[j + l] += d0 * xh0 + d1 * xh1;
                 fba[j + l] += d0 + d1;
             }
-        for (int l = 0; l < LANES; ++l) {
-            a0[l] += pg0[l];
-            b0[l] += pgx0[l];
-            a1[l] += pg1[l];
-            b1[l] += pgx1[l];
-        }
+        FN(flush)(pg0, a0);
+        FN(flush)(pgx0, b0);
+        FN(flush)(pg1, a1);
+        FN(flush)(pgx1, b1);
     }
     acc_t tg0 = 0, tgx0 = 0, tg1 = 0, tgx1 = 0;
     for (i64 j = nfull; j < N; ++j) {
@@ -190,10 +184,10 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
         fwa[j] += d0 * xh0 + d1 * xh1;
         fba[j] += d0 + d1;
     }
-    sg[0] = tg0 + fold_lanes(a0);
-    sgx[0] = tgx0 + fold_lanes(b0);
-    sg[1] = tg1 + fold_lanes(a1);
-    sgx[1] = tgx1 + fold_lanes(b1);
+    sg[0] = tg0 + fold_half(a0);
+    sgx[0] = tgx0 + fold_half(b0);
+    sg[1] = tg1 + fold_half(a1);
+    sgx[1] = tgx1 + fold_half(b1);
 }
 
 /* ------------------------------------------------------------------ layer norm forward ---- */
@@ -439,7 +433,7 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
         const scalar_t* restrict xr = a->x + i * N;
         scalar_t* restrict dxr = a->dx + i * N;
         const scalar_t m = a->mean[i], r = a->rstd[i];
-        acc_t pa[LANES] = {0}, pb[LANES] = {0};
+        acc_t sa[HALF] = {0}, sb[HALF] = {0};
         for (i64 j = 0; j < nfull;) {
             const i64 end = block_end(j, nfull);
             scalar_t pd[LANES] = {0}, pdy[LANES] = {0};
@@ -450,10 +444,8 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
                     pd[l] += d;
                     pdy[l] += d * yv;
                 }
-            for (int l = 0; l < LANES; ++l) {
-                pa[l] += pd[l];
-                pb[l] += pdy[l];
-            }
+            FN(flush)(pd, sa);
+            FN(flush)(pdy, sb);
         }
         acc_t sd = 0, sdy = 0;
         for (i64 j = nfull; j < N; ++j) {
@@ -462,8 +454,8 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
             sd += d;
             sdy += (acc_t)d * yv;
         }
-        const scalar_t c1 = (scalar_t)((sd + fold_lanes(pa)) / (acc_t)N);
-        const scalar_t c2 = (scalar_t)((sdy + fold_lanes(pb)) / (acc_t)N);
+        const scalar_t c1 = (scalar_t)((sd + fold_half(sa)) / (acc_t)N);
+        const scalar_t c2 = (scalar_t)((sdy + fold_half(sb)) / (acc_t)N);
         #pragma omp simd
         for (i64 j = 0; j < N; ++j) {
             const scalar_t yv = (xr[j] - m) * r;

@@ -179,3 +179,9 @@ def use(name: str) -> Iterator[Target]:
         yield chosen
     finally:
         _SELECTED.pop()
+
+
+if __name__ == "__main__":  # `python targets.py`: each target of this architecture and its flags
+    for t in TARGETS:
+        if machine() in t.machines:
+            print(t.name, *t.flags)

@@ -24,7 +24,7 @@ import layernorm.functional as LF
 from conftest import make_param, make_x, upcast
 from layernorm import LayerNormGRU, LayerNormLSTM
 from layernorm.kernels.cpu import _native, cbuild, isa, rnn, targets
-from layernorm.recurrent import _pointwise
+from layernorm.recurrent import _pointwise, register_step_kernels
 from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
 
 AVAILABLE = targets.available() if cbuild.compiler() is not None else ()
@@ -234,9 +234,16 @@ def test_recurrent_kernels_match_loop_float64(name, kind, batch, hidden, packed)
         kernels = _pointwise.step_kernels(xs[0])
         assert kernels is (_pointwise.C_KERNELS if rnn.sequence_enabled() else _pointwise.C_STEPS)
         ours = _run(fused, xs, packed)
+        # the whole-sequence kernels too where the target leaves them off by default
+        register_step_kernels("cpu", _pointwise.C_KERNELS)
+        try:
+            ours_seq = _run(fused, xs, packed)
+        finally:
+            register_step_kernels("cpu", None)
     ref = _run(_model(kind, hidden, torch.float64, "loop"), xs, packed)
-    for a, b in zip(ours, ref, strict=True):
+    for a, a_seq, b in zip(ours, ours_seq, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(a_seq, b, rtol=1e-9, atol=1e-10)
 
 
 @needs_kernels

@@ -53,6 +53,7 @@ check-c:
 
 sanitize: $(STAMP)
 	@echo "sanitize: kernel tests against an ASan + UBSan build of the C kernels"
+	$(SANITIZE_ENV) $(PY) -c "from layernorm.kernels.cpu import cbuild; print('flags:', *cbuild.build_flags())"
 	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 bench: $(STAMP)

@@ -17,7 +17,7 @@ CC ?= cc
 CSRC := src/layernorm/kernels/cpu/csrc
 CHECK_CFLAGS := -std=gnu11 -O3 -fopenmp -fPIC -Wall -Wextra -Werror
 SANITIZE_TESTS := tests/test_cpu_fast_paths.py tests/test_raw_ops.py tests/test_kernel_abi.py \
-	tests/test_kernel_accuracy.py tests/test_fuzz_kernels.py
+	tests/test_kernel_accuracy.py tests/test_fuzz_kernels.py tests/test_cpu_isa.py
 SANITIZE_ENV := LAYERNORM_CPU_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so):$$($(CC) -print-file-name=libubsan.so)"
 
@@ -53,7 +53,7 @@ check-c:
 
 sanitize: $(STAMP)
 	@echo "sanitize: kernel tests against an ASan + UBSan build of the C kernels"
-	$(SANITIZE_ENV) $(PY) -c "from layernorm.kernels.cpu import cbuild; print('flags:', *cbuild.build_flags())"
+	$(SANITIZE_ENV) $(PY) -c "from layernorm.kernels.cpu import cbuild, targets; print('flags:', *cbuild.build_flags(isa_flags=targets.selected().flags))"
 	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 bench: $(STAMP)

@@ -24,7 +24,7 @@ import layernorm.functional as LF
 from conftest import make_param, make_x, upcast
 from layernorm import LayerNormGRU, LayerNormLSTM
 from layernorm.kernels.cpu import _native, cbuild, isa, rnn, targets
-from layernorm.recurrent import _pointwise, register_step_kernels
+from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
 
 AVAILABLE = targets.available() if cbuild.compiler() is not None else ()
@@ -288,3 +288,29 @@ def test_environment_variable_selects_the_target_in_a_fresh_process() -> None:
     chosen, built, err = proc.stdout.split()
     assert chosen == built == name
     assert float(err) < 1e-10
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+def test_recurrent_kernels_threaded_match_loop(name, monkeypatch) -> None:
+    """With the grains at 1 each step's GEMM splits its panels (and the packing its columns)
+    across two threads, and the weight gradient runs long enough (> 128 rows) to be chunked."""
+    monkeypatch.setattr(_cstep, "_GEMM_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_GRAIN", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for kind in LAYERS:
+            xs = _inputs(40, packed=True)
+            fused = _model(kind, 37, torch.float64, "fused")
+            with targets.use(name):
+                register_step_kernels("cpu", _pointwise.C_KERNELS)
+                try:
+                    ours = _run(fused, xs, packed=True)
+                finally:
+                    register_step_kernels("cpu", None)
+            ref = _run(_model(kind, 37, torch.float64, "loop"), xs, packed=True)
+            for a, b in zip(ours, ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    finally:
+        torch.set_num_threads(threads)

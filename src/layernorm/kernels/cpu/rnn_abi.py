@@ -34,8 +34,15 @@ from torch import Tensor
 from .abi import CSRC_DIR, INSTANCES
 
 HEADER_NAME = "layernorm_rnn_abi.h"
+#: The recurrent kernels' instances, torch dtype -> (C scalar type, symbol suffix): float32 and
+#: float64 only (the norm kernels' half instances have no recurrent counterpart).
+RNN_INSTANCES: dict[torch.dtype, tuple[str, str]] = {
+    dt: (INSTANCES[dt].c_type, INSTANCES[dt].suffix) for dt in (torch.float32, torch.float64)
+}
 #: What a kernel returns when a step's rows lie outside the buffers (it then touches nothing).
 ERR_ROWS = 1
+#: What a kernel returns when it cannot allocate its buffers (it then touches nothing).
+ERR_NOMEM = 2
 
 
 class Kind(enum.Enum):
@@ -286,7 +293,7 @@ def structure(struct: Struct, dtype: torch.dtype) -> type[ctypes.Structure]:
             (f.name, ctypes.c_void_p if f.is_pointer else _CTYPES[f.c_type()])
             for f in struct.layout()
         ]
-        name = f"{struct.name}_{INSTANCES[dtype][1]}"
+        name = f"{struct.name}_{RNN_INSTANCES[dtype][1]}"
         _STRUCT_TYPES[key] = type(name, (ctypes.Structure,), {"_fields_": fields})
     return _STRUCT_TYPES[key]
 
@@ -337,7 +344,7 @@ def _checked(
 ) -> None:
     """:func:`check`, storing each checked value into ``out`` when given (one pass: a struct is
     packed once per sequence and direction, so this stays cheap next to a short sequence)."""
-    if dtype not in INSTANCES:
+    if dtype not in RNN_INSTANCES:
         raise TypeError(f"{_op(struct)}: the kernels take float32 or float64, got {dtype}")
     sized, numbers = _plan(struct)
     for f in sized:
@@ -463,12 +470,14 @@ def c_header() -> str:
         "",
         "/* Returned by a kernel whose step rows lie outside its buffers (nothing is touched). */",
         f"#define RNN_ERR_ROWS {ERR_ROWS}",
+        "/* Returned by a kernel that cannot allocate its buffers (nothing is touched). */",
+        f"#define RNN_ERR_NOMEM {ERR_NOMEM}",
         "",
         "/* Bytes per vector of the sequence GEMM: 64 with AVX-512, 32 with AVX, else 16. */",
         "int rnn_vector_bytes(void);",
         "",
     ]
-    for dtype, (scalar, suffix) in INSTANCES.items():
+    for dtype, (scalar, suffix) in RNN_INSTANCES.items():
         for struct in STRUCTS:
             tname = f"{struct.name}_{suffix}"
             lines.append(f"/* {struct.doc} */")

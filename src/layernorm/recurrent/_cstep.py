@@ -34,6 +34,8 @@ _STRUCTS = {
     "gru_bwd_step": rnn_abi.GRU_BWD,
 }
 _GATES = {"lstm": 4, "gru": 3}
+# The optional masks each kernel takes (None = off; see layernorm.recurrent._options).
+_MASKS = {"lstm": ("zh", "zc", "cm"), "gru": ("zh", "cm")}
 _DEFAULTS = {
     "lstm": (("w1", 4, 1.0), ("b1", 4, 0.0), ("w3", 1, 1.0), ("b3", 1, 0.0)),
     "gru": (("w_rz", 2, 1.0), ("b_rz", 2, 0.0), ("w_n", 1, 1.0), ("b_n", 1, 0.0),
@@ -75,6 +77,12 @@ def _args(st: dict[str, Any], kernel: str) -> Any:
         for name, units, fill in _DEFAULTS[cell]:
             if st.get(name) is None:
                 st[name] = like.new_full((units * hs,), fill)
+        # A mask's C field is a dense array: eval's zoneout coefficient, one value broadcast
+        # (stride 0), becomes a buffer once here; st keeps it, so it outlives the struct.
+        for name in _MASKS[cell]:
+            mask = st.get(name)
+            if mask is not None and not mask.is_contiguous():
+                st[name] = mask.contiguous()
         values = {**st, "layer_norm": int(st["normalize"]), "off": 0, "rows": 0, "threads": 1}
         if cell == "lstm":
             values["normalize_cell_state"] = int(st["carry_normalized"])

@@ -8,6 +8,12 @@
    pointwise backward including the layer norms' dx. Rows are independent, so they are split
    across `threads` OpenMP threads.
 
+   The optional masks (NULL = off; layernorm.recurrent._options) act inside the step: zoneout
+   zh / zc mixes the previous state into the new one, h_t = zh·h_{t−1} + (1 − zh)·h̃_t (h̃_t, c̃_t
+   the cell's own, which is what acts / tc / n keep for backward); recurrent dropout cm scales the
+   candidate (row i of the state, as h). Backward splits the zoned state's gradient the same way:
+   (1 − zh)·dh_t reaches the cell, zh·dh_t goes straight to h_{t−1}.
+
    Per row, layer-norm dx with x̂ = (x − μ)·rstd and g = dy ⊙ w:
    dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂)). */
 
@@ -83,9 +89,11 @@ static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
     scalar_t* cs = A->c + i * H;
     scalar_t* cp = A->cprev + row * H;
     scalar_t* cnr = A->cn + row * H;
+    const scalar_t* cm = A->cm ? A->cm + i * H : NULL;
     for (i64 j = 0; j < H; ++j) {
         cp[j] = cs[j];
-        cnr[j] = a[H + j] * cs[j] + a[j] * a[2 * H + j];
+        const scalar_t cand = cm ? a[2 * H + j] * cm[j] : a[2 * H + j];
+        cnr[j] = a[H + j] * cs[j] + a[j] * cand;
     }
     scalar_t* tcr = A->tc + row * H;
     scalar_t* hs = A->h + i * H;
@@ -101,16 +109,20 @@ static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
     } else {
         for (i64 j = 0; j < H; ++j) tcr[j] = cnr[j];
     }
-    if (A->normalize_cell_state) {
-        for (i64 j = 0; j < H; ++j) cs[j] = tcr[j];
+    const scalar_t* cown = A->normalize_cell_state ? tcr : cnr;
+    if (A->zc) {
+        const scalar_t* zc = A->zc + row * H;
+        for (i64 j = 0; j < H; ++j) cs[j] = zc[j] * cp[j] + ((scalar_t)1 - zc[j]) * cown[j];
     } else {
-        for (i64 j = 0; j < H; ++j) cs[j] = cnr[j];
+        for (i64 j = 0; j < H; ++j) cs[j] = cown[j];
     }
     #pragma omp simd
     for (i64 j = 0; j < H; ++j) tcr[j] = TANH(tcr[j]);
+    const scalar_t* zh = A->zh ? A->zh + row * H : NULL;
     for (i64 j = 0; j < H; ++j) {
-        const scalar_t h = a[3 * H + j] * tcr[j];
-        hpv[j] = hs[j];
+        const scalar_t hprev = hs[j], own = a[3 * H + j] * tcr[j];
+        const scalar_t h = zh ? zh[j] * hprev + ((scalar_t)1 - zh[j]) * own : own;
+        hpv[j] = hprev;
         hs[j] = h;
         o[j] = h;
     }
@@ -126,21 +138,41 @@ int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
 /* LN-LSTM backward of row i. In: dout (this step's output gradient), dh (gradient of h_t from
    later steps), dc (of the carried c_t). Out: dgates (of the gate pre-activations), dhp (of hp;
    with layer_norm = 0 not written: the caller passes dgates, which it then equals), dlc (of
-   LN(c_t)), dc := gradient of c_{t−1}. dh is left for the caller's GEMM to overwrite. */
+   LN(c_t)), dc := gradient of c_{t−1}. Without zoneout of h, dh is left for the caller's GEMM to
+   overwrite; with it, dh := zh·dh_t, the direct path of h_{t−1}, for the GEMM to add to. With
+   zoneout of c, the direct path zc·dc_t waits in the i block of dgates (written last) until
+   dc_{t−1} is formed. */
 static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i) {
     const i64 H = A->H, G = 4 * H, row = A->off + i;
     const int normalize = A->layer_norm, carry_norm = A->normalize_cell_state;
     const scalar_t* dout = A->dout + row * H;
-    const scalar_t* dh = A->dh + i * H;
+    scalar_t* dh = A->dh + i * H;
     scalar_t* dc = A->dc + i * H;
+    const scalar_t* zh = A->zh ? A->zh + row * H : NULL;
+    const scalar_t* zc = A->zc ? A->zc + row * H : NULL;
+    const scalar_t* cm = A->cm ? A->cm + i * H : NULL;
     const scalar_t* a = A->acts + row * G;
     const scalar_t* cp = A->cprev + row * H;
     const scalar_t* tc = A->tc + row * H;
     scalar_t* dg = A->dgates + row * G;
     scalar_t* dlc = A->dlc + row * H;
+    if (zc) {
+        for (i64 j = 0; j < H; ++j) {
+            const scalar_t d = dc[j];
+            dg[j] = zc[j] * d;
+            dc[j] = ((scalar_t)1 - zc[j]) * d;
+        }
+    }
+    if (zh) {
+        for (i64 j = 0; j < H; ++j) {
+            const scalar_t d = dh[j] + dout[j];
+            dh[j] = zh[j] * d;
+            dlc[j] = ((scalar_t)1 - zh[j]) * d; /* the cell's dh̃_t, read back just below */
+        }
+    }
     #pragma omp simd
     for (i64 j = 0; j < H; ++j) {
-        const scalar_t dht = dh[j] + dout[j];
+        const scalar_t dht = zh ? dlc[j] : dh[j] + dout[j];
         const scalar_t o = a[3 * H + j], t = tc[j];
         dg[3 * H + j] = dht * t * o * ((scalar_t)1 - o);
         scalar_t d = dht * o * ((scalar_t)1 - t * t);
@@ -156,10 +188,12 @@ static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i) {
     for (i64 j = 0; j < H; ++j) {
         const scalar_t dcn = dc[j];
         const scalar_t ig = a[j], fg = a[H + j], gg = a[2 * H + j];
-        dg[j] = dcn * gg * ig * ((scalar_t)1 - ig);
+        const scalar_t m = cm ? cm[j] : (scalar_t)1;
+        const scalar_t direct = zc ? dg[j] : (scalar_t)0;
+        dg[j] = dcn * (gg * m) * ig * ((scalar_t)1 - ig);
         dg[H + j] = dcn * cp[j] * fg * ((scalar_t)1 - fg);
-        dg[2 * H + j] = dcn * ig * ((scalar_t)1 - gg * gg);
-        dc[j] = dcn * fg;
+        dg[2 * H + j] = dcn * (ig * m) * ((scalar_t)1 - gg * gg);
+        dc[j] = dcn * fg + direct;
     }
     if (normalize)
         FN(ln_dx)(dg, A->hp + row * G, A->mh[row], A->rh[row], A->w1, A->dhp + row * G, G, 0);
@@ -187,6 +221,8 @@ static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
     scalar_t* hs = A->h + i * H;
     scalar_t* hpv = A->hprev + row * H;
     scalar_t* o = A->out + row * H;
+    const scalar_t* zh = A->zh ? A->zh + row * H : NULL;
+    const scalar_t* cm = A->cm ? A->cm + i * H : NULL;
     if (A->layer_norm) {
         acc_t m1, r1, m2, r2;
         FN(moments)(hp, 2 * H, A->eps, &m1, &r1);
@@ -214,7 +250,9 @@ static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
         n[j] = nv;
         const scalar_t hprev = hs[j];
         hpv[j] = hprev;
-        const scalar_t h = nv + rz[H + j] * (hprev - nv);
+        const scalar_t nm = cm ? nv * cm[j] : nv;
+        const scalar_t own = nm + rz[H + j] * (hprev - nm);
+        const scalar_t h = zh ? zh[j] * hprev + ((scalar_t)1 - zh[j]) * own : own;
         hs[j] = h;
         o[j] = h;
     }
@@ -241,20 +279,24 @@ static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i) {
     const scalar_t* ghn = A->ghn + row * H;
     scalar_t* dgx = A->dgx + row * G;
     scalar_t* dgh = A->dgh + row * G;
+    const scalar_t* zh = A->zh ? A->zh + row * H : NULL;
+    const scalar_t* cm = A->cm ? A->cm + i * H : NULL;
     #pragma omp simd
     for (i64 j = 0; j < H; ++j) {
-        const scalar_t dht = dh[j] + dout[j];
+        const scalar_t dzoned = dh[j] + dout[j];
+        const scalar_t dht = zh ? ((scalar_t)1 - zh[j]) * dzoned : dzoned;
         const scalar_t r = rz[j], z = rz[H + j], nv = n[j];
-        const scalar_t dn = dht * ((scalar_t)1 - z) * ((scalar_t)1 - nv * nv);
+        const scalar_t m = cm ? cm[j] : (scalar_t)1;
+        const scalar_t dn = dht * ((scalar_t)1 - z) * ((scalar_t)1 - nv * nv) * m;
         const scalar_t dr = dn * ghn[j] * r * ((scalar_t)1 - r);
-        const scalar_t dz = dht * (hpv[j] - nv) * z * ((scalar_t)1 - z);
+        const scalar_t dz = dht * (hpv[j] - nv * m) * z * ((scalar_t)1 - z);
         dgx[j] = dr;
         dgx[H + j] = dz;
         dgx[2 * H + j] = dn;
         dgh[j] = dr;
         dgh[H + j] = dz;
         dgh[2 * H + j] = dn * r;
-        dh[j] = dht * z;
+        dh[j] = zh ? dht * z + zh[j] * dzoned : dht * z;
     }
     if (A->layer_norm) {
         const scalar_t* hp = A->hp + row * G;

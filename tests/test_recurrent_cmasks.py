@@ -70,8 +70,9 @@ def _run(model: torch.nn.Module, xs: list[torch.Tensor], impl: str, steps) -> li
     xs = [x.detach().clone().requires_grad_() for x in xs]
     gen = torch.Generator().manual_seed(3)
     n_states = 2 if isinstance(model, LayerNormLSTM) else 1
-    hx = [torch.randn(4, len(xs), model.hidden_size, generator=gen, dtype=xs[0].dtype)
-          .requires_grad_() for _ in range(n_states)]  # fmt: skip
+    sizes = (model.output_size, model.hidden_size)[:n_states]  # h has proj_size units
+    hx = [torch.randn(4, len(xs), n, generator=gen, dtype=xs[0].dtype).requires_grad_()
+          for n in sizes]  # fmt: skip
     register_step_kernels("cpu", steps if impl == "fused" else None)
     try:
         torch.manual_seed(7)  # the same masks on both paths
@@ -197,3 +198,29 @@ def test_zoneout_one_freezes_the_state_on_the_c_kernels() -> None:
     torch.testing.assert_close(h_n, h0, rtol=0, atol=0)
     torch.testing.assert_close(c_n, c0, rtol=0, atol=0)
     torch.testing.assert_close(out[:, :, 7:], h0[3].expand(5, 2, 7), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("option", [None, *OPTIONS])
+@pytest.mark.parametrize("training", [True, False])
+def test_proj_size_on_the_per_step_c_kernels_equals_the_loop(
+    option, dtype, training, monkeypatch
+) -> None:
+    """torch.nn.LSTM's projection ``h = W_hr h̃`` between the C steps (a GEMM in torch), alone and
+    with each mask: the zoneout of h acts on the projected h, in Python, so the kernel gets
+    none; zoneout of c and recurrent dropout reach the kernel."""
+    opts = {"proj_size": 3, **(OPTIONS[option] if option else {})}
+    model = _model("lstm", opts, dtype).train(training)
+    xs = _inputs(dtype)
+    calls = _spy(monkeypatch)
+    ours = _run(model, xs, "fused", None)  # the default kernels: the projection needs the steps
+    wanted = {MASK_FIELDS[k] for k in opts if k in ("zoneout_cell", "recurrent_dropout")}
+    if not training:
+        wanted.discard("cm")
+    assert calls and {name for name, _ in calls} == {"lstm_fwd_step", "lstm_bwd_step"}
+    for _, ptrs in calls:
+        assert {f for f, p in ptrs.items() if p} == wanted
+    ref = _run(model, xs, "loop", None)
+    assert len(ours) == len(ref)
+    for a, b in zip(ours, ref, strict=True):
+        _assert_close(a, b)

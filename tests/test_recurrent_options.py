@@ -540,11 +540,9 @@ def test_zoneout_and_recurrent_dropout_fused_equals_loop_from_the_same_seed(
             torch.testing.assert_close(a, b, **TOL)
 
 
-def test_the_fused_path_runs_the_masks_on_the_c_steps_and_proj_size_on_eager_ones(
-    monkeypatch,
-) -> None:
-    """Zoneout and recurrent dropout stay on the fused node and on the C step kernels where they
-    are built (they take the masks); proj_size on its eager step functions (no projection in C)."""
+def test_the_fused_path_runs_masks_and_proj_size_on_the_c_kernels(monkeypatch) -> None:
+    """Zoneout, recurrent dropout and proj_size stay on the fused node, on the C kernels where
+    they are built (the projection on the per-step ones: the sequence kernels have none)."""
     from layernorm.recurrent import _fused, _pointwise
 
     used = []
@@ -561,8 +559,8 @@ def test_the_fused_path_runs_the_masks_on_the_c_steps_and_proj_size_on_eager_one
     LayerNormLSTM(3, 4, impl="fused")(torch.randn(3, 2, 3))
     assert used and used[0] is native
     used.clear()
-    LayerNormLSTM(3, 4, proj_size=2, impl="fused")(torch.randn(3, 2, 3))
-    assert used and all(k is _pointwise.EAGER for k in used)
+    LayerNormLSTM(3, 4, proj_size=2, impl="fused")(torch.randn(3, 2, 3))[0].sum().backward()
+    assert used and all(k is c_steps for k in used)
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,7 @@ def _kernels(gx: Tensor, st: dict[str, Any]) -> StepKernels:
     kernels = step_kernels(gx)
     if needs_eager_steps(st, kernels):
         return EAGER
-    if kernels is C_KERNELS and any(st.get(k) is not None for k in ("zh", "zc", "cm")):
+    if kernels is C_KERNELS and any(st.get(k) is not None for k in ("zh", "zc", "cm", "w_hr")):
         return C_STEPS  # the whole-sequence kernels take no masks yet
     return kernels
 

@@ -132,9 +132,10 @@ def _ln_dx(dy: Tensor, x: Tensor, m: Tensor, r: Tensor, w: Tensor | None) -> Ten
 #   steps): zh (N, P), zc (N, H) zoneout coefficients of h and of the carried c; cm (B, H)
 #   recurrent dropout on tanh(g). With zh the step's backward writes the direct path zh ⊙ dh_t
 #   into dh, and the caller adds the GEMM's dh_{t−1} to it.
-#   projection (optional, eager steps only): w_hr (P, H), h_t = W_hr(σ(o) ⊙ tanh(LN(c_t))); then
-#   h, hprev, out, dh, dout have P columns; saved hu (N, H) the unprojected h; backward dhr (N, P)
-#   the gradient of the projected h̃_t, for W_hr's gradient dhrᵀ · hu.
+#   projection (optional; eager and per-step C steps): w_hr (P, H),
+#   h_t = W_hr(σ(o) ⊙ tanh(LN(c_t))); then h, hprev, out, dh, dout have P columns; saved hu (N, H)
+#   the unprojected h; backward dhr (N, P) the gradient of the projected h̃_t, for W_hr's gradient
+#   dhrᵀ · hu.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -151,14 +152,12 @@ def _rows(st: dict[str, Any], name: str, sl: slice) -> Tensor | None:
 
 def needs_eager_steps(st: dict[str, Any], kernels: StepKernels | None = None) -> bool:
     """Whether ``st`` carries what ``kernels`` cannot take, so that the eager step functions must
-    run: a projection ``w_hr`` (eager only), or masks acting inside the time loop (zoneout,
-    recurrent dropout), which the C kernels (:data:`C_STEPS`, :data:`C_KERNELS`) take and the
-    others (Triton, registered backends) do not."""
-    if st.get("w_hr") is not None:
-        return True
+    run: masks acting inside the time loop (zoneout, recurrent dropout) or a projection ``w_hr``.
+    The C kernels (:data:`C_STEPS`, :data:`C_KERNELS`) take all of them (the projection on the
+    per-step path); the others (Triton, registered backends) none."""
     if kernels is C_STEPS or kernels is C_KERNELS:
         return False
-    return any(st.get(k) is not None for k in ("zh", "zc", "cm"))
+    return any(st.get(k) is not None for k in ("zh", "zc", "cm", "w_hr"))
 
 
 def lstm_fwd(st: dict[str, Any], off: int, bs: int) -> None:

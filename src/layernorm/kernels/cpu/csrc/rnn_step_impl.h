@@ -12,7 +12,9 @@
    zh / zc mixes the previous state into the new one, h_t = zh·h_{t−1} + (1 − zh)·h̃_t (h̃_t, c̃_t
    the cell's own, which is what acts / tc / n keep for backward); recurrent dropout cm scales the
    candidate (row i of the state, as h). Backward splits the zoned state's gradient the same way:
-   (1 − zh)·dh_t reaches the cell, zh·dh_t goes straight to h_{t−1}.
+   (1 − zh)·dh_t reaches the cell, zh·dh_t goes straight to h_{t−1}. Each row function is
+   compiled twice (`masked` a constant): without masks the mask branches fold away and the loops
+   vectorize as they did before the masks existed.
 
    Per row, layer-norm dx with x̂ = (x − μ)·rstd and g = dy ⊙ w:
    dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂)). */
@@ -62,7 +64,8 @@ static inline scalar_t FN(sigm)(scalar_t v) { return (scalar_t)1 / ((scalar_t)1 
 
 /* LN-LSTM forward of row i (gate order i, f, g, o, torch's). The gains and biases are always
    given (ones / zeros where the layer has none): unconditional loads keep the loops vectorized. */
-static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
+static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
+    const FN(lstm_fwd_step_args) * A, i64 i, const int masked) {
     const i64 H = A->H, G = 4 * H, row = A->off + i;
     const int normalize = A->layer_norm;
     const scalar_t* hpr = A->hp + row * G;
@@ -89,7 +92,7 @@ static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
     scalar_t* cs = A->c + i * H;
     scalar_t* cp = A->cprev + row * H;
     scalar_t* cnr = A->cn + row * H;
-    const scalar_t* cm = A->cm ? A->cm + i * H : NULL;
+    const scalar_t* cm = masked && A->cm ? A->cm + i * H : NULL;
     for (i64 j = 0; j < H; ++j) {
         cp[j] = cs[j];
         const scalar_t cand = cm ? a[2 * H + j] * cm[j] : a[2 * H + j];
@@ -110,7 +113,7 @@ static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
         for (i64 j = 0; j < H; ++j) tcr[j] = cnr[j];
     }
     const scalar_t* cown = A->normalize_cell_state ? tcr : cnr;
-    if (A->zc) {
+    if (masked && A->zc) {
         const scalar_t* zc = A->zc + row * H;
         for (i64 j = 0; j < H; ++j) cs[j] = zc[j] * cp[j] + ((scalar_t)1 - zc[j]) * cown[j];
     } else {
@@ -118,7 +121,7 @@ static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
     }
     #pragma omp simd
     for (i64 j = 0; j < H; ++j) tcr[j] = TANH(tcr[j]);
-    const scalar_t* zh = A->zh ? A->zh + row * H : NULL;
+    const scalar_t* zh = masked && A->zh ? A->zh + row * H : NULL;
     for (i64 j = 0; j < H; ++j) {
         const scalar_t hprev = hs[j], own = a[3 * H + j] * tcr[j];
         const scalar_t h = zh ? zh[j] * hprev + ((scalar_t)1 - zh[j]) * own : own;
@@ -126,6 +129,11 @@ static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
         hs[j] = h;
         o[j] = h;
     }
+}
+
+static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
+    if (A->zh || A->zc || A->cm) FN(lstm_fwd_body)(A, i, 1);
+    else FN(lstm_fwd_body)(A, i, 0);
 }
 
 int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
@@ -142,15 +150,16 @@ int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
    overwrite; with it, dh := zh·dh_t, the direct path of h_{t−1}, for the GEMM to add to. With
    zoneout of c, the direct path zc·dc_t waits in the i block of dgates (written last) until
    dc_{t−1} is formed. */
-static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i) {
+static inline __attribute__((always_inline)) void FN(lstm_bwd_body)(
+    const FN(lstm_bwd_step_args) * A, i64 i, const int masked) {
     const i64 H = A->H, G = 4 * H, row = A->off + i;
     const int normalize = A->layer_norm, carry_norm = A->normalize_cell_state;
     const scalar_t* dout = A->dout + row * H;
     scalar_t* dh = A->dh + i * H;
     scalar_t* dc = A->dc + i * H;
-    const scalar_t* zh = A->zh ? A->zh + row * H : NULL;
-    const scalar_t* zc = A->zc ? A->zc + row * H : NULL;
-    const scalar_t* cm = A->cm ? A->cm + i * H : NULL;
+    const scalar_t* zh = masked && A->zh ? A->zh + row * H : NULL;
+    const scalar_t* zc = masked && A->zc ? A->zc + row * H : NULL;
+    const scalar_t* cm = masked && A->cm ? A->cm + i * H : NULL;
     const scalar_t* a = A->acts + row * G;
     const scalar_t* cp = A->cprev + row * H;
     const scalar_t* tc = A->tc + row * H;
@@ -199,6 +208,11 @@ static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i) {
         FN(ln_dx)(dg, A->hp + row * G, A->mh[row], A->rh[row], A->w1, A->dhp + row * G, G, 0);
 }
 
+static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i) {
+    if (A->zh || A->zc || A->cm) FN(lstm_bwd_body)(A, i, 1);
+    else FN(lstm_bwd_body)(A, i, 0);
+}
+
 int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B)) return RNN_ERR_ROWS;
     #pragma omp parallel for num_threads(a->threads) if (a->threads > 1) schedule(static)
@@ -209,7 +223,8 @@ int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
 /* LN-GRU forward of row i (gates r, z, n; torch's layout). hp = W_hh h_{t−1} (raw), gx = LN(W_ih x)
    + b_ih + [b_hr, b_hz, 0]. The (r, z) block and the n block of hp get separate layer norms. b_hn
    and the gains and biases are always given (ones / zeros where the layer has none). */
-static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
+static inline __attribute__((always_inline)) void FN(gru_fwd_body)(
+    const FN(gru_fwd_step_args) * A, i64 i, const int masked) {
     const i64 H = A->H, G = 3 * H, row = A->off + i;
     const scalar_t* hp = A->hp + row * G;
     const scalar_t* gx = A->gx + row * G;
@@ -221,8 +236,8 @@ static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
     scalar_t* hs = A->h + i * H;
     scalar_t* hpv = A->hprev + row * H;
     scalar_t* o = A->out + row * H;
-    const scalar_t* zh = A->zh ? A->zh + row * H : NULL;
-    const scalar_t* cm = A->cm ? A->cm + i * H : NULL;
+    const scalar_t* zh = masked && A->zh ? A->zh + row * H : NULL;
+    const scalar_t* cm = masked && A->cm ? A->cm + i * H : NULL;
     if (A->layer_norm) {
         acc_t m1, r1, m2, r2;
         FN(moments)(hp, 2 * H, A->eps, &m1, &r1);
@@ -258,6 +273,11 @@ static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
     }
 }
 
+static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
+    if (A->zh || A->cm) FN(gru_fwd_body)(A, i, 1);
+    else FN(gru_fwd_body)(A, i, 0);
+}
+
 int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B)) return RNN_ERR_ROWS;
     #pragma omp parallel for num_threads(a->threads) if (a->threads > 1) schedule(static)
@@ -269,7 +289,8 @@ int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
    LN(hp_n) + b_hn), dhp (of hp; with layer_norm = 0 not written: the caller passes dgh, which it
    then equals), and dh := the part of the gradient of h_{t−1} that bypasses W_hh (the caller adds
    dhp·W_hh). */
-static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i) {
+static inline __attribute__((always_inline)) void FN(gru_bwd_body)(
+    const FN(gru_bwd_step_args) * A, i64 i, const int masked) {
     const i64 H = A->H, G = 3 * H, row = A->off + i;
     const scalar_t* dout = A->dout + row * H;
     scalar_t* dh = A->dh + i * H;
@@ -279,8 +300,8 @@ static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i) {
     const scalar_t* ghn = A->ghn + row * H;
     scalar_t* dgx = A->dgx + row * G;
     scalar_t* dgh = A->dgh + row * G;
-    const scalar_t* zh = A->zh ? A->zh + row * H : NULL;
-    const scalar_t* cm = A->cm ? A->cm + i * H : NULL;
+    const scalar_t* zh = masked && A->zh ? A->zh + row * H : NULL;
+    const scalar_t* cm = masked && A->cm ? A->cm + i * H : NULL;
     #pragma omp simd
     for (i64 j = 0; j < H; ++j) {
         const scalar_t dzoned = dh[j] + dout[j];
@@ -304,6 +325,11 @@ static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i) {
         FN(ln_dx)(dgh, hp, A->mh[row], A->rh[row], A->w_rz, dhp, 2 * H, 0);
         FN(ln_dx)(dgh + 2 * H, hp + 2 * H, A->mn[row], A->rn[row], A->w_n, dhp + 2 * H, H, 0);
     }
+}
+
+static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i) {
+    if (A->zh || A->cm) FN(gru_bwd_body)(A, i, 1);
+    else FN(gru_bwd_body)(A, i, 0);
 }
 
 int FN(gru_bwd_step)(const FN(gru_bwd_step_args) * a) {

@@ -29,7 +29,16 @@ def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> floa
 def interleaved_ms(
     fns: Mapping[str, Callable[[], object]], warmup: int = 3, reps: int = 20
 ) -> dict[str, float]:
-    """Median milliseconds per provider, running every provider once per round.
+    """Median milliseconds per provider, running every provider once per round (see
+    :func:`interleaved_samples`)."""
+    samples = interleaved_samples(fns, warmup, reps)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def interleaved_samples(
+    fns: Mapping[str, Callable[[], object]], warmup: int = 3, reps: int = 20
+) -> dict[str, list[float]]:
+    """Every sample in milliseconds per provider, running every provider once per round.
 
     The order is shuffled every round (seeded) so no provider always runs right after the same
     neighbour: caches, page mappings and allocator state carry over from one call to the next, and
@@ -48,7 +57,7 @@ def interleaved_ms(
             t0 = time.perf_counter()
             fns[name]()
             samples[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * statistics.median(s) for name, s in samples.items()}
+    return {name: [1e3 * t for t in s] for name, s in samples.items()}
 
 
 def cpu_model() -> str:

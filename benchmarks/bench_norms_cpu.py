@@ -1,13 +1,17 @@
 """Forward+backward time of every normalization variant on the CPU vs torch's native layer norm.
 
 Each variant runs ``y = op(x); y.backward(dy)`` with gradients for x (and the gain/bias it has),
-float32. All providers of a shape are timed round-robin in the same run (medians), and every
+in float32 or, with ``--dtype``, bfloat16/float16 (x, dy, gain and bias all in that dtype). All
+providers of a shape are timed round-robin in the same run (medians), and every
 variant is reported as a ratio to ``torch.nn.functional.layer_norm`` with weight and bias, which on
 CPU is PyTorch's fused native kernel; RMSNorm is also compared with ``F.rms_norm``.
-Absolute times on a shared machine move from run to run; the ratios are what to read.
+Absolute times on a shared machine move from run to run; the ratios are what to read. Each row
+gives the ratio of medians and the ratio of minima (the fastest of the reps: on a loaded machine
+the median carries the neighbours' share of the processor, the minimum little of it).
 
 Memory traffic of one forward+backward, the floor for every variant: read x, write y (forward),
-read dy and x, write dx (backward) = 5·M·N·4 bytes, plus O(N) for the gain/bias gradients.
+read dy and x, write dx (backward) = 5·M·N·s bytes (s = 4 for float32, 2 for the half types),
+plus O(N) for the gain/bias gradients.
 
 A second table times the modules on small inputs, the per-token calls of a decoder on a CPU:
 ``layernorm.LayerNorm(N)`` against ``torch.nn.LayerNorm(N)`` and ``layernorm.RMSNorm(N)`` against
@@ -17,6 +21,7 @@ There the Python between the module call and the kernel is most of the time.
     python benchmarks/bench_norms_cpu.py                  # the three default shapes
     python benchmarks/bench_norms_cpu.py --shapes 4096x768 --reps 30 --csv out.csv
     python benchmarks/bench_norms_cpu.py --shapes --small-shapes 1x768 8x768   # modules only
+    python benchmarks/bench_norms_cpu.py --dtype bfloat16 --threads 1
     LAYERNORM_CPU_COMPILE=0 python benchmarks/bench_norms_cpu.py   # eager ATen fallback
 """
 
@@ -27,6 +32,7 @@ import csv
 import datetime as dt
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layernorm
 import layernorm.functional as LF
-from _timing import cpu_model, interleaved_ms
+from _timing import cpu_model, interleaved_ms, interleaved_samples
 from layernorm.kernels.cpu import _native
 from layernorm.reference import layer_norm_reference
 
@@ -49,14 +55,31 @@ RMS_ANCHOR = "torch rms_norm"
 COMPOSITE = "eager composite LN"
 
 
-def providers(m: int, n: int, composite: bool) -> dict[str, Callable[[], None]]:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ISA_FLAGS = ("avx2", "f16c", "avx512f", "avx512_bf16", "avx512fp16")
+
+
+def isa_flags() -> list[str]:
+    """The vector instruction sets of this processor that the kernels' builds may use."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")),
+                         [])  # fmt: skip
+    except OSError:
+        return []
+    return [f for f in ISA_FLAGS if f in flags]
+
+
+def providers(
+    m: int, n: int, composite: bool, dtype: torch.dtype = torch.float32, rms_anchor: bool = True
+) -> dict[str, Callable[[], None]]:
     """One closure per provider, each a full forward+backward on fresh-gradient leaves."""
     g = torch.Generator().manual_seed(0)
     # Non-zero mean: the centring matters, as it does for real activations.
-    x = (torch.randn(m, n, generator=g) + 0.5).requires_grad_()
-    w = (torch.rand(n, generator=g) + 0.5).requires_grad_()
-    b = torch.randn(n, generator=g).requires_grad_()
-    dy = torch.randn(m, n, generator=g)
+    x = (torch.randn(m, n, generator=g) + 0.5).to(dtype).requires_grad_()
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype).requires_grad_()
+    b = torch.randn(n, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(m, n, generator=g).to(dtype)
 
     def fwd_bwd(op: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
@@ -78,6 +101,8 @@ def providers(m: int, n: int, composite: bool) -> dict[str, Callable[[], None]]:
         "AdaNorm": fwd_bwd(lambda: LF.ada_norm(x, (n,))),
         "RMSNorm (w)": fwd_bwd(lambda: LF.rms_norm(x, (n,), w)),
     }
+    if not rms_anchor:  # torch's rms_norm is an eager composition: 5-15x the others' time
+        del fns[RMS_ANCHOR]
     if composite:  # the pure-PyTorch reference: what an eager composition of ATen ops costs
         fns[COMPOSITE] = fwd_bwd(lambda: layer_norm_reference(x, (n,), w, b))
     return fns
@@ -167,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=0, help="0: 15 for big shapes, 1000 for small")
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--composite", action="store_true", help="also time the eager reference")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--rms-anchor", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time torch's F.rms_norm (an eager composition)")  # fmt: skip
     parser.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
     args = parser.parse_args(argv)
     if args.threads:
@@ -175,36 +203,46 @@ def main(argv: list[str] | None = None) -> None:
     fused = _native.enabled()  # builds the kernels now, outside the timed region
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"device: {cpu_model()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
-    print(
-        f"ISA: {cpu_isa()}, torch {torch.__version__}, python {platform.python_version()}, {stamp}"
-    )
-    print(f"fused C kernels: {'on' if fused else 'off (eager ATen compositions)'}\n")
+    print(f"torch {torch.__version__}, python {platform.python_version()}, {stamp}")
+    print(f"fused C kernels: {'on' if fused else 'off (eager ATen compositions)'}")
+    flags = " ".join(isa_flags()) or "none of " + " ".join(ISA_FLAGS)
+    load = " ".join(f"{v:.1f}" for v in os.getloadavg())
+    print(f"ISA: {cpu_isa()}; vector flags: {flags}; load average {load}\n")
     if args.small_shapes:
         threads = [args.threads] if args.threads else list(SMALL_THREADS)
         small_module_table(args.small_shapes, args.small_reps, threads)
     if not args.shapes:
         return
-    print("forward+backward, float32, median ms; ratio = ours / torch layer_norm (w, b)\n")
+    print(f"forward+backward, {args.dtype}, median ms; ratio = ours / torch layer_norm (w, b)\n")
 
-    header = f"{'variant':<20} {'M x N':>12} {'ours ms':>9} {'torch LN ms':>12} {'ratio':>6}"
+    header = (f"{'variant':<20} {'M x N':>12} {'ours ms':>9} {'torch LN ms':>12} {'ratio':>6}"
+              f" {'min ms':>8} {'min ratio':>9}")  # fmt: skip
     rows: list[dict[str, object]] = []
     for m, n in args.shapes:
         reps = args.reps or (15 if m * n >= 1 << 20 else 1000)
-        times = interleaved_ms(providers(m, n, args.composite), warmup=args.warmup, reps=reps)
-        base, rms_base = times[ANCHOR], times[RMS_ANCHOR]
+        fns = providers(m, n, args.composite, DTYPES[args.dtype], args.rms_anchor)
+        samples = interleaved_samples(fns, warmup=args.warmup, reps=reps)
+        times = {k: statistics.median(v) for k, v in samples.items()}
+        fastest = {k: min(v) for k, v in samples.items()}
+        base, rms_base = times[ANCHOR], times.get(RMS_ANCHOR)
+        base_min = fastest[ANCHOR]
         print(header)
-        print(f"{ANCHOR:<20} {f'{m}x{n}':>12} {base:9.3f} {base:12.3f} {1.0:6.2f}")
         for name, ms in times.items():
+            note = ""
+            if name == "RMSNorm (w)" and rms_base is not None:
+                note = (f"   vs torch rms_norm: {ms / rms_base:.2f}"
+                        f" (min {fastest[name] / fastest[RMS_ANCHOR]:.2f})")  # fmt: skip
+            lo = fastest[name]
+            print(f"{name:<20} {f'{m}x{n}':>12} {ms:9.3f} {base:12.3f} {ms / base:6.2f}"
+                  f" {lo:8.3f} {lo / base_min:9.2f}{note}")  # fmt: skip
             if name == ANCHOR:
                 continue
-            note = ""
-            if name == "RMSNorm (w)":
-                note = f"   vs torch rms_norm: {ms / rms_base:.2f}"
-            print(f"{name:<20} {f'{m}x{n}':>12} {ms:9.3f} {base:12.3f} {ms / base:6.2f}{note}")
             rows.append(
-                dict(variant=name, m=m, n=n, ms=round(ms, 4), torch_ln_ms=round(base, 4),
-                     ratio=round(ms / base, 3), reps=reps, threads=torch.get_num_threads(),
-                     fused=int(fused), device=cpu_model(), torch=torch.__version__, date=stamp)
+                dict(variant=name, dtype=args.dtype, m=m, n=n, ms=round(ms, 4),
+                     torch_ln_ms=round(base, 4), ratio=round(ms / base, 3),
+                     min_ms=round(lo, 4), ratio_min=round(lo / base_min, 3), reps=reps,
+                     threads=torch.get_num_threads(), fused=int(fused), device=cpu_model(),
+                     torch=torch.__version__, date=stamp)
             )  # fmt: skip
         print()
 

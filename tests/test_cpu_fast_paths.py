@@ -186,12 +186,18 @@ def test_nan_stays_in_its_row():
 
 def test_unsupported_inputs_use_eager_path():
     x = make_x((4, 8))
-    assert not _native.supports(x.to(torch.bfloat16))
     assert not _native.supports(x.t())  # non-contiguous
     assert not _native.supports(x, torch.ones(8, dtype=torch.float64))  # weight dtype differs
-    y = LF.layer_norm(x.to(torch.bfloat16), (8,))
-    yr = layer_norm_reference(x.to(torch.bfloat16).double(), (8,))
-    _close(y, yr, (8e-3, 8e-3), "bfloat16 output")
+    h = x.to(torch.bfloat16)
+    # half x: gains in x's dtype or float32 run the kernels; another half type or float64 do not
+    assert not _native.supports(h, torch.ones(8, dtype=torch.float16))
+    assert not _native.supports(h, torch.ones(8, dtype=torch.float64))
+    assert not _native.supports(h, same=(torch.ones(4, 8),))  # dy must be x's dtype
+    assert not _native.supports(x.to(torch.int32))
+    w = torch.rand(8, dtype=torch.float64).add(0.5).to(torch.float16)
+    y = LF.layer_norm(h, (8,), w)
+    yr = layer_norm_reference(h.double(), (8,), w.double())
+    _close(y, yr, (8e-3, 8e-3), "bfloat16 output, float16 gain")
 
 
 @needs_kernels

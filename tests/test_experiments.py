@@ -215,6 +215,21 @@ def test_run_files_restore_what_they_saved(tmp_path):
     assert dataclasses.replace(files, resume=False).finished() is None
 
 
+def test_paired_comparison_cancels_what_the_seeds_share():
+    # seed-to-seed spread of 1.0 on both sides, but B is 0.5 above A on every seed
+    a, b = [1.0, 2.0, 3.0], [1.5, 2.5, 3.5]
+    kw = {"quantity": "q", "margin": 0.1}
+    assert compare_lower("A", a, "B", b, **kw).status == "inconclusive"
+    paired = compare_lower("A", a, "B", b, paired=True, **kw)
+    assert paired.status == "holds" and "paired by seed" in paired.statistic
+    # differences of varying sign stay inconclusive when paired
+    assert compare_lower("A", a, "B", [2.5, 1.5, 3.5], paired=True, **kw).status == "inconclusive"
+    # unequal seed counts cannot be paired: the unpaired rule applies
+    assert compare_lower("A", a, "B", b[:2], paired=True, **kw) == compare_lower(
+        "A", a, "B", b[:2], **kw
+    )
+
+
 def test_epoch_lower_compares_the_two_models_summaries():
     from layernorm.experiments.analysis.compare import lower
     from layernorm.experiments.analysis.epochs import auc
@@ -226,5 +241,5 @@ def test_epoch_lower_compares_the_two_models_summaries():
     c = lower(recs, auc, "nll", ("LN", {"model": "layer"}), ("BN", {"model": "batch"}), **kw)
     ln, bn = auc(recs, "nll", model="layer"), auc(recs, "nll", model="batch")
     assert ln == [pytest.approx(1.15 + 0.01 * s) for s in range(3)]  # mean over epochs 1 and 2
-    assert c == compare_lower("LN", ln, "BN", bn, **kw)
+    assert c == compare_lower("LN", ln, "BN", bn, paired=True, **kw)  # same seeds: paired
     assert c.status == "holds" and c.statistic.startswith("q: LN 1.16")

@@ -29,6 +29,22 @@ def test_every_field_has_a_rule(kernel):
             assert not a.shape and not a.optional
 
 
+def test_instances_cover_every_float_dtype():
+    """float32/float64 compute in their own type, the half types in float32; the C header names
+    each instance's storage and compute types in its structs."""
+    header = abi.c_header()
+    for dtype, inst in abi.INSTANCES.items():
+        assert inst.compute_dtype == (dtype if dtype in (torch.float32, torch.float64)
+                                      else torch.float32)  # fmt: skip
+        assert f"const {inst.c_type}* x;" in header
+        assert f"int ln_fwd_{inst.suffix}(const ln_fwd_args_{inst.suffix}* a);" in header
+        ln_fwd = abi.BY_NAME["ln_fwd"]
+        assert abi.expected_dtype(ln_fwd.arg("weight").dtype, dtype) == inst.compute_dtype
+        assert abi.expected_dtype(ln_fwd.arg("mean").dtype, dtype) == inst.compute_dtype
+        assert abi.expected_dtype(ln_fwd.arg("y").dtype, dtype) == dtype
+    assert set(abi.INSTANCES) == {torch.float32, torch.float64, torch.bfloat16, torch.float16}
+
+
 @pytest.mark.parametrize("dtype", list(abi.INSTANCES))
 def test_struct_fields_follow_the_description(dtype):
     for kernel in abi.KERNELS:
@@ -63,7 +79,8 @@ def _valid(kernel: abi.Kernel, dtype: torch.dtype, m: int = 3, n: int = 5) -> di
     values: dict = {}
     for a in kernel.args:
         if a.role is not abi.Role.SCALAR:
-            values[a.name] = torch.ones(tuple(sizes[s] for s in a.shape), dtype=dtype)
+            want = abi.expected_dtype(a.dtype, dtype)
+            values[a.name] = torch.ones(tuple(sizes[s] for s in a.shape), dtype=want)
         elif a.dtype is abi.DType.FLOAT:
             values[a.name] = 0.5
         elif a.dtype is abi.DType.FLAG:
@@ -82,6 +99,8 @@ def _perturbations(kernel: abi.Kernel, values: dict):
         if a.role is not abi.Role.SCALAR:
             other = torch.float64 if v.dtype == torch.float32 else torch.float32
             yield f"{a.name} dtype", {**values, a.name: v.to(other)}
+            if v.dtype != values["x"].dtype:  # a compute-type tensor given in x's (half) dtype
+                yield f"{a.name} in x's dtype", {**values, a.name: v.to(values["x"].dtype)}
             yield f"{a.name} short", {**values, a.name: v.reshape(-1)[:-1].clone()}
             yield f"{a.name} 3-D", {**values, a.name: v.reshape(1, *v.shape)}
             yield f"{a.name} meta", {**values, a.name: v.to("meta")}

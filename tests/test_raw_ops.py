@@ -164,8 +164,14 @@ NATIVE_CASES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
                                                  True, False), ValueError, "dy"),
     ("ada_bwd short rstd", lambda: _native.ada_bwd(_x(), _x(), _s(), _s(1), 0.1, 1.0),
      ValueError, "rstd"),
-    ("ada_fwd half x", lambda: _native.ada_fwd(_x(torch.float16), 0.1, 1.0, 1e-5), TypeError,
-     "x"),
+    ("ada_fwd int x", lambda: _native.ada_fwd(_x().to(torch.int32), 0.1, 1.0, 1e-5),
+     TypeError, "x"),
+    ("ln_fwd float16 weight, bfloat16 x",
+     lambda: _native.ln_fwd(_x(torch.bfloat16), _v(dtype=torch.float16), None, 1e-5), TypeError,
+     "weight"),
+    ("ln_bwd float64 mean, float16 x",
+     lambda: _native.ln_bwd(_x(torch.float16), _x(torch.float16), _s(dtype=torch.float64), _s(),
+                            None, False, False, True, False, False), TypeError, "mean"),
 ]  # fmt: skip
 
 

@@ -5,7 +5,7 @@ only the computation's own rounding is measured. With ``u`` the unit roundoff of
 statistics are computed in (float32 for float16/bfloat16 inputs) and ``u_out`` that of the
 result's dtype, an element may differ from the reference by
 
-    |a − r| ≤ K[q] · u · scale_q  +  2·u_out · |r|
+    |a − r| ≤ K[q] · u · scale_q  +  2·u_out · |r|  +  tiny_out
 
 ``scale_q`` is built from the error of x̂ = (x − μ)·rstd, which is at most a few u·(|x̂| + κ):
 a relative part, and an absolute part κ = 1 + |μ|·rstd from a mean kept in the working precision
@@ -19,12 +19,16 @@ Per row (per column for parameter gradients), with g = dy ⊙ w:
     dbias    Σ_rows |dy|
 
 so cancellation in a sum does not turn into a relative error. ``2·u_out·|r|`` is the final
-rounding to the result's dtype; beyond the dtype's range an infinity stands for the largest finite
-value of its sign (and may appear only where the reference, moved by the allowed error, leaves
-the range). ``K[q]`` counts roundings: row sums are blocked (at most BLOCK/LANES + 1 = 17 float32
-adds before a float64 accumulation, see csrc/norms_common.h) and a gradient combines a few of
-them. PyTorch's ATen path, which runs half-precision inputs, sums long rows less carefully, hence
-a larger K there.
+rounding to the result's dtype and ``tiny_out`` its smallest subnormal (results below its
+smallest normal round to a multiple of it: 6e-8 for float16); beyond the dtype's range an
+infinity stands for the largest finite value of its sign (and may appear only where the
+reference, moved by the allowed error, leaves the range). ``K[q]`` counts roundings: row sums are
+blocked (at most BLOCK/LANES + 1 = 17 float32 adds before a float64 accumulation, see
+csrc/norms_common.h) and a gradient combines a few of them. PyTorch's ATen path, which runs
+half-precision inputs where the fused kernels do not (other dtype mixes, no C compiler), sums long
+rows less carefully, hence a larger K there. The fused kernels run a half input as the float32
+kernel on the exactly converted values, rounded once at the end: float32's K (``fused=True``)
+and the final rounding.
 """
 
 from __future__ import annotations
@@ -54,12 +58,21 @@ K = {
 
 
 def bound(
-    quantity: str, in_dtype: torch.dtype, ref: torch.Tensor, scale: torch.Tensor
+    quantity: str,
+    in_dtype: torch.dtype,
+    ref: torch.Tensor,
+    scale: torch.Tensor,
+    fused: bool = False,
 ) -> torch.Tensor:
-    """The largest error the model allows for each element of ``ref`` (float64)."""
+    """The largest error the model allows for each element of ``ref`` (float64); ``fused``: the
+    fused CPU kernels' K, that of the compute dtype."""
     u = UNIT_ROUNDOFF[COMPUTE[in_dtype]]
     u_out = UNIT_ROUNDOFF[in_dtype]
-    return K[in_dtype][quantity] * u * scale + 2 * u_out * ref.abs()
+    k = K[COMPUTE[in_dtype] if fused else in_dtype][quantity]
+    # below the smallest normal the final rounding is absolute: half the subnormal spacing
+    fi = torch.finfo(in_dtype)
+    tiny = fi.tiny * fi.eps  # the smallest subnormal
+    return k * u * scale + 2 * u_out * ref.abs() + tiny
 
 
 def assert_within(
@@ -69,6 +82,7 @@ def assert_within(
     in_dtype: torch.dtype,
     scale: torch.Tensor,
     what: str = "",
+    fused: bool = False,
 ) -> None:
     """Fail with the worst element unless ``actual`` is within :func:`bound` of ``ref``; NaN
     never passes unless the reference is NaN at the same place."""
@@ -80,7 +94,7 @@ def assert_within(
     # appear only where the reference, moved by the allowed error, can leave the range.
     big = torch.finfo(in_dtype).max
     r_in = r.clamp(-big, big)
-    lim = bound(quantity, in_dtype, r_in, scale)
+    lim = bound(quantity, in_dtype, r_in, scale, fused)
     bad_inf = a.isinf() & ~(r.abs() + lim > big)
     assert not bool(bad_inf.any()), f"{what}: overflow where the reference is finite"
     a, r = a.clamp(-big, big), r_in

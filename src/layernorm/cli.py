@@ -7,6 +7,8 @@ Examples::
     layernorm reproduce mnist-ff --quick     # one experiment
     layernorm reproduce --list               # what can be run
     layernorm reproduce --resume             # continue an interrupted run from its checkpoints
+    layernorm reproduce mnist-ff --paper --out docs/results --resume   # paper scale, one at a time
+    layernorm report docs/results            # rebuild docs/results/report.md from the saved data
     layernorm report                         # rebuild results/report.md from the saved data
     layernorm invariances                    # Table 1 of the LN paper, measured
     layernorm bench                          # CPU benchmark tables (benchmarks/bench_norms_cpu.py)
@@ -60,6 +62,26 @@ def _parser() -> argparse.ArgumentParser:
         "on a 2-core CPU; without it, the paper's setting (hours; a GPU helps)",
     )
     r.add_argument(
+        "--paper",
+        action="store_true",
+        help="the paper-scale setting of each experiment (layernorm.experiments.papers): the "
+        "paper's own where it fits 2 CPU cores, otherwise the largest that does, each reduction "
+        "stated in the report; one torch thread per run; checkpoints go to --checkpoints",
+    )
+    r.add_argument(
+        "--checkpoints",
+        type=Path,
+        default=None,
+        help="folder for checkpoints and finished-run files (default: inside --out; with "
+        "--paper: results/checkpoints), so that a published --out holds results only",
+    )
+    r.add_argument(
+        "--no-report",
+        action="store_true",
+        help="save the records, provenance and configuration only; write the report later with "
+        "`layernorm report` (for runs of several experiments side by side)",
+    )
+    r.add_argument(
         "--demo",
         action="store_true",
         help="smoke test of the whole pipeline: the quick setting of a few experiments "
@@ -108,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
         help="rebuild the report from saved results (no training)",
         description="Read <out>/<experiment>/records.json and write report.md and report.html.",
     )
-    rep.add_argument("--out", type=Path, default=Path("results"), help="results directory")
+    rep.add_argument("dir", nargs="?", type=Path, default=None, help="results directory")
+    rep.add_argument("--out", type=Path, default=None, help="results directory (results/)")
 
     inv = sub.add_parser(
         "invariances",
@@ -162,13 +185,16 @@ def _list_experiments() -> str:
     import dataclasses
 
     from .experiments import get, names
+    from .experiments.papers import PAPER_SETTINGS
 
     lines = ["Experiments (run order):", ""]
     for n in names():
         e = get(n)
         fields = ", ".join(f.name for f in dataclasses.fields(e.config(True)))
+        ps = PAPER_SETTINGS.get(n)
+        paper = f"; --paper ~{ps.est_cpu_hours:.2f} CPU-hours" if ps else ""
         lines.append(f"  {n:<15} {e.title}")
-        lines.append(f"  {'':<15} {e.section}; quick budget ~{e.quick_budget_s:.0f} s")
+        lines.append(f"  {'':<15} {e.section}; quick budget ~{e.quick_budget_s:.0f} s{paper}")
         lines.append(f"  {'':<15} settings: {fields}")
     return "\n".join(lines)
 
@@ -192,6 +218,11 @@ def _reproduce(a: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
+    if a.paper and (a.quick or a.demo):
+        raise ValueError("--paper runs the paper-scale settings; leave out --quick and --demo")
+    checkpoints = a.checkpoints
+    if a.paper and checkpoints is None:
+        checkpoints = Path("results") / "checkpoints"
     md = reproduce(
         list(dict.fromkeys(a.names)),
         out=a.out,
@@ -202,8 +233,11 @@ def _reproduce(a: argparse.Namespace) -> int:
         restart_changed=a.restart_changed,
         overrides=a.overrides,
         progress=not a.no_progress,
+        report=not a.no_report,
+        paper=a.paper,
+        checkpoints=checkpoints,
     )
-    if md is not None:
+    if md is not None and not a.no_report:
         _print_summary(a.out)
         print(f"\nReport: {md}  (and {md.with_suffix('.html')}, figures inlined)")
     return 0
@@ -223,6 +257,9 @@ def _print_summary(out: Path) -> None:
 def _report(a: argparse.Namespace) -> int:
     from .experiments.analysis.report import write_report
 
+    if a.dir is not None and a.out is not None and a.dir != a.out:
+        raise ValueError(f"give the results directory once: {a.dir} or --out {a.out}")
+    a.out = a.dir or a.out or Path("results")
     md, html = write_report(a.out)
     _print_summary(a.out)
     print(f"\nReport: {md}  (and {html})")

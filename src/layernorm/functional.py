@@ -2,8 +2,9 @@
 
 Each op normalizes every example over its trailing ``normalized_shape`` dimensions. Inputs of any
 rank and layout are flattened to ``(M, N)`` rows and handed to a custom op with an analytic backward
-(:mod:`layernorm.ops`), which runs on fused C kernels on CPU (float32/float64; PyTorch's ATen ops
-for half types or without a C compiler) and on Triton kernels for CUDA tensors. Under
+(:mod:`layernorm.ops`), which runs on fused C kernels on CPU (float32, float64, and bfloat16/float16
+computed in float32; PyTorch's ATen ops for other dtype mixes or without a C compiler) and on
+Triton kernels for CUDA tensors. Under
 ``torch.func`` derivative transforms and forward-mode AD the differentiable reference
 (:mod:`layernorm.reference`) runs instead. The modules in :mod:`layernorm.modules` wrap these
 functions.

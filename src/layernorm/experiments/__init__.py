@@ -17,11 +17,15 @@ Layout
     models and data used by more than one experiment.
 ``definitions/``
     one module per experiment.
+``papers.py``
+    the papers' side, as data: each experiment's paper-scale setting (``--paper``: what it
+    reduces and its estimated CPU time) and the published numbers the report prints beside ours.
 ``pipeline.py``
     :func:`reproduce`: run, then report.
 
 Imports flow one way: ``pipeline → definitions → models, data → analysis → engine → layernorm``
-(the engine never imports the analysis, and nothing below ``definitions`` imports an experiment).
+(the engine never imports the analysis, and nothing below ``definitions`` imports an experiment);
+``papers`` imports nothing of the package, and the analysis and the pipeline read it.
 
 Adding an experiment
 --------------------
@@ -59,6 +63,11 @@ experiment). The experiment provides:
     Markdown shown in the report before the claims.
 ``quick_budget_s``, ``order``
     the intended quick run time and the position in ``layernorm reproduce``'s run order.
+
+and an entry in :data:`~layernorm.experiments.papers.PAPER_SETTINGS`: the paper's setting, what
+ours reduces, the ``--set`` values that make ``config(False)`` fit the paper-scale budget, and the
+estimated CPU-hours (``benchmarks/paper_budget.py`` times it; regenerate the table in
+``docs/results/README.md`` with :func:`~layernorm.experiments.papers.budget_table`).
 
 The runner saves ``records.json``/``.csv``, ``config.json`` and ``meta.json`` under
 ``<out>/<name>/``; the report (:func:`~layernorm.experiments.analysis.report.write_report`) reads

@@ -9,7 +9,9 @@ from pathlib import Path
 from . import definitions  # noqa: F401  (registers the experiments)
 from .analysis.report import write_report
 from .engine import distributed
+from .engine.registry import names
 from .engine.runner import run_experiments
+from .papers import paper_overrides
 
 __all__ = ["DEMO", "DEMO_SETTINGS", "reproduce"]
 
@@ -37,10 +39,19 @@ def reproduce(
     overrides: Sequence[str] = (),
     progress: bool = True,
     report: bool = True,
+    paper: bool = False,
+    checkpoints: Path | None = None,
+    command: str | None = None,
 ) -> Path | None:
     """Run the experiments ``selected`` (all registered ones when empty), save their records and
-    write the report; returns the path of ``report.md`` (``None`` on non-zero ranks). See
-    :func:`~layernorm.experiments.engine.runner.run_experiments` for the arguments."""
+    write the report; returns the path of ``report.md`` (``None`` on non-zero ranks). ``paper``:
+    the paper settings of :data:`~layernorm.experiments.papers.PAPER_SETTINGS` (``overrides``
+    still win). See :func:`~layernorm.experiments.engine.runner.run_experiments` for the other
+    arguments."""
+    if paper:
+        if quick:
+            raise ValueError("choose --quick or --paper, not both")
+        overrides = [*paper_overrides(list(selected) if selected else names()), *overrides]
     run_experiments(
         selected,
         out=out,
@@ -51,6 +62,9 @@ def reproduce(
         restart_changed=restart_changed,
         overrides=overrides,
         progress=progress,
+        setting="paper" if paper else None,
+        checkpoints=checkpoints,
+        command=command,
     )
     if not distributed.is_main():
         return None

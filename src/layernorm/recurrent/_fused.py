@@ -122,9 +122,9 @@ def _new_bufs(like: Tensor, n_rows: int, spec: dict[str, int]) -> dict[str, Tens
     1/σ) where cols is 0.
 
     The statistics are kept in at least float32: a half-precision 1/σ (up to 1/√eps ≈ 316) would
-    round every normalized value of its row. The layers send only float32/float64 here today
-    (``_FUSED_DTYPES`` in :mod:`.layers`; half inputs run the step-by-step loop), so this matters
-    only to a caller driving the sequence functions directly.
+    round every normalized value of its row. The layers send only float32/float64 here (half
+    inputs are computed in float32, see ``_HALF_DTYPES`` in :mod:`.layers`), so this matters only
+    to a caller driving the sequence functions directly.
     """
     stats = torch.promote_types(like.dtype, torch.float32)
     return {

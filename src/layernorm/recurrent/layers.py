@@ -68,6 +68,9 @@ __all__ = ["LayerNormGRU", "LayerNormLSTM", "LayerNormRNN"]
 
 Impl = Literal["auto", "fused", "loop"]
 _FUSED_DTYPES = (torch.float32, torch.float64)
+# On the CPU, half inputs take the fused path too, computed in float32 (as the norm kernels do)
+# and returned in their own dtype: the step-by-step loop is many times slower.
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
 # The torch layer whose weights each recurrence takes, for ``from_torch``.
 _TORCH_LAYERS: dict[str, type[nn.RNNBase]] = {"RNN": nn.RNN, "LSTM": nn.LSTM, "GRU": nn.GRU}
 
@@ -499,10 +502,13 @@ class _LNRNNBase(NotScriptable, nn.Module):
             return False  # an empty batch: nothing for the fused kernels to do
         if data.dtype in _FUSED_DTYPES:
             return True
+        if data.dtype in _HALF_DTYPES and data.device.type == "cpu":
+            return True
         if self.impl == "fused":
             raise TypeError(
-                f"{type(self).__name__}: impl='fused' runs float32 and float64, got {data.dtype}; "
-                "use impl='auto' (the step-by-step path for other dtypes)"
+                f"{type(self).__name__}: impl='fused' runs float32 and float64 (and half types on "
+                f"the CPU), got {data.dtype} on {data.device.type}; use impl='auto' (the "
+                "step-by-step path for other dtypes)"
             )
         return False
 
@@ -519,6 +525,17 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if masks.w_hh is not None:
             weights = weights._replace(w_hh=weights.w_hh * masks.w_hh)
         if self._use_fused(data):
+            if data.dtype in _HALF_DTYPES:
+                # computed in float32: the parameters are cast (differentiably) inside _fused
+                f32 = torch.float32
+                masks = _options.Masks(*(None if m is None else m.to(f32) for m in masks))
+                out, h_n, c_n = self._fused(
+                    data.to(f32), sizes, sfx, reverse, h0.to(f32),
+                    None if c0 is None else c0.to(f32), weights, masks,
+                )  # fmt: skip
+                c_dtype = data.dtype if c0 is None else c0.dtype
+                return (out.to(data.dtype), h_n.to(h0.dtype),
+                        None if c_n is None else c_n.to(c_dtype))  # fmt: skip
             return self._fused(data, sizes, sfx, reverse, h0, c0, weights, masks)
         return self._loop(data, sizes, sfx, reverse, h0, c0, weights, masks)
 
@@ -544,7 +561,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
             p = self._get(name)
             return None if p is None else p.to(data.dtype).contiguous()
 
-        w_ih, w_hh, b_ih, b_hh = weights
+        # in the compute dtype (float32 for half inputs; a no-op otherwise)
+        w_ih, w_hh, b_ih, b_hh = (None if t is None else t.to(data.dtype) for t in weights)
         ln = self.norm == "layer"
         xp = F.linear(data, w_ih)  # all time steps in one GEMM
         if self.mode == "LSTM":
@@ -560,7 +578,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 gx, h0, c0, w_hh, g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"),
                 g(f"ln_weight_c{sfx}"), g(f"ln_bias_c{sfx}"), sched, self.eps, ln,
                 self.normalize_cell_state and ln, masks.zoneout_h, masks.zoneout_c,
-                masks.candidate, self._get(f"weight_hr{sfx}"),
+                masks.candidate, g(f"weight_hr{sfx}"),
             )  # fmt: skip
             return out, h_n, c_n
         if self.mode == "GRU":

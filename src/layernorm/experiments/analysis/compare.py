@@ -30,7 +30,9 @@ def lower(
 ) -> Comparison:
     """:func:`~layernorm.experiments.analysis.stats.compare_lower` of ``summary(records, metric,
     **where)`` for side A against side B; ``kw`` (``quantity``, ``margin``, ``scale``, ``unit``)
-    goes to ``compare_lower``."""
+    goes to ``compare_lower``. Both sides' runs use the same seeds, so they are compared paired
+    by seed (``paired=False`` in ``kw`` turns that off)."""
+    kw.setdefault("paired", True)
     return compare_lower(a[0], summary(records, metric, **a[1]),
                          b[0], summary(records, metric, **b[1]), **kw)  # fmt: skip
 
@@ -42,6 +44,7 @@ def lower_per_second(
     runs (see :func:`~layernorm.experiments.analysis.curves.common_time`). ``quantity`` may hold
     ``{t}``, filled with ``t`` in seconds."""
     t = common_time(records, [a[1], b[1]])
+    kw.setdefault("paired", True)
     return compare_lower(a[0], at_time(records, metric, t, **a[1]),
                          b[0], at_time(records, metric, t, **b[1]),
                          quantity=quantity.format(t=t), **kw)  # fmt: skip

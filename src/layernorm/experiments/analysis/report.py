@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 import re
 import warnings
 from collections.abc import Sequence
@@ -18,8 +19,10 @@ from typing import Any
 
 from ..engine.io import atomic_write_bytes, read_json
 from ..engine.registry import Experiment, Verdict, config_from_json, get, names
+from ..papers import PAPER_SETTINGS, Reference, references_for
+from .stats import mean_sd
 
-__all__ = ["ExperimentResult", "load_results", "write_report"]
+__all__ = ["ExperimentResult", "load_results", "reference_rows", "write_report"]
 
 _MARK = {
     "holds": "✅ holds",
@@ -155,11 +158,15 @@ _HOW_TO_READ = (
     "seeds), and a claim that one model is lower **holds** when the difference of the means is "
     "larger than both 2 standard errors and a minimum size that matters; it **does not hold** "
     "when the difference is clearly the other way, or measurably smaller than that minimum; it "
-    "is **inconclusive** when the seed-to-seed noise is too large to tell. A claim that a change "
+    "is **inconclusive** when the seed-to-seed noise is too large to tell. Models trained with "
+    "the same seeds see the same data in the same order, so they are compared paired by seed "
+    "(the standard error is that of the per-seed differences). A claim that a change "
     'costs nothing ("not worse") holds when even the pessimistic end, the difference minus 2 '
     "standard errors, stays within the margin. A verdict is about this run, at this size: the "
-    "quick setting trains small models for minutes, so a claim that does not hold here is not "
-    "refuted for the paper's models, only not shown at this scale."
+    "quick setting trains small models for minutes, so a claim that does not hold there is not "
+    "refuted for the paper's models, only not shown at that scale; the paper setting states "
+    "next to each experiment what it reduces, and a claim that does not hold there does not "
+    "hold at that scale."
 )
 
 
@@ -168,10 +175,84 @@ def _tally(results: Sequence[ExperimentResult]) -> str:
     for res in results:
         for v in res.verdicts:
             counts[v.status] += 1
-    settings = {"quick" if r.meta.get("quick") else "full" for r in results}
+    settings = {_setting(r.meta) for r in results}
     return (f"{sum(counts.values())} claims in {len(results)} experiment(s), "
             f"{' and '.join(sorted(settings))} setting: "
             + ", ".join(f"{n} {_MARK[s]}" for s, n in counts.items()) + ".")  # fmt: skip
+
+
+def _setting(meta: dict[str, Any]) -> str:
+    """``quick``, ``full`` or ``paper`` (metadata written before the label existed: from
+    ``quick``)."""
+    return str(meta.get("setting") or ("quick" if meta.get("quick") else "full"))
+
+
+def _final_per_seed(records: Sequence[dict[str, Any]], ref: Reference) -> list[float]:
+    """Per seed, ``ref.metric`` at the last epoch or evaluation of the runs ``ref.where`` selects,
+    in the published quantity's units (NaN for a run that diverged)."""
+    last: dict[Any, dict[str, Any]] = {}
+    for r in records:
+        if ref.metric not in r or any(r.get(k) != v for k, v in ref.where.items()):
+            continue
+        when = (int(r.get("epoch", 0)), int(r.get("step", 0)))
+        s = r.get("seed")
+        if s not in last or when >= last[s]["_when"]:
+            last[s] = {**r, "_when": when}
+    out = []
+    for s in sorted(last, key=str):
+        v = math.nan if last[s].get("diverged") else float(last[s][ref.metric])
+        out.append(100.0 * (1.0 - v) if ref.transform == "acc%" else v)
+    return out
+
+
+def reference_rows(name: str, records: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One row per published number of :data:`~layernorm.experiments.papers.REFERENCES` for
+    experiment ``name``: the paper's value, ours (mean ± sd over seeds) and ours − theirs."""
+    rows = []
+    for ref in references_for(name):
+        theirs = "curves only" if ref.value is None else f"{ref.value:.4g}"
+        vals = _final_per_seed(records, ref) if ref.metric else []
+        if not vals:
+            ours, diff = "—", "—"
+        elif not all(math.isfinite(v) for v in vals):
+            ours, diff = "diverged", "—"
+        else:
+            mu, sd = mean_sd(vals)
+            ours = f"{mu:.4g} ± {sd:.2g} ({len(vals)} seeds)"
+            diff = "—" if ref.value is None else f"{mu - ref.value:+.3g}"
+            if ref.value is not None and not ref.comparable:
+                diff += " (other data or model: context, not a test)"
+        rows.append([ref.quantity, ref.label, theirs, ours, diff, ref.source])
+    return rows
+
+
+def _paper_blocks(name: str, meta: dict[str, Any]) -> list[Block]:
+    """The paper's setting and what ours reduces, for a run of the paper setting."""
+    ps = PAPER_SETTINGS.get(name)
+    if ps is None or _setting(meta) != "paper":
+        return []
+    cut = "; ".join(ps.reductions) if ps.reductions else "none: the paper's own setting"
+    return [("p", f"**The paper's setting.** {ps.paper}."), ("p", f"**Ours reduces.** {cut}.")]
+
+
+def _provenance_text(prov: dict[str, Any]) -> str:
+    cpu = prov.get("processor", {})
+    return (f"Run by `{prov.get('command')}` at commit `{prov.get('git_commit')}` on "
+            f"{cpu.get('model', '?')} ({cpu.get('isa', '?')}, {cpu.get('cpus', '?')} CPUs), "
+            f"{prov.get('threads')} thread(s), python {prov.get('python')}, torch "
+            f"{prov.get('torch')}; wall time {prov.get('wall_seconds')} s; load average "
+            f"(1, 5, 15 min) {prov.get('load_average_start')} at the start, "
+            f"{prov.get('load_average_end')} at the end (other work on the machine)"
+            + _sessions_text(prov) + ".")  # fmt: skip
+
+
+def _sessions_text(prov: dict[str, Any]) -> str:
+    earlier = prov.get("earlier_sessions") or []
+    if not earlier:
+        return ""
+    total = sum(float(p.get("wall_seconds") or 0) for p in [*earlier, prov])
+    return (f"; resumed: {len(earlier)} earlier session(s), {total:.0f} s of wall time in all "
+            f"(see provenance.json)")  # fmt: skip
 
 
 def verdict_rows(results: Sequence[ExperimentResult]) -> list[list[str]]:
@@ -219,7 +300,7 @@ def write_report(out: Path) -> tuple[Path, Path]:
     for res in results:
         exp, meta = res.exp, res.meta
         blocks.append(("h2", f"`{exp.name}`: {exp.title}"))
-        setting = "quick" if meta.get("quick") else "full"
+        setting = _setting(meta)
         blocks.append(
             (
                 "p",
@@ -229,8 +310,23 @@ def write_report(out: Path) -> tuple[Path, Path]:
                 f"{meta.get('seconds', '?')} s, {meta.get('date', '?')}.",
             )
         )
+        prov_file = out / exp.name / "provenance.json"
+        if prov_file.exists():
+            blocks.append(("p", _provenance_text(read_json(prov_file))))
+        blocks += _paper_blocks(exp.name, meta)
         cfg_txt = ", ".join(f"{k}={v}" for k, v in vars(res.config).items())
         blocks.append(("p", f"Configuration: `{cfg_txt}`."))
+        refs = reference_rows(exp.name, res.records)
+        if refs:
+            blocks.append(
+                (
+                    "p",
+                    "**The papers' numbers beside ours** (ours: the last epoch or "
+                    "evaluation, mean ± sd over seeds; difference: ours − theirs).",
+                )
+            )
+            blocks.append(("table", (["quantity", "model", "paper", "ours", "difference",
+                                      "source"], refs)))  # fmt: skip
         if exp.tables is not None:
             blocks.append(("md", exp.tables(res.records, res.config)))
         for png in exp.plot(res.records, res.config, fig_dir):

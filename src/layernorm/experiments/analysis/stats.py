@@ -2,7 +2,10 @@
 
 :func:`compare_lower` decides whether quantity A is lower than quantity B from their values over
 seeds. Let ``d = mean(B) − mean(A)`` and ``se = sqrt(sd_A²/n_A + sd_B²/n_B)`` (sample standard
-deviations; ``se = 0`` with a single seed). Then
+deviations; ``se = 0`` with a single seed), or, for runs **paired by seed** (the same seed gives
+both models the same data order and evaluation batches), ``se = sd(B_i − A_i)/sqrt(n)``: what
+the seeds share cancels, so a consistent difference is told apart from noise with few seeds.
+Then
 
 * **holds** when ``d > z·se`` *and* ``d > margin`` (the effect is both outside the seed-to-seed
   noise and larger than a minimum size that matters);
@@ -44,8 +47,13 @@ class Comparison:
     difference: float
 
 
-def _standard_error(a: Sequence[float], b: Sequence[float]) -> float:
-    """Standard error of ``mean(B) − mean(A)`` from the two samples' standard deviations."""
+def _standard_error(a: Sequence[float], b: Sequence[float], paired: bool = False) -> float:
+    """Standard error of ``mean(B) − mean(A)``: from the per-seed differences when ``paired``
+    (and there are as many values on both sides, at least two), otherwise from the two
+    samples' standard deviations."""
+    if paired and len(a) == len(b) >= 2:
+        _, sd = mean_sd([y - x for x, y in zip(a, b, strict=True)])
+        return sd / math.sqrt(len(a))
     _, sa = mean_sd(a)
     _, sb = mean_sd(b)
     return math.sqrt(sa**2 / len(a) + sb**2 / len(b))
@@ -66,6 +74,7 @@ def compare_lower(
     z: float = 2.0,
     scale: float = 1.0,
     unit: str = "",
+    paired: bool = False,
 ) -> Comparison:
     """Is ``quantity`` lower for A than for B? See the module docstring for the rule.
 
@@ -76,6 +85,8 @@ def compare_lower(
         margin: the smallest difference that counts, in the values' units.
         z: how many standard errors the difference must clear.
         scale, unit: display only (e.g. ``100`` and ``"%"`` for error rates).
+        paired: ``a[i]`` and ``b[i]`` come from runs with the same seed (see the module
+            docstring); the standard error is then that of the per-seed differences.
     """
     if not a or not b:
         raise ValueError(f"compare_lower: no values for {label_a if not a else label_b}")
@@ -89,7 +100,8 @@ def compare_lower(
     ma, sa = mean_sd(a)
     mb, sb = mean_sd(b)
     d = mb - ma
-    se = _standard_error(a, b)
+    pairs = paired and len(a) == len(b) >= 2
+    se = _standard_error(a, b, pairs)
     if d > z * se and d > margin:
         status = "holds"
     elif (d < -z * se and -d > margin) or (abs(d) <= margin and z * se <= margin):
@@ -105,6 +117,7 @@ def compare_lower(
         f"{quantity}: {label_a} {_fmt(ma, scale, unit)} ± {_fmt(sa, scale, unit)} vs "
         f"{label_b} {_fmt(mb, scale, unit)} ± {_fmt(sb, scale, unit)} (mean ± sd over {n}); "
         f"{label_b} − {label_a} = {_fmt(d, scale, unit)}, {z:g}·SE = {_fmt(z * se, scale, unit)}"
+        + (" (SE of the per-seed differences, runs paired by seed)" if pairs else "")
     )
     rule = (
         f"holds if {label_b} − {label_a} > {z:g}·SE and > {_fmt(margin, scale, unit)}; does not "
@@ -125,6 +138,7 @@ def compare_not_worse(
     z: float = 2.0,
     scale: float = 1.0,
     unit: str = "",
+    paired: bool = False,
 ) -> Comparison:
     """Is A **not worse** (not higher) than B, within ``margin``? A non-inferiority test.
 
@@ -134,10 +148,10 @@ def compare_not_worse(
     worse); **inconclusive** otherwise. The statistic text is :func:`compare_lower`'s.
     """
     base = compare_lower(label_a, a, label_b, b, quantity=quantity, margin=margin, z=z,
-                         scale=scale, unit=unit)  # fmt: skip
+                         scale=scale, unit=unit, paired=paired)  # fmt: skip
     if not math.isfinite(base.difference):
         return base
-    d, se = base.difference, _standard_error(a, b)
+    d, se = base.difference, _standard_error(a, b, paired and len(a) == len(b) >= 2)
     if d - z * se > -margin:
         status = "holds"
     elif d + z * se < -margin:

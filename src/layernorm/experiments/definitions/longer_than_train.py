@@ -130,11 +130,11 @@ def verdicts(records: Sequence[Record], cfg: LongerConfig) -> list[Verdict]:
             "LN past T", final(records, "bpc_beyond", model="layer"),
             "LN on [T/2, T)", final(records, "bpc_half_1", model="layer"),
             quantity=f"final BPC on positions ≥ T = {cfg.train_len} vs on [T/2, T)",
-            margin=margin)),
+            margin=margin, paired=True)),
         claim("longer-vs-bn", cfg.norms, ["layer", "batch"], lambda: compare_lower(
             "LN", _degradation(records, "layer"), "BN", _degradation(records, "batch"),
             quantity="rise of the BPC from positions [T/2, T) to positions ≥ T (final models)",
-            margin=margin)),
+            margin=margin, paired=True)),
     ]  # fmt: skip
 
 

@@ -130,7 +130,7 @@ def verdicts(records: Sequence[Record], cfg: MnistFFConfig) -> list[Verdict]:
         return verdict("ff-robust", compare_lower(
             "LN", degradation("layer"), "BN", degradation("batch"),
             quantity=f"rise of the late test error from batch {big} to batch {small}",
-            margin=0.002, scale=100, unit=" pp"))  # fmt: skip
+            margin=0.002, scale=100, unit=" pp", paired=True))  # fmt: skip
 
     # `missing or verdict(...)`: the comparison is computed only when nothing is missing
     return [

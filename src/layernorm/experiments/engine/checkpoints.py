@@ -64,8 +64,8 @@ class RunFiles:
 
     @classmethod
     def of(cls, ctx: RunContext, run_id: str) -> RunFiles:
-        """The files of run ``run_id`` under ``ctx.out_dir``."""
-        out = ctx.out_dir
+        """The files of run ``run_id`` under ``ctx.ckpt_dir`` (default ``ctx.out_dir``)."""
+        out = ctx.ckpt_dir if ctx.ckpt_dir is not None else ctx.out_dir
         return cls(out / "runs" / f"{run_id}.json", out / "ckpt" / f"{run_id}.pt", ctx.resume,
                    ctx.identity)  # fmt: skip
 

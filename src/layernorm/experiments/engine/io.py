@@ -92,12 +92,14 @@ _held: dict[Path, tuple[int, int]] = {}  # folder → (lock file descriptor, nes
 
 
 @contextlib.contextmanager
-def lock_folder(folder: Path) -> Iterator[None]:
+def lock_folder(folder: Path, shared: bool = False) -> Iterator[None]:
     """Hold an exclusive lock on ``folder`` (``fcntl.flock`` on ``folder/.lock``, which records
     the holder's pid and command) for the duration; re-entrant within a process. The operating
     system drops the lock when the holder exits, however it exits, so a killed run never leaves
     a stale lock. A second process fails at once with :class:`FolderInUseError` naming the
-    holder."""
+    holder. ``shared``: a shared lock instead, which any number of processes can hold together
+    but not beside an exclusive one (runs of different experiments into one results folder each
+    hold it shared, and their own experiment's folder exclusively)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     key = folder.resolve()
@@ -111,7 +113,7 @@ def lock_folder(folder: Path) -> Iterator[None]:
         return
     fd = os.open(key / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
         os.close(fd)
@@ -119,14 +121,16 @@ def lock_folder(folder: Path) -> Iterator[None]:
             f"results folder {folder} is in use by another run ({holder}); wait for it to "
             f"finish or choose another --out"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)}\n".encode(), 0)
+    if not shared:  # shared holders leave the file alone: it names the exclusive one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)}\n".encode(), 0)
     _held[key] = (fd, 1)
     try:
         yield
     finally:
         del _held[key]
-        os.ftruncate(fd, 0)
+        if not shared:
+            os.ftruncate(fd, 0)
         os.close(fd)  # closing the descriptor releases the lock
 
 

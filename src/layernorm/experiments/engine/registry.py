@@ -135,6 +135,7 @@ class RunContext:
         progress: show progress bars.
         identity: the settings the run's files are made with and checked against on resume
             (``None``: not checked; the runner always sets it).
+        ckpt_dir: where the checkpoints and finished-run files go (``None``: ``out_dir``).
     """
 
     out_dir: Path
@@ -144,6 +145,7 @@ class RunContext:
     resume: bool = False
     progress: bool = True
     identity: RunIdentity | None = None
+    ckpt_dir: Path | None = None
 
     def run_seed(self, index: int) -> int:
         """The seed of run ``index`` of an experiment's seed loop: ``seed · 1000 + index``, so the

@@ -5,12 +5,19 @@ Layout of ``--out`` (default ``results/``)::
     results/
       report.md, report.html      drawn from the saved records (``layernorm report``)
       figures/*.png
-      .lock                       held by the run writing here (its pid and command inside)
+      .lock                       held shared by every run writing here (exclusively by a
+                                  process that needs the folder to itself)
+      .locks/<experiment>/.lock   held by the run of that experiment (its pid and command)
       <experiment>/
         config.json               the settings the records belong to and their id (hash)
-        meta.json                 seed, quick, device, versions, date, seconds
+        meta.json                 seed, setting, device, versions, date, seconds
+        provenance.json           command, commit, versions, processor and ISA, threads, wall
+                                  time, load average at the start and the end
+        figures/*.png             the experiment's figures, drawn from its records
         records.json, records.csv tidy results, one row per measurement
-        ckpt/, runs/              per-run checkpoints and finished-run records (for --resume)
+        ckpt/, runs/              per-run checkpoints and finished-run records (for --resume);
+                                  with ``checkpoints`` set, under ``<checkpoints>/<experiment>/
+                                  <settings id>/`` instead, so that ``out`` holds only results
       <experiment>.<id>/          an earlier run with other settings, moved aside by a new one
 """
 
@@ -24,6 +31,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,8 +42,10 @@ from ... import __version__
 from . import distributed
 from .checkpoints import SettingsMismatchError
 from .io import lock_folder, read_json, remove_partial_writes, save_records, write_json
+from .provenance import load_average, provenance
 from .registry import (
     Experiment,
+    Record,
     RunContext,
     RunIdentity,
     apply_overrides,
@@ -168,6 +178,29 @@ def prepare_folder(
     )
 
 
+def _figures(exp: Experiment, cfg: Any, records: list[Record], fig_dir: Path) -> None:
+    """The experiment's figures beside its records (the report draws its own copy too), so that
+    a published experiment folder is complete on its own. A figure that fails to draw is
+    reported, not fatal: the records are already saved."""
+    try:
+        exp.plot(records, cfg, fig_dir)
+    except Exception as e:  # plotting is never worth losing a finished run over
+        warnings.warn(f"[{exp.name}] figures not drawn: {type(e).__name__}: {e}", stacklevel=2)
+
+
+def _earlier_sessions(path: Path, settings_id: str) -> list[dict[str, Any]]:
+    """The sessions of the same run recorded in ``path`` before this one (a resumed run keeps the
+    command, machine and wall time of every session that produced its records)."""
+    try:
+        old = read_json(path)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict) or old.get("settings_id") != settings_id:
+        return []
+    earlier = old.pop("earlier_sessions", [])
+    return [*earlier, old] if isinstance(earlier, list) else [old]
+
+
 def run_experiments(
     selected: Sequence[str] | None = None,
     *,
@@ -179,13 +212,23 @@ def run_experiments(
     restart_changed: bool = False,
     overrides: Sequence[str] = (),
     progress: bool = True,
+    setting: str | None = None,
+    checkpoints: Path | None = None,
+    command: str | None = None,
 ) -> None:
     """Run the experiments ``selected`` (all registered ones when empty) and save their records,
     configurations and metadata under ``out/<name>/`` (on rank 0 only).
 
     ``resume`` continues from the checkpoints of an earlier run with the same settings (see
-    :func:`prepare_folder` for other settings and ``restart_changed``). The results folder is
-    locked for the duration: a second run into it fails at once, naming the first."""
+    :func:`prepare_folder` for other settings and ``restart_changed``). Each experiment's folder
+    is locked for the duration: a second run of the same experiment into ``out`` fails at once,
+    naming the first, while runs of different experiments may share ``out``.
+
+    ``setting`` names the configuration in the saved metadata (default ``"quick"`` or
+    ``"full"``; ``"paper"`` for :data:`~layernorm.experiments.papers.PAPER_SETTINGS`).
+    ``checkpoints``: a folder for the checkpoints and finished-run files instead of ``out``
+    (keeps a published results folder free of them). ``command``: the command line recorded in
+    ``provenance.json`` (default: this process's arguments)."""
     chosen = list(selected) if selected else names()
     exps = [get(n) for n in chosen]
     per_exp = parse_overrides(overrides, chosen)
@@ -194,9 +237,13 @@ def run_experiments(
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     configs = [apply_overrides(exp.config(quick), per_exp[exp.name]) for exp in exps]
     distributed.init_from_env(dev)
-    with lock_folder(out) if distributed.is_main() else contextlib.nullcontext():
+    label = setting or ("quick" if quick else "full")
+    main = distributed.is_main()
+    with lock_folder(out, shared=True) if main else contextlib.nullcontext():
         for exp, cfg in zip(exps, configs, strict=True):
-            _run_one(exp, cfg, out / exp.name, dev, seed, quick, resume, restart_changed, progress)
+            with lock_folder(out / ".locks" / exp.name) if main else contextlib.nullcontext():
+                _run_one(exp, cfg, out / exp.name, dev, seed, quick, resume, restart_changed,
+                         progress, label, checkpoints, command)  # fmt: skip
     distributed.barrier()
 
 
@@ -210,25 +257,39 @@ def _run_one(
     resume: bool,
     restart_changed: bool,
     progress: bool,
+    setting: str,
+    checkpoints: Path | None,
+    command: str | None,
 ) -> None:
     identity = run_identity(exp.name, quick, seed, cfg)
+    # one folder per settings id: checkpoints of other settings are kept, never mixed in
+    ckpt_dir = checkpoints / exp.name / identity.id if checkpoints is not None else None
     if distributed.is_main():
         prepare_folder(exp_dir, identity, resume, restart_changed)
     distributed.barrier()
     ctx = RunContext(exp_dir, dev, seed=seed, quick=quick, resume=resume, progress=progress,
-                     identity=identity)  # fmt: skip
-    _log(f"[{exp.name}] {exp.title} ({'quick' if quick else 'full'} setting, device {dev})")
+                     identity=identity, ckpt_dir=ckpt_dir)  # fmt: skip
+    _log(f"[{exp.name}] {exp.title} ({setting} setting, device {dev})")
+    threads = getattr(cfg, "threads", 0) or torch.get_num_threads()
+    prov = provenance(threads, command)
     t0 = time.perf_counter()
     records = exp.run(cfg, ctx)
     seconds = time.perf_counter() - t0
-    threads = getattr(cfg, "threads", 0) or torch.get_num_threads()
     if distributed.is_main():
         save_records(exp_dir, records)
+        prov |= {"wall_seconds": round(seconds, 2), "load_average_end": load_average(),
+                 "resumed": resume, "setting": setting, "settings_id": identity.id}  # fmt: skip
+        # a resumed run's records come from every session; a fresh one's from this one alone
+        earlier = _earlier_sessions(exp_dir / "provenance.json", identity.id) if resume else []
+        prov["earlier_sessions"] = earlier
+        write_json(exp_dir / "provenance.json", prov)
+        _figures(exp, cfg, records, exp_dir / "figures")
         write_json(
             exp_dir / "meta.json",
             {
                 "experiment": exp.name,
                 "quick": quick,
+                "setting": setting,
                 "seed": seed,
                 "settings_id": identity.id,
                 "device": str(dev),

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from .checkpoints import RunFiles, checkpoint_written
 from .registry import Record, RunContext
-from .training import torch_threads
+from .training import make_adam, torch_threads
 
 __all__ = ["StepSettings", "StepSpec", "train_grid", "train_steps"]
 
@@ -100,7 +100,7 @@ def train_steps(
 
     torch.manual_seed(spec.seed)
     model = build().to(ctx.device)
-    opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
+    opt = make_adam(model, spec.lr)
     gen = torch.Generator().manual_seed(spec.seed)
     state, history = files.restore(model, opt, gen, "sample_rng")
     step, seconds = int(state.get("step", 0)), float(state.get("seconds", 0.0))

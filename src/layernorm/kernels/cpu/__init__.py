@@ -1,6 +1,8 @@
 """CPU backend (any device without Triton).
 
-float32/float64 CPU tensors run fused one-pass C kernels (``csrc/norms.c``, built on first use by
-:mod:`._native`); half types, other devices and ``LAYERNORM_CPU_COMPILE=0`` run compositions of
-PyTorch's native ATen ops, which are always available and serve as the fallback.
+float32, float64, bfloat16 and float16 CPU tensors run fused C kernels (``csrc/norms.c``, built on
+first use by :mod:`._native`; the half types compute in float32, with gains and biases in the
+input's dtype or float32). Other dtype combinations, other devices and ``LAYERNORM_CPU_COMPILE=0``
+run compositions of PyTorch's native ATen ops, which are always available and serve as the
+fallback.
 """

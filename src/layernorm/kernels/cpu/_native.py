@@ -1,6 +1,9 @@
 """Load and call the fused C kernels of ``csrc/norms.c`` (built and cached by :mod:`.cbuild`).
 
-Each kernel takes one pointer to its argument struct (:mod:`.abi` describes every field). Every
+Each kernel takes one pointer to its argument struct (:mod:`.abi` describes every field), for
+float32, float64, bfloat16 and float16 ``x``; the half types compute in float32, with float32
+statistics and parameters (a half gain or bias is converted here, and its gradient converted
+back to the gain's dtype). Every
 call first checks each tensor's dtype, device, layout and shape and each scalar's range against
 that description (:func:`.abi.check_call`), so C never sees a pointer to too little memory. Set
 ``LAYERNORM_CPU_COMPILE=0`` to use the eager ATen compositions instead. If the compiler is missing
@@ -41,8 +44,8 @@ def _library() -> ctypes.CDLL | None:
     try:
         lib = cache.load_library(_build)  # checked, and rebuilt once if damaged
         for kernel in abi.KERNELS:
-            for dtype, (_, suffix) in abi.INSTANCES.items():
-                fn = getattr(lib, f"{kernel.name}_{suffix}")
+            for dtype, inst in abi.INSTANCES.items():
+                fn = getattr(lib, f"{kernel.name}_{inst.suffix}")
                 fn.restype = ctypes.c_int
                 fn.argtypes = (ctypes.POINTER(abi.structure(kernel, dtype)),)
                 _FNS[kernel.name, dtype] = fn
@@ -64,17 +67,41 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0" and _library() is not None
 
 
-def supports(x: Tensor, *params: Tensor | None) -> bool:
-    """Whether the fused kernels take these tensors: contiguous float32/float64 on the CPU, the
-    params (``None`` allowed) in x's dtype. Called on every op, so only cheap attribute checks.
-    """
+def supports(x: Tensor, *params: Tensor | None, same: tuple[Tensor, ...] = ()) -> bool:
+    """Whether the fused kernels take these tensors: contiguous CPU tensors, ``x`` float32,
+    float64, bfloat16 or float16, the ``same`` tensors (incoming gradients) in x's dtype, the
+    params (gains, biases; ``None`` allowed) in x's dtype or in its compute dtype (float32 gains
+    with half activations, as under autocast). Called on every op, so only cheap attribute
+    checks."""
     dt = x.dtype
-    if dt not in abi.INSTANCES or not x.is_cpu or not x.is_contiguous():
+    inst = abi.INSTANCES.get(dt)
+    if inst is None or not x.is_cpu or not x.is_contiguous():
         return False
+    for t in same:
+        if t.dtype is not dt or not t.is_cpu or not t.is_contiguous():
+            return False
+    cdt = inst.compute_dtype
     for p in params:
-        if p is not None and (p.dtype is not dt or not p.is_cpu or not p.is_contiguous()):
+        if p is not None and (
+            (p.dtype is not dt and p.dtype is not cdt) or not p.is_cpu or not p.is_contiguous()
+        ):
             return False
     return enabled()
+
+
+def _compute(p: Tensor | None, x: Tensor) -> Tensor | None:
+    """A half gain or bias of half ``x`` in float32, the kernels' compute dtype; anything else as
+    it is (the argument checks refuse a dtype the kernels do not take)."""
+    if p is None or p.dtype is not x.dtype:
+        return p
+    cdt = abi.INSTANCES[x.dtype].compute_dtype
+    return p if p.dtype is cdt else p.to(cdt)
+
+
+def _stats(x: Tensor, m: int) -> Tensor:
+    """m elements in x's compute dtype (x's own where x has no instance: the checks refuse it)."""
+    inst = abi.INSTANCES.get(x.dtype)
+    return x.new_empty(m, dtype=x.dtype if inst is None else inst.compute_dtype)
 
 
 def _threads(m: int, n: int) -> int:
@@ -99,9 +126,9 @@ def ln_fwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     m, n = x.shape
     y = torch.empty_like(x)
-    mean, rstd = x.new_empty(m), x.new_empty(m)
-    _call("ln_fwd", x=x, weight=weight, bias=bias, y=y, mean=mean, rstd=rstd, eps=eps,
-          threads=_threads(m, n))  # fmt: skip
+    mean, rstd = _stats(x, m), _stats(x, m)
+    _call("ln_fwd", x=x, weight=_compute(weight, x), bias=_compute(bias, x), y=y, mean=mean,
+          rstd=rstd, eps=eps, threads=_threads(m, n))  # fmt: skip
     return y, mean, rstd
 
 
@@ -117,20 +144,25 @@ def ln_bwd(
     need_dw: bool,
     need_db: bool,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dx, dweight, dbias)``: ``dweight`` in the weight's dtype, ``dbias`` in the compute
+    dtype (the caller casts it to the bias's)."""
     m, n = x.shape
     dx = torch.empty_like(x) if need_dx else None
-    dw = x.new_empty(n) if need_dw else None
-    db = x.new_empty(n) if need_db else None
-    _call("ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=weight, dx=dx, dweight=dw,
-          dbias=db, detach_mean=int(detach_mean), detach_std=int(detach_std),
+    dw = _stats(x, n) if need_dw else None
+    db = _stats(x, n) if need_db else None
+    _call("ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=_compute(weight, x), dx=dx,
+          dweight=dw, dbias=db, detach_mean=int(detach_mean), detach_std=int(detach_std),
           threads=_threads(m, n))  # fmt: skip
+    if dw is not None and weight is not None:
+        dw = dw.to(weight.dtype)
     return dx, dw, db
 
 
 def rms_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     m, n = x.shape
-    y, rstd = torch.empty_like(x), x.new_empty(m)
-    _call("rms_fwd", x=x, weight=weight, y=y, rstd=rstd, eps=eps, threads=_threads(m, n))
+    y, rstd = torch.empty_like(x), _stats(x, m)
+    _call("rms_fwd", x=x, weight=_compute(weight, x), y=y, rstd=rstd, eps=eps,
+          threads=_threads(m, n))  # fmt: skip
     return y, rstd
 
 
@@ -139,16 +171,18 @@ def rms_bwd(
 ) -> tuple[Tensor | None, Tensor | None]:
     m, n = x.shape
     dx = torch.empty_like(x) if need_dx else None
-    dw = x.new_empty(n) if need_dw else None
-    _call("rms_bwd", dy=dy, x=x, rstd=rstd, weight=weight, dx=dx, dweight=dw,
+    dw = _stats(x, n) if need_dw else None
+    _call("rms_bwd", dy=dy, x=x, rstd=rstd, weight=_compute(weight, x), dx=dx, dweight=dw,
           threads=_threads(m, n))  # fmt: skip
+    if dw is not None and weight is not None:
+        dw = dw.to(weight.dtype)
     return dx, dw
 
 
 def ada_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     m, n = x.shape
     z = torch.empty_like(x)
-    mean, rstd = x.new_empty(m), x.new_empty(m)
+    mean, rstd = _stats(x, m), _stats(x, m)
     _call("ada_fwd", x=x, z=z, mean=mean, rstd=rstd, eps=eps, k=k, scale=scale,
           threads=_threads(m, n))  # fmt: skip
     return z, mean, rstd
@@ -160,3 +194,12 @@ def ada_bwd(dz: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, k: float, scale: 
     _call("ada_bwd", dz=dz, x=x, mean=mean, rstd=rstd, dx=dx, k=k, scale=scale,
           threads=_threads(m, n))  # fmt: skip
     return dx
+
+
+def cvt(x: Tensor, yf: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x in the compute dtype, yf rounded to x's dtype)`` by the kernels' own conversions
+    (tests check them against torch's casts)."""
+    xf = _stats(x, x.numel()).view(x.shape)
+    y = torch.empty_like(x)
+    _call("cvt", x=x, xf=xf, yf=yf, y=y)
+    return xf, y

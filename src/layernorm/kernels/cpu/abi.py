@@ -11,9 +11,11 @@ may be ``NULL``. From that one list come
 * the checks run before C sees a pointer (:func:`check_call`): dtype, device, contiguity and
   shape of every tensor, finiteness and range of every scalar.
 
-The kernels exist for ``float`` (symbol suffix ``f32``) and ``double`` (``f64``); ``scalar_t`` in a
-C type stands for the instantiated type. Run ``python -m layernorm.kernels.cpu.abi`` to rewrite
-the header after changing :data:`KERNELS`.
+The kernels exist for ``float`` (symbol suffix ``f32``), ``double`` (``f64``), bfloat16 (``bf16``)
+and float16 (``f16``); :data:`INSTANCES` gives each one's storage type (``scalar_t``: the type of
+``x`` and of every tensor of its shape) and compute type (``compute_t``: the arithmetic, the
+statistics and the parameters, float32 for the half types). Run
+``python -m layernorm.kernels.cpu.abi`` to rewrite the header after changing :data:`KERNELS`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,11 +34,30 @@ from torch import Tensor
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 HEADER_NAME = "layernorm_cpu_abi.h"
 
-#: torch dtype -> (C type of scalar_t, symbol suffix)
-INSTANCES: dict[torch.dtype, tuple[str, str]] = {
-    torch.float32: ("float", "f32"),
-    torch.float64: ("double", "f64"),
+
+class Instance(NamedTuple):
+    """One instantiation of the kernels: what ``scalar_t`` and ``compute_t`` are in C."""
+
+    c_type: str  # storage type of x (and of every (M, N) tensor)
+    suffix: str  # symbol suffix: ln_fwd_<suffix>
+    compute: str  # C type of the arithmetic, the statistics and the parameters
+    compute_dtype: torch.dtype  # the same, as a torch dtype
+
+
+#: torch dtype -> its instance. The half types are 16-bit patterns in C (``ln_bf16_t``,
+#: ``ln_f16_t``: typedefs of ``uint16_t``), converted to float32 on load and back with
+#: round-to-nearest-even on store.
+INSTANCES: dict[torch.dtype, Instance] = {
+    torch.float32: Instance("float", "f32", "float", torch.float32),
+    torch.float64: Instance("double", "f64", "double", torch.float64),
+    torch.bfloat16: Instance("ln_bf16_t", "bf16", "float", torch.float32),
+    torch.float16: Instance("ln_f16_t", "f16", "float", torch.float32),
 }
+#: The C typedefs the half instances' storage types name.
+_HALF_TYPEDEFS = (
+    ("ln_bf16_t", "bfloat16: the upper 16 bits of a float"),
+    ("ln_f16_t", "IEEE 754 binary16"),
+)
 
 
 class Role(enum.Enum):
@@ -46,14 +68,16 @@ class Role(enum.Enum):
 
 class DType(enum.Enum):
     SAME = "same as x"  # the instantiated scalar_t: x's dtype
-    STATS = "statistics"  # per-row mean/rstd: x's dtype for float32/float64 (see stats_dtype)
+    STATS = "statistics"  # per-row mean/rstd: compute_t (float32 for half x, see stats_dtype)
+    COMPUTE = "compute type"  # gains, biases and their gradients: compute_t, as STATS
     INDEX = "index"  # int64_t size, taken from x's shape
     FLOAT = "float"  # double scalar
     FLAG = "flag"  # int32_t, 0 or 1
     COUNT = "count"  # int32_t, >= 1
 
 
-#: C type of each non-pointer field; pointers are ``scalar_t*`` (const for inputs).
+#: C type of each non-pointer field; pointers are ``scalar_t*`` or ``compute_t*`` (const for
+#: inputs).
 _SCALAR_CTYPES = {DType.INDEX: "int64_t", DType.FLOAT: "double", DType.FLAG: "int32_t",
                   DType.COUNT: "int32_t"}  # fmt: skip
 _CTYPES_OF = {"int64_t": ctypes.c_int64, "double": ctypes.c_double, "int32_t": ctypes.c_int32}
@@ -75,10 +99,11 @@ class Arg:
     minimum: float | None = None
     doc: str = ""
 
-    def c_type(self, scalar: str = "scalar_t") -> str:
+    def c_type(self, scalar: str = "scalar_t", compute: str = "compute_t") -> str:
         if self.role is Role.SCALAR:
             return _SCALAR_CTYPES[self.dtype]
-        return f"const {scalar}*" if self.role is Role.INPUT else f"{scalar}*"
+        t = scalar if self.dtype is DType.SAME else compute
+        return f"const {t}*" if self.role is Role.INPUT else f"{t}*"
 
 
 @dataclass(frozen=True)
@@ -132,8 +157,8 @@ KERNELS: tuple[Kernel, ...] = (
         "Layer norm of each row: y = (x − μ)·rstd ⊙ w + b, rstd = 1/sqrt(var + eps).",
         (
             _tensor("x", _IN, _MN),
-            _tensor("weight", _IN, _N, optional=True, doc="w = 1"),
-            _tensor("bias", _IN, _N, optional=True, doc="b = 0"),
+            _tensor("weight", _IN, _N, DType.COMPUTE, optional=True, doc="w = 1"),
+            _tensor("bias", _IN, _N, DType.COMPUTE, optional=True, doc="b = 0"),
             _tensor("y", _OUT, _MN),
             _tensor("mean", _OUT, _M, DType.STATS),
             _tensor("rstd", _OUT, _M, DType.STATS),
@@ -148,10 +173,10 @@ KERNELS: tuple[Kernel, ...] = (
             _tensor("x", _IN, _MN),
             _tensor("mean", _IN, _M, DType.STATS),
             _tensor("rstd", _IN, _M, DType.STATS),
-            _tensor("weight", _IN, _N, optional=True, doc="w = 1"),
+            _tensor("weight", _IN, _N, DType.COMPUTE, optional=True, doc="w = 1"),
             _tensor("dx", _OUT, _MN, optional=True),
-            _tensor("dweight", _OUT, _N, optional=True),
-            _tensor("dbias", _OUT, _N, optional=True),
+            _tensor("dweight", _OUT, _N, DType.COMPUTE, optional=True),
+            _tensor("dbias", _OUT, _N, DType.COMPUTE, optional=True),
             *_SIZES,
             Arg("detach_mean", _SC, DType.FLAG, minimum=0, doc="1: μ is a constant in backward"),
             Arg("detach_std", _SC, DType.FLAG, minimum=0, doc="1: σ is a constant in backward"),
@@ -163,7 +188,7 @@ KERNELS: tuple[Kernel, ...] = (
         "RMSNorm of each row: y = x·rstd ⊙ w, rstd = 1/sqrt(mean(x²) + eps).",
         (
             _tensor("x", _IN, _MN),
-            _tensor("weight", _IN, _N, optional=True, doc="w = 1"),
+            _tensor("weight", _IN, _N, DType.COMPUTE, optional=True, doc="w = 1"),
             _tensor("y", _OUT, _MN),
             _tensor("rstd", _OUT, _M, DType.STATS),
             *_SIZES, _EPS, _THREADS,
@@ -176,9 +201,9 @@ KERNELS: tuple[Kernel, ...] = (
             _tensor("dy", _IN, _MN),
             _tensor("x", _IN, _MN),
             _tensor("rstd", _IN, _M, DType.STATS),
-            _tensor("weight", _IN, _N, optional=True, doc="w = 1"),
+            _tensor("weight", _IN, _N, DType.COMPUTE, optional=True, doc="w = 1"),
             _tensor("dx", _OUT, _MN, optional=True),
-            _tensor("dweight", _OUT, _N, optional=True),
+            _tensor("dweight", _OUT, _N, DType.COMPUTE, optional=True),
             *_SIZES, _THREADS,
         ),
     ),
@@ -205,6 +230,18 @@ KERNELS: tuple[Kernel, ...] = (
             *_SIZES, _K, _SCALE, _THREADS,
         ),
     ),
+    Kernel(
+        "cvt",
+        "The conversions every kernel makes: xf = x in compute_t; y = yf rounded to scalar_t "
+        "(nearest even, NaN kept).",
+        (
+            _tensor("x", _IN, _MN),
+            _tensor("xf", _OUT, _MN, DType.COMPUTE),
+            _tensor("yf", _IN, _MN, DType.COMPUTE),
+            _tensor("y", _OUT, _MN),
+            *_SIZES,
+        ),
+    ),
 )  # fmt: skip
 
 BY_NAME: dict[str, Kernel] = {k.name: k for k in KERNELS}
@@ -224,7 +261,7 @@ def structure(kernel: Kernel, dtype: torch.dtype) -> type[ctypes.Structure]:
     """The ctypes mirror of ``<kernel>_args_<suffix>`` (tensor fields are ``void*``)."""
     key = (kernel.name, dtype)
     if key not in _STRUCTS:
-        suffix = INSTANCES[dtype][1]
+        suffix = INSTANCES[dtype].suffix
         fields = [(a.name, _ctype(a)) for a in kernel.fields()]
         _STRUCTS[key] = type(f"{kernel.name}_args_{suffix}", (ctypes.Structure,),
                              {"_fields_": fields})  # fmt: skip
@@ -235,9 +272,9 @@ def structure(kernel: Kernel, dtype: torch.dtype) -> type[ctypes.Structure]:
 
 
 def expected_dtype(rule: DType, x_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor argument must have under ``rule`` (both are x's dtype for the
-    float32/float64 instantiations; STATS is kept distinct for the half-precision kernels)."""
-    return x_dtype
+    """The dtype a tensor argument must have under ``rule`` for ``x`` of ``x_dtype``: x's own for
+    SAME, the instance's compute dtype (float32 for half x) for STATS and COMPUTE."""
+    return x_dtype if rule is DType.SAME else INSTANCES[x_dtype].compute_dtype
 
 
 def check_call(kernel: Kernel, values: Mapping[str, object]) -> dict[str, int]:
@@ -253,7 +290,8 @@ def check_call(kernel: Kernel, values: Mapping[str, object]) -> dict[str, int]:
     if not isinstance(x, Tensor):
         raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INSTANCES:
-        raise TypeError(f"{op}: x must be float32 or float64, got {x.dtype}")
+        names = ", ".join(str(d).removeprefix("torch.") for d in INSTANCES)
+        raise TypeError(f"{op}: x must be one of {names}, got {x.dtype}")
     if x.dim() != 2:
         raise ValueError(f"{op}: x must be 2-D (M, N), got shape {tuple(x.shape)}")
     sizes = {"M": int(x.shape[0]), "N": int(x.shape[1])}
@@ -274,7 +312,8 @@ def check_call(kernel: Kernel, values: Mapping[str, object]) -> dict[str, int]:
             raise TypeError(f"{op}: {arg.name} must be a torch.Tensor, got {type(v).__name__}")
         want = expected_dtype(arg.dtype, x.dtype)
         if v.dtype != want:
-            raise TypeError(f"{op}: {arg.name} must have dtype {want} (x's), got {v.dtype}")
+            whose = "x's" if arg.dtype is DType.SAME else f"the compute type for x of {x.dtype}"
+            raise TypeError(f"{op}: {arg.name} must have dtype {want} ({whose}), got {v.dtype}")
         if v.device.type != "cpu":
             raise ValueError(f"{op}: {arg.name} must be on the CPU, got {v.device}")
         shape = tuple(sizes[s] for s in arg.shape)
@@ -348,6 +387,12 @@ class Binder:
                 plan.append((a.name, 3 if a.dtype is DType.FLAG else 4, 0, False))
         self.plan = tuple(plan)
         self.structs = {dt: structure(kernel, dt) for dt in INSTANCES}
+        # per instance, the dtype each field must have (None for scalars)
+        self.dtypes = {
+            dt: tuple(None if a.role is Role.SCALAR else expected_dtype(a.dtype, dt)
+                      for a in order)
+            for dt in INSTANCES
+        }  # fmt: skip
 
     def __call__(self, values: Mapping[str, object]) -> ctypes.Structure:
         """The argument struct of ``values``, after checking them all; raises as check_call."""
@@ -376,7 +421,7 @@ class Binder:
         """The struct's fields in order, or ``None`` at the first argument that breaks a rule."""
         shapes = ((m, n), (m,), (n,))
         fields: list[object] = []
-        for name, kind, code, optional in self.plan:
+        for (name, kind, code, optional), want in zip(self.plan, self.dtypes[dt], strict=True):
             v = values.get(name)
             if kind == 0:  # a tensor: dtype, device, shape, layout
                 if v is None:
@@ -384,7 +429,7 @@ class Binder:
                         return None
                     fields.append(None)
                 elif (
-                    v.dtype is dt  # type: ignore[union-attr]
+                    v.dtype is want  # type: ignore[union-attr]
                     and v.is_cpu  # type: ignore[union-attr]
                     and v.shape == shapes[code]  # type: ignore[union-attr]
                     and v.is_contiguous()  # type: ignore[union-attr]
@@ -422,17 +467,19 @@ def c_header() -> str:
         "#include <stddef.h>",
         "#include <stdint.h>",
         "",
+        *(f"typedef uint16_t {name}; /* {doc} */" for name, doc in _HALF_TYPEDEFS),
+        "",
     ]
     for kernel in KERNELS:
         lines.append(f"/* {kernel.doc} */")
-        for dtype, (scalar, suffix) in INSTANCES.items():
-            tname = f"{kernel.name}_args_{suffix}"
+        for dtype, inst in INSTANCES.items():
+            tname = f"{kernel.name}_args_{inst.suffix}"
             lines.append("typedef struct {")
             for a in kernel.fields():
                 rule = _describe(a)
-                lines.append(f"    {a.c_type(scalar)} {a.name}; /* {rule} */")
+                lines.append(f"    {a.c_type(inst.c_type, inst.compute)} {a.name}; /* {rule} */")
             lines.append(f"}} {tname};")
-            lines.append(f"int {kernel.name}_{suffix}(const {tname}* a);")
+            lines.append(f"int {kernel.name}_{inst.suffix}(const {tname}* a);")
             struct = structure(kernel, dtype)
             for a in kernel.fields():
                 off = getattr(struct, a.name).offset

@@ -28,7 +28,7 @@ def ada_norm_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor,
 def ada_norm_bwd(
     dz: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, k: float, scale: float
 ) -> Tensor:
-    if _native.supports(x, dz):
+    if _native.supports(x, same=(dz,)):
         return _native.ada_bwd(dz, x, mean, rstd, k, scale)
     cdt = compute_dtype(x)
     n = x.shape[-1]

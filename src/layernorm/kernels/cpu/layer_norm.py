@@ -1,5 +1,6 @@
-"""Layer norm (and DetachNorm) on the CPU: fused C kernels (:mod:`._native`) for float32/float64;
-otherwise PyTorch's native layer-norm kernels plus an eager composition for the DetachNorm ``dx``.
+"""Layer norm (and DetachNorm) on the CPU: fused C kernels (:mod:`._native`) for float32, float64,
+bfloat16 and float16 (gains/biases in x's dtype or, for half x, float32); otherwise PyTorch's
+native layer-norm kernels plus an eager composition for the DetachNorm ``dx``.
 
 DetachNorm's backward differs only in which terms of the layer-norm gradient survive; with
 ``x̂ = (x − μ)·rstd`` and ``g = dy ⊙ w``:
@@ -47,7 +48,7 @@ def layer_norm_bwd(
     need_dw: bool,
     need_db: bool,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    if _native.supports(x, dy, weight):
+    if _native.supports(x, weight, same=(dy,)):
         return _native.ln_bwd(
             dy, x, mean, rstd, weight, detach_mean, detach_std,
             need_dx, need_dw and weight is not None, need_db,

@@ -28,7 +28,7 @@ def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
 def rms_norm_bwd(
     dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, need_dx: bool, need_dw: bool
 ) -> tuple[Tensor | None, Tensor | None]:
-    if _native.supports(x, dy, weight):
+    if _native.supports(x, weight, same=(dy,)):
         return _native.rms_bwd(dy, x, rstd, weight, need_dx, need_dw and weight is not None)
     cdt = compute_dtype(x)
     xc, dyc = x.to(cdt), dy.to(cdt)

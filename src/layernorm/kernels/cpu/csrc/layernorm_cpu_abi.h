@@ -6,11 +6,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+typedef uint16_t ln_bf16_t; /* bfloat16: the upper 16 bits of a float */
+typedef uint16_t ln_f16_t; /* IEEE 754 binary16 */
+
 /* Layer norm of each row: y = (x − μ)·rstd ⊙ w + b, rstd = 1/sqrt(var + eps). */
 typedef struct {
     const float* x; /* input (M, N), same as x */
-    const float* weight; /* input (N), same as x, may be NULL (w = 1) */
-    const float* bias; /* input (N), same as x, may be NULL (b = 0) */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const float* bias; /* input (N), compute type, may be NULL (b = 0) */
     float* y; /* output (M, N), same as x */
     float* mean; /* output (M), statistics */
     float* rstd; /* output (M), statistics */
@@ -34,8 +37,8 @@ _Static_assert(sizeof(ln_fwd_args_f32) == 80, "ln_fwd_args_f32 size");
 
 typedef struct {
     const double* x; /* input (M, N), same as x */
-    const double* weight; /* input (N), same as x, may be NULL (w = 1) */
-    const double* bias; /* input (N), same as x, may be NULL (b = 0) */
+    const double* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const double* bias; /* input (N), compute type, may be NULL (b = 0) */
     double* y; /* output (M, N), same as x */
     double* mean; /* output (M), statistics */
     double* rstd; /* output (M), statistics */
@@ -57,16 +60,66 @@ _Static_assert(offsetof(ln_fwd_args_f64, eps) == 64, "ln_fwd_args_f64.eps");
 _Static_assert(offsetof(ln_fwd_args_f64, threads) == 72, "ln_fwd_args_f64.threads");
 _Static_assert(sizeof(ln_fwd_args_f64) == 80, "ln_fwd_args_f64 size");
 
+typedef struct {
+    const ln_bf16_t* x; /* input (M, N), same as x */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const float* bias; /* input (N), compute type, may be NULL (b = 0) */
+    ln_bf16_t* y; /* output (M, N), same as x */
+    float* mean; /* output (M), statistics */
+    float* rstd; /* output (M), statistics */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    double eps; /* scalar, float, >= 0: added to the variance */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} ln_fwd_args_bf16;
+int ln_fwd_bf16(const ln_fwd_args_bf16* a);
+_Static_assert(offsetof(ln_fwd_args_bf16, x) == 0, "ln_fwd_args_bf16.x");
+_Static_assert(offsetof(ln_fwd_args_bf16, weight) == 8, "ln_fwd_args_bf16.weight");
+_Static_assert(offsetof(ln_fwd_args_bf16, bias) == 16, "ln_fwd_args_bf16.bias");
+_Static_assert(offsetof(ln_fwd_args_bf16, y) == 24, "ln_fwd_args_bf16.y");
+_Static_assert(offsetof(ln_fwd_args_bf16, mean) == 32, "ln_fwd_args_bf16.mean");
+_Static_assert(offsetof(ln_fwd_args_bf16, rstd) == 40, "ln_fwd_args_bf16.rstd");
+_Static_assert(offsetof(ln_fwd_args_bf16, M) == 48, "ln_fwd_args_bf16.M");
+_Static_assert(offsetof(ln_fwd_args_bf16, N) == 56, "ln_fwd_args_bf16.N");
+_Static_assert(offsetof(ln_fwd_args_bf16, eps) == 64, "ln_fwd_args_bf16.eps");
+_Static_assert(offsetof(ln_fwd_args_bf16, threads) == 72, "ln_fwd_args_bf16.threads");
+_Static_assert(sizeof(ln_fwd_args_bf16) == 80, "ln_fwd_args_bf16 size");
+
+typedef struct {
+    const ln_f16_t* x; /* input (M, N), same as x */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const float* bias; /* input (N), compute type, may be NULL (b = 0) */
+    ln_f16_t* y; /* output (M, N), same as x */
+    float* mean; /* output (M), statistics */
+    float* rstd; /* output (M), statistics */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    double eps; /* scalar, float, >= 0: added to the variance */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} ln_fwd_args_f16;
+int ln_fwd_f16(const ln_fwd_args_f16* a);
+_Static_assert(offsetof(ln_fwd_args_f16, x) == 0, "ln_fwd_args_f16.x");
+_Static_assert(offsetof(ln_fwd_args_f16, weight) == 8, "ln_fwd_args_f16.weight");
+_Static_assert(offsetof(ln_fwd_args_f16, bias) == 16, "ln_fwd_args_f16.bias");
+_Static_assert(offsetof(ln_fwd_args_f16, y) == 24, "ln_fwd_args_f16.y");
+_Static_assert(offsetof(ln_fwd_args_f16, mean) == 32, "ln_fwd_args_f16.mean");
+_Static_assert(offsetof(ln_fwd_args_f16, rstd) == 40, "ln_fwd_args_f16.rstd");
+_Static_assert(offsetof(ln_fwd_args_f16, M) == 48, "ln_fwd_args_f16.M");
+_Static_assert(offsetof(ln_fwd_args_f16, N) == 56, "ln_fwd_args_f16.N");
+_Static_assert(offsetof(ln_fwd_args_f16, eps) == 64, "ln_fwd_args_f16.eps");
+_Static_assert(offsetof(ln_fwd_args_f16, threads) == 72, "ln_fwd_args_f16.threads");
+_Static_assert(sizeof(ln_fwd_args_f16) == 80, "ln_fwd_args_f16 size");
+
 /* Layer-norm (DetachNorm) gradients; an output left NULL is not computed. */
 typedef struct {
     const float* dy; /* input (M, N), same as x */
     const float* x; /* input (M, N), same as x */
     const float* mean; /* input (M), statistics */
     const float* rstd; /* input (M), statistics */
-    const float* weight; /* input (N), same as x, may be NULL (w = 1) */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
     float* dx; /* output (M, N), same as x, may be NULL */
-    float* dweight; /* output (N), same as x, may be NULL */
-    float* dbias; /* output (N), same as x, may be NULL */
+    float* dweight; /* output (N), compute type, may be NULL */
+    float* dbias; /* output (N), compute type, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
@@ -94,10 +147,10 @@ typedef struct {
     const double* x; /* input (M, N), same as x */
     const double* mean; /* input (M), statistics */
     const double* rstd; /* input (M), statistics */
-    const double* weight; /* input (N), same as x, may be NULL (w = 1) */
+    const double* weight; /* input (N), compute type, may be NULL (w = 1) */
     double* dx; /* output (M, N), same as x, may be NULL */
-    double* dweight; /* output (N), same as x, may be NULL */
-    double* dbias; /* output (N), same as x, may be NULL */
+    double* dweight; /* output (N), compute type, may be NULL */
+    double* dbias; /* output (N), compute type, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
@@ -120,10 +173,72 @@ _Static_assert(offsetof(ln_bwd_args_f64, detach_std) == 84, "ln_bwd_args_f64.det
 _Static_assert(offsetof(ln_bwd_args_f64, threads) == 88, "ln_bwd_args_f64.threads");
 _Static_assert(sizeof(ln_bwd_args_f64) == 96, "ln_bwd_args_f64 size");
 
+typedef struct {
+    const ln_bf16_t* dy; /* input (M, N), same as x */
+    const ln_bf16_t* x; /* input (M, N), same as x */
+    const float* mean; /* input (M), statistics */
+    const float* rstd; /* input (M), statistics */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    ln_bf16_t* dx; /* output (M, N), same as x, may be NULL */
+    float* dweight; /* output (N), compute type, may be NULL */
+    float* dbias; /* output (N), compute type, may be NULL */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
+    int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} ln_bwd_args_bf16;
+int ln_bwd_bf16(const ln_bwd_args_bf16* a);
+_Static_assert(offsetof(ln_bwd_args_bf16, dy) == 0, "ln_bwd_args_bf16.dy");
+_Static_assert(offsetof(ln_bwd_args_bf16, x) == 8, "ln_bwd_args_bf16.x");
+_Static_assert(offsetof(ln_bwd_args_bf16, mean) == 16, "ln_bwd_args_bf16.mean");
+_Static_assert(offsetof(ln_bwd_args_bf16, rstd) == 24, "ln_bwd_args_bf16.rstd");
+_Static_assert(offsetof(ln_bwd_args_bf16, weight) == 32, "ln_bwd_args_bf16.weight");
+_Static_assert(offsetof(ln_bwd_args_bf16, dx) == 40, "ln_bwd_args_bf16.dx");
+_Static_assert(offsetof(ln_bwd_args_bf16, dweight) == 48, "ln_bwd_args_bf16.dweight");
+_Static_assert(offsetof(ln_bwd_args_bf16, dbias) == 56, "ln_bwd_args_bf16.dbias");
+_Static_assert(offsetof(ln_bwd_args_bf16, M) == 64, "ln_bwd_args_bf16.M");
+_Static_assert(offsetof(ln_bwd_args_bf16, N) == 72, "ln_bwd_args_bf16.N");
+_Static_assert(offsetof(ln_bwd_args_bf16, detach_mean) == 80, "ln_bwd_args_bf16.detach_mean");
+_Static_assert(offsetof(ln_bwd_args_bf16, detach_std) == 84, "ln_bwd_args_bf16.detach_std");
+_Static_assert(offsetof(ln_bwd_args_bf16, threads) == 88, "ln_bwd_args_bf16.threads");
+_Static_assert(sizeof(ln_bwd_args_bf16) == 96, "ln_bwd_args_bf16 size");
+
+typedef struct {
+    const ln_f16_t* dy; /* input (M, N), same as x */
+    const ln_f16_t* x; /* input (M, N), same as x */
+    const float* mean; /* input (M), statistics */
+    const float* rstd; /* input (M), statistics */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    ln_f16_t* dx; /* output (M, N), same as x, may be NULL */
+    float* dweight; /* output (N), compute type, may be NULL */
+    float* dbias; /* output (N), compute type, may be NULL */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
+    int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} ln_bwd_args_f16;
+int ln_bwd_f16(const ln_bwd_args_f16* a);
+_Static_assert(offsetof(ln_bwd_args_f16, dy) == 0, "ln_bwd_args_f16.dy");
+_Static_assert(offsetof(ln_bwd_args_f16, x) == 8, "ln_bwd_args_f16.x");
+_Static_assert(offsetof(ln_bwd_args_f16, mean) == 16, "ln_bwd_args_f16.mean");
+_Static_assert(offsetof(ln_bwd_args_f16, rstd) == 24, "ln_bwd_args_f16.rstd");
+_Static_assert(offsetof(ln_bwd_args_f16, weight) == 32, "ln_bwd_args_f16.weight");
+_Static_assert(offsetof(ln_bwd_args_f16, dx) == 40, "ln_bwd_args_f16.dx");
+_Static_assert(offsetof(ln_bwd_args_f16, dweight) == 48, "ln_bwd_args_f16.dweight");
+_Static_assert(offsetof(ln_bwd_args_f16, dbias) == 56, "ln_bwd_args_f16.dbias");
+_Static_assert(offsetof(ln_bwd_args_f16, M) == 64, "ln_bwd_args_f16.M");
+_Static_assert(offsetof(ln_bwd_args_f16, N) == 72, "ln_bwd_args_f16.N");
+_Static_assert(offsetof(ln_bwd_args_f16, detach_mean) == 80, "ln_bwd_args_f16.detach_mean");
+_Static_assert(offsetof(ln_bwd_args_f16, detach_std) == 84, "ln_bwd_args_f16.detach_std");
+_Static_assert(offsetof(ln_bwd_args_f16, threads) == 88, "ln_bwd_args_f16.threads");
+_Static_assert(sizeof(ln_bwd_args_f16) == 96, "ln_bwd_args_f16 size");
+
 /* RMSNorm of each row: y = x·rstd ⊙ w, rstd = 1/sqrt(mean(x²) + eps). */
 typedef struct {
     const float* x; /* input (M, N), same as x */
-    const float* weight; /* input (N), same as x, may be NULL (w = 1) */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
     float* y; /* output (M, N), same as x */
     float* rstd; /* output (M), statistics */
     int64_t M; /* scalar, index, >= 0: rows */
@@ -144,7 +259,7 @@ _Static_assert(sizeof(rms_fwd_args_f32) == 64, "rms_fwd_args_f32 size");
 
 typedef struct {
     const double* x; /* input (M, N), same as x */
-    const double* weight; /* input (N), same as x, may be NULL (w = 1) */
+    const double* weight; /* input (N), compute type, may be NULL (w = 1) */
     double* y; /* output (M, N), same as x */
     double* rstd; /* output (M), statistics */
     int64_t M; /* scalar, index, >= 0: rows */
@@ -163,14 +278,56 @@ _Static_assert(offsetof(rms_fwd_args_f64, eps) == 48, "rms_fwd_args_f64.eps");
 _Static_assert(offsetof(rms_fwd_args_f64, threads) == 56, "rms_fwd_args_f64.threads");
 _Static_assert(sizeof(rms_fwd_args_f64) == 64, "rms_fwd_args_f64 size");
 
+typedef struct {
+    const ln_bf16_t* x; /* input (M, N), same as x */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    ln_bf16_t* y; /* output (M, N), same as x */
+    float* rstd; /* output (M), statistics */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    double eps; /* scalar, float, >= 0: added to the variance */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} rms_fwd_args_bf16;
+int rms_fwd_bf16(const rms_fwd_args_bf16* a);
+_Static_assert(offsetof(rms_fwd_args_bf16, x) == 0, "rms_fwd_args_bf16.x");
+_Static_assert(offsetof(rms_fwd_args_bf16, weight) == 8, "rms_fwd_args_bf16.weight");
+_Static_assert(offsetof(rms_fwd_args_bf16, y) == 16, "rms_fwd_args_bf16.y");
+_Static_assert(offsetof(rms_fwd_args_bf16, rstd) == 24, "rms_fwd_args_bf16.rstd");
+_Static_assert(offsetof(rms_fwd_args_bf16, M) == 32, "rms_fwd_args_bf16.M");
+_Static_assert(offsetof(rms_fwd_args_bf16, N) == 40, "rms_fwd_args_bf16.N");
+_Static_assert(offsetof(rms_fwd_args_bf16, eps) == 48, "rms_fwd_args_bf16.eps");
+_Static_assert(offsetof(rms_fwd_args_bf16, threads) == 56, "rms_fwd_args_bf16.threads");
+_Static_assert(sizeof(rms_fwd_args_bf16) == 64, "rms_fwd_args_bf16 size");
+
+typedef struct {
+    const ln_f16_t* x; /* input (M, N), same as x */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    ln_f16_t* y; /* output (M, N), same as x */
+    float* rstd; /* output (M), statistics */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    double eps; /* scalar, float, >= 0: added to the variance */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} rms_fwd_args_f16;
+int rms_fwd_f16(const rms_fwd_args_f16* a);
+_Static_assert(offsetof(rms_fwd_args_f16, x) == 0, "rms_fwd_args_f16.x");
+_Static_assert(offsetof(rms_fwd_args_f16, weight) == 8, "rms_fwd_args_f16.weight");
+_Static_assert(offsetof(rms_fwd_args_f16, y) == 16, "rms_fwd_args_f16.y");
+_Static_assert(offsetof(rms_fwd_args_f16, rstd) == 24, "rms_fwd_args_f16.rstd");
+_Static_assert(offsetof(rms_fwd_args_f16, M) == 32, "rms_fwd_args_f16.M");
+_Static_assert(offsetof(rms_fwd_args_f16, N) == 40, "rms_fwd_args_f16.N");
+_Static_assert(offsetof(rms_fwd_args_f16, eps) == 48, "rms_fwd_args_f16.eps");
+_Static_assert(offsetof(rms_fwd_args_f16, threads) == 56, "rms_fwd_args_f16.threads");
+_Static_assert(sizeof(rms_fwd_args_f16) == 64, "rms_fwd_args_f16 size");
+
 /* RMSNorm gradients; an output left NULL is not computed. */
 typedef struct {
     const float* dy; /* input (M, N), same as x */
     const float* x; /* input (M, N), same as x */
     const float* rstd; /* input (M), statistics */
-    const float* weight; /* input (N), same as x, may be NULL (w = 1) */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
     float* dx; /* output (M, N), same as x, may be NULL */
-    float* dweight; /* output (N), same as x, may be NULL */
+    float* dweight; /* output (N), compute type, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
@@ -191,9 +348,9 @@ typedef struct {
     const double* dy; /* input (M, N), same as x */
     const double* x; /* input (M, N), same as x */
     const double* rstd; /* input (M), statistics */
-    const double* weight; /* input (N), same as x, may be NULL (w = 1) */
+    const double* weight; /* input (N), compute type, may be NULL (w = 1) */
     double* dx; /* output (M, N), same as x, may be NULL */
-    double* dweight; /* output (N), same as x, may be NULL */
+    double* dweight; /* output (N), compute type, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
@@ -209,6 +366,52 @@ _Static_assert(offsetof(rms_bwd_args_f64, M) == 48, "rms_bwd_args_f64.M");
 _Static_assert(offsetof(rms_bwd_args_f64, N) == 56, "rms_bwd_args_f64.N");
 _Static_assert(offsetof(rms_bwd_args_f64, threads) == 64, "rms_bwd_args_f64.threads");
 _Static_assert(sizeof(rms_bwd_args_f64) == 72, "rms_bwd_args_f64 size");
+
+typedef struct {
+    const ln_bf16_t* dy; /* input (M, N), same as x */
+    const ln_bf16_t* x; /* input (M, N), same as x */
+    const float* rstd; /* input (M), statistics */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    ln_bf16_t* dx; /* output (M, N), same as x, may be NULL */
+    float* dweight; /* output (N), compute type, may be NULL */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} rms_bwd_args_bf16;
+int rms_bwd_bf16(const rms_bwd_args_bf16* a);
+_Static_assert(offsetof(rms_bwd_args_bf16, dy) == 0, "rms_bwd_args_bf16.dy");
+_Static_assert(offsetof(rms_bwd_args_bf16, x) == 8, "rms_bwd_args_bf16.x");
+_Static_assert(offsetof(rms_bwd_args_bf16, rstd) == 16, "rms_bwd_args_bf16.rstd");
+_Static_assert(offsetof(rms_bwd_args_bf16, weight) == 24, "rms_bwd_args_bf16.weight");
+_Static_assert(offsetof(rms_bwd_args_bf16, dx) == 32, "rms_bwd_args_bf16.dx");
+_Static_assert(offsetof(rms_bwd_args_bf16, dweight) == 40, "rms_bwd_args_bf16.dweight");
+_Static_assert(offsetof(rms_bwd_args_bf16, M) == 48, "rms_bwd_args_bf16.M");
+_Static_assert(offsetof(rms_bwd_args_bf16, N) == 56, "rms_bwd_args_bf16.N");
+_Static_assert(offsetof(rms_bwd_args_bf16, threads) == 64, "rms_bwd_args_bf16.threads");
+_Static_assert(sizeof(rms_bwd_args_bf16) == 72, "rms_bwd_args_bf16 size");
+
+typedef struct {
+    const ln_f16_t* dy; /* input (M, N), same as x */
+    const ln_f16_t* x; /* input (M, N), same as x */
+    const float* rstd; /* input (M), statistics */
+    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    ln_f16_t* dx; /* output (M, N), same as x, may be NULL */
+    float* dweight; /* output (N), compute type, may be NULL */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} rms_bwd_args_f16;
+int rms_bwd_f16(const rms_bwd_args_f16* a);
+_Static_assert(offsetof(rms_bwd_args_f16, dy) == 0, "rms_bwd_args_f16.dy");
+_Static_assert(offsetof(rms_bwd_args_f16, x) == 8, "rms_bwd_args_f16.x");
+_Static_assert(offsetof(rms_bwd_args_f16, rstd) == 16, "rms_bwd_args_f16.rstd");
+_Static_assert(offsetof(rms_bwd_args_f16, weight) == 24, "rms_bwd_args_f16.weight");
+_Static_assert(offsetof(rms_bwd_args_f16, dx) == 32, "rms_bwd_args_f16.dx");
+_Static_assert(offsetof(rms_bwd_args_f16, dweight) == 40, "rms_bwd_args_f16.dweight");
+_Static_assert(offsetof(rms_bwd_args_f16, M) == 48, "rms_bwd_args_f16.M");
+_Static_assert(offsetof(rms_bwd_args_f16, N) == 56, "rms_bwd_args_f16.N");
+_Static_assert(offsetof(rms_bwd_args_f16, threads) == 64, "rms_bwd_args_f16.threads");
+_Static_assert(sizeof(rms_bwd_args_f16) == 72, "rms_bwd_args_f16 size");
 
 /* AdaNorm of each row: z = C·(1 − k·ŷ)·ŷ, ŷ = (x − μ)·rstd. */
 typedef struct {
@@ -261,6 +464,56 @@ _Static_assert(offsetof(ada_fwd_args_f64, scale) == 64, "ada_fwd_args_f64.scale"
 _Static_assert(offsetof(ada_fwd_args_f64, threads) == 72, "ada_fwd_args_f64.threads");
 _Static_assert(sizeof(ada_fwd_args_f64) == 80, "ada_fwd_args_f64 size");
 
+typedef struct {
+    const ln_bf16_t* x; /* input (M, N), same as x */
+    ln_bf16_t* z; /* output (M, N), same as x */
+    float* mean; /* output (M), statistics */
+    float* rstd; /* output (M), statistics */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    double eps; /* scalar, float, >= 0: added to the variance */
+    double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
+    double scale; /* scalar, float: AdaNorm's C */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} ada_fwd_args_bf16;
+int ada_fwd_bf16(const ada_fwd_args_bf16* a);
+_Static_assert(offsetof(ada_fwd_args_bf16, x) == 0, "ada_fwd_args_bf16.x");
+_Static_assert(offsetof(ada_fwd_args_bf16, z) == 8, "ada_fwd_args_bf16.z");
+_Static_assert(offsetof(ada_fwd_args_bf16, mean) == 16, "ada_fwd_args_bf16.mean");
+_Static_assert(offsetof(ada_fwd_args_bf16, rstd) == 24, "ada_fwd_args_bf16.rstd");
+_Static_assert(offsetof(ada_fwd_args_bf16, M) == 32, "ada_fwd_args_bf16.M");
+_Static_assert(offsetof(ada_fwd_args_bf16, N) == 40, "ada_fwd_args_bf16.N");
+_Static_assert(offsetof(ada_fwd_args_bf16, eps) == 48, "ada_fwd_args_bf16.eps");
+_Static_assert(offsetof(ada_fwd_args_bf16, k) == 56, "ada_fwd_args_bf16.k");
+_Static_assert(offsetof(ada_fwd_args_bf16, scale) == 64, "ada_fwd_args_bf16.scale");
+_Static_assert(offsetof(ada_fwd_args_bf16, threads) == 72, "ada_fwd_args_bf16.threads");
+_Static_assert(sizeof(ada_fwd_args_bf16) == 80, "ada_fwd_args_bf16 size");
+
+typedef struct {
+    const ln_f16_t* x; /* input (M, N), same as x */
+    ln_f16_t* z; /* output (M, N), same as x */
+    float* mean; /* output (M), statistics */
+    float* rstd; /* output (M), statistics */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    double eps; /* scalar, float, >= 0: added to the variance */
+    double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
+    double scale; /* scalar, float: AdaNorm's C */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} ada_fwd_args_f16;
+int ada_fwd_f16(const ada_fwd_args_f16* a);
+_Static_assert(offsetof(ada_fwd_args_f16, x) == 0, "ada_fwd_args_f16.x");
+_Static_assert(offsetof(ada_fwd_args_f16, z) == 8, "ada_fwd_args_f16.z");
+_Static_assert(offsetof(ada_fwd_args_f16, mean) == 16, "ada_fwd_args_f16.mean");
+_Static_assert(offsetof(ada_fwd_args_f16, rstd) == 24, "ada_fwd_args_f16.rstd");
+_Static_assert(offsetof(ada_fwd_args_f16, M) == 32, "ada_fwd_args_f16.M");
+_Static_assert(offsetof(ada_fwd_args_f16, N) == 40, "ada_fwd_args_f16.N");
+_Static_assert(offsetof(ada_fwd_args_f16, eps) == 48, "ada_fwd_args_f16.eps");
+_Static_assert(offsetof(ada_fwd_args_f16, k) == 56, "ada_fwd_args_f16.k");
+_Static_assert(offsetof(ada_fwd_args_f16, scale) == 64, "ada_fwd_args_f16.scale");
+_Static_assert(offsetof(ada_fwd_args_f16, threads) == 72, "ada_fwd_args_f16.threads");
+_Static_assert(sizeof(ada_fwd_args_f16) == 80, "ada_fwd_args_f16 size");
+
 /* AdaNorm input gradient, φ(ŷ) held constant (Xu et al. 2019, Eq. 10). */
 typedef struct {
     const float* dz; /* input (M, N), same as x */
@@ -311,5 +564,124 @@ _Static_assert(offsetof(ada_bwd_args_f64, k) == 56, "ada_bwd_args_f64.k");
 _Static_assert(offsetof(ada_bwd_args_f64, scale) == 64, "ada_bwd_args_f64.scale");
 _Static_assert(offsetof(ada_bwd_args_f64, threads) == 72, "ada_bwd_args_f64.threads");
 _Static_assert(sizeof(ada_bwd_args_f64) == 80, "ada_bwd_args_f64 size");
+
+typedef struct {
+    const ln_bf16_t* dz; /* input (M, N), same as x */
+    const ln_bf16_t* x; /* input (M, N), same as x */
+    const float* mean; /* input (M), statistics */
+    const float* rstd; /* input (M), statistics */
+    ln_bf16_t* dx; /* output (M, N), same as x */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
+    double scale; /* scalar, float: AdaNorm's C */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} ada_bwd_args_bf16;
+int ada_bwd_bf16(const ada_bwd_args_bf16* a);
+_Static_assert(offsetof(ada_bwd_args_bf16, dz) == 0, "ada_bwd_args_bf16.dz");
+_Static_assert(offsetof(ada_bwd_args_bf16, x) == 8, "ada_bwd_args_bf16.x");
+_Static_assert(offsetof(ada_bwd_args_bf16, mean) == 16, "ada_bwd_args_bf16.mean");
+_Static_assert(offsetof(ada_bwd_args_bf16, rstd) == 24, "ada_bwd_args_bf16.rstd");
+_Static_assert(offsetof(ada_bwd_args_bf16, dx) == 32, "ada_bwd_args_bf16.dx");
+_Static_assert(offsetof(ada_bwd_args_bf16, M) == 40, "ada_bwd_args_bf16.M");
+_Static_assert(offsetof(ada_bwd_args_bf16, N) == 48, "ada_bwd_args_bf16.N");
+_Static_assert(offsetof(ada_bwd_args_bf16, k) == 56, "ada_bwd_args_bf16.k");
+_Static_assert(offsetof(ada_bwd_args_bf16, scale) == 64, "ada_bwd_args_bf16.scale");
+_Static_assert(offsetof(ada_bwd_args_bf16, threads) == 72, "ada_bwd_args_bf16.threads");
+_Static_assert(sizeof(ada_bwd_args_bf16) == 80, "ada_bwd_args_bf16 size");
+
+typedef struct {
+    const ln_f16_t* dz; /* input (M, N), same as x */
+    const ln_f16_t* x; /* input (M, N), same as x */
+    const float* mean; /* input (M), statistics */
+    const float* rstd; /* input (M), statistics */
+    ln_f16_t* dx; /* output (M, N), same as x */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+    double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
+    double scale; /* scalar, float: AdaNorm's C */
+    int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+} ada_bwd_args_f16;
+int ada_bwd_f16(const ada_bwd_args_f16* a);
+_Static_assert(offsetof(ada_bwd_args_f16, dz) == 0, "ada_bwd_args_f16.dz");
+_Static_assert(offsetof(ada_bwd_args_f16, x) == 8, "ada_bwd_args_f16.x");
+_Static_assert(offsetof(ada_bwd_args_f16, mean) == 16, "ada_bwd_args_f16.mean");
+_Static_assert(offsetof(ada_bwd_args_f16, rstd) == 24, "ada_bwd_args_f16.rstd");
+_Static_assert(offsetof(ada_bwd_args_f16, dx) == 32, "ada_bwd_args_f16.dx");
+_Static_assert(offsetof(ada_bwd_args_f16, M) == 40, "ada_bwd_args_f16.M");
+_Static_assert(offsetof(ada_bwd_args_f16, N) == 48, "ada_bwd_args_f16.N");
+_Static_assert(offsetof(ada_bwd_args_f16, k) == 56, "ada_bwd_args_f16.k");
+_Static_assert(offsetof(ada_bwd_args_f16, scale) == 64, "ada_bwd_args_f16.scale");
+_Static_assert(offsetof(ada_bwd_args_f16, threads) == 72, "ada_bwd_args_f16.threads");
+_Static_assert(sizeof(ada_bwd_args_f16) == 80, "ada_bwd_args_f16 size");
+
+/* The conversions every kernel makes: xf = x in compute_t; y = yf rounded to scalar_t (nearest even, NaN kept). */
+typedef struct {
+    const float* x; /* input (M, N), same as x */
+    float* xf; /* output (M, N), compute type */
+    const float* yf; /* input (M, N), compute type */
+    float* y; /* output (M, N), same as x */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+} cvt_args_f32;
+int cvt_f32(const cvt_args_f32* a);
+_Static_assert(offsetof(cvt_args_f32, x) == 0, "cvt_args_f32.x");
+_Static_assert(offsetof(cvt_args_f32, xf) == 8, "cvt_args_f32.xf");
+_Static_assert(offsetof(cvt_args_f32, yf) == 16, "cvt_args_f32.yf");
+_Static_assert(offsetof(cvt_args_f32, y) == 24, "cvt_args_f32.y");
+_Static_assert(offsetof(cvt_args_f32, M) == 32, "cvt_args_f32.M");
+_Static_assert(offsetof(cvt_args_f32, N) == 40, "cvt_args_f32.N");
+_Static_assert(sizeof(cvt_args_f32) == 48, "cvt_args_f32 size");
+
+typedef struct {
+    const double* x; /* input (M, N), same as x */
+    double* xf; /* output (M, N), compute type */
+    const double* yf; /* input (M, N), compute type */
+    double* y; /* output (M, N), same as x */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+} cvt_args_f64;
+int cvt_f64(const cvt_args_f64* a);
+_Static_assert(offsetof(cvt_args_f64, x) == 0, "cvt_args_f64.x");
+_Static_assert(offsetof(cvt_args_f64, xf) == 8, "cvt_args_f64.xf");
+_Static_assert(offsetof(cvt_args_f64, yf) == 16, "cvt_args_f64.yf");
+_Static_assert(offsetof(cvt_args_f64, y) == 24, "cvt_args_f64.y");
+_Static_assert(offsetof(cvt_args_f64, M) == 32, "cvt_args_f64.M");
+_Static_assert(offsetof(cvt_args_f64, N) == 40, "cvt_args_f64.N");
+_Static_assert(sizeof(cvt_args_f64) == 48, "cvt_args_f64 size");
+
+typedef struct {
+    const ln_bf16_t* x; /* input (M, N), same as x */
+    float* xf; /* output (M, N), compute type */
+    const float* yf; /* input (M, N), compute type */
+    ln_bf16_t* y; /* output (M, N), same as x */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+} cvt_args_bf16;
+int cvt_bf16(const cvt_args_bf16* a);
+_Static_assert(offsetof(cvt_args_bf16, x) == 0, "cvt_args_bf16.x");
+_Static_assert(offsetof(cvt_args_bf16, xf) == 8, "cvt_args_bf16.xf");
+_Static_assert(offsetof(cvt_args_bf16, yf) == 16, "cvt_args_bf16.yf");
+_Static_assert(offsetof(cvt_args_bf16, y) == 24, "cvt_args_bf16.y");
+_Static_assert(offsetof(cvt_args_bf16, M) == 32, "cvt_args_bf16.M");
+_Static_assert(offsetof(cvt_args_bf16, N) == 40, "cvt_args_bf16.N");
+_Static_assert(sizeof(cvt_args_bf16) == 48, "cvt_args_bf16 size");
+
+typedef struct {
+    const ln_f16_t* x; /* input (M, N), same as x */
+    float* xf; /* output (M, N), compute type */
+    const float* yf; /* input (M, N), compute type */
+    ln_f16_t* y; /* output (M, N), same as x */
+    int64_t M; /* scalar, index, >= 0: rows */
+    int64_t N; /* scalar, index, >= 1: elements per row */
+} cvt_args_f16;
+int cvt_f16(const cvt_args_f16* a);
+_Static_assert(offsetof(cvt_args_f16, x) == 0, "cvt_args_f16.x");
+_Static_assert(offsetof(cvt_args_f16, xf) == 8, "cvt_args_f16.xf");
+_Static_assert(offsetof(cvt_args_f16, yf) == 16, "cvt_args_f16.yf");
+_Static_assert(offsetof(cvt_args_f16, y) == 24, "cvt_args_f16.y");
+_Static_assert(offsetof(cvt_args_f16, M) == 32, "cvt_args_f16.M");
+_Static_assert(offsetof(cvt_args_f16, N) == 40, "cvt_args_f16.N");
+_Static_assert(sizeof(cvt_args_f16) == 48, "cvt_args_f16 size");
 
 #endif

@@ -1,0 +1,176 @@
+/* Conversions between the half types (bfloat16, float16) and float32, and the per-thread float32
+   row buffers of the half-precision kernels (norms_half_impl.h).
+
+   half -> float32 is exact. float32 -> half rounds to nearest even, overflows to infinity, keeps
+   subnormals (no flush to zero) and turns a NaN into a quiet NaN of the same sign: the results of
+   torch's own casts, bit for bit, except for a NaN's payload. The processor's instructions are used
+   where the build target has them (F16C or AVX-512F vcvtph2ps/vcvtps2ph for float16, AVX512-BF16
+   vcvtneps2bf16 for bfloat16, AVX-512F/AVX2 shifts for bfloat16 -> float32); the portable
+   functions below are the definition, used for tails and on other targets, and give identical
+   bits. */
+#ifndef LAYERNORM_HALF_H
+#define LAYERNORM_HALF_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* ------------------------------------------------------------------ portable definitions -- */
+
+/* bfloat16 is the upper half of a float32. */
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+/* Round to nearest even: add 0x7FFF plus the lowest kept bit, truncate. Carries run into the
+   exponent (up to infinity) as they should; a NaN keeps its sign and top payload, made quiet. */
+static inline uint16_t f32_to_bf16(float f) {
+    const uint32_t u = f32_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0x1F) return bits_f32(sign | 0x7F800000u | (m << 13) | (m ? 0x400000u : 0u));
+    if (e != 0) return bits_f32(sign | ((e + 112u) << 23) | (m << 13));  /* rebias 15 -> 127 */
+    return bits_f32(sign | f32_bits((float)m * 0x1p-24f));  /* subnormal (or zero): exact */
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    const uint32_t u = f32_bits(f);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));  /* NaN */
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);  /* >= 65520 rounds to infinity */
+    if (a >= 0x38800000u) {  /* a normal float16 (>= 2^-14): rebias, round away 13 bits */
+        const uint32_t r = a - 0x38000000u;
+        return (uint16_t)(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13));
+    }
+    if (a <= 0x33000000u) return sign;  /* <= 2^-25: the tie at 2^-25 goes to even, 0 */
+    /* a subnormal float16: the value in units of 2^-24, rounded to nearest even */
+    const uint32_t m = (a & 0x7FFFFFu) | 0x800000u, shift = 126u - (a >> 23);
+    uint32_t q = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) ++q;
+    return (uint16_t)(sign | q);
+}
+
+/* ------------------------------------------------------------------ rows ------------------ */
+
+static inline void bf16_row_to_f32(const uint16_t* restrict src, float* restrict dst, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16) {
+        const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + j)));
+        _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+    }
+#elif defined(__AVX2__)
+    for (; j + 8 <= n; j += 8) {
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + j)));
+        _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+#endif
+    for (; j < n; ++j) dst[j] = bf16_to_f32(src[j]);
+}
+
+static inline void f32_row_to_bf16(const float* restrict src, uint16_t* restrict dst, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512BF16__)
+    /* vcvtneps2bf16 flushes float32 subnormals to zero; the few blocks holding one take the
+       portable path instead. */
+    const __m512 tiny = _mm512_set1_ps(0x1p-126f), zero = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(src + j);
+        const __mmask16 sub = _mm512_cmp_ps_mask(_mm512_abs_ps(v), tiny, _CMP_LT_OQ) &
+                              _mm512_cmp_ps_mask(v, zero, _CMP_NEQ_OQ);
+        if (sub) {
+            for (int l = 0; l < 16; ++l) dst[j + l] = f32_to_bf16(src[j + l]);
+        } else {
+            const __m256bh r = _mm512_cvtneps_pbh(v);
+            memcpy(dst + j, &r, sizeof r);
+        }
+    }
+#endif
+    #pragma omp simd
+    for (int64_t k = j; k < n; ++k) dst[k] = f32_to_bf16(src[k]);
+}
+
+static inline void f16_row_to_f32(const uint16_t* restrict src, float* restrict dst, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + j))));
+#elif defined(__F16C__)
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + j))));
+#endif
+    for (; j < n; ++j) dst[j] = f16_to_f32(src[j]);
+}
+
+static inline void f32_row_to_f16(const float* restrict src, uint16_t* restrict dst, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16)
+        _mm256_storeu_si256((__m256i*)(dst + j),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + j),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i*)(dst + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + j),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; j < n; ++j) dst[j] = f32_to_f16(src[j]);
+}
+
+/* ------------------------------------------------------------------ row buffers ----------- */
+
+/* Elements of float32 per block of rows the half kernels convert at once. The forwards keep a
+   block (input and output) in the first-level cache, as do backwards without dw/db. Those with
+   dw/db take more rows per block: the float32 code they call moves its per-block float32 dw/db
+   sums into float64 at the end of every call, so a block of a row or two would pay that for every
+   row (measured at N = 768 and 1024: blocks of 8192 elements fastest, 2048 up to 2.7x slower). */
+#ifndef HALF_FWD_ELEMS
+#define HALF_FWD_ELEMS 1024
+#endif
+#ifndef HALF_BWD_ELEMS
+#define HALF_BWD_ELEMS 8192
+#endif
+
+/* count float32 buffers of n elements each, kept per calling thread and grown on demand (NULL
+   when the allocation fails). */
+static __thread float* half_buf = NULL;
+static __thread int64_t half_cap = 0;
+
+static float* half_buffers(int64_t n, int count) {
+    const int64_t need = n * count;
+    if (need > half_cap) {
+        free(half_buf);
+        half_buf = (float*)malloc((size_t)need * sizeof(float));
+        half_cap = half_buf ? need : 0;
+    }
+    return half_buf;
+}
+
+/* Rows per block of rows of length N: as many as fit in elems, at least one. */
+static inline int64_t half_block_rows(int64_t N, int64_t elems) {
+    return N >= elems ? 1 : elems / N;
+}
+
+#endif

@@ -1,0 +1,252 @@
+/* The norm kernels over one half type: included by norms.c after the float32 instantiation of
+   norms_impl.h, with half_t (ln_bf16_t or ln_f16_t), SUF (bf16 or f16), TO_F32 and FROM_F32 (the
+   row conversions of half.h) defined.
+
+   Each kernel converts a block of rows (see HALF_FWD_ELEMS in half.h)
+   to float32, runs the float32 kernel's own row function on it and rounds the result back to
+   half_t. Statistics, gains, biases and their gradients are float32 (compute_t). So a half result
+   is the float32 kernel's result on the exactly converted inputs, rounded once to nearest even:
+   the float32 error model plus one rounding to the output type. */
+
+#ifndef LAYERNORM_NORMS_HALF_ONCE
+#define LAYERNORM_NORMS_HALF_ONCE
+
+typedef int (*half_range_fn)(const void* args, i64 lo, i64 hi);
+
+/* fn over rows [0, M), split as the float32 kernels split them; 0, or a failed call's status. */
+static int half_parallel(const void* args, i64 M, int threads, half_range_fn fn) {
+    if (threads <= 1) return fn(args, 0, M);
+    int status = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        i64 lo, hi;
+        row_block(M, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
+        const int s = fn(args, lo, hi);
+        if (s) {
+            #pragma omp atomic write
+            status = s;
+        }
+    }
+    return status;
+}
+
+/* The float32 and float64 instances of cvt: their storage is their compute type. */
+int cvt_f32(const cvt_args_f32* a) {
+    const size_t n = (size_t)(a->M * a->N) * sizeof(float);
+    if (n) {
+        memcpy(a->xf, a->x, n);
+        memcpy(a->y, a->yf, n);
+    }
+    return 0;
+}
+
+int cvt_f64(const cvt_args_f64* a) {
+    const size_t n = (size_t)(a->M * a->N) * sizeof(double);
+    if (n) {
+        memcpy(a->xf, a->x, n);
+        memcpy(a->y, a->yf, n);
+    }
+    return 0;
+}
+
+#endif
+
+#define FN(name) LN_CAT(name, SUF)
+
+int FN(cvt)(const FN(cvt_args)* a) {
+    TO_F32(a->x, a->xf, a->M * a->N);
+    FROM_F32(a->yf, a->y, a->M * a->N);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ forward --------------- */
+
+static int FN(ln_fwd_range)(const void* p, i64 lo, i64 hi) {
+    const FN(ln_fwd_args)* a = p;
+    const i64 N = a->N, R = half_block_rows(N, HALF_FWD_ELEMS);
+    float* xf = half_buffers(R * N, 2);
+    if (!xf) return 1;
+    float* yf = xf + R * N;
+    for (i64 i = lo; i < hi; i += R) {
+        const i64 rows = hi - i < R ? hi - i : R;
+        TO_F32(a->x + i * N, xf, rows * N);
+        const ln_fwd_args_f32 fa = {.x = xf, .weight = a->weight, .bias = a->bias, .y = yf,
+                                    .mean = a->mean + i, .rstd = a->rstd + i, .M = rows, .N = N,
+                                    .eps = a->eps, .threads = 1};
+        ln_fwd_rows_f32(&fa, 0, rows);
+        FROM_F32(yf, a->y + i * N, rows * N);
+    }
+    return 0;
+}
+
+int FN(ln_fwd)(const FN(ln_fwd_args)* a) {
+    return half_parallel(a, a->M, a->threads, FN(ln_fwd_range));
+}
+
+static int FN(rms_fwd_range)(const void* p, i64 lo, i64 hi) {
+    const FN(rms_fwd_args)* a = p;
+    const i64 N = a->N, R = half_block_rows(N, HALF_FWD_ELEMS);
+    float* xf = half_buffers(R * N, 2);
+    if (!xf) return 1;
+    float* yf = xf + R * N;
+    for (i64 i = lo; i < hi; i += R) {
+        const i64 rows = hi - i < R ? hi - i : R;
+        TO_F32(a->x + i * N, xf, rows * N);
+        const rms_fwd_args_f32 fa = {.x = xf, .weight = a->weight, .y = yf, .rstd = a->rstd + i,
+                                     .M = rows, .N = N, .eps = a->eps, .threads = 1};
+        rms_fwd_rows_f32(&fa, 0, rows);
+        FROM_F32(yf, a->y + i * N, rows * N);
+    }
+    return 0;
+}
+
+int FN(rms_fwd)(const FN(rms_fwd_args)* a) {
+    return half_parallel(a, a->M, a->threads, FN(rms_fwd_range));
+}
+
+static int FN(ada_fwd_range)(const void* p, i64 lo, i64 hi) {
+    const FN(ada_fwd_args)* a = p;
+    const i64 N = a->N, R = half_block_rows(N, HALF_FWD_ELEMS);
+    float* xf = half_buffers(R * N, 2);
+    if (!xf) return 1;
+    float* zf = xf + R * N;
+    for (i64 i = lo; i < hi; i += R) {
+        const i64 rows = hi - i < R ? hi - i : R;
+        TO_F32(a->x + i * N, xf, rows * N);
+        const ada_fwd_args_f32 fa = {.x = xf, .z = zf, .mean = a->mean + i, .rstd = a->rstd + i,
+                                     .M = rows, .N = N, .eps = a->eps, .k = a->k,
+                                     .scale = a->scale, .threads = 1};
+        ada_fwd_rows_f32(&fa, 0, rows);
+        FROM_F32(zf, a->z + i * N, rows * N);
+    }
+    return 0;
+}
+
+int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
+    return half_parallel(a, a->M, a->threads, FN(ada_fwd_range));
+}
+
+/* ------------------------------------------------------------------ backward -------------- */
+
+static int FN(ada_bwd_range)(const void* p, i64 lo, i64 hi) {
+    const FN(ada_bwd_args)* a = p;
+    const i64 N = a->N, R = half_block_rows(N, HALF_FWD_ELEMS);
+    float* dzf = half_buffers(R * N, 3);
+    if (!dzf) return 1;
+    float *xf = dzf + R * N, *dxf = xf + R * N;
+    for (i64 i = lo; i < hi; i += R) {
+        const i64 rows = hi - i < R ? hi - i : R;
+        TO_F32(a->dz + i * N, dzf, rows * N);
+        TO_F32(a->x + i * N, xf, rows * N);
+        const ada_bwd_args_f32 fa = {.dz = dzf, .x = xf, .mean = a->mean + i,
+                                     .rstd = a->rstd + i, .dx = dxf, .M = rows, .N = N,
+                                     .k = a->k, .scale = a->scale, .threads = 1};
+        ada_bwd_rows_f32(&fa, 0, rows);
+        FROM_F32(dxf, a->dx + i * N, rows * N);
+    }
+    return 0;
+}
+
+int FN(ada_bwd)(const FN(ada_bwd_args)* a) {
+    return half_parallel(a, a->M, a->threads, FN(ada_bwd_range));
+}
+
+/* The layer-norm and RMSNorm backwards (bwd_job_f32's contract, with half_t rows). */
+typedef struct {
+    const half_t* dy;
+    const half_t* x;
+    const float* mean;
+    const float* rstd;
+    const float* w;
+    half_t* dx;
+    float* dw;
+    float* db;
+    i64 M, N;
+    int detach_mean, detach_std, threads;
+} FN(bwd_job);
+
+/* Rows [lo, hi), converted a block at a time and handed to the float32 bwd_rows, which adds the
+   block's dw/db terms to this thread's accumulators. Blocks hold an even number of rows, so the
+   float32 code's pairs of rows never straddle two blocks. */
+static int FN(bwd_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, float* fwa, float* fba,
+                         i64 lo, i64 hi) {
+    const i64 N = jb->N;
+    /* without dw/db there are no sums to flush: blocks as small as the forward's */
+    i64 R = half_block_rows(N, dwa ? HALF_BWD_ELEMS : HALF_FWD_ELEMS);
+    if (R > 1) R -= R % 2;
+    float* dyf = half_buffers(R * N, 3);
+    if (!dyf) return 1;
+    float *xf = dyf + R * N, *dxf = xf + R * N;
+    for (i64 i = lo; i < hi; i += R) {
+        const i64 rows = hi - i < R ? hi - i : R;
+        TO_F32(jb->dy + i * N, dyf, rows * N);
+        TO_F32(jb->x + i * N, xf, rows * N);
+        const bwd_job_f32 fj = {.dy = dyf, .x = xf, .mean = jb->mean ? jb->mean + i : NULL,
+                                .rstd = jb->rstd + i, .w = jb->w, .dx = jb->dx ? dxf : NULL,
+                                .dw = NULL, .db = NULL, .M = rows, .N = N,
+                                .detach_mean = jb->detach_mean, .detach_std = jb->detach_std,
+                                .threads = 1};
+        bwd_rows_f32(&fj, dwa, dba, fwa, fba, 0, rows);
+        if (jb->dx) FROM_F32(dxf, jb->dx + i * N, rows * N);
+    }
+    return 0;
+}
+
+static int FN(bwd_run)(FN(bwd_job)* jb) {
+    const i64 N = jb->N;
+    const int nt = jb->threads < 1 ? 1 : jb->threads;
+    if (!jb->w && !(jb->w = ones_f32(N))) return 1;
+    /* per thread: float64 dw/db sums, then float32 blocks of rows (as bwd_run_f32) */
+    acc_t *dwa = NULL, *dba = NULL;
+    float *fwa = NULL, *fba = NULL;
+    if (jb->dw || jb->db) {
+        const i64 nacc = 2 * (i64)nt * N;
+        const i64 nflt = (i64)((2 * (size_t)nt * (size_t)N * sizeof(float) + 7) / sizeof(acc_t));
+        if (!(dwa = zeroed_scratch(nacc + nflt))) return 2;
+        dba = dwa + (i64)nt * N;
+        fwa = (float*)(dwa + nacc);
+        fba = fwa + (i64)nt * N;
+    }
+    int status = 0;
+    if (nt == 1) {
+        status = FN(bwd_range)(jb, dwa, dba, fwa, fba, 0, jb->M);
+    } else {
+        #pragma omp parallel num_threads(nt)
+        {
+            const i64 t = omp_get_thread_num();
+            i64 lo, hi;
+            row_block(jb->M, omp_get_num_threads(), (int)t, &lo, &hi);
+            const int s = dwa ? FN(bwd_range)(jb, dwa + t * N, dba + t * N, fwa + t * N,
+                                              fba + t * N, lo, hi)
+                              : FN(bwd_range)(jb, NULL, NULL, NULL, NULL, lo, hi);
+            if (s) {
+                #pragma omp atomic write
+                status = s;
+            }
+        }
+    }
+    if (status) return status;
+    if (jb->dw) {
+        reduce_buffers(dwa, nt, N);
+        for (i64 j = 0; j < N; ++j) jb->dw[j] = (float)dwa[j];
+    }
+    if (jb->db) {
+        reduce_buffers(dba, nt, N);
+        for (i64 j = 0; j < N; ++j) jb->db[j] = (float)dba[j];
+    }
+    return 0;
+}
+
+int FN(ln_bwd)(const FN(ln_bwd_args)* a) {
+    FN(bwd_job) jb = {a->dy, a->x, a->mean, a->rstd, a->weight, a->dx, a->dweight, a->dbias,
+                      a->M, a->N, a->detach_mean, a->detach_std, a->threads};
+    return FN(bwd_run)(&jb);
+}
+
+int FN(rms_bwd)(const FN(rms_bwd_args)* a) {
+    FN(bwd_job) jb = {a->dy, a->x, NULL, a->rstd, a->weight, a->dx, a->dweight, NULL,
+                      a->M, a->N, 1, 0, a->threads};
+    return FN(bwd_run)(&jb);
+}
+
+#undef FN

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from . import cache, cbuild, rnn_abi
-from .abi import INSTANCES
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
 #: The translation units (headers are found next to them).
@@ -47,7 +46,7 @@ def _library() -> ctypes.CDLL | None:
     try:
         lib = cache.load_library(_build)  # checked, and rebuilt once if damaged
         for kernel in rnn_abi.KERNELS:
-            for dtype, (_, suffix) in INSTANCES.items():
+            for dtype, (_, suffix) in rnn_abi.RNN_INSTANCES.items():
                 fn = getattr(lib, f"{kernel.name}_{suffix}")
                 fn.restype = ctypes.c_int
                 fn.argtypes = tuple(
@@ -69,7 +68,7 @@ def _library() -> ctypes.CDLL | None:
 
 def available(x: Tensor) -> bool:
     """Whether the kernels run on ``x``: a CPU float32/float64 tensor, switch on, library built."""
-    if x.dtype not in INSTANCES or not x.is_cpu:
+    if x.dtype not in rnn_abi.RNN_INSTANCES or not x.is_cpu:
         return False
     return os.environ.get(ENV_SWITCH, "1") != "0" and _library() is not None
 

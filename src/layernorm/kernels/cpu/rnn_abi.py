@@ -34,6 +34,11 @@ from torch import Tensor
 from .abi import CSRC_DIR, INSTANCES
 
 HEADER_NAME = "layernorm_rnn_abi.h"
+#: The recurrent kernels' instances, torch dtype -> (C scalar type, symbol suffix): float32 and
+#: float64 only (the norm kernels' half instances have no recurrent counterpart).
+RNN_INSTANCES: dict[torch.dtype, tuple[str, str]] = {
+    dt: (INSTANCES[dt].c_type, INSTANCES[dt].suffix) for dt in (torch.float32, torch.float64)
+}
 #: What a kernel returns when a step's rows lie outside the buffers (it then touches nothing).
 ERR_ROWS = 1
 
@@ -301,7 +306,7 @@ def structure(struct: Struct, dtype: torch.dtype) -> type[ctypes.Structure]:
             (f.name, ctypes.c_void_p if f.is_pointer else _CTYPES[f.c_type()])
             for f in struct.layout()
         ]
-        name = f"{struct.name}_{INSTANCES[dtype][1]}"
+        name = f"{struct.name}_{RNN_INSTANCES[dtype][1]}"
         _STRUCT_TYPES[key] = type(name, (ctypes.Structure,), {"_fields_": fields})
     return _STRUCT_TYPES[key]
 
@@ -352,7 +357,7 @@ def _checked(
 ) -> None:
     """:func:`check`, storing each checked value into ``out`` when given (one pass: a struct is
     packed once per sequence and direction, so this stays cheap next to a short sequence)."""
-    if dtype not in INSTANCES:
+    if dtype not in RNN_INSTANCES:
         raise TypeError(f"{_op(struct)}: the kernels take float32 or float64, got {dtype}")
     sized, numbers = _plan(struct)
     for f in sized:
@@ -488,7 +493,7 @@ def c_header() -> str:
         "int rnn_vector_bytes(void);",
         "",
     ]
-    for dtype, (scalar, suffix) in INSTANCES.items():
+    for dtype, (scalar, suffix) in RNN_INSTANCES.items():
         for struct in STRUCTS:
             tname = f"{struct.name}_{suffix}"
             lines.append(f"/* {struct.doc} */")

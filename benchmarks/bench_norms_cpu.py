@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layernorm
 import layernorm.functional as LF
 from _timing import cpu_model, interleaved_ms, interleaved_samples
-from layernorm.kernels.cpu import _native
+from layernorm.kernels.cpu import _native, targets
+from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.reference import layer_norm_reference
 
 DEFAULT_SHAPES = ((8192, 1024), (32768, 256), (64, 4096))
@@ -196,15 +197,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rms-anchor", action=argparse.BooleanOptionalAction, default=True,
                         help="also time torch's F.rms_norm (an eager composition)")  # fmt: skip
     parser.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
+    isa_help = "the C kernels of this instruction set (default: the CPU's)"
+    parser.add_argument("--isa", choices=targets.NAMES, default=None, help=isa_help)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    with targets.use(args.isa or kernel_isa()):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Time every variant at every shape and print (and optionally save) the table."""
 
     fused = _native.enabled()  # builds the kernels now, outside the timed region
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"device: {cpu_model()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
     print(f"torch {torch.__version__}, python {platform.python_version()}, {stamp}")
-    print(f"fused C kernels: {'on' if fused else 'off (eager ATen compositions)'}")
+    print(f"fused C kernels: {f'on, {kernel_isa()} build' if fused else 'off (eager ATen ops)'}")
     flags = " ".join(isa_flags()) or "none of " + " ".join(ISA_FLAGS)
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     print(f"ISA: {cpu_isa()}; vector flags: {flags}; load average {load}\n")
@@ -241,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
                 dict(variant=name, dtype=args.dtype, m=m, n=n, ms=round(ms, 4),
                      torch_ln_ms=round(base, 4), ratio=round(ms / base, 3),
                      min_ms=round(lo, 4), ratio_min=round(lo / base_min, 3), reps=reps,
-                     threads=torch.get_num_threads(), fused=int(fused), device=cpu_model(),
+                     threads=torch.get_num_threads(), fused=int(fused), isa=kernel_isa(),
+                     device=cpu_model(),
                      torch=torch.__version__, date=stamp)
             )  # fmt: skip
         print()

@@ -21,6 +21,10 @@ the layer norms add ``O(T·B·G·H)``, about 1% at these shapes.
 
     python benchmarks/bench_rnn.py                 # the three shapes of RESULTS.md
     python benchmarks/bench_rnn.py --threads 1 --loop --csv rnn.csv
+    python benchmarks/bench_rnn.py --isa avx2 --mode infer   # the AVX2 kernels, inference
+
+``--isa`` runs the kernels built for another instruction set this CPU can run (e.g. AVX2 on an
+AVX-512 processor); torch's own kernels are unaffected and keep the CPU's widest vectors.
 """
 
 from __future__ import annotations
@@ -36,13 +40,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import cpu_model, interleaved_ms
 from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm.kernels.cpu import isa as kernel_isa
+from layernorm.kernels.cpu import targets
 from layernorm.recurrent import StepKernels, _pointwise, register_step_kernels
 
 SHAPES = ((100, 32, 128, 256), (100, 64, 256, 512), (50, 8, 64, 128))  # (T, B, I, H)
 KINDS = {"lstm": (torch.nn.LSTM, LayerNormLSTM), "gru": (torch.nn.GRU, LayerNormGRU)}
 
 
-def step(model: torch.nn.Module, x: torch.Tensor):
+def step(model: torch.nn.Module, x: torch.Tensor, mode: str = "train"):
+    if mode == "infer":
+
+        def infer() -> None:
+            with torch.no_grad():
+                model(x)
+
+        return infer
+
     def fn() -> None:
         out, _ = model(x)
         out.sum().backward()
@@ -73,6 +87,7 @@ def bench_shape(
     eager: bool,
     reps: int,
     per_step: bool = False,
+    mode: str = "train",
 ) -> dict:
     t, b, i, h = shape
     torch.manual_seed(0)
@@ -81,12 +96,12 @@ def bench_shape(
     models = {"torch": ref, "ln": ocls.from_torch(ref), "none": ocls.from_torch(ref, norm="none")}
     if loop:
         models["ln-loop"] = ocls.from_torch(ref, impl="loop")
-    x = (torch.randn(t, b, i) + 0.5).requires_grad_()
-    fns = {k: step(m, x) for k, m in models.items()}
+    x = (torch.randn(t, b, i) + 0.5).requires_grad_(mode == "train")
+    fns = {k: step(m, x, mode) for k, m in models.items()}
     if eager:
-        fns["ln-eager"] = with_steps(step(models["ln"], x), _pointwise.EAGER)
+        fns["ln-eager"] = with_steps(step(models["ln"], x, mode), _pointwise.EAGER)
     if per_step:
-        fns["ln-steps"] = with_steps(step(models["ln"], x), _pointwise.C_STEPS)
+        fns["ln-steps"] = with_steps(step(models["ln"], x, mode), _pointwise.C_STEPS)
     return interleaved_ms(fns, warmup=2, reps=reps)
 
 
@@ -100,13 +115,24 @@ def main() -> None:
     ap.add_argument("--kinds", default="lstm,gru")
     ap.add_argument("--shapes", default=None, help="e.g. 50x8x64x128,100x32x128x256")
     ap.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
+    ap.add_argument("--mode", choices=("train", "infer"), default="train",
+                    help="train: forward + backward; infer: forward under no_grad")  # fmt: skip
+    ap.add_argument("--isa", choices=targets.NAMES, default=None,
+                    help="the C kernels of this instruction set (default: the CPU's)")  # fmt: skip
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    with targets.use(args.isa or kernel_isa()):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"device: {cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} "
-          f"| mkldnn {torch.backends.mkldnn.is_available()} | {date}")  # fmt: skip
-    print("forward + backward, float32, median ms (ratio = ours / torch in the same run)\n")
+    print(f"device: {cpu_model()} | kernels {kernel_isa()} | torch {torch.__version__} | "
+          f"threads {torch.get_num_threads()} | mkldnn {torch.backends.mkldnn.is_available()} "
+          f"| {date}")  # fmt: skip
+    what = "forward + backward" if args.mode == "train" else "forward under no_grad"
+    print(f"{what}, float32, median ms (ratio = ours / torch in the same run)\n")
     extra = " LN per-step C loop / torch |" if args.per_step else ""
     print("| kind | (T, B, I, H) | torch ms | LN ms | LN / torch | none / torch | loop / torch "
           "| LN eager steps / torch |" + extra)  # fmt: skip
@@ -117,7 +143,8 @@ def main() -> None:
     rows = []
     for kind in args.kinds.split(","):
         for shape in shapes:
-            r = bench_shape(kind, shape, args.loop, args.eager_steps, args.reps, args.per_step)  # type: ignore[arg-type]
+            r = bench_shape(kind, shape, args.loop, args.eager_steps, args.reps, args.per_step,  # type: ignore[arg-type]
+                            args.mode)  # fmt: skip
 
             def ratio(name: str, r: dict = r) -> str:
                 return f"{r[name] / r['torch']:.2f}" if name in r else "-"
@@ -128,7 +155,8 @@ def main() -> None:
                 cells.append(ratio("ln-steps"))
             print("| " + " | ".join(cells) + " |", flush=True)
             for provider, ms in r.items():
-                rows.append({"date": date, "device": cpu_model(), "torch": torch.__version__,
+                rows.append({"date": date, "device": cpu_model(), "isa": kernel_isa(),
+                             "mode": args.mode, "torch": torch.__version__,
                              "threads": torch.get_num_threads(), "kind": kind,
                              "T": shape[0], "B": shape[1], "I": shape[2], "H": shape[3],
                              "provider": provider, "ms": f"{ms:.3f}",

@@ -126,8 +126,12 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
     assert e.value.code == 0
+    from layernorm.kernels.cpu import targets
+
+    can_run = ", ".join(targets.available())
     assert capsys.readouterr().out.strip() == (
-        f"layernorm {layernorm.__version__} (torch {torch.__version__})"
+        f"layernorm {layernorm.__version__} (torch {torch.__version__}; "
+        f"CPU kernels {targets.selected().name}, CPU can run {can_run})"
     )
 
 

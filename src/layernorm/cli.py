@@ -159,8 +159,10 @@ class _VersionAction(argparse.Action):
         import torch
 
         from . import __version__
+        from .kernels.cpu import targets
 
-        print(f"layernorm {__version__} (torch {torch.__version__})")
+        cpu = f"CPU kernels {targets.selected().name}, CPU can run {', '.join(targets.available())}"
+        print(f"layernorm {__version__} (torch {torch.__version__}; {cpu})")
         parser.exit()
 
 

@@ -49,11 +49,10 @@ def available(x: Tensor) -> bool:
 
 
 def sequence_gemm() -> bool:
-    """Whether the whole-sequence functions are used: only where the build has AVX-512 (64-byte
-    vectors), where their GEMM was measured faster than ``torch.mm``. Built without AVX-512 on the
-    same CPU, its 32-byte tile reached 63 GFLOP/s and the layers were no faster than with the time
-    loop in Python, which therefore stays there on such targets."""
-    return rnn.vector_bytes() >= 64
+    """Whether the whole-sequence functions are used: on the targets whose C GEMM was measured
+    faster than the per-step loop around ``torch.mm`` (see :mod:`layernorm.kernels.cpu.targets`
+    and ``benchmarks/RESULTS.md``)."""
+    return rnn.sequence_enabled()
 
 
 def _threads(rows: int, cols: int) -> int:

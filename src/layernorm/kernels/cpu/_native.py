@@ -1,4 +1,5 @@
-"""Load and call the fused C kernels of ``csrc/norms.c`` (built and cached by :mod:`.cbuild`).
+"""Load and call the fused C kernels of ``csrc/norms.c`` (built and cached by :mod:`.cbuild`, one
+library per instruction-set target of :mod:`.targets`, only for the one selected).
 
 Each kernel takes one pointer to its argument struct (:mod:`.abi` describes every field), for
 float32, float64, bfloat16 and float16 ``x``; the half types compute in float32, with float32
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import abi, cache, cbuild
+from . import abi, cache, cbuild, targets
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
 ENV_CACHE = cbuild.ENV_CACHE
@@ -34,22 +35,33 @@ _CSRC = abi.CSRC_DIR
 SOURCES = (_CSRC / "norms.c",)
 
 
-def _build() -> Path:
-    """Compile the kernels if no cached build matches; return the library's path."""
-    return cbuild.build_shared_library(SOURCES, "layernorm_cpu")
+def _build(target: targets.Target | None = None) -> Path:
+    """Compile the kernels for ``target`` (default: the selected one, see :mod:`.targets`) if no
+    cached build matches; return the library's path."""
+    target = targets.selected() if target is None else target
+    return cbuild.build_shared_library(
+        SOURCES, f"layernorm_cpu_{target.name}", isa_flags=target.flags
+    )
+
+
+KernelTable = dict[tuple[str, torch.dtype], "ctypes._CFuncPtr"]
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _library_for(isa: str) -> KernelTable | None:
+    """The kernels of target ``isa``'s library (built on first use), or ``None`` after a warning
+    when it cannot be built or loaded."""
     try:
-        lib = cache.load_library(_build)  # checked, and rebuilt once if damaged
+        # checked, and rebuilt once if damaged
+        lib = cache.load_library(lambda: _build(targets.target(isa)))
+        fns: KernelTable = {}
         for kernel in abi.KERNELS:
             for dtype, inst in abi.INSTANCES.items():
                 fn = getattr(lib, f"{kernel.name}_{inst.suffix}")
                 fn.restype = ctypes.c_int
                 fn.argtypes = (ctypes.POINTER(abi.structure(kernel, dtype)),)
-                _FNS[kernel.name, dtype] = fn
-        return lib
+                fns[kernel.name, dtype] = fn
+        return fns
     except Exception as err:  # any failure falls back to the always-correct eager path
         warnings.warn(
             f"layernorm: fused CPU kernels unavailable, using eager ATen ops ({err})",
@@ -59,7 +71,9 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
-_FNS: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+def _library() -> KernelTable | None:
+    """The kernels of the selected target (see :mod:`.targets`)."""
+    return _library_for(targets.selected().name)
 
 
 def enabled() -> bool:
@@ -116,7 +130,9 @@ def _call(name: str, **values: object) -> None:
     args = _BINDERS[name](values)
     x = values["x"]
     assert isinstance(x, Tensor)
-    status = _FNS[name, x.dtype](ctypes.byref(args))
+    fns = _library()
+    assert fns is not None  # callers check supports() first
+    status = fns[name, x.dtype](ctypes.byref(args))
     if status != 0:
         raise MemoryError(f"layernorm: the fused CPU kernel {name} could not allocate its buffers")
 

@@ -1,11 +1,12 @@
 """Load and call the recurrent layers' C kernels (``csrc/rnn_step.c``, ``csrc/rnn_seq.c``).
 
-The library is compiled once per machine with the system C compiler (about a second, no PyTorch
-headers) by :mod:`.cbuild`. Every kernel takes pointers to argument structs of named fields that
-:mod:`.rnn_abi` describes; :func:`prepare` checks each tensor's dtype, device, layout and shape and
-each number's range against that description before packing a struct, so C never sees a pointer
-to too little memory. A struct is prepared once per sequence and direction; a step call then sets
-only the step's rows and threads (which C checks against the buffers' rows again).
+The library is compiled with the system C compiler (about a second, no PyTorch headers) by
+:mod:`.cbuild`, once per instruction-set target of :mod:`.targets`, only for the one selected.
+Every kernel takes pointers to argument structs of named fields that :mod:`.rnn_abi` describes;
+:func:`prepare` checks each tensor's dtype, device, layout and shape and each number's range
+against that description before packing a struct, so C never sees a pointer to too little memory.
+A struct is prepared once per sequence and direction; a step call then sets only the step's rows
+and threads (which C checks against the buffers' rows again).
 
 ``LAYERNORM_CPU_COMPILE=0`` or a failed build makes :func:`available` false: the recurrent layers
 then use their eager step functions (a warning says why, once).
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import cache, cbuild, rnn_abi
+from . import cache, cbuild, rnn_abi, targets
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
 #: The translation units (headers are found next to them).
@@ -33,18 +34,25 @@ SOURCES = (rnn_abi.CSRC_DIR / "rnn_step.c", rnn_abi.CSRC_DIR / "rnn_seq.c")
 # loops (exp, tanh) vectorize; there is no -ffast-math, so NaN and rounding behave as written.
 EXTRA_FLAGS = ("-fno-math-errno", "-fno-trapping-math")
 
-_FNS: dict[tuple[str, torch.dtype], Any] = {}
-_VECTOR_BYTES = [0]
+KernelTable = dict[tuple[str, torch.dtype], Any]
 
 
-def _build() -> Path:
-    return cbuild.build_shared_library(SOURCES, "layernorm_rnn", EXTRA_FLAGS)
+def _build(target: targets.Target | None = None) -> Path:
+    """Compile the kernels for ``target`` (default: the selected one) unless cached."""
+    target = targets.selected() if target is None else target
+    return cbuild.build_shared_library(
+        SOURCES, f"layernorm_rnn_{target.name}", EXTRA_FLAGS, isa_flags=target.flags
+    )
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _library_for(isa: str) -> tuple[KernelTable, int] | None:
+    """The kernels of target ``isa``'s library (built on first use) and its GEMM's vector bytes,
+    or ``None`` after a warning when it cannot be built or loaded."""
     try:
-        lib = cache.load_library(_build)  # checked, and rebuilt once if damaged
+        # checked, and rebuilt once if damaged
+        lib = cache.load_library(lambda: _build(targets.target(isa)))
+        fns: KernelTable = {}
         for kernel in rnn_abi.KERNELS:
             for dtype, (_, suffix) in rnn_abi.RNN_INSTANCES.items():
                 fn = getattr(lib, f"{kernel.name}_{suffix}")
@@ -52,11 +60,10 @@ def _library() -> ctypes.CDLL | None:
                 fn.argtypes = tuple(
                     ctypes.POINTER(rnn_abi.structure(s, dtype)) for s in kernel.structs
                 )
-                _FNS[kernel.name, dtype] = fn
+                fns[kernel.name, dtype] = fn
         lib.rnn_vector_bytes.restype = ctypes.c_int
         lib.rnn_vector_bytes.argtypes = ()
-        _VECTOR_BYTES[0] = lib.rnn_vector_bytes()
-        return lib
+        return fns, lib.rnn_vector_bytes()
     except Exception as err:  # any failure falls back to the eager step functions
         warnings.warn(
             f"layernorm: C recurrent kernels unavailable, using eager ops ({err})",
@@ -64,6 +71,20 @@ def _library() -> ctypes.CDLL | None:
             stacklevel=3,
         )
         return None
+
+
+def _library() -> tuple[KernelTable, int] | None:
+    """The kernels of the selected target (see :mod:`.targets`)."""
+    return _library_for(targets.selected().name)
+
+
+def _fn(kernel: str, dtype: torch.dtype) -> Any:
+    """The loaded entry point of ``kernel`` for ``dtype`` on the selected target (building the
+    library on first use)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("layernorm: the C recurrent kernels are unavailable (see the warning)")
+    return lib[0][kernel, dtype]
 
 
 def available(x: Tensor) -> bool:
@@ -74,15 +95,16 @@ def available(x: Tensor) -> bool:
 
 
 def vector_bytes() -> int:
-    """Bytes per vector of the sequence kernels' GEMM as built (64 with AVX-512); 0 unbuilt."""
-    return _VECTOR_BYTES[0] if _library() is not None else 0
+    """Bytes per vector of the sequence kernels' GEMM as built for the selected target (64 with
+    AVX-512, 32 with AVX2); 0 when it is not built."""
+    lib = _library()
+    return 0 if lib is None else lib[1]
 
 
-def _fn(kernel: str, dtype: torch.dtype) -> Any:
-    """The loaded entry point of ``kernel`` for ``dtype`` (building the library on first use)."""
-    if _library() is None:
-        raise RuntimeError("layernorm: the C recurrent kernels are unavailable (see the warning)")
-    return _FNS[kernel, dtype]
+def sequence_enabled() -> bool:
+    """Whether the recurrent layers run each direction in one call to the sequence kernels on
+    the selected target (see :attr:`.targets.Target.rnn_sequence`)."""
+    return targets.selected().rnn_sequence and vector_bytes() > 0
 
 
 def prepare(
@@ -96,6 +118,8 @@ def prepare(
 
 
 def _raise_for(status: int, kernel: str) -> None:
+    if status == rnn_abi.ERR_NOMEM:
+        raise MemoryError(f"layernorm recurrent CPU kernel {kernel} could not allocate its buffers")
     if status != 0:
         raise ValueError(
             f"layernorm recurrent CPU kernel {kernel}: a step's rows lie outside the buffers "

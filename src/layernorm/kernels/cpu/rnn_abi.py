@@ -41,6 +41,8 @@ RNN_INSTANCES: dict[torch.dtype, tuple[str, str]] = {
 }
 #: What a kernel returns when a step's rows lie outside the buffers (it then touches nothing).
 ERR_ROWS = 1
+#: What a kernel returns when it cannot allocate its buffers (it then touches nothing).
+ERR_NOMEM = 2
 
 
 class Kind(enum.Enum):
@@ -488,6 +490,8 @@ def c_header() -> str:
         "",
         "/* Returned by a kernel whose step rows lie outside its buffers (nothing is touched). */",
         f"#define RNN_ERR_ROWS {ERR_ROWS}",
+        "/* Returned by a kernel that cannot allocate its buffers (nothing is touched). */",
+        f"#define RNN_ERR_NOMEM {ERR_NOMEM}",
         "",
         "/* Bytes per vector of the sequence GEMM: 64 with AVX-512, 32 with AVX, else 16. */",
         "int rnn_vector_bytes(void);",

@@ -9,6 +9,8 @@
 
 /* Returned by a kernel whose step rows lie outside its buffers (nothing is touched). */
 #define RNN_ERR_ROWS 1
+/* Returned by a kernel that cannot allocate its buffers (nothing is touched). */
+#define RNN_ERR_NOMEM 2
 
 /* Bytes per vector of the sequence GEMM: 64 with AVX-512, 32 with AVX, else 16. */
 int rnn_vector_bytes(void);

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "layernorm_rnn_abi.h"
 
@@ -43,9 +44,10 @@ static inline float fast_tanhf(float x) {
     return x < 0 ? -t : t;
 }
 
-/* The sequence GEMM's vector: the widest the build's target (-march=native) has. 64-byte GCC
+/* The sequence GEMM's vector: the widest the build's target (targets.py) has. 64-byte GCC
    vectors on a target without AVX-512 compile to split code about 40x slower, so the width
-   follows the target; below 64 bytes the callers keep torch.mm (see rnn.sequence_gemm). */
+   follows the target; whether the layers use the sequence kernels on a target is decided there
+   too (Target.rnn_sequence). */
 #if defined(__AVX512F__)
 #define VEC_BYTES 64
 #elif defined(__AVX__)

@@ -5,78 +5,138 @@
    h_{t−1} W_hhᵀ (forward) or dhp · W_hh (backward), then the step kernel of rnn_step.c on a copy
    of the step arguments with the step's rows (off, rows) and threads filled in.
 
-   The recurrent GEMMs C[M, N] (=|+=) A[M, K] · B[K, N]: B and C row-major (leading dimensions
-   ldb, ldc), A[i, k] at A + i·sar + k·sak (so Aᵀ of a row-major matrix is read in place, as the
-   weight gradient needs). A step's GEMM is small (M = the step's rows, often 8–64): through
-   torch.mm it costs a dispatch and MKL's small-M path. Here a tile of up to GEMM_MR rows × nv
-   vectors of columns keeps its accumulators in registers over all of K; B is read once per row
-   tile. The weight gradient's K (all rows of the sequence) is long, so it runs in chunks of
-   GEMM_KC values of k, each chunk of B staying in L1 while every row tile passes over it.
+   The recurrent GEMMs C[M, N] (=|+=) A[M, K] · B[K, N]: A[i, k] at A + i·sar + k·sak (so Aᵀ of a
+   row-major matrix is read in place, as the weight gradient needs), C row-major (leading
+   dimension ldc). A step's GEMM is small (M = the step's rows, often 4–64): through torch.mm it
+   costs a dispatch and MKL's small-M path. Here B (the recurrent weight, constant over the
+   sequence) is first packed into panels of NR = 2 vectors of columns, each panel K rows of NR
+   contiguous values: a tile then reads its panel sequentially, where B's own rows (4H floats
+   apart: a multiple of 4 KiB at H = 256) would all fall into the same few L1 sets. A tile of up to
+   GEMM_MR rows × NR columns keeps its 2·GEMM_MR accumulators in registers over all of K, and every
+   row tile passes over a panel while it is in cache. The rows of C are split into row tiles of
+   near-equal size when each then keeps at least GEMM_MR − 1 rows (AVX2: M = 10 → 5 + 5 rather
+   than 6 + 4, 0.70–0.95× the time), else into full tiles first (M = 8 → 6 + 2 rather than
+   4 + 4, 0.65–0.85× the time: a tile's accumulators are its independent FMA chains, and the
+   4-row tile's 8 chains leave the FMA units idle over all of K, the 2-row tile's only briefly).
+
+   GEMM_MR follows the register file: 8 rows (16 accumulators) of 32 zmm registers with AVX-512,
+   6 rows (12) of 16 ymm/xmm registers with AVX2 and SSE, leaving room for the panel's two vectors
+   and the broadcast value of A (8 rows there spill to the stack: that tile ran at 63 GFLOP/s).
+   A 4 × 3 tile (also 12 chains) was tried for AVX2 and ran at about 0.7× this one's rate at
+   M = 32: GCC keeps its three panel vectors in memory, 16 loads per 12 FMAs.
+
+   The weight gradient's K (all rows of the sequence) is long, so it runs in chunks of GEMM_KC
+   values of k, each chunk packed, its panels staying in L1 while every row tile passes over them.
    Products are summed in scalar_t in order of k (chunk after chunk), as a BLAS does: only float
    rounding differs from torch.mm. */
 
 #define FN(name) RNN_CAT(name, SUF)
+#if VEC_BYTES >= 64
 #define GEMM_MR 8
+#else
+#define GEMM_MR 6
+#endif
 #define GEMM_KC 128
 
 typedef scalar_t FN(vec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(scalar_t)),
                                         may_alias));
 #define VL ((i64)(VEC_BYTES / sizeof(scalar_t)))
+#define NR (2 * VL)
 
-static inline __attribute__((always_inline)) void FN(gemm_tile)(
-    const scalar_t* A, i64 sar, i64 sak, const scalar_t* B, i64 ldb, scalar_t* C, i64 ldc, i64 K,
-    i64 mr, const int nv, const int full, int accumulate) {
-    FN(vec) acc[GEMM_MR][2];
-    const i64 rows = full ? GEMM_MR : mr;
-    for (i64 r = 0; r < rows; ++r)
-        for (int v = 0; v < nv; ++v) acc[r][v] = (FN(vec)){0};
-    for (i64 k = 0; k < K; ++k) {
-        FN(vec) b[2];
-        for (int v = 0; v < nv; ++v) b[v] = *(const FN(vec)*)(B + k * ldb + v * VL);
-        for (i64 r = 0; r < rows; ++r) {
-            const scalar_t a = A[r * sar + k * sak];
-            for (int v = 0; v < nv; ++v) acc[r][v] += a * b[v];
-        }
+static inline i64 FN(panels)(i64 N) { return (N + NR - 1) / NR; }
+
+/* A buffer for packed panels, kept per calling thread and grown on demand (a fresh allocation of
+   megabytes per call is an mmap plus page faults every time). NULL when it cannot grow. */
+static __thread scalar_t* FN(pack_buf) = NULL;
+static __thread i64 FN(pack_cap) = 0;
+
+static scalar_t* FN(pack_buffer)(i64 n) {
+    if (n > FN(pack_cap)) {
+        free(FN(pack_buf));
+        void* p = NULL;
+        FN(pack_buf) = posix_memalign(&p, 64, (size_t)n * sizeof(scalar_t)) == 0 ? p : NULL;
+        FN(pack_cap) = FN(pack_buf) ? n : 0;
     }
-    for (i64 r = 0; r < rows; ++r)
-        for (int v = 0; v < nv; ++v) {
-            FN(vec)* c = (FN(vec)*)(C + r * ldc + v * VL);
-            if (accumulate) *c += acc[r][v];
-            else *c = acc[r][v];
-        }
+    return FN(pack_buf);
 }
 
-/* All of C for the given K, its column tiles split across nt threads. */
-static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, const scalar_t* B,
-                     i64 ldb, scalar_t* C, i64 ldc, int accumulate, int nt) {
-    const i64 W = 2 * VL, tiles = (N + W - 1) / W;
+/* Pack B[K, N] (row-major, leading dimension ldb) into panels: panel p at P + p·K·NR holds
+   columns [p·NR, p·NR + NR) as K rows of NR values, zero past column N. */
+static void FN(pack_panels)(const scalar_t* B, i64 ldb, i64 K, i64 N, scalar_t* P, int nt) {
     #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-    for (i64 t = 0; t < tiles; ++t) {
-        const i64 j0 = t * W;
-        const i64 w = N - j0 < W ? N - j0 : W;
-        for (i64 i0 = 0; i0 < M; i0 += GEMM_MR) {
-            const i64 mr = M - i0 < GEMM_MR ? M - i0 : GEMM_MR;
-            const scalar_t* a = A + i0 * sar;
-            scalar_t* c = C + i0 * ldc;
-            i64 j = j0;
-            if (w == W) {
-                /* constant nv / full: each call compiles to its own register-resident tile */
-                if (mr == GEMM_MR)
-                    FN(gemm_tile)(a, sar, sak, B + j, ldb, c + j, ldc, K, mr, 2, 1, accumulate);
-                else
-                    FN(gemm_tile)(a, sar, sak, B + j, ldb, c + j, ldc, K, mr, 2, 0, accumulate);
-                continue;
+    for (i64 p = 0; p < FN(panels)(N); ++p) {
+        const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
+        scalar_t* dst = P + p * K * NR;
+        for (i64 k = 0; k < K; ++k) {
+            const scalar_t* src = B + k * ldb + j0;
+            for (i64 jj = 0; jj < w; ++jj) dst[k * NR + jj] = src[jj];
+            for (i64 jj = w; jj < NR; ++jj) dst[k * NR + jj] = 0;
+        }
+    }
+}
+
+/* One tile: `rows` rows of C (a constant in each call of tile_rows, so the loops over rows and
+   vectors unroll and the accumulators stay in registers), the first w <= NR columns of a panel. */
+static inline __attribute__((always_inline)) void FN(gemm_tile)(
+    const scalar_t* A, i64 sar, i64 sak, const scalar_t* P, i64 K, const int rows, scalar_t* C,
+    i64 ldc, i64 w, int accumulate) {
+    FN(vec) acc[GEMM_MR][2];
+    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = (FN(vec)){0};
+    for (i64 k = 0; k < K; ++k) {
+        const FN(vec) b0 = *(const FN(vec)*)(P + k * NR), b1 = *(const FN(vec)*)(P + k * NR + VL);
+        for (int r = 0; r < rows; ++r) {
+            const scalar_t a = A[r * sar + k * sak];
+            acc[r][0] += a * b0;
+            acc[r][1] += a * b1;
+        }
+    }
+    if (w == NR) {
+        for (int r = 0; r < rows; ++r)
+            for (int v = 0; v < 2; ++v) {
+                FN(vec)* c = (FN(vec)*)(C + r * ldc + v * VL);
+                if (accumulate) *c += acc[r][v];
+                else *c = acc[r][v];
             }
-            if (w >= VL) {
-                FN(gemm_tile)(a, sar, sak, B + j, ldb, c + j, ldc, K, mr, 1, 0, accumulate);
-                j += VL;
-            }
-            for (; j < j0 + w; ++j) /* the last < VL columns */
-                for (i64 r = 0; r < mr; ++r) {
-                    scalar_t s = 0;
-                    for (i64 k = 0; k < K; ++k) s += a[r * sar + k * sak] * B[k * ldb + j];
-                    c[r * ldc + j] = accumulate ? c[r * ldc + j] + s : s;
-                }
+        return;
+    }
+    for (int r = 0; r < rows; ++r) { /* the last panel: only its first w columns exist in C */
+        const scalar_t* out = (const scalar_t*)acc[r];
+        for (i64 j = 0; j < w; ++j) C[r * ldc + j] = accumulate ? C[r * ldc + j] + out[j] : out[j];
+    }
+}
+
+#define TILE_CASE(R) \
+    case R: FN(gemm_tile)(A, sar, sak, P, K, R, C, ldc, w, accumulate); return;
+
+static void FN(tile_rows)(int rows, const scalar_t* A, i64 sar, i64 sak, const scalar_t* P, i64 K,
+                          scalar_t* C, i64 ldc, i64 w, int accumulate) {
+    switch (rows) {
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
+#if GEMM_MR >= 8
+        TILE_CASE(7) TILE_CASE(8)
+#endif
+        default: return;
+    }
+}
+#undef TILE_CASE
+
+/* C[M, N] (=|+=) A[M, K] · B with B packed by pack_panels; the panels split across nt threads. */
+static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, const scalar_t* P,
+                     scalar_t* C, i64 ldc, int accumulate, int nt) {
+    if (M <= 0) return;
+    const i64 tiles = (M + GEMM_MR - 1) / GEMM_MR;
+    /* near-equal row tiles when each keeps at least GEMM_MR - 1 rows, else full tiles first */
+    const int balanced = M / tiles >= GEMM_MR - 1;
+    #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (i64 p = 0; p < FN(panels)(N); ++p) {
+        const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
+        i64 i0 = 0;
+        for (i64 t = 0; t < tiles; ++t) {
+            const i64 rows = balanced ? M / tiles + (t < M % tiles ? 1 : 0)
+                                      : (M - i0 < GEMM_MR ? M - i0 : GEMM_MR);
+            FN(tile_rows)((int)rows, A + i0 * sar, sar, sak, P + p * K * NR, K, C + i0 * ldc + j0,
+                          ldc, w, accumulate);
+            i0 += rows;
         }
     }
 }
@@ -87,28 +147,40 @@ int FN(weight_grad)(const FN(weight_grad_args) * a) {
         for (i64 i = 0; i < G * H; ++i) a->dw[i] = 0;
         return 0;
     }
-    const int threads = threads_for(G * H * N, (H + 2 * VL - 1) / (2 * VL), a->gemm_grain,
-                                    a->threads);
+    scalar_t* P = FN(pack_buffer)(GEMM_KC * FN(panels)(H) * NR);
+    if (!P) return RNN_ERR_NOMEM;
+    const int threads = threads_for(G * H * N, FN(panels)(H), a->gemm_grain, a->threads);
     for (i64 k0 = 0; k0 < N; k0 += GEMM_KC) {
         const i64 kc = N - k0 < GEMM_KC ? N - k0 : GEMM_KC;
-        FN(gemm)(G, H, kc, a->dhp + k0 * G, 1, G, a->hprev + k0 * H, H, a->dw, H, k0 > 0, threads);
+        FN(pack_panels)(a->hprev + k0 * H, H, kc, H, P, 1);
+        FN(gemm)(G, H, kc, a->dhp + k0 * G, 1, G, P, a->dw, H, k0 > 0, threads);
     }
     return 0;
 }
 
+/* A sequence kernel's recurrent weight B[K, N] (row-major, leading dimension N: W_hhᵀ forward,
+   W_hh backward), packed; NULL when the buffer cannot grow. */
+static const scalar_t* FN(packed_weight)(const scalar_t* w, i64 K, i64 N, int nt) {
+    scalar_t* P = FN(pack_buffer)(K * FN(panels)(N) * NR);
+    if (P) FN(pack_panels)(w, N, K, N, P, nt);
+    return P;
+}
+
 /* Threads of a step's GEMM over `cols` output columns and of its step kernel. */
 static inline int FN(gemm_threads)(i64 rows, i64 cols, i64 inner, i64 grain, int nt) {
-    return threads_for(rows * cols * inner, (cols + 2 * VL - 1) / (2 * VL), grain, nt);
+    return threads_for(rows * cols * inner, FN(panels)(cols), grain, nt);
 }
 
 int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
     const i64 H = a->H, G = 4 * H;
+    const scalar_t* w = FN(packed_weight)(s->w, H, G, s->threads);
+    if (!w) return RNN_ERR_NOMEM;
     FN(lstm_fwd_step_args) step = *a;
     for (i64 k = 0; k < s->n_steps; ++k) {
         step.off = s->steps[2 * k];
         step.rows = s->steps[2 * k + 1];
         if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;
-        FN(gemm)(step.rows, G, H, a->h, H, 1, s->w, G, a->hp + step.off * G, G, 0,
+        FN(gemm)(step.rows, G, H, a->h, H, 1, w, a->hp + step.off * G, G, 0,
                  FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads));
         step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
         FN(lstm_fwd_step)(&step);
@@ -118,6 +190,8 @@ int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args
 
 int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
     const i64 H = a->H, G = 4 * H;
+    const scalar_t* w = FN(packed_weight)(s->w, G, H, s->threads);
+    if (!w) return RNN_ERR_NOMEM;
     FN(lstm_bwd_step_args) step = *a;
     for (i64 k = s->n_steps - 1; k >= 0; --k) {
         step.off = s->steps[2 * k];
@@ -125,7 +199,7 @@ int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args
         if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;
         step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
         FN(lstm_bwd_step)(&step);
-        FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, s->w, H, a->dh, H, 0,
+        FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, 0,
                  FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));
     }
     return 0;
@@ -133,12 +207,14 @@ int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args
 
 int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
     const i64 H = a->H, G = 3 * H;
+    const scalar_t* w = FN(packed_weight)(s->w, H, G, s->threads);
+    if (!w) return RNN_ERR_NOMEM;
     FN(gru_fwd_step_args) step = *a;
     for (i64 k = 0; k < s->n_steps; ++k) {
         step.off = s->steps[2 * k];
         step.rows = s->steps[2 * k + 1];
         if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;
-        FN(gemm)(step.rows, G, H, a->h, H, 1, s->w, G, a->hp + step.off * G, G, 0,
+        FN(gemm)(step.rows, G, H, a->h, H, 1, w, a->hp + step.off * G, G, 0,
                  FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads));
         step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
         FN(gru_fwd_step)(&step);
@@ -149,6 +225,8 @@ int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) 
 /* The GRU step leaves the direct path of h_{t−1} in dh, so its GEMM adds to dh. */
 int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
     const i64 H = a->H, G = 3 * H;
+    const scalar_t* w = FN(packed_weight)(s->w, G, H, s->threads);
+    if (!w) return RNN_ERR_NOMEM;
     FN(gru_bwd_step_args) step = *a;
     for (i64 k = s->n_steps - 1; k >= 0; --k) {
         step.off = s->steps[2 * k];
@@ -156,13 +234,14 @@ int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) 
         if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;
         step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
         FN(gru_bwd_step)(&step);
-        FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, s->w, H, a->dh, H, 1,
+        FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, 1,
                  FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));
     }
     return 0;
 }
 
 #undef VL
+#undef NR
 #undef GEMM_MR
 #undef GEMM_KC
 #undef FN

@@ -1,0 +1,94 @@
+"""The recurrent kernels' register-tiled GEMM per instruction-set target, against ``torch.mm``.
+
+The shapes of a recurrent step: ``C[M, N] = A[M, K] · B[K, N]`` with M = the batch rows (4–64),
+forward ``K = H, N = 4H`` (``h_{t−1} W_hhᵀ``), backward ``K = 4H, N = H`` (``dhp · W_hh``). B is
+packed once, as the sequence kernels do once per direction (the packing is not timed), and each
+timed call runs ``--inner`` products. Every target this CPU can run is built (AVX2 and portable
+emulated on an AVX-512 processor) and timed round-robin with ``torch.mm`` in one process, so the
+ratios hold on a shared machine. Results are checked against ``torch.mm`` first.
+
+    python benchmarks/bench_rnn_gemm.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import cpu_model, interleaved_ms
+from layernorm.kernels.cpu import cbuild, rnn, rnn_abi, targets
+
+BENCH_C = Path(__file__).resolve().parent / "csrc" / "rnn_gemm_bench.c"
+
+
+def load(target: targets.Target) -> ctypes.CDLL:
+    """This target's GEMM harness (the recurrent kernels' sources plus one entry point)."""
+    path = cbuild.build_shared_library(
+        (BENCH_C, rnn_abi.CSRC_DIR / "rnn_step.c"), f"layernorm_gemm_bench_{target.name}",
+        rnn.EXTRA_FLAGS, isa_flags=target.flags,
+    )  # fmt: skip
+    lib = ctypes.CDLL(str(path))
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.bench_gemm_f32.argtypes = (i64, i64, i64, ptr, ptr, ptr, i32, i32, i32)
+    lib.bench_gemm_f32.restype = i32
+    return lib
+
+
+def bench_shape(libs: dict[str, ctypes.CDLL], m: int, k: int, n: int, args) -> dict[str, float]:
+    """GFLOP/s of ``torch.mm`` and of each target's GEMM at ``(m, k) · (k, n)``, interleaved."""
+    a, b = torch.randn(m, k), torch.randn(k, n) / k**0.5
+    ref = a @ b
+    outs = {t: torch.empty(m, n) for t in libs}
+
+    def ours(t: str, reps: int = args.inner) -> None:
+        status = libs[t].bench_gemm_f32(m, n, k, a.data_ptr(), b.data_ptr(), outs[t].data_ptr(),
+                                        0, reps, args.threads)  # fmt: skip
+        assert status == 0
+
+    for t, c in outs.items():
+        ours(t, 1)
+        torch.testing.assert_close(c, ref, rtol=1e-4, atol=1e-4)
+    out = torch.empty(m, n)
+
+    def mm() -> None:
+        for _ in range(args.inner):
+            torch.mm(a, b, out=out)
+
+    fns = {"mm": mm, **{t: functools.partial(ours, t) for t in libs}}
+    ms = interleaved_ms(fns, warmup=2, reps=args.reps)
+    return {p: 2 * m * k * n * args.inner / (v * 1e-3) / 1e9 for p, v in ms.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=9, help="timed rounds per provider")
+    ap.add_argument("--inner", type=int, default=20, help="products per timed call")
+    ap.add_argument("--rows", default="4,8,16,32,64")
+    ap.add_argument("--hidden", default="128,256,650")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    libs = {t: load(targets.target(t)) for t in targets.available()}
+    print(f"device: {cpu_model()} | targets {', '.join(libs)} | torch {torch.__version__} | "
+          f"threads {args.threads} | float32 | GFLOP/s, median of {args.reps}\n")  # fmt: skip
+    print("| pass | M | K | N | torch.mm | " + " | ".join(libs) + " | "
+          + " | ".join(f"{t} / mm time" for t in libs) + " |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: |" + " ---: |" * (2 * len(libs)))
+    for h in (int(v) for v in args.hidden.split(",")):
+        for direction, (k, n) in (("fwd", (h, 4 * h)), ("bwd", (4 * h, h))):
+            for m in (int(v) for v in args.rows.split(",")):
+                g = bench_shape(libs, m, k, n, args)
+                cells = [direction, str(m), str(k), str(n), f"{g['mm']:.0f}",
+                         *(f"{g[t]:.0f}" for t in libs),
+                         *(f"{g['mm'] / g[t]:.2f}" for t in libs)]  # fmt: skip
+                print("| " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""The fused CPU kernels on every instruction-set target this CPU can run, against the references.
+
+Each target (AVX-512, AVX2, portable on x86; AVX2 and portable are emulated on an AVX-512
+processor by the compiler's target flags) is its own library, built here and switched to in-process
+with :func:`layernorm.kernels.cpu.targets.use`; one test goes through ``LAYERNORM_CPU_ISA`` in a
+fresh process. The norm ops are compared with the float64 reference, the recurrent layers (whose
+whole-sequence GEMM is written per register file) with ``impl="loop"`` in float64 and with a float64
+model in float32. The selection rules (feature checks, refusal of a target the CPU lacks) are
+tested on made-up feature sets, so they are checked on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_sequence
+
+import layernorm.functional as LF
+from conftest import make_param, make_x, upcast
+from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm.kernels.cpu import _native, cbuild, isa, rnn, targets
+from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
+from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
+
+AVAILABLE = targets.available() if cbuild.compiler() is not None else ()
+needs_kernels = pytest.mark.skipif(not AVAILABLE, reason="no C compiler: eager path only")
+#: Every target name, each run where this CPU can, skipped (with the reason) where it cannot.
+ISAS = [
+    pytest.param(name, marks=pytest.mark.skipif(name not in AVAILABLE, reason=f"no {name} CPU"))
+    for name in targets.NAMES
+]
+VECTOR_BYTES = {"avx512": 64, "avx2": 32, "portable": 16}
+
+AVX2_CPU = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
+AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Selection
+# ------------------------------------------------------------------------------------------------
+
+
+def test_best_target_follows_the_features() -> None:
+    assert targets.best("x86_64", AVX512_CPU).name == "avx512"
+    assert targets.best("x86_64", AVX2_CPU).name == "avx2"
+    assert targets.best("x86_64", AVX512_CPU - {"avx512bw"}).name == "avx2"
+    assert targets.best("x86_64", AVX2_CPU - {"fma"}).name == "portable"
+    assert targets.best("x86_64", frozenset()).name == "portable"
+    arm = targets.best("aarch64", frozenset({"fp", "asimd"}))
+    assert arm.name == "portable" and arm.flags == ("-march=armv8-a",)
+    other = targets.best("riscv64", frozenset())
+    assert other.name == "portable" and other.flags == ()
+
+
+def test_every_x86_flag_is_checked_against_a_feature() -> None:
+    """An ISA extension enabled at build time without a matching feature check could crash with
+    an illegal instruction on a CPU that passed the check."""
+    for t in targets.TARGETS:
+        if "x86_64" not in t.machines:
+            continue
+        enabled = {f[2:] for f in t.flags if f.startswith("-m") and "=" not in f}
+        assert enabled <= t.features, t.name
+        assert all(not f.startswith("-march=") or f == "-march=x86-64" for f in t.flags)
+
+
+def test_target_the_cpu_lacks_is_refused() -> None:
+    with pytest.raises(targets.UnavailableIsaError, match="lacks avx512bw, avx512cd"):
+        targets.target("avx512", "x86_64", AVX2_CPU | {"avx512f", "avx512vl", "avx512dq"})
+    with pytest.raises(targets.UnavailableIsaError, match="lacks avx2, fma"):
+        targets.target("avx2", "x86_64", frozenset({"sse4_2", "avx", "f16c"}))
+    with pytest.raises(targets.UnavailableIsaError, match="not built for aarch64"):
+        targets.target("avx2", "aarch64", frozenset({"asimd"}))
+    with pytest.raises(targets.UnavailableIsaError, match="unknown CPU instruction set 'sse9'"):
+        targets.target("sse9", "x86_64", AVX512_CPU)
+
+
+@pytest.mark.parametrize(
+    ("requested", "message"),
+    [("avx512", "lacks avx512"), ("sse9", "unknown CPU instruction set")],
+)
+def test_environment_refusal_warns_and_uses_the_best_target(monkeypatch, requested, message):
+    monkeypatch.setattr(targets, "machine", lambda: "x86_64")
+    monkeypatch.setattr(targets, "cpu_features", lambda: AVX2_CPU)
+    monkeypatch.setenv(targets.ENV_ISA, requested)
+    with pytest.warns(RuntimeWarning, match=f"{targets.ENV_ISA}={requested} refused.*{message}"):
+        chosen = targets._from_environment()
+    assert chosen.name == "avx2"
+
+
+def test_environment_choice_and_default(monkeypatch) -> None:
+    monkeypatch.setattr(targets, "machine", lambda: "x86_64")
+    monkeypatch.setattr(targets, "cpu_features", lambda: AVX512_CPU)
+    monkeypatch.setenv(targets.ENV_ISA, "AVX2")
+    assert targets._from_environment().name == "avx2"
+    monkeypatch.delenv(targets.ENV_ISA)
+    assert targets._from_environment().name == "avx512"
+
+
+def test_use_switches_and_restores() -> None:
+    before = isa()
+    with targets.use("portable") as chosen:
+        assert chosen.name == "portable" and isa() == "portable"
+    assert isa() == before
+    unavailable = [n for n in targets.NAMES if n not in targets.available()]
+    for name in unavailable:
+        with pytest.raises(targets.UnavailableIsaError), targets.use(name):
+            pass
+        assert isa() == before
+
+
+# ------------------------------------------------------------------------------------------------
+# Norm kernels per target
+# ------------------------------------------------------------------------------------------------
+
+# (atol, rtol) against float64, as in test_cpu_fast_paths.py.
+NORM_TOL = {
+    torch.float32: {"y": (1e-5, 1e-5), "dx": (2e-5, 2e-5), "dparam": (2e-5, 2e-5)},
+    torch.float64: {"y": (1e-10, 1e-10), "dx": (1e-9, 1e-9), "dparam": (1e-10, 1e-9)},
+}
+NORMS = {
+    "layer": (layer_norm_reference, True, True),
+    "rms": (rms_norm_reference, True, False),
+    "ada": (ada_norm_reference, False, False),
+}
+
+
+def _norm(kind: str, x, w, b, reference: bool):
+    n = x.shape[-1]
+    if kind == "layer":
+        return (layer_norm_reference if reference else LF.layer_norm)(x, (n,), w, b, 1e-5)
+    if kind == "rms":
+        return (rms_norm_reference if reference else LF.rms_norm)(x, (n,), w, eps=1e-6)
+    return (ada_norm_reference if reference else LF.ada_norm)(x, (n,), k=0.1, scale=2.0)
+
+
+def _close(actual, expected, tol, what, scale=1.0) -> None:
+    atol, rtol = tol
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol * scale, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("kind", list(NORMS))
+@pytest.mark.parametrize(("m", "n"), [(5, 31), (7, 33), (3, 1000), (80, 1031)], ids=str)
+def test_norm_kernels_match_reference(name, dtype, kind, m, n) -> None:
+    _, use_w, use_b = NORMS[kind]
+    x = make_x((m, n), dtype, requires_grad=True)
+    w = make_param((n,), dtype, center=1.0, requires_grad=True) if use_w else None
+    b = make_param((n,), dtype, center=0.0, requires_grad=True) if use_b else None
+    dy = torch.randn(m, n, dtype=torch.float64).to(dtype)
+    leaves = [t for t in (x, w, b) if t is not None]
+    with targets.use(name):
+        assert _native.supports(x.detach(), w, b), "the target's library must build and load"
+        assert _native._build().name.startswith(f"layernorm_cpu_{name}_")
+        y = _norm(kind, x, w, b, reference=False)
+        grads = torch.autograd.grad(y, leaves, dy)
+    xr, wr, br = upcast(x), upcast(w) if use_w else None, upcast(b) if use_b else None
+    ref_leaves = [t for t in (xr, wr, br) if t is not None]
+    yr = _norm(kind, xr, wr, br, reference=True)
+    grads_r = torch.autograd.grad(yr, ref_leaves, dy.double())
+    tol = NORM_TOL[dtype]
+    _close(y, yr, tol["y"], "output")
+    _close(grads[0], grads_r[0], tol["dx"], "dx")
+    for g, gr in zip(grads[1:], grads_r[1:], strict=True):
+        _close(g, gr, tol["dparam"], "dweight/dbias", scale=math.sqrt(m))
+
+
+# ------------------------------------------------------------------------------------------------
+# Recurrent kernels per target
+# ------------------------------------------------------------------------------------------------
+
+LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU}
+
+
+def _model(kind: str, hidden: int, dtype: torch.dtype, impl: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = LAYERS[kind](6, hidden, dtype=dtype, bidirectional=True, impl=impl)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            noise = 0.3 * torch.randn_like(p)
+            p.copy_(1.0 + noise if "ln_weight" in pname else noise)
+    return model
+
+
+def _run(model: torch.nn.Module, xs: list[torch.Tensor], packed: bool) -> list[torch.Tensor]:
+    """Output, final states, and the gradients of inputs, initial states and parameters."""
+    model.zero_grad()
+    xs = [x.detach().clone().requires_grad_() for x in xs]
+    dtype, batch, hidden = xs[0].dtype, len(xs), model.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    n_states = 2 if isinstance(model, LayerNormLSTM) else 1
+    hx = [torch.randn(2, batch, hidden, generator=gen, dtype=torch.float64).to(dtype)
+          .requires_grad_() for _ in range(n_states)]  # fmt: skip
+    inp = pack_sequence(xs, enforce_sorted=False) if packed else torch.stack(xs, 1)
+    out, h_n = model(inp, tuple(hx) if n_states == 2 else hx[0])
+    data = out.data if packed else out
+    h_n = h_n if isinstance(h_n, tuple) else (h_n,)
+    weights = torch.linspace(-1, 2, data.numel(), dtype=torch.float64).to(dtype).view_as(data)
+    ((data * weights).sum() + sum((s * s).sum() for s in h_n)).backward()
+    grads = [*(x.grad for x in xs), *(s.grad for s in hx), *(p.grad for p in model.parameters())]
+    return [data.detach(), *(s.detach() for s in h_n), *grads]
+
+
+def _inputs(batch: int, packed: bool) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    lengths = [6 - (i % 4) for i in range(batch)] if packed else [6] * batch
+    return [0.5 + torch.randn(n, 6, generator=gen, dtype=torch.float64) for n in lengths]
+
+
+# Rows that fill no, one and several row tiles (6 rows with AVX2/SSE, 8 with AVX-512, split into
+# near-equal tiles), hidden sizes whose gate columns end in a full panel, part of a vector and
+# scalar leftovers for every vector width.
+RNN_SHAPES = [(4, 16), (11, 37), (17, 8)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize(("batch", "hidden"), RNN_SHAPES, ids=str)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_recurrent_kernels_match_loop_float64(name, kind, batch, hidden, packed) -> None:
+    xs = _inputs(batch, packed)
+    fused = _model(kind, hidden, torch.float64, "fused")
+    with targets.use(name):
+        if targets.machine() in ("x86_64", "amd64"):
+            assert rnn.vector_bytes() == VECTOR_BYTES[name]
+        kernels = _pointwise.step_kernels(xs[0])
+        assert kernels is (_pointwise.C_KERNELS if rnn.sequence_enabled() else _pointwise.C_STEPS)
+        ours = _run(fused, xs, packed)
+        # the whole-sequence kernels too where the target leaves them off by default
+        register_step_kernels("cpu", _pointwise.C_KERNELS)
+        try:
+            ours_seq = _run(fused, xs, packed)
+        finally:
+            register_step_kernels("cpu", None)
+    ref = _run(_model(kind, hidden, torch.float64, "loop"), xs, packed)
+    for a, a_seq, b in zip(ours, ours_seq, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(a_seq, b, rtol=1e-9, atol=1e-10)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_recurrent_kernels_float32_close_to_float64(name, kind) -> None:
+    """float32 on each target against the float64 loop: every value within 2e-5 of the largest
+    of its tensor (the GEMMs of a build without FMA round each product, so elementwise relative
+    bounds would be tighter than float32 rounding across 12 steps permits)."""
+    batch, hidden = 11, 37
+    xs = _inputs(batch, packed=True)
+    m32 = _model(kind, hidden, torch.float64, "fused").float()
+    with targets.use(name):
+        ours = _run(m32, [x.float() for x in xs], packed=True)
+    ref = _run(_model(kind, hidden, torch.float64, "loop"), xs, packed=True)
+    for a, b in zip(ours, ref, strict=True):
+        scale = b.abs().max().clamp_min(1.0).item()
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5 * scale)
+
+
+@needs_kernels
+def test_environment_variable_selects_the_target_in_a_fresh_process() -> None:
+    """LAYERNORM_CPU_ISA picks the library the process loads: the last target this CPU can run
+    (portable on any machine), and the layer still matches the loop."""
+    name = AVAILABLE[-1]
+    code = (
+        "import torch\n"
+        "from layernorm import LayerNormLSTM\n"
+        "from layernorm.kernels.cpu import isa, rnn\n"
+        "torch.manual_seed(0)\n"
+        "m = LayerNormLSTM(5, 12, dtype=torch.float64)\n"
+        "x = torch.randn(7, 3, 5, dtype=torch.float64)\n"
+        "ref = LayerNormLSTM(5, 12, dtype=torch.float64, impl='loop')\n"
+        "ref.load_state_dict(m.state_dict())\n"
+        "err = (m(x)[0] - ref(x)[0]).abs().max().item()\n"
+        "print(isa(), rnn._build().name.split('_')[2], err)\n"
+    )
+    env = {**os.environ, targets.ENV_ISA: name}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    chosen, built, err = proc.stdout.split()
+    assert chosen == built == name
+    assert float(err) < 1e-10
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+def test_recurrent_kernels_threaded_match_loop(name, monkeypatch) -> None:
+    """With the grains at 1 each step's GEMM splits its panels (and the packing its columns)
+    across two threads, and the weight gradient runs long enough (> 128 rows) to be chunked."""
+    monkeypatch.setattr(_cstep, "_GEMM_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_GRAIN", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for kind in LAYERS:
+            xs = _inputs(40, packed=True)
+            fused = _model(kind, 37, torch.float64, "fused")
+            with targets.use(name):
+                register_step_kernels("cpu", _pointwise.C_KERNELS)
+                try:
+                    ours = _run(fused, xs, packed=True)
+                finally:
+                    register_step_kernels("cpu", None)
+            ref = _run(_model(kind, 37, torch.float64, "loop"), xs, packed=True)
+            for a, b in zip(ours, ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    finally:
+        torch.set_num_threads(threads)

@@ -6,6 +6,8 @@ masks; outputs, final states and every gradient must agree. Both C paths run: th
 kernels with the time loop in Python (forced by registering :data:`_pointwise.C_STEPS`, as in
 ``test_recurrent_cseq.py``) and the whole-sequence kernels (the default where they are built).
 A spy on the kernel calls checks that the C path is the one taken, with the masks in its struct.
+Every instruction-set target this CPU runs is checked once with all masks (the whole-sequence
+GEMM is written per register file; portable builds keep the per-step loop).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from torch.nn.utils.rnn import pack_sequence
 
 from layernorm import LayerNormGRU, LayerNormLSTM
-from layernorm.kernels.cpu import rnn
+from layernorm.kernels.cpu import cbuild, rnn, targets
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -40,8 +42,6 @@ MASK_FIELDS = {"zoneout_hidden": "zh", "zoneout_cell": "zc", "recurrent_dropout"
 def _path(name: str) -> _pointwise.StepKernels | None:
     """The kernels to register for the CPU: the per-step C kernels, or None (the default, the
     whole-sequence kernels where built)."""
-    if name == "seq":
-        pytest.skip("the whole-sequence kernels take no masks yet")
     if name == "seq" and not _cstep.sequence_gemm():
         pytest.skip("the whole-sequence kernels are used with AVX-512 builds only")
     return _pointwise.C_STEPS if name == "step" else None
@@ -178,7 +178,7 @@ def test_c_kernels_with_masks_threaded(monkeypatch) -> None:
                 opts.pop("zoneout_cell")
             model = _model(kind, opts, torch.float64)
             xs = _inputs(torch.float64)
-            for steps in (_pointwise.C_STEPS,):
+            for steps in (_pointwise.C_STEPS, None):
                 ours, ref = _run(model, xs, "fused", steps), _run(model, xs, "loop", steps)
                 for a, b in zip(ours, ref, strict=True):
                     _assert_close(a, b)
@@ -223,4 +223,25 @@ def test_proj_size_on_the_per_step_c_kernels_equals_the_loop(
     ref = _run(model, xs, "loop", None)
     assert len(ours) == len(ref)
     for a, b in zip(ours, ref, strict=True):
+        _assert_close(a, b)
+
+
+AVAILABLE = targets.available() if cbuild.compiler() is not None else ()
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.skipif(n not in AVAILABLE, reason=f"no {n} CPU"))
+     for n in targets.NAMES],
+)  # fmt: skip
+def test_masks_on_every_target_equal_the_loop(name, kind) -> None:
+    opts = dict(OPTIONS["all"])
+    if kind == "gru":
+        opts.pop("zoneout_cell")
+    model = _model(kind, opts, torch.float64)
+    xs = _inputs(torch.float64)
+    with targets.use(name):
+        ours = _run(model, xs, "fused", None)
+    for a, b in zip(ours, _run(model, xs, "loop", None), strict=True):
         _assert_close(a, b)

@@ -80,8 +80,8 @@ def _kernels(gx: Tensor, st: dict[str, Any]) -> StepKernels:
     kernels = step_kernels(gx)
     if needs_eager_steps(st, kernels):
         return EAGER
-    if kernels is C_KERNELS and any(st.get(k) is not None for k in ("zh", "zc", "cm", "w_hr")):
-        return C_STEPS  # the whole-sequence kernels take no masks yet
+    if kernels is C_KERNELS and st.get("w_hr") is not None:
+        return C_STEPS  # the projection is a torch GEMM between the per-step C kernels
     return kernels
 
 

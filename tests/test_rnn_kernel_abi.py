@@ -169,6 +169,10 @@ def test_c_refuses_sequence_steps_outside_the_buffers() -> None:
         ("off", -1, ValueError, "off must be >= 0"),
         ("eps", "1e-5", TypeError, "eps must be a float, got str"),
         ("hp", None, TypeError, "hp must be a torch.Tensor, got NoneType"),
+        # a mask is optional (None: NULL, the option off), but checked like any input when given
+        ("zh", torch.zeros(2, 3), ValueError, r"zh must have shape \(N, H\) = \(2, 2\)"),
+        ("cm", torch.zeros(1, 2, dtype=torch.float64), TypeError, "cm must have dtype"),
+        ("cm", torch.zeros(1, 4)[:, ::2], ValueError, "cm must be contiguous"),
     ],
 )
 def test_numbers_and_missing_tensors_are_refused(field, value, error, message) -> None:
@@ -180,6 +184,7 @@ def test_numbers_and_missing_tensors_are_refused(field, value, error, message) -
             values[f.name] = torch.zeros([rnn_abi.size_of(t, sizes) for t in f.shape])
     values.update(eps=1e-5, off=0, rows=0, threads=1, layer_norm=1)
     rnn_abi.check(rnn_abi.GRU_FWD, torch.float32, values, sizes)  # the good ones pass
+    rnn_abi.check(rnn_abi.GRU_FWD, torch.float32, {**values, "zh": None, "cm": None}, sizes)
     values[field] = value
     with pytest.raises(error, match=message):
         rnn_abi.check(rnn_abi.GRU_FWD, torch.float32, values, sizes)

@@ -34,6 +34,8 @@ _STRUCTS = {
     "gru_bwd_step": rnn_abi.GRU_BWD,
 }
 _GATES = {"lstm": 4, "gru": 3}
+# The optional masks each kernel takes (None = off; see layernorm.recurrent._options).
+_MASKS = {"lstm": ("zh", "zc", "cm"), "gru": ("zh", "cm")}
 _DEFAULTS = {
     "lstm": (("w1", 4, 1.0), ("b1", 4, 0.0), ("w3", 1, 1.0), ("b3", 1, 0.0)),
     "gru": (("w_rz", 2, 1.0), ("b_rz", 2, 0.0), ("w_n", 1, 1.0), ("b_n", 1, 0.0),
@@ -74,11 +76,36 @@ def _args(st: dict[str, Any], kernel: str) -> Any:
         for name, units, fill in _DEFAULTS[cell]:
             if st.get(name) is None:
                 st[name] = like.new_full((units * hs,), fill)
+        # A mask's C field is a dense array: eval's zoneout coefficient, one value broadcast
+        # (stride 0), becomes a buffer once here; st keeps it, so it outlives the struct.
+        for name in _MASKS[cell]:
+            mask = st.get(name)
+            if mask is not None and not mask.is_contiguous():
+                st[name] = mask.contiguous()
         values = {**st, "layer_norm": int(st["normalize"]), "off": 0, "rows": 0, "threads": 1}
+        if st.get("w_hr") is not None:
+            values.update(_projection_buffers(st, kernel))
         if cell == "lstm":
             values["normalize_cell_state"] = int(st["carry_normalized"])
         args = st[key] = rnn.prepare(_STRUCTS[kernel], like.dtype, values, _sizes(st, kernel))
     return args
+
+
+def _projection_buffers(st: dict[str, Any], kernel: str) -> dict[str, Any]:
+    """With torch.nn.LSTM's projection the kernel runs the cell up to the unprojected h̃ (H
+    units) and Python does the projection and the zoneout of h (both on the P units of h): the
+    kernel's h fields point at scratch buffers of H columns and it gets no zoneout of h.
+    Forward: its output is ``hu``, its state and h_{t−1} scratch. Backward: its output gradient is
+    ``du`` (the projection's backward, written by :func:`_lstm_bwd_projected`) and its dh a zero
+    buffer (read, never written without zoneout of h)."""
+    like, hs = st["gx"], st["H"]
+    n_rows, n_batch = like.shape[0], st["h" if "_fwd" in kernel else "dh"].shape[0]
+    # kept in st: the struct holds their addresses for as long as st lives
+    if "_fwd" in kernel:
+        st["_hu_state"], st["_hu_prev"] = like.new_zeros(n_batch, hs), like.new_empty(n_rows, hs)
+        return {"h": st["_hu_state"], "out": st["hu"], "hprev": st["_hu_prev"], "zh": None}
+    st["du"], st["_du_state"] = like.new_empty(n_rows, hs), like.new_zeros(n_batch, hs)
+    return {"dout": st["du"], "dh": st["_du_state"], "zh": None}
 
 
 def _step(kernel: str, st: dict[str, Any], off: int, bs: int) -> None:
@@ -87,11 +114,44 @@ def _step(kernel: str, st: dict[str, Any], off: int, bs: int) -> None:
 
 
 def lstm_fwd(st: dict[str, Any], off: int, bs: int) -> None:
+    if st.get("w_hr") is not None:
+        return _lstm_fwd_projected(st, off, bs)
     _step("lstm_fwd_step", st, off, bs)
 
 
 def lstm_bwd(st: dict[str, Any], off: int, bs: int) -> None:
+    if st.get("w_hr") is not None:
+        return _lstm_bwd_projected(st, off, bs)
     _step("lstm_bwd_step", st, off, bs)
+
+
+def _lstm_fwd_projected(st: dict[str, Any], off: int, bs: int) -> None:
+    """The C step up to the unprojected h̃ (into ``hu``), then ``h_t = W_hr h̃`` and zoneout."""
+    sl = slice(off, off + bs)
+    h, hprev = st["h"][:bs], st["hprev"][sl]
+    hprev.copy_(h)
+    _step("lstm_fwd_step", st, off, bs)
+    h_new = torch.mm(st["hu"][sl], st["w_hr"].t())
+    zh = st.get("zh")
+    if zh is not None:
+        h_new = zh[sl] * hprev + (1.0 - zh[sl]) * h_new
+    st["out"][sl] = h_new
+    h.copy_(h_new)
+
+
+def _lstm_bwd_projected(st: dict[str, Any], off: int, bs: int) -> None:
+    """Back through zoneout and the projection (``du = dh̃ W_hr``, ``dhr`` for W_hr's gradient),
+    then the C step; with zoneout of h, dh := its direct path zh ⊙ dh_t (the caller's GEMM adds)."""
+    sl = slice(off, off + bs)
+    _args(st, "lstm_bwd_step")  # allocates du
+    d_zoned = st["dh"][:bs] + st["dout"][sl]
+    zh = st.get("zh")
+    d_own = d_zoned if zh is None else (1.0 - zh[sl]) * d_zoned
+    st["dhr"][sl] = d_own
+    torch.mm(d_own, st["w_hr"], out=st["du"][sl])
+    _step("lstm_bwd_step", st, off, bs)
+    if zh is not None:
+        st["dh"][:bs] = zh[sl] * d_zoned
 
 
 def gru_fwd(st: dict[str, Any], off: int, bs: int) -> None:

@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 
 from ._pointwise import (
+    C_KERNELS,
+    C_STEPS,
     EAGER,
     SeqFn,
     StepFn,
@@ -73,11 +75,14 @@ def _check_untraced(name: str) -> None:
 
 
 def _kernels(gx: Tensor, st: dict[str, Any]) -> StepKernels:
-    """The step functions for ``st``: zoneout and recurrent-dropout masks and the LSTM's projection
-    are taken by the eager steps only (the C and Triton steps have no such arguments), so with
-    any of them the eager steps run, whatever the device; otherwise
-    :func:`._pointwise.step_kernels`."""
-    return EAGER if needs_eager_steps(st) else step_kernels(gx)
+    """:func:`._pointwise.step_kernels` for ``gx``, unless ``st`` carries what those cannot take
+    (:func:`._pointwise.needs_eager_steps`): then the eager steps, whatever the device."""
+    kernels = step_kernels(gx)
+    if needs_eager_steps(st, kernels):
+        return EAGER
+    if kernels is C_KERNELS and st.get("w_hr") is not None:
+        return C_STEPS  # the projection is a torch GEMM between the per-step C kernels
+    return kernels
 
 
 def _grad_or_none(needed: bool, fn: Any) -> Tensor | None:

@@ -128,13 +128,14 @@ def _ln_dx(dy: Tensor, x: Tensor, m: Tensor, r: Tensor, w: Tensor | None) -> Ten
 #   saved hprev, cprev (N, H)  acts (N, 4H) σ(i), σ(f), tanh(g), σ(o)  mh, rh (N,) stats of LN(hp)
 #         cn (N, H) c_t un-normalized    mc, rc (N,) stats of LN(c_t)    tc (N, H) tanh(LN(c_t))
 #   backward: dout (N, H); dh, dc (B, H) state gradients; dgates, dhp (N, 4H); dlc (N, H)
-#   masks (optional, see layernorm.recurrent._options; absent or None = off; the eager steps
-#   only): zh (N, P), zc (N, H) zoneout coefficients of h and of the carried c; cm (B, H)
+#   masks (optional, see layernorm.recurrent._options; absent or None = off; the eager and C
+#   steps): zh (N, P), zc (N, H) zoneout coefficients of h and of the carried c; cm (B, H)
 #   recurrent dropout on tanh(g). With zh the step's backward writes the direct path zh ⊙ dh_t
 #   into dh, and the caller adds the GEMM's dh_{t−1} to it.
-#   projection (optional, eager steps only): w_hr (P, H), h_t = W_hr(σ(o) ⊙ tanh(LN(c_t))); then
-#   h, hprev, out, dh, dout have P columns; saved hu (N, H) the unprojected h; backward dhr (N, P)
-#   the gradient of the projected h̃_t, for W_hr's gradient dhrᵀ · hu.
+#   projection (optional; eager and per-step C steps): w_hr (P, H),
+#   h_t = W_hr(σ(o) ⊙ tanh(LN(c_t))); then h, hprev, out, dh, dout have P columns; saved hu (N, H)
+#   the unprojected h; backward dhr (N, P) the gradient of the projected h̃_t, for W_hr's gradient
+#   dhrᵀ · hu.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -149,9 +150,13 @@ def _rows(st: dict[str, Any], name: str, sl: slice) -> Tensor | None:
     return None if m is None else m[sl]
 
 
-def needs_eager_steps(st: dict[str, Any]) -> bool:
-    """Whether ``st`` carries what only the eager step functions take: masks acting inside the
-    time loop (zoneout, recurrent dropout) or a projection ``w_hr``."""
+def needs_eager_steps(st: dict[str, Any], kernels: StepKernels | None = None) -> bool:
+    """Whether ``st`` carries what ``kernels`` cannot take, so that the eager step functions must
+    run: masks acting inside the time loop (zoneout, recurrent dropout) or a projection ``w_hr``.
+    The C kernels (:data:`C_STEPS`, :data:`C_KERNELS`) take all of them (the projection on the
+    per-step path); the others (Triton, registered backends) none."""
+    if kernels is C_STEPS or kernels is C_KERNELS:
+        return False
     return any(st.get(k) is not None for k in ("zh", "zc", "cm", "w_hr"))
 
 
@@ -237,7 +242,7 @@ def lstm_bwd(st: dict[str, Any], off: int, bs: int) -> None:
 #   saved hprev (N, H)  rz (N, 2H) σ(r), σ(z)  n (N, H)  ghn (N, H) LN(hp_n) + b_hn
 #         mh, rh, mn, rn (N,) stats of the two LNs
 #   backward: dout (N, H); dh (B, H); dgx, dgh, dhp (N, 3H)
-#   masks (optional, eager steps only): zh (N, H) zoneout of h; cm (B, H) recurrent dropout on n
+#   masks (optional, eager and C steps): zh (N, H) zoneout of h; cm (B, H) recurrent dropout on n
 # ---------------------------------------------------------------------------------------------
 
 

@@ -518,8 +518,9 @@ class _LNRNNBase(NotScriptable, nn.Module):
         """Run one layer in one direction over packed rows ``data``: ``(out, h_n, c_n)``.
 
         The masks are drawn first, whatever the path, and both paths take them: DropConnect acts
-        on the weights before either sees them; the fused path runs zoneout, recurrent dropout
-        and projections on its eager step functions (the C and Triton steps take neither)."""
+        on the weights before either sees them; the fused path runs zoneout and recurrent dropout
+        in the C kernels where they run (else on its eager step functions, as the Triton steps
+        take no masks), and projections between the per-step C kernels (else on the eager steps)."""
         masks = self._draw_masks(sfx, data.shape[0], h0.shape[0], data)
         weights = self._weights(sfx)
         if masks.w_hh is not None:
@@ -743,10 +744,13 @@ _RECURRENT_DROPOUT_DOC = """\
 _PATHS_DOC = """
         Paths: the masks are drawn before a direction runs and both paths take them, so the
         fused path and the loop agree given the same masks (or seed). DropConnect runs on every
-        path (C, Triton, eager steps); {names}
-        run{s} on the fused node's eager step functions (the C and Triton steps take no
-        such arguments).{proj}
+        path (C, Triton, eager steps).
+        {names}
 """
+# What the LSTM and GRU say of their masks on the fused node ({proj}: the LSTM's projection).
+_C_MASKS_DOC = """Zoneout and recurrent dropout run in the C kernels (CPU float32/float64,
+        per-step and whole-sequence), elsewhere on the fused node's eager step functions (the
+        Triton steps take no masks).{proj}"""
 
 _SHAPES_DOC = """
     Args:
@@ -783,9 +787,9 @@ class LayerNormRNN(_LNRNNBase):
         "{options}",
         _WEIGHT_DROPOUT_DOC
         + _ZONEOUT_DOC
-        + _PATHS_DOC.replace("{names}", "``zoneout_hidden``")
-        .replace("{s}", "s")
-        .replace("{proj}", ""),
+        + _PATHS_DOC.replace(
+            "{names}", "Zoneout runs in the fused node's own time loop (torch ops, no C kernel)."
+        ),
     )
 
     mode = "RNN"
@@ -867,9 +871,15 @@ class LayerNormLSTM(_LNRNNBase):
         + _RECURRENT_DROPOUT_DOC.replace(
             "{candidate}", "``c_t = σ(f) ⊙ c_{t−1} + σ(i) ⊙ m ⊙ tanh(g)``"
         )
-        + _PATHS_DOC.replace("{names}", "zoneout, recurrent dropout and ``proj_size``")
-        .replace("{s}", "")
-        .replace("{proj}", ""),
+        + _PATHS_DOC.replace(
+            "{names}",
+            _C_MASKS_DOC.replace(
+                "{proj}",
+                "\n        ``proj_size`` runs on the per-step C kernels with the projection (a "
+                "GEMM) and\n        the zoneout of the projected h in torch between them, "
+                "elsewhere on the eager\n        step functions (no kernel has the projection).",
+            ),
+        ),
     )
 
     mode = "LSTM"
@@ -934,9 +944,7 @@ class LayerNormGRU(_LNRNNBase):
         + _RECURRENT_DROPOUT_DOC.replace(
             "{candidate}", "``h_t = (1 − z) ⊙ (m ⊙ n_t) + z ⊙ h_{t−1}``"
         )
-        + _PATHS_DOC.replace("{names}", "zoneout and recurrent dropout")
-        .replace("{s}", "")
-        .replace("{proj}", ""),
+        + _PATHS_DOC.replace("{names}", _C_MASKS_DOC.replace("{proj}", "")),
     )
 
     mode = "GRU"

@@ -79,6 +79,7 @@ class Field:
     doc: str = ""
     minimum: float = 0
     symbol: str = ""  # a SIZE field's size symbol, when not its name
+    optional: bool = False  # an IN pointer that may be NULL (None from Python): the option is off
 
     def c_type(self, scalar: str = "scalar_t") -> str:
         return _C_TYPES[self.kind].format(s=scalar)
@@ -118,6 +119,11 @@ def _t(name: str, kind: Kind, shape: str, doc: str = "") -> Field:
     return Field(name, kind, tuple(shape.split()), doc)
 
 
+def _mask(name: str, shape: str, doc: str) -> Field:
+    """An optional input (a regularizer's mask): NULL where the layer does not use it."""
+    return Field(name, Kind.IN, tuple(shape.split()), doc, optional=True)
+
+
 _IN, _OUT, _INOUT = Kind.IN, Kind.OUT, Kind.INOUT
 # Sizes, the step's rows and threads, and the normalization switches of the step structs.
 _SIZES = (
@@ -133,6 +139,11 @@ _STEP = (
 _LAYER_NORM = Field("layer_norm", Kind.FLAG, doc="1: layer-normalize hp (and c_t) with the gains")
 _EPS = Field("eps", Kind.FLOAT, doc="added to the variance", minimum=0.0)
 _CELL = Field("normalize_cell_state", Kind.FLAG, doc="1: carry LN(c_t) as the state, 0: c_t")
+# The regularizers acting inside the time loop (layernorm.recurrent._options), NULL = off.
+_ZH = _mask("zh", "N H", "zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval)")
+_CM = _mask("cm", "B H", "recurrent dropout on the candidate, one row per sequence (scaled)")
+_LSTM_MASKS = (_ZH, _mask("zc", "N H", "zoneout of the carried c, as zh"), _CM)
+_GRU_MASKS = (_ZH, _CM)
 
 LSTM_FWD = Struct(
     "lstm_fwd_step_args",
@@ -156,6 +167,7 @@ LSTM_FWD = Struct(
         _t("mc", _OUT, "N", "mean of c_t"),
         _t("rc", _OUT, "N", "1/std of c_t"),
         _t("tc", _OUT, "N H", "tanh(LN(c_t))"),
+        *_LSTM_MASKS,
         *_SIZES, _EPS, *_STEP, _LAYER_NORM, _CELL,
     ),
 )  # fmt: skip
@@ -180,6 +192,7 @@ LSTM_BWD = Struct(
         _t("dgates", _OUT, "N 4H", "gradient of the gate pre-activations"),
         _t("dhp", _OUT, "N 4H", "gradient of hp"),
         _t("dlc", _OUT, "N H", "gradient of LN(c_t)"),
+        *_LSTM_MASKS,
         *_SIZES, *_STEP, _LAYER_NORM, _CELL,
     ),
 )  # fmt: skip
@@ -204,6 +217,7 @@ GRU_FWD = Struct(
         _t("rh", _OUT, "N", "1/std of hp_rz"),
         _t("mn", _OUT, "N", "mean of hp_n"),
         _t("rn", _OUT, "N", "1/std of hp_n"),
+        *_GRU_MASKS,
         *_SIZES, _EPS, *_STEP, _LAYER_NORM,
     ),
 )  # fmt: skip
@@ -227,6 +241,7 @@ GRU_BWD = Struct(
         _t("dgx", _OUT, "N 3H", "gradient of gx"),
         _t("dgh", _OUT, "N 3H", "gradient of LN(hp_rz) and of LN(hp_n) + b_hn"),
         _t("dhp", _OUT, "N 3H", "gradient of hp"),
+        *_GRU_MASKS,
         *_SIZES, *_STEP, _LAYER_NORM,
     ),
 )  # fmt: skip
@@ -327,10 +342,10 @@ def check(
 ) -> None:
     """Check every field of ``struct`` (the ``dtype`` instance) against its description.
 
-    ``values`` holds a tensor for every pointer field and a number for every other field except
-    the sizes, which come from ``sizes``. Raises ``TypeError`` for a wrong kind or dtype,
-    ``ValueError`` for a wrong shape, device, layout or value, each naming the struct, the field,
-    what was expected and what came.
+    ``values`` holds a tensor for every pointer field (``None`` or absent for an optional one:
+    NULL) and a number for every other field except the sizes, which come from ``sizes``.
+    Raises ``TypeError`` for a wrong kind or dtype, ``ValueError`` for a wrong shape, device,
+    layout or value, each naming the struct, the field, what was expected and what came.
     """
     _checked(struct, dtype, values, sizes, None)
 
@@ -355,6 +370,10 @@ def _checked(
             setattr(out, f.name, v)
     for f, shape in _shapes(struct, tuple(sorted(sizes.items()))):
         v = values.get(f.name)
+        if v is None and f.optional:
+            if out is not None:
+                setattr(out, f.name, None)  # NULL: the option is off
+            continue
         want = torch.int64 if f.kind is Kind.STEPS else dtype
         if (
             not isinstance(v, Tensor)
@@ -451,6 +470,7 @@ def pack(
 
 def _describe(f: Field) -> str:
     shape = f" ({', '.join(f.shape)})" if f.shape else ""
+    shape += ", optional: NULL = off" if f.optional else ""
     bound = f", >= {f.minimum:g}" if f.kind in (Kind.INDEX, Kind.FLOAT) else ""
     return f"{f.kind.value}{shape}{bound}" + (f": {f.doc}" if f.doc else "")
 

@@ -35,6 +35,9 @@ typedef struct {
     float* mc; /* output (N): mean of c_t */
     float* rc; /* output (N): 1/std of c_t */
     float* tc; /* output (N, H): tanh(LN(c_t)) */
+    const float* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    const float* zc; /* input (N, H), optional: NULL = off: zoneout of the carried c, as zh */
+    const float* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
@@ -63,16 +66,19 @@ _Static_assert(offsetof(lstm_fwd_step_args_f32, cn) == 112, "lstm_fwd_step_args_
 _Static_assert(offsetof(lstm_fwd_step_args_f32, mc) == 120, "lstm_fwd_step_args_f32.mc");
 _Static_assert(offsetof(lstm_fwd_step_args_f32, rc) == 128, "lstm_fwd_step_args_f32.rc");
 _Static_assert(offsetof(lstm_fwd_step_args_f32, tc) == 136, "lstm_fwd_step_args_f32.tc");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, N) == 144, "lstm_fwd_step_args_f32.N");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, B) == 152, "lstm_fwd_step_args_f32.B");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, H) == 160, "lstm_fwd_step_args_f32.H");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, eps) == 168, "lstm_fwd_step_args_f32.eps");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, off) == 176, "lstm_fwd_step_args_f32.off");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, rows) == 184, "lstm_fwd_step_args_f32.rows");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, threads) == 192, "lstm_fwd_step_args_f32.threads");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, layer_norm) == 196, "lstm_fwd_step_args_f32.layer_norm");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, normalize_cell_state) == 200, "lstm_fwd_step_args_f32.normalize_cell_state");
-_Static_assert(sizeof(lstm_fwd_step_args_f32) == 208, "lstm_fwd_step_args_f32 size");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, zh) == 144, "lstm_fwd_step_args_f32.zh");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, zc) == 152, "lstm_fwd_step_args_f32.zc");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, cm) == 160, "lstm_fwd_step_args_f32.cm");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, N) == 168, "lstm_fwd_step_args_f32.N");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, B) == 176, "lstm_fwd_step_args_f32.B");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, H) == 184, "lstm_fwd_step_args_f32.H");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, eps) == 192, "lstm_fwd_step_args_f32.eps");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, off) == 200, "lstm_fwd_step_args_f32.off");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, rows) == 208, "lstm_fwd_step_args_f32.rows");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, threads) == 216, "lstm_fwd_step_args_f32.threads");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, layer_norm) == 220, "lstm_fwd_step_args_f32.layer_norm");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, normalize_cell_state) == 224, "lstm_fwd_step_args_f32.normalize_cell_state");
+_Static_assert(sizeof(lstm_fwd_step_args_f32) == 232, "lstm_fwd_step_args_f32 size");
 
 /* One LN-LSTM step backward; dhp equals dgates without layer_norm (pass dgates). */
 typedef struct {
@@ -93,6 +99,9 @@ typedef struct {
     float* dgates; /* output (N, 4H): gradient of the gate pre-activations */
     float* dhp; /* output (N, 4H): gradient of hp */
     float* dlc; /* output (N, H): gradient of LN(c_t) */
+    const float* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    const float* zc; /* input (N, H), optional: NULL = off: zoneout of the carried c, as zh */
+    const float* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
@@ -119,15 +128,18 @@ _Static_assert(offsetof(lstm_bwd_step_args_f32, tc) == 104, "lstm_bwd_step_args_
 _Static_assert(offsetof(lstm_bwd_step_args_f32, dgates) == 112, "lstm_bwd_step_args_f32.dgates");
 _Static_assert(offsetof(lstm_bwd_step_args_f32, dhp) == 120, "lstm_bwd_step_args_f32.dhp");
 _Static_assert(offsetof(lstm_bwd_step_args_f32, dlc) == 128, "lstm_bwd_step_args_f32.dlc");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, N) == 136, "lstm_bwd_step_args_f32.N");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, B) == 144, "lstm_bwd_step_args_f32.B");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, H) == 152, "lstm_bwd_step_args_f32.H");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, off) == 160, "lstm_bwd_step_args_f32.off");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, rows) == 168, "lstm_bwd_step_args_f32.rows");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, threads) == 176, "lstm_bwd_step_args_f32.threads");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, layer_norm) == 180, "lstm_bwd_step_args_f32.layer_norm");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, normalize_cell_state) == 184, "lstm_bwd_step_args_f32.normalize_cell_state");
-_Static_assert(sizeof(lstm_bwd_step_args_f32) == 192, "lstm_bwd_step_args_f32 size");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, zh) == 136, "lstm_bwd_step_args_f32.zh");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, zc) == 144, "lstm_bwd_step_args_f32.zc");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, cm) == 152, "lstm_bwd_step_args_f32.cm");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, N) == 160, "lstm_bwd_step_args_f32.N");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, B) == 168, "lstm_bwd_step_args_f32.B");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, H) == 176, "lstm_bwd_step_args_f32.H");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, off) == 184, "lstm_bwd_step_args_f32.off");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, rows) == 192, "lstm_bwd_step_args_f32.rows");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, threads) == 200, "lstm_bwd_step_args_f32.threads");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, layer_norm) == 204, "lstm_bwd_step_args_f32.layer_norm");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, normalize_cell_state) == 208, "lstm_bwd_step_args_f32.normalize_cell_state");
+_Static_assert(sizeof(lstm_bwd_step_args_f32) == 216, "lstm_bwd_step_args_f32 size");
 
 /* One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence. */
 typedef struct {
@@ -148,6 +160,8 @@ typedef struct {
     float* rh; /* output (N): 1/std of hp_rz */
     float* mn; /* output (N): mean of hp_n */
     float* rn; /* output (N): 1/std of hp_n */
+    const float* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    const float* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
@@ -174,15 +188,17 @@ _Static_assert(offsetof(gru_fwd_step_args_f32, mh) == 104, "gru_fwd_step_args_f3
 _Static_assert(offsetof(gru_fwd_step_args_f32, rh) == 112, "gru_fwd_step_args_f32.rh");
 _Static_assert(offsetof(gru_fwd_step_args_f32, mn) == 120, "gru_fwd_step_args_f32.mn");
 _Static_assert(offsetof(gru_fwd_step_args_f32, rn) == 128, "gru_fwd_step_args_f32.rn");
-_Static_assert(offsetof(gru_fwd_step_args_f32, N) == 136, "gru_fwd_step_args_f32.N");
-_Static_assert(offsetof(gru_fwd_step_args_f32, B) == 144, "gru_fwd_step_args_f32.B");
-_Static_assert(offsetof(gru_fwd_step_args_f32, H) == 152, "gru_fwd_step_args_f32.H");
-_Static_assert(offsetof(gru_fwd_step_args_f32, eps) == 160, "gru_fwd_step_args_f32.eps");
-_Static_assert(offsetof(gru_fwd_step_args_f32, off) == 168, "gru_fwd_step_args_f32.off");
-_Static_assert(offsetof(gru_fwd_step_args_f32, rows) == 176, "gru_fwd_step_args_f32.rows");
-_Static_assert(offsetof(gru_fwd_step_args_f32, threads) == 184, "gru_fwd_step_args_f32.threads");
-_Static_assert(offsetof(gru_fwd_step_args_f32, layer_norm) == 188, "gru_fwd_step_args_f32.layer_norm");
-_Static_assert(sizeof(gru_fwd_step_args_f32) == 192, "gru_fwd_step_args_f32 size");
+_Static_assert(offsetof(gru_fwd_step_args_f32, zh) == 136, "gru_fwd_step_args_f32.zh");
+_Static_assert(offsetof(gru_fwd_step_args_f32, cm) == 144, "gru_fwd_step_args_f32.cm");
+_Static_assert(offsetof(gru_fwd_step_args_f32, N) == 152, "gru_fwd_step_args_f32.N");
+_Static_assert(offsetof(gru_fwd_step_args_f32, B) == 160, "gru_fwd_step_args_f32.B");
+_Static_assert(offsetof(gru_fwd_step_args_f32, H) == 168, "gru_fwd_step_args_f32.H");
+_Static_assert(offsetof(gru_fwd_step_args_f32, eps) == 176, "gru_fwd_step_args_f32.eps");
+_Static_assert(offsetof(gru_fwd_step_args_f32, off) == 184, "gru_fwd_step_args_f32.off");
+_Static_assert(offsetof(gru_fwd_step_args_f32, rows) == 192, "gru_fwd_step_args_f32.rows");
+_Static_assert(offsetof(gru_fwd_step_args_f32, threads) == 200, "gru_fwd_step_args_f32.threads");
+_Static_assert(offsetof(gru_fwd_step_args_f32, layer_norm) == 204, "gru_fwd_step_args_f32.layer_norm");
+_Static_assert(sizeof(gru_fwd_step_args_f32) == 208, "gru_fwd_step_args_f32 size");
 
 /* One LN-GRU step backward; dhp equals dgh without layer_norm (pass dgh). */
 typedef struct {
@@ -202,6 +218,8 @@ typedef struct {
     float* dgx; /* output (N, 3H): gradient of gx */
     float* dgh; /* output (N, 3H): gradient of LN(hp_rz) and of LN(hp_n) + b_hn */
     float* dhp; /* output (N, 3H): gradient of hp */
+    const float* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    const float* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
@@ -226,14 +244,16 @@ _Static_assert(offsetof(gru_bwd_step_args_f32, w_n) == 96, "gru_bwd_step_args_f3
 _Static_assert(offsetof(gru_bwd_step_args_f32, dgx) == 104, "gru_bwd_step_args_f32.dgx");
 _Static_assert(offsetof(gru_bwd_step_args_f32, dgh) == 112, "gru_bwd_step_args_f32.dgh");
 _Static_assert(offsetof(gru_bwd_step_args_f32, dhp) == 120, "gru_bwd_step_args_f32.dhp");
-_Static_assert(offsetof(gru_bwd_step_args_f32, N) == 128, "gru_bwd_step_args_f32.N");
-_Static_assert(offsetof(gru_bwd_step_args_f32, B) == 136, "gru_bwd_step_args_f32.B");
-_Static_assert(offsetof(gru_bwd_step_args_f32, H) == 144, "gru_bwd_step_args_f32.H");
-_Static_assert(offsetof(gru_bwd_step_args_f32, off) == 152, "gru_bwd_step_args_f32.off");
-_Static_assert(offsetof(gru_bwd_step_args_f32, rows) == 160, "gru_bwd_step_args_f32.rows");
-_Static_assert(offsetof(gru_bwd_step_args_f32, threads) == 168, "gru_bwd_step_args_f32.threads");
-_Static_assert(offsetof(gru_bwd_step_args_f32, layer_norm) == 172, "gru_bwd_step_args_f32.layer_norm");
-_Static_assert(sizeof(gru_bwd_step_args_f32) == 176, "gru_bwd_step_args_f32 size");
+_Static_assert(offsetof(gru_bwd_step_args_f32, zh) == 128, "gru_bwd_step_args_f32.zh");
+_Static_assert(offsetof(gru_bwd_step_args_f32, cm) == 136, "gru_bwd_step_args_f32.cm");
+_Static_assert(offsetof(gru_bwd_step_args_f32, N) == 144, "gru_bwd_step_args_f32.N");
+_Static_assert(offsetof(gru_bwd_step_args_f32, B) == 152, "gru_bwd_step_args_f32.B");
+_Static_assert(offsetof(gru_bwd_step_args_f32, H) == 160, "gru_bwd_step_args_f32.H");
+_Static_assert(offsetof(gru_bwd_step_args_f32, off) == 168, "gru_bwd_step_args_f32.off");
+_Static_assert(offsetof(gru_bwd_step_args_f32, rows) == 176, "gru_bwd_step_args_f32.rows");
+_Static_assert(offsetof(gru_bwd_step_args_f32, threads) == 184, "gru_bwd_step_args_f32.threads");
+_Static_assert(offsetof(gru_bwd_step_args_f32, layer_norm) == 188, "gru_bwd_step_args_f32.layer_norm");
+_Static_assert(sizeof(gru_bwd_step_args_f32) == 192, "gru_bwd_step_args_f32 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
@@ -329,6 +349,9 @@ typedef struct {
     double* mc; /* output (N): mean of c_t */
     double* rc; /* output (N): 1/std of c_t */
     double* tc; /* output (N, H): tanh(LN(c_t)) */
+    const double* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    const double* zc; /* input (N, H), optional: NULL = off: zoneout of the carried c, as zh */
+    const double* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
@@ -357,16 +380,19 @@ _Static_assert(offsetof(lstm_fwd_step_args_f64, cn) == 112, "lstm_fwd_step_args_
 _Static_assert(offsetof(lstm_fwd_step_args_f64, mc) == 120, "lstm_fwd_step_args_f64.mc");
 _Static_assert(offsetof(lstm_fwd_step_args_f64, rc) == 128, "lstm_fwd_step_args_f64.rc");
 _Static_assert(offsetof(lstm_fwd_step_args_f64, tc) == 136, "lstm_fwd_step_args_f64.tc");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, N) == 144, "lstm_fwd_step_args_f64.N");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, B) == 152, "lstm_fwd_step_args_f64.B");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, H) == 160, "lstm_fwd_step_args_f64.H");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, eps) == 168, "lstm_fwd_step_args_f64.eps");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, off) == 176, "lstm_fwd_step_args_f64.off");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, rows) == 184, "lstm_fwd_step_args_f64.rows");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, threads) == 192, "lstm_fwd_step_args_f64.threads");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, layer_norm) == 196, "lstm_fwd_step_args_f64.layer_norm");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, normalize_cell_state) == 200, "lstm_fwd_step_args_f64.normalize_cell_state");
-_Static_assert(sizeof(lstm_fwd_step_args_f64) == 208, "lstm_fwd_step_args_f64 size");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, zh) == 144, "lstm_fwd_step_args_f64.zh");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, zc) == 152, "lstm_fwd_step_args_f64.zc");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, cm) == 160, "lstm_fwd_step_args_f64.cm");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, N) == 168, "lstm_fwd_step_args_f64.N");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, B) == 176, "lstm_fwd_step_args_f64.B");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, H) == 184, "lstm_fwd_step_args_f64.H");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, eps) == 192, "lstm_fwd_step_args_f64.eps");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, off) == 200, "lstm_fwd_step_args_f64.off");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, rows) == 208, "lstm_fwd_step_args_f64.rows");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, threads) == 216, "lstm_fwd_step_args_f64.threads");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, layer_norm) == 220, "lstm_fwd_step_args_f64.layer_norm");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, normalize_cell_state) == 224, "lstm_fwd_step_args_f64.normalize_cell_state");
+_Static_assert(sizeof(lstm_fwd_step_args_f64) == 232, "lstm_fwd_step_args_f64 size");
 
 /* One LN-LSTM step backward; dhp equals dgates without layer_norm (pass dgates). */
 typedef struct {
@@ -387,6 +413,9 @@ typedef struct {
     double* dgates; /* output (N, 4H): gradient of the gate pre-activations */
     double* dhp; /* output (N, 4H): gradient of hp */
     double* dlc; /* output (N, H): gradient of LN(c_t) */
+    const double* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    const double* zc; /* input (N, H), optional: NULL = off: zoneout of the carried c, as zh */
+    const double* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
@@ -413,15 +442,18 @@ _Static_assert(offsetof(lstm_bwd_step_args_f64, tc) == 104, "lstm_bwd_step_args_
 _Static_assert(offsetof(lstm_bwd_step_args_f64, dgates) == 112, "lstm_bwd_step_args_f64.dgates");
 _Static_assert(offsetof(lstm_bwd_step_args_f64, dhp) == 120, "lstm_bwd_step_args_f64.dhp");
 _Static_assert(offsetof(lstm_bwd_step_args_f64, dlc) == 128, "lstm_bwd_step_args_f64.dlc");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, N) == 136, "lstm_bwd_step_args_f64.N");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, B) == 144, "lstm_bwd_step_args_f64.B");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, H) == 152, "lstm_bwd_step_args_f64.H");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, off) == 160, "lstm_bwd_step_args_f64.off");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, rows) == 168, "lstm_bwd_step_args_f64.rows");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, threads) == 176, "lstm_bwd_step_args_f64.threads");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, layer_norm) == 180, "lstm_bwd_step_args_f64.layer_norm");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, normalize_cell_state) == 184, "lstm_bwd_step_args_f64.normalize_cell_state");
-_Static_assert(sizeof(lstm_bwd_step_args_f64) == 192, "lstm_bwd_step_args_f64 size");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, zh) == 136, "lstm_bwd_step_args_f64.zh");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, zc) == 144, "lstm_bwd_step_args_f64.zc");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, cm) == 152, "lstm_bwd_step_args_f64.cm");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, N) == 160, "lstm_bwd_step_args_f64.N");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, B) == 168, "lstm_bwd_step_args_f64.B");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, H) == 176, "lstm_bwd_step_args_f64.H");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, off) == 184, "lstm_bwd_step_args_f64.off");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, rows) == 192, "lstm_bwd_step_args_f64.rows");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, threads) == 200, "lstm_bwd_step_args_f64.threads");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, layer_norm) == 204, "lstm_bwd_step_args_f64.layer_norm");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, normalize_cell_state) == 208, "lstm_bwd_step_args_f64.normalize_cell_state");
+_Static_assert(sizeof(lstm_bwd_step_args_f64) == 216, "lstm_bwd_step_args_f64 size");
 
 /* One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence. */
 typedef struct {
@@ -442,6 +474,8 @@ typedef struct {
     double* rh; /* output (N): 1/std of hp_rz */
     double* mn; /* output (N): mean of hp_n */
     double* rn; /* output (N): 1/std of hp_n */
+    const double* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    const double* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
@@ -468,15 +502,17 @@ _Static_assert(offsetof(gru_fwd_step_args_f64, mh) == 104, "gru_fwd_step_args_f6
 _Static_assert(offsetof(gru_fwd_step_args_f64, rh) == 112, "gru_fwd_step_args_f64.rh");
 _Static_assert(offsetof(gru_fwd_step_args_f64, mn) == 120, "gru_fwd_step_args_f64.mn");
 _Static_assert(offsetof(gru_fwd_step_args_f64, rn) == 128, "gru_fwd_step_args_f64.rn");
-_Static_assert(offsetof(gru_fwd_step_args_f64, N) == 136, "gru_fwd_step_args_f64.N");
-_Static_assert(offsetof(gru_fwd_step_args_f64, B) == 144, "gru_fwd_step_args_f64.B");
-_Static_assert(offsetof(gru_fwd_step_args_f64, H) == 152, "gru_fwd_step_args_f64.H");
-_Static_assert(offsetof(gru_fwd_step_args_f64, eps) == 160, "gru_fwd_step_args_f64.eps");
-_Static_assert(offsetof(gru_fwd_step_args_f64, off) == 168, "gru_fwd_step_args_f64.off");
-_Static_assert(offsetof(gru_fwd_step_args_f64, rows) == 176, "gru_fwd_step_args_f64.rows");
-_Static_assert(offsetof(gru_fwd_step_args_f64, threads) == 184, "gru_fwd_step_args_f64.threads");
-_Static_assert(offsetof(gru_fwd_step_args_f64, layer_norm) == 188, "gru_fwd_step_args_f64.layer_norm");
-_Static_assert(sizeof(gru_fwd_step_args_f64) == 192, "gru_fwd_step_args_f64 size");
+_Static_assert(offsetof(gru_fwd_step_args_f64, zh) == 136, "gru_fwd_step_args_f64.zh");
+_Static_assert(offsetof(gru_fwd_step_args_f64, cm) == 144, "gru_fwd_step_args_f64.cm");
+_Static_assert(offsetof(gru_fwd_step_args_f64, N) == 152, "gru_fwd_step_args_f64.N");
+_Static_assert(offsetof(gru_fwd_step_args_f64, B) == 160, "gru_fwd_step_args_f64.B");
+_Static_assert(offsetof(gru_fwd_step_args_f64, H) == 168, "gru_fwd_step_args_f64.H");
+_Static_assert(offsetof(gru_fwd_step_args_f64, eps) == 176, "gru_fwd_step_args_f64.eps");
+_Static_assert(offsetof(gru_fwd_step_args_f64, off) == 184, "gru_fwd_step_args_f64.off");
+_Static_assert(offsetof(gru_fwd_step_args_f64, rows) == 192, "gru_fwd_step_args_f64.rows");
+_Static_assert(offsetof(gru_fwd_step_args_f64, threads) == 200, "gru_fwd_step_args_f64.threads");
+_Static_assert(offsetof(gru_fwd_step_args_f64, layer_norm) == 204, "gru_fwd_step_args_f64.layer_norm");
+_Static_assert(sizeof(gru_fwd_step_args_f64) == 208, "gru_fwd_step_args_f64 size");
 
 /* One LN-GRU step backward; dhp equals dgh without layer_norm (pass dgh). */
 typedef struct {
@@ -496,6 +532,8 @@ typedef struct {
     double* dgx; /* output (N, 3H): gradient of gx */
     double* dgh; /* output (N, 3H): gradient of LN(hp_rz) and of LN(hp_n) + b_hn */
     double* dhp; /* output (N, 3H): gradient of hp */
+    const double* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    const double* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
@@ -520,14 +558,16 @@ _Static_assert(offsetof(gru_bwd_step_args_f64, w_n) == 96, "gru_bwd_step_args_f6
 _Static_assert(offsetof(gru_bwd_step_args_f64, dgx) == 104, "gru_bwd_step_args_f64.dgx");
 _Static_assert(offsetof(gru_bwd_step_args_f64, dgh) == 112, "gru_bwd_step_args_f64.dgh");
 _Static_assert(offsetof(gru_bwd_step_args_f64, dhp) == 120, "gru_bwd_step_args_f64.dhp");
-_Static_assert(offsetof(gru_bwd_step_args_f64, N) == 128, "gru_bwd_step_args_f64.N");
-_Static_assert(offsetof(gru_bwd_step_args_f64, B) == 136, "gru_bwd_step_args_f64.B");
-_Static_assert(offsetof(gru_bwd_step_args_f64, H) == 144, "gru_bwd_step_args_f64.H");
-_Static_assert(offsetof(gru_bwd_step_args_f64, off) == 152, "gru_bwd_step_args_f64.off");
-_Static_assert(offsetof(gru_bwd_step_args_f64, rows) == 160, "gru_bwd_step_args_f64.rows");
-_Static_assert(offsetof(gru_bwd_step_args_f64, threads) == 168, "gru_bwd_step_args_f64.threads");
-_Static_assert(offsetof(gru_bwd_step_args_f64, layer_norm) == 172, "gru_bwd_step_args_f64.layer_norm");
-_Static_assert(sizeof(gru_bwd_step_args_f64) == 176, "gru_bwd_step_args_f64 size");
+_Static_assert(offsetof(gru_bwd_step_args_f64, zh) == 128, "gru_bwd_step_args_f64.zh");
+_Static_assert(offsetof(gru_bwd_step_args_f64, cm) == 136, "gru_bwd_step_args_f64.cm");
+_Static_assert(offsetof(gru_bwd_step_args_f64, N) == 144, "gru_bwd_step_args_f64.N");
+_Static_assert(offsetof(gru_bwd_step_args_f64, B) == 152, "gru_bwd_step_args_f64.B");
+_Static_assert(offsetof(gru_bwd_step_args_f64, H) == 160, "gru_bwd_step_args_f64.H");
+_Static_assert(offsetof(gru_bwd_step_args_f64, off) == 168, "gru_bwd_step_args_f64.off");
+_Static_assert(offsetof(gru_bwd_step_args_f64, rows) == 176, "gru_bwd_step_args_f64.rows");
+_Static_assert(offsetof(gru_bwd_step_args_f64, threads) == 184, "gru_bwd_step_args_f64.threads");
+_Static_assert(offsetof(gru_bwd_step_args_f64, layer_norm) == 188, "gru_bwd_step_args_f64.layer_norm");
+_Static_assert(sizeof(gru_bwd_step_args_f64) == 192, "gru_bwd_step_args_f64 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {

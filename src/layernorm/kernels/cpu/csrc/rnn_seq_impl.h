@@ -188,8 +188,11 @@ int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args
     return 0;
 }
 
+/* Without zoneout of h the LSTM step leaves dh to its GEMM to overwrite; with it the step leaves
+   the direct path zh·dh_t there, and the GEMM adds to it. */
 int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
     const i64 H = a->H, G = 4 * H;
+    const int accumulate = a->zh != NULL;
     const scalar_t* w = FN(packed_weight)(s->w, G, H, s->threads);
     if (!w) return RNN_ERR_NOMEM;
     FN(lstm_bwd_step_args) step = *a;
@@ -199,7 +202,7 @@ int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args
         if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;
         step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
         FN(lstm_bwd_step)(&step);
-        FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, 0,
+        FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, accumulate,
                  FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));
     }
     return 0;

@@ -8,6 +8,41 @@
    pointwise backward including the layer norms' dx. Rows are independent, so they are split
    across `threads` OpenMP threads.
 
+   The optional masks (NULL = off; layernorm.recurrent._options) act inside the step: zoneout
+   zh / zc mixes the previous state into the new one, h_t = zh·h_{t−1} + (1 − zh)·h̃_t (h̃_t, c̃_t
+   the cell's own, which is what acts / tc / n keep for backward); recurrent dropout cm scales the
+   candidate (row i of the state, as h). Backward splits the zoned state's gradient the same way:
+   (1 − zh)·dh_t reaches the cell, zh·dh_t goes straight to h_{t−1}. Each row function is
+   compiled once per set of masks given (`masks`, a constant bit set per instance): the branches
+   on absent masks fold away and the loops vectorize, without masks as before they existed. */
+
+#ifndef RNN_MASK_SWITCH_3
+#define MASK_ZH 1
+#define MASK_ZC 2
+#define MASK_CM 4
+/* Call body(A, i, masks) with masks the constant bit set of the masks A gives. */
+#define RNN_MASK_SWITCH_2(body, A, i)                               \
+    switch (((A)->zh ? MASK_ZH : 0) | ((A)->cm ? MASK_CM : 0)) {    \
+    case 0: body(A, i, 0); break;                                   \
+    case MASK_ZH: body(A, i, MASK_ZH); break;                       \
+    case MASK_CM: body(A, i, MASK_CM); break;                       \
+    default: body(A, i, MASK_ZH | MASK_CM); break;                  \
+    }
+#define RNN_MASK_SWITCH_3(body, A, i)                                                     \
+    switch (((A)->zh ? MASK_ZH : 0) | ((A)->zc ? MASK_ZC : 0) | ((A)->cm ? MASK_CM : 0)) { \
+    case 0: body(A, i, 0); break;                                                         \
+    case 1: body(A, i, 1); break;                                                         \
+    case 2: body(A, i, 2); break;                                                         \
+    case 3: body(A, i, 3); break;                                                         \
+    case 4: body(A, i, 4); break;                                                         \
+    case 5: body(A, i, 5); break;                                                         \
+    case 6: body(A, i, 6); break;                                                         \
+    default: body(A, i, 7); break;                                                        \
+    }
+#endif
+
+/*
+
    Per row, layer-norm dx with x̂ = (x − μ)·rstd and g = dy ⊙ w:
    dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂)). */
 
@@ -56,7 +91,8 @@ static inline scalar_t FN(sigm)(scalar_t v) { return (scalar_t)1 / ((scalar_t)1 
 
 /* LN-LSTM forward of row i (gate order i, f, g, o, torch's). The gains and biases are always
    given (ones / zeros where the layer has none): unconditional loads keep the loops vectorized. */
-static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
+static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
+    const FN(lstm_fwd_step_args) * A, i64 i, const int masks) {
     const i64 H = A->H, G = 4 * H, row = A->off + i;
     const int normalize = A->layer_norm;
     const scalar_t* hpr = A->hp + row * G;
@@ -83,9 +119,11 @@ static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
     scalar_t* cs = A->c + i * H;
     scalar_t* cp = A->cprev + row * H;
     scalar_t* cnr = A->cn + row * H;
+    const scalar_t* cm = (masks & MASK_CM) ? A->cm + i * H : NULL;
     for (i64 j = 0; j < H; ++j) {
         cp[j] = cs[j];
-        cnr[j] = a[H + j] * cs[j] + a[j] * a[2 * H + j];
+        const scalar_t cand = (masks & MASK_CM) ? a[2 * H + j] * cm[j] : a[2 * H + j];
+        cnr[j] = a[H + j] * cs[j] + a[j] * cand;
     }
     scalar_t* tcr = A->tc + row * H;
     scalar_t* hs = A->h + i * H;
@@ -101,19 +139,27 @@ static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
     } else {
         for (i64 j = 0; j < H; ++j) tcr[j] = cnr[j];
     }
-    if (A->normalize_cell_state) {
-        for (i64 j = 0; j < H; ++j) cs[j] = tcr[j];
+    const scalar_t* cown = A->normalize_cell_state ? tcr : cnr;
+    if (masks & MASK_ZC) {
+        const scalar_t* zc = A->zc + row * H;
+        for (i64 j = 0; j < H; ++j) cs[j] = zc[j] * cp[j] + ((scalar_t)1 - zc[j]) * cown[j];
     } else {
-        for (i64 j = 0; j < H; ++j) cs[j] = cnr[j];
+        for (i64 j = 0; j < H; ++j) cs[j] = cown[j];
     }
     #pragma omp simd
     for (i64 j = 0; j < H; ++j) tcr[j] = TANH(tcr[j]);
+    const scalar_t* zh = (masks & MASK_ZH) ? A->zh + row * H : NULL;
     for (i64 j = 0; j < H; ++j) {
-        const scalar_t h = a[3 * H + j] * tcr[j];
-        hpv[j] = hs[j];
+        const scalar_t hprev = hs[j], own = a[3 * H + j] * tcr[j];
+        const scalar_t h = (masks & MASK_ZH) ? zh[j] * hprev + ((scalar_t)1 - zh[j]) * own : own;
+        hpv[j] = hprev;
         hs[j] = h;
         o[j] = h;
     }
+}
+
+static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
+    RNN_MASK_SWITCH_3(FN(lstm_fwd_body), A, i)
 }
 
 int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
@@ -126,21 +172,42 @@ int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
 /* LN-LSTM backward of row i. In: dout (this step's output gradient), dh (gradient of h_t from
    later steps), dc (of the carried c_t). Out: dgates (of the gate pre-activations), dhp (of hp;
    with layer_norm = 0 not written: the caller passes dgates, which it then equals), dlc (of
-   LN(c_t)), dc := gradient of c_{t−1}. dh is left for the caller's GEMM to overwrite. */
-static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i) {
+   LN(c_t)), dc := gradient of c_{t−1}. Without zoneout of h, dh is left for the caller's GEMM to
+   overwrite; with it, dh := zh·dh_t, the direct path of h_{t−1}, for the GEMM to add to. With
+   zoneout of c, the direct path zc·dc_t waits in the i block of dgates (written last) until
+   dc_{t−1} is formed. */
+static inline __attribute__((always_inline)) void FN(lstm_bwd_body)(
+    const FN(lstm_bwd_step_args) * A, i64 i, const int masks) {
     const i64 H = A->H, G = 4 * H, row = A->off + i;
     const int normalize = A->layer_norm, carry_norm = A->normalize_cell_state;
     const scalar_t* dout = A->dout + row * H;
-    const scalar_t* dh = A->dh + i * H;
+    scalar_t* dh = A->dh + i * H;
     scalar_t* dc = A->dc + i * H;
+    const scalar_t* zh = (masks & MASK_ZH) ? A->zh + row * H : NULL;
+    const scalar_t* zc = (masks & MASK_ZC) ? A->zc + row * H : NULL;
+    const scalar_t* cm = (masks & MASK_CM) ? A->cm + i * H : NULL;
     const scalar_t* a = A->acts + row * G;
     const scalar_t* cp = A->cprev + row * H;
     const scalar_t* tc = A->tc + row * H;
     scalar_t* dg = A->dgates + row * G;
     scalar_t* dlc = A->dlc + row * H;
+    if (masks & MASK_ZC) {
+        for (i64 j = 0; j < H; ++j) {
+            const scalar_t d = dc[j];
+            dg[j] = zc[j] * d;
+            dc[j] = ((scalar_t)1 - zc[j]) * d;
+        }
+    }
+    if (masks & MASK_ZH) {
+        for (i64 j = 0; j < H; ++j) {
+            const scalar_t d = dh[j] + dout[j];
+            dh[j] = zh[j] * d;
+            dlc[j] = ((scalar_t)1 - zh[j]) * d; /* the cell's dh̃_t, read back just below */
+        }
+    }
     #pragma omp simd
     for (i64 j = 0; j < H; ++j) {
-        const scalar_t dht = dh[j] + dout[j];
+        const scalar_t dht = (masks & MASK_ZH) ? dlc[j] : dh[j] + dout[j];
         const scalar_t o = a[3 * H + j], t = tc[j];
         dg[3 * H + j] = dht * t * o * ((scalar_t)1 - o);
         scalar_t d = dht * o * ((scalar_t)1 - t * t);
@@ -156,13 +223,19 @@ static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i) {
     for (i64 j = 0; j < H; ++j) {
         const scalar_t dcn = dc[j];
         const scalar_t ig = a[j], fg = a[H + j], gg = a[2 * H + j];
-        dg[j] = dcn * gg * ig * ((scalar_t)1 - ig);
+        const scalar_t m = (masks & MASK_CM) ? cm[j] : (scalar_t)1;
+        const scalar_t direct = (masks & MASK_ZC) ? dg[j] : (scalar_t)0;
+        dg[j] = dcn * (gg * m) * ig * ((scalar_t)1 - ig);
         dg[H + j] = dcn * cp[j] * fg * ((scalar_t)1 - fg);
-        dg[2 * H + j] = dcn * ig * ((scalar_t)1 - gg * gg);
-        dc[j] = dcn * fg;
+        dg[2 * H + j] = dcn * (ig * m) * ((scalar_t)1 - gg * gg);
+        dc[j] = dcn * fg + direct;
     }
     if (normalize)
         FN(ln_dx)(dg, A->hp + row * G, A->mh[row], A->rh[row], A->w1, A->dhp + row * G, G, 0);
+}
+
+static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i) {
+    RNN_MASK_SWITCH_3(FN(lstm_bwd_body), A, i)
 }
 
 int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
@@ -175,7 +248,8 @@ int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
 /* LN-GRU forward of row i (gates r, z, n; torch's layout). hp = W_hh h_{t−1} (raw), gx = LN(W_ih x)
    + b_ih + [b_hr, b_hz, 0]. The (r, z) block and the n block of hp get separate layer norms. b_hn
    and the gains and biases are always given (ones / zeros where the layer has none). */
-static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
+static inline __attribute__((always_inline)) void FN(gru_fwd_body)(
+    const FN(gru_fwd_step_args) * A, i64 i, const int masks) {
     const i64 H = A->H, G = 3 * H, row = A->off + i;
     const scalar_t* hp = A->hp + row * G;
     const scalar_t* gx = A->gx + row * G;
@@ -187,6 +261,8 @@ static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
     scalar_t* hs = A->h + i * H;
     scalar_t* hpv = A->hprev + row * H;
     scalar_t* o = A->out + row * H;
+    const scalar_t* zh = (masks & MASK_ZH) ? A->zh + row * H : NULL;
+    const scalar_t* cm = (masks & MASK_CM) ? A->cm + i * H : NULL;
     if (A->layer_norm) {
         acc_t m1, r1, m2, r2;
         FN(moments)(hp, 2 * H, A->eps, &m1, &r1);
@@ -214,10 +290,16 @@ static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
         n[j] = nv;
         const scalar_t hprev = hs[j];
         hpv[j] = hprev;
-        const scalar_t h = nv + rz[H + j] * (hprev - nv);
+        const scalar_t nm = (masks & MASK_CM) ? nv * cm[j] : nv;
+        const scalar_t own = nm + rz[H + j] * (hprev - nm);
+        const scalar_t h = (masks & MASK_ZH) ? zh[j] * hprev + ((scalar_t)1 - zh[j]) * own : own;
         hs[j] = h;
         o[j] = h;
     }
+}
+
+static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
+    RNN_MASK_SWITCH_2(FN(gru_fwd_body), A, i)
 }
 
 int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
@@ -231,7 +313,8 @@ int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
    LN(hp_n) + b_hn), dhp (of hp; with layer_norm = 0 not written: the caller passes dgh, which it
    then equals), and dh := the part of the gradient of h_{t−1} that bypasses W_hh (the caller adds
    dhp·W_hh). */
-static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i) {
+static inline __attribute__((always_inline)) void FN(gru_bwd_body)(
+    const FN(gru_bwd_step_args) * A, i64 i, const int masks) {
     const i64 H = A->H, G = 3 * H, row = A->off + i;
     const scalar_t* dout = A->dout + row * H;
     scalar_t* dh = A->dh + i * H;
@@ -241,20 +324,24 @@ static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i) {
     const scalar_t* ghn = A->ghn + row * H;
     scalar_t* dgx = A->dgx + row * G;
     scalar_t* dgh = A->dgh + row * G;
+    const scalar_t* zh = (masks & MASK_ZH) ? A->zh + row * H : NULL;
+    const scalar_t* cm = (masks & MASK_CM) ? A->cm + i * H : NULL;
     #pragma omp simd
     for (i64 j = 0; j < H; ++j) {
-        const scalar_t dht = dh[j] + dout[j];
+        const scalar_t dzoned = dh[j] + dout[j];
+        const scalar_t dht = (masks & MASK_ZH) ? ((scalar_t)1 - zh[j]) * dzoned : dzoned;
         const scalar_t r = rz[j], z = rz[H + j], nv = n[j];
-        const scalar_t dn = dht * ((scalar_t)1 - z) * ((scalar_t)1 - nv * nv);
+        const scalar_t m = (masks & MASK_CM) ? cm[j] : (scalar_t)1;
+        const scalar_t dn = dht * ((scalar_t)1 - z) * ((scalar_t)1 - nv * nv) * m;
         const scalar_t dr = dn * ghn[j] * r * ((scalar_t)1 - r);
-        const scalar_t dz = dht * (hpv[j] - nv) * z * ((scalar_t)1 - z);
+        const scalar_t dz = dht * (hpv[j] - nv * m) * z * ((scalar_t)1 - z);
         dgx[j] = dr;
         dgx[H + j] = dz;
         dgx[2 * H + j] = dn;
         dgh[j] = dr;
         dgh[H + j] = dz;
         dgh[2 * H + j] = dn * r;
-        dh[j] = dht * z;
+        dh[j] = (masks & MASK_ZH) ? dht * z + zh[j] * dzoned : dht * z;
     }
     if (A->layer_norm) {
         const scalar_t* hp = A->hp + row * G;
@@ -262,6 +349,10 @@ static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i) {
         FN(ln_dx)(dgh, hp, A->mh[row], A->rh[row], A->w_rz, dhp, 2 * H, 0);
         FN(ln_dx)(dgh + 2 * H, hp + 2 * H, A->mn[row], A->rn[row], A->w_n, dhp + 2 * H, H, 0);
     }
+}
+
+static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i) {
+    RNN_MASK_SWITCH_2(FN(gru_bwd_body), A, i)
 }
 
 int FN(gru_bwd_step)(const FN(gru_bwd_step_args) * a) {

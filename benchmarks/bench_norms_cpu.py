@@ -62,13 +62,8 @@ ISA_FLAGS = ("avx2", "f16c", "avx512f", "avx512_bf16", "avx512fp16")
 
 def isa_flags() -> list[str]:
     """The vector instruction sets of this processor that the kernels' builds may use."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")),
-                         [])  # fmt: skip
-    except OSError:
-        return []
-    return [f for f in ISA_FLAGS if f in flags]
+    features = targets.cpu_features()
+    return [f for f in ISA_FLAGS if f in features]
 
 
 def providers(
@@ -137,19 +132,6 @@ def module_providers(m: int, n: int) -> dict[str, Callable[[], None]]:
     return fns
 
 
-def cpu_isa() -> str:
-    """The widest x86 vector extension the processor reports (the kernels' build uses it)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.machine()
-    for isa in ("avx512f", "avx2", "avx", "sse4_2"):
-        if isa in flags:
-            return isa.upper()
-    return platform.machine()
-
-
 def small_module_table(shapes: list[tuple[int, int]], reps: int, threads: list[int]) -> None:
     """Ours / torch for the modules at small shapes, each thread count in its own round."""
     before = torch.get_num_threads()
@@ -216,7 +198,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"fused C kernels: {f'on, {kernel_isa()} build' if fused else 'off (eager ATen ops)'}")
     flags = " ".join(isa_flags()) or "none of " + " ".join(ISA_FLAGS)
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
-    print(f"ISA: {cpu_isa()}; vector flags: {flags}; load average {load}\n")
+    runs = ", ".join(targets.available())
+    print(f"ISA targets this CPU runs: {runs}; vector flags: {flags}; load average {load}\n")
     if args.small_shapes:
         threads = [args.threads] if args.threads else list(SMALL_THREADS)
         small_module_table(args.small_shapes, args.small_reps, threads)

@@ -489,9 +489,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
     def _use_fused(self, data: Tensor) -> bool:
         if self.impl == "loop" or self.norm == "batch":
             return False
-        if torch.compiler.is_compiling():
-            return False  # the loop traces into plain ops; the fused node's Python loop would not
-        if torch.jit.is_tracing() or not plain_eager():
+        if not plain_eager():
+            # torch.compile traces the loop into plain ops (not the fused node's Python loop);
             # jit.trace would record the fused node's raw pointers (and crash); torch.func,
             # forward-mode AD and dispatch modes (fake tensors) need ops they can differentiate,
             # batch or trace, which the loop's are

@@ -75,8 +75,7 @@ sanitize: $(STAMP)
 	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_norms_cpu.py
-	$(PY) benchmarks/bench_rnn.py
+	PY=$(PY) benchmarks/run_all.sh
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks

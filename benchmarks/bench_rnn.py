@@ -14,8 +14,15 @@ shared machine:
 * ``ln-steps``   — the fused path with the C step kernels but the time loop in Python (per step
   ``torch.mm`` for the recurrent GEMM, then one C call; ``torch.mm`` for the weight gradient),
   i.e. the C kernels without their whole-sequence functions, with ``--per-step`` (adds a column)
+* ``ln-node``    — with ``--mode infer``: inference through the training node (per-row buffers
+  over every row, what ran before the inference path), to show what that path gains
 
 One timed call = forward over the whole sequence + ``backward()`` of ``output.sum()``, float32.
+``--memory`` adds each provider's peak memory during one call: the highest sum of the bytes
+torch's CPU allocator handed out and not yet freed, from the profiler's allocation events, so
+the parameters and the input held before the call do not count and outputs do. (Buffers that a
+library allocates itself are not in it: our sequence kernels' packed weight, K·G floats per
+thread, and oneDNN's own scratch.)
 Work per call (LSTM, G = 4): forward ``2·T·B·G·H·(I + H)`` FLOPs in the GEMMs, backward twice that;
 the layer norms add ``O(T·B·G·H)``, about 1% at these shapes.
 
@@ -36,13 +43,14 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import cpu_model, interleaved_ms
 from layernorm import LayerNormGRU, LayerNormLSTM
 from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.kernels.cpu import targets
-from layernorm.recurrent import StepKernels, _pointwise, register_step_kernels
+from layernorm.recurrent import StepKernels, _fused, _pointwise, register_step_kernels
 
 SHAPES = ((100, 32, 128, 256), (100, 64, 256, 512), (50, 8, 64, 128))  # (T, B, I, H)
 KINDS = {"lstm": (torch.nn.LSTM, LayerNormLSTM), "gru": (torch.nn.GRU, LayerNormGRU)}
@@ -67,6 +75,21 @@ def step(model: torch.nn.Module, x: torch.Tensor, mode: str = "train"):
     return fn
 
 
+def via_training_node(fn):
+    """Run ``fn`` with the inference path off: under ``no_grad`` the direction then runs the
+    training node, its per-row buffers over every row (what inference ran before that path)."""
+
+    def wrapped() -> None:
+        saved = _fused._inference_kernels
+        _fused._inference_kernels = lambda *args: None
+        try:
+            fn()
+        finally:
+            _fused._inference_kernels = saved
+
+    return wrapped
+
+
 def with_steps(fn, kernels: StepKernels):
     """Run ``fn`` with ``kernels`` registered as the step functions for CPU tensors."""
 
@@ -88,6 +111,7 @@ def bench_shape(
     reps: int,
     per_step: bool = False,
     mode: str = "train",
+    memory: bool = False,
 ) -> dict:
     t, b, i, h = shape
     torch.manual_seed(0)
@@ -102,7 +126,26 @@ def bench_shape(
         fns["ln-eager"] = with_steps(step(models["ln"], x, mode), _pointwise.EAGER)
     if per_step:
         fns["ln-steps"] = with_steps(step(models["ln"], x, mode), _pointwise.C_STEPS)
-    return interleaved_ms(fns, warmup=2, reps=reps)
+    if mode == "infer":
+        fns["ln-node"] = via_training_node(fns["ln"])
+    times = interleaved_ms(fns, warmup=2, reps=reps)
+    if memory:
+        for name in ("torch", "ln"):
+            times[f"{name}-peak-mb"] = peak_bytes(fns[name]) / 2**20
+    return times
+
+
+def peak_bytes(fn) -> int:
+    """The peak of live bytes allocated by torch on the CPU during ``fn()`` (see the docstring)."""
+    fn()  # warm: caches and lazily built kernels are not the step's memory
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 def main() -> None:
@@ -117,6 +160,8 @@ def main() -> None:
     ap.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
     ap.add_argument("--mode", choices=("train", "infer"), default="train",
                     help="train: forward + backward; infer: forward under no_grad")  # fmt: skip
+    ap.add_argument("--memory", action="store_true",
+                    help="also the peak memory of a call of torch and LN")  # fmt: skip
     ap.add_argument("--isa", choices=targets.NAMES, default=None,
                     help="the C kernels of this instruction set (default: the CPU's)")  # fmt: skip
     args = ap.parse_args()
@@ -134,9 +179,13 @@ def run(args: argparse.Namespace) -> None:
     what = "forward + backward" if args.mode == "train" else "forward under no_grad"
     print(f"{what}, float32, median ms (ratio = ours / torch in the same run)\n")
     extra = " LN per-step C loop / torch |" if args.per_step else ""
+    if args.mode == "infer":
+        extra += " LN via training node / torch |"
+    if args.memory:
+        extra += " peak MB torch | peak MB LN | peak LN / torch |"
     print("| kind | (T, B, I, H) | torch ms | LN ms | LN / torch | none / torch | loop / torch "
           "| LN eager steps / torch |" + extra)  # fmt: skip
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if extra else ""))
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * extra.count("|"))
     shapes = SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
@@ -144,7 +193,8 @@ def run(args: argparse.Namespace) -> None:
     for kind in args.kinds.split(","):
         for shape in shapes:
             r = bench_shape(kind, shape, args.loop, args.eager_steps, args.reps, args.per_step,  # type: ignore[arg-type]
-                            args.mode)  # fmt: skip
+                            args.mode, args.memory)  # fmt: skip
+            peak = {k: r.pop(k) for k in [k for k in r if k.endswith("-peak-mb")]}
 
             def ratio(name: str, r: dict = r) -> str:
                 return f"{r[name] / r['torch']:.2f}" if name in r else "-"
@@ -153,6 +203,11 @@ def run(args: argparse.Namespace) -> None:
                      ratio("none"), ratio("ln-loop"), ratio("ln-eager")]  # fmt: skip
             if args.per_step:
                 cells.append(ratio("ln-steps"))
+            if args.mode == "infer":
+                cells.append(ratio("ln-node"))
+            if peak:
+                mb_torch, mb_ln = peak["torch-peak-mb"], peak["ln-peak-mb"]
+                cells += [f"{mb_torch:.1f}", f"{mb_ln:.1f}", f"{mb_ln / mb_torch:.2f}"]
             print("| " + " | ".join(cells) + " |", flush=True)
             for provider, ms in r.items():
                 rows.append({"date": date, "device": cpu_model(), "isa": kernel_isa(),
@@ -160,7 +215,9 @@ def run(args: argparse.Namespace) -> None:
                              "threads": torch.get_num_threads(), "kind": kind,
                              "T": shape[0], "B": shape[1], "I": shape[2], "H": shape[3],
                              "provider": provider, "ms": f"{ms:.3f}",
-                             "ratio_vs_torch": f"{ms / r['torch']:.3f}"})  # fmt: skip
+                             "ratio_vs_torch": f"{ms / r['torch']:.3f}",
+                             "peak_mb": f"{peak[provider + '-peak-mb']:.2f}"
+                             if provider + "-peak-mb" in peak else ""})  # fmt: skip
     if args.csv is not None:
         new = not args.csv.exists()
         with args.csv.open("a", newline="") as f:

@@ -82,6 +82,24 @@ def test_fused_equals_reference_loop(kind: str, norm: str, packed: bool) -> None
         torch.testing.assert_close(a, b, **FUSED_TOL)
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_equals_loop_with_a_large_eps(kind: str, bias: bool) -> None:
+    """eps reaches every layer norm of the fused path (the input side's too): with eps = 0.3 on
+    inputs whose pre-activations have variance of order 0.3, any norm left at the default 1e-5
+    moves the outputs by far more than the tolerance."""
+    cls, _ = LAYERS[kind]
+    model = cls(3, 4, eps=0.3, bias=bias, dtype=DT)
+    randomize(model)
+    x, hx = 0.3 * seq(5, 4, 3), states(kind, 1, 4, 4)
+    model.impl = "fused"
+    out_f, grads_f = run(model, x, hx, packed=True)
+    model.impl = "loop"
+    out_l, grads_l = run(model, x, hx, packed=True)
+    for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **FUSED_TOL)
+
+
 def test_fused_lstm_normalized_cell_state_and_relu_rnn_equal_loop() -> None:
     for model, kind in (
         (LayerNormLSTM(3, 4, normalize_cell_state=True, bias=False, dtype=DT), "lstm"),

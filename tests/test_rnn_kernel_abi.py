@@ -110,19 +110,21 @@ def test_sequence_function_refuses_a_recurrent_weight_of_the_wrong_shape() -> No
         _lstm(gx, h0, c0, w_hh[:, :2], params, sched)
 
 
-def _lstm_fwd_struct(hs: int = 3, n: int = 8, b: int = 2):
-    """A checked LSTM forward struct over zeroed buffers of N = n rows and B = b state rows."""
+def _lstm_fwd_struct(hs: int = 3, n: int = 8, b: int = 2, kept: int | None = None):
+    """A checked LSTM forward struct over zeroed buffers of N = n rows and B = b state rows, the
+    kept buffers with ``kept`` rows (default N)."""
     f64 = {"dtype": torch.float64}
-    t = {k: torch.zeros(n, c, **f64)
+    kept = n if kept is None else kept
+    t = {k: torch.zeros(kept if k not in ("gx", "out") else n, c, **f64)
          for k, c in (("hp", 4 * hs), ("gx", 4 * hs), ("out", hs), ("hprev", hs), ("cprev", hs),
                       ("acts", 4 * hs), ("cn", hs), ("tc", hs))}  # fmt: skip
-    t.update({k: torch.zeros(n, **f64) for k in ("mh", "rh", "mc", "rc")})
+    t.update({k: torch.zeros(kept, **f64) for k in ("mh", "rh", "mc", "rc")})
     t.update(w1=torch.ones(4 * hs, **f64), b1=torch.zeros(4 * hs, **f64), w3=torch.ones(hs, **f64),
              b3=torch.zeros(hs, **f64), h=torch.ones(b, hs, **f64),
              c=torch.ones(b, hs, **f64))  # fmt: skip
     values = {**t, "eps": 1e-5, "off": 0, "rows": 0, "threads": 1, "layer_norm": 1,
               "normalize_cell_state": 0}  # fmt: skip
-    sizes = {"N": n, "B": b, "H": hs, "G": 4 * hs}
+    sizes = {"N": n, "B": b, "H": hs, "G": 4 * hs, "R": kept}
     return rnn.prepare(rnn_abi.LSTM_FWD, torch.float64, values, sizes), t, sizes
 
 
@@ -143,6 +145,44 @@ def test_c_refuses_step_rows_outside_the_buffers(off, rows) -> None:
 
 
 @needs_c
+@pytest.mark.parametrize("kernel", ["lstm_fwd_step", "lstm_fwd_seq"])
+def test_c_refuses_kept_buffers_of_neither_n_nor_b_rows(kernel) -> None:
+    """Kept buffers have N rows (training) or B (inference, rows [0, rows) each step); with any
+    other count (here 3, between B = 2 and N = 8) C returns an error and touches nothing."""
+    args, t, sizes = _lstm_fwd_struct(kept=3)
+    before = {k: v.clone() for k, v in t.items()}
+    with pytest.raises(ValueError, match="rows lie outside the buffers"):
+        if kernel == "lstm_fwd_step":
+            rnn.step(kernel, torch.float64, args, 0, 2, 1)
+        else:
+            w, steps = torch.zeros(3, 12, dtype=torch.float64), torch.tensor([[0, 2], [2, 2]])
+            rnn.sequence(kernel, torch.float64, args, w, steps, sizes, 1, 1, 1)
+    for k, v in t.items():
+        assert torch.equal(v, before[k]), k
+
+
+@needs_c
+def test_c_inference_buffers_of_b_rows() -> None:
+    """With kept buffers of B rows a sequence writes the same outputs as with N rows, and its kept
+    rows hold the last step's values (rows 6 and 7 of the N-row run)."""
+    w = torch.linspace(-1, 1, 36, dtype=torch.float64).view(3, 12)
+    steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 2]])
+    runs = []
+    for kept in (8, 2):
+        args, t, sizes = _lstm_fwd_struct(kept=kept)
+        t["gx"].copy_(torch.linspace(-2, 2, t["gx"].numel(), dtype=torch.float64).view_as(t["gx"]))
+        rnn.sequence("lstm_fwd_seq", torch.float64, args, w, steps, sizes, 1, 1, 1)
+        runs.append(t)
+    full, inference = runs
+    assert full["out"].abs().min() > 0
+    for k, v in inference.items():
+        if k in ("out", "h", "c"):
+            assert torch.equal(v, full[k]), k
+        elif v.shape[0] == 2 and k not in ("gx",):
+            assert torch.equal(v, full[k][6:]), k
+
+
+@needs_c
 def test_c_refuses_sequence_steps_outside_the_buffers() -> None:
     args, t, sizes = _lstm_fwd_struct()
     w = torch.zeros(3, 12, dtype=torch.float64)
@@ -155,7 +195,7 @@ def test_c_refuses_sequence_steps_outside_the_buffers() -> None:
     assert torch.equal(t["hprev"][6:], torch.ones(2, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"sizes \['G'\] not given"):
         rnn.sequence(
-            "lstm_fwd_seq", torch.float64, args, w, steps, {"N": 8, "B": 2, "H": 3}, 1, 1, 1
+            "lstm_fwd_seq", torch.float64, args, w, steps, {"N": 8, "B": 2, "H": 3, "R": 8}, 1, 1, 1
         )
 
 
@@ -177,7 +217,7 @@ def test_c_refuses_sequence_steps_outside_the_buffers() -> None:
 )
 def test_numbers_and_missing_tensors_are_refused(field, value, error, message) -> None:
     hs, n, b = 2, 2, 1
-    sizes = {"N": n, "B": b, "H": hs}
+    sizes = {"N": n, "B": b, "H": hs, "R": n}
     values: dict[str, object] = {}
     for f in rnn_abi.GRU_FWD.fields:
         if f.is_pointer:

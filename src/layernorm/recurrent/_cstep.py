@@ -60,10 +60,12 @@ def _threads(rows: int, cols: int) -> int:
 
 
 def _sizes(st: dict[str, Any], kernel: str) -> dict[str, int]:
-    """N, B, H and G of a sequence: B from the state the kernel updates (h forward, dh backward)."""
+    """N, B, H, G and R of a sequence: B from the state the kernel updates (h forward, dh
+    backward), R from the kept buffers (N rows when backward will read them, B for inference)."""
     hs, cell = st["H"], kernel.split("_", 1)[0]
     state = st["dh"] if "_bwd" in kernel else st["h"]
-    return {"N": st["gx"].shape[0], "B": state.shape[0], "H": hs, "G": _GATES[cell] * hs}
+    return {"N": st["gx"].shape[0], "B": state.shape[0], "H": hs, "G": _GATES[cell] * hs,
+            "R": st["hp"].shape[0]}  # fmt: skip
 
 
 def _args(st: dict[str, Any], kernel: str) -> Any:

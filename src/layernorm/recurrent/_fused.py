@@ -28,8 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from ..functional import layer_norm
 from ._pointwise import (
     C_KERNELS,
     C_STEPS,
@@ -176,6 +178,144 @@ def _weight_grad(kernels: StepKernels, dhp: Tensor, hprev: Tensor) -> Tensor:
     return dhp.t().mm(hprev)
 
 
+def _lstm_state(
+    gx: Tensor,
+    h0: Tensor,
+    c0: Tensor,
+    w1: Tensor | None,
+    b1: Tensor | None,
+    w3: Tensor | None,
+    b3: Tensor | None,
+    eps: float,
+    normalize: bool,
+    carry_normalized: bool,
+    zh: Tensor | None,
+    zc: Tensor | None,
+    cm: Tensor | None,
+    w_hr: Tensor | None,
+    kept_rows: int,
+) -> dict[str, Any]:
+    """An LSTM direction's ``st``: the state copied from ``h0, c0``, the output buffer (N rows) and
+    the kept buffers with ``kept_rows`` rows (N: for backward; B: inference, see
+    :func:`lstm_sequence`)."""
+    n_rows, hs, ps = gx.shape[0], c0.shape[1], h0.shape[1]
+    return {
+        "H": hs, "eps": eps, "normalize": normalize, "carry_normalized": carry_normalized,
+        "gx": gx, "w1": w1, "b1": b1, "w3": w3, "b3": b3, "zh": zh, "zc": zc, "cm": cm,
+        "w_hr": w_hr, "h": h0.contiguous().clone(), "c": c0.contiguous().clone(),
+        "out": gx.new_empty(n_rows, ps),
+        **_new_bufs(gx, kept_rows, {"hp": 4 * hs, "hprev": ps, "cprev": hs, "acts": 4 * hs,
+                                    "cn": hs, "tc": hs, "mh": 0, "rh": 0, "mc": 0, "rc": 0}),
+        "hu": None if w_hr is None else gx.new_empty(n_rows, hs),
+    }  # fmt: skip
+
+
+def _gru_state(
+    gx: Tensor,
+    h0: Tensor,
+    w_rz: Tensor | None,
+    b_rz: Tensor | None,
+    w_n: Tensor | None,
+    b_n: Tensor | None,
+    b_hn: Tensor | None,
+    eps: float,
+    normalize: bool,
+    zh: Tensor | None,
+    cm: Tensor | None,
+    kept_rows: int,
+) -> dict[str, Any]:
+    """A GRU direction's ``st``, as :func:`_lstm_state`."""
+    hs = h0.shape[1]
+    return {
+        "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz, "b_rz": b_rz,
+        "w_n": w_n, "b_n": b_n, "b_hn": b_hn, "h": h0.contiguous().clone(), "zh": zh, "cm": cm,
+        "out": gx.new_empty(gx.shape[0], hs),
+        **_new_bufs(gx, kept_rows, {"hp": 3 * hs, "hprev": hs, "rz": 2 * hs, "n": hs,
+                                    "ghn": hs, "mh": 0, "rh": 0, "mn": 0, "rn": 0}),
+    }  # fmt: skip
+
+
+def differentiated(*tensors: Tensor | None) -> bool:
+    """Whether autograd will record a sequence function called on ``tensors`` now."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# Rows of the input projection computed at a time in inference (see normalized_projection): a
+# chunk's (rows, 4H) projection stays in L2 for its layer norm.
+_PROJECTION_ROWS = 128
+
+
+def normalized_projection(
+    data: Tensor, w_ih: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> Tensor:
+    """``LN(data W_ihᵀ; weight, bias)`` for all rows, the input side of an LN-LSTM (Eq. 20).
+
+    When autograd will not differentiate it (on the CPU), a chunk of rows at a time into the
+    result: the projection of a chunk is normalized while in cache and never exists whole, so
+    inference holds one ``(N, 4H)`` buffer instead of two. Each row's values are the same either
+    way (the same kernel, row by row)."""
+    if differentiated(data, w_ih, weight, bias) or not data.is_cpu or torch.jit.is_tracing():
+        return layer_norm(F.linear(data, w_ih), w_ih.shape[0], weight, bias, eps)
+    ln, w_t = ln_kernels(data), w_ih.t()
+    out = data.new_empty(data.shape[0], w_ih.shape[0])
+    for r0 in range(0, data.shape[0], _PROJECTION_ROWS):
+        rows = slice(r0, r0 + _PROJECTION_ROWS)
+        out[rows] = ln.layer_norm_fwd(torch.mm(data[rows], w_t), weight, bias, eps)[0]
+    return out
+
+
+def _inference_kernels(gx: Tensor, st: dict[str, Any], seq: str) -> StepKernels | None:
+    """The kernels that run a whole direction with kept buffers of B rows (each step overwrites
+    the last's): those with whole-sequence functions (the C kernels), without a projection (which
+    runs between per-step calls); ``None`` otherwise."""
+    kernels = _kernels(gx, st)
+    return kernels if getattr(kernels, seq) is not None and st.get("w_hr") is None else None
+
+
+def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """One LSTM direction with :class:`LSTMSequence`'s arguments and results.
+
+    When autograd will not differentiate it (``torch.no_grad()``, or no input requires grad) and
+    the kernels run whole directions, this is the inference path: no autograd node, nothing kept
+    for backward, and the per-row buffers (pre-activations, gates, statistics) have only the
+    batch's rows, overwritten each step, so they stay in cache; the only passes over the sequence
+    are reading ``gx`` and writing the output. Otherwise :meth:`LSTMSequence.apply`."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    gx = args[0]
+    if not differentiated(*tensors) and not torch.jit.is_tracing():
+        gx = gx.contiguous()
+        (_, h0, c0, w_hh, w1, b1, w3, b3, sched, eps, normalize, carry, *masks) = args
+        st = _lstm_state(gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry,
+                         *_padded(masks, 4), kept_rows=h0.shape[0])  # fmt: skip
+        kernels = _inference_kernels(gx, st, "lstm_fwd_seq")
+        if kernels is not None:
+            kernels.lstm_fwd_seq(st, w_hh, sched)  # type: ignore[misc]
+            return st["out"], st["h"], st["c"]
+    return LSTMSequence.apply(*args)
+
+
+def gru_sequence(*args: Any) -> tuple[Tensor, Tensor]:
+    """One GRU direction with :class:`GRUSequence`'s arguments and results; the inference path
+    as in :func:`lstm_sequence`."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    gx = args[0]
+    if not differentiated(*tensors) and not torch.jit.is_tracing():
+        gx = gx.contiguous()
+        (_, h0, w_hh, w_rz, b_rz, w_n, b_n, b_hn, sched, eps, normalize, *masks) = args
+        st = _gru_state(gx, h0, w_rz, b_rz, w_n, b_n, b_hn, eps, normalize, *_padded(masks, 2),
+                        kept_rows=h0.shape[0])  # fmt: skip
+        kernels = _inference_kernels(gx, st, "gru_fwd_seq")
+        if kernels is not None:
+            kernels.gru_fwd_seq(st, w_hh, sched)  # type: ignore[misc]
+            return st["out"], st["h"]
+    return GRUSequence.apply(*args)
+
+
+def _padded(values: list[Any], n: int) -> list[Any]:
+    """The optional trailing arguments, ``None`` where not given."""
+    return [*values, *(None,) * (n - len(values))]
+
+
 def _save(
     ctx: Any, st: dict[str, Any], w_hh: Tensor, sched: Schedule, names: tuple[str, ...]
 ) -> None:
@@ -187,9 +327,15 @@ def _save(
 
 
 def _restore(ctx: Any) -> tuple[Tensor, dict[str, Any]]:
-    """``(w_hh, st)`` with what :func:`_save` kept."""
+    """``(w_hh, st)`` with what :func:`_save` kept.
+
+    ``gx`` is not kept (backward never reads its values, and keeping it would hold an ``(N, G)``
+    buffer that nothing else keeps, an eighth of an LN-LSTM's training memory): ``st["gx"]`` is
+    ``hp``, which has gx's shape, dtype and device, all that backward asks of it."""
     w_hh, *saved = ctx.saved_tensors
-    return w_hh, {**ctx.consts, **dict(zip(ctx.names, saved, strict=True))}
+    st = {**ctx.consts, **dict(zip(ctx.names, saved, strict=True))}
+    st["gx"] = st["hp"]
+    return w_hh, st
 
 
 class LSTMSequence(torch.autograd.Function):
@@ -226,19 +372,13 @@ class LSTMSequence(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor]:
         _check_untraced("LSTMSequence")
         gx = gx.contiguous()
-        n_rows, hs, ps = gx.shape[0], c0.shape[1], h0.shape[1]
-        st: dict[str, Any] = {
-            "H": hs, "eps": eps, "normalize": normalize, "carry_normalized": carry_normalized,
-            "gx": gx, "w1": w1, "b1": b1, "w3": w3, "b3": b3, "zh": zh, "zc": zc, "cm": cm,
-            "w_hr": w_hr, "h": h0.contiguous().clone(), "c": c0.contiguous().clone(),
-            **_new_bufs(gx, n_rows, {"hp": 4 * hs, "out": ps, "hprev": ps, "cprev": hs,
-                                     "acts": 4 * hs, "cn": hs, "tc": hs,
-                                     "mh": 0, "rh": 0, "mc": 0, "rc": 0}),
-            "hu": None if w_hr is None else gx.new_empty(n_rows, hs),
-        }  # fmt: skip
+        st = _lstm_state(
+            gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry_normalized, zh, zc, cm, w_hr,
+            kept_rows=gx.shape[0],
+        )  # fmt: skip
         kernels = _kernels(gx, st)
         _forward_in_time(st, w_hh, sched, kernels.lstm_fwd, kernels.lstm_fwd_seq)
-        _save(ctx, st, w_hh, sched, ("w1", "b1", "w3", "b3", "gx", "hp", "hprev", "cprev", "acts",
+        _save(ctx, st, w_hh, sched, ("w1", "b1", "w3", "b3", "hp", "hprev", "cprev", "acts",
                                      "cn", "tc", "mh", "rh", "mc", "rc",
                                      "zh", "zc", "cm", "w_hr", "hu"))  # fmt: skip
         return st["out"], st["h"], st["c"]
@@ -306,16 +446,12 @@ class GRUSequence(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         _check_untraced("GRUSequence")
         gx = gx.contiguous()
-        n_rows, hs = gx.shape[0], h0.shape[1]
-        st: dict[str, Any] = {
-            "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz, "b_rz": b_rz,
-            "w_n": w_n, "b_n": b_n, "b_hn": b_hn, "h": h0.contiguous().clone(), "zh": zh, "cm": cm,
-            **_new_bufs(gx, n_rows, {"hp": 3 * hs, "out": hs, "hprev": hs, "rz": 2 * hs,
-                                     "n": hs, "ghn": hs, "mh": 0, "rh": 0, "mn": 0, "rn": 0}),
-        }  # fmt: skip
+        st = _gru_state(
+            gx, h0, w_rz, b_rz, w_n, b_n, b_hn, eps, normalize, zh, cm, kept_rows=gx.shape[0]
+        )
         kernels = _kernels(gx, st)
         _forward_in_time(st, w_hh, sched, kernels.gru_fwd, kernels.gru_fwd_seq)
-        _save(ctx, st, w_hh, sched, ("w_rz", "b_rz", "w_n", "b_n", "b_hn", "gx", "hp", "hprev",
+        _save(ctx, st, w_hh, sched, ("w_rz", "b_rz", "w_n", "b_n", "b_hn", "hp", "hprev",
                                      "rz", "n", "ghn", "mh", "rh", "mn", "rn",
                                      "zh", "cm"))  # fmt: skip
         return st["out"], st["h"]

@@ -25,7 +25,10 @@ Semeniuta et al. 2016) and torch.nn.LSTM's ``proj_size`` (with ``weight_hr_l{k}`
 
 Speed: by default (``impl="auto"``) float32/float64 layer-norm and plain recurrences run on the
 fused path of :mod:`layernorm.recurrent._fused` (one GEMM + one LN for all input projections, one
-autograd node per direction with an analytic backward in time). ``impl="loop"`` runs the readable
+autograd node per direction with an analytic backward in time). When nothing will be
+differentiated (``torch.no_grad()``, or no input or parameter requires grad) the CPU C kernels run
+each direction as inference: no autograd node, nothing kept for backward, and the per-row buffers
+only as large as the batch (:func:`._fused.lstm_sequence`). ``impl="loop"`` runs the readable
 per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare against; batch
 norm, torch.compile, torch.jit.trace, ``torch.func`` transforms, forward-mode AD and autocast always
 use it.
@@ -552,7 +555,6 @@ class _LNRNNBase(NotScriptable, nn.Module):
         weights: _steps.Weights,
         masks: _options.Masks,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        hs = self.hidden_size
         sched = _fused.make_schedule(sizes, reverse)
 
         def g(name: str) -> Tensor | None:
@@ -564,41 +566,25 @@ class _LNRNNBase(NotScriptable, nn.Module):
         # in the compute dtype (float32 for half inputs; a no-op otherwise)
         w_ih, w_hh, b_ih, b_hh = (None if t is None else t.to(data.dtype) for t in weights)
         ln = self.norm == "layer"
-        xp = F.linear(data, w_ih)  # all time steps in one GEMM
+        if self.mode == "GRU":
+            return self._fused_gru(data, sched, sfx, h0, w_ih, w_hh, b_ih, b_hh, masks, g)
         if self.mode == "LSTM":
-            bsum = None if b_ih is None else b_ih + b_hh
+            # all time steps in one GEMM (chunks of rows in inference), torch's biases folded
+            bsum = None if b_ih is None or b_hh is None else b_ih + b_hh
             if ln:
                 b2 = g(f"ln_bias_ih{sfx}")
-                gx = layer_norm(
-                    xp, 4 * hs, g(f"ln_weight_ih{sfx}"), None if b2 is None else b2 + bsum
-                )
+                b2 = bsum if b2 is None else (b2 if bsum is None else b2 + bsum)
+                gx = _fused.normalized_projection(data, w_ih, g(f"ln_weight_ih{sfx}"), b2, self.eps)
             else:
-                gx = xp if bsum is None else xp + bsum
-            out, h_n, c_n = _fused.LSTMSequence.apply(
+                gx = F.linear(data, w_ih, bsum)
+            out, h_n, c_n = _fused.lstm_sequence(
                 gx, h0, c0, w_hh, g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"),
                 g(f"ln_weight_c{sfx}"), g(f"ln_bias_c{sfx}"), sched, self.eps, ln,
                 self.normalize_cell_state and ln, masks.zoneout_h, masks.zoneout_c,
                 masks.candidate, g(f"weight_hr{sfx}"),
             )  # fmt: skip
             return out, h_n, c_n
-        if self.mode == "GRU":
-            if ln:
-                gx = _steps.make_grouped_ln(
-                    g(f"ln_weight_ih{sfx}"), g(f"ln_bias_ih{sfx}"), self.eps, hs
-                )(xp)
-            else:
-                gx = xp
-            if b_ih is not None:
-                gx = gx + b_ih + torch.cat((b_hh[: 2 * hs], b_hh.new_zeros(hs)))
-            w1, b1 = g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}")
-            out, h_n = _fused.GRUSequence.apply(
-                gx, h0, w_hh,
-                None if w1 is None else w1[: 2 * hs], None if b1 is None else b1[: 2 * hs],
-                None if w1 is None else w1[2 * hs :], None if b1 is None else b1[2 * hs :],
-                None if b_hh is None else b_hh[2 * hs :].contiguous(), sched, self.eps, ln,
-                masks.zoneout_h, masks.candidate,
-            )  # fmt: skip
-            return out, h_n, None
+        xp = F.linear(data, w_ih)  # all time steps in one GEMM
         bsum = None if b_ih is None else b_ih + b_hh
         if ln:
             b = g(f"ln_bias{sfx}")
@@ -610,6 +596,51 @@ class _LNRNNBase(NotScriptable, nn.Module):
         out, h_n = _fused.RNNSequence.apply(
             xp, h0, w_hh, w, b, sched, self.eps, ln, self.nonlinearity == "relu", masks.zoneout_h
         )
+        return out, h_n, None
+
+    def _fused_gru(
+        self,
+        data: Tensor,
+        sched: _fused.Schedule,
+        sfx: str,
+        h0: Tensor,
+        w_ih: Tensor,
+        w_hh: Tensor,
+        b_ih: Tensor | None,
+        b_hh: Tensor | None,
+        masks: _options.Masks,
+        g: Any,
+    ) -> tuple[Tensor, Tensor, None]:
+        """The GRU's fused path: ``gx = LN(W_ih x) + b_ih + [b_hr, b_hz, 0]`` for all steps, the
+        ``(r, z)`` and ``n`` blocks normalized separately, then :func:`._fused.gru_sequence`.
+
+        The input-side biases are one ``(3H)`` vector folded into the layer norms' biases, and each
+        block has its own GEMM, so each layer norm reads a contiguous input and writes its block
+        once: no temporaries of ``(N, 3H)`` beyond the GEMMs' outputs and ``gx``."""
+        hs, h2 = self.hidden_size, 2 * self.hidden_size
+        bias_x = None
+        if b_ih is not None and b_hh is not None:
+            bias_x = b_ih + torch.cat((b_hh[:h2], b_hh.new_zeros(hs)))
+        if self.norm == "layer":
+            w, b = g(f"ln_weight_ih{sfx}"), g(f"ln_bias_ih{sfx}")
+            b = bias_x if b is None else (b if bias_x is None else b + bias_x)
+            blocks = (slice(0, h2), slice(h2, 3 * hs))
+            gx = torch.cat([
+                layer_norm(F.linear(data, w_ih[rows]), rows.stop - rows.start,
+                           None if w is None else w[rows], None if b is None else b[rows],
+                           self.eps)
+                for rows in blocks
+            ], dim=1)  # fmt: skip
+        else:
+            gx = F.linear(data, w_ih, bias_x)
+        w1, b1 = g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}")
+        out, h_n = _fused.gru_sequence(
+            gx, h0, w_hh,
+            None if w1 is None else w1[:h2], None if b1 is None else b1[:h2],
+            None if w1 is None else w1[h2:], None if b1 is None else b1[h2:],
+            None if b_hh is None else b_hh[h2:].contiguous(), sched, self.eps,
+            self.norm == "layer", masks.zoneout_h, masks.candidate,
+        )  # fmt: skip
         return out, h_n, None
 
     # -- reference loop ----------------------------------------------------------------------

@@ -131,6 +131,11 @@ _SIZES = (
     Field("B", Kind.SIZE, doc="rows of the state (the batch)"),
     Field("H", Kind.SIZE, doc="hidden units"),
 )
+# The forward structs' per-row buffers (everything but gx, out and the masks) have R rows: R = N
+# keeps every step's rows for backward; R = B is inference, where each step's rows [0, rows)
+# overwrite the last step's, so that they stay in cache and nothing is kept (the kernels read
+# R == N to tell the two apart, and refuse any other R).
+_KEPT = Field("R", Kind.SIZE, doc="rows of the kept buffers: N (training) or B (inference)")
 _STEP = (
     Field("off", Kind.INDEX, doc="the step's first row in the (N, ·) buffers"),
     Field("rows", Kind.INDEX, doc="the step's rows: rows [off, off + rows), state rows [0, rows)"),
@@ -149,7 +154,7 @@ LSTM_FWD = Struct(
     "lstm_fwd_step_args",
     "One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence.",
     (
-        _t("hp", _INOUT, "N 4H", "W_hh h_{t-1} (the sequence kernel's GEMM writes it)"),
+        _t("hp", _INOUT, "R 4H", "W_hh h_{t-1} (the sequence kernel's GEMM writes it)"),
         _t("gx", _IN, "N 4H", "LN(W_ih x) + biases"),
         _t("w1", _IN, "4H", "gain of LN(hp)"),
         _t("b1", _IN, "4H", "bias of LN(hp)"),
@@ -158,17 +163,17 @@ LSTM_FWD = Struct(
         _t("h", _INOUT, "B H", "h_{t-1} in, h_t out"),
         _t("c", _INOUT, "B H", "carried cell state in and out"),
         _t("out", _OUT, "N H", "h_t"),
-        _t("hprev", _OUT, "N H", "h_{t-1}"),
-        _t("cprev", _OUT, "N H", "carried c_{t-1}"),
-        _t("acts", _OUT, "N 4H", "gate activations"),
-        _t("mh", _OUT, "N", "mean of hp"),
-        _t("rh", _OUT, "N", "1/std of hp"),
-        _t("cn", _OUT, "N H", "c_t un-normalized"),
-        _t("mc", _OUT, "N", "mean of c_t"),
-        _t("rc", _OUT, "N", "1/std of c_t"),
-        _t("tc", _OUT, "N H", "tanh(LN(c_t))"),
+        _t("hprev", _OUT, "R H", "h_{t-1}"),
+        _t("cprev", _OUT, "R H", "carried c_{t-1}"),
+        _t("acts", _OUT, "R 4H", "gate activations"),
+        _t("mh", _OUT, "R", "mean of hp"),
+        _t("rh", _OUT, "R", "1/std of hp"),
+        _t("cn", _OUT, "R H", "c_t un-normalized"),
+        _t("mc", _OUT, "R", "mean of c_t"),
+        _t("rc", _OUT, "R", "1/std of c_t"),
+        _t("tc", _OUT, "R H", "tanh(LN(c_t))"),
         *_LSTM_MASKS,
-        *_SIZES, _EPS, *_STEP, _LAYER_NORM, _CELL,
+        *_SIZES, _KEPT, _EPS, *_STEP, _LAYER_NORM, _CELL,
     ),
 )  # fmt: skip
 LSTM_BWD = Struct(
@@ -200,7 +205,7 @@ GRU_FWD = Struct(
     "gru_fwd_step_args",
     "One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence.",
     (
-        _t("hp", _INOUT, "N 3H", "W_hh h_{t-1} (the sequence kernel's GEMM writes it)"),
+        _t("hp", _INOUT, "R 3H", "W_hh h_{t-1} (the sequence kernel's GEMM writes it)"),
         _t("gx", _IN, "N 3H", "LN(W_ih x) + b_ih + [b_hr, b_hz, 0]"),
         _t("w_rz", _IN, "2H", "gain of LN(hp_rz)"),
         _t("b_rz", _IN, "2H", "bias of LN(hp_rz)"),
@@ -209,16 +214,16 @@ GRU_FWD = Struct(
         _t("b_hn", _IN, "H", "torch's b_hn"),
         _t("h", _INOUT, "B H", "h_{t-1} in, h_t out"),
         _t("out", _OUT, "N H", "h_t"),
-        _t("hprev", _OUT, "N H", "h_{t-1}"),
-        _t("rz", _OUT, "N 2H", "r and z"),
-        _t("n", _OUT, "N H", "candidate"),
-        _t("ghn", _OUT, "N H", "LN(hp_n) + b_hn"),
-        _t("mh", _OUT, "N", "mean of hp_rz"),
-        _t("rh", _OUT, "N", "1/std of hp_rz"),
-        _t("mn", _OUT, "N", "mean of hp_n"),
-        _t("rn", _OUT, "N", "1/std of hp_n"),
+        _t("hprev", _OUT, "R H", "h_{t-1}"),
+        _t("rz", _OUT, "R 2H", "r and z"),
+        _t("n", _OUT, "R H", "candidate"),
+        _t("ghn", _OUT, "R H", "LN(hp_n) + b_hn"),
+        _t("mh", _OUT, "R", "mean of hp_rz"),
+        _t("rh", _OUT, "R", "1/std of hp_rz"),
+        _t("mn", _OUT, "R", "mean of hp_n"),
+        _t("rn", _OUT, "R", "1/std of hp_n"),
         *_GRU_MASKS,
-        *_SIZES, _EPS, *_STEP, _LAYER_NORM,
+        *_SIZES, _KEPT, _EPS, *_STEP, _LAYER_NORM,
     ),
 )  # fmt: skip
 GRU_BWD = Struct(

@@ -17,7 +17,7 @@ int rnn_vector_bytes(void);
 
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {
-    float* hp; /* in/out (N, 4H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
+    float* hp; /* in/out (R, 4H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
     const float* gx; /* input (N, 4H): LN(W_ih x) + biases */
     const float* w1; /* input (4H): gain of LN(hp) */
     const float* b1; /* input (4H): bias of LN(hp) */
@@ -26,21 +26,22 @@ typedef struct {
     float* h; /* in/out (B, H): h_{t-1} in, h_t out */
     float* c; /* in/out (B, H): carried cell state in and out */
     float* out; /* output (N, H): h_t */
-    float* hprev; /* output (N, H): h_{t-1} */
-    float* cprev; /* output (N, H): carried c_{t-1} */
-    float* acts; /* output (N, 4H): gate activations */
-    float* mh; /* output (N): mean of hp */
-    float* rh; /* output (N): 1/std of hp */
-    float* cn; /* output (N, H): c_t un-normalized */
-    float* mc; /* output (N): mean of c_t */
-    float* rc; /* output (N): 1/std of c_t */
-    float* tc; /* output (N, H): tanh(LN(c_t)) */
+    float* hprev; /* output (R, H): h_{t-1} */
+    float* cprev; /* output (R, H): carried c_{t-1} */
+    float* acts; /* output (R, 4H): gate activations */
+    float* mh; /* output (R): mean of hp */
+    float* rh; /* output (R): 1/std of hp */
+    float* cn; /* output (R, H): c_t un-normalized */
+    float* mc; /* output (R): mean of c_t */
+    float* rc; /* output (R): 1/std of c_t */
+    float* tc; /* output (R, H): tanh(LN(c_t)) */
     const float* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
     const float* zc; /* input (N, H), optional: NULL = off: zoneout of the carried c, as zh */
     const float* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
+    int64_t R; /* size: rows of the kept buffers: N (training) or B (inference) */
     double eps; /* float, >= 0: added to the variance */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
@@ -72,13 +73,14 @@ _Static_assert(offsetof(lstm_fwd_step_args_f32, cm) == 160, "lstm_fwd_step_args_
 _Static_assert(offsetof(lstm_fwd_step_args_f32, N) == 168, "lstm_fwd_step_args_f32.N");
 _Static_assert(offsetof(lstm_fwd_step_args_f32, B) == 176, "lstm_fwd_step_args_f32.B");
 _Static_assert(offsetof(lstm_fwd_step_args_f32, H) == 184, "lstm_fwd_step_args_f32.H");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, eps) == 192, "lstm_fwd_step_args_f32.eps");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, off) == 200, "lstm_fwd_step_args_f32.off");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, rows) == 208, "lstm_fwd_step_args_f32.rows");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, threads) == 216, "lstm_fwd_step_args_f32.threads");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, layer_norm) == 220, "lstm_fwd_step_args_f32.layer_norm");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, normalize_cell_state) == 224, "lstm_fwd_step_args_f32.normalize_cell_state");
-_Static_assert(sizeof(lstm_fwd_step_args_f32) == 232, "lstm_fwd_step_args_f32 size");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, R) == 192, "lstm_fwd_step_args_f32.R");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, eps) == 200, "lstm_fwd_step_args_f32.eps");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, off) == 208, "lstm_fwd_step_args_f32.off");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, rows) == 216, "lstm_fwd_step_args_f32.rows");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, threads) == 224, "lstm_fwd_step_args_f32.threads");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, layer_norm) == 228, "lstm_fwd_step_args_f32.layer_norm");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, normalize_cell_state) == 232, "lstm_fwd_step_args_f32.normalize_cell_state");
+_Static_assert(sizeof(lstm_fwd_step_args_f32) == 240, "lstm_fwd_step_args_f32 size");
 
 /* One LN-LSTM step backward; dhp equals dgates without layer_norm (pass dgates). */
 typedef struct {
@@ -143,7 +145,7 @@ _Static_assert(sizeof(lstm_bwd_step_args_f32) == 216, "lstm_bwd_step_args_f32 si
 
 /* One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence. */
 typedef struct {
-    float* hp; /* in/out (N, 3H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
+    float* hp; /* in/out (R, 3H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
     const float* gx; /* input (N, 3H): LN(W_ih x) + b_ih + [b_hr, b_hz, 0] */
     const float* w_rz; /* input (2H): gain of LN(hp_rz) */
     const float* b_rz; /* input (2H): bias of LN(hp_rz) */
@@ -152,19 +154,20 @@ typedef struct {
     const float* b_hn; /* input (H): torch's b_hn */
     float* h; /* in/out (B, H): h_{t-1} in, h_t out */
     float* out; /* output (N, H): h_t */
-    float* hprev; /* output (N, H): h_{t-1} */
-    float* rz; /* output (N, 2H): r and z */
-    float* n; /* output (N, H): candidate */
-    float* ghn; /* output (N, H): LN(hp_n) + b_hn */
-    float* mh; /* output (N): mean of hp_rz */
-    float* rh; /* output (N): 1/std of hp_rz */
-    float* mn; /* output (N): mean of hp_n */
-    float* rn; /* output (N): 1/std of hp_n */
+    float* hprev; /* output (R, H): h_{t-1} */
+    float* rz; /* output (R, 2H): r and z */
+    float* n; /* output (R, H): candidate */
+    float* ghn; /* output (R, H): LN(hp_n) + b_hn */
+    float* mh; /* output (R): mean of hp_rz */
+    float* rh; /* output (R): 1/std of hp_rz */
+    float* mn; /* output (R): mean of hp_n */
+    float* rn; /* output (R): 1/std of hp_n */
     const float* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
     const float* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
+    int64_t R; /* size: rows of the kept buffers: N (training) or B (inference) */
     double eps; /* float, >= 0: added to the variance */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
@@ -193,12 +196,13 @@ _Static_assert(offsetof(gru_fwd_step_args_f32, cm) == 144, "gru_fwd_step_args_f3
 _Static_assert(offsetof(gru_fwd_step_args_f32, N) == 152, "gru_fwd_step_args_f32.N");
 _Static_assert(offsetof(gru_fwd_step_args_f32, B) == 160, "gru_fwd_step_args_f32.B");
 _Static_assert(offsetof(gru_fwd_step_args_f32, H) == 168, "gru_fwd_step_args_f32.H");
-_Static_assert(offsetof(gru_fwd_step_args_f32, eps) == 176, "gru_fwd_step_args_f32.eps");
-_Static_assert(offsetof(gru_fwd_step_args_f32, off) == 184, "gru_fwd_step_args_f32.off");
-_Static_assert(offsetof(gru_fwd_step_args_f32, rows) == 192, "gru_fwd_step_args_f32.rows");
-_Static_assert(offsetof(gru_fwd_step_args_f32, threads) == 200, "gru_fwd_step_args_f32.threads");
-_Static_assert(offsetof(gru_fwd_step_args_f32, layer_norm) == 204, "gru_fwd_step_args_f32.layer_norm");
-_Static_assert(sizeof(gru_fwd_step_args_f32) == 208, "gru_fwd_step_args_f32 size");
+_Static_assert(offsetof(gru_fwd_step_args_f32, R) == 176, "gru_fwd_step_args_f32.R");
+_Static_assert(offsetof(gru_fwd_step_args_f32, eps) == 184, "gru_fwd_step_args_f32.eps");
+_Static_assert(offsetof(gru_fwd_step_args_f32, off) == 192, "gru_fwd_step_args_f32.off");
+_Static_assert(offsetof(gru_fwd_step_args_f32, rows) == 200, "gru_fwd_step_args_f32.rows");
+_Static_assert(offsetof(gru_fwd_step_args_f32, threads) == 208, "gru_fwd_step_args_f32.threads");
+_Static_assert(offsetof(gru_fwd_step_args_f32, layer_norm) == 212, "gru_fwd_step_args_f32.layer_norm");
+_Static_assert(sizeof(gru_fwd_step_args_f32) == 216, "gru_fwd_step_args_f32 size");
 
 /* One LN-GRU step backward; dhp equals dgh without layer_norm (pass dgh). */
 typedef struct {
@@ -331,7 +335,7 @@ int weight_grad_f32(const weight_grad_args_f32* a);
 
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {
-    double* hp; /* in/out (N, 4H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
+    double* hp; /* in/out (R, 4H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
     const double* gx; /* input (N, 4H): LN(W_ih x) + biases */
     const double* w1; /* input (4H): gain of LN(hp) */
     const double* b1; /* input (4H): bias of LN(hp) */
@@ -340,21 +344,22 @@ typedef struct {
     double* h; /* in/out (B, H): h_{t-1} in, h_t out */
     double* c; /* in/out (B, H): carried cell state in and out */
     double* out; /* output (N, H): h_t */
-    double* hprev; /* output (N, H): h_{t-1} */
-    double* cprev; /* output (N, H): carried c_{t-1} */
-    double* acts; /* output (N, 4H): gate activations */
-    double* mh; /* output (N): mean of hp */
-    double* rh; /* output (N): 1/std of hp */
-    double* cn; /* output (N, H): c_t un-normalized */
-    double* mc; /* output (N): mean of c_t */
-    double* rc; /* output (N): 1/std of c_t */
-    double* tc; /* output (N, H): tanh(LN(c_t)) */
+    double* hprev; /* output (R, H): h_{t-1} */
+    double* cprev; /* output (R, H): carried c_{t-1} */
+    double* acts; /* output (R, 4H): gate activations */
+    double* mh; /* output (R): mean of hp */
+    double* rh; /* output (R): 1/std of hp */
+    double* cn; /* output (R, H): c_t un-normalized */
+    double* mc; /* output (R): mean of c_t */
+    double* rc; /* output (R): 1/std of c_t */
+    double* tc; /* output (R, H): tanh(LN(c_t)) */
     const double* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
     const double* zc; /* input (N, H), optional: NULL = off: zoneout of the carried c, as zh */
     const double* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
+    int64_t R; /* size: rows of the kept buffers: N (training) or B (inference) */
     double eps; /* float, >= 0: added to the variance */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
@@ -386,13 +391,14 @@ _Static_assert(offsetof(lstm_fwd_step_args_f64, cm) == 160, "lstm_fwd_step_args_
 _Static_assert(offsetof(lstm_fwd_step_args_f64, N) == 168, "lstm_fwd_step_args_f64.N");
 _Static_assert(offsetof(lstm_fwd_step_args_f64, B) == 176, "lstm_fwd_step_args_f64.B");
 _Static_assert(offsetof(lstm_fwd_step_args_f64, H) == 184, "lstm_fwd_step_args_f64.H");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, eps) == 192, "lstm_fwd_step_args_f64.eps");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, off) == 200, "lstm_fwd_step_args_f64.off");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, rows) == 208, "lstm_fwd_step_args_f64.rows");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, threads) == 216, "lstm_fwd_step_args_f64.threads");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, layer_norm) == 220, "lstm_fwd_step_args_f64.layer_norm");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, normalize_cell_state) == 224, "lstm_fwd_step_args_f64.normalize_cell_state");
-_Static_assert(sizeof(lstm_fwd_step_args_f64) == 232, "lstm_fwd_step_args_f64 size");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, R) == 192, "lstm_fwd_step_args_f64.R");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, eps) == 200, "lstm_fwd_step_args_f64.eps");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, off) == 208, "lstm_fwd_step_args_f64.off");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, rows) == 216, "lstm_fwd_step_args_f64.rows");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, threads) == 224, "lstm_fwd_step_args_f64.threads");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, layer_norm) == 228, "lstm_fwd_step_args_f64.layer_norm");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, normalize_cell_state) == 232, "lstm_fwd_step_args_f64.normalize_cell_state");
+_Static_assert(sizeof(lstm_fwd_step_args_f64) == 240, "lstm_fwd_step_args_f64 size");
 
 /* One LN-LSTM step backward; dhp equals dgates without layer_norm (pass dgates). */
 typedef struct {
@@ -457,7 +463,7 @@ _Static_assert(sizeof(lstm_bwd_step_args_f64) == 216, "lstm_bwd_step_args_f64 si
 
 /* One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence. */
 typedef struct {
-    double* hp; /* in/out (N, 3H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
+    double* hp; /* in/out (R, 3H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
     const double* gx; /* input (N, 3H): LN(W_ih x) + b_ih + [b_hr, b_hz, 0] */
     const double* w_rz; /* input (2H): gain of LN(hp_rz) */
     const double* b_rz; /* input (2H): bias of LN(hp_rz) */
@@ -466,19 +472,20 @@ typedef struct {
     const double* b_hn; /* input (H): torch's b_hn */
     double* h; /* in/out (B, H): h_{t-1} in, h_t out */
     double* out; /* output (N, H): h_t */
-    double* hprev; /* output (N, H): h_{t-1} */
-    double* rz; /* output (N, 2H): r and z */
-    double* n; /* output (N, H): candidate */
-    double* ghn; /* output (N, H): LN(hp_n) + b_hn */
-    double* mh; /* output (N): mean of hp_rz */
-    double* rh; /* output (N): 1/std of hp_rz */
-    double* mn; /* output (N): mean of hp_n */
-    double* rn; /* output (N): 1/std of hp_n */
+    double* hprev; /* output (R, H): h_{t-1} */
+    double* rz; /* output (R, 2H): r and z */
+    double* n; /* output (R, H): candidate */
+    double* ghn; /* output (R, H): LN(hp_n) + b_hn */
+    double* mh; /* output (R): mean of hp_rz */
+    double* rh; /* output (R): 1/std of hp_rz */
+    double* mn; /* output (R): mean of hp_n */
+    double* rn; /* output (R): 1/std of hp_n */
     const double* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
     const double* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
+    int64_t R; /* size: rows of the kept buffers: N (training) or B (inference) */
     double eps; /* float, >= 0: added to the variance */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
@@ -507,12 +514,13 @@ _Static_assert(offsetof(gru_fwd_step_args_f64, cm) == 144, "gru_fwd_step_args_f6
 _Static_assert(offsetof(gru_fwd_step_args_f64, N) == 152, "gru_fwd_step_args_f64.N");
 _Static_assert(offsetof(gru_fwd_step_args_f64, B) == 160, "gru_fwd_step_args_f64.B");
 _Static_assert(offsetof(gru_fwd_step_args_f64, H) == 168, "gru_fwd_step_args_f64.H");
-_Static_assert(offsetof(gru_fwd_step_args_f64, eps) == 176, "gru_fwd_step_args_f64.eps");
-_Static_assert(offsetof(gru_fwd_step_args_f64, off) == 184, "gru_fwd_step_args_f64.off");
-_Static_assert(offsetof(gru_fwd_step_args_f64, rows) == 192, "gru_fwd_step_args_f64.rows");
-_Static_assert(offsetof(gru_fwd_step_args_f64, threads) == 200, "gru_fwd_step_args_f64.threads");
-_Static_assert(offsetof(gru_fwd_step_args_f64, layer_norm) == 204, "gru_fwd_step_args_f64.layer_norm");
-_Static_assert(sizeof(gru_fwd_step_args_f64) == 208, "gru_fwd_step_args_f64 size");
+_Static_assert(offsetof(gru_fwd_step_args_f64, R) == 176, "gru_fwd_step_args_f64.R");
+_Static_assert(offsetof(gru_fwd_step_args_f64, eps) == 184, "gru_fwd_step_args_f64.eps");
+_Static_assert(offsetof(gru_fwd_step_args_f64, off) == 192, "gru_fwd_step_args_f64.off");
+_Static_assert(offsetof(gru_fwd_step_args_f64, rows) == 200, "gru_fwd_step_args_f64.rows");
+_Static_assert(offsetof(gru_fwd_step_args_f64, threads) == 208, "gru_fwd_step_args_f64.threads");
+_Static_assert(offsetof(gru_fwd_step_args_f64, layer_norm) == 212, "gru_fwd_step_args_f64.layer_norm");
+_Static_assert(sizeof(gru_fwd_step_args_f64) == 216, "gru_fwd_step_args_f64 size");
 
 /* One LN-GRU step backward; dhp equals dgh without layer_norm (pass dgh). */
 typedef struct {

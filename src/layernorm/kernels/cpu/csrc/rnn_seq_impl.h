@@ -172,6 +172,7 @@ static inline int FN(gemm_threads)(i64 rows, i64 cols, i64 inner, i64 grain, int
 }
 
 int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
+    if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;
     const i64 H = a->H, G = 4 * H;
     const scalar_t* w = FN(packed_weight)(s->w, H, G, s->threads);
     if (!w) return RNN_ERR_NOMEM;
@@ -180,7 +181,9 @@ int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args
         step.off = s->steps[2 * k];
         step.rows = s->steps[2 * k + 1];
         if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;
-        FN(gemm)(step.rows, G, H, a->h, H, 1, w, a->hp + step.off * G, G, 0,
+        scalar_t* hp = a->hp + kept_row(a->R, a->N, step.off, 0) * G; /* the step's rows of hp */
+        prefetch_l2(a->gx + step.off * G, step.rows * G * (i64)sizeof(scalar_t));
+        FN(gemm)(step.rows, G, H, a->h, H, 1, w, hp, G, 0,
                  FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads));
         step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
         FN(lstm_fwd_step)(&step);
@@ -209,6 +212,7 @@ int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args
 }
 
 int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
+    if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;
     const i64 H = a->H, G = 3 * H;
     const scalar_t* w = FN(packed_weight)(s->w, H, G, s->threads);
     if (!w) return RNN_ERR_NOMEM;
@@ -217,7 +221,9 @@ int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) 
         step.off = s->steps[2 * k];
         step.rows = s->steps[2 * k + 1];
         if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;
-        FN(gemm)(step.rows, G, H, a->h, H, 1, w, a->hp + step.off * G, G, 0,
+        scalar_t* hp = a->hp + kept_row(a->R, a->N, step.off, 0) * G; /* the step's rows of hp */
+        prefetch_l2(a->gx + step.off * G, step.rows * G * (i64)sizeof(scalar_t));
+        FN(gemm)(step.rows, G, H, a->h, H, 1, w, hp, G, 0,
                  FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads));
         step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
         FN(gru_fwd_step)(&step);

@@ -93,17 +93,17 @@ static inline scalar_t FN(sigm)(scalar_t v) { return (scalar_t)1 / ((scalar_t)1 
    given (ones / zeros where the layer has none): unconditional loads keep the loops vectorized. */
 static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
     const FN(lstm_fwd_step_args) * A, i64 i, const int masks) {
-    const i64 H = A->H, G = 4 * H, row = A->off + i;
+    const i64 H = A->H, G = 4 * H, row = A->off + i, k = kept_row(A->R, A->N, row, i);
     const int normalize = A->layer_norm;
-    const scalar_t* hpr = A->hp + row * G;
+    const scalar_t* hpr = A->hp + k * G;
     const scalar_t* gxr = A->gx + row * G;
     const scalar_t *w1 = A->w1, *b1 = A->b1, *w3 = A->w3, *b3 = A->b3;
-    scalar_t* a = A->acts + row * G;
+    scalar_t* a = A->acts + k * G;
     acc_t m = 0, r = 1;
     if (normalize) {
         FN(moments)(hpr, G, A->eps, &m, &r);
-        A->mh[row] = (scalar_t)m;
-        A->rh[row] = (scalar_t)r;
+        A->mh[k] = (scalar_t)m;
+        A->rh[k] = (scalar_t)r;
         #pragma omp simd
         for (i64 j = 0; j < G; ++j)
             a[j] = (scalar_t)((hpr[j] - m) * r) * w1[j] + b1[j] + gxr[j];
@@ -117,23 +117,23 @@ static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
     #pragma omp simd
     for (i64 j = 3 * H; j < G; ++j) a[j] = FN(sigm)(a[j]);
     scalar_t* cs = A->c + i * H;
-    scalar_t* cp = A->cprev + row * H;
-    scalar_t* cnr = A->cn + row * H;
+    scalar_t* cp = A->cprev + k * H;
+    scalar_t* cnr = A->cn + k * H;
     const scalar_t* cm = (masks & MASK_CM) ? A->cm + i * H : NULL;
     for (i64 j = 0; j < H; ++j) {
         cp[j] = cs[j];
         const scalar_t cand = (masks & MASK_CM) ? a[2 * H + j] * cm[j] : a[2 * H + j];
         cnr[j] = a[H + j] * cs[j] + a[j] * cand;
     }
-    scalar_t* tcr = A->tc + row * H;
+    scalar_t* tcr = A->tc + k * H;
     scalar_t* hs = A->h + i * H;
-    scalar_t* hpv = A->hprev + row * H;
+    scalar_t* hpv = A->hprev + k * H;
     scalar_t* o = A->out + row * H;
     /* LN(c_t) into tc first, then tanh in place: separate loops so each one vectorizes. */
     if (normalize) {
         FN(moments)(cnr, H, A->eps, &m, &r);
-        A->mc[row] = (scalar_t)m;
-        A->rc[row] = (scalar_t)r;
+        A->mc[k] = (scalar_t)m;
+        A->rc[k] = (scalar_t)r;
         #pragma omp simd
         for (i64 j = 0; j < H; ++j) tcr[j] = (scalar_t)((cnr[j] - m) * r) * w3[j] + b3[j];
     } else {
@@ -163,7 +163,8 @@ static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
 }
 
 int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
-    if (!rows_in_range(a->off, a->rows, a->N, a->B)) return RNN_ERR_ROWS;
+    if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B))
+        return RNN_ERR_ROWS;
     #pragma omp parallel for num_threads(a->threads) if (a->threads > 1) schedule(static)
     for (i64 i = 0; i < a->rows; ++i) FN(lstm_fwd_row)(a, i);
     return 0;
@@ -250,16 +251,16 @@ int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
    and the gains and biases are always given (ones / zeros where the layer has none). */
 static inline __attribute__((always_inline)) void FN(gru_fwd_body)(
     const FN(gru_fwd_step_args) * A, i64 i, const int masks) {
-    const i64 H = A->H, G = 3 * H, row = A->off + i;
-    const scalar_t* hp = A->hp + row * G;
+    const i64 H = A->H, G = 3 * H, row = A->off + i, k = kept_row(A->R, A->N, row, i);
+    const scalar_t* hp = A->hp + k * G;
     const scalar_t* gx = A->gx + row * G;
     const scalar_t *w_rz = A->w_rz, *b_rz = A->b_rz, *w_n = A->w_n, *b_n = A->b_n;
     const scalar_t* b_hn = A->b_hn;
-    scalar_t* rz = A->rz + row * 2 * H;
-    scalar_t* ghn = A->ghn + row * H;
-    scalar_t* n = A->n + row * H;
+    scalar_t* rz = A->rz + k * 2 * H;
+    scalar_t* ghn = A->ghn + k * H;
+    scalar_t* n = A->n + k * H;
     scalar_t* hs = A->h + i * H;
-    scalar_t* hpv = A->hprev + row * H;
+    scalar_t* hpv = A->hprev + k * H;
     scalar_t* o = A->out + row * H;
     const scalar_t* zh = (masks & MASK_ZH) ? A->zh + row * H : NULL;
     const scalar_t* cm = (masks & MASK_CM) ? A->cm + i * H : NULL;
@@ -267,10 +268,10 @@ static inline __attribute__((always_inline)) void FN(gru_fwd_body)(
         acc_t m1, r1, m2, r2;
         FN(moments)(hp, 2 * H, A->eps, &m1, &r1);
         FN(moments)(hp + 2 * H, H, A->eps, &m2, &r2);
-        A->mh[row] = (scalar_t)m1;
-        A->rh[row] = (scalar_t)r1;
-        A->mn[row] = (scalar_t)m2;
-        A->rn[row] = (scalar_t)r2;
+        A->mh[k] = (scalar_t)m1;
+        A->rh[k] = (scalar_t)r1;
+        A->mn[k] = (scalar_t)m2;
+        A->rn[k] = (scalar_t)r2;
         #pragma omp simd
         for (i64 j = 0; j < 2 * H; ++j)
             rz[j] = FN(sigm)((scalar_t)((hp[j] - m1) * r1) * w_rz[j] + b_rz[j] + gx[j]);
@@ -303,7 +304,8 @@ static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
 }
 
 int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
-    if (!rows_in_range(a->off, a->rows, a->N, a->B)) return RNN_ERR_ROWS;
+    if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B))
+        return RNN_ERR_ROWS;
     #pragma omp parallel for num_threads(a->threads) if (a->threads > 1) schedule(static)
     for (i64 i = 0; i < a->rows; ++i) FN(gru_fwd_row)(a, i);
     return 0;

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every CPU benchmark of benchmarks/RESULTS.md in one go (`make bench`): for each instruction-set
+# target this processor can run (AVX-512, AVX2 emulated on an AVX-512 processor by the compiler's
+# target flags, portable) and with 1 and 2 threads:
+#   - every norm variant, forward + backward, float32 and bfloat16, against torch's layer_norm,
+#     and the modules on small (per-token) inputs against torch.nn.LayerNorm / RMSNorm;
+#   - LN-LSTM and LN-GRU against torch.nn.LSTM / GRU, training and inference, at the six shapes
+#     of the targets; with one thread also the peak memory of a call.
+# Each table starts with its processor, kernel target, torch version and threads. Ratios are
+# ours / torch in the same process; run it on a machine with nothing else running.
+#   ISAS="avx2" THREADS="1" benchmarks/run_all.sh     # a subset
+#   REPS=15 benchmarks/run_all.sh                      # more rounds per provider
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+ISAS=${ISAS:-$("$PY" -c 'from layernorm.kernels.cpu import targets; print(*targets.available())')}
+THREADS=${THREADS:-"1 2"}
+REPS=${REPS:-7}
+SHAPES=${SHAPES:-100x32x128x256,100x64x256x512,50x8x64x128,200x16x64x256,1000x4x32x128,35x20x650x650}
+echo "processor: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) |" \
+     "features: $(grep -o -w 'avx2\|avx512f\|avx512_bf16\|f16c' /proc/cpuinfo | sort -u | xargs) |" \
+     "targets: $ISAS | $("$PY" -c 'import torch, sys; print("torch", torch.__version__, "| python", sys.version.split()[0])')"
+for isa in $ISAS; do
+    for t in $THREADS; do
+        echo; echo "## target $isa, $t thread(s)"
+        for dtype in float32 bfloat16; do
+            "$PY" benchmarks/bench_norms_cpu.py --isa "$isa" --threads "$t" --dtype "$dtype"
+        done
+        mem=""
+        [ "$t" = 1 ] && mem="--memory"
+        for mode in train infer; do
+            "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode "$mode" \
+                --reps "$REPS" --shapes "$SHAPES" $mem
+        done
+    done
+done

@@ -1,0 +1,129 @@
+"""The recurrent layers' inference path: when autograd will not differentiate a direction
+(``torch.no_grad()``, or nothing requires grad), the whole-sequence C kernels run with per-row
+buffers of the batch's rows only, overwritten every step, and no autograd node.
+
+It runs the same kernels in the same order as the training path, only writing the kept values to
+other addresses, so its outputs and states must equal the training path's bit for bit; the tests
+also check that the training node is not entered, and that the C boundary refuses kept buffers
+of any other row count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_sequence
+
+from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm.recurrent import _cstep, _fused
+
+pytestmark = pytest.mark.skipif(
+    not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
+    reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
+)
+LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU}
+NODES = {"lstm": _fused.LSTMSequence, "gru": _fused.GRUSequence}
+
+
+def _model(kind: str, dtype: torch.dtype, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = LAYERS[kind](6, 13, dtype=dtype, **kw)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = 0.3 * torch.randn_like(p)
+            p.copy_(1.0 + noise if "ln_weight" in name else noise)
+    return model
+
+
+def _inputs(dtype: torch.dtype, packed: bool, batch: int = 5):
+    gen = torch.Generator().manual_seed(1)
+    lengths = [6 - (i % 4) for i in range(batch)] if packed else [6] * batch
+    xs = [0.5 + torch.randn(n, 6, generator=gen, dtype=dtype) for n in lengths]
+    return pack_sequence(xs, enforce_sorted=False) if packed else torch.stack(xs, 1)
+
+
+def _flat(result) -> list[torch.Tensor]:
+    out, states = result
+    states = states if isinstance(states, tuple) else (states,)
+    return [out.data if hasattr(out, "batch_sizes") else out, *states]
+
+
+def _forbid_training_node(monkeypatch, kind: str) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the training node ran in inference")
+
+    monkeypatch.setattr(NODES[kind], "apply", refuse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("norm", ["layer", "none"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_no_grad_equals_the_training_path_bit_for_bit(
+    kind, norm, packed, dtype, monkeypatch
+) -> None:
+    model = _model(kind, dtype, norm=norm, bidirectional=True, num_layers=2)
+    x = _inputs(dtype, packed)
+    trained = [t.detach() for t in _flat(model(x))]
+    assert trained[0].dtype == dtype
+    _forbid_training_node(monkeypatch, kind)
+    with torch.no_grad():
+        inferred = _flat(model(x))
+    for a, b in zip(inferred, trained, strict=True):
+        assert not a.requires_grad
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_nothing_requiring_grad_takes_the_inference_path(kind, monkeypatch) -> None:
+    """Grad mode on, but neither the parameters nor the input require grad (a frozen model)."""
+    model = _model(kind, torch.float64).requires_grad_(False)
+    x = _inputs(torch.float64, packed=False)
+    ref = _flat(model(x))
+    _forbid_training_node(monkeypatch, kind)
+    assert torch.is_grad_enabled()
+    for a, b in zip(_flat(model(x)), ref, strict=True):
+        assert torch.equal(a, b)
+    # an input that requires grad needs the node again
+    with pytest.raises(AssertionError, match="training node ran"):
+        model(x.clone().requires_grad_())
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_inference_with_masks_in_eval_and_in_training(kind) -> None:
+    """Zoneout (eval: the expectation, a dense coefficient) and recurrent dropout (training, the
+    same seeded draw on both paths) reach the inference kernels as they reach the training ones."""
+    extra = {"zoneout_cell": 0.2} if kind == "lstm" else {}
+    model = _model(kind, torch.float64, zoneout_hidden=0.3, recurrent_dropout=0.25, **extra)
+    x = _inputs(torch.float64, packed=True)
+    for training in (False, True):
+        model.train(training)
+        torch.manual_seed(7)
+        ref = [t.detach() for t in _flat(model(x))]
+        torch.manual_seed(7)
+        with torch.no_grad():
+            got = _flat(model(x))
+        for a, b in zip(got, ref, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_projection_falls_back_to_the_node_under_no_grad() -> None:
+    """torch.nn.LSTM's projection runs between per-step calls: no inference kernels, same result."""
+    model = _model("lstm", torch.float64, proj_size=4)
+    x = _inputs(torch.float64, packed=False)
+    ref = [t.detach() for t in _flat(model(x))]
+    with torch.no_grad():
+        got = _flat(model(x))
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_inference_state_does_not_alias_the_callers() -> None:
+    """The kernels update the state in place: the caller's h_0 / c_0 stay as they were."""
+    model = _model("lstm", torch.float64)
+    x = _inputs(torch.float64, packed=False)
+    h0, c0 = torch.randn(2, 1, 5, 13, dtype=torch.float64).unbind(0)
+    before = (h0.clone(), c0.clone())
+    with torch.no_grad():
+        model(x, (h0, c0))
+    assert torch.equal(h0, before[0]) and torch.equal(c0, before[1])

@@ -127,3 +127,19 @@ def test_inference_state_does_not_alias_the_callers() -> None:
     with torch.no_grad():
         model(x, (h0, c0))
     assert torch.equal(h0, before[0]) and torch.equal(c0, before[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("steps", [25, 53])
+def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype) -> None:
+    """In inference the LSTM's LN(W_ih x) runs a chunk of rows at a time (128 rows): 125 and 265
+    rows give one full chunk short and two full chunks and a remainder, the same values as one
+    projection of all rows (training)."""
+    model = _model("lstm", dtype, num_layers=2)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(steps, 5, 6, generator=gen, dtype=dtype)
+    ref = [t.detach() for t in _flat(model(x))]
+    with torch.no_grad():
+        got = _flat(model(x))
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)

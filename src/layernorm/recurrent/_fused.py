@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import layer_norm
+from ..kernels.cpu import _native
+from ..kernels.cpu import layer_norm as cpu_layer_norm
 from ._pointwise import (
     C_KERNELS,
     C_STEPS,
@@ -256,11 +258,15 @@ def normalized_projection(
     way (the same kernel, row by row)."""
     if differentiated(data, w_ih, weight, bias) or not data.is_cpu or torch.jit.is_tracing():
         return layer_norm(F.linear(data, w_ih), w_ih.shape[0], weight, bias, eps)
-    ln, w_t = ln_kernels(data), w_ih.t()
+    w_t, ln = w_ih.t(), ln_kernels(data)
     out = data.new_empty(data.shape[0], w_ih.shape[0])
     for r0 in range(0, data.shape[0], _PROJECTION_ROWS):
         rows = slice(r0, r0 + _PROJECTION_ROWS)
-        out[rows] = ln.layer_norm_fwd(torch.mm(data[rows], w_t), weight, bias, eps)[0]
+        xp = torch.mm(data[rows], w_t)
+        if ln is cpu_layer_norm and _native.supports(xp, weight, bias):
+            _native.ln_fwd(xp, weight, bias, eps, out=out[rows])  # the rows, written in place
+        else:
+            out[rows] = ln.layer_norm_fwd(xp, weight, bias, eps)[0]
     return out
 
 

@@ -138,10 +138,12 @@ def _call(name: str, **values: object) -> None:
 
 
 def ln_fwd(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, mean, rstd)``; ``y`` written into ``out`` when given (checked as y: x's shape and
+    dtype, contiguous; it must not overlap x)."""
     m, n = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else out
     mean, rstd = _stats(x, m), _stats(x, m)
     _call("ln_fwd", x=x, weight=_compute(weight, x), bias=_compute(bias, x), y=y, mean=mean,
           rstd=rstd, eps=eps, threads=_threads(m, n))  # fmt: skip

@@ -3,9 +3,11 @@
 buffers of the batch's rows only, overwritten every step, and no autograd node.
 
 It runs the same kernels in the same order as the training path, only writing the kept values to
-other addresses, so its outputs and states must equal the training path's bit for bit; the tests
-also check that the training node is not entered, and that the C boundary refuses kept buffers
-of any other row count.
+other addresses. The one difference is the LSTM's input projection, computed a chunk of rows at a
+time: the GEMM may block (and so round) a chunk differently from all rows at once, so float32
+results agree to rounding; in float64 and below one chunk they are equal bit for bit. The tests
+also check that the training node is not entered, and that the C boundary refuses kept buffers of
+any other row count.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ pytestmark = pytest.mark.skipif(
 )
 LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU}
 NODES = {"lstm": _fused.LSTMSequence, "gru": _fused.GRUSequence}
+# float32: the chunked GEMM's rounding carried through 25–53 steps
+TOL = {torch.float64: {"rtol": 0.0, "atol": 0.0}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
 
 
 def _model(kind: str, dtype: torch.dtype, **kw) -> torch.nn.Module:
@@ -133,8 +137,8 @@ def test_inference_state_does_not_alias_the_callers() -> None:
 @pytest.mark.parametrize("steps", [25, 53])
 def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype) -> None:
     """In inference the LSTM's LN(W_ih x) runs a chunk of rows at a time (128 rows): 125 and 265
-    rows give one full chunk short and two full chunks and a remainder, the same values as one
-    projection of all rows (training)."""
+    rows give one chunk short of full, and two full chunks and a remainder; the values are those
+    of one projection of all rows (training), to the GEMM's rounding in float32."""
     model = _model("lstm", dtype, num_layers=2)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(steps, 5, 6, generator=gen, dtype=dtype)
@@ -142,4 +146,4 @@ def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype) -> No
     with torch.no_grad():
         got = _flat(model(x))
     for a, b in zip(got, ref, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, **TOL[dtype])

@@ -254,8 +254,9 @@ def normalized_projection(
 
     When autograd will not differentiate it (on the CPU), a chunk of rows at a time into the
     result: the projection of a chunk is normalized while in cache and never exists whole, so
-    inference holds one ``(N, 4H)`` buffer instead of two. Each row's values are the same either
-    way (the same kernel, row by row)."""
+    inference holds one ``(N, 4H)`` buffer instead of two. The layer norm is the same kernel row
+    by row; the GEMM may round a chunk differently from all rows at once (its blocking depends on
+    the rows), so float32 results agree with the training path's to rounding."""
     if differentiated(data, w_ih, weight, bias) or not data.is_cpu or torch.jit.is_tracing():
         return layer_norm(F.linear(data, w_ih), w_ih.shape[0], weight, bias, eps)
     w_t, ln = w_ih.t(), ln_kernels(data)

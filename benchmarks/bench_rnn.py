@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import statistics
 import sys
 from pathlib import Path
 
@@ -46,7 +47,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import cpu_model, interleaved_ms
+from _timing import cpu_model, interleaved_samples
 from layernorm import LayerNormGRU, LayerNormLSTM
 from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.kernels.cpu import targets
@@ -128,7 +129,11 @@ def bench_shape(
         fns["ln-steps"] = with_steps(step(models["ln"], x, mode), _pointwise.C_STEPS)
     if mode == "infer":
         fns["ln-node"] = via_training_node(fns["ln"])
-    times = interleaved_ms(fns, warmup=2, reps=reps)
+    samples = interleaved_samples(fns, warmup=2, reps=reps)
+    times = {name: statistics.median(s) for name, s in samples.items()}
+    # the fastest round of each provider: on a loaded machine the median carries the neighbours'
+    # share of the processor, the minimum little of it
+    times.update({f"{name}-min": min(s) for name, s in samples.items()})
     if memory:
         for name in ("torch", "ln"):
             times[f"{name}-peak-mb"] = peak_bytes(fns[name]) / 2**20
@@ -177,7 +182,10 @@ def run(args: argparse.Namespace) -> None:
           f"threads {torch.get_num_threads()} | mkldnn {torch.backends.mkldnn.is_available()} "
           f"| {date}")  # fmt: skip
     what = "forward + backward" if args.mode == "train" else "forward under no_grad"
-    print(f"{what}, float32, median ms (ratio = ours / torch in the same run)\n")
+    print(
+        f"{what}, float32, median ms; ratio = ours / torch in the same run, of the medians "
+        "(of the fastest rounds)\n"
+    )
     extra = " LN per-step C loop / torch |" if args.per_step else ""
     if args.mode == "infer":
         extra += " LN via training node / torch |"
@@ -195,9 +203,12 @@ def run(args: argparse.Namespace) -> None:
             r = bench_shape(kind, shape, args.loop, args.eager_steps, args.reps, args.per_step,  # type: ignore[arg-type]
                             args.mode, args.memory)  # fmt: skip
             peak = {k: r.pop(k) for k in [k for k in r if k.endswith("-peak-mb")]}
+            fastest = {k[: -len("-min")]: r.pop(k) for k in [k for k in r if k.endswith("-min")]}
 
-            def ratio(name: str, r: dict = r) -> str:
-                return f"{r[name] / r['torch']:.2f}" if name in r else "-"
+            def ratio(name: str, r: dict = r, fastest: dict = fastest) -> str:
+                if name not in r:
+                    return "-"
+                return f"{r[name] / r['torch']:.2f} ({fastest[name] / fastest['torch']:.2f})"
 
             cells = [kind, str(shape), f"{r['torch']:.1f}", f"{r['ln']:.1f}", ratio("ln"),
                      ratio("none"), ratio("ln-loop"), ratio("ln-eager")]  # fmt: skip

@@ -10,6 +10,8 @@
 # ours / torch in the same process; run it on a machine with nothing else running.
 #   ISAS="avx2" THREADS="1" benchmarks/run_all.sh     # a subset
 #   REPS=15 benchmarks/run_all.sh                      # more rounds per provider
+#   NORM_ARGS="--shapes 64x768 --small-reps 100" SHAPES=50x8x64x128 REPS=1 benchmarks/run_all.sh
+#                                                      # a quick check that every table runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -25,7 +27,9 @@ for isa in $ISAS; do
     for t in $THREADS; do
         echo; echo "## target $isa, $t thread(s)"
         for dtype in float32 bfloat16; do
-            "$PY" benchmarks/bench_norms_cpu.py --isa "$isa" --threads "$t" --dtype "$dtype"
+            # shellcheck disable=SC2086
+            "$PY" benchmarks/bench_norms_cpu.py --isa "$isa" --threads "$t" --dtype "$dtype" \
+                ${NORM_ARGS:-}
         done
         mem=""
         [ "$t" = 1 ] && mem="--memory"

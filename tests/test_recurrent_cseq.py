@@ -94,6 +94,76 @@ def test_sequence_kernels_without_norm_and_normalized_cell(kind, norm) -> None:
         torch.testing.assert_close(a, b, **TOL[torch.float64])
 
 
+def _saved_tensors(model: torch.nn.Module, x: torch.Tensor, hx: tuple) -> list[torch.Tensor]:
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, hx)
+    return saved
+
+
+@pytest.mark.parametrize("steps", [1, 2, 6])
+def test_lstm_keeps_no_previous_state_on_padded_sequences(steps) -> None:
+    """On a padded sequence the LSTM's recurrent weight gradient takes h_{t−1} from the output
+    shifted by a step (h0 for the first): no (N, H) copy of h_{t−1} is saved for backward, in
+    either direction, and every gradient equals the per-step path's, which keeps that copy."""
+    model = _model("lstm", 7, "layer", torch.float64, bidirectional=True)
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(steps, 6, generator=gen, dtype=torch.float64) for _ in range(3)]
+    x = torch.stack(xs, 1).requires_grad_()
+    hx = tuple(torch.randn(2, 3, 7, generator=gen, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        out, _ = model(x, hx)
+    fwd = torch.cat([hx[0][:1], out[:-1, :, :7]]).reshape(-1, 7)  # h_{t−1} forward in time
+    rev = torch.cat([out[1:, :, 7:], hx[0][1:]]).reshape(-1, 7)  # and in reverse
+
+    def kept(saved: list[torch.Tensor]) -> bool:  # h0 itself (one step: all of h_{t−1}) aside
+        h0 = hx[0].untyped_storage().data_ptr()
+        return any(t.shape == fwd.shape and any(torch.allclose(t, v, rtol=1e-9, atol=0)
+                                                for v in (fwd, rev))
+                   and t.untyped_storage().data_ptr() != h0 for t in saved)  # fmt: skip
+
+    assert not kept(_saved_tensors(model, x, hx))
+    register_step_kernels("cpu", PER_STEP)
+    try:
+        assert kept(_saved_tensors(model, x, hx))  # the check sees a kept copy
+    finally:
+        register_step_kernels("cpu", None)
+    ours, ref = _both(model, xs, packed=False)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])
+
+
+def test_lstm_keeps_neither_previous_state_copy() -> None:
+    """What a padded LSTM sequence keeps for backward is two (N, H) buffers smaller than what the
+    per-step path keeps (its copies of h_{t−1} and of the carried c_{t−1}), counting distinct
+    storages other than the input state's and the output's, which both paths hold anyway."""
+    model = _model("lstm", 7, "layer", torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 3, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    hx = tuple(torch.randn(1, 3, 7, generator=gen, dtype=torch.float64) for _ in range(2))
+
+    def kept_bytes() -> int:
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = model(x, hx)[0]
+        held = {t.untyped_storage().data_ptr() for t in (*hx, x, out)}
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+        return sum(n for p, n in storages.items() if p not in held)
+
+    ours = kept_bytes()
+    register_step_kernels("cpu", PER_STEP)
+    try:
+        per_step = kept_bytes()
+    finally:
+        register_step_kernels("cpu", None)
+    assert per_step - ours == 2 * 5 * 3 * 7 * 8
+
+
 def test_sequence_kernels_threaded(monkeypatch) -> None:
     """With the grains at 1 every step splits its GEMM columns and its rows across threads."""
     monkeypatch.setattr(_cstep, "_GEMM_GRAIN", 1)

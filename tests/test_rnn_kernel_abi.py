@@ -228,3 +228,73 @@ def test_numbers_and_missing_tensors_are_refused(field, value, error, message) -
     values[field] = value
     with pytest.raises(error, match=message):
         rnn_abi.check(rnn_abi.GRU_FWD, torch.float32, values, sizes)
+
+
+def _lstm_bwd_struct(keep_cprev: bool, reverse: int = 0, hs: int = 3, n: int = 8, b: int = 2):
+    """A checked LSTM backward struct over seeded buffers (N = n, B = b): with the carried
+    c_{t−1} kept in ``cprev`` (= c0 then cn shifted by a step), or not kept (``cprev`` NULL)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=gen, dtype=torch.float64) + 0.1
+
+    t = {
+        k: r(n, c)
+        for k, c in (
+            ("dout", hs),
+            ("hp", 4 * hs),
+            ("acts", 4 * hs),
+            ("cn", hs),
+            ("tc", hs),
+            ("dgates", 4 * hs),
+            ("dhp", 4 * hs),
+            ("dlc", hs),
+        )
+    }
+    t.update({k: r(n) for k in ("mh", "rh", "mc", "rc")})
+    t.update(w1=r(4 * hs), w3=r(hs), dh=r(b, hs), dc=r(b, hs), c0=r(b, hs))
+    later = t["cn"][b:] if reverse else t["cn"][:-b]
+    steps = [t["c0"], later] if not reverse else [later, t["c0"]]
+    if keep_cprev:
+        t["cprev"] = torch.cat(steps)  # in t: the struct holds its address
+    values = {**t, "cprev": t.get("cprev"), "off": 0, "rows": 0, "threads": 1,
+              "layer_norm": 1, "normalize_cell_state": 0, "reverse": reverse}  # fmt: skip
+    sizes = {"N": n, "B": b, "H": hs, "G": 4 * hs}
+    return rnn.prepare(rnn_abi.LSTM_BWD, torch.float64, values, sizes), t, sizes
+
+
+@needs_c
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_c_lstm_backward_takes_the_previous_cell_state_from_the_step_before(reverse) -> None:
+    """Without cprev the backward reads c_{t−1} from c0 (first step) and cn of the step before
+    (B rows earlier, later in reverse): every gradient equals the run with cprev kept."""
+    w = torch.linspace(-1, 1, 36, dtype=torch.float64).view(12, 3)
+    steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 2]])
+    runs = []
+    for keep in (True, False):
+        args, t, sizes = _lstm_bwd_struct(keep, reverse)
+        sched = steps.flip(0).contiguous() if reverse else steps
+        rnn.sequence("lstm_bwd_seq", torch.float64, args, w, sched, sizes, 1, 1, 1)
+        runs.append(t)
+    for k in ("dgates", "dhp", "dlc", "dh", "dc"):
+        assert torch.equal(runs[0][k], runs[1][k]), k
+
+
+@needs_c
+@pytest.mark.parametrize("case", ["no c0", "short step"])
+def test_c_refuses_a_backward_without_the_previous_cell_state(case) -> None:
+    """cprev NULL needs c0 and steps of all B rows; else C returns an error and touches nothing."""
+    args, t, sizes = _lstm_bwd_struct(False)
+    if case == "no c0":
+        args.c0 = None
+        steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 2]])
+    else:
+        steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 1]])
+    before = {k: v.clone() for k, v in t.items()}
+    w = torch.zeros(12, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="rows lie outside the buffers"):
+        rnn.sequence("lstm_bwd_seq", torch.float64, args, w, steps, sizes, 1, 1, 1)
+    with pytest.raises(ValueError, match="rows lie outside the buffers"):
+        rnn.step("lstm_bwd_step", torch.float64, args, 6, 1 if case != "no c0" else 2, 1)
+    for k, v in t.items():
+        assert torch.equal(v, before[k]), k

@@ -97,15 +97,15 @@ def _projection_buffers(st: dict[str, Any], kernel: str) -> dict[str, Any]:
     """With torch.nn.LSTM's projection the kernel runs the cell up to the unprojected h̃ (H
     units) and Python does the projection and the zoneout of h (both on the P units of h): the
     kernel's h fields point at scratch buffers of H columns and it gets no zoneout of h.
-    Forward: its output is ``hu``, its state and h_{t−1} scratch. Backward: its output gradient is
-    ``du`` (the projection's backward, written by :func:`_lstm_bwd_projected`) and its dh a zero
-    buffer (read, never written without zoneout of h)."""
+    Forward: its output is ``hu``, its state scratch, and it keeps no h̃_{t−1}. Backward: its
+    output gradient is ``du`` (the projection's backward, written by :func:`_lstm_bwd_projected`)
+    and its dh a zero buffer (read, never written without zoneout of h)."""
     like, hs = st["gx"], st["H"]
     n_rows, n_batch = like.shape[0], st["h" if "_fwd" in kernel else "dh"].shape[0]
     # kept in st: the struct holds their addresses for as long as st lives
     if "_fwd" in kernel:
-        st["_hu_state"], st["_hu_prev"] = like.new_zeros(n_batch, hs), like.new_empty(n_rows, hs)
-        return {"h": st["_hu_state"], "out": st["hu"], "hprev": st["_hu_prev"], "zh": None}
+        st["_hu_state"] = like.new_zeros(n_batch, hs)
+        return {"h": st["_hu_state"], "out": st["hu"], "hprev": None, "zh": None}
     st["du"], st["_du_state"] = like.new_empty(n_rows, hs), like.new_zeros(n_batch, hs)
     return {"dout": st["du"], "dh": st["_du_state"], "zh": None}
 

@@ -180,6 +180,36 @@ def _weight_grad(kernels: StepKernels, dhp: Tensor, hprev: Tensor) -> Tensor:
     return dhp.t().mm(hprev)
 
 
+def _previous_from_later_rows(kernels: StepKernels, sched: Schedule, batch: int) -> bool:
+    """Whether an LSTM direction keeps no copies of its previous states ``h_{t−1}, c_{t−1}``.
+
+    Where the whole-sequence kernels run every step over the whole batch (a padded sequence; no
+    projection, which runs the per-step path), a step's previous state is the state of the step
+    before it, whose rows are B earlier (B later in reverse): ``h_{t−1}`` is that step's output
+    (zoneout included: the output is the carried state), read shifted by :func:`_lstm_weight_grad`;
+    ``c_{t−1}`` is its ``cn`` when the carried state is ``c_t`` itself (no zoneout of c, no
+    normalized carry), which the C backward reads there. ``h0, c0`` stand for the first step's.
+    Each copy would be ``(N, H)``, a sixteenth of what a step keeps for backward."""
+    return kernels.lstm_fwd_seq is not None and all(bs == batch for _, _, bs in sched)
+
+
+def _lstm_weight_grad(kernels: StepKernels, st: dict[str, Any], sched: Schedule) -> Tensor:
+    """``Σ_t dhp_tᵀ h_{t−1}``: from the kept ``hprev``, or (:func:`_previous_from_later_rows`)
+    from the output ``y`` shifted by a step, the first step's ``h_{t−1}`` being ``h0``."""
+    dhp = st["dhp"]
+    if st["hprev"] is not None:
+        return _weight_grad(kernels, dhp, st["hprev"])
+    y, h0 = st["y"], st["h0"]
+    rows, batch = dhp.shape[0], h0.shape[0]
+    first = sched[0][1]  # the first step's rows: 0 forward in time, N − B in reverse
+    if first == 0:  # step t's h_{t−1} is y of step t − 1, B rows earlier
+        later, before = dhp[batch:], y[: rows - batch]
+    else:  # in reverse, of step t + 1, B rows later
+        later, before = dhp[: rows - batch], y[batch:]
+    dw = _weight_grad(kernels, later, before)
+    return dw.addmm_(dhp[first : first + batch].t(), h0)
+
+
 def _lstm_state(
     gx: Tensor,
     h0: Tensor,
@@ -208,7 +238,8 @@ def _lstm_state(
         "out": gx.new_empty(n_rows, ps),
         **_new_bufs(gx, kept_rows, {"hp": 4 * hs, "hprev": ps, "cprev": hs, "acts": 4 * hs,
                                     "cn": hs, "tc": hs, "mh": 0, "rh": 0, "mc": 0, "rc": 0}),
-        "hu": None if w_hr is None else gx.new_empty(n_rows, hs),
+        "hu": None if w_hr is None else gx.new_empty(n_rows, hs), "y": None, "h0": None,
+        "c0": None, "reverse": 0,
     }  # fmt: skip
 
 
@@ -296,6 +327,7 @@ def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
                          *_padded(masks, 4), kept_rows=h0.shape[0])  # fmt: skip
         kernels = _inference_kernels(gx, st, "lstm_fwd_seq")
         if kernels is not None:
+            st["hprev"] = st["cprev"] = None  # read by backward only
             kernels.lstm_fwd_seq(st, w_hh, sched)  # type: ignore[misc]
             return st["out"], st["h"], st["c"]
     return LSTMSequence.apply(*args)
@@ -384,10 +416,14 @@ class LSTMSequence(torch.autograd.Function):
             kept_rows=gx.shape[0],
         )  # fmt: skip
         kernels = _kernels(gx, st)
+        if _previous_from_later_rows(kernels, sched, h0.shape[0]):
+            st.update(hprev=None, y=st["out"], h0=h0.contiguous())
+            if zc is None and not carry_normalized:  # the carried c_t is cn, kept anyway
+                st.update(cprev=None, c0=c0.contiguous(), reverse=int(sched[0][1] != 0))
         _forward_in_time(st, w_hh, sched, kernels.lstm_fwd, kernels.lstm_fwd_seq)
         _save(ctx, st, w_hh, sched, ("w1", "b1", "w3", "b3", "hp", "hprev", "cprev", "acts",
                                      "cn", "tc", "mh", "rh", "mc", "rc",
-                                     "zh", "zc", "cm", "w_hr", "hu"))  # fmt: skip
+                                     "zh", "zc", "cm", "w_hr", "hu", "y", "h0", "c0"))  # fmt: skip
         return st["out"], st["h"], st["c"]
 
     @staticmethod
@@ -408,8 +444,8 @@ class LSTMSequence(torch.autograd.Function):
             st, w_hh, ctx.sched, kernels.lstm_bwd, kernels.lstm_bwd_seq,
             accumulate=st["zh"] is not None,
         )  # fmt: skip
-        dh, dhp, need = st["dh"], st["dhp"], ctx.needs_input_grad
-        d_w_hh = _grad_or_none(need[3], lambda: _weight_grad(kernels, dhp, st["hprev"]))
+        dh, need = st["dh"], ctx.needs_input_grad
+        d_w_hh = _grad_or_none(need[3], lambda: _lstm_weight_grad(kernels, st, ctx.sched))
         dw1 = db1 = dw3 = db3 = None
         if normalize:
             ln = ln_kernels(gx)

@@ -79,7 +79,7 @@ class Field:
     doc: str = ""
     minimum: float = 0
     symbol: str = ""  # a SIZE field's size symbol, when not its name
-    optional: bool = False  # an IN pointer that may be NULL (None from Python): the option is off
+    optional: bool = False  # a pointer that may be NULL (None from Python): the option is off
 
     def c_type(self, scalar: str = "scalar_t") -> str:
         return _C_TYPES[self.kind].format(s=scalar)
@@ -163,8 +163,9 @@ LSTM_FWD = Struct(
         _t("h", _INOUT, "B H", "h_{t-1} in, h_t out"),
         _t("c", _INOUT, "B H", "carried cell state in and out"),
         _t("out", _OUT, "N H", "h_t"),
-        _t("hprev", _OUT, "R H", "h_{t-1}"),
-        _t("cprev", _OUT, "R H", "carried c_{t-1}"),
+        # NULL: not kept (the caller takes h_{t-1} from out shifted by a step, see _fused)
+        Field("hprev", _OUT, ("R", "H"), "h_{t-1}", optional=True),
+        Field("cprev", _OUT, ("R", "H"), "carried c_{t-1}", optional=True),
         _t("acts", _OUT, "R 4H", "gate activations"),
         _t("mh", _OUT, "R", "mean of hp"),
         _t("rh", _OUT, "R", "1/std of hp"),
@@ -188,7 +189,10 @@ LSTM_BWD = Struct(
         _t("rh", _IN, "N"),
         _t("w1", _IN, "4H"),
         _t("acts", _IN, "N 4H"),
-        _t("cprev", _IN, "N H"),
+        Field("cprev", _IN, ("N", "H"), "carried c_{t-1}; NULL: c0 for the first step's rows, "
+              "else cn of the step before (steps of all B rows, carried c = c_t)", optional=True),
+        Field("c0", _IN, ("B", "H"), "carried c before the first step (with cprev NULL)",
+              optional=True),
         _t("cn", _IN, "N H"),
         _t("mc", _IN, "N"),
         _t("rc", _IN, "N"),
@@ -199,6 +203,7 @@ LSTM_BWD = Struct(
         _t("dlc", _OUT, "N H", "gradient of LN(c_t)"),
         *_LSTM_MASKS,
         *_SIZES, *_STEP, _LAYER_NORM, _CELL,
+        Field("reverse", Kind.FLAG, doc="with cprev NULL: 1 if the steps run backward in time"),
     ),
 )  # fmt: skip
 GRU_FWD = Struct(

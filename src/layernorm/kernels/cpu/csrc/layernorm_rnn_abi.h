@@ -26,8 +26,8 @@ typedef struct {
     float* h; /* in/out (B, H): h_{t-1} in, h_t out */
     float* c; /* in/out (B, H): carried cell state in and out */
     float* out; /* output (N, H): h_t */
-    float* hprev; /* output (R, H): h_{t-1} */
-    float* cprev; /* output (R, H): carried c_{t-1} */
+    float* hprev; /* output (R, H), optional: NULL = off: h_{t-1} */
+    float* cprev; /* output (R, H), optional: NULL = off: carried c_{t-1} */
     float* acts; /* output (R, 4H): gate activations */
     float* mh; /* output (R): mean of hp */
     float* rh; /* output (R): 1/std of hp */
@@ -92,7 +92,8 @@ typedef struct {
     const float* rh; /* input (N) */
     const float* w1; /* input (4H) */
     const float* acts; /* input (N, 4H) */
-    const float* cprev; /* input (N, H) */
+    const float* cprev; /* input (N, H), optional: NULL = off: carried c_{t-1}; NULL: c0 for the first step's rows, else cn of the step before (steps of all B rows, carried c = c_t) */
+    const float* c0; /* input (B, H), optional: NULL = off: carried c before the first step (with cprev NULL) */
     const float* cn; /* input (N, H) */
     const float* mc; /* input (N) */
     const float* rc; /* input (N) */
@@ -112,6 +113,7 @@ typedef struct {
     int32_t threads; /* count: OpenMP threads to split the rows over */
     int32_t layer_norm; /* flag: 1: layer-normalize hp (and c_t) with the gains */
     int32_t normalize_cell_state; /* flag: 1: carry LN(c_t) as the state, 0: c_t */
+    int32_t reverse; /* flag: with cprev NULL: 1 if the steps run backward in time */
 } lstm_bwd_step_args_f32;
 _Static_assert(offsetof(lstm_bwd_step_args_f32, dout) == 0, "lstm_bwd_step_args_f32.dout");
 _Static_assert(offsetof(lstm_bwd_step_args_f32, dh) == 8, "lstm_bwd_step_args_f32.dh");
@@ -122,26 +124,28 @@ _Static_assert(offsetof(lstm_bwd_step_args_f32, rh) == 40, "lstm_bwd_step_args_f
 _Static_assert(offsetof(lstm_bwd_step_args_f32, w1) == 48, "lstm_bwd_step_args_f32.w1");
 _Static_assert(offsetof(lstm_bwd_step_args_f32, acts) == 56, "lstm_bwd_step_args_f32.acts");
 _Static_assert(offsetof(lstm_bwd_step_args_f32, cprev) == 64, "lstm_bwd_step_args_f32.cprev");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, cn) == 72, "lstm_bwd_step_args_f32.cn");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, mc) == 80, "lstm_bwd_step_args_f32.mc");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, rc) == 88, "lstm_bwd_step_args_f32.rc");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, w3) == 96, "lstm_bwd_step_args_f32.w3");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, tc) == 104, "lstm_bwd_step_args_f32.tc");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, dgates) == 112, "lstm_bwd_step_args_f32.dgates");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, dhp) == 120, "lstm_bwd_step_args_f32.dhp");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, dlc) == 128, "lstm_bwd_step_args_f32.dlc");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, zh) == 136, "lstm_bwd_step_args_f32.zh");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, zc) == 144, "lstm_bwd_step_args_f32.zc");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, cm) == 152, "lstm_bwd_step_args_f32.cm");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, N) == 160, "lstm_bwd_step_args_f32.N");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, B) == 168, "lstm_bwd_step_args_f32.B");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, H) == 176, "lstm_bwd_step_args_f32.H");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, off) == 184, "lstm_bwd_step_args_f32.off");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, rows) == 192, "lstm_bwd_step_args_f32.rows");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, threads) == 200, "lstm_bwd_step_args_f32.threads");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, layer_norm) == 204, "lstm_bwd_step_args_f32.layer_norm");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, normalize_cell_state) == 208, "lstm_bwd_step_args_f32.normalize_cell_state");
-_Static_assert(sizeof(lstm_bwd_step_args_f32) == 216, "lstm_bwd_step_args_f32 size");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, c0) == 72, "lstm_bwd_step_args_f32.c0");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, cn) == 80, "lstm_bwd_step_args_f32.cn");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, mc) == 88, "lstm_bwd_step_args_f32.mc");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, rc) == 96, "lstm_bwd_step_args_f32.rc");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, w3) == 104, "lstm_bwd_step_args_f32.w3");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, tc) == 112, "lstm_bwd_step_args_f32.tc");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, dgates) == 120, "lstm_bwd_step_args_f32.dgates");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, dhp) == 128, "lstm_bwd_step_args_f32.dhp");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, dlc) == 136, "lstm_bwd_step_args_f32.dlc");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, zh) == 144, "lstm_bwd_step_args_f32.zh");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, zc) == 152, "lstm_bwd_step_args_f32.zc");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, cm) == 160, "lstm_bwd_step_args_f32.cm");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, N) == 168, "lstm_bwd_step_args_f32.N");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, B) == 176, "lstm_bwd_step_args_f32.B");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, H) == 184, "lstm_bwd_step_args_f32.H");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, off) == 192, "lstm_bwd_step_args_f32.off");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, rows) == 200, "lstm_bwd_step_args_f32.rows");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, threads) == 208, "lstm_bwd_step_args_f32.threads");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, layer_norm) == 212, "lstm_bwd_step_args_f32.layer_norm");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, normalize_cell_state) == 216, "lstm_bwd_step_args_f32.normalize_cell_state");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, reverse) == 220, "lstm_bwd_step_args_f32.reverse");
+_Static_assert(sizeof(lstm_bwd_step_args_f32) == 224, "lstm_bwd_step_args_f32 size");
 
 /* One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence. */
 typedef struct {
@@ -344,8 +348,8 @@ typedef struct {
     double* h; /* in/out (B, H): h_{t-1} in, h_t out */
     double* c; /* in/out (B, H): carried cell state in and out */
     double* out; /* output (N, H): h_t */
-    double* hprev; /* output (R, H): h_{t-1} */
-    double* cprev; /* output (R, H): carried c_{t-1} */
+    double* hprev; /* output (R, H), optional: NULL = off: h_{t-1} */
+    double* cprev; /* output (R, H), optional: NULL = off: carried c_{t-1} */
     double* acts; /* output (R, 4H): gate activations */
     double* mh; /* output (R): mean of hp */
     double* rh; /* output (R): 1/std of hp */
@@ -410,7 +414,8 @@ typedef struct {
     const double* rh; /* input (N) */
     const double* w1; /* input (4H) */
     const double* acts; /* input (N, 4H) */
-    const double* cprev; /* input (N, H) */
+    const double* cprev; /* input (N, H), optional: NULL = off: carried c_{t-1}; NULL: c0 for the first step's rows, else cn of the step before (steps of all B rows, carried c = c_t) */
+    const double* c0; /* input (B, H), optional: NULL = off: carried c before the first step (with cprev NULL) */
     const double* cn; /* input (N, H) */
     const double* mc; /* input (N) */
     const double* rc; /* input (N) */
@@ -430,6 +435,7 @@ typedef struct {
     int32_t threads; /* count: OpenMP threads to split the rows over */
     int32_t layer_norm; /* flag: 1: layer-normalize hp (and c_t) with the gains */
     int32_t normalize_cell_state; /* flag: 1: carry LN(c_t) as the state, 0: c_t */
+    int32_t reverse; /* flag: with cprev NULL: 1 if the steps run backward in time */
 } lstm_bwd_step_args_f64;
 _Static_assert(offsetof(lstm_bwd_step_args_f64, dout) == 0, "lstm_bwd_step_args_f64.dout");
 _Static_assert(offsetof(lstm_bwd_step_args_f64, dh) == 8, "lstm_bwd_step_args_f64.dh");
@@ -440,26 +446,28 @@ _Static_assert(offsetof(lstm_bwd_step_args_f64, rh) == 40, "lstm_bwd_step_args_f
 _Static_assert(offsetof(lstm_bwd_step_args_f64, w1) == 48, "lstm_bwd_step_args_f64.w1");
 _Static_assert(offsetof(lstm_bwd_step_args_f64, acts) == 56, "lstm_bwd_step_args_f64.acts");
 _Static_assert(offsetof(lstm_bwd_step_args_f64, cprev) == 64, "lstm_bwd_step_args_f64.cprev");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, cn) == 72, "lstm_bwd_step_args_f64.cn");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, mc) == 80, "lstm_bwd_step_args_f64.mc");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, rc) == 88, "lstm_bwd_step_args_f64.rc");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, w3) == 96, "lstm_bwd_step_args_f64.w3");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, tc) == 104, "lstm_bwd_step_args_f64.tc");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, dgates) == 112, "lstm_bwd_step_args_f64.dgates");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, dhp) == 120, "lstm_bwd_step_args_f64.dhp");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, dlc) == 128, "lstm_bwd_step_args_f64.dlc");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, zh) == 136, "lstm_bwd_step_args_f64.zh");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, zc) == 144, "lstm_bwd_step_args_f64.zc");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, cm) == 152, "lstm_bwd_step_args_f64.cm");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, N) == 160, "lstm_bwd_step_args_f64.N");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, B) == 168, "lstm_bwd_step_args_f64.B");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, H) == 176, "lstm_bwd_step_args_f64.H");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, off) == 184, "lstm_bwd_step_args_f64.off");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, rows) == 192, "lstm_bwd_step_args_f64.rows");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, threads) == 200, "lstm_bwd_step_args_f64.threads");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, layer_norm) == 204, "lstm_bwd_step_args_f64.layer_norm");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, normalize_cell_state) == 208, "lstm_bwd_step_args_f64.normalize_cell_state");
-_Static_assert(sizeof(lstm_bwd_step_args_f64) == 216, "lstm_bwd_step_args_f64 size");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, c0) == 72, "lstm_bwd_step_args_f64.c0");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, cn) == 80, "lstm_bwd_step_args_f64.cn");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, mc) == 88, "lstm_bwd_step_args_f64.mc");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, rc) == 96, "lstm_bwd_step_args_f64.rc");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, w3) == 104, "lstm_bwd_step_args_f64.w3");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, tc) == 112, "lstm_bwd_step_args_f64.tc");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, dgates) == 120, "lstm_bwd_step_args_f64.dgates");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, dhp) == 128, "lstm_bwd_step_args_f64.dhp");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, dlc) == 136, "lstm_bwd_step_args_f64.dlc");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, zh) == 144, "lstm_bwd_step_args_f64.zh");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, zc) == 152, "lstm_bwd_step_args_f64.zc");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, cm) == 160, "lstm_bwd_step_args_f64.cm");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, N) == 168, "lstm_bwd_step_args_f64.N");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, B) == 176, "lstm_bwd_step_args_f64.B");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, H) == 184, "lstm_bwd_step_args_f64.H");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, off) == 192, "lstm_bwd_step_args_f64.off");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, rows) == 200, "lstm_bwd_step_args_f64.rows");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, threads) == 208, "lstm_bwd_step_args_f64.threads");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, layer_norm) == 212, "lstm_bwd_step_args_f64.layer_norm");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, normalize_cell_state) == 216, "lstm_bwd_step_args_f64.normalize_cell_state");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, reverse) == 220, "lstm_bwd_step_args_f64.reverse");
+_Static_assert(sizeof(lstm_bwd_step_args_f64) == 224, "lstm_bwd_step_args_f64 size");
 
 /* One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence. */
 typedef struct {

@@ -7,6 +7,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "layernorm_rnn_abi.h"
 
@@ -81,6 +82,13 @@ static inline void prefetch_l2(const void* p, i64 bytes) {
 
 /* A forward step's kept buffers (rnn_abi.py: R rows) hold every row of the sequence (R = N, for
    backward) or only the step's (R = B, inference: state row i, overwritten each step). */
+/* Whether an LSTM backward step finds c_{t−1}: kept (cprev), or taken from the step before,
+   which needs c0 and steps of all B rows (see carried_before in rnn_step_impl.h). */
+static inline int carried_before_valid(const void* cprev, const void* c0, i64 off, i64 rows,
+                                       i64 N, i64 B) {
+    if (cprev) return 1;
+    return c0 && B > 0 && rows == B && N % B == 0 && off % B == 0;
+}
 static inline int kept_rows_valid(i64 R, i64 N, i64 B) { return R == N || R == B; }
 static inline i64 kept_row(i64 R, i64 N, i64 row, i64 i) { return R == N ? row : i; }
 

@@ -199,10 +199,16 @@ int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args
     const scalar_t* w = FN(packed_weight)(s->w, G, H, s->threads);
     if (!w) return RNN_ERR_NOMEM;
     FN(lstm_bwd_step_args) step = *a;
+    for (i64 k = 0; k < s->n_steps; ++k) { /* every step checked before any memory is touched */
+        step.off = s->steps[2 * k];
+        step.rows = s->steps[2 * k + 1];
+        if (!rows_in_range(step.off, step.rows, a->N, a->B) ||
+            !carried_before_valid(a->cprev, a->c0, step.off, step.rows, a->N, a->B))
+            return RNN_ERR_ROWS;
+    }
     for (i64 k = s->n_steps - 1; k >= 0; --k) {
         step.off = s->steps[2 * k];
         step.rows = s->steps[2 * k + 1];
-        if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;
         step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
         FN(lstm_bwd_step)(&step);
         FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, accumulate,

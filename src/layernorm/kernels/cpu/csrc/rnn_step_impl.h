@@ -117,17 +117,17 @@ static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
     #pragma omp simd
     for (i64 j = 3 * H; j < G; ++j) a[j] = FN(sigm)(a[j]);
     scalar_t* cs = A->c + i * H;
-    scalar_t* cp = A->cprev + k * H;
+    scalar_t* cp = A->cprev ? A->cprev + k * H : NULL;
     scalar_t* cnr = A->cn + k * H;
     const scalar_t* cm = (masks & MASK_CM) ? A->cm + i * H : NULL;
+    if (cp) memcpy(cp, cs, (size_t)H * sizeof(scalar_t)); /* NULL: c_{t−1} is not kept */
     for (i64 j = 0; j < H; ++j) {
-        cp[j] = cs[j];
         const scalar_t cand = (masks & MASK_CM) ? a[2 * H + j] * cm[j] : a[2 * H + j];
         cnr[j] = a[H + j] * cs[j] + a[j] * cand;
     }
     scalar_t* tcr = A->tc + k * H;
     scalar_t* hs = A->h + i * H;
-    scalar_t* hpv = A->hprev + k * H;
+    scalar_t* hpv = A->hprev ? A->hprev + k * H : NULL; /* NULL: h_{t-1} is not kept */
     scalar_t* o = A->out + row * H;
     /* LN(c_t) into tc first, then tanh in place: separate loops so each one vectorizes. */
     if (normalize) {
@@ -142,17 +142,17 @@ static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
     const scalar_t* cown = A->normalize_cell_state ? tcr : cnr;
     if (masks & MASK_ZC) {
         const scalar_t* zc = A->zc + row * H;
-        for (i64 j = 0; j < H; ++j) cs[j] = zc[j] * cp[j] + ((scalar_t)1 - zc[j]) * cown[j];
+        for (i64 j = 0; j < H; ++j) cs[j] = zc[j] * cs[j] + ((scalar_t)1 - zc[j]) * cown[j];
     } else {
         for (i64 j = 0; j < H; ++j) cs[j] = cown[j];
     }
     #pragma omp simd
     for (i64 j = 0; j < H; ++j) tcr[j] = TANH(tcr[j]);
     const scalar_t* zh = (masks & MASK_ZH) ? A->zh + row * H : NULL;
+    if (hpv) memcpy(hpv, hs, (size_t)H * sizeof(scalar_t));
     for (i64 j = 0; j < H; ++j) {
         const scalar_t hprev = hs[j], own = a[3 * H + j] * tcr[j];
         const scalar_t h = (masks & MASK_ZH) ? zh[j] * hprev + ((scalar_t)1 - zh[j]) * own : own;
-        hpv[j] = hprev;
         hs[j] = h;
         o[j] = h;
     }
@@ -177,6 +177,15 @@ int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
    overwrite; with it, dh := zh·dh_t, the direct path of h_{t−1}, for the GEMM to add to. With
    zoneout of c, the direct path zc·dc_t waits in the i block of dgates (written last) until
    dc_{t−1} is formed. */
+/* The carried c_{t−1} of a row when the forward kept no copy (cprev NULL; the caller asks for it
+   only on steps of all B rows with the carried state c_t itself): c0 for the first step's rows,
+   else c_t of the step before, B rows earlier forward in time and B rows later in reverse. */
+static inline const scalar_t* FN(carried_before)(const FN(lstm_bwd_step_args) * A, i64 row, i64 i) {
+    const i64 B = A->B, H = A->H;
+    const int first = A->reverse ? row >= A->N - B : row < B;
+    return first ? A->c0 + i * H : A->cn + (A->reverse ? row + B : row - B) * H;
+}
+
 static inline __attribute__((always_inline)) void FN(lstm_bwd_body)(
     const FN(lstm_bwd_step_args) * A, i64 i, const int masks) {
     const i64 H = A->H, G = 4 * H, row = A->off + i;
@@ -188,7 +197,7 @@ static inline __attribute__((always_inline)) void FN(lstm_bwd_body)(
     const scalar_t* zc = (masks & MASK_ZC) ? A->zc + row * H : NULL;
     const scalar_t* cm = (masks & MASK_CM) ? A->cm + i * H : NULL;
     const scalar_t* a = A->acts + row * G;
-    const scalar_t* cp = A->cprev + row * H;
+    const scalar_t* cp = A->cprev ? A->cprev + row * H : FN(carried_before)(A, row, i);
     const scalar_t* tc = A->tc + row * H;
     scalar_t* dg = A->dgates + row * G;
     scalar_t* dlc = A->dlc + row * H;
@@ -240,7 +249,9 @@ static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i) {
 }
 
 int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
-    if (!rows_in_range(a->off, a->rows, a->N, a->B)) return RNN_ERR_ROWS;
+    if (!rows_in_range(a->off, a->rows, a->N, a->B) ||
+        !carried_before_valid(a->cprev, a->c0, a->off, a->rows, a->N, a->B))
+        return RNN_ERR_ROWS;
     #pragma omp parallel for num_threads(a->threads) if (a->threads > 1) schedule(static)
     for (i64 i = 0; i < a->rows; ++i) FN(lstm_bwd_row)(a, i);
     return 0;
@@ -260,7 +271,7 @@ static inline __attribute__((always_inline)) void FN(gru_fwd_body)(
     scalar_t* ghn = A->ghn + k * H;
     scalar_t* n = A->n + k * H;
     scalar_t* hs = A->h + i * H;
-    scalar_t* hpv = A->hprev + k * H;
+    scalar_t* hpv = A->hprev ? A->hprev + k * H : NULL; /* NULL: h_{t-1} is not kept */
     scalar_t* o = A->out + row * H;
     const scalar_t* zh = (masks & MASK_ZH) ? A->zh + row * H : NULL;
     const scalar_t* cm = (masks & MASK_CM) ? A->cm + i * H : NULL;

@@ -106,7 +106,7 @@ def test_sequence_function_refuses_a_gain_of_the_wrong_size_dtype_or_layout(name
 @needs_c
 def test_sequence_function_refuses_a_recurrent_weight_of_the_wrong_shape() -> None:
     gx, h0, c0, w_hh, params, sched = _lstm_inputs()
-    with pytest.raises(ValueError, match=r"w must have shape \(H, G\) = \(3, 12\), got \(2, 12\)"):
+    with pytest.raises(ValueError, match=r"w must have shape \(G, H\) = \(12, 3\), got \(12, 2\)"):
         _lstm(gx, h0, c0, w_hh[:, :2], params, sched)
 
 
@@ -155,7 +155,7 @@ def test_c_refuses_kept_buffers_of_neither_n_nor_b_rows(kernel) -> None:
         if kernel == "lstm_fwd_step":
             rnn.step(kernel, torch.float64, args, 0, 2, 1)
         else:
-            w, steps = torch.zeros(3, 12, dtype=torch.float64), torch.tensor([[0, 2], [2, 2]])
+            w, steps = torch.zeros(12, 3, dtype=torch.float64), torch.tensor([[0, 2], [2, 2]])
             rnn.sequence(kernel, torch.float64, args, w, steps, sizes, 1, 1, 1)
     for k, v in t.items():
         assert torch.equal(v, before[k]), k
@@ -165,7 +165,7 @@ def test_c_refuses_kept_buffers_of_neither_n_nor_b_rows(kernel) -> None:
 def test_c_inference_buffers_of_b_rows() -> None:
     """With kept buffers of B rows a sequence writes the same outputs as with N rows, and its kept
     rows hold the last step's values (rows 6 and 7 of the N-row run)."""
-    w = torch.linspace(-1, 1, 36, dtype=torch.float64).view(3, 12)
+    w = torch.linspace(-1, 1, 36, dtype=torch.float64).view(12, 3)
     steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 2]])
     runs = []
     for kept in (8, 2):
@@ -185,7 +185,7 @@ def test_c_inference_buffers_of_b_rows() -> None:
 @needs_c
 def test_c_refuses_sequence_steps_outside_the_buffers() -> None:
     args, t, sizes = _lstm_fwd_struct()
-    w = torch.zeros(3, 12, dtype=torch.float64)
+    w = torch.zeros(12, 3, dtype=torch.float64)
     before = {k: v.clone() for k, v in t.items()}
     steps = torch.tensor([[6, 2], [8, 2]])  # the second step would run past row 8
     with pytest.raises(ValueError, match="rows lie outside the buffers"):

@@ -186,7 +186,7 @@ def _sequence(
 
 
 def lstm_fwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]) -> None:
-    _sequence("lstm_fwd_seq", st, w_hh.t(), sched)
+    _sequence("lstm_fwd_seq", st, w_hh, sched)
 
 
 def lstm_bwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]) -> None:
@@ -194,7 +194,7 @@ def lstm_bwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, 
 
 
 def gru_fwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]) -> None:
-    _sequence("gru_fwd_seq", st, w_hh.t(), sched)
+    _sequence("gru_fwd_seq", st, w_hh, sched)
 
 
 def gru_bwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]) -> None:

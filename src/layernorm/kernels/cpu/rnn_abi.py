@@ -273,7 +273,7 @@ def _seq(name: str, w_shape: str, w_doc: str) -> Struct:
     )  # fmt: skip
 
 
-SEQ_FWD = _seq("rnn_seq_fwd_args", "H G", "W_hh transposed, contiguous")
+SEQ_FWD = _seq("rnn_seq_fwd_args", "G H", "W_hh (the kernel multiplies by its transpose)")
 SEQ_BWD = _seq("rnn_seq_bwd_args", "G H", "W_hh")
 WEIGHT_GRAD = Struct(
     "weight_grad_args",

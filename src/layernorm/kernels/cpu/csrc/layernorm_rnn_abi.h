@@ -265,7 +265,7 @@ _Static_assert(sizeof(gru_bwd_step_args_f32) == 192, "gru_bwd_step_args_f32 size
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
-    const float* w; /* input (H, G): W_hh transposed, contiguous */
+    const float* w; /* input (G, H): W_hh (the kernel multiplies by its transpose) */
     const int64_t* steps; /* steps (S, 2): (first row, rows) of each step, in forward order */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
@@ -587,7 +587,7 @@ _Static_assert(sizeof(gru_bwd_step_args_f64) == 192, "gru_bwd_step_args_f64 size
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
-    const double* w; /* input (H, G): W_hh transposed, contiguous */
+    const double* w; /* input (G, H): W_hh (the kernel multiplies by its transpose) */
     const int64_t* steps; /* steps (S, 2): (first row, rows) of each step, in forward order */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */

@@ -75,6 +75,23 @@ static void FN(pack_panels)(const scalar_t* B, i64 ldb, i64 K, i64 N, scalar_t* 
     }
 }
 
+/* Pack B = Wᵀ, W[N, K] row-major (B[k, j] = W[j, k]), into panels as pack_panels does: the
+   forward GEMMs multiply by W_hhᵀ, read here from W_hh itself (no transposed copy per call). */
+static void FN(pack_panels_t)(const scalar_t* W, i64 K, i64 N, scalar_t* P, int nt) {
+    #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (i64 p = 0; p < FN(panels)(N); ++p) {
+        const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
+        scalar_t* dst = P + p * K * NR;
+        for (i64 jj = 0; jj < NR; ++jj) {
+            const scalar_t* src = W + (j0 + jj) * K; /* row j0 + jj of W: column of B */
+            if (jj < w)
+                for (i64 k = 0; k < K; ++k) dst[k * NR + jj] = src[k];
+            else
+                for (i64 k = 0; k < K; ++k) dst[k * NR + jj] = 0;
+        }
+    }
+}
+
 /* One tile: `rows` rows of C (a constant in each call of tile_rows, so the loops over rows and
    vectors unroll and the accumulators stay in registers), the first w <= NR columns of a panel. */
 static inline __attribute__((always_inline)) void FN(gemm_tile)(
@@ -105,6 +122,52 @@ static inline __attribute__((always_inline)) void FN(gemm_tile)(
     }
 }
 
+#if GEMM_MR >= 8
+/* Up to GEMM_WIDE_MR rows (a batch of 1–4 sequences) a tile takes two adjacent full panels at
+   once: 4·rows accumulators instead of 2·rows, so that a 4-row step still has 16 independent
+   FMA chains (the 4 × 2-vector tile ran at about 0.7× the 8-row tile's rate), and each broadcast
+   value of A feeds four FMAs. The panels stay as packed: two sequential streams. */
+#define GEMM_WIDE_MR 4
+static inline __attribute__((always_inline)) void FN(gemm_tile_wide)(
+    const scalar_t* A, i64 sar, i64 sak, const scalar_t* P, i64 K, const int rows, scalar_t* C,
+    i64 ldc, int accumulate) {
+    FN(vec) acc[GEMM_WIDE_MR][4];
+    const scalar_t* Q = P + K * NR; /* the next panel */
+    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (FN(vec)){0};
+    for (i64 k = 0; k < K; ++k) {
+        const FN(vec) b0 = *(const FN(vec)*)(P + k * NR), b1 = *(const FN(vec)*)(P + k * NR + VL);
+        const FN(vec) b2 = *(const FN(vec)*)(Q + k * NR), b3 = *(const FN(vec)*)(Q + k * NR + VL);
+        for (int r = 0; r < rows; ++r) {
+            const scalar_t a = A[r * sar + k * sak];
+            acc[r][0] += a * b0;
+            acc[r][1] += a * b1;
+            acc[r][2] += a * b2;
+            acc[r][3] += a * b3;
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < 4; ++v) {
+            FN(vec)* c = (FN(vec)*)(C + r * ldc + v * VL);
+            if (accumulate) *c += acc[r][v];
+            else *c = acc[r][v];
+        }
+}
+
+#define WIDE_CASE(R) \
+    case R: FN(gemm_tile_wide)(A, sar, sak, P, K, R, C, ldc, accumulate); return;
+
+static void FN(tile_rows_wide)(int rows, const scalar_t* A, i64 sar, i64 sak, const scalar_t* P,
+                               i64 K, scalar_t* C, i64 ldc, int accumulate) {
+    switch (rows) {
+        WIDE_CASE(1) WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4)
+        default: return;
+    }
+}
+#undef WIDE_CASE
+#else
+#define GEMM_WIDE_MR 0
+#endif
+
 #define TILE_CASE(R) \
     case R: FN(gemm_tile)(A, sar, sak, P, K, R, C, ldc, w, accumulate); return;
 
@@ -124,6 +187,25 @@ static void FN(tile_rows)(int rows, const scalar_t* A, i64 sar, i64 sak, const s
 static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, const scalar_t* P,
                      scalar_t* C, i64 ldc, int accumulate, int nt) {
     if (M <= 0) return;
+#if GEMM_WIDE_MR > 0
+    if (M <= GEMM_WIDE_MR) { /* pairs of full panels by the wide tile, any rest by the narrow */
+        const i64 np = FN(panels)(N), pairs = (np + 1) / 2;
+        #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+        for (i64 q = 0; q < pairs; ++q) {
+            const i64 j0 = 2 * q * NR;
+            if (N - j0 >= 2 * NR) {
+                FN(tile_rows_wide)((int)M, A, sar, sak, P + 2 * q * K * NR, K, C + j0, ldc,
+                                   accumulate);
+                continue;
+            }
+            for (i64 p = 2 * q; p < np; ++p) {
+                const i64 j = p * NR, w = N - j < NR ? N - j : NR;
+                FN(tile_rows)((int)M, A, sar, sak, P + p * K * NR, K, C + j, ldc, w, accumulate);
+            }
+        }
+        return;
+    }
+#endif
     const i64 tiles = (M + GEMM_MR - 1) / GEMM_MR;
     /* near-equal row tiles when each keeps at least GEMM_MR - 1 rows, else full tiles first */
     const int balanced = M / tiles >= GEMM_MR - 1;
@@ -158,11 +240,13 @@ int FN(weight_grad)(const FN(weight_grad_args) * a) {
     return 0;
 }
 
-/* A sequence kernel's recurrent weight B[K, N] (row-major, leading dimension N: W_hhᵀ forward,
-   W_hh backward), packed; NULL when the buffer cannot grow. */
-static const scalar_t* FN(packed_weight)(const scalar_t* w, i64 K, i64 N, int nt) {
+/* A sequence kernel's recurrent weight B[K, N], packed: backward B = W_hh itself (row-major
+   [K, N]); forward (transposed = 1) B = W_hhᵀ, read from W_hh [N, K]. NULL when the buffer
+   cannot grow. */
+static const scalar_t* FN(packed_weight)(const scalar_t* w, i64 K, i64 N, int transposed, int nt) {
     scalar_t* P = FN(pack_buffer)(K * FN(panels)(N) * NR);
-    if (P) FN(pack_panels)(w, N, K, N, P, nt);
+    if (P && transposed) FN(pack_panels_t)(w, K, N, P, nt);
+    else if (P) FN(pack_panels)(w, N, K, N, P, nt);
     return P;
 }
 
@@ -174,7 +258,7 @@ static inline int FN(gemm_threads)(i64 rows, i64 cols, i64 inner, i64 grain, int
 int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
     if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;
     const i64 H = a->H, G = 4 * H;
-    const scalar_t* w = FN(packed_weight)(s->w, H, G, s->threads);
+    const scalar_t* w = FN(packed_weight)(s->w, H, G, 1, s->threads);
     if (!w) return RNN_ERR_NOMEM;
     FN(lstm_fwd_step_args) step = *a;
     for (i64 k = 0; k < s->n_steps; ++k) {
@@ -196,7 +280,7 @@ int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args
 int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
     const i64 H = a->H, G = 4 * H;
     const int accumulate = a->zh != NULL;
-    const scalar_t* w = FN(packed_weight)(s->w, G, H, s->threads);
+    const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads);
     if (!w) return RNN_ERR_NOMEM;
     FN(lstm_bwd_step_args) step = *a;
     for (i64 k = 0; k < s->n_steps; ++k) { /* every step checked before any memory is touched */
@@ -220,7 +304,7 @@ int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args
 int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
     if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;
     const i64 H = a->H, G = 3 * H;
-    const scalar_t* w = FN(packed_weight)(s->w, H, G, s->threads);
+    const scalar_t* w = FN(packed_weight)(s->w, H, G, 1, s->threads);
     if (!w) return RNN_ERR_NOMEM;
     FN(gru_fwd_step_args) step = *a;
     for (i64 k = 0; k < s->n_steps; ++k) {
@@ -240,7 +324,7 @@ int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) 
 /* The GRU step leaves the direct path of h_{t−1} in dh, so its GEMM adds to dh. */
 int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
     const i64 H = a->H, G = 3 * H;
-    const scalar_t* w = FN(packed_weight)(s->w, G, H, s->threads);
+    const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads);
     if (!w) return RNN_ERR_NOMEM;
     FN(gru_bwd_step_args) step = *a;
     for (i64 k = s->n_steps - 1; k >= 0; --k) {

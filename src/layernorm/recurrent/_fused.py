@@ -279,26 +279,56 @@ _PROJECTION_ROWS = 128
 
 
 def normalized_projection(
-    data: Tensor, w_ih: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+    data: Tensor,
+    w_ih: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    blocks: tuple[int, ...] | None = None,
 ) -> Tensor:
-    """``LN(data W_ihᵀ; weight, bias)`` for all rows, the input side of an LN-LSTM (Eq. 20).
+    """``LN(data W_ihᵀ; weight, bias)`` for all rows, the input side of an LN-LSTM (Eq. 20); with
+    ``blocks`` (column counts summing to ``W_ih``'s rows) each block of columns is normalized on
+    its own, as the LN-GRU's ``(r, z)`` and ``n`` blocks.
 
     When autograd will not differentiate it (on the CPU), a chunk of rows at a time into the
-    result: the projection of a chunk is normalized while in cache and never exists whole, so
-    inference holds one ``(N, 4H)`` buffer instead of two. The layer norm is the same kernel row
-    by row; the GEMM may round a chunk differently from all rows at once (its blocking depends on
-    the rows), so float32 results agree with the training path's to rounding."""
+    result, without an autograd node: the projection of a chunk is normalized while in cache and
+    never exists whole, so inference holds one ``(N, G)`` buffer instead of two. The layer norm
+    is the same kernel row by row; the GEMM may round a chunk differently from all rows at once
+    (its blocking depends on the rows), so float32 results agree with the training path's to
+    rounding."""
+    blocks = blocks or (w_ih.shape[0],)
+    cols, c0 = [], 0
+    for n in blocks:
+        cols.append(slice(c0, c0 + n))
+        c0 += n
+
+    def part(t: Tensor | None, c: slice) -> Tensor | None:
+        return None if t is None or len(cols) == 1 else t[c]
+
     if differentiated(data, w_ih, weight, bias) or not data.is_cpu or torch.jit.is_tracing():
-        return layer_norm(F.linear(data, w_ih), w_ih.shape[0], weight, bias, eps)
-    w_t, ln = w_ih.t(), ln_kernels(data)
+        if len(cols) == 1:
+            return layer_norm(F.linear(data, w_ih), w_ih.shape[0], weight, bias, eps)
+        return torch.cat([
+            layer_norm(F.linear(data, w_ih[c]), c.stop - c.start, part(weight, c), part(bias, c),
+                       eps)
+            for c in cols
+        ], dim=1)  # fmt: skip
+    ln = ln_kernels(data)
+    native = ln is cpu_layer_norm
     out = data.new_empty(data.shape[0], w_ih.shape[0])
-    for r0 in range(0, data.shape[0], _PROJECTION_ROWS):
-        rows = slice(r0, r0 + _PROJECTION_ROWS)
-        xp = torch.mm(data[rows], w_t)
-        if ln is cpu_layer_norm and _native.supports(xp, weight, bias):
-            _native.ln_fwd(xp, weight, bias, eps, out=out[rows])  # the rows, written in place
-        else:
-            out[rows] = ln.layer_norm_fwd(xp, weight, bias, eps)[0]
+    for c in cols:
+        w_t = (w_ih if len(cols) == 1 else w_ih[c]).t()
+        wc, bc = (weight, bias) if len(cols) == 1 else (part(weight, c), part(bias, c))
+        whole = native and _native.supports(data, wc, bc)
+        for r0 in range(0, data.shape[0], _PROJECTION_ROWS):
+            rows = slice(r0, r0 + _PROJECTION_ROWS)
+            xp = torch.mm(data[rows], w_t)
+            if whole and len(cols) == 1:
+                _native.ln_fwd(xp, wc, bc, eps, out=out[rows])  # the rows, written in place
+            elif whole:
+                out[rows, c] = _native.ln_fwd(xp, wc, bc, eps)[0]
+            else:
+                out[rows, c] = ln.layer_norm_fwd(xp, wc, bc, eps)[0]
     return out
 
 

@@ -48,7 +48,6 @@ from torch.nn.utils.rnn import PackedSequence
 
 from .._torchscript import NotScriptable
 from .._validation import as_int, check_flag, check_float_tensor, sizes_of
-from ..functional import layer_norm
 from ..ops._dispatch import plain_eager
 from . import _fused, _options, _steps
 from ._batchnorm import make_step_bn
@@ -615,8 +614,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
         ``(r, z)`` and ``n`` blocks normalized separately, then :func:`._fused.gru_sequence`.
 
         The input-side biases are one ``(3H)`` vector folded into the layer norms' biases, and each
-        block has its own GEMM, so each layer norm reads a contiguous input and writes its block
-        once: no temporaries of ``(N, 3H)`` beyond the GEMMs' outputs and ``gx``."""
+        block has its own GEMM (:func:`._fused.normalized_projection`), so each layer norm reads a
+        contiguous input: no temporaries of ``(N, 3H)`` beyond the GEMMs' outputs and ``gx``."""
         hs, h2 = self.hidden_size, 2 * self.hidden_size
         bias_x = None
         if b_ih is not None and b_hh is not None:
@@ -624,13 +623,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if self.norm == "layer":
             w, b = g(f"ln_weight_ih{sfx}"), g(f"ln_bias_ih{sfx}")
             b = bias_x if b is None else (b if bias_x is None else b + bias_x)
-            blocks = (slice(0, h2), slice(h2, 3 * hs))
-            gx = torch.cat([
-                layer_norm(F.linear(data, w_ih[rows]), rows.stop - rows.start,
-                           None if w is None else w[rows], None if b is None else b[rows],
-                           self.eps)
-                for rows in blocks
-            ], dim=1)  # fmt: skip
+            gx = _fused.normalized_projection(data, w_ih, w, b, self.eps, blocks=(h2, hs))
         else:
             gx = F.linear(data, w_ih, bias_x)
         w1, b1 = g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}")

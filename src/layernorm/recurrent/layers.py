@@ -254,11 +254,20 @@ class _LNRNNBase(NotScriptable, nn.Module):
         """Every parameter still as registered (shape, floating, the input's device), torch's
         weights and biases in the input's dtype. Normalization gains and biases may have another
         floating dtype: both paths then compute with them in the input's dtype."""
-        params = self._parameters
+        params, device, dtype = self._parameters, data.device, data.dtype
         for name, shape in self._param_shapes.items():
-            check_parameter(
-                params.get(name), name, shape, data, not name.startswith(("ln_", "bn_")), owner
-            )
+            p = params.get(name)
+            # the usual case in few attribute reads (a call of a small layer is microseconds);
+            # anything else gets the full check, which names what is wrong
+            if (
+                isinstance(p, Tensor)
+                and p.dtype is dtype
+                and p.shape == shape
+                and p.device == device
+                and p.is_floating_point()
+            ):
+                continue
+            check_parameter(p, name, shape, data, not name.startswith(("ln_", "bn_")), owner)
 
     def _norm_param(self, name: str, size: int, init: float, factory: dict[str, Any]) -> None:
         self._param(name, (size,), factory)
@@ -560,10 +569,14 @@ class _LNRNNBase(NotScriptable, nn.Module):
             # A normalization parameter in the compute dtype and contiguous, as the C kernels
             # read it (a no-op when it already is; autograd takes the gradient back through it).
             p = self._get(name)
-            return None if p is None else p.to(data.dtype).contiguous()
+            if p is None or (p.dtype is data.dtype and p.is_contiguous()):
+                return p
+            return p.to(data.dtype).contiguous()
 
         # in the compute dtype (float32 for half inputs; a no-op otherwise)
-        w_ih, w_hh, b_ih, b_hh = (None if t is None else t.to(data.dtype) for t in weights)
+        w_ih, w_hh, b_ih, b_hh = (
+            t if t is None or t.dtype is data.dtype else t.to(data.dtype) for t in weights
+        )
         ln = self.norm == "layer"
         if self.mode == "GRU":
             return self._fused_gru(data, sched, sfx, h0, w_ih, w_hh, b_ih, b_hh, masks, g)

@@ -12,6 +12,9 @@
 #define LAYERNORM_NORMS_HALF_ONCE
 
 typedef int (*half_range_fn)(const void* args, i64 lo, i64 hi);
+/* The float32 kernel's row function on one block of `rows` rows starting at row i: in[k] holds
+   the k-th input's rows converted to float32, out receives the float32 result. */
+typedef void (*half_block_fn)(const void* args, float* const* in, float* out, i64 i, i64 rows);
 
 /* fn over rows [0, M), split as the float32 kernels split them; 0, or a failed call's status. */
 static int half_parallel(const void* args, i64 M, int threads, half_range_fn fn) {
@@ -59,67 +62,74 @@ int FN(cvt)(const FN(cvt_args)* a) {
     return 0;
 }
 
+/* Rows [lo, hi) of a kernel with one output row per input row (the forwards, AdaNorm's
+   backward), in blocks: the rows of each of the n_in (1 or 2) inputs converted to float32, `run`
+   on them, its output rounded back into y. */
+static int FN(half_blocks)(const void* args, const half_t* const* inputs, int n_in, half_t* y,
+                           i64 N, i64 lo, i64 hi, half_block_fn run) {
+    const i64 R = half_block_rows(N, HALF_FWD_ELEMS);
+    float* buf = half_buffers(R * N, n_in + 1);
+    if (!buf) return 1;
+    float* in[2] = {buf, buf + R * N};
+    float* out = buf + n_in * R * N;
+    for (i64 i = lo; i < hi; i += R) {
+        const i64 rows = hi - i < R ? hi - i : R;
+        for (int k = 0; k < n_in; ++k) TO_F32(inputs[k] + i * N, in[k], rows * N);
+        run(args, in, out, i, rows);
+        FROM_F32(out, y + i * N, rows * N);
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ forward --------------- */
+
+static void FN(ln_fwd_block)(const void* p, float* const* in, float* out, i64 i, i64 rows) {
+    const FN(ln_fwd_args)* a = p;
+    const ln_fwd_args_f32 fa = {.x = in[0], .weight = a->weight, .bias = a->bias, .y = out,
+                                .mean = a->mean + i, .rstd = a->rstd + i, .M = rows, .N = a->N,
+                                .eps = a->eps, .threads = 1};
+    ln_fwd_rows_f32(&fa, 0, rows);
+}
 
 static int FN(ln_fwd_range)(const void* p, i64 lo, i64 hi) {
     const FN(ln_fwd_args)* a = p;
-    const i64 N = a->N, R = half_block_rows(N, HALF_FWD_ELEMS);
-    float* xf = half_buffers(R * N, 2);
-    if (!xf) return 1;
-    float* yf = xf + R * N;
-    for (i64 i = lo; i < hi; i += R) {
-        const i64 rows = hi - i < R ? hi - i : R;
-        TO_F32(a->x + i * N, xf, rows * N);
-        const ln_fwd_args_f32 fa = {.x = xf, .weight = a->weight, .bias = a->bias, .y = yf,
-                                    .mean = a->mean + i, .rstd = a->rstd + i, .M = rows, .N = N,
-                                    .eps = a->eps, .threads = 1};
-        ln_fwd_rows_f32(&fa, 0, rows);
-        FROM_F32(yf, a->y + i * N, rows * N);
-    }
-    return 0;
+    const half_t* in[] = {a->x};
+    return FN(half_blocks)(p, in, 1, a->y, a->N, lo, hi, FN(ln_fwd_block));
 }
 
 int FN(ln_fwd)(const FN(ln_fwd_args)* a) {
     return half_parallel(a, a->M, a->threads, FN(ln_fwd_range));
 }
 
+static void FN(rms_fwd_block)(const void* p, float* const* in, float* out, i64 i, i64 rows) {
+    const FN(rms_fwd_args)* a = p;
+    const rms_fwd_args_f32 fa = {.x = in[0], .weight = a->weight, .y = out, .rstd = a->rstd + i,
+                                 .M = rows, .N = a->N, .eps = a->eps, .threads = 1};
+    rms_fwd_rows_f32(&fa, 0, rows);
+}
+
 static int FN(rms_fwd_range)(const void* p, i64 lo, i64 hi) {
     const FN(rms_fwd_args)* a = p;
-    const i64 N = a->N, R = half_block_rows(N, HALF_FWD_ELEMS);
-    float* xf = half_buffers(R * N, 2);
-    if (!xf) return 1;
-    float* yf = xf + R * N;
-    for (i64 i = lo; i < hi; i += R) {
-        const i64 rows = hi - i < R ? hi - i : R;
-        TO_F32(a->x + i * N, xf, rows * N);
-        const rms_fwd_args_f32 fa = {.x = xf, .weight = a->weight, .y = yf, .rstd = a->rstd + i,
-                                     .M = rows, .N = N, .eps = a->eps, .threads = 1};
-        rms_fwd_rows_f32(&fa, 0, rows);
-        FROM_F32(yf, a->y + i * N, rows * N);
-    }
-    return 0;
+    const half_t* in[] = {a->x};
+    return FN(half_blocks)(p, in, 1, a->y, a->N, lo, hi, FN(rms_fwd_block));
 }
 
 int FN(rms_fwd)(const FN(rms_fwd_args)* a) {
     return half_parallel(a, a->M, a->threads, FN(rms_fwd_range));
 }
 
+static void FN(ada_fwd_block)(const void* p, float* const* in, float* out, i64 i, i64 rows) {
+    const FN(ada_fwd_args)* a = p;
+    const ada_fwd_args_f32 fa = {.x = in[0], .z = out, .mean = a->mean + i, .rstd = a->rstd + i,
+                                 .M = rows, .N = a->N, .eps = a->eps, .k = a->k,
+                                 .scale = a->scale, .threads = 1};
+    ada_fwd_rows_f32(&fa, 0, rows);
+}
+
 static int FN(ada_fwd_range)(const void* p, i64 lo, i64 hi) {
     const FN(ada_fwd_args)* a = p;
-    const i64 N = a->N, R = half_block_rows(N, HALF_FWD_ELEMS);
-    float* xf = half_buffers(R * N, 2);
-    if (!xf) return 1;
-    float* zf = xf + R * N;
-    for (i64 i = lo; i < hi; i += R) {
-        const i64 rows = hi - i < R ? hi - i : R;
-        TO_F32(a->x + i * N, xf, rows * N);
-        const ada_fwd_args_f32 fa = {.x = xf, .z = zf, .mean = a->mean + i, .rstd = a->rstd + i,
-                                     .M = rows, .N = N, .eps = a->eps, .k = a->k,
-                                     .scale = a->scale, .threads = 1};
-        ada_fwd_rows_f32(&fa, 0, rows);
-        FROM_F32(zf, a->z + i * N, rows * N);
-    }
-    return 0;
+    const half_t* in[] = {a->x};
+    return FN(half_blocks)(p, in, 1, a->z, a->N, lo, hi, FN(ada_fwd_block));
 }
 
 int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
@@ -128,23 +138,18 @@ int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
 
 /* ------------------------------------------------------------------ backward -------------- */
 
+static void FN(ada_bwd_block)(const void* p, float* const* in, float* out, i64 i, i64 rows) {
+    const FN(ada_bwd_args)* a = p;
+    const ada_bwd_args_f32 fa = {.dz = in[0], .x = in[1], .mean = a->mean + i,
+                                 .rstd = a->rstd + i, .dx = out, .M = rows, .N = a->N,
+                                 .k = a->k, .scale = a->scale, .threads = 1};
+    ada_bwd_rows_f32(&fa, 0, rows);
+}
+
 static int FN(ada_bwd_range)(const void* p, i64 lo, i64 hi) {
     const FN(ada_bwd_args)* a = p;
-    const i64 N = a->N, R = half_block_rows(N, HALF_FWD_ELEMS);
-    float* dzf = half_buffers(R * N, 3);
-    if (!dzf) return 1;
-    float *xf = dzf + R * N, *dxf = xf + R * N;
-    for (i64 i = lo; i < hi; i += R) {
-        const i64 rows = hi - i < R ? hi - i : R;
-        TO_F32(a->dz + i * N, dzf, rows * N);
-        TO_F32(a->x + i * N, xf, rows * N);
-        const ada_bwd_args_f32 fa = {.dz = dzf, .x = xf, .mean = a->mean + i,
-                                     .rstd = a->rstd + i, .dx = dxf, .M = rows, .N = N,
-                                     .k = a->k, .scale = a->scale, .threads = 1};
-        ada_bwd_rows_f32(&fa, 0, rows);
-        FROM_F32(dxf, a->dx + i * N, rows * N);
-    }
-    return 0;
+    const half_t* in[] = {a->dz, a->x};
+    return FN(half_blocks)(p, in, 2, a->dx, a->N, lo, hi, FN(ada_bwd_block));
 }
 
 int FN(ada_bwd)(const FN(ada_bwd_args)* a) {

@@ -255,90 +255,90 @@ static inline int FN(gemm_threads)(i64 rows, i64 cols, i64 inner, i64 grain, int
     return threads_for(rows * cols * inner, FN(panels)(cols), grain, nt);
 }
 
+/* The time loops, the same for every cell; they expand inside a *_seq kernel with its step
+   struct a, sequence struct s, gate rows G and `step`, a copy of *a that each step's rows and
+   threads are written into.
+
+   Forward: per step the recurrent GEMM h_{t−1} W_hhᵀ into the step's rows of hp (with kept
+   buffers of B rows, rows [0, rows)), then the cell's step kernel STEP_FN. */
+#define FORWARD_IN_TIME(STEP_FN)                                                                  \
+    do {                                                                                          \
+        if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;                             \
+        const i64 H = a->H;                                                                       \
+        const scalar_t* w = FN(packed_weight)(s->w, H, G, 1, s->threads);                        \
+        if (!w) return RNN_ERR_NOMEM;                                                             \
+        for (i64 k = 0; k < s->n_steps; ++k) {                                                    \
+            step.off = s->steps[2 * k];                                                           \
+            step.rows = s->steps[2 * k + 1];                                                      \
+            if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;            \
+            scalar_t* hp = a->hp + kept_row(a->R, a->N, step.off, 0) * G;                        \
+            prefetch_l2(a->gx + step.off * G, step.rows * G * (i64)sizeof(scalar_t));            \
+            FN(gemm)(step.rows, G, H, a->h, H, 1, w, hp, G, 0,                                    \
+                     FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads));              \
+            step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);          \
+            STEP_FN(&step);                                                                       \
+        }                                                                                         \
+        return 0;                                                                                 \
+    } while (0)
+
+/* Backward: every step checked first (VALID, an expression over `step`: nothing is touched when
+   one fails), then per step in reverse the cell's step kernel STEP_FN, which leaves dhp, and the
+   GEMM dh (=|+=) dhp · W_hh (ACCUMULATE: += where the step left the direct path of h_{t−1} in
+   dh). */
+#define BACKWARD_IN_TIME(STEP_FN, VALID, ACCUMULATE)                                              \
+    do {                                                                                          \
+        const i64 H = a->H;                                                                       \
+        for (i64 k = 0; k < s->n_steps; ++k) {                                                    \
+            step.off = s->steps[2 * k];                                                           \
+            step.rows = s->steps[2 * k + 1];                                                      \
+            if (!rows_in_range(step.off, step.rows, a->N, a->B) || !(VALID))                     \
+                return RNN_ERR_ROWS;                                                              \
+        }                                                                                         \
+        const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads);                        \
+        if (!w) return RNN_ERR_NOMEM;                                                             \
+        for (i64 k = s->n_steps - 1; k >= 0; --k) {                                               \
+            step.off = s->steps[2 * k];                                                           \
+            step.rows = s->steps[2 * k + 1];                                                      \
+            step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);          \
+            STEP_FN(&step);                                                                       \
+            FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, (ACCUMULATE),     \
+                     FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));              \
+        }                                                                                         \
+        return 0;                                                                                 \
+    } while (0)
+
 int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
-    if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;
-    const i64 H = a->H, G = 4 * H;
-    const scalar_t* w = FN(packed_weight)(s->w, H, G, 1, s->threads);
-    if (!w) return RNN_ERR_NOMEM;
+    const i64 G = 4 * a->H;
     FN(lstm_fwd_step_args) step = *a;
-    for (i64 k = 0; k < s->n_steps; ++k) {
-        step.off = s->steps[2 * k];
-        step.rows = s->steps[2 * k + 1];
-        if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;
-        scalar_t* hp = a->hp + kept_row(a->R, a->N, step.off, 0) * G; /* the step's rows of hp */
-        prefetch_l2(a->gx + step.off * G, step.rows * G * (i64)sizeof(scalar_t));
-        FN(gemm)(step.rows, G, H, a->h, H, 1, w, hp, G, 0,
-                 FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads));
-        step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
-        FN(lstm_fwd_step)(&step);
-    }
-    return 0;
+    FORWARD_IN_TIME(FN(lstm_fwd_step));
 }
 
 /* Without zoneout of h the LSTM step leaves dh to its GEMM to overwrite; with it the step leaves
-   the direct path zh·dh_t there, and the GEMM adds to it. */
+   the direct path zh·dh_t there, and the GEMM adds to it. Without cprev, c_{t−1} must be
+   derivable for every step (see carried_before in rnn_step_impl.h). */
 int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
-    const i64 H = a->H, G = 4 * H;
-    const int accumulate = a->zh != NULL;
-    const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads);
-    if (!w) return RNN_ERR_NOMEM;
+    const i64 G = 4 * a->H;
     FN(lstm_bwd_step_args) step = *a;
-    for (i64 k = 0; k < s->n_steps; ++k) { /* every step checked before any memory is touched */
-        step.off = s->steps[2 * k];
-        step.rows = s->steps[2 * k + 1];
-        if (!rows_in_range(step.off, step.rows, a->N, a->B) ||
-            !carried_before_valid(a->cprev, a->c0, step.off, step.rows, a->N, a->B))
-            return RNN_ERR_ROWS;
-    }
-    for (i64 k = s->n_steps - 1; k >= 0; --k) {
-        step.off = s->steps[2 * k];
-        step.rows = s->steps[2 * k + 1];
-        step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
-        FN(lstm_bwd_step)(&step);
-        FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, accumulate,
-                 FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));
-    }
-    return 0;
+    BACKWARD_IN_TIME(FN(lstm_bwd_step),
+                     carried_before_valid(a->cprev, a->c0, step.off, step.rows, a->N, a->B),
+                     a->zh != NULL);
 }
 
 int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
-    if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;
-    const i64 H = a->H, G = 3 * H;
-    const scalar_t* w = FN(packed_weight)(s->w, H, G, 1, s->threads);
-    if (!w) return RNN_ERR_NOMEM;
+    const i64 G = 3 * a->H;
     FN(gru_fwd_step_args) step = *a;
-    for (i64 k = 0; k < s->n_steps; ++k) {
-        step.off = s->steps[2 * k];
-        step.rows = s->steps[2 * k + 1];
-        if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;
-        scalar_t* hp = a->hp + kept_row(a->R, a->N, step.off, 0) * G; /* the step's rows of hp */
-        prefetch_l2(a->gx + step.off * G, step.rows * G * (i64)sizeof(scalar_t));
-        FN(gemm)(step.rows, G, H, a->h, H, 1, w, hp, G, 0,
-                 FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads));
-        step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
-        FN(gru_fwd_step)(&step);
-    }
-    return 0;
+    FORWARD_IN_TIME(FN(gru_fwd_step));
 }
 
 /* The GRU step leaves the direct path of h_{t−1} in dh, so its GEMM adds to dh. */
 int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
-    const i64 H = a->H, G = 3 * H;
-    const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads);
-    if (!w) return RNN_ERR_NOMEM;
+    const i64 G = 3 * a->H;
     FN(gru_bwd_step_args) step = *a;
-    for (i64 k = s->n_steps - 1; k >= 0; --k) {
-        step.off = s->steps[2 * k];
-        step.rows = s->steps[2 * k + 1];
-        if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;
-        step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);
-        FN(gru_bwd_step)(&step);
-        FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, 1,
-                 FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));
-    }
-    return 0;
+    BACKWARD_IN_TIME(FN(gru_bwd_step), 1, 1);
 }
 
+#undef FORWARD_IN_TIME
+#undef BACKWARD_IN_TIME
 #undef VL
 #undef NR
 #undef GEMM_MR

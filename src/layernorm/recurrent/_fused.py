@@ -25,6 +25,7 @@ both in float64, forward and every gradient. The hand-written backward is not it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -340,44 +341,58 @@ def _inference_kernels(gx: Tensor, st: dict[str, Any], seq: str) -> StepKernels 
     return kernels if getattr(kernels, seq) is not None and st.get("w_hr") is None else None
 
 
-def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
-    """One LSTM direction with :class:`LSTMSequence`'s arguments and results.
-
-    When autograd will not differentiate it (``torch.no_grad()``, or no input requires grad) and
-    the kernels run whole directions, this is the inference path: no autograd node, nothing kept
-    for backward, and the per-row buffers (pre-activations, gates, statistics) have only the
-    batch's rows, overwritten each step, so they stay in cache; the only passes over the sequence
-    are reading ``gx`` and writing the output. Otherwise :meth:`LSTMSequence.apply`."""
+def _inference(
+    args: tuple[Any, ...],
+    seq: str,
+    w_hh: Tensor,
+    sched: Schedule,
+    state: Callable[[Tensor], dict[str, Any]],
+    results: tuple[str, ...],
+) -> tuple[Tensor, ...] | None:
+    """A direction on the inference path, or ``None`` where it does not run: when autograd will
+    not differentiate it (``torch.no_grad()``, or no input requires grad) and the kernels run
+    whole directions (:func:`_inference_kernels`). No autograd node then, nothing kept for
+    backward, and the per-row buffers (pre-activations, gates, statistics) have only the batch's
+    rows (``state`` builds them from ``gx``), overwritten each step, so they stay in cache; the
+    only passes over the sequence are reading ``gx`` and writing the output."""
     tensors = [a for a in args if isinstance(a, Tensor)]
-    gx = args[0]
-    if not differentiated(*tensors) and not torch.jit.is_tracing():
-        gx = gx.contiguous()
-        (_, h0, c0, w_hh, w1, b1, w3, b3, sched, eps, normalize, carry, *masks) = args
+    if differentiated(*tensors) or torch.jit.is_tracing():
+        return None
+    gx = args[0].contiguous()
+    st = state(gx)
+    kernels = _inference_kernels(gx, st, seq)
+    if kernels is None:
+        return None
+    getattr(kernels, seq)(st, w_hh, sched)
+    return tuple(st[k] for k in results)
+
+
+def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """One LSTM direction with :class:`LSTMSequence`'s arguments and results: the inference path
+    where it runs (:func:`_inference`), else :meth:`LSTMSequence.apply`."""
+    (_, h0, c0, w_hh, w1, b1, w3, b3, sched, eps, normalize, carry, *masks) = args
+
+    def state(gx: Tensor) -> dict[str, Any]:
         st = _lstm_state(gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry,
                          *_padded(masks, 4), kept_rows=h0.shape[0])  # fmt: skip
-        kernels = _inference_kernels(gx, st, "lstm_fwd_seq")
-        if kernels is not None:
-            st["hprev"] = st["cprev"] = None  # read by backward only
-            kernels.lstm_fwd_seq(st, w_hh, sched)  # type: ignore[misc]
-            return st["out"], st["h"], st["c"]
-    return LSTMSequence.apply(*args)
+        st["hprev"] = st["cprev"] = None  # read by backward only
+        return st
+
+    out = _inference(args, "lstm_fwd_seq", w_hh, sched, state, ("out", "h", "c"))
+    return LSTMSequence.apply(*args) if out is None else out  # type: ignore[return-value]
 
 
 def gru_sequence(*args: Any) -> tuple[Tensor, Tensor]:
-    """One GRU direction with :class:`GRUSequence`'s arguments and results; the inference path
-    as in :func:`lstm_sequence`."""
-    tensors = [a for a in args if isinstance(a, Tensor)]
-    gx = args[0]
-    if not differentiated(*tensors) and not torch.jit.is_tracing():
-        gx = gx.contiguous()
-        (_, h0, w_hh, w_rz, b_rz, w_n, b_n, b_hn, sched, eps, normalize, *masks) = args
-        st = _gru_state(gx, h0, w_rz, b_rz, w_n, b_n, b_hn, eps, normalize, *_padded(masks, 2),
-                        kept_rows=h0.shape[0])  # fmt: skip
-        kernels = _inference_kernels(gx, st, "gru_fwd_seq")
-        if kernels is not None:
-            kernels.gru_fwd_seq(st, w_hh, sched)  # type: ignore[misc]
-            return st["out"], st["h"]
-    return GRUSequence.apply(*args)
+    """One GRU direction with :class:`GRUSequence`'s arguments and results: the inference path
+    where it runs (:func:`_inference`), else :meth:`GRUSequence.apply`."""
+    (_, h0, w_hh, w_rz, b_rz, w_n, b_n, b_hn, sched, eps, normalize, *masks) = args
+
+    def state(gx: Tensor) -> dict[str, Any]:
+        return _gru_state(gx, h0, w_rz, b_rz, w_n, b_n, b_hn, eps, normalize, *_padded(masks, 2),
+                          kept_rows=h0.shape[0])  # fmt: skip
+
+    out = _inference(args, "gru_fwd_seq", w_hh, sched, state, ("out", "h"))
+    return GRUSequence.apply(*args) if out is None else out  # type: ignore[return-value]
 
 
 def _padded(values: list[Any], n: int) -> list[Any]:

@@ -321,7 +321,11 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 b.fill_(1.0)
 
     def _get(self, name: str) -> Tensor | None:
-        return getattr(self, name, None)
+        # a registered parameter straight from the dict (nn.Module.__getattr__ is the slow path of
+        # every attribute lookup); anything else (buffers, or what a parametrization or a hook put
+        # in a parameter's place) as an attribute
+        p = self._parameters.get(name)
+        return p if p is not None else getattr(self, name, None)
 
     def _weights(self, sfx: str) -> _steps.Weights:
         """torch's four parameters of one layer and direction: ``w_ih, w_hh, b_ih, b_hh``."""

@@ -262,7 +262,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             if (
                 isinstance(p, Tensor)
                 and p.dtype is dtype
-                and p.shape == shape
+                and sizes_of(p) == shape
                 and p.device == device
                 and p.is_floating_point()
             ):

@@ -47,7 +47,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import cpu_model, interleaved_samples
+from _timing import CLOCKS, cpu_model, interleaved_samples, use_clock
 from layernorm import LayerNormGRU, LayerNormLSTM
 from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.kernels.cpu import targets
@@ -169,9 +169,15 @@ def main() -> None:
                     help="also the peak memory of a call of torch and LN")  # fmt: skip
     ap.add_argument("--isa", choices=targets.NAMES, default=None,
                     help="the C kernels of this instruction set (default: the CPU's)")  # fmt: skip
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                    help="thread: CPU time of the calling thread (one thread only), for a "
+                         "machine shared with other jobs")  # fmt: skip
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "thread" and torch.get_num_threads() != 1:
+        ap.error("--clock thread counts the calling thread only: use it with --threads 1")
+    use_clock(args.clock)
     with targets.use(args.isa or kernel_isa()):
         run(args)
 
@@ -182,9 +188,10 @@ def run(args: argparse.Namespace) -> None:
           f"threads {torch.get_num_threads()} | mkldnn {torch.backends.mkldnn.is_available()} "
           f"| {date}")  # fmt: skip
     what = "forward + backward" if args.mode == "train" else "forward under no_grad"
+    clock = "thread CPU time" if args.clock == "thread" else "wall time"
     print(
-        f"{what}, float32, median ms; ratio = ours / torch in the same run, of the medians "
-        "(of the fastest rounds)\n"
+        f"{what}, float32, median ms of {clock}; ratio = ours / torch in the same run, of the "
+        "medians (of the fastest rounds)\n"
     )
     extra = " LN per-step C loop / torch |" if args.per_step else ""
     if args.mode == "infer":

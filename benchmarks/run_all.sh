@@ -10,6 +10,8 @@
 # ours / torch in the same process; run it on a machine with nothing else running.
 #   ISAS="avx2" THREADS="1" benchmarks/run_all.sh     # a subset
 #   REPS=15 benchmarks/run_all.sh                      # more rounds per provider
+#   CLOCK=thread benchmarks/run_all.sh                 # one-thread recurrent tables in the
+#                                                      # thread's CPU time (a shared machine)
 #   NORM_ARGS="--shapes 64x768 --small-reps 100" SHAPES=50x8x64x128 REPS=1 benchmarks/run_all.sh
 #                                                      # a quick check that every table runs
 set -euo pipefail
@@ -31,11 +33,12 @@ for isa in $ISAS; do
             "$PY" benchmarks/bench_norms_cpu.py --isa "$isa" --threads "$t" --dtype "$dtype" \
                 ${NORM_ARGS:-}
         done
-        mem=""
-        [ "$t" = 1 ] && mem="--memory"
+        opts=""
+        [ "$t" = 1 ] && opts="--memory --clock ${CLOCK:-wall}"
         for mode in train infer; do
+            # shellcheck disable=SC2086
             "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode "$mode" \
-                --reps "$REPS" --shapes "$SHAPES" $mem
+                --reps "$REPS" --shapes "$SHAPES" $opts
         done
     done
 done

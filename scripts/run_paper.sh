@@ -12,7 +12,9 @@
 # results/checkpoints/ (ignored by git), logs to results/paper-logs/<name>.log. An experiment
 # whose provenance.json exists is finished and skipped (FORCE=1 resumes it anyway, which reads its
 # finished runs back). The report is written once both lanes are done: layernorm report docs/results.
-# OUT=DIR writes elsewhere; EXTRA_ARGS="--set KEY=VALUE ..." is passed to every run.
+# OUT=DIR writes elsewhere; EXTRA_ARGS="--set KEY=VALUE ..." is passed to every run. WORKERS=2
+# trains the runs of one experiment in two processes (for a single experiment on 2 cores:
+# WORKERS=2 scripts/run_paper.sh mnist-ff); experiments whose runs depend on each other ignore it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -39,7 +41,7 @@ run_one() {
     fi
     echo "$(date -u '+%F %T') started  $name (log: $LOGS/$name.log)"
     if OMP_NUM_THREADS=1 "$PY" -m layernorm reproduce "$name" --paper --resume --out "$OUT" \
-        --no-report --no-progress ${EXTRA_ARGS:-} >"$LOGS/$name.log" 2>&1; then
+        --workers "${WORKERS:-1}" --no-report --no-progress ${EXTRA_ARGS:-} >"$LOGS/$name.log" 2>&1; then
         echo "$(date -u '+%F %T') finished $name: commit $OUT/$name"
     else
         echo "$(date -u '+%F %T') FAILED   $name (exit $?): see $LOGS/$name.log"

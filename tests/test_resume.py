@@ -29,6 +29,7 @@ from layernorm.experiments.engine.checkpoints import (
 from layernorm.experiments.engine.io import (
     WRITE_DELAY_ENV,
     FolderInUseError,
+    claim,
     lock_folder,
     torch_load,
     torch_save,
@@ -93,6 +94,48 @@ def test_kill_then_resume_matches_uninterrupted(tmp_path):
     assert a == b  # bitwise: floats compared exactly
     # the runs differ from one another, so the equality above is not between constants
     assert len({r["test_nll"] for r in a}) == len(a)
+
+
+def test_workers_share_the_runs_and_give_one_process_s_numbers(tmp_path):
+    alone = _cli(tmp_path / "alone")
+    assert alone.returncode == 0, alone.stderr
+    shared = _cli(tmp_path / "shared", "--resume", "--workers", "2")
+    assert shared.returncode == 0, shared.stderr
+    assert "2 processes share the runs" in shared.stdout + shared.stderr
+    assert _metrics(tmp_path / "alone") == _metrics(tmp_path / "shared")  # bitwise
+    # every run finished exactly once, its claim released with its process
+    runs = sorted(p.stem for p in (tmp_path / "shared" / "mnist-ff" / "runs").glob("*.json"))
+    assert runs == sorted(p.stem for p in (tmp_path / "alone" / "mnist-ff" / "runs").glob("*.json"))
+    assert len(runs) == 6
+    no_resume = _cli(tmp_path / "fresh", "--workers", "2")
+    assert no_resume.returncode == 2 and "add --resume" in no_resume.stderr
+
+
+def _tiny_run(ctx: RunContext) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 5, generator=g), torch.randint(0, 3, (64,), generator=g)
+    return training.train_classifier(
+        "tiny", lambda: torch.nn.Linear(5, 3), (x, y), {"test": (x, y)},
+        training.TrainSpec(epochs=2, batch_size=16), ctx, {"model": "linear"},
+    )  # fmt: skip
+
+
+def test_a_run_claimed_by_another_process_is_left_to_it(tmp_path):
+    ident = RunIdentity.of({"experiment": "t", "config": {}})
+    ctx = RunContext(tmp_path, torch.device("cpu"), resume=True, identity=ident, progress=False,
+                     share_runs=True)  # fmt: skip
+    files = RunFiles.of(ctx, "tiny")
+    with claim(files.claim) as mine:  # held here as by another process (a second open file)
+        assert mine
+        assert _tiny_run(ctx) == []
+        assert not files.ckpt.exists() and not files.done.exists()
+    trained = _tiny_run(ctx)
+    assert [r["epoch"] for r in trained] == [1, 2] and files.done.exists()
+    with claim(files.claim) as mine:
+        assert mine  # released when the run ended
+    assert _tiny_run(ctx) == trained  # finished: read back, not trained again
+    with pytest.raises(ValueError, match="need resume=True"):
+        _tiny_run(RunContext(tmp_path, torch.device("cpu"), identity=ident, share_runs=True))
 
 
 def test_atomic_write_keeps_previous_file_on_failure(tmp_path):

@@ -116,6 +116,14 @@ def _parser() -> argparse.ArgumentParser:
         help="override a configuration field, e.g. --set epochs=2 or --set mnist-ff.hidden=128 "
         "(repeatable; see --list for each experiment's fields)",
     )
+    r.add_argument(
+        "--workers",
+        type=_pos_int,
+        default=1,
+        help="with --resume: processes that train an experiment's runs side by side, each "
+        "taking the next run no other holds (experiments made of independent runs: mnist-ff, "
+        "convnet, adanorm); the records are those of one process (default 1)",
+    )
     r.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     r.add_argument(
         "--threads",
@@ -238,6 +246,7 @@ def _reproduce(a: argparse.Namespace) -> int:
         report=not a.no_report,
         paper=a.paper,
         checkpoints=checkpoints,
+        workers=a.workers,
     )
     if md is not None and not a.no_report:
         _print_summary(a.out)

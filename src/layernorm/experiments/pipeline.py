@@ -42,6 +42,7 @@ def reproduce(
     paper: bool = False,
     checkpoints: Path | None = None,
     command: str | None = None,
+    workers: int = 1,
 ) -> Path | None:
     """Run the experiments ``selected`` (all registered ones when empty), save their records and
     write the report; returns the path of ``report.md`` (``None`` on non-zero ranks). ``paper``:
@@ -65,6 +66,7 @@ def reproduce(
         setting="paper" if paper else None,
         checkpoints=checkpoints,
         command=command,
+        workers=workers,
     )
     if not distributed.is_main():
         return None

@@ -351,5 +351,6 @@ EXPERIMENT = register(Experiment(
     plot=plot,
     tables=tables,
     quick_budget_s=130.0,
+    independent_runs=True,
     order=45,
 ))  # fmt: skip

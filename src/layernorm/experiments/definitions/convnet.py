@@ -156,6 +156,7 @@ EXPERIMENT = register(
         plot=plot,
         tables=tables,
         quick_budget_s=65.0,
+        independent_runs=True,
         order=30,
     )
 )

@@ -199,6 +199,7 @@ EXPERIMENT = register(
         plot=plot,
         tables=tables,
         quick_budget_s=120.0,
+        independent_runs=True,
         order=20,
     )
 )

@@ -9,22 +9,31 @@ of the process), which is what a crash or a scheduler's kill looks like.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import signal
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from .io import read_json, torch_load, torch_save, write_json
+from .io import claim, read_json, torch_load, torch_save, write_json
 from .registry import Record, RunContext, RunIdentity
 
-__all__ = ["KILL_ENV", "RunFileError", "RunFiles", "SettingsMismatchError", "checkpoint_written"]
+__all__ = [
+    "KILL_ENV",
+    "RunFileError",
+    "RunFiles",
+    "SettingsMismatchError",
+    "checkpoint_written",
+    "claimed_run",
+]
 
 KILL_ENV = "LAYERNORM_KILL_AFTER_EPOCHS"
 _written = 0  # checkpoints written by this process (for the kill hook)
@@ -73,6 +82,12 @@ class RunFiles:
     def history(self) -> Path:
         """``ckpt/{run_id}.json``: the history written with the last checkpoint."""
         return self.ckpt.with_suffix(".json")
+
+    @property
+    def claim(self) -> Path:
+        """``ckpt/{run_id}.claim``: locked by the process training the run when several share an
+        experiment's runs (:func:`claimed_run`)."""
+        return self.ckpt.with_suffix(".claim")
 
     @property
     def previous(self) -> Path:
@@ -197,3 +212,29 @@ def checkpoint_written() -> None:
     limit = os.environ.get(KILL_ENV)
     if limit and _written >= int(limit):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+_Loop = TypeVar("_Loop", bound=Callable[..., list[Record]])
+
+
+def claimed_run(train: _Loop) -> _Loop:
+    """Make a training loop ``train(run_id, ..., ctx, ...)`` share its runs between processes:
+    with ``ctx.share_runs``, the run is trained only by the process that takes its claim lock
+    (:attr:`RunFiles.claim`); in any other process the loop returns no records at once. The lock
+    is taken before the finished-run file is read, so a run finished by another process is read
+    back, never trained twice (sharing needs ``ctx.resume``)."""
+    signature = inspect.signature(train)
+
+    @functools.wraps(train)
+    def run(*args: Any, **kwargs: Any) -> list[Record]:
+        given = signature.bind(*args, **kwargs).arguments
+        ctx: RunContext = given["ctx"]
+        if not ctx.share_runs:
+            return train(*args, **kwargs)
+        if not ctx.resume:
+            raise ValueError("runs shared between processes need resume=True (each process "
+                             "reads back the runs the others finished)")  # fmt: skip
+        with claim(RunFiles.of(ctx, given["run_id"]).claim) as mine:
+            return train(*args, **kwargs) if mine else []
+
+    return run  # type: ignore[return-value]

@@ -32,6 +32,7 @@ __all__ = [
     "WRITE_DELAY_ENV",
     "FolderInUseError",
     "atomic_write_bytes",
+    "claim",
     "lock_folder",
     "read_json",
     "remove_partial_writes",
@@ -131,6 +132,27 @@ def lock_folder(folder: Path, shared: bool = False) -> Iterator[None]:
         del _held[key]
         if not shared:
             os.ftruncate(fd, 0)
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+@contextlib.contextmanager
+def claim(path: Path) -> Iterator[bool]:
+    """Try to take the exclusive lock ``path`` (``fcntl.flock``, without waiting) and yield
+    whether this process holds it; the lock is held for the duration. Processes sharing work
+    claim each piece this way: a piece whose lock another process holds is left to that process.
+    The operating system drops the lock when its holder exits, however it exits."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        yield True
+    finally:
         os.close(fd)  # closing the descriptor releases the lock
 
 

@@ -136,6 +136,10 @@ class RunContext:
         identity: the settings the run's files are made with and checked against on resume
             (``None``: not checked; the runner always sets it).
         ckpt_dir: where the checkpoints and finished-run files go (``None``: ``out_dir``).
+        share_runs: several processes train this experiment's runs side by side (``--workers``):
+            each run is trained by the process that claims it first, and a run that another
+            process holds is skipped here (no records for it). The runner then reads every
+            finished run back in one more pass.
     """
 
     out_dir: Path
@@ -146,6 +150,7 @@ class RunContext:
     progress: bool = True
     identity: RunIdentity | None = None
     ckpt_dir: Path | None = None
+    share_runs: bool = False
 
     def run_seed(self, index: int) -> int:
         """The seed of run ``index`` of an experiment's seed loop: ``seed · 1000 + index``, so the
@@ -170,6 +175,8 @@ class Experiment:
         plot: ``plot(records, config, fig_dir) -> [png paths]`` (matplotlib, Agg backend).
         tables: optional ``tables(records, config) -> markdown`` shown before the claims.
         quick_budget_s: the time the quick setting is meant to take on a 2-core CPU.
+        independent_runs: ``run`` is a loop over training runs none of which depends on
+            another's results, so that several processes may share them (``--workers``).
     """
 
     name: str
@@ -182,6 +189,7 @@ class Experiment:
     plot: Callable[[Sequence[Record], Any, Path], list[Path]]
     tables: Callable[[Sequence[Record], Any], str] | None = None
     quick_budget_s: float = 60.0
+    independent_runs: bool = False
     order: int = field(default=100, compare=False)
 
 

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import json
+import multiprocessing
 import os
 import platform
 import sys
@@ -215,6 +216,7 @@ def run_experiments(
     setting: str | None = None,
     checkpoints: Path | None = None,
     command: str | None = None,
+    workers: int = 1,
 ) -> None:
     """Run the experiments ``selected`` (all registered ones when empty) and save their records,
     configurations and metadata under ``out/<name>/`` (on rank 0 only).
@@ -228,13 +230,23 @@ def run_experiments(
     ``"full"``; ``"paper"`` for :data:`~layernorm.experiments.papers.PAPER_SETTINGS`).
     ``checkpoints``: a folder for the checkpoints and finished-run files instead of ``out``
     (keeps a published results folder free of them). ``command``: the command line recorded in
-    ``provenance.json`` (default: this process's arguments)."""
+    ``provenance.json`` (default: this process's arguments).
+
+    ``workers``: processes that train the runs of an experiment made of independent runs
+    (``Experiment.independent_runs``) side by side, each claiming the next run no other holds
+    (this process and ``workers - 1`` started for it, each with this process's torch threads);
+    needs ``resume``. The records, files and numbers are those of one process running alone."""
     chosen = list(selected) if selected else names()
     exps = [get(n) for n in chosen]
     per_exp = parse_overrides(overrides, chosen)
     dev = resolve_device(device)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    if workers > 1 and not resume:
+        raise ValueError(f"{workers} workers share an experiment's runs by reading back the runs "
+                         f"the others finished: add --resume")  # fmt: skip
     configs = [apply_overrides(exp.config(quick), per_exp[exp.name]) for exp in exps]
     distributed.init_from_env(dev)
     label = setting or ("quick" if quick else "full")
@@ -243,8 +255,40 @@ def run_experiments(
         for exp, cfg in zip(exps, configs, strict=True):
             with lock_folder(out / ".locks" / exp.name) if main else contextlib.nullcontext():
                 _run_one(exp, cfg, out / exp.name, dev, seed, quick, resume, restart_changed,
-                         progress, label, checkpoints, command)  # fmt: skip
+                         progress, label, checkpoints, command, workers)  # fmt: skip
     distributed.barrier()
+
+
+def _claim_and_train(name: str, cfg: Any, ctx: RunContext, threads: int) -> None:
+    """The body of a worker process (:func:`_train_side_by_side`)."""
+    torch.set_num_threads(threads)
+    get(name).run(cfg, ctx)
+
+
+def _train_side_by_side(exp: Experiment, cfg: Any, ctx: RunContext, workers: int) -> None:
+    """Train the runs of ``exp`` in ``workers`` processes at once (this one included), each
+    taking the next run whose claim no other process holds (``RunContext.share_runs``). A worker
+    that fails is reported; the runs it left are trained in the pass that follows."""
+    shared = dataclasses.replace(ctx, share_runs=True, progress=False)
+    spawn = multiprocessing.get_context("spawn")  # a fork of a process with torch threads may hang
+    procs = [spawn.Process(target=_claim_and_train, name=f"{exp.name} worker {i}",
+                           args=(exp.name, cfg, shared, torch.get_num_threads()))
+             for i in range(1, workers)]  # fmt: skip
+    for p in procs:
+        p.start()
+    _log(
+        f"[{exp.name}] {workers} processes share the runs (pids {os.getpid()}, "
+        f"{', '.join(str(p.pid) for p in procs)})"
+    )
+    try:
+        exp.run(cfg, shared)
+    finally:
+        for p in procs:
+            p.join()
+    for p in procs:
+        if p.exitcode != 0:
+            warnings.warn(f"[{exp.name}] {p.name} ended with exit code {p.exitcode}; the runs it "
+                          f"left are trained now", stacklevel=2)  # fmt: skip
 
 
 def _run_one(
@@ -260,6 +304,7 @@ def _run_one(
     setting: str,
     checkpoints: Path | None,
     command: str | None,
+    workers: int = 1,
 ) -> None:
     identity = run_identity(exp.name, quick, seed, cfg)
     # one folder per settings id: checkpoints of other settings are kept, never mixed in
@@ -273,7 +318,14 @@ def _run_one(
     threads = getattr(cfg, "threads", 0) or torch.get_num_threads()
     prov = provenance(threads, command)
     t0 = time.perf_counter()
-    records = exp.run(cfg, ctx)
+    if workers > 1 and exp.independent_runs:
+        if distributed.rank_world()[1] > 1:
+            raise ValueError("--workers shares runs between processes of one machine; it does "
+                             "not combine with a data-parallel (torchrun) launch")  # fmt: skip
+        _train_side_by_side(exp, cfg, ctx, workers)
+    elif workers > 1:
+        _log(f"[{exp.name}] one process: its runs depend on each other's results")
+    records = exp.run(cfg, ctx)  # with workers: every run is finished and read back
     seconds = time.perf_counter() - t0
     if distributed.is_main():
         save_records(exp_dir, records)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .checkpoints import RunFiles, checkpoint_written
+from .checkpoints import RunFiles, checkpoint_written, claimed_run
 from .registry import Record, RunContext
 from .training import make_adam, torch_threads
 
@@ -64,6 +64,7 @@ class StepSpec:
             )
 
 
+@claimed_run
 def train_steps(
     run_id: str,
     build: Callable[[], nn.Module],

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import distributed
-from .checkpoints import RunFiles, checkpoint_written
+from .checkpoints import RunFiles, checkpoint_written, claimed_run
 from .registry import Record, RunContext
 
 __all__ = [
@@ -101,6 +101,7 @@ def evaluate(
     return nll / x.shape[0], wrong / x.shape[0]
 
 
+@claimed_run
 def train_classifier(
     run_id: str,
     build: Callable[[], nn.Module],

@@ -5,7 +5,9 @@ buffers of the batch's rows only, overwritten every step, and no autograd node.
 It runs the same kernels in the same order as the training path, only writing the kept values to
 other addresses. The one difference is the LSTM's input projection, computed a chunk of rows at a
 time: the GEMM may block (and so round) a chunk differently from all rows at once, so float32
-results agree to rounding; in float64 and below one chunk they are equal bit for bit. The tests
+results agree to rounding; in float64 and below one chunk they are equal bit for bit. Up to
+``_fused._NATIVE_ROWS`` rows (a decoder step) the input side is torch's ``layer_norm`` instead,
+the same formula summed in another order: equal to rounding in both dtypes. The tests
 also check that the training node is not entered, and that the C boundary refuses kept buffers of
 any other row count.
 """
@@ -147,3 +149,22 @@ def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype) -> No
         got = _flat(model(x))
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("steps", [1, 3, 4])
+def test_few_rows_take_torch_s_layer_norm_with_the_same_values(kind, steps, dtype) -> None:
+    """5, 15 and 20 rows: both sides of ``_NATIVE_ROWS`` (16); the values are the training
+    path's to the rounding of a different summation order."""
+    assert 15 <= _fused._NATIVE_ROWS < 20
+    model = _model(kind, dtype)
+    x = torch.randn(steps, 5, 6, generator=torch.Generator().manual_seed(7), dtype=dtype)
+    ref = [t.detach() for t in _flat(model(x))]
+    with torch.no_grad():
+        got = _flat(model(x))
+    tol = {"rtol": 1e-12, "atol": 1e-13} if dtype == torch.float64 else TOL[dtype]
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    if dtype == torch.float64:
+        assert any(not torch.equal(a, b) for a, b in zip(got, ref, strict=True)) == (steps < 4)

@@ -277,6 +277,10 @@ def differentiated(*tensors: Tensor | None) -> bool:
 # Rows of the input projection computed at a time in inference (see normalized_projection): a
 # chunk's (rows, 4H) projection stays in L2 for its layer norm.
 _PROJECTION_ROWS = 128
+# Up to this many rows (a decoder step, a few sequences at T = 1) inference normalizes with
+# torch's own layer_norm, the same formula: what is left to save there is per-call overhead (the
+# checked C argument structs cost more than the arithmetic of a few rows).
+_NATIVE_ROWS = 16
 
 
 def normalized_projection(
@@ -290,6 +294,8 @@ def normalized_projection(
     """``LN(data W_ihᵀ; weight, bias)`` for all rows, the input side of an LN-LSTM (Eq. 20); with
     ``blocks`` (column counts summing to ``W_ih``'s rows) each block of columns is normalized on
     its own, as the LN-GRU's ``(r, z)`` and ``n`` blocks.
+
+    At most ``_NATIVE_ROWS`` rows in inference: ``F.linear`` and torch's ``layer_norm``.
 
     When autograd will not differentiate it (on the CPU), a chunk of rows at a time into the
     result, without an autograd node: the projection of a chunk is normalized while in cache and
@@ -312,6 +318,14 @@ def normalized_projection(
         return torch.cat([
             layer_norm(F.linear(data, w_ih[c]), c.stop - c.start, part(weight, c), part(bias, c),
                        eps)
+            for c in cols
+        ], dim=1)  # fmt: skip
+    if data.shape[0] <= _NATIVE_ROWS:
+        xp = F.linear(data, w_ih)
+        if len(cols) == 1:
+            return F.layer_norm(xp, (xp.shape[1],), weight, bias, eps)
+        return torch.cat([
+            F.layer_norm(xp[:, c], (c.stop - c.start,), part(weight, c), part(bias, c), eps)
             for c in cols
         ], dim=1)  # fmt: skip
     ln = ln_kernels(data)

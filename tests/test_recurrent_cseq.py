@@ -3,10 +3,12 @@
 The per-step loop (``torch.mm`` per step, then the C step kernel) is what ran before the sequence
 entry points existed; it is selected here by registering the C step functions without their
 ``*_seq`` counterparts. Both run the same pointwise C code, so they differ only in the recurrent
-GEMM's summation order: a few ulps per step. Shapes cover the GEMM's edge cases: row counts that
-fill no, one and several 8-row tiles, packed steps of shrinking size, hidden sizes whose gate
-columns end in a full tile, a single vector and scalar leftovers, in float64 and float32 (whose
-vectors hold twice as many values), and both thread paths of the GEMM.
+GEMM's summation order: a few ulps per step. Sequences of at most 8 rows in all take the unpacked
+forward GEMM (dot products of rows of h and of W_hh), longer ones the packed one. Shapes cover
+the GEMM's edge cases: row counts that fill no, one and several 8-row tiles, packed steps of
+shrinking size, hidden sizes whose gate columns end in a full tile, a single vector and scalar
+leftovers, in float64 and float32 (whose vectors hold twice as many values), and both thread paths
+of the GEMM.
 """
 
 from __future__ import annotations
@@ -71,11 +73,14 @@ def _both(model: torch.nn.Module, xs: list[torch.Tensor], packed: bool):
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize(("batch", "hidden"), [(3, 5), (8, 16), (11, 37), (17, 8)])
 @pytest.mark.parametrize("packed", [False, True])
-def test_sequence_kernels_equal_per_step_loop(kind, batch, hidden, packed, dtype) -> None:
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_sequence_kernels_equal_per_step_loop(kind, batch, hidden, packed, steps, dtype) -> None:
+    """Up to 8 rows in all steps the forward GEMM reads W_hh unpacked (dot products, DIRECT_ROWS
+    in rnn_seq_impl.h): one step of 3 or 8 rows, two steps of 3; more rows take the packed one."""
     assert _pointwise.step_kernels(torch.zeros(1, dtype=dtype)).lstm_fwd_seq is not None
     model = _model(kind, hidden, "layer", dtype, bidirectional=True)
     gen = torch.Generator().manual_seed(1)
-    lengths = [5 - (i % 4) for i in range(batch)] if packed else [5] * batch
+    lengths = [steps - (i % min(steps, 4)) for i in range(batch)] if packed else [steps] * batch
     xs = [0.5 + torch.randn(n, 6, generator=gen, dtype=dtype) for n in lengths]
     ours, ref = _both(model, xs, packed)
     for a, b in zip(ours, ref, strict=True):
@@ -174,10 +179,12 @@ def test_sequence_kernels_threaded(monkeypatch) -> None:
         for kind in LAYERS:
             model = _model(kind, 40, "layer", torch.float64)
             gen = torch.Generator().manual_seed(1)
-            xs = [0.5 + torch.randn(6, 6, generator=gen, dtype=torch.float64) for _ in range(10)]
-            ours, ref = _both(model, xs, packed=True)
-            for a, b in zip(ours, ref, strict=True):
-                torch.testing.assert_close(a, b, **TOL[torch.float64])
+            for steps, batch in ((8, 1), (6, 10)):  # the unpacked and the packed forward GEMM
+                xs = [0.5 + torch.randn(steps, 6, generator=gen, dtype=torch.float64)
+                      for _ in range(batch)]  # fmt: skip
+                ours, ref = _both(model, xs, packed=True)
+                for a, b in zip(ours, ref, strict=True):
+                    torch.testing.assert_close(a, b, **TOL[torch.float64])
     finally:
         torch.set_num_threads(threads)
 

@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -111,6 +112,47 @@ def test_workers_share_the_runs_and_give_one_process_s_numbers(tmp_path):
     assert no_resume.returncode == 2 and "add --resume" in no_resume.stderr
 
 
+def _state(pid: int) -> str:
+    """A process's state letter from /proc ("Z" a zombie), "" when it no longer exists."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return ""
+    return next(line.split()[1] for line in status.splitlines() if line.startswith("State:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
+def test_a_worker_ends_with_the_command_that_started_it(tmp_path):
+    # runs far longer than the test: only the parent's end can stop the worker in time
+    cmd = [*_command(tmp_path / "out", "--resume", "--workers", "2"), "--set", "epochs=100000"]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = ""
+        while "processes share the runs" not in line:
+            line = proc.stdout.readline()
+            assert line, "the command ended without starting its worker"
+        worker = int(line.rsplit("pids ", 1)[1].split(",")[1].strip(" )\n"))
+        # until the worker trains: a run's claim file names the process holding it
+        claims = tmp_path / "out" / "mnist-ff" / "ckpt"
+        deadline = time.monotonic() + 120
+        while not any(f"pid {worker}" in p.read_text() for p in claims.glob("*.claim")):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        assert _state(worker) not in ("", "Z")
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while _state(worker) not in ("", "Z") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    orphan = _state(worker) not in ("", "Z")
+    if orphan:
+        os.kill(worker, signal.SIGKILL)
+    assert not orphan  # gone (or only waiting to be reaped)
+
+
 def _tiny_run(ctx: RunContext) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 5, generator=g), torch.randint(0, 3, (64,), generator=g)
@@ -123,7 +165,7 @@ def _tiny_run(ctx: RunContext) -> list[dict]:
 def test_a_run_claimed_by_another_process_is_left_to_it(tmp_path):
     ident = RunIdentity.of({"experiment": "t", "config": {}})
     ctx = RunContext(tmp_path, torch.device("cpu"), resume=True, identity=ident, progress=False,
-                     share_runs=True)  # fmt: skip
+                     claims="skip")  # fmt: skip
     files = RunFiles.of(ctx, "tiny")
     with claim(files.claim) as mine:  # held here as by another process (a second open file)
         assert mine
@@ -135,7 +177,23 @@ def test_a_run_claimed_by_another_process_is_left_to_it(tmp_path):
         assert mine  # released when the run ended
     assert _tiny_run(ctx) == trained  # finished: read back, not trained again
     with pytest.raises(ValueError, match="need resume=True"):
-        _tiny_run(RunContext(tmp_path, torch.device("cpu"), identity=ident, share_runs=True))
+        _tiny_run(RunContext(tmp_path, torch.device("cpu"), identity=ident, claims="skip"))
+
+
+def test_the_last_pass_waits_for_a_run_another_process_holds(tmp_path):
+    ident = RunIdentity.of({"experiment": "t", "config": {}})
+    waiting = RunContext(tmp_path, torch.device("cpu"), resume=True, identity=ident,
+                         progress=False, claims="wait")  # fmt: skip
+    files = RunFiles.of(waiting, "tiny")
+    got: list[list[dict]] = []
+    with claim(files.claim) as mine:  # as a worker of an earlier command still training it
+        assert mine
+        waiter = threading.Thread(target=lambda: got.append(_tiny_run(waiting)))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not files.ckpt.exists()  # waits, touches nothing
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and [r["epoch"] for r in got[0]] == [1, 2]
 
 
 def test_atomic_write_keeps_previous_file_on_failure(tmp_path):

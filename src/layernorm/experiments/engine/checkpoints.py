@@ -218,23 +218,26 @@ _Loop = TypeVar("_Loop", bound=Callable[..., list[Record]])
 
 
 def claimed_run(train: _Loop) -> _Loop:
-    """Make a training loop ``train(run_id, ..., ctx, ...)`` share its runs between processes:
-    with ``ctx.share_runs``, the run is trained only by the process that takes its claim lock
-    (:attr:`RunFiles.claim`); in any other process the loop returns no records at once. The lock
-    is taken before the finished-run file is read, so a run finished by another process is read
-    back, never trained twice (sharing needs ``ctx.resume``)."""
+    """Make a training loop ``train(run_id, ..., ctx, ...)`` share its runs between processes
+    (``ctx.claims``): with ``"skip"`` the run is trained only by the process that takes its claim
+    lock (:attr:`RunFiles.claim`), and in any other process the loop returns no records at once;
+    with ``"wait"`` a process waits for the holder to let the lock go, then goes on as alone
+    (reading the finished run back). The lock is taken before the finished-run file is read, so
+    a run finished by another process is read back, never trained twice (sharing needs
+    ``ctx.resume``)."""
     signature = inspect.signature(train)
 
     @functools.wraps(train)
     def run(*args: Any, **kwargs: Any) -> list[Record]:
         given = signature.bind(*args, **kwargs).arguments
         ctx: RunContext = given["ctx"]
-        if not ctx.share_runs:
+        if ctx.claims == "off":
             return train(*args, **kwargs)
         if not ctx.resume:
             raise ValueError("runs shared between processes need resume=True (each process "
                              "reads back the runs the others finished)")  # fmt: skip
-        with claim(RunFiles.of(ctx, given["run_id"]).claim) as mine:
+        claim_file = RunFiles.of(ctx, given["run_id"]).claim
+        with claim(claim_file, wait=ctx.claims == "wait") as mine:
             return train(*args, **kwargs) if mine else []
 
     return run  # type: ignore[return-value]

@@ -136,16 +136,17 @@ def lock_folder(folder: Path, shared: bool = False) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def claim(path: Path) -> Iterator[bool]:
-    """Try to take the exclusive lock ``path`` (``fcntl.flock``, without waiting) and yield
-    whether this process holds it; the lock is held for the duration. Processes sharing work
-    claim each piece this way: a piece whose lock another process holds is left to that process.
-    The operating system drops the lock when its holder exits, however it exits."""
+def claim(path: Path, wait: bool = False) -> Iterator[bool]:
+    """Take the exclusive lock ``path`` (``fcntl.flock``) and yield whether this process holds
+    it; the lock is held for the duration. Without ``wait`` it is tried once: processes sharing
+    work claim each piece this way, and a piece whose lock another process holds is left to that
+    process. With ``wait``, until the holder lets it go. The operating system drops the lock when
+    its holder exits, however it exits."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             yield False
             return

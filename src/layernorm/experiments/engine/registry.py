@@ -136,10 +136,10 @@ class RunContext:
         identity: the settings the run's files are made with and checked against on resume
             (``None``: not checked; the runner always sets it).
         ckpt_dir: where the checkpoints and finished-run files go (``None``: ``out_dir``).
-        share_runs: several processes train this experiment's runs side by side (``--workers``):
-            each run is trained by the process that claims it first, and a run that another
-            process holds is skipped here (no records for it). The runner then reads every
-            finished run back in one more pass.
+        claims: how this process shares the experiment's runs with others (``--workers``):
+            ``"off"`` alone; ``"skip"`` each run is trained by the process that claims it first,
+            and a run another process holds is skipped here (no records for it); ``"wait"`` a run
+            another process holds is waited for, then read back (the runner's last pass).
     """
 
     out_dir: Path
@@ -150,7 +150,7 @@ class RunContext:
     progress: bool = True
     identity: RunIdentity | None = None
     ckpt_dir: Path | None = None
-    share_runs: bool = False
+    claims: Literal["off", "skip", "wait"] = "off"
 
     def run_seed(self, index: int) -> int:
         """The seed of run ``index`` of an experiment's seed loop: ``seed · 1000 + index``, so the

@@ -24,12 +24,14 @@ Layout of ``--out`` (default ``results/``)::
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import datetime as _dt
 import json
 import multiprocessing
 import os
 import platform
+import signal
 import sys
 import time
 import warnings
@@ -54,6 +56,8 @@ from .registry import (
     get,
     names,
 )
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 __all__ = [
     "RUN_FORMAT",
@@ -259,20 +263,27 @@ def run_experiments(
     distributed.barrier()
 
 
-def _claim_and_train(name: str, cfg: Any, ctx: RunContext, threads: int) -> None:
-    """The body of a worker process (:func:`_train_side_by_side`)."""
+def _claim_and_train(name: str, cfg: Any, ctx: RunContext, threads: int, parent: int) -> None:
+    """The body of a worker process (:func:`_train_side_by_side`). It ends with the process that
+    started it (Linux: SIGTERM on the parent's death), so that no orphan goes on training beside
+    a later ``--resume``."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent ended before the signal was armed
+        return
     torch.set_num_threads(threads)
     get(name).run(cfg, ctx)
 
 
 def _train_side_by_side(exp: Experiment, cfg: Any, ctx: RunContext, workers: int) -> None:
     """Train the runs of ``exp`` in ``workers`` processes at once (this one included), each
-    taking the next run whose claim no other process holds (``RunContext.share_runs``). A worker
-    that fails is reported; the runs it left are trained in the pass that follows."""
-    shared = dataclasses.replace(ctx, share_runs=True, progress=False)
+    taking the next run whose claim no other process holds (``RunContext.claims``). A worker
+    that fails is reported; the runs it left are trained in the pass that follows, which waits
+    for any run still claimed (a worker of an earlier, killed command)."""
+    shared = dataclasses.replace(ctx, claims="skip", progress=False)
     spawn = multiprocessing.get_context("spawn")  # a fork of a process with torch threads may hang
     procs = [spawn.Process(target=_claim_and_train, name=f"{exp.name} worker {i}",
-                           args=(exp.name, cfg, shared, torch.get_num_threads()))
+                           args=(exp.name, cfg, shared, torch.get_num_threads(), os.getpid()))
              for i in range(1, workers)]  # fmt: skip
     for p in procs:
         p.start()
@@ -323,6 +334,7 @@ def _run_one(
             raise ValueError("--workers shares runs between processes of one machine; it does "
                              "not combine with a data-parallel (torchrun) launch")  # fmt: skip
         _train_side_by_side(exp, cfg, ctx, workers)
+        ctx = dataclasses.replace(ctx, claims="wait")
     elif workers > 1:
         _log(f"[{exp.name}] one process: its runs depend on each other's results")
     records = exp.run(cfg, ctx)  # with workers: every run is finished and read back

@@ -138,6 +138,21 @@ def test_mnist_ff_tiny_end_to_end(tmp_path):
     assert verdicts[0].claim_id == "ff-faster" and verdicts[0].status == "does not hold"
 
 
+def test_mnist_ff_one_batch_size_judges_only_the_larger_batch_claim():
+    """Run at one batch size (e.g. batch norm on the logits at batch 128), the claims about the
+    smaller batch are inconclusive, not judged at the one batch size there is."""
+    cfg = dataclasses.replace(mnist_ff.config(quick=True), batch_sizes=(128,), seeds=3)
+    records = [
+        {"model": m, "batch_size": 128, "seed": s, "epoch": e, "train_nll": nll + 0.01 * s,
+         "test_err": err, "test_nll": 0.1}
+        for m, nll, err in (("batch", 0.5, 0.01), ("layer", 0.2, 0.03))
+        for s in range(3) for e in (1, 2)
+    ]  # fmt: skip
+    got = {v.claim_id: v.status for v in mnist_ff.verdicts(records, cfg)}
+    assert got == {"ff-faster": "holds", "ff-robust": "inconclusive",
+                   "ff-small-batch": "inconclusive"}  # fmt: skip
+
+
 def test_resume_with_other_settings_is_refused(tmp_path):
     small = ["n_train=64", "n_test=64", "hidden=8", "epochs=1", "seeds=1", "batch_sizes=32"]
     reproduce(["mnist-ff"], out=tmp_path, device="cpu", quick=True, overrides=small,

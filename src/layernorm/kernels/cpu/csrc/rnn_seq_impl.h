@@ -13,11 +13,12 @@
    contiguous values: a tile then reads its panel sequentially, where B's own rows (4H floats
    apart: a multiple of 4 KiB at H = 256) would all fall into the same few L1 sets. A tile of up to
    GEMM_MR rows × NR columns keeps its 2·GEMM_MR accumulators in registers over all of K, and every
-   row tile passes over a panel while it is in cache. The rows of C are split into row tiles of
-   near-equal size when each then keeps at least GEMM_MR − 1 rows (AVX2: M = 10 → 5 + 5 rather
-   than 6 + 4, 0.70–0.95× the time), else into full tiles first (M = 8 → 6 + 2 rather than
-   4 + 4, 0.65–0.85× the time: a tile's accumulators are its independent FMA chains, and the
-   4-row tile's 8 chains leave the FMA units idle over all of K, the 2-row tile's only briefly).
+   row tile passes over a panel while it is in cache. A tile's accumulators are its independent
+   FMA chains: a few rows leave the FMA units idle (1 row at AVX2 with 2 chains, 27 GFLOP/s, against
+   about 105 from 5 rows up, AMD EPYC, one thread). So the rows of C are split into row tiles of
+   near-equal size when each then keeps at least GEMM_BALANCED rows (AVX2: M = 7 → 4 + 3 rather
+   than 6 + 1, 85–91 against 69–77 GFLOP/s; M = 8 → 4 + 4, 93–95 against 80–88), else into full
+   tiles first, and up to GEMM_WIDE_MR rows a tile spans two panels (below).
 
    GEMM_MR follows the register file: 8 rows (16 accumulators) of 32 zmm registers with AVX-512,
    6 rows (12) of 16 ymm/xmm registers with AVX2 and SSE, leaving room for the panel's two vectors
@@ -33,10 +34,24 @@
 #define FN(name) RNN_CAT(name, SUF)
 #if VEC_BYTES >= 64
 #define GEMM_MR 8
+#define GEMM_BALANCED 4
 #else
 #define GEMM_MR 6
+#define GEMM_BALANCED 3
 #endif
 #define GEMM_KC 128
+
+/* Keep two loaded vectors in registers: left to itself GCC folds the panel's loads into every
+   row's FMA (a memory operand each), 2·rows loads of B per k instead of 2; the 4-row AVX2 tile
+   then issued 12 loads per 8 FMAs and ran below the FMA units' rate. An empty asm that takes
+   and gives back the values in vector registers makes the loaded values the operands. */
+#if defined(__x86_64__) && defined(__AVX512F__)
+#define IN_REGISTERS(u, v) __asm__("" : "+v"(u), "+v"(v))
+#elif defined(__x86_64__)
+#define IN_REGISTERS(u, v) __asm__("" : "+x"(u), "+x"(v))
+#else
+#define IN_REGISTERS(u, v) ((void)0)
+#endif
 
 typedef scalar_t FN(vec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(scalar_t)),
                                         may_alias));
@@ -100,7 +115,8 @@ static inline __attribute__((always_inline)) void FN(gemm_tile)(
     FN(vec) acc[GEMM_MR][2];
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = (FN(vec)){0};
     for (i64 k = 0; k < K; ++k) {
-        const FN(vec) b0 = *(const FN(vec)*)(P + k * NR), b1 = *(const FN(vec)*)(P + k * NR + VL);
+        FN(vec) b0 = *(const FN(vec)*)(P + k * NR), b1 = *(const FN(vec)*)(P + k * NR + VL);
+        IN_REGISTERS(b0, b1);
         for (int r = 0; r < rows; ++r) {
             const scalar_t a = A[r * sar + k * sak];
             acc[r][0] += a * b0;
@@ -122,12 +138,16 @@ static inline __attribute__((always_inline)) void FN(gemm_tile)(
     }
 }
 
-#if GEMM_MR >= 8
 /* Up to GEMM_WIDE_MR rows (a batch of 1–4 sequences) a tile takes two adjacent full panels at
    once: 4·rows accumulators instead of 2·rows, so that a 4-row step still has 16 independent
    FMA chains (the 4 × 2-vector tile ran at about 0.7× the 8-row tile's rate), and each broadcast
-   value of A feeds four FMAs. The panels stay as packed: two sequential streams. */
+   value of A feeds four FMAs. The panels stay as packed: two sequential streams. With 16 vector
+   registers (AVX2, SSE) up to 2 rows: 8 accumulators, 4 panel vectors and the broadcast value. */
+#if GEMM_MR >= 8
 #define GEMM_WIDE_MR 4
+#else
+#define GEMM_WIDE_MR 2
+#endif
 static inline __attribute__((always_inline)) void FN(gemm_tile_wide)(
     const scalar_t* A, i64 sar, i64 sak, const scalar_t* P, i64 K, const int rows, scalar_t* C,
     i64 ldc, int accumulate) {
@@ -135,8 +155,10 @@ static inline __attribute__((always_inline)) void FN(gemm_tile_wide)(
     const scalar_t* Q = P + K * NR; /* the next panel */
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (FN(vec)){0};
     for (i64 k = 0; k < K; ++k) {
-        const FN(vec) b0 = *(const FN(vec)*)(P + k * NR), b1 = *(const FN(vec)*)(P + k * NR + VL);
-        const FN(vec) b2 = *(const FN(vec)*)(Q + k * NR), b3 = *(const FN(vec)*)(Q + k * NR + VL);
+        FN(vec) b0 = *(const FN(vec)*)(P + k * NR), b1 = *(const FN(vec)*)(P + k * NR + VL);
+        FN(vec) b2 = *(const FN(vec)*)(Q + k * NR), b3 = *(const FN(vec)*)(Q + k * NR + VL);
+        IN_REGISTERS(b0, b1);
+        IN_REGISTERS(b2, b3);
         for (int r = 0; r < rows; ++r) {
             const scalar_t a = A[r * sar + k * sak];
             acc[r][0] += a * b0;
@@ -159,14 +181,14 @@ static inline __attribute__((always_inline)) void FN(gemm_tile_wide)(
 static void FN(tile_rows_wide)(int rows, const scalar_t* A, i64 sar, i64 sak, const scalar_t* P,
                                i64 K, scalar_t* C, i64 ldc, int accumulate) {
     switch (rows) {
-        WIDE_CASE(1) WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4)
+        WIDE_CASE(1) WIDE_CASE(2)
+#if GEMM_WIDE_MR >= 4
+        WIDE_CASE(3) WIDE_CASE(4)
+#endif
         default: return;
     }
 }
 #undef WIDE_CASE
-#else
-#define GEMM_WIDE_MR 0
-#endif
 
 #define TILE_CASE(R) \
     case R: FN(gemm_tile)(A, sar, sak, P, K, R, C, ldc, w, accumulate); return;
@@ -187,7 +209,6 @@ static void FN(tile_rows)(int rows, const scalar_t* A, i64 sar, i64 sak, const s
 static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, const scalar_t* P,
                      scalar_t* C, i64 ldc, int accumulate, int nt) {
     if (M <= 0) return;
-#if GEMM_WIDE_MR > 0
     if (M <= GEMM_WIDE_MR) { /* pairs of full panels by the wide tile, any rest by the narrow */
         const i64 np = FN(panels)(N), pairs = (np + 1) / 2;
         #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
@@ -205,10 +226,9 @@ static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, c
         }
         return;
     }
-#endif
     const i64 tiles = (M + GEMM_MR - 1) / GEMM_MR;
-    /* near-equal row tiles when each keeps at least GEMM_MR - 1 rows, else full tiles first */
-    const int balanced = M / tiles >= GEMM_MR - 1;
+    /* near-equal row tiles when each keeps at least GEMM_BALANCED rows, else full tiles first */
+    const int balanced = M / tiles >= GEMM_BALANCED;
     #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (i64 p = 0; p < FN(panels)(N); ++p) {
         const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
@@ -431,4 +451,7 @@ int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) 
 #undef NR
 #undef GEMM_MR
 #undef GEMM_KC
+#undef GEMM_BALANCED
+#undef GEMM_WIDE_MR
+#undef IN_REGISTERS
 #undef FN

@@ -137,10 +137,13 @@ def test_inference_state_does_not_alias_the_callers() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("steps", [25, 53])
-def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype) -> None:
-    """In inference the LSTM's LN(W_ih x) runs a chunk of rows at a time (128 rows): 125 and 265
-    rows give one chunk short of full, and two full chunks and a remainder; the values are those
-    of one projection of all rows (training), to the GEMM's rounding in float32."""
+def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype, monkeypatch) -> None:
+    """In inference the LSTM's LN(W_ih x) runs a chunk of rows at a time (here the smallest
+    chunk, 128 rows): 125 and 265 rows give one chunk short of full, and two full chunks and a
+    remainder; the values are those of one projection of all rows (training), to the GEMM's
+    rounding in float32."""
+    monkeypatch.setattr(_fused, "_PROJECTION_BYTES", 0)
+    assert _fused._PROJECTION_MIN_ROWS == 128
     model = _model("lstm", dtype, num_layers=2)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(steps, 5, 6, generator=gen, dtype=dtype)

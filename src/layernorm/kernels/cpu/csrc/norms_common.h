@@ -11,16 +11,25 @@
 typedef int64_t i64;
 typedef double acc_t;
 
-/* Row sums run in LANES independent partial sums (two AVX-512 registers of floats): a single
-   running sum would wait on the add latency every step and run at a fraction of the speed. */
-#define LANES 32
-#define HALF (LANES / 2)
-/* Elements per block: each lane adds BLOCK / LANES terms in the input precision, pairs of lanes
-   are added (one more add) and the HALF results go into float64 partial sums, folded pairwise
-   at the end of the row. A float32 row sum then carries the error of a float32 sum of
-   BLOCK / LANES + 1 terms at any N, where N / LANES sequential float32 adds per lane (an error
-   growing with N) once cost 5.8 units of y at N = 2^22 with an offset of 1e4. */
-#define BLOCK 512
+/* Row sums run in LANES independent partial sums, two vectors of the build's widest registers
+   (norms_impl.h: LANES = 2·VL, HALF = VL; 32 float32 lanes with AVX-512, 16 with AVX2): a single
+   running sum would wait on the add latency every step and run at a fraction of the speed.
+   Blocks: each lane adds BLOCK_TERMS terms in the input precision, pairs of lanes are added (one
+   more add) and the HALF results go into float64 partial sums, folded pairwise at the end of the
+   row. A float32 row sum then carries the error of a float32 sum of BLOCK_TERMS + 1 terms at any
+   N, where N / LANES sequential float32 adds per lane (an error growing with N) once cost 5.8
+   units of y at N = 2^22 with an offset of 1e4. */
+#define BLOCK_TERMS 16
+#if defined(__AVX512F__)
+#define NORM_VEC_BYTES 64
+#define NORM_VEC_REGISTERS 32
+#elif defined(__AVX__)
+#define NORM_VEC_BYTES 32
+#define NORM_VEC_REGISTERS 16
+#else
+#define NORM_VEC_BYTES 16
+#define NORM_VEC_REGISTERS 16
+#endif
 /* Rows whose dweight/dbias terms are summed in the input precision before a float64 flush. */
 #define FLUSH 16
 
@@ -35,16 +44,12 @@ static void row_block(i64 M, int nt, int tid, i64* lo, i64* hi) {
     *hi = *lo + base + (tid < rem ? 1 : 0);
 }
 
-/* Sum of the HALF float64 partial sums, folded pairwise; destroys p. */
-static inline acc_t fold_half(acc_t* p) {
-    for (int l = 0; l < 8; ++l) p[l] += p[l + 8];
-    for (int l = 0; l < 4; ++l) p[l] += p[l + 4];
-    for (int l = 0; l < 2; ++l) p[l] += p[l + 2];
-    return p[0] + p[1];
+/* Sum of the n (a power of two) float64 partial sums, folded pairwise; destroys p. */
+static inline acc_t fold_half(acc_t* p, int n) {
+    for (int w = n / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l) p[l] += p[l + w];
+    return p[0];
 }
-
-/* The end of the block that starts at j, within the first nfull (a multiple of LANES) elements. */
-static inline i64 block_end(i64 j, i64 nfull) { return j + BLOCK < nfull ? j + BLOCK : nfull; }
 
 /* A zeroed float64 scratch buffer of n elements, kept per calling thread and grown on demand:
    a fresh calloc of a few hundred KiB per backward is an mmap plus page faults every call. */

@@ -15,7 +15,7 @@
    var = Σ(x − hi)²/N − lo²  (= Σ(x − μ)²/N, since Σ(x − hi) = N·lo). A constant row thus has
    μ = x, var = 0 and y = bias exactly. The forward computes (x − hi) − lo, so y carries the
    rounding of a subtraction of the exact mean, not of a rounded one. Every sum is blocked (see
-   BLOCK in norms_common.h). */
+   BLOCK_TERMS in norms_common.h). */
 
 #define FN(name) LN_CAT(name, SUF)
 
@@ -35,11 +35,28 @@ static const scalar_t* FN(ones)(i64 n) {
     return FN(ones_buf);
 }
 
-/* End of a block: the LANES partial sums, folded once in scalar_t, are added into HALF float64
-   partial sums (a vector add and conversions, where a full fold per block would cost as much
-   as the block's own adds). */
-static inline void FN(flush)(const scalar_t* restrict p, acc_t* restrict acc) {
-    for (int l = 0; l < HALF; ++l) acc[l] += (acc_t)(p[l] + p[l + HALF]);
+/* The partial sums are two vectors of VL values (LANES = 2·VL lanes, HALF = VL), held in
+   registers as vector types: written as arrays of LANES scalars, GCC kept them on the stack when
+   they took more than a few registers (AVX2: zeroed with rep stos and added to through memory,
+   a third of the statistics' time at N = 256). */
+typedef scalar_t FN(vec) __attribute__((vector_size(NORM_VEC_BYTES), aligned(sizeof(scalar_t)),
+                                        may_alias));
+#define VL ((i64)(NORM_VEC_BYTES / sizeof(scalar_t)))
+#define LANES (2 * VL)
+#define HALF VL
+#define BLOCK (BLOCK_TERMS * LANES)
+
+static inline FN(vec) FN(ld)(const scalar_t* p) { return *(const FN(vec)*)p; }
+
+/* The end of the block that starts at j, within the first nfull (a multiple of LANES) elements. */
+static inline i64 FN(block_end)(i64 j, i64 nfull) { return j + BLOCK < nfull ? j + BLOCK : nfull; }
+
+/* End of a block: the two vectors of partial sums, added lane by lane in scalar_t, go into HALF
+   float64 partial sums (a vector add and conversions, where a full fold per block would cost as
+   much as the block's own adds). */
+static inline void FN(flush)(FN(vec) p0, FN(vec) p1, acc_t* restrict acc) {
+    const FN(vec) p = p0 + p1;
+    for (int l = 0; l < HALF; ++l) acc[l] += (acc_t)p[l];
 }
 
 /* Σ x² over one row. */
@@ -47,15 +64,18 @@ static acc_t FN(row_sum_sq)(const scalar_t* restrict xr, i64 N) {
     const i64 nfull = N - N % LANES;
     acc_t sa[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
-        const i64 end = block_end(j, nfull);
-        scalar_t ps[LANES] = {0};
-        for (; j < end; j += LANES)
-            for (int l = 0; l < LANES; ++l) ps[l] += xr[j + l] * xr[j + l];
-        FN(flush)(ps, sa);
+        const i64 end = FN(block_end)(j, nfull);
+        FN(vec) p0 = {0}, p1 = {0};
+        for (; j < end; j += LANES) {
+            const FN(vec) u = FN(ld)(xr + j), v = FN(ld)(xr + j + VL);
+            p0 += u * u;
+            p1 += v * v;
+        }
+        FN(flush)(p0, p1, sa);
     }
     acc_t s = 0;
     for (i64 j = nfull; j < N; ++j) s += (acc_t)xr[j] * xr[j];
-    return s + fold_half(sa);
+    return s + fold_half(sa, HALF);
 }
 
 /* μ (as hi + lo) and 1/sqrt(var + eps) of one row; see the statistics note at the top. The second
@@ -66,33 +86,35 @@ static void FN(row_moments)(const scalar_t* restrict xr, i64 N, double eps, scal
     const i64 nfull = N - N % LANES;
     acc_t sa[HALF] = {0}, sb[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
-        const i64 end = block_end(j, nfull);
-        scalar_t ps[LANES] = {0};
-        for (; j < end; j += LANES)
-            for (int l = 0; l < LANES; ++l) ps[l] += xr[j + l] - x0;
-        FN(flush)(ps, sa);
+        const i64 end = FN(block_end)(j, nfull);
+        FN(vec) p0 = {0}, p1 = {0};
+        for (; j < end; j += LANES) {
+            p0 += FN(ld)(xr + j) - x0;
+            p1 += FN(ld)(xr + j + VL) - x0;
+        }
+        FN(flush)(p0, p1, sa);
     }
     acc_t s = 0;
     for (i64 j = nfull; j < N; ++j) s += (scalar_t)(xr[j] - x0);
-    const acc_t mu = (acc_t)x0 + (s + fold_half(sa)) / (acc_t)N;
+    const acc_t mu = (acc_t)x0 + (s + fold_half(sa, HALF)) / (acc_t)N;
     const scalar_t h = (scalar_t)mu;
     const acc_t dl = mu - (acc_t)h;
     for (i64 j = 0; j < nfull;) {
-        const i64 end = block_end(j, nfull);
-        scalar_t pss[LANES] = {0};
-        for (; j < end; j += LANES)
-            for (int l = 0; l < LANES; ++l) {
-                const scalar_t d = xr[j + l] - h;
-                pss[l] += d * d;
-            }
-        FN(flush)(pss, sb);
+        const i64 end = FN(block_end)(j, nfull);
+        FN(vec) p0 = {0}, p1 = {0};
+        for (; j < end; j += LANES) {
+            const FN(vec) u = FN(ld)(xr + j) - h, v = FN(ld)(xr + j + VL) - h;
+            p0 += u * u;
+            p1 += v * v;
+        }
+        FN(flush)(p0, p1, sb);
     }
     acc_t sdd = 0;
     for (i64 j = nfull; j < N; ++j) {
         const acc_t d = (scalar_t)(xr[j] - h);
         sdd += d * d;
     }
-    acc_t var = (sdd + fold_half(sb)) / (acc_t)N - dl * dl;
+    acc_t var = (sdd + fold_half(sb, HALF)) / (acc_t)N - dl * dl;
     if (var < 0) var = 0;
     *hi = h;
     *lo = (scalar_t)dl;
@@ -108,27 +130,26 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
     const i64 nfull = N - N % LANES;
     acc_t sa[HALF] = {0}, sb[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
-        const i64 end = block_end(j, nfull);
-        scalar_t pg[LANES] = {0}, pgx[LANES] = {0};
-        if (fwa) {
-            for (; j < end; j += LANES)
-                for (int l = 0; l < LANES; ++l) {
-                    const scalar_t d = dyr[j + l], xh = (xr[j + l] - m) * r, g = d * w[j + l];
-                    pg[l] += g;
-                    pgx[l] += g * xh;
-                    fwa[j + l] += d * xh;
-                    fba[j + l] += d;
+        const i64 end = FN(block_end)(j, nfull);
+        FN(vec) g0 = {0}, g1 = {0}, gx0 = {0}, gx1 = {0};
+        for (; j < end; j += LANES)
+            for (i64 h = 0; h < LANES; h += VL) {
+                const FN(vec) d = FN(ld)(dyr + j + h), xh = (FN(ld)(xr + j + h) - m) * r;
+                const FN(vec) g = d * FN(ld)(w + j + h);
+                if (h == 0) {
+                    g0 += g;
+                    gx0 += g * xh;
+                } else {
+                    g1 += g;
+                    gx1 += g * xh;
                 }
-        } else {
-            for (; j < end; j += LANES)
-                for (int l = 0; l < LANES; ++l) {
-                    const scalar_t g = dyr[j + l] * w[j + l];
-                    pg[l] += g;
-                    pgx[l] += g * ((xr[j + l] - m) * r);
+                if (fwa) {
+                    *(FN(vec)*)(fwa + j + h) += d * xh;
+                    *(FN(vec)*)(fba + j + h) += d;
                 }
-        }
-        FN(flush)(pg, sa);
-        FN(flush)(pgx, sb);
+            }
+        FN(flush)(g0, g1, sa);
+        FN(flush)(gx0, gx1, sb);
     }
     acc_t tg = 0, tgx = 0;
     for (i64 j = nfull; j < N; ++j) {
@@ -140,38 +161,51 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
             fba[j] += d;
         }
     }
-    *sg = tg + fold_half(sa);
-    *sgx = tgx + fold_half(sb);
+    *sg = tg + fold_half(sa, HALF);
+    *sgx = tgx + fold_half(sb, HALF);
 }
 
 /* row_grad_sums for two rows at once, when dw/db are wanted: each accumulator element is loaded
-   and stored once per pair of rows instead of once per row. */
+   and stored once per pair of rows instead of once per row. Eight vectors of partial sums: with
+   16 vector registers (AVX2, SSE) they are one vector per sum (PAIR_LANES = VL lanes) and blocks
+   are half as long, so that each lane still adds BLOCK_TERMS terms before the float64 flush;
+   two vectors per sum there spilled to the stack. */
+#if NORM_VEC_REGISTERS >= 32
+#define PAIR_V 2
+#else
+#define PAIR_V 1
+#endif
+
 static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t* restrict x0,
                                    const scalar_t* restrict dy1, const scalar_t* restrict x1,
                                    const scalar_t* restrict w, const scalar_t* m,
                                    const scalar_t* r, i64 N, scalar_t* restrict fwa,
                                    scalar_t* restrict fba, acc_t* sg, acc_t* sgx) {
     const scalar_t m0 = m[0], r0 = r[0], m1 = m[1], r1 = r[1];
-    const i64 nfull = N - N % LANES;
+    const i64 step = PAIR_V * VL, nfull = N - N % step;
     acc_t a0[HALF] = {0}, b0[HALF] = {0}, a1[HALF] = {0}, b1[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
-        const i64 end = block_end(j, nfull);
-        scalar_t pg0[LANES] = {0}, pgx0[LANES] = {0}, pg1[LANES] = {0}, pgx1[LANES] = {0};
-        for (; j < end; j += LANES)
-            for (int l = 0; l < LANES; ++l) {
-                const scalar_t d0 = dy0[j + l], xh0 = (x0[j + l] - m0) * r0, g0 = d0 * w[j + l];
-                const scalar_t d1 = dy1[j + l], xh1 = (x1[j + l] - m1) * r1, g1 = d1 * w[j + l];
-                pg0[l] += g0;
-                pgx0[l] += g0 * xh0;
-                pg1[l] += g1;
-                pgx1[l] += g1 * xh1;
-                fwa[j + l] += d0 * xh0 + d1 * xh1;
-                fba[j + l] += d0 + d1;
+        const i64 end = j + BLOCK_TERMS * step < nfull ? j + BLOCK_TERMS * step : nfull;
+        FN(vec) pg0[PAIR_V] = {{0}}, pgx0[PAIR_V] = {{0}}, pg1[PAIR_V] = {{0}};
+        FN(vec) pgx1[PAIR_V] = {{0}};
+        for (; j < end; j += step)
+            for (int v = 0; v < PAIR_V; ++v) {
+                const i64 k = j + v * VL;
+                const FN(vec) d0 = FN(ld)(dy0 + k), xh0 = (FN(ld)(x0 + k) - m0) * r0;
+                const FN(vec) d1 = FN(ld)(dy1 + k), xh1 = (FN(ld)(x1 + k) - m1) * r1;
+                const FN(vec) wk = FN(ld)(w + k), g0 = d0 * wk, g1 = d1 * wk;
+                pg0[v] += g0;
+                pgx0[v] += g0 * xh0;
+                pg1[v] += g1;
+                pgx1[v] += g1 * xh1;
+                *(FN(vec)*)(fwa + k) += d0 * xh0 + d1 * xh1;
+                *(FN(vec)*)(fba + k) += d0 + d1;
             }
-        FN(flush)(pg0, a0);
-        FN(flush)(pgx0, b0);
-        FN(flush)(pg1, a1);
-        FN(flush)(pgx1, b1);
+        const FN(vec) zero = {0};
+        FN(flush)(pg0[0], PAIR_V > 1 ? pg0[PAIR_V - 1] : zero, a0);
+        FN(flush)(pgx0[0], PAIR_V > 1 ? pgx0[PAIR_V - 1] : zero, b0);
+        FN(flush)(pg1[0], PAIR_V > 1 ? pg1[PAIR_V - 1] : zero, a1);
+        FN(flush)(pgx1[0], PAIR_V > 1 ? pgx1[PAIR_V - 1] : zero, b1);
     }
     acc_t tg0 = 0, tgx0 = 0, tg1 = 0, tgx1 = 0;
     for (i64 j = nfull; j < N; ++j) {
@@ -184,11 +218,12 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
         fwa[j] += d0 * xh0 + d1 * xh1;
         fba[j] += d0 + d1;
     }
-    sg[0] = tg0 + fold_half(a0);
-    sgx[0] = tgx0 + fold_half(b0);
-    sg[1] = tg1 + fold_half(a1);
-    sgx[1] = tgx1 + fold_half(b1);
+    sg[0] = tg0 + fold_half(a0, HALF);
+    sgx[0] = tgx0 + fold_half(b0, HALF);
+    sg[1] = tg1 + fold_half(a1, HALF);
+    sgx[1] = tgx1 + fold_half(b1, HALF);
 }
+#undef PAIR_V
 
 /* ------------------------------------------------------------------ layer norm forward ---- */
 
@@ -435,17 +470,17 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
         const scalar_t m = a->mean[i], r = a->rstd[i];
         acc_t sa[HALF] = {0}, sb[HALF] = {0};
         for (i64 j = 0; j < nfull;) {
-            const i64 end = block_end(j, nfull);
-            scalar_t pd[LANES] = {0}, pdy[LANES] = {0};
+            const i64 end = FN(block_end)(j, nfull);
+            FN(vec) pd[2] = {{0}}, pdy[2] = {{0}};
             for (; j < end; j += LANES)
-                for (int l = 0; l < LANES; ++l) {
-                    const scalar_t yv = (xr[j + l] - m) * r;
-                    const scalar_t d = dzr[j + l] * (c - ck * yv);  /* φ(y) held constant */
-                    pd[l] += d;
-                    pdy[l] += d * yv;
+                for (int v = 0; v < 2; ++v) {
+                    const FN(vec) yv = (FN(ld)(xr + j + v * VL) - m) * r;
+                    const FN(vec) d = FN(ld)(dzr + j + v * VL) * (c - ck * yv); /* φ(y) constant */
+                    pd[v] += d;
+                    pdy[v] += d * yv;
                 }
-            FN(flush)(pd, sa);
-            FN(flush)(pdy, sb);
+            FN(flush)(pd[0], pd[1], sa);
+            FN(flush)(pdy[0], pdy[1], sb);
         }
         acc_t sd = 0, sdy = 0;
         for (i64 j = nfull; j < N; ++j) {
@@ -454,8 +489,8 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
             sd += d;
             sdy += (acc_t)d * yv;
         }
-        const scalar_t c1 = (scalar_t)((sd + fold_half(sa)) / (acc_t)N);
-        const scalar_t c2 = (scalar_t)((sdy + fold_half(sb)) / (acc_t)N);
+        const scalar_t c1 = (scalar_t)((sd + fold_half(sa, HALF)) / (acc_t)N);
+        const scalar_t c2 = (scalar_t)((sdy + fold_half(sb, HALF)) / (acc_t)N);
         #pragma omp simd
         for (i64 j = 0; j < N; ++j) {
             const scalar_t yv = (xr[j] - m) * r;
@@ -479,4 +514,8 @@ int FN(ada_bwd)(const FN(ada_bwd_args)* a) {
     return 0;
 }
 
+#undef VL
+#undef LANES
+#undef HALF
+#undef BLOCK
 #undef FN

@@ -48,43 +48,117 @@
 
 #define FN(name) RNN_CAT(name, SUF)
 
-static inline void FN(moments)(const scalar_t* x, i64 N, double eps, acc_t* mu, acc_t* r) {
-    acc_t s = 0;
-    #pragma omp simd reduction(+ : s)
-    for (i64 j = 0; j < N; ++j) s += x[j];
-    const acc_t m = s / N;
-    acc_t v = 0;
-    #pragma omp simd reduction(+ : v)
-    for (i64 j = 0; j < N; ++j) {
-        const acc_t d = x[j] - m;
-        v += d * d;
-    }
-    *mu = m;
-    *r = 1.0 / sqrt(v / N + eps);
+/* Row sums as the norm kernels take them (norms_common.h): two vectors of partial sums in
+   scalar_t, each lane adding STEP_BLOCK_TERMS terms before the block's lanes go into float64
+   partial sums. A row of a step is short (G = 4H, H), so a sum in float64 throughout (a
+   conversion and a half-width add per element) was half of the step kernel's layer-norm time. */
+typedef scalar_t FN(svec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(scalar_t)),
+                                         may_alias));
+#define SVL ((i64)(VEC_BYTES / sizeof(scalar_t)))
+#define STEP_BLOCK_TERMS 16
+
+static inline FN(svec) FN(sld)(const scalar_t* p) { return *(const FN(svec)*)p; }
+
+/* acc[l] += lane l of p0 + p1 */
+static inline void FN(sflush)(FN(svec) p0, FN(svec) p1, acc_t* acc) {
+    const FN(svec) p = p0 + p1;
+    for (i64 l = 0; l < SVL; ++l) acc[l] += (acc_t)p[l];
 }
 
-/* dx (+)= rstd·(g − mean(g) − x̂·mean(g⊙x̂)), g = dy⊙w. */
+static inline acc_t FN(sfold)(const acc_t* acc) {
+    acc_t s = 0;
+    for (i64 l = 0; l < SVL; ++l) s += acc[l];
+    return s;
+}
+
+/* Σ (x − c) and, with sq, Σ (x − c)² over a row, blocked as above. */
+static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
+    const i64 step = 2 * SVL, nfull = N - N % step;
+    acc_t acc[SVL] = {0};
+    for (i64 j = 0; j < nfull;) {
+        const i64 end = j + STEP_BLOCK_TERMS * step < nfull ? j + STEP_BLOCK_TERMS * step : nfull;
+        FN(svec) p0 = {0}, p1 = {0};
+        for (; j < end; j += step) {
+            const FN(svec) u = FN(sld)(x + j) - c, v = FN(sld)(x + j + SVL) - c;
+            if (sq) {
+                p0 += u * u;
+                p1 += v * v;
+            } else {
+                p0 += u;
+                p1 += v;
+            }
+        }
+        FN(sflush)(p0, p1, acc);
+    }
+    acc_t t = 0;
+    for (i64 j = nfull; j < N; ++j) {
+        const acc_t d = (scalar_t)(x[j] - c);
+        t += sq ? d * d : d;
+    }
+    return t + FN(sfold)(acc);
+}
+
+/* μ and 1/sqrt(var + eps) of a row, as the norm kernels find them: the first sweep sums x − x0
+   (x0 the first element: a constant row has μ = x0 exactly), the second (x − hi)² with
+   hi = μ rounded to scalar_t, and var = Σ(x − hi)²/N − (μ − hi)². */
+static inline void FN(moments)(const scalar_t* x, i64 N, double eps, acc_t* mu, acc_t* r) {
+    const scalar_t x0 = x[0];
+    const acc_t m = (acc_t)x0 + FN(row_sum)(x, N, x0, 0) / (acc_t)N;
+    const scalar_t hi = (scalar_t)m;
+    const acc_t lo = m - (acc_t)hi;
+    acc_t v = FN(row_sum)(x, N, hi, 1) / (acc_t)N - lo * lo;
+    if (v < 0) v = 0;
+    *mu = m;
+    *r = 1.0 / sqrt(v + eps);
+}
+
+/* μ split as hi + lo in scalar_t, and rstd in scalar_t: the normalized value is then
+   ((x − hi) − lo)·r, computed in scalar_t (x − hi is exact for x near μ). */
+typedef struct {
+    scalar_t hi, lo, r;
+} FN(stats);
+
+static inline FN(stats) FN(split)(acc_t m, acc_t r) {
+    const scalar_t hi = (scalar_t)m;
+    return (FN(stats)){hi, (scalar_t)(m - (acc_t)hi), (scalar_t)r};
+}
+
+/* dx (+)= rstd·(g − mean(g) − x̂·mean(g⊙x̂)), g = dy⊙w, x̂ = (x − m)·r, in scalar_t with the
+   two means summed as row_sum does. */
 static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc_t r,
                              const scalar_t* w, scalar_t* dx, i64 N, int accumulate) {
-    acc_t sg = 0, sgx = 0;
-    #pragma omp simd reduction(+ : sg, sgx)
-    for (i64 j = 0; j < N; ++j) {
-        const acc_t g = (acc_t)dy[j] * w[j];
-        sg += g;
-        sgx += g * ((x[j] - m) * r);
+    const scalar_t mf = (scalar_t)m, rf = (scalar_t)r;
+    const i64 step = 2 * SVL, nfull = N - N % step;
+    acc_t ag[SVL] = {0}, agx[SVL] = {0};
+    for (i64 j = 0; j < nfull;) {
+        const i64 end = j + STEP_BLOCK_TERMS * step < nfull ? j + STEP_BLOCK_TERMS * step : nfull;
+        FN(svec) g0 = {0}, g1 = {0}, gx0 = {0}, gx1 = {0};
+        for (; j < end; j += step) {
+            const FN(svec) u = FN(sld)(dy + j) * FN(sld)(w + j);
+            const FN(svec) v = FN(sld)(dy + j + SVL) * FN(sld)(w + j + SVL);
+            g0 += u;
+            g1 += v;
+            gx0 += u * ((FN(sld)(x + j) - mf) * rf);
+            gx1 += v * ((FN(sld)(x + j + SVL) - mf) * rf);
+        }
+        FN(sflush)(g0, g1, ag);
+        FN(sflush)(gx0, gx1, agx);
     }
-    sg /= N;
-    sgx /= N;
+    acc_t sg = 0, sgx = 0;
+    for (i64 j = nfull; j < N; ++j) {
+        const scalar_t g = dy[j] * w[j];
+        sg += g;
+        sgx += (acc_t)g * ((x[j] - mf) * rf);
+    }
+    const scalar_t cg = (scalar_t)((sg + FN(sfold)(ag)) / N);
+    const scalar_t cgx = (scalar_t)((sgx + FN(sfold)(agx)) / N);
     /* Without accumulate, dx is an uninitialized buffer: never read it (0·NaN garbage = NaN). */
     if (!accumulate) {
         #pragma omp simd
         for (i64 j = 0; j < N; ++j) dx[j] = 0;
     }
     #pragma omp simd
-    for (i64 j = 0; j < N; ++j) {
-        const acc_t g = (acc_t)dy[j] * w[j];
-        dx[j] += (scalar_t)(r * (g - sg - ((x[j] - m) * r) * sgx));
-    }
+    for (i64 j = 0; j < N; ++j) dx[j] += rf * (dy[j] * w[j] - cg - ((x[j] - mf) * rf) * cgx);
 }
 
 static inline scalar_t FN(sigm)(scalar_t v) { return (scalar_t)1 / ((scalar_t)1 + EXP(-v)); }
@@ -102,11 +176,12 @@ static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
     acc_t m = 0, r = 1;
     if (normalize) {
         FN(moments)(hpr, G, A->eps, &m, &r);
-        A->mh[k] = (scalar_t)m;
-        A->rh[k] = (scalar_t)r;
+        const FN(stats) st = FN(split)(m, r);
+        A->mh[k] = st.hi;
+        A->rh[k] = st.r;
         #pragma omp simd
         for (i64 j = 0; j < G; ++j)
-            a[j] = (scalar_t)((hpr[j] - m) * r) * w1[j] + b1[j] + gxr[j];
+            a[j] = ((hpr[j] - st.hi) - st.lo) * st.r * w1[j] + b1[j] + gxr[j];
     } else {
         for (i64 j = 0; j < G; ++j) a[j] = hpr[j] + gxr[j];
     }
@@ -132,10 +207,11 @@ static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
     /* LN(c_t) into tc first, then tanh in place: separate loops so each one vectorizes. */
     if (normalize) {
         FN(moments)(cnr, H, A->eps, &m, &r);
-        A->mc[k] = (scalar_t)m;
-        A->rc[k] = (scalar_t)r;
+        const FN(stats) st = FN(split)(m, r);
+        A->mc[k] = st.hi;
+        A->rc[k] = st.r;
         #pragma omp simd
-        for (i64 j = 0; j < H; ++j) tcr[j] = (scalar_t)((cnr[j] - m) * r) * w3[j] + b3[j];
+        for (i64 j = 0; j < H; ++j) tcr[j] = ((cnr[j] - st.hi) - st.lo) * st.r * w3[j] + b3[j];
     } else {
         for (i64 j = 0; j < H; ++j) tcr[j] = cnr[j];
     }
@@ -279,16 +355,17 @@ static inline __attribute__((always_inline)) void FN(gru_fwd_body)(
         acc_t m1, r1, m2, r2;
         FN(moments)(hp, 2 * H, A->eps, &m1, &r1);
         FN(moments)(hp + 2 * H, H, A->eps, &m2, &r2);
-        A->mh[k] = (scalar_t)m1;
-        A->rh[k] = (scalar_t)r1;
-        A->mn[k] = (scalar_t)m2;
-        A->rn[k] = (scalar_t)r2;
+        const FN(stats) s1 = FN(split)(m1, r1), s2 = FN(split)(m2, r2);
+        A->mh[k] = s1.hi;
+        A->rh[k] = s1.r;
+        A->mn[k] = s2.hi;
+        A->rn[k] = s2.r;
         #pragma omp simd
         for (i64 j = 0; j < 2 * H; ++j)
-            rz[j] = FN(sigm)((scalar_t)((hp[j] - m1) * r1) * w_rz[j] + b_rz[j] + gx[j]);
+            rz[j] = FN(sigm)(((hp[j] - s1.hi) - s1.lo) * s1.r * w_rz[j] + b_rz[j] + gx[j]);
         #pragma omp simd
         for (i64 j = 0; j < H; ++j)
-            ghn[j] = (scalar_t)((hp[2 * H + j] - m2) * r2) * w_n[j] + b_n[j] + b_hn[j];
+            ghn[j] = ((hp[2 * H + j] - s2.hi) - s2.lo) * s2.r * w_n[j] + b_n[j] + b_hn[j];
     } else {
         #pragma omp simd
         for (i64 j = 0; j < 2 * H; ++j) rz[j] = FN(sigm)(hp[j] + gx[j]);
@@ -375,4 +452,6 @@ int FN(gru_bwd_step)(const FN(gru_bwd_step_args) * a) {
     return 0;
 }
 
+#undef SVL
+#undef STEP_BLOCK_TERMS
 #undef FN

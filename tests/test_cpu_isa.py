@@ -297,6 +297,8 @@ def test_recurrent_kernels_threaded_match_loop(name, monkeypatch) -> None:
     across two threads, and the weight gradient runs long enough (> 128 rows) to be chunked."""
     monkeypatch.setattr(_cstep, "_GEMM_GRAIN", 1)
     monkeypatch.setattr(_cstep, "_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

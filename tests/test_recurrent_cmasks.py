@@ -169,6 +169,8 @@ def test_c_kernels_with_masks_threaded(monkeypatch) -> None:
     """With the grains at 1 the rows of every step split across threads (masks indexed per row)."""
     monkeypatch.setattr(_cstep, "_GEMM_GRAIN", 1)
     monkeypatch.setattr(_cstep, "_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -173,6 +173,8 @@ def test_sequence_kernels_threaded(monkeypatch) -> None:
     """With the grains at 1 every step splits its GEMM columns and its rows across threads."""
     monkeypatch.setattr(_cstep, "_GEMM_GRAIN", 1)
     monkeypatch.setattr(_cstep, "_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -205,14 +205,17 @@ static void FN(tile_rows)(int rows, const scalar_t* A, i64 sar, i64 sak, const s
 }
 #undef TILE_CASE
 
-/* C[M, N] (=|+=) A[M, K] · B with B packed by pack_panels; the panels split across nt threads. */
-static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, const scalar_t* P,
-                     scalar_t* C, i64 ldc, int accumulate, int nt) {
+/* Part `part` of `parts` of C[M, N] (=|+=) A[M, K] · B with B packed by pack_panels: a
+   contiguous share of the panels (pairs of panels up to GEMM_WIDE_MR rows). */
+static void FN(gemm_part)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak,
+                          const scalar_t* P, scalar_t* C, i64 ldc, int accumulate, int part,
+                          int parts) {
     if (M <= 0) return;
+    const i64 np = FN(panels)(N);
+    i64 lo, hi;
     if (M <= GEMM_WIDE_MR) { /* pairs of full panels by the wide tile, any rest by the narrow */
-        const i64 np = FN(panels)(N), pairs = (np + 1) / 2;
-        #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-        for (i64 q = 0; q < pairs; ++q) {
+        share((np + 1) / 2, parts, part, &lo, &hi);
+        for (i64 q = lo; q < hi; ++q) {
             const i64 j0 = 2 * q * NR;
             if (N - j0 >= 2 * NR) {
                 FN(tile_rows_wide)((int)M, A, sar, sak, P + 2 * q * K * NR, K, C + j0, ldc,
@@ -229,8 +232,8 @@ static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, c
     const i64 tiles = (M + GEMM_MR - 1) / GEMM_MR;
     /* near-equal row tiles when each keeps at least GEMM_BALANCED rows, else full tiles first */
     const int balanced = M / tiles >= GEMM_BALANCED;
-    #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-    for (i64 p = 0; p < FN(panels)(N); ++p) {
+    share(np, parts, part, &lo, &hi);
+    for (i64 p = lo; p < hi; ++p) {
         const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
         i64 i0 = 0;
         for (i64 t = 0; t < tiles; ++t) {
@@ -241,6 +244,18 @@ static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, c
             i0 += rows;
         }
     }
+}
+
+/* C[M, N] (=|+=) A[M, K] · B with B packed by pack_panels; the panels split across nt threads. */
+static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, const scalar_t* P,
+                     scalar_t* C, i64 ldc, int accumulate, int nt) {
+    if (nt <= 1) {
+        FN(gemm_part)(M, N, K, A, sar, sak, P, C, ldc, accumulate, 0, 1);
+        return;
+    }
+    #pragma omp parallel num_threads(nt)
+    FN(gemm_part)(M, N, K, A, sar, sak, P, C, ldc, accumulate, omp_get_thread_num(),
+                  omp_get_num_threads());
 }
 
 int FN(weight_grad)(const FN(weight_grad_args) * a) {
@@ -356,31 +371,81 @@ static inline int FN(gemm_threads)(i64 rows, i64 cols, i64 inner, i64 grain, int
     return threads_for(rows * cols * inner, FN(panels)(cols), grain, nt);
 }
 
+/* The step kernels' rows (rnn_step_impl.h), for the threads of a sequence call. */
+void FN(lstm_fwd_rows)(const FN(lstm_fwd_step_args) * a, i64 lo, i64 hi);
+void FN(lstm_bwd_rows)(const FN(lstm_bwd_step_args) * a, i64 lo, i64 hi);
+void FN(gru_fwd_rows)(const FN(gru_fwd_step_args) * a, i64 lo, i64 hi);
+void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
+
 /* The time loops, the same for every cell; they expand inside a *_seq kernel with its step
    struct a, sequence struct s, gate rows G and `step`, a copy of *a that each step's rows and
    threads are written into.
 
    Forward: per step the recurrent GEMM h_{t−1} W_hhᵀ into the step's rows of hp (with kept
-   buffers of B rows, rows [0, rows)), then the cell's step kernel STEP_FN. */
-#define FORWARD_IN_TIME(STEP_FN)                                                                  \
+   buffers of B rows, rows [0, rows)), then the cell's step kernel STEP_FN.
+
+   With more than one thread for some step (the grains decide, as for one step), the whole time
+   loop is one parallel region: its threads take a share of each step's GEMM (panels) and of its
+   rows (ROWS_FN), and meet at a team_barrier after each, instead of a fork-join per GEMM and per
+   step kernel. All steps are checked before the region (nothing returns from inside it). */
+#define TEAM_MAX(u, v) ((u) > (v) ? (u) : (v))
+#define FORWARD_IN_TIME(STEP_FN, ROWS_FN)                                                         \
     do {                                                                                          \
-        if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;                             \
+        if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;                              \
         const i64 H = a->H;                                                                       \
-        i64 all_rows = 0; /* checked step by step below; here only the choice of GEMM */         \
-        for (i64 k = 0; k < s->n_steps; ++k) all_rows += s->steps[2 * k + 1];                     \
-        const int direct = all_rows <= DIRECT_ROWS; /* W_hh read as stored, not packed */        \
-        const scalar_t* w = direct ? s->w : FN(packed_weight)(s->w, H, G, 1, s->threads);        \
+        i64 all_rows = 0; /* checked step by step below; here only the choice of GEMM */          \
+        int team = 1;                                                                             \
+        for (i64 k = 0; k < s->n_steps; ++k) {                                                    \
+            const i64 rows = s->steps[2 * k + 1];                                                 \
+            all_rows += rows;                                                                     \
+            team = TEAM_MAX(team, FN(gemm_threads)(rows, G, H, s->gemm_grain, s->threads));       \
+            team = TEAM_MAX(team, threads_for(rows * G, rows, s->grain, s->threads));             \
+        }                                                                                         \
+        const int direct = all_rows <= DIRECT_ROWS; /* W_hh read as stored, not packed */         \
+        const scalar_t* w = direct ? s->w : FN(packed_weight)(s->w, H, G, 1, s->threads);         \
         if (!w) return RNN_ERR_NOMEM;                                                             \
+        if (team > 1 && !direct) {                                                                \
+            for (i64 k = 0; k < s->n_steps; ++k)                                                  \
+                if (!rows_in_range(s->steps[2 * k], s->steps[2 * k + 1], a->N, a->B))             \
+                    return RNN_ERR_ROWS;                                                          \
+            team_barrier bar;                                                                     \
+            atomic_init(&bar.count, 0);                                                           \
+            atomic_init(&bar.phase, 0);                                                           \
+            _Pragma("omp parallel num_threads(team)")                                             \
+            {                                                                                     \
+                const int tid = omp_get_thread_num(), nth = omp_get_num_threads();                \
+                __typeof__(step) mine = step;                                                     \
+                for (i64 k = 0; k < s->n_steps; ++k) {                                            \
+                    mine.off = s->steps[2 * k];                                                   \
+                    mine.rows = s->steps[2 * k + 1];                                              \
+                    scalar_t* hp = a->hp + kept_row(a->R, a->N, mine.off, 0) * G;                 \
+                    const int gnt = FN(gemm_threads)(mine.rows, G, H, s->gemm_grain, nth);        \
+                    if (tid == 0)                                                                 \
+                        prefetch_l2(a->gx + mine.off * G, mine.rows * G * (i64)sizeof(scalar_t)); \
+                    if (tid < gnt)                                                                \
+                        FN(gemm_part)(mine.rows, G, H, a->h, H, 1, w, hp, G, 0, tid, gnt);        \
+                    team_wait(&bar, nth);                                                         \
+                    const int rnt = threads_for(mine.rows * G, mine.rows, s->grain, nth);         \
+                    if (tid < rnt) {                                                              \
+                        i64 lo, hi;                                                               \
+                        share(mine.rows, rnt, tid, &lo, &hi);                                     \
+                        ROWS_FN(&mine, lo, hi);                                                   \
+                    }                                                                             \
+                    team_wait(&bar, nth);                                                         \
+                }                                                                                 \
+            }                                                                                     \
+            return 0;                                                                             \
+        }                                                                                         \
         for (i64 k = 0; k < s->n_steps; ++k) {                                                    \
             step.off = s->steps[2 * k];                                                           \
             step.rows = s->steps[2 * k + 1];                                                      \
-            if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;            \
-            scalar_t* hp = a->hp + kept_row(a->R, a->N, step.off, 0) * G;                        \
-            prefetch_l2(a->gx + step.off * G, step.rows * G * (i64)sizeof(scalar_t));            \
-            const int gemm_nt = FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads);    \
-            if (direct) FN(gemm_nt_direct)(step.rows, G, H, a->h, w, hp, G, gemm_nt);            \
-            else FN(gemm)(step.rows, G, H, a->h, H, 1, w, hp, G, 0, gemm_nt);                    \
-            step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);          \
+            if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;             \
+            scalar_t* hp = a->hp + kept_row(a->R, a->N, step.off, 0) * G;                         \
+            prefetch_l2(a->gx + step.off * G, step.rows * G * (i64)sizeof(scalar_t));             \
+            const int gemm_nt = FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads);     \
+            if (direct) FN(gemm_nt_direct)(step.rows, G, H, a->h, w, hp, G, gemm_nt);             \
+            else FN(gemm)(step.rows, G, H, a->h, H, 1, w, hp, G, 0, gemm_nt);                     \
+            step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);           \
             STEP_FN(&step);                                                                       \
         }                                                                                         \
         return 0;                                                                                 \
@@ -389,25 +454,55 @@ static inline int FN(gemm_threads)(i64 rows, i64 cols, i64 inner, i64 grain, int
 /* Backward: every step checked first (VALID, an expression over `step`: nothing is touched when
    one fails), then per step in reverse the cell's step kernel STEP_FN, which leaves dhp, and the
    GEMM dh (=|+=) dhp · W_hh (ACCUMULATE: += where the step left the direct path of h_{t−1} in
-   dh). */
-#define BACKWARD_IN_TIME(STEP_FN, VALID, ACCUMULATE)                                              \
+   dh); with several threads, as one parallel region as forward. */
+#define BACKWARD_IN_TIME(STEP_FN, ROWS_FN, VALID, ACCUMULATE)                                     \
     do {                                                                                          \
         const i64 H = a->H;                                                                       \
+        int team = 1;                                                                             \
         for (i64 k = 0; k < s->n_steps; ++k) {                                                    \
             step.off = s->steps[2 * k];                                                           \
             step.rows = s->steps[2 * k + 1];                                                      \
-            if (!rows_in_range(step.off, step.rows, a->N, a->B) || !(VALID))                     \
+            if (!rows_in_range(step.off, step.rows, a->N, a->B) || !(VALID))                      \
                 return RNN_ERR_ROWS;                                                              \
+            team = TEAM_MAX(team, FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));  \
+            team = TEAM_MAX(team, threads_for(step.rows * G, step.rows, s->grain, s->threads));   \
         }                                                                                         \
-        const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads);                        \
+        const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads);                         \
         if (!w) return RNN_ERR_NOMEM;                                                             \
+        if (team > 1) {                                                                           \
+            team_barrier bar;                                                                     \
+            atomic_init(&bar.count, 0);                                                           \
+            atomic_init(&bar.phase, 0);                                                           \
+            _Pragma("omp parallel num_threads(team)")                                             \
+            {                                                                                     \
+                const int tid = omp_get_thread_num(), nth = omp_get_num_threads();                \
+                __typeof__(step) mine = step;                                                     \
+                for (i64 k = s->n_steps - 1; k >= 0; --k) {                                       \
+                    mine.off = s->steps[2 * k];                                                   \
+                    mine.rows = s->steps[2 * k + 1];                                              \
+                    const int rnt = threads_for(mine.rows * G, mine.rows, s->grain, nth);         \
+                    if (tid < rnt) {                                                              \
+                        i64 lo, hi;                                                               \
+                        share(mine.rows, rnt, tid, &lo, &hi);                                     \
+                        ROWS_FN(&mine, lo, hi);                                                   \
+                    }                                                                             \
+                    team_wait(&bar, nth);                                                         \
+                    const int gnt = FN(gemm_threads)(mine.rows, H, G, s->gemm_grain, nth);        \
+                    if (tid < gnt)                                                                \
+                        FN(gemm_part)(mine.rows, H, G, a->dhp + mine.off * G, G, 1, w, a->dh, H,  \
+                                      (ACCUMULATE), tid, gnt);                                    \
+                    team_wait(&bar, nth);                                                         \
+                }                                                                                 \
+            }                                                                                     \
+            return 0;                                                                             \
+        }                                                                                         \
         for (i64 k = s->n_steps - 1; k >= 0; --k) {                                               \
             step.off = s->steps[2 * k];                                                           \
             step.rows = s->steps[2 * k + 1];                                                      \
-            step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);          \
+            step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);           \
             STEP_FN(&step);                                                                       \
             FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, (ACCUMULATE),     \
-                     FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));              \
+                     FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));               \
         }                                                                                         \
         return 0;                                                                                 \
     } while (0)
@@ -415,7 +510,7 @@ static inline int FN(gemm_threads)(i64 rows, i64 cols, i64 inner, i64 grain, int
 int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
     const i64 G = 4 * a->H;
     FN(lstm_fwd_step_args) step = *a;
-    FORWARD_IN_TIME(FN(lstm_fwd_step));
+    FORWARD_IN_TIME(FN(lstm_fwd_step), FN(lstm_fwd_rows));
 }
 
 /* Without zoneout of h the LSTM step leaves dh to its GEMM to overwrite; with it the step leaves
@@ -424,7 +519,7 @@ int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args
 int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
     const i64 G = 4 * a->H;
     FN(lstm_bwd_step_args) step = *a;
-    BACKWARD_IN_TIME(FN(lstm_bwd_step),
+    BACKWARD_IN_TIME(FN(lstm_bwd_step), FN(lstm_bwd_rows),
                      carried_before_valid(a->cprev, a->c0, step.off, step.rows, a->N, a->B),
                      a->zh != NULL);
 }
@@ -432,17 +527,18 @@ int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args
 int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
     const i64 G = 3 * a->H;
     FN(gru_fwd_step_args) step = *a;
-    FORWARD_IN_TIME(FN(gru_fwd_step));
+    FORWARD_IN_TIME(FN(gru_fwd_step), FN(gru_fwd_rows));
 }
 
 /* The GRU step leaves the direct path of h_{t−1} in dh, so its GEMM adds to dh. */
 int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
     const i64 G = 3 * a->H;
     FN(gru_bwd_step_args) step = *a;
-    BACKWARD_IN_TIME(FN(gru_bwd_step), 1, 1);
+    BACKWARD_IN_TIME(FN(gru_bwd_step), FN(gru_bwd_rows), 1, 1);
 }
 
 #undef FORWARD_IN_TIME
+#undef TEAM_MAX
 #undef BACKWARD_IN_TIME
 #undef DIRECT_ROWS
 #undef DOT_M

@@ -238,6 +238,12 @@ static inline void FN(lstm_fwd_row)(const FN(lstm_fwd_step_args) * A, i64 i) {
     RNN_MASK_SWITCH_3(FN(lstm_fwd_body), A, i)
 }
 
+/* Rows [lo, hi) of a step whose rows the caller has checked (the sequence kernels' threads,
+   each running its share of a step; see rnn_seq_impl.h). */
+void FN(lstm_fwd_rows)(const FN(lstm_fwd_step_args) * a, i64 lo, i64 hi) {
+    for (i64 i = lo; i < hi; ++i) FN(lstm_fwd_row)(a, i);
+}
+
 int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B))
         return RNN_ERR_ROWS;
@@ -324,6 +330,12 @@ static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i) {
     RNN_MASK_SWITCH_3(FN(lstm_bwd_body), A, i)
 }
 
+/* Rows [lo, hi) of a step whose rows the caller has checked (the sequence kernels' threads,
+   each running its share of a step; see rnn_seq_impl.h). */
+void FN(lstm_bwd_rows)(const FN(lstm_bwd_step_args) * a, i64 lo, i64 hi) {
+    for (i64 i = lo; i < hi; ++i) FN(lstm_bwd_row)(a, i);
+}
+
 int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B) ||
         !carried_before_valid(a->cprev, a->c0, a->off, a->rows, a->N, a->B))
@@ -391,6 +403,12 @@ static inline void FN(gru_fwd_row)(const FN(gru_fwd_step_args) * A, i64 i) {
     RNN_MASK_SWITCH_2(FN(gru_fwd_body), A, i)
 }
 
+/* Rows [lo, hi) of a step whose rows the caller has checked (the sequence kernels' threads,
+   each running its share of a step; see rnn_seq_impl.h). */
+void FN(gru_fwd_rows)(const FN(gru_fwd_step_args) * a, i64 lo, i64 hi) {
+    for (i64 i = lo; i < hi; ++i) FN(gru_fwd_row)(a, i);
+}
+
 int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B))
         return RNN_ERR_ROWS;
@@ -443,6 +461,12 @@ static inline __attribute__((always_inline)) void FN(gru_bwd_body)(
 
 static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i) {
     RNN_MASK_SWITCH_2(FN(gru_bwd_body), A, i)
+}
+
+/* Rows [lo, hi) of a step whose rows the caller has checked (the sequence kernels' threads,
+   each running its share of a step; see rnn_seq_impl.h). */
+void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi) {
+    for (i64 i = lo; i < hi; ++i) FN(gru_bwd_row)(a, i);
 }
 
 int FN(gru_bwd_step)(const FN(gru_bwd_step_args) * a) {

@@ -68,10 +68,13 @@ static inline int threads_for(i64 work, i64 parts, i64 grain, int nt) {
 }
 
 /* A barrier for the threads of one sequence call, which meet twice per time step (after the
-   step's GEMM, after its rows). It spins, then yields: OpenMP's own barrier and a fork-join per
-   step went to sleep between steps here (libgomp throttles its spinning when it manages more
-   threads than there are CPUs) and a wake-up cost more than a step's rows (LN-LSTM inference at
-   (200, 16, 64, 256), 2 threads: splitting the rows' work over both made the call 18% slower).
+   step's GEMM, after its rows). It spins (4096 pauses, some 100 µs: longer than a thread normally
+   waits for the others' share of a step), then yields the CPU between checks, so that a thread
+   waiting for one that has no CPU (more threads than cores) lets it run. With OpenMP's
+   fork-join per step the threads went to sleep between steps here (libgomp throttles its
+   spinning when it manages more threads than there are CPUs) and a wake-up cost more than a
+   step's rows (LN-LSTM inference at (200, 16, 64, 256), 2 threads: splitting the rows' work over
+   both made the call 18% slower).
    Sense by phase: a thread reads the phase before it arrives, the last to arrive resets the
    count and advances the phase. */
 typedef struct {
@@ -88,7 +91,7 @@ static inline void team_wait(team_barrier* b, int n) {
         return;
     }
     for (long spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; ++spins) {
-        if (spins < (1L << 16)) {
+        if (spins < (1L << 12)) {
 #if defined(__x86_64__) || defined(__i386__)
             __builtin_ia32_pause();
 #endif

@@ -13,6 +13,8 @@ of the GEMM.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
@@ -169,14 +171,16 @@ def test_lstm_keeps_neither_previous_state_copy() -> None:
     assert per_step - ours == 2 * 5 * 3 * 7 * 8
 
 
-def test_sequence_kernels_threaded(monkeypatch) -> None:
-    """With the grains at 1 every step splits its GEMM columns and its rows across threads."""
+@pytest.mark.parametrize("per_cpu", [False, True], ids=["2 threads", "3 per CPU"])
+def test_sequence_kernels_threaded(monkeypatch, per_cpu) -> None:
+    """With the grains at 1 every step splits its GEMM columns and its rows across threads (the
+    sequence kernels' team, at most one thread per CPU however many torch is given)."""
     monkeypatch.setattr(_cstep, "_GEMM_GRAIN", 1)
     monkeypatch.setattr(_cstep, "_GRAIN", 1)
     monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
     monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(3 * (os.cpu_count() or 1) if per_cpu else 2)
     try:
         for kind in LAYERS:
             model = _model(kind, 40, "layer", torch.float64)

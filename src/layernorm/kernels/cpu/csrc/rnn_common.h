@@ -101,6 +101,14 @@ static inline void team_wait(team_barrier* b, int n) {
     }
 }
 
+/* A team of at most as many threads as the process has CPUs: threads that wait by spinning for
+   a thread without a CPU stall the call (4 threads on 2 CPUs: LN-LSTM inference at
+   (200, 16, 64, 256) took 9x torch's time, against 1.2x when the team keeps to the CPUs). */
+static inline int team_cap(int team) {
+    const int cpus = omp_get_num_procs();
+    return team < cpus ? team : (cpus < 1 ? 1 : cpus);
+}
+
 /* Part `part` of `parts` of n items, contiguous and of sizes that differ by at most one. */
 static inline void share(i64 n, int parts, int part, i64* lo, i64* hi) {
     const i64 base = n / parts, rem = n % parts;

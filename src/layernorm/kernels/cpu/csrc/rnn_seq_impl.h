@@ -404,6 +404,7 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
         const int direct = all_rows <= DIRECT_ROWS; /* W_hh read as stored, not packed */         \
         const scalar_t* w = direct ? s->w : FN(packed_weight)(s->w, H, G, 1, s->threads);         \
         if (!w) return RNN_ERR_NOMEM;                                                             \
+        team = team_cap(team);                                                                    \
         if (team > 1 && !direct) {                                                                \
             for (i64 k = 0; k < s->n_steps; ++k)                                                  \
                 if (!rows_in_range(s->steps[2 * k], s->steps[2 * k + 1], a->N, a->B))             \
@@ -469,6 +470,7 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
         }                                                                                         \
         const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads);                         \
         if (!w) return RNN_ERR_NOMEM;                                                             \
+        team = team_cap(team);                                                                    \
         if (team > 1) {                                                                           \
             team_barrier bar;                                                                     \
             atomic_init(&bar.count, 0);                                                           \

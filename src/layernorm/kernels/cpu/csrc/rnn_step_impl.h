@@ -247,7 +247,11 @@ void FN(lstm_fwd_rows)(const FN(lstm_fwd_step_args) * a, i64 lo, i64 hi) {
 int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B))
         return RNN_ERR_ROWS;
-    #pragma omp parallel for num_threads(a->threads) if (a->threads > 1) schedule(static)
+    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
+        FN(lstm_fwd_rows)(a, 0, a->rows);
+        return 0;
+    }
+    #pragma omp parallel for num_threads(a->threads) schedule(static)
     for (i64 i = 0; i < a->rows; ++i) FN(lstm_fwd_row)(a, i);
     return 0;
 }
@@ -340,7 +344,11 @@ int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B) ||
         !carried_before_valid(a->cprev, a->c0, a->off, a->rows, a->N, a->B))
         return RNN_ERR_ROWS;
-    #pragma omp parallel for num_threads(a->threads) if (a->threads > 1) schedule(static)
+    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
+        FN(lstm_bwd_rows)(a, 0, a->rows);
+        return 0;
+    }
+    #pragma omp parallel for num_threads(a->threads) schedule(static)
     for (i64 i = 0; i < a->rows; ++i) FN(lstm_bwd_row)(a, i);
     return 0;
 }
@@ -412,7 +420,11 @@ void FN(gru_fwd_rows)(const FN(gru_fwd_step_args) * a, i64 lo, i64 hi) {
 int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B))
         return RNN_ERR_ROWS;
-    #pragma omp parallel for num_threads(a->threads) if (a->threads > 1) schedule(static)
+    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
+        FN(gru_fwd_rows)(a, 0, a->rows);
+        return 0;
+    }
+    #pragma omp parallel for num_threads(a->threads) schedule(static)
     for (i64 i = 0; i < a->rows; ++i) FN(gru_fwd_row)(a, i);
     return 0;
 }
@@ -471,7 +483,11 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi) {
 
 int FN(gru_bwd_step)(const FN(gru_bwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B)) return RNN_ERR_ROWS;
-    #pragma omp parallel for num_threads(a->threads) if (a->threads > 1) schedule(static)
+    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
+        FN(gru_bwd_rows)(a, 0, a->rows);
+        return 0;
+    }
+    #pragma omp parallel for num_threads(a->threads) schedule(static)
     for (i64 i = 0; i < a->rows; ++i) FN(gru_bwd_row)(a, i);
     return 0;
 }

@@ -24,7 +24,7 @@ smallest normal round to a multiple of it: 6e-8 for float16); beyond the dtype's
 infinity stands for the largest finite value of its sign (and may appear only where the
 reference, moved by the allowed error, leaves the range). ``K[q]`` counts roundings: row sums are
 blocked (at most BLOCK_TERMS + 1 = 17 float32 adds before a float64 accumulation, see
-csrc/norms_common.h) and a gradient combines a few of them. PyTorch's ATen path, which runs
+csrc/cpu_common.h) and a gradient combines a few of them. PyTorch's ATen path, which runs
 half-precision inputs where the fused kernels do not (other dtype mixes, no C compiler), sums long
 rows less carefully, hence a larger K there. The fused kernels run a half input as the float32
 kernel on the exactly converted values, rounded once at the end: float32's K (``fused=True``)

@@ -8,41 +8,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef int64_t i64;
-typedef double acc_t;
+#include "cpu_common.h"
 
 /* Row sums run in LANES independent partial sums, two vectors of the build's widest registers
    (norms_impl.h: LANES = 2·VL, HALF = VL; 32 float32 lanes with AVX-512, 16 with AVX2): a single
    running sum would wait on the add latency every step and run at a fraction of the speed.
-   Blocks: each lane adds BLOCK_TERMS terms in the input precision, pairs of lanes are added (one
-   more add) and the HALF results go into float64 partial sums, folded pairwise at the end of the
-   row. A float32 row sum then carries the error of a float32 sum of BLOCK_TERMS + 1 terms at any
-   N, where N / LANES sequential float32 adds per lane (an error growing with N) once cost 5.8
-   units of y at N = 2^22 with an offset of 1e4. */
-#define BLOCK_TERMS 16
-#if defined(__AVX512F__)
-#define NORM_VEC_BYTES 64
-#define NORM_VEC_REGISTERS 32
-#elif defined(__AVX__)
-#define NORM_VEC_BYTES 32
-#define NORM_VEC_REGISTERS 16
-#else
-#define NORM_VEC_BYTES 16
-#define NORM_VEC_REGISTERS 16
-#endif
+   Blocks of BLOCK_TERMS terms per lane (cpu_common.h); pairs of lanes are added (one more add)
+   and the HALF results go into float64 partial sums, folded pairwise at the end of the row. */
 /* Rows whose dweight/dbias terms are summed in the input precision before a float64 flush. */
 #define FLUSH 16
 
 /* Token pasting through one more macro level, so SUF is expanded before it is pasted. */
 #define LN_CAT_(a, b) a##_##b
 #define LN_CAT(a, b) LN_CAT_(a, b)
-
-/* Rows [lo, hi) of M for thread tid of nt: contiguous blocks whose sizes differ by at most one. */
-static void row_block(i64 M, int nt, int tid, i64* lo, i64* hi) {
-    const i64 base = M / nt, rem = M % nt;
-    *lo = tid * base + (tid < rem ? tid : rem);
-    *hi = *lo + base + (tid < rem ? 1 : 0);
-}
 
 /* Sum of the n (a power of two) float64 partial sums, folded pairwise; destroys p. */
 static inline acc_t fold_half(acc_t* p, int n) {

@@ -15,7 +15,7 @@
    var = Σ(x − hi)²/N − lo²  (= Σ(x − μ)²/N, since Σ(x − hi) = N·lo). A constant row thus has
    μ = x, var = 0 and y = bias exactly. The forward computes (x − hi) − lo, so y carries the
    rounding of a subtraction of the exact mean, not of a rounded one. Every sum is blocked (see
-   BLOCK_TERMS in norms_common.h). */
+   BLOCK_TERMS in cpu_common.h). */
 
 #define FN(name) LN_CAT(name, SUF)
 
@@ -39,17 +39,14 @@ static const scalar_t* FN(ones)(i64 n) {
    registers as vector types: written as arrays of LANES scalars, GCC kept them on the stack when
    they took more than a few registers (AVX2: zeroed with rep stos and added to through memory,
    a third of the statistics' time at N = 256). */
-typedef scalar_t FN(vec) __attribute__((vector_size(NORM_VEC_BYTES), aligned(sizeof(scalar_t)),
+typedef scalar_t FN(vec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(scalar_t)),
                                         may_alias));
-#define VL ((i64)(NORM_VEC_BYTES / sizeof(scalar_t)))
+#define VL ((i64)(VEC_BYTES / sizeof(scalar_t)))
 #define LANES (2 * VL)
 #define HALF VL
 #define BLOCK (BLOCK_TERMS * LANES)
 
 static inline FN(vec) FN(ld)(const scalar_t* p) { return *(const FN(vec)*)p; }
-
-/* The end of the block that starts at j, within the first nfull (a multiple of LANES) elements. */
-static inline i64 FN(block_end)(i64 j, i64 nfull) { return j + BLOCK < nfull ? j + BLOCK : nfull; }
 
 /* End of a block: the two vectors of partial sums, added lane by lane in scalar_t, go into HALF
    float64 partial sums (a vector add and conversions, where a full fold per block would cost as
@@ -64,7 +61,7 @@ static acc_t FN(row_sum_sq)(const scalar_t* restrict xr, i64 N) {
     const i64 nfull = N - N % LANES;
     acc_t sa[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
-        const i64 end = FN(block_end)(j, nfull);
+        const i64 end = block_end(j, BLOCK, nfull);
         FN(vec) p0 = {0}, p1 = {0};
         for (; j < end; j += LANES) {
             const FN(vec) u = FN(ld)(xr + j), v = FN(ld)(xr + j + VL);
@@ -86,7 +83,7 @@ static void FN(row_moments)(const scalar_t* restrict xr, i64 N, double eps, scal
     const i64 nfull = N - N % LANES;
     acc_t sa[HALF] = {0}, sb[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
-        const i64 end = FN(block_end)(j, nfull);
+        const i64 end = block_end(j, BLOCK, nfull);
         FN(vec) p0 = {0}, p1 = {0};
         for (; j < end; j += LANES) {
             p0 += FN(ld)(xr + j) - x0;
@@ -100,7 +97,7 @@ static void FN(row_moments)(const scalar_t* restrict xr, i64 N, double eps, scal
     const scalar_t h = (scalar_t)mu;
     const acc_t dl = mu - (acc_t)h;
     for (i64 j = 0; j < nfull;) {
-        const i64 end = FN(block_end)(j, nfull);
+        const i64 end = block_end(j, BLOCK, nfull);
         FN(vec) p0 = {0}, p1 = {0};
         for (; j < end; j += LANES) {
             const FN(vec) u = FN(ld)(xr + j) - h, v = FN(ld)(xr + j + VL) - h;
@@ -130,7 +127,7 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
     const i64 nfull = N - N % LANES;
     acc_t sa[HALF] = {0}, sb[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
-        const i64 end = FN(block_end)(j, nfull);
+        const i64 end = block_end(j, BLOCK, nfull);
         FN(vec) g0 = {0}, g1 = {0}, gx0 = {0}, gx1 = {0};
         for (; j < end; j += LANES)
             for (i64 h = 0; h < LANES; h += VL) {
@@ -170,7 +167,7 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
    16 vector registers (AVX2, SSE) they are one vector per sum (PAIR_LANES = VL lanes) and blocks
    are half as long, so that each lane still adds BLOCK_TERMS terms before the float64 flush;
    two vectors per sum there spilled to the stack. */
-#if NORM_VEC_REGISTERS >= 32
+#if VEC_REGISTERS >= 32
 #define PAIR_V 2
 #else
 #define PAIR_V 1
@@ -185,7 +182,7 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
     const i64 step = PAIR_V * VL, nfull = N - N % step;
     acc_t a0[HALF] = {0}, b0[HALF] = {0}, a1[HALF] = {0}, b1[HALF] = {0};
     for (i64 j = 0; j < nfull;) {
-        const i64 end = j + BLOCK_TERMS * step < nfull ? j + BLOCK_TERMS * step : nfull;
+        const i64 end = block_end(j, BLOCK_TERMS * step, nfull);
         FN(vec) pg0[PAIR_V] = {{0}}, pgx0[PAIR_V] = {{0}}, pg1[PAIR_V] = {{0}};
         FN(vec) pgx1[PAIR_V] = {{0}};
         for (; j < end; j += step)
@@ -470,7 +467,7 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
         const scalar_t m = a->mean[i], r = a->rstd[i];
         acc_t sa[HALF] = {0}, sb[HALF] = {0};
         for (i64 j = 0; j < nfull;) {
-            const i64 end = FN(block_end)(j, nfull);
+            const i64 end = block_end(j, BLOCK, nfull);
             FN(vec) pd[2] = {{0}}, pdy[2] = {{0}};
             for (; j < end; j += LANES)
                 for (int v = 0; v < 2; ++v) {

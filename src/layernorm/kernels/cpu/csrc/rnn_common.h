@@ -11,10 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
 #include "layernorm_rnn_abi.h"
-
-typedef int64_t i64;
-typedef double acc_t;
 
 /* Token pasting through one more macro level, so SUF is expanded before it is pasted. */
 #define RNN_CAT_(a, b) a##_##b
@@ -46,18 +44,6 @@ static inline float fast_tanhf(float x) {
     const float t = (1.0f - e) / (1.0f + e);
     return x < 0 ? -t : t;
 }
-
-/* The sequence GEMM's vector: the widest the build's target (targets.py) has. 64-byte GCC
-   vectors on a target without AVX-512 compile to split code about 40x slower, so the width
-   follows the target; whether the layers use the sequence kernels on a target is decided there
-   too (Target.rnn_sequence). */
-#if defined(__AVX512F__)
-#define VEC_BYTES 64
-#elif defined(__AVX__)
-#define VEC_BYTES 32
-#else
-#define VEC_BYTES 16
-#endif
 
 /* Threads for `work` units split `parts` ways, at least `grain` units each, at most `nt`. */
 static inline int threads_for(i64 work, i64 parts, i64 grain, int nt) {
@@ -107,13 +93,6 @@ static inline void team_wait(team_barrier* b, int n) {
 static inline int team_cap(int team) {
     const int cpus = omp_get_num_procs();
     return team < cpus ? team : (cpus < 1 ? 1 : cpus);
-}
-
-/* Part `part` of `parts` of n items, contiguous and of sizes that differ by at most one. */
-static inline void share(i64 n, int parts, int part, i64* lo, i64* hi) {
-    const i64 base = n / parts, rem = n % parts;
-    *lo = part * base + (part < rem ? part : rem);
-    *hi = *lo + base + (part < rem ? 1 : 0);
 }
 
 /* Whether a step's rows [off, off + rows) lie in the N rows of the sequence buffers and its

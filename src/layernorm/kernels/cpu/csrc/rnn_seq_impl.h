@@ -214,7 +214,7 @@ static void FN(gemm_part)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 s
     const i64 np = FN(panels)(N);
     i64 lo, hi;
     if (M <= GEMM_WIDE_MR) { /* pairs of full panels by the wide tile, any rest by the narrow */
-        share((np + 1) / 2, parts, part, &lo, &hi);
+        row_block((np + 1) / 2, parts, part, &lo, &hi);
         for (i64 q = lo; q < hi; ++q) {
             const i64 j0 = 2 * q * NR;
             if (N - j0 >= 2 * NR) {
@@ -232,7 +232,7 @@ static void FN(gemm_part)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 s
     const i64 tiles = (M + GEMM_MR - 1) / GEMM_MR;
     /* near-equal row tiles when each keeps at least GEMM_BALANCED rows, else full tiles first */
     const int balanced = M / tiles >= GEMM_BALANCED;
-    share(np, parts, part, &lo, &hi);
+    row_block(np, parts, part, &lo, &hi);
     for (i64 p = lo; p < hi; ++p) {
         const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
         i64 i0 = 0;
@@ -429,7 +429,7 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
                     const int rnt = threads_for(mine.rows * G, mine.rows, s->grain, nth);         \
                     if (tid < rnt) {                                                              \
                         i64 lo, hi;                                                               \
-                        share(mine.rows, rnt, tid, &lo, &hi);                                     \
+                        row_block(mine.rows, rnt, tid, &lo, &hi);                                 \
                         ROWS_FN(&mine, lo, hi);                                                   \
                     }                                                                             \
                     team_wait(&bar, nth);                                                         \
@@ -485,7 +485,7 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
                     const int rnt = threads_for(mine.rows * G, mine.rows, s->grain, nth);         \
                     if (tid < rnt) {                                                              \
                         i64 lo, hi;                                                               \
-                        share(mine.rows, rnt, tid, &lo, &hi);                                     \
+                        row_block(mine.rows, rnt, tid, &lo, &hi);                                 \
                         ROWS_FN(&mine, lo, hi);                                                   \
                     }                                                                             \
                     team_wait(&bar, nth);                                                         \

@@ -49,13 +49,12 @@
 #define FN(name) RNN_CAT(name, SUF)
 
 /* Row sums as the norm kernels take them (norms_common.h): two vectors of partial sums in
-   scalar_t, each lane adding STEP_BLOCK_TERMS terms before the block's lanes go into float64
-   partial sums. A row of a step is short (G = 4H, H), so a sum in float64 throughout (a
+   scalar_t, each lane adding BLOCK_TERMS (cpu_common.h) terms before the block's lanes go into
+   float64 partial sums. A row of a step is short (G = 4H, H), so a sum in float64 throughout (a
    conversion and a half-width add per element) was half of the step kernel's layer-norm time. */
 typedef scalar_t FN(svec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(scalar_t)),
                                          may_alias));
 #define SVL ((i64)(VEC_BYTES / sizeof(scalar_t)))
-#define STEP_BLOCK_TERMS 16
 
 static inline FN(svec) FN(sld)(const scalar_t* p) { return *(const FN(svec)*)p; }
 
@@ -76,7 +75,7 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
     const i64 step = 2 * SVL, nfull = N - N % step;
     acc_t acc[SVL] = {0};
     for (i64 j = 0; j < nfull;) {
-        const i64 end = j + STEP_BLOCK_TERMS * step < nfull ? j + STEP_BLOCK_TERMS * step : nfull;
+        const i64 end = block_end(j, BLOCK_TERMS * step, nfull);
         FN(svec) p0 = {0}, p1 = {0};
         for (; j < end; j += step) {
             const FN(svec) u = FN(sld)(x + j) - c, v = FN(sld)(x + j + SVL) - c;
@@ -131,7 +130,7 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
     const i64 step = 2 * SVL, nfull = N - N % step;
     acc_t ag[SVL] = {0}, agx[SVL] = {0};
     for (i64 j = 0; j < nfull;) {
-        const i64 end = j + STEP_BLOCK_TERMS * step < nfull ? j + STEP_BLOCK_TERMS * step : nfull;
+        const i64 end = block_end(j, BLOCK_TERMS * step, nfull);
         FN(svec) g0 = {0}, g1 = {0}, gx0 = {0}, gx1 = {0};
         for (; j < end; j += step) {
             const FN(svec) u = FN(sld)(dy + j) * FN(sld)(w + j);
@@ -493,5 +492,4 @@ int FN(gru_bwd_step)(const FN(gru_bwd_step_args) * a) {
 }
 
 #undef SVL
-#undef STEP_BLOCK_TERMS
 #undef FN

@@ -2,14 +2,15 @@
 (``torch.no_grad()``, or nothing requires grad), the whole-sequence C kernels run with per-row
 buffers of the batch's rows only, overwritten every step, and no autograd node.
 
-It runs the same kernels in the same order as the training path, only writing the kept values to
-other addresses. The one difference is the LSTM's input projection, computed a chunk of rows at a
-time: the GEMM may block (and so round) a chunk differently from all rows at once, so float32
-results agree to rounding; in float64 and below one chunk they are equal bit for bit. Up to
-``_fused._NATIVE_ROWS`` rows (a decoder step) the input side is torch's ``layer_norm`` instead,
-the same formula summed in another order: equal to rounding in both dtypes. The tests
-also check that the training node is not entered, and that the C boundary refuses kept buffers of
-any other row count.
+It runs the same step kernels in the same order as the training path, only writing the kept values
+to other addresses. The difference is the input side ``gx = LN(x W_ihᵀ)``: the training path
+computes it for all rows (torch's GEMM, the norm kernels), the inference path step by step inside
+the C time loop (the sequence kernel's GEMM, the step kernels' layer norm): the same sums in
+another order, so results agree to rounding carried through the steps (:data:`TOL`). Where the
+inference kernels do not run the projection (torch.nn.LSTM's ``proj_size``), ``gx`` is computed
+before the loop a chunk of rows at a time, and up to ``_fused._NATIVE_ROWS`` rows with torch's
+``layer_norm``. The tests also check that the training node is not entered, and that the C
+boundary refuses kept buffers of any other row count.
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ pytestmark = pytest.mark.skipif(
 )
 LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU}
 NODES = {"lstm": _fused.LSTMSequence, "gru": _fused.GRUSequence}
-# float32: the chunked GEMM's rounding carried through 25–53 steps
-TOL = {torch.float64: {"rtol": 0.0, "atol": 0.0}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
+# Both paths' input sides round differently (another summation order, a few ulp of the compute
+# dtype), carried through up to 53 steps; bfloat16 layers compute in float32 and round their
+# results to bfloat16, where such a difference can move a value by one bfloat16 ulp (2^-8..2^-7).
+TOL = {
+    torch.float64: {"rtol": 1e-12, "atol": 1e-13},
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+    torch.bfloat16: {"rtol": 2**-7, "atol": 1e-6},
+}
 
 
 def _model(kind: str, dtype: torch.dtype, **kw) -> torch.nn.Module:
@@ -65,9 +72,7 @@ def _forbid_training_node(monkeypatch, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("norm", ["layer", "none"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_no_grad_equals_the_training_path_bit_for_bit(
-    kind, norm, packed, dtype, monkeypatch
-) -> None:
+def test_no_grad_equals_the_training_path(kind, norm, packed, dtype, monkeypatch) -> None:
     model = _model(kind, dtype, norm=norm, bidirectional=True, num_layers=2)
     x = _inputs(dtype, packed)
     trained = [t.detach() for t in _flat(model(x))]
@@ -77,7 +82,62 @@ def test_no_grad_equals_the_training_path_bit_for_bit(
         inferred = _flat(model(x))
     for a, b in zip(inferred, trained, strict=True):
         assert not a.requires_grad
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("norm", ["layer", "none"])
+def test_inference_projects_the_inputs_inside_the_time_loop(kind, norm, monkeypatch) -> None:
+    """Under no_grad the input side is never computed for all rows: the C sequence kernel
+    projects each step's rows (here with 1 and 2 threads, the team sharing each step)."""
+    model = _model(kind, torch.float32, norm=norm, num_layers=2)
+    x = _inputs(torch.float32, packed=True)
+    ref = [t.detach() for t in _flat(model(x))]
+
+    def refuse(self):
+        raise AssertionError("gx computed for all rows in inference")
+
+    monkeypatch.setattr(_fused.InputProjection, "compute", refuse)
+    monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.no_grad():
+                got = _flat(model(x))
+        finally:
+            torch.set_num_threads(before)
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_few_rows_of_a_large_projection_compute_gx_before_the_loop(kind, monkeypatch) -> None:
+    """Below ``_LOOP_PROJECTION_ROWS`` rows with a W_ih past ``_LOOP_PROJECTION_WEIGHT`` (here
+    made 0) gx is computed before the loop (packing W_ih costs more than it saves there); from
+    that many rows on, inside it. The values agree either way."""
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_WEIGHT", 0)
+    model = _model(kind, torch.float32)
+    rows = _fused._LOOP_PROJECTION_ROWS
+    calls = []
+    compute = _fused.InputProjection.compute
+
+    def counted(self):
+        calls.append(self.data.shape[0])
+        return compute(self)
+
+    for steps in (rows // 5, rows // 5 + 1):  # 5 sequences: just below and past the limit
+        x = _inputs(torch.float32, packed=False).repeat(steps // 6 + 1, 1, 1)[:steps]
+        ref = [t.detach() for t in _flat(model(x))]
+        calls.clear()
+        monkeypatch.setattr(_fused.InputProjection, "compute", counted)
+        with torch.no_grad():
+            got = _flat(model(x))
+        monkeypatch.setattr(_fused.InputProjection, "compute", compute)
+        assert calls == ([steps * 5] if steps * 5 < rows else [])
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
@@ -85,11 +145,12 @@ def test_nothing_requiring_grad_takes_the_inference_path(kind, monkeypatch) -> N
     """Grad mode on, but neither the parameters nor the input require grad (a frozen model)."""
     model = _model(kind, torch.float64).requires_grad_(False)
     x = _inputs(torch.float64, packed=False)
-    ref = _flat(model(x))
+    ref = _flat(model.requires_grad_(True)(x))
+    model.requires_grad_(False)
     _forbid_training_node(monkeypatch, kind)
     assert torch.is_grad_enabled()
     for a, b in zip(_flat(model(x)), ref, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, **TOL[torch.float64], check_dtype=True)
     # an input that requires grad needs the node again
     with pytest.raises(AssertionError, match="training node ran"):
         model(x.clone().requires_grad_())
@@ -110,7 +171,7 @@ def test_inference_with_masks_in_eval_and_in_training(kind) -> None:
         with torch.no_grad():
             got = _flat(model(x))
         for a, b in zip(got, ref, strict=True):
-            assert torch.equal(a, b)
+            torch.testing.assert_close(a, b, **TOL[torch.float64])
 
 
 def test_projection_falls_back_to_the_node_under_no_grad() -> None:
@@ -138,13 +199,14 @@ def test_inference_state_does_not_alias_the_callers() -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("steps", [25, 53])
 def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype, monkeypatch) -> None:
-    """In inference the LSTM's LN(W_ih x) runs a chunk of rows at a time (here the smallest
-    chunk, 128 rows): 125 and 265 rows give one chunk short of full, and two full chunks and a
-    remainder; the values are those of one projection of all rows (training), to the GEMM's
-    rounding in float32."""
+    """Where gx is computed before the time loop in inference (torch.nn.LSTM's projection, which
+    the inference kernels do not run), the LSTM's LN(W_ih x) runs a chunk of rows at a time (here
+    the smallest chunk, 128 rows): 125 and 265 rows give one chunk short of full, and two full
+    chunks and a remainder; the values are those of one projection of all rows (training), to
+    the GEMM's rounding in float32."""
     monkeypatch.setattr(_fused, "_PROJECTION_BYTES", 0)
     assert _fused._PROJECTION_MIN_ROWS == 128
-    model = _model("lstm", dtype, num_layers=2)
+    model = _model("lstm", dtype, num_layers=2, proj_size=4)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(steps, 5, 6, generator=gen, dtype=dtype)
     ref = [t.detach() for t in _flat(model(x))]
@@ -158,16 +220,19 @@ def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype, monke
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("steps", [1, 3, 4])
 def test_few_rows_take_torch_s_layer_norm_with_the_same_values(kind, steps, dtype) -> None:
-    """5, 15 and 20 rows: both sides of ``_NATIVE_ROWS`` (16); the values are the training
-    path's to the rounding of a different summation order."""
+    """5, 15 and 20 rows, both sides of ``_NATIVE_ROWS`` (16), through the projection computed
+    before the loop (:func:`_fused.normalized_projection`, the GRU's two blocks too): without
+    autograd the values are those with it, to the rounding of a different summation order."""
     assert 15 <= _fused._NATIVE_ROWS < 20
-    model = _model(kind, dtype)
-    x = torch.randn(steps, 5, 6, generator=torch.Generator().manual_seed(7), dtype=dtype)
-    ref = [t.detach() for t in _flat(model(x))]
+    gen = torch.Generator().manual_seed(7)
+    hs, blocks = 13, ((26, 13) if kind == "gru" else None)
+    gates = 3 * hs if kind == "gru" else 4 * hs
+    data = torch.randn(steps * 5, 6, generator=gen, dtype=dtype)
+    w_ih = torch.randn(gates, 6, generator=gen, dtype=dtype)
+    weight = 1 + 0.3 * torch.randn(gates, generator=gen, dtype=dtype)
+    bias = 0.3 * torch.randn(gates, generator=gen, dtype=dtype)
+    ref = _fused.normalized_projection(data, w_ih.requires_grad_(), weight, bias, 1e-5, blocks)
+    assert ref.requires_grad
     with torch.no_grad():
-        got = _flat(model(x))
-    tol = {"rtol": 1e-12, "atol": 1e-13} if dtype == torch.float64 else TOL[dtype]
-    for a, b in zip(got, ref, strict=True):
-        torch.testing.assert_close(a, b, **tol)
-    if dtype == torch.float64:
-        assert any(not torch.equal(a, b) for a, b in zip(got, ref, strict=True)) == (steps < 4)
+        got = _fused.normalized_projection(data, w_ih, weight, bias, 1e-5, blocks)
+    torch.testing.assert_close(got, ref.detach(), **TOL[dtype])

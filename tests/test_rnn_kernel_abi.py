@@ -110,12 +110,16 @@ def test_sequence_function_refuses_a_recurrent_weight_of_the_wrong_shape() -> No
         _lstm(gx, h0, c0, w_hh[:, :2], params, sched)
 
 
-def _lstm_fwd_struct(hs: int = 3, n: int = 8, b: int = 2, kept: int | None = None):
+def _lstm_fwd_struct(
+    hs: int = 3, n: int = 8, b: int = 2, kept: int | None = None, gx_rows: int | None = None
+):
     """A checked LSTM forward struct over zeroed buffers of N = n rows and B = b state rows, the
-    kept buffers with ``kept`` rows (default N)."""
+    kept buffers with ``kept`` rows (default N), gx with ``gx_rows`` (default N)."""
     f64 = {"dtype": torch.float64}
     kept = n if kept is None else kept
-    t = {k: torch.zeros(kept if k not in ("gx", "out") else n, c, **f64)
+    gx_rows = n if gx_rows is None else gx_rows
+    rows = {"gx": gx_rows, "out": n}
+    t = {k: torch.zeros(rows.get(k, kept), c, **f64)
          for k, c in (("hp", 4 * hs), ("gx", 4 * hs), ("out", hs), ("hprev", hs), ("cprev", hs),
                       ("acts", 4 * hs), ("cn", hs), ("tc", hs))}  # fmt: skip
     t.update({k: torch.zeros(kept, **f64) for k in ("mh", "rh", "mc", "rc")})
@@ -124,7 +128,7 @@ def _lstm_fwd_struct(hs: int = 3, n: int = 8, b: int = 2, kept: int | None = Non
              c=torch.ones(b, hs, **f64))  # fmt: skip
     values = {**t, "eps": 1e-5, "off": 0, "rows": 0, "threads": 1, "layer_norm": 1,
               "normalize_cell_state": 0}  # fmt: skip
-    sizes = {"N": n, "B": b, "H": hs, "G": 4 * hs, "R": kept}
+    sizes = {"N": n, "B": b, "H": hs, "G": 4 * hs, "R": kept, "X": gx_rows}
     return rnn.prepare(rnn_abi.LSTM_FWD, torch.float64, values, sizes), t, sizes
 
 
@@ -195,8 +199,67 @@ def test_c_refuses_sequence_steps_outside_the_buffers() -> None:
     assert torch.equal(t["hprev"][6:], torch.ones(2, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"sizes \['G'\] not given"):
         rnn.sequence(
-            "lstm_fwd_seq", torch.float64, args, w, steps, {"N": 8, "B": 2, "H": 3, "R": 8}, 1, 1, 1
-        )
+            "lstm_fwd_seq", torch.float64, args, w, steps,
+            {"N": 8, "B": 2, "H": 3, "R": 8, "X": 8}, 1, 1, 1,
+        )  # fmt: skip
+
+
+def _projection(n: int = 8, inputs: int = 5, hs: int = 3) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(3)
+    f64 = {"dtype": torch.float64, "generator": gen}
+    return {"x": torch.randn(n, inputs, **f64), "w_ih": torch.randn(4 * hs, inputs, **f64),
+            "w0": 1 + 0.3 * torch.randn(4 * hs, **f64), "b0": 0.3 * torch.randn(4 * hs, **f64),
+            "split": 4 * hs}  # fmt: skip
+
+
+@needs_c
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("layer_norm", [1, 0])
+def test_c_projection_inside_the_time_loop_equals_a_given_gx(layer_norm, threads) -> None:
+    """A forward sequence given x and W_ih computes each step's gx rows into a B-row gx itself:
+    the outputs are those of the same sequence given gx = LN(x W_ihᵀ)·w0 + b0 (without layer
+    norm x W_ihᵀ + b0) for every row, to float64 rounding (another summation order)."""
+    w = torch.linspace(-1, 1, 36, dtype=torch.float64).view(12, 3)
+    steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 2]])
+    proj = _projection()
+    xp = proj["x"] @ proj["w_ih"].t()
+    if layer_norm:
+        xp = torch.nn.functional.layer_norm(xp, (12,), proj["w0"], proj["b0"], 1e-5)
+    else:
+        xp = xp + proj["b0"]
+    runs = []
+    for given in (True, False):
+        args, t, sizes = _lstm_fwd_struct(kept=2, gx_rows=8 if given else 2)
+        args.layer_norm = layer_norm
+        if given:
+            t["gx"].copy_(xp)
+        rnn.sequence("lstm_fwd_seq", torch.float64, args, w, steps, sizes, threads, 1, 1,
+                     None if given else proj)  # fmt: skip
+        runs.append(t)
+    assert runs[0]["out"].abs().min() > 0
+    for k in ("out", "h", "c"):
+        torch.testing.assert_close(runs[1][k], runs[0][k], rtol=1e-12, atol=1e-14)
+    # the B-row gx holds the last step's rows
+    torch.testing.assert_close(runs[1]["gx"], xp[6:], rtol=1e-12, atol=1e-14)
+
+
+@needs_c
+@pytest.mark.parametrize(
+    ("change", "gx_rows"),
+    [({"w_ih": None}, 2), ({"x": None}, 2), ({"split": 0}, 2), ({"split": 13}, 2), ({}, 8)],
+    ids=["x-without-w_ih", "w_ih-without-x", "split-0", "split-past-G", "gx-of-N-rows"],
+)
+def test_c_refuses_an_inconsistent_projection(change, gx_rows) -> None:
+    """x and W_ih come together, the split lies in (0, G], and gx has B rows when C projects
+    into it (N otherwise): anything else is an error before any memory is touched."""
+    args, t, sizes = _lstm_fwd_struct(kept=2, gx_rows=gx_rows)
+    proj = {**_projection(), **change}
+    w, steps = torch.zeros(12, 3, dtype=torch.float64), torch.tensor([[0, 2], [2, 2]])
+    before = {k: v.clone() for k, v in t.items()}
+    with pytest.raises(ValueError, match="input projection needs x and w_ih together"):
+        rnn.sequence("lstm_fwd_seq", torch.float64, args, w, steps, sizes, 1, 1, 1, proj)
+    for k, v in t.items():
+        assert torch.equal(v, before[k]), k
 
 
 @pytest.mark.parametrize(
@@ -217,7 +280,7 @@ def test_c_refuses_sequence_steps_outside_the_buffers() -> None:
 )
 def test_numbers_and_missing_tensors_are_refused(field, value, error, message) -> None:
     hs, n, b = 2, 2, 1
-    sizes = {"N": n, "B": b, "H": hs, "R": n}
+    sizes = {"N": n, "B": b, "H": hs, "R": n, "X": n}
     values: dict[str, object] = {}
     for f in rnn_abi.GRU_FWD.fields:
         if f.is_pointer:

@@ -67,12 +67,14 @@ def _threads(rows: int, cols: int) -> int:
 
 
 def _sizes(st: dict[str, Any], kernel: str) -> dict[str, int]:
-    """N, B, H, G and R of a sequence: B from the state the kernel updates (h forward, dh
-    backward), R from the kept buffers (N rows when backward will read them, B for inference)."""
+    """N, B, H, G, R and X of a sequence: B from the state the kernel updates (h forward, dh
+    backward), R from the kept buffers (N rows when backward will read them, B for inference),
+    X from gx (N rows, or B where the sequence kernel projects the inputs, ``st["x"]``)."""
     hs, cell = st["H"], kernel.split("_", 1)[0]
     state = st["dh"] if "_bwd" in kernel else st["h"]
-    return {"N": st["gx"].shape[0], "B": state.shape[0], "H": hs, "G": _GATES[cell] * hs,
-            "R": st["hp"].shape[0]}  # fmt: skip
+    gx_rows = st["gx"].shape[0]
+    return {"N": st.get("N", gx_rows), "B": state.shape[0], "H": hs, "G": _GATES[cell] * hs,
+            "R": st["hp"].shape[0], "X": gx_rows}  # fmt: skip
 
 
 def _args(st: dict[str, Any], kernel: str) -> Any:
@@ -183,12 +185,18 @@ def _steps(sched: tuple[tuple[int, int, int], ...]) -> Tensor:
     return torch.tensor([(off, bs) for _, off, bs in sched], dtype=torch.int64).reshape(-1, 2)
 
 
+# The input projection a forward sequence kernel computes itself, where st has it (inference).
+_PROJECTION = ("x", "w_ih", "w0", "b0", "split")
+
+
 def _sequence(
     kernel: str, st: dict[str, Any], w: Tensor, sched: tuple[tuple[int, int, int], ...]
 ) -> None:
+    projection = {k: st[k] for k in _PROJECTION} if st.get("x") is not None else None
     rnn.sequence(
         kernel, st["gx"].dtype, _args(st, kernel.replace("_seq", "_step")), w.contiguous(),
         _steps(sched), _sizes(st, kernel), torch.get_num_threads(), _SEQ_GRAIN, _SEQ_GEMM_GRAIN,
+        projection,
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ both in float64, forward and every gradient. The hand-written backward is not it
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -227,14 +227,17 @@ def _lstm_state(
     cm: Tensor | None,
     w_hr: Tensor | None,
     kept_rows: int,
+    n_rows: int | None = None,
 ) -> dict[str, Any]:
-    """An LSTM direction's ``st``: the state copied from ``h0, c0``, the output buffer (N rows) and
-    the kept buffers with ``kept_rows`` rows (N: for backward; B: inference, see
-    :func:`lstm_sequence`)."""
-    n_rows, hs, ps = gx.shape[0], c0.shape[1], h0.shape[1]
+    """An LSTM direction's ``st``: the state copied from ``h0, c0``, the output buffer (``n_rows``
+    rows, default gx's) and the kept buffers with ``kept_rows`` rows (N: for backward; B:
+    inference, see :func:`lstm_sequence`)."""
+    n_rows = gx.shape[0] if n_rows is None else n_rows
+    hs, ps = c0.shape[1], h0.shape[1]
     return {
-        "H": hs, "eps": eps, "normalize": normalize, "carry_normalized": carry_normalized,
-        "gx": gx, "w1": w1, "b1": b1, "w3": w3, "b3": b3, "zh": zh, "zc": zc, "cm": cm,
+        "N": n_rows, "H": hs, "eps": eps, "normalize": normalize,
+        "carry_normalized": carry_normalized, "gx": gx, "w1": w1, "b1": b1, "w3": w3,
+        "b3": b3, "zh": zh, "zc": zc, "cm": cm,
         "w_hr": w_hr, "h": h0.contiguous().clone(), "c": c0.contiguous().clone(),
         "out": gx.new_empty(n_rows, ps),
         **_new_bufs(gx, kept_rows, {"hp": 4 * hs, "hprev": ps, "cprev": hs, "acts": 4 * hs,
@@ -257,13 +260,15 @@ def _gru_state(
     zh: Tensor | None,
     cm: Tensor | None,
     kept_rows: int,
+    n_rows: int | None = None,
 ) -> dict[str, Any]:
     """A GRU direction's ``st``, as :func:`_lstm_state`."""
+    n_rows = gx.shape[0] if n_rows is None else n_rows
     hs = h0.shape[1]
     return {
-        "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz, "b_rz": b_rz,
-        "w_n": w_n, "b_n": b_n, "b_hn": b_hn, "h": h0.contiguous().clone(), "zh": zh, "cm": cm,
-        "out": gx.new_empty(gx.shape[0], hs),
+        "N": n_rows, "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz,
+        "b_rz": b_rz, "w_n": w_n, "b_n": b_n, "b_hn": b_hn, "h": h0.contiguous().clone(),
+        "zh": zh, "cm": cm, "out": gx.new_empty(n_rows, hs),
         **_new_bufs(gx, kept_rows, {"hp": 3 * hs, "hprev": hs, "rz": 2 * hs, "n": hs,
                                     "ghn": hs, "mh": 0, "rh": 0, "mn": 0, "rn": 0}),
     }  # fmt: skip
@@ -352,6 +357,50 @@ def normalized_projection(
     return out
 
 
+class InputProjection(NamedTuple):
+    """The input side of a direction's gates, ``gx``, not yet computed: ``LN(data W_ihᵀ)`` with
+    gain ``weight`` and bias ``bias`` (torch's input biases folded in), each block of ``blocks``
+    columns on its own (:func:`normalized_projection`), or without ``layer_norm``
+    ``data W_ihᵀ + bias``. The sequence functions take it in place of ``gx``: in inference the C
+    sequence kernels compute each step's rows inside the time loop, where they stay in cache
+    (no ``(N, G)`` buffer, no pass over it), else :meth:`compute` makes ``gx`` first."""
+
+    data: Tensor
+    w_ih: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
+    eps: float
+    layer_norm: bool
+    blocks: tuple[int, ...] | None = None
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        return (self.data, self.w_ih, self.weight, self.bias)
+
+    def compute(self) -> Tensor:
+        """``gx`` for every row (differentiable)."""
+        if self.layer_norm:
+            return normalized_projection(
+                self.data, self.w_ih, self.weight, self.bias, self.eps, self.blocks
+            )
+        return F.linear(self.data, self.w_ih, self.bias)
+
+    def kernel_args(self) -> dict[str, Any]:
+        """The C sequence kernels' projection arguments (``rnn_abi.SEQ_FWD``)."""
+        return {
+            "x": self.data.contiguous(), "w_ih": self.w_ih.contiguous(),
+            "w0": None if self.weight is None or not self.layer_norm else self.weight.contiguous(),
+            "b0": None if self.bias is None else self.bias.contiguous(),
+            "split": (self.blocks or (self.w_ih.shape[0],))[0],
+        }  # fmt: skip
+
+
+GatesInput = Tensor | InputProjection
+
+
+def _gx(source: GatesInput) -> Tensor:
+    return source.compute() if isinstance(source, InputProjection) else source
+
+
 def _inference_kernels(gx: Tensor, st: dict[str, Any], seq: str) -> StepKernels | None:
     """The kernels that run a whole direction with kept buffers of B rows (each step overwrites
     the last's): those with whole-sequence functions (the C kernels), without a projection (which
@@ -365,53 +414,93 @@ def _inference(
     seq: str,
     w_hh: Tensor,
     sched: Schedule,
-    state: Callable[[Tensor], dict[str, Any]],
+    state: Callable[[Tensor, int], dict[str, Any]],
     results: tuple[str, ...],
 ) -> tuple[Tensor, ...] | None:
     """A direction on the inference path, or ``None`` where it does not run: when autograd will
     not differentiate it (``torch.no_grad()``, or no input requires grad) and the kernels run
     whole directions (:func:`_inference_kernels`). No autograd node then, nothing kept for
     backward, and the per-row buffers (pre-activations, gates, statistics) have only the batch's
-    rows (``state`` builds them from ``gx``), overwritten each step, so they stay in cache; the
-    only passes over the sequence are reading ``gx`` and writing the output."""
+    rows (``state`` builds them from ``gx`` and the rows N), overwritten each step, so they stay
+    in cache. Given an :class:`InputProjection` (and float32 / float64 CPU data), ``gx`` is one
+    of those buffers too, which the kernel fills each step from that step's inputs: the only
+    passes over the sequence are reading its inputs and writing its output."""
+    source = args[0]
+    projected = isinstance(source, InputProjection)
     tensors = [a for a in args if isinstance(a, Tensor)]
-    if differentiated(*tensors) or torch.jit.is_tracing():
+    if differentiated(*tensors, *(source.tensors() if projected else ())):
         return None
-    gx = args[0].contiguous()
-    st = state(gx)
+    if torch.jit.is_tracing():
+        return None
+    in_loop = projected and _projects_in_loop(source)
+    if in_loop:
+        n_rows, n_batch = source.data.shape[0], args[1].shape[0]
+        gx = source.data.new_empty(n_batch, source.w_ih.shape[0])
+    else:
+        gx = _gx(source).contiguous()
+        n_rows = gx.shape[0]
+    st = state(gx, n_rows)
     kernels = _inference_kernels(gx, st, seq)
     if kernels is None:
         return None
+    if in_loop:
+        st.update(source.kernel_args())
     getattr(kernels, seq)(st, w_hh, sched)
     return tuple(st[k] for k in results)
 
 
+# The dtypes whose inference projection the C sequence kernels compute (their instances).
+_LOOP_PROJECTION_DTYPES = (torch.float32, torch.float64)
+# The C time loop packs W_ih for its GEMM on every call, a pass over W_ih and another over the
+# packed copy: that pays from about 128 rows, or with a small W_ih, where the projection before
+# the loop (torch's GEMM, then a layer-norm pass) costs its own per-call overhead. LN-LSTM, one
+# thread, AMD EPYC, in-loop / before-loop time: (T, B, I, H) = (1, 16, 512, 512) 1.46,
+# (4, 16, 512, 512) 1.04, (8, 16, 512, 512) 1.03, (2, 64, 650, 650) 1.00; (1, 32, 256, 256)
+# 0.98, (2, 8, 64, 128) 0.91, (16, 8, 64, 128) 0.91; at the bench shapes 0.85-0.92.
+_LOOP_PROJECTION_ROWS = 128
+_LOOP_PROJECTION_WEIGHT = 1 << 18
+
+
+def _projects_in_loop(source: InputProjection) -> bool:
+    """Whether the C time loop computes ``source`` in inference (see the measures above)."""
+    data, w_ih = source.data, source.w_ih
+    if not data.is_cpu or data.dtype not in _LOOP_PROJECTION_DTYPES:
+        return False
+    return data.shape[0] >= _LOOP_PROJECTION_ROWS or w_ih.numel() <= _LOOP_PROJECTION_WEIGHT
+
+
 def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
-    """One LSTM direction with :class:`LSTMSequence`'s arguments and results: the inference path
-    where it runs (:func:`_inference`), else :meth:`LSTMSequence.apply`."""
+    """One LSTM direction with :class:`LSTMSequence`'s arguments and results (``gx`` may be an
+    :class:`InputProjection`): the inference path where it runs (:func:`_inference`), else
+    :meth:`LSTMSequence.apply`."""
     (_, h0, c0, w_hh, w1, b1, w3, b3, sched, eps, normalize, carry, *masks) = args
 
-    def state(gx: Tensor) -> dict[str, Any]:
+    def state(gx: Tensor, n_rows: int) -> dict[str, Any]:
         st = _lstm_state(gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry,
-                         *_padded(masks, 4), kept_rows=h0.shape[0])  # fmt: skip
+                         *_padded(masks, 4), kept_rows=h0.shape[0], n_rows=n_rows)  # fmt: skip
         st["hprev"] = st["cprev"] = None  # read by backward only
         return st
 
     out = _inference(args, "lstm_fwd_seq", w_hh, sched, state, ("out", "h", "c"))
-    return LSTMSequence.apply(*args) if out is None else out  # type: ignore[return-value]
+    if out is None:
+        return LSTMSequence.apply(_gx(args[0]), *args[1:])  # type: ignore[no-any-return]
+    return out  # type: ignore[return-value]
 
 
 def gru_sequence(*args: Any) -> tuple[Tensor, Tensor]:
-    """One GRU direction with :class:`GRUSequence`'s arguments and results: the inference path
-    where it runs (:func:`_inference`), else :meth:`GRUSequence.apply`."""
+    """One GRU direction with :class:`GRUSequence`'s arguments and results (``gx`` may be an
+    :class:`InputProjection`): the inference path where it runs (:func:`_inference`), else
+    :meth:`GRUSequence.apply`."""
     (_, h0, w_hh, w_rz, b_rz, w_n, b_n, b_hn, sched, eps, normalize, *masks) = args
 
-    def state(gx: Tensor) -> dict[str, Any]:
+    def state(gx: Tensor, n_rows: int) -> dict[str, Any]:
         return _gru_state(gx, h0, w_rz, b_rz, w_n, b_n, b_hn, eps, normalize, *_padded(masks, 2),
-                          kept_rows=h0.shape[0])  # fmt: skip
+                          kept_rows=h0.shape[0], n_rows=n_rows)  # fmt: skip
 
     out = _inference(args, "gru_fwd_seq", w_hh, sched, state, ("out", "h"))
-    return GRUSequence.apply(*args) if out is None else out  # type: ignore[return-value]
+    if out is None:
+        return GRUSequence.apply(_gx(args[0]), *args[1:])  # type: ignore[no-any-return]
+    return out  # type: ignore[return-value]
 
 
 def _padded(values: list[Any], n: int) -> list[Any]:

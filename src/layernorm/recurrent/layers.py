@@ -585,14 +585,13 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if self.mode == "GRU":
             return self._fused_gru(data, sched, sfx, h0, w_ih, w_hh, b_ih, b_hh, masks, g)
         if self.mode == "LSTM":
-            # all time steps in one GEMM (chunks of rows in inference), torch's biases folded
+            # all time steps in one GEMM, or in inference step by step inside the C time loop
+            # (_fused.InputProjection); torch's biases folded into the input side's
             bsum = None if b_ih is None or b_hh is None else b_ih + b_hh
-            if ln:
-                b2 = g(f"ln_bias_ih{sfx}")
-                b2 = bsum if b2 is None else (b2 if bsum is None else b2 + bsum)
-                gx = _fused.normalized_projection(data, w_ih, g(f"ln_weight_ih{sfx}"), b2, self.eps)
-            else:
-                gx = F.linear(data, w_ih, bsum)
+            b2 = g(f"ln_bias_ih{sfx}") if ln else None
+            b2 = bsum if b2 is None else (b2 if bsum is None else b2 + bsum)
+            w2 = g(f"ln_weight_ih{sfx}") if ln else None
+            gx = _fused.InputProjection(data, w_ih, w2, b2, self.eps, ln)
             out, h_n, c_n = _fused.lstm_sequence(
                 gx, h0, c0, w_hh, g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"),
                 g(f"ln_weight_c{sfx}"), g(f"ln_bias_c{sfx}"), sched, self.eps, ln,
@@ -630,19 +629,18 @@ class _LNRNNBase(NotScriptable, nn.Module):
         """The GRU's fused path: ``gx = LN(W_ih x) + b_ih + [b_hr, b_hz, 0]`` for all steps, the
         ``(r, z)`` and ``n`` blocks normalized separately, then :func:`._fused.gru_sequence`.
 
-        The input-side biases are one ``(3H)`` vector folded into the layer norms' biases, and each
-        block has its own GEMM (:func:`._fused.normalized_projection`), so each layer norm reads a
-        contiguous input: no temporaries of ``(N, 3H)`` beyond the GEMMs' outputs and ``gx``."""
+        The input-side biases are one ``(3H)`` vector folded into the layer norms' biases. Where
+        ``gx`` is computed for all steps, each block has its own GEMM
+        (:func:`._fused.normalized_projection`), so each layer norm reads a contiguous input; in
+        inference the C time loop computes each step's rows (:class:`._fused.InputProjection`)."""
         hs, h2 = self.hidden_size, 2 * self.hidden_size
         bias_x = None
         if b_ih is not None and b_hh is not None:
             bias_x = b_ih + torch.cat((b_hh[:h2], b_hh.new_zeros(hs)))
-        if self.norm == "layer":
-            w, b = g(f"ln_weight_ih{sfx}"), g(f"ln_bias_ih{sfx}")
-            b = bias_x if b is None else (b if bias_x is None else b + bias_x)
-            gx = _fused.normalized_projection(data, w_ih, w, b, self.eps, blocks=(h2, hs))
-        else:
-            gx = F.linear(data, w_ih, bias_x)
+        ln = self.norm == "layer"
+        w, b = (g(f"ln_weight_ih{sfx}"), g(f"ln_bias_ih{sfx}")) if ln else (None, None)
+        b = bias_x if b is None else (b if bias_x is None else b + bias_x)
+        gx = _fused.InputProjection(data, w_ih, w, b, self.eps, ln, blocks=(h2, hs))
         w1, b1 = g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}")
         out, h_n = _fused.gru_sequence(
             gx, h0, w_hh,

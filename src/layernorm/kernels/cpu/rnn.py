@@ -120,6 +120,11 @@ def prepare(
 def _raise_for(status: int, kernel: str) -> None:
     if status == rnn_abi.ERR_NOMEM:
         raise MemoryError(f"layernorm recurrent CPU kernel {kernel} could not allocate its buffers")
+    if status == rnn_abi.ERR_PROJECTION:
+        raise ValueError(
+            f"layernorm recurrent CPU kernel {kernel}: the input projection needs x and w_ih "
+            f"together, 0 < split <= G and gx of B rows (without it, N rows); nothing was written"
+        )
     if status != 0:
         raise ValueError(
             f"layernorm recurrent CPU kernel {kernel}: a step's rows lie outside the buffers "
@@ -144,16 +149,25 @@ def sequence(
     threads: int,
     grain: int,
     gemm_grain: int,
+    projection: Mapping[str, object] | None = None,
 ) -> None:
     """Run sequence kernel ``kernel`` (``"lstm_fwd_seq"``, ...): every step of ``steps`` (an
     ``(S, 2)`` int64 tensor of (first row, rows) pairs in the forward pass's order; backward
-    kernels walk them in reverse) with the recurrent weight ``w``
-    (``W_hhᵀ`` contiguous forward, ``W_hh`` backward), on the step struct ``args`` from
-    :func:`prepare`."""
+    kernels walk them in reverse) with the recurrent weight ``w`` (``W_hh``; forward kernels
+    multiply by its transpose), on the step struct ``args`` from :func:`prepare`.
+
+    ``projection`` (forward kernels): ``x``, ``w_ih``, ``w0``, ``b0`` and ``split`` of
+    :data:`.rnn_abi.SEQ_FWD`, for a kernel that computes each step's ``gx`` rows itself (the step
+    struct's gx then has B rows); ``None``: gx holds every row already."""
     seq_struct = rnn_abi.BY_NAME[kernel].structs[1]
+    proj = dict(projection or {})
     values = {"w": w, "steps": steps, "threads": max(1, threads), "grain": grain,
-              "gemm_grain": gemm_grain}  # fmt: skip
-    seq_args = rnn_abi.pack(seq_struct, dtype, values, {**sizes, "S": steps.shape[0]})
+              "gemm_grain": gemm_grain, "split": sizes.get("G", 0), **proj}  # fmt: skip
+    # I from whichever of x and W_ih is given (C refuses one without the other)
+    given = [t for t in (proj.get("x"), proj.get("w_ih")) if isinstance(t, Tensor) and t.dim() == 2]
+    in_features = given[0].shape[1] if given else 0
+    seq_sizes = {**sizes, "S": steps.shape[0], "I": in_features}
+    seq_args = rnn_abi.pack(seq_struct, dtype, values, seq_sizes)
     _raise_for(_fn(kernel, dtype)(ctypes.byref(args), ctypes.byref(seq_args)), kernel)
 
 

@@ -43,6 +43,9 @@ RNN_INSTANCES: dict[torch.dtype, tuple[str, str]] = {
 ERR_ROWS = 1
 #: What a kernel returns when it cannot allocate its buffers (it then touches nothing).
 ERR_NOMEM = 2
+#: What a sequence kernel returns when its optional input projection is half given (x without
+#: w_ih or the reverse), its split is outside (0, G], or gx has the wrong rows for it.
+ERR_PROJECTION = 3
 
 
 class Kind(enum.Enum):
@@ -136,6 +139,10 @@ _SIZES = (
 # overwrite the last step's, so that they stay in cache and nothing is kept (the kernels read
 # R == N to tell the two apart, and refuse any other R).
 _KEPT = Field("R", Kind.SIZE, doc="rows of the kept buffers: N (training) or B (inference)")
+# gx, the input side of the gates, has X rows: N (computed by the caller for every row; row `row`
+# of the sequence) or B (inference: the sequence kernel projects each step's inputs into it and
+# row i of a step is row i, as with R = B).
+_GX_ROWS = Field("X", Kind.SIZE, doc="rows of gx: N (given) or B (the kernel's projection)")
 _STEP = (
     Field("off", Kind.INDEX, doc="the step's first row in the (N, ·) buffers"),
     Field("rows", Kind.INDEX, doc="the step's rows: rows [off, off + rows), state rows [0, rows)"),
@@ -155,7 +162,7 @@ LSTM_FWD = Struct(
     "One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence.",
     (
         _t("hp", _INOUT, "R 4H", "W_hh h_{t-1} (the sequence kernel's GEMM writes it)"),
-        _t("gx", _IN, "N 4H", "LN(W_ih x) + biases"),
+        _t("gx", _INOUT, "X 4H", "LN(W_ih x) + biases (written by a sequence kernel given x)"),
         _t("w1", _IN, "4H", "gain of LN(hp)"),
         _t("b1", _IN, "4H", "bias of LN(hp)"),
         _t("w3", _IN, "H", "gain of LN(c_t)"),
@@ -174,7 +181,7 @@ LSTM_FWD = Struct(
         _t("rc", _OUT, "R", "1/std of c_t"),
         _t("tc", _OUT, "R H", "tanh(LN(c_t))"),
         *_LSTM_MASKS,
-        *_SIZES, _KEPT, _EPS, *_STEP, _LAYER_NORM, _CELL,
+        *_SIZES, _KEPT, _GX_ROWS, _EPS, *_STEP, _LAYER_NORM, _CELL,
     ),
 )  # fmt: skip
 LSTM_BWD = Struct(
@@ -211,7 +218,7 @@ GRU_FWD = Struct(
     "One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence.",
     (
         _t("hp", _INOUT, "R 3H", "W_hh h_{t-1} (the sequence kernel's GEMM writes it)"),
-        _t("gx", _IN, "N 3H", "LN(W_ih x) + b_ih + [b_hr, b_hz, 0]"),
+        _t("gx", _INOUT, "X 3H", "LN(W_ih x) + b_ih + [b_hr, b_hz, 0] (as the LSTM's)"),
         _t("w_rz", _IN, "2H", "gain of LN(hp_rz)"),
         _t("b_rz", _IN, "2H", "bias of LN(hp_rz)"),
         _t("w_n", _IN, "H", "gain of LN(hp_n)"),
@@ -228,7 +235,7 @@ GRU_FWD = Struct(
         _t("mn", _OUT, "R", "mean of hp_n"),
         _t("rn", _OUT, "R", "1/std of hp_n"),
         *_GRU_MASKS,
-        *_SIZES, _KEPT, _EPS, *_STEP, _LAYER_NORM,
+        *_SIZES, _KEPT, _GX_ROWS, _EPS, *_STEP, _LAYER_NORM,
     ),
 )  # fmt: skip
 GRU_BWD = Struct(
@@ -257,13 +264,14 @@ GRU_BWD = Struct(
 )  # fmt: skip
 
 
-def _seq(name: str, w_shape: str, w_doc: str) -> Struct:
+def _seq(name: str, w_shape: str, w_doc: str, projection: tuple[Field, ...] = ()) -> Struct:
     return Struct(
         name,
         "The time loop of a sequence kernel: its steps in order, the recurrent weight, threads.",
         (
             _t("w", _IN, w_shape, w_doc),
             _t("steps", Kind.STEPS, "S 2", "(first row, rows) of each step, in forward order"),
+            *projection,
             Field("n_steps", Kind.SIZE, doc="steps", symbol="S"),
             Field("grain", Kind.INDEX, doc="step kernel: elements per thread at least", minimum=1),
             Field("gemm_grain", Kind.INDEX, doc="GEMM: multiply-adds per thread at least",
@@ -273,7 +281,23 @@ def _seq(name: str, w_shape: str, w_doc: str) -> Struct:
     )  # fmt: skip
 
 
-SEQ_FWD = _seq("rnn_seq_fwd_args", "G H", "W_hh (the kernel multiplies by its transpose)")
+# The forward sequence kernels' input projection (inference): with x and w_ih given, each step's
+# gx rows are LN(x W_ihᵀ) computed inside the time loop into gx (X = B rows), where they stay in
+# cache, instead of a (N, G) projection computed before the call and read back from memory. The
+# columns [0, split) and [split, G) are normalized separately (the GRU's (r, z) and n blocks;
+# split = G for one), with gain w0 and bias b0; without layer_norm only b0 is added.
+_PROJECTION = (
+    Field("x", _IN, ("N", "I"), "the direction's input rows", optional=True),
+    Field("w_ih", _IN, ("G", "I"), "W_ih (the kernel multiplies by its transpose)", optional=True),
+    Field("w0", _IN, ("G",), "gain of LN(x W_ihᵀ) (NULL: ones)", optional=True),
+    Field("b0", _IN, ("G",), "bias after it, torch's input biases folded in (NULL: zeros)",
+          optional=True),
+    Field("I", Kind.SIZE, doc="input features (0 without x)"),
+    Field("split", Kind.INDEX, doc="first normalized block's columns (with x: 0 < split <= G)"),
+)  # fmt: skip
+SEQ_FWD = _seq(
+    "rnn_seq_fwd_args", "G H", "W_hh (the kernel multiplies by its transpose)", _PROJECTION
+)
 SEQ_BWD = _seq("rnn_seq_bwd_args", "G H", "W_hh")
 WEIGHT_GRAD = Struct(
     "weight_grad_args",
@@ -502,6 +526,9 @@ def c_header() -> str:
         f"#define RNN_ERR_ROWS {ERR_ROWS}",
         "/* Returned by a kernel that cannot allocate its buffers (nothing is touched). */",
         f"#define RNN_ERR_NOMEM {ERR_NOMEM}",
+        "/* Returned by a sequence kernel whose input projection is inconsistent (nothing is",
+        "   touched): x without w_ih or the reverse, split outside (0, G], gx not of B rows. */",
+        f"#define RNN_ERR_PROJECTION {ERR_PROJECTION}",
         "",
         "/* Bytes per vector of the sequence GEMM: 64 with AVX-512, 32 with AVX, else 16. */",
         "int rnn_vector_bytes(void);",

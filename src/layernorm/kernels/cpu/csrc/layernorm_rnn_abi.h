@@ -11,6 +11,9 @@
 #define RNN_ERR_ROWS 1
 /* Returned by a kernel that cannot allocate its buffers (nothing is touched). */
 #define RNN_ERR_NOMEM 2
+/* Returned by a sequence kernel whose input projection is inconsistent (nothing is
+   touched): x without w_ih or the reverse, split outside (0, G], gx not of B rows. */
+#define RNN_ERR_PROJECTION 3
 
 /* Bytes per vector of the sequence GEMM: 64 with AVX-512, 32 with AVX, else 16. */
 int rnn_vector_bytes(void);
@@ -18,7 +21,7 @@ int rnn_vector_bytes(void);
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {
     float* hp; /* in/out (R, 4H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
-    const float* gx; /* input (N, 4H): LN(W_ih x) + biases */
+    float* gx; /* in/out (X, 4H): LN(W_ih x) + biases (written by a sequence kernel given x) */
     const float* w1; /* input (4H): gain of LN(hp) */
     const float* b1; /* input (4H): bias of LN(hp) */
     const float* w3; /* input (H): gain of LN(c_t) */
@@ -42,6 +45,7 @@ typedef struct {
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
     int64_t R; /* size: rows of the kept buffers: N (training) or B (inference) */
+    int64_t X; /* size: rows of gx: N (given) or B (the kernel's projection) */
     double eps; /* float, >= 0: added to the variance */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
@@ -74,13 +78,14 @@ _Static_assert(offsetof(lstm_fwd_step_args_f32, N) == 168, "lstm_fwd_step_args_f
 _Static_assert(offsetof(lstm_fwd_step_args_f32, B) == 176, "lstm_fwd_step_args_f32.B");
 _Static_assert(offsetof(lstm_fwd_step_args_f32, H) == 184, "lstm_fwd_step_args_f32.H");
 _Static_assert(offsetof(lstm_fwd_step_args_f32, R) == 192, "lstm_fwd_step_args_f32.R");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, eps) == 200, "lstm_fwd_step_args_f32.eps");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, off) == 208, "lstm_fwd_step_args_f32.off");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, rows) == 216, "lstm_fwd_step_args_f32.rows");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, threads) == 224, "lstm_fwd_step_args_f32.threads");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, layer_norm) == 228, "lstm_fwd_step_args_f32.layer_norm");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, normalize_cell_state) == 232, "lstm_fwd_step_args_f32.normalize_cell_state");
-_Static_assert(sizeof(lstm_fwd_step_args_f32) == 240, "lstm_fwd_step_args_f32 size");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, X) == 200, "lstm_fwd_step_args_f32.X");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, eps) == 208, "lstm_fwd_step_args_f32.eps");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, off) == 216, "lstm_fwd_step_args_f32.off");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, rows) == 224, "lstm_fwd_step_args_f32.rows");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, threads) == 232, "lstm_fwd_step_args_f32.threads");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, layer_norm) == 236, "lstm_fwd_step_args_f32.layer_norm");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, normalize_cell_state) == 240, "lstm_fwd_step_args_f32.normalize_cell_state");
+_Static_assert(sizeof(lstm_fwd_step_args_f32) == 248, "lstm_fwd_step_args_f32 size");
 
 /* One LN-LSTM step backward; dhp equals dgates without layer_norm (pass dgates). */
 typedef struct {
@@ -150,7 +155,7 @@ _Static_assert(sizeof(lstm_bwd_step_args_f32) == 224, "lstm_bwd_step_args_f32 si
 /* One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence. */
 typedef struct {
     float* hp; /* in/out (R, 3H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
-    const float* gx; /* input (N, 3H): LN(W_ih x) + b_ih + [b_hr, b_hz, 0] */
+    float* gx; /* in/out (X, 3H): LN(W_ih x) + b_ih + [b_hr, b_hz, 0] (as the LSTM's) */
     const float* w_rz; /* input (2H): gain of LN(hp_rz) */
     const float* b_rz; /* input (2H): bias of LN(hp_rz) */
     const float* w_n; /* input (H): gain of LN(hp_n) */
@@ -172,6 +177,7 @@ typedef struct {
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
     int64_t R; /* size: rows of the kept buffers: N (training) or B (inference) */
+    int64_t X; /* size: rows of gx: N (given) or B (the kernel's projection) */
     double eps; /* float, >= 0: added to the variance */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
@@ -201,12 +207,13 @@ _Static_assert(offsetof(gru_fwd_step_args_f32, N) == 152, "gru_fwd_step_args_f32
 _Static_assert(offsetof(gru_fwd_step_args_f32, B) == 160, "gru_fwd_step_args_f32.B");
 _Static_assert(offsetof(gru_fwd_step_args_f32, H) == 168, "gru_fwd_step_args_f32.H");
 _Static_assert(offsetof(gru_fwd_step_args_f32, R) == 176, "gru_fwd_step_args_f32.R");
-_Static_assert(offsetof(gru_fwd_step_args_f32, eps) == 184, "gru_fwd_step_args_f32.eps");
-_Static_assert(offsetof(gru_fwd_step_args_f32, off) == 192, "gru_fwd_step_args_f32.off");
-_Static_assert(offsetof(gru_fwd_step_args_f32, rows) == 200, "gru_fwd_step_args_f32.rows");
-_Static_assert(offsetof(gru_fwd_step_args_f32, threads) == 208, "gru_fwd_step_args_f32.threads");
-_Static_assert(offsetof(gru_fwd_step_args_f32, layer_norm) == 212, "gru_fwd_step_args_f32.layer_norm");
-_Static_assert(sizeof(gru_fwd_step_args_f32) == 216, "gru_fwd_step_args_f32 size");
+_Static_assert(offsetof(gru_fwd_step_args_f32, X) == 184, "gru_fwd_step_args_f32.X");
+_Static_assert(offsetof(gru_fwd_step_args_f32, eps) == 192, "gru_fwd_step_args_f32.eps");
+_Static_assert(offsetof(gru_fwd_step_args_f32, off) == 200, "gru_fwd_step_args_f32.off");
+_Static_assert(offsetof(gru_fwd_step_args_f32, rows) == 208, "gru_fwd_step_args_f32.rows");
+_Static_assert(offsetof(gru_fwd_step_args_f32, threads) == 216, "gru_fwd_step_args_f32.threads");
+_Static_assert(offsetof(gru_fwd_step_args_f32, layer_norm) == 220, "gru_fwd_step_args_f32.layer_norm");
+_Static_assert(sizeof(gru_fwd_step_args_f32) == 224, "gru_fwd_step_args_f32 size");
 
 /* One LN-GRU step backward; dhp equals dgh without layer_norm (pass dgh). */
 typedef struct {
@@ -267,6 +274,12 @@ _Static_assert(sizeof(gru_bwd_step_args_f32) == 192, "gru_bwd_step_args_f32 size
 typedef struct {
     const float* w; /* input (G, H): W_hh (the kernel multiplies by its transpose) */
     const int64_t* steps; /* steps (S, 2): (first row, rows) of each step, in forward order */
+    const float* x; /* input (N, I), optional: NULL = off: the direction's input rows */
+    const float* w_ih; /* input (G, I), optional: NULL = off: W_ih (the kernel multiplies by its transpose) */
+    const float* w0; /* input (G), optional: NULL = off: gain of LN(x W_ihᵀ) (NULL: ones) */
+    const float* b0; /* input (G), optional: NULL = off: bias after it, torch's input biases folded in (NULL: zeros) */
+    int64_t I; /* size: input features (0 without x) */
+    int64_t split; /* index, >= 0: first normalized block's columns (with x: 0 < split <= G) */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
@@ -274,11 +287,17 @@ typedef struct {
 } rnn_seq_fwd_args_f32;
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, w) == 0, "rnn_seq_fwd_args_f32.w");
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, steps) == 8, "rnn_seq_fwd_args_f32.steps");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, n_steps) == 16, "rnn_seq_fwd_args_f32.n_steps");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, grain) == 24, "rnn_seq_fwd_args_f32.grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, gemm_grain) == 32, "rnn_seq_fwd_args_f32.gemm_grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, threads) == 40, "rnn_seq_fwd_args_f32.threads");
-_Static_assert(sizeof(rnn_seq_fwd_args_f32) == 48, "rnn_seq_fwd_args_f32 size");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, x) == 16, "rnn_seq_fwd_args_f32.x");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, w_ih) == 24, "rnn_seq_fwd_args_f32.w_ih");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, w0) == 32, "rnn_seq_fwd_args_f32.w0");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, b0) == 40, "rnn_seq_fwd_args_f32.b0");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, I) == 48, "rnn_seq_fwd_args_f32.I");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, split) == 56, "rnn_seq_fwd_args_f32.split");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, n_steps) == 64, "rnn_seq_fwd_args_f32.n_steps");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, grain) == 72, "rnn_seq_fwd_args_f32.grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, gemm_grain) == 80, "rnn_seq_fwd_args_f32.gemm_grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, threads) == 88, "rnn_seq_fwd_args_f32.threads");
+_Static_assert(sizeof(rnn_seq_fwd_args_f32) == 96, "rnn_seq_fwd_args_f32 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
@@ -340,7 +359,7 @@ int weight_grad_f32(const weight_grad_args_f32* a);
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {
     double* hp; /* in/out (R, 4H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
-    const double* gx; /* input (N, 4H): LN(W_ih x) + biases */
+    double* gx; /* in/out (X, 4H): LN(W_ih x) + biases (written by a sequence kernel given x) */
     const double* w1; /* input (4H): gain of LN(hp) */
     const double* b1; /* input (4H): bias of LN(hp) */
     const double* w3; /* input (H): gain of LN(c_t) */
@@ -364,6 +383,7 @@ typedef struct {
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
     int64_t R; /* size: rows of the kept buffers: N (training) or B (inference) */
+    int64_t X; /* size: rows of gx: N (given) or B (the kernel's projection) */
     double eps; /* float, >= 0: added to the variance */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
@@ -396,13 +416,14 @@ _Static_assert(offsetof(lstm_fwd_step_args_f64, N) == 168, "lstm_fwd_step_args_f
 _Static_assert(offsetof(lstm_fwd_step_args_f64, B) == 176, "lstm_fwd_step_args_f64.B");
 _Static_assert(offsetof(lstm_fwd_step_args_f64, H) == 184, "lstm_fwd_step_args_f64.H");
 _Static_assert(offsetof(lstm_fwd_step_args_f64, R) == 192, "lstm_fwd_step_args_f64.R");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, eps) == 200, "lstm_fwd_step_args_f64.eps");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, off) == 208, "lstm_fwd_step_args_f64.off");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, rows) == 216, "lstm_fwd_step_args_f64.rows");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, threads) == 224, "lstm_fwd_step_args_f64.threads");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, layer_norm) == 228, "lstm_fwd_step_args_f64.layer_norm");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, normalize_cell_state) == 232, "lstm_fwd_step_args_f64.normalize_cell_state");
-_Static_assert(sizeof(lstm_fwd_step_args_f64) == 240, "lstm_fwd_step_args_f64 size");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, X) == 200, "lstm_fwd_step_args_f64.X");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, eps) == 208, "lstm_fwd_step_args_f64.eps");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, off) == 216, "lstm_fwd_step_args_f64.off");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, rows) == 224, "lstm_fwd_step_args_f64.rows");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, threads) == 232, "lstm_fwd_step_args_f64.threads");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, layer_norm) == 236, "lstm_fwd_step_args_f64.layer_norm");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, normalize_cell_state) == 240, "lstm_fwd_step_args_f64.normalize_cell_state");
+_Static_assert(sizeof(lstm_fwd_step_args_f64) == 248, "lstm_fwd_step_args_f64 size");
 
 /* One LN-LSTM step backward; dhp equals dgates without layer_norm (pass dgates). */
 typedef struct {
@@ -472,7 +493,7 @@ _Static_assert(sizeof(lstm_bwd_step_args_f64) == 224, "lstm_bwd_step_args_f64 si
 /* One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence. */
 typedef struct {
     double* hp; /* in/out (R, 3H): W_hh h_{t-1} (the sequence kernel's GEMM writes it) */
-    const double* gx; /* input (N, 3H): LN(W_ih x) + b_ih + [b_hr, b_hz, 0] */
+    double* gx; /* in/out (X, 3H): LN(W_ih x) + b_ih + [b_hr, b_hz, 0] (as the LSTM's) */
     const double* w_rz; /* input (2H): gain of LN(hp_rz) */
     const double* b_rz; /* input (2H): bias of LN(hp_rz) */
     const double* w_n; /* input (H): gain of LN(hp_n) */
@@ -494,6 +515,7 @@ typedef struct {
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
     int64_t R; /* size: rows of the kept buffers: N (training) or B (inference) */
+    int64_t X; /* size: rows of gx: N (given) or B (the kernel's projection) */
     double eps; /* float, >= 0: added to the variance */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
@@ -523,12 +545,13 @@ _Static_assert(offsetof(gru_fwd_step_args_f64, N) == 152, "gru_fwd_step_args_f64
 _Static_assert(offsetof(gru_fwd_step_args_f64, B) == 160, "gru_fwd_step_args_f64.B");
 _Static_assert(offsetof(gru_fwd_step_args_f64, H) == 168, "gru_fwd_step_args_f64.H");
 _Static_assert(offsetof(gru_fwd_step_args_f64, R) == 176, "gru_fwd_step_args_f64.R");
-_Static_assert(offsetof(gru_fwd_step_args_f64, eps) == 184, "gru_fwd_step_args_f64.eps");
-_Static_assert(offsetof(gru_fwd_step_args_f64, off) == 192, "gru_fwd_step_args_f64.off");
-_Static_assert(offsetof(gru_fwd_step_args_f64, rows) == 200, "gru_fwd_step_args_f64.rows");
-_Static_assert(offsetof(gru_fwd_step_args_f64, threads) == 208, "gru_fwd_step_args_f64.threads");
-_Static_assert(offsetof(gru_fwd_step_args_f64, layer_norm) == 212, "gru_fwd_step_args_f64.layer_norm");
-_Static_assert(sizeof(gru_fwd_step_args_f64) == 216, "gru_fwd_step_args_f64 size");
+_Static_assert(offsetof(gru_fwd_step_args_f64, X) == 184, "gru_fwd_step_args_f64.X");
+_Static_assert(offsetof(gru_fwd_step_args_f64, eps) == 192, "gru_fwd_step_args_f64.eps");
+_Static_assert(offsetof(gru_fwd_step_args_f64, off) == 200, "gru_fwd_step_args_f64.off");
+_Static_assert(offsetof(gru_fwd_step_args_f64, rows) == 208, "gru_fwd_step_args_f64.rows");
+_Static_assert(offsetof(gru_fwd_step_args_f64, threads) == 216, "gru_fwd_step_args_f64.threads");
+_Static_assert(offsetof(gru_fwd_step_args_f64, layer_norm) == 220, "gru_fwd_step_args_f64.layer_norm");
+_Static_assert(sizeof(gru_fwd_step_args_f64) == 224, "gru_fwd_step_args_f64 size");
 
 /* One LN-GRU step backward; dhp equals dgh without layer_norm (pass dgh). */
 typedef struct {
@@ -589,6 +612,12 @@ _Static_assert(sizeof(gru_bwd_step_args_f64) == 192, "gru_bwd_step_args_f64 size
 typedef struct {
     const double* w; /* input (G, H): W_hh (the kernel multiplies by its transpose) */
     const int64_t* steps; /* steps (S, 2): (first row, rows) of each step, in forward order */
+    const double* x; /* input (N, I), optional: NULL = off: the direction's input rows */
+    const double* w_ih; /* input (G, I), optional: NULL = off: W_ih (the kernel multiplies by its transpose) */
+    const double* w0; /* input (G), optional: NULL = off: gain of LN(x W_ihᵀ) (NULL: ones) */
+    const double* b0; /* input (G), optional: NULL = off: bias after it, torch's input biases folded in (NULL: zeros) */
+    int64_t I; /* size: input features (0 without x) */
+    int64_t split; /* index, >= 0: first normalized block's columns (with x: 0 < split <= G) */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
@@ -596,11 +625,17 @@ typedef struct {
 } rnn_seq_fwd_args_f64;
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, w) == 0, "rnn_seq_fwd_args_f64.w");
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, steps) == 8, "rnn_seq_fwd_args_f64.steps");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, n_steps) == 16, "rnn_seq_fwd_args_f64.n_steps");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, grain) == 24, "rnn_seq_fwd_args_f64.grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, gemm_grain) == 32, "rnn_seq_fwd_args_f64.gemm_grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, threads) == 40, "rnn_seq_fwd_args_f64.threads");
-_Static_assert(sizeof(rnn_seq_fwd_args_f64) == 48, "rnn_seq_fwd_args_f64 size");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, x) == 16, "rnn_seq_fwd_args_f64.x");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, w_ih) == 24, "rnn_seq_fwd_args_f64.w_ih");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, w0) == 32, "rnn_seq_fwd_args_f64.w0");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, b0) == 40, "rnn_seq_fwd_args_f64.b0");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, I) == 48, "rnn_seq_fwd_args_f64.I");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, split) == 56, "rnn_seq_fwd_args_f64.split");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, n_steps) == 64, "rnn_seq_fwd_args_f64.n_steps");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, grain) == 72, "rnn_seq_fwd_args_f64.grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, gemm_grain) == 80, "rnn_seq_fwd_args_f64.gemm_grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, threads) == 88, "rnn_seq_fwd_args_f64.threads");
+_Static_assert(sizeof(rnn_seq_fwd_args_f64) == 96, "rnn_seq_fwd_args_f64 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {

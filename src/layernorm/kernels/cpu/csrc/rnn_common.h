@@ -122,4 +122,12 @@ static inline int carried_before_valid(const void* cprev, const void* c0, i64 of
 static inline int kept_rows_valid(i64 R, i64 N, i64 B) { return R == N || R == B; }
 static inline i64 kept_row(i64 R, i64 N, i64 row, i64 i) { return R == N ? row : i; }
 
+/* Whether a forward kernel's projection arguments agree (rnn_abi.py, _PROJECTION): none, or x and
+   w_ih both, a split in (0, G], and gx of B rows written each step (with x) or N rows (without). */
+static inline int projection_valid(const void* x, const void* w_ih, i64 split, i64 G, i64 X,
+                                   i64 N, i64 B) {
+    if (!x) return !w_ih && X == N;
+    return w_ih && split > 0 && split <= G && X == B;
+}
+
 #endif

@@ -60,19 +60,20 @@ typedef scalar_t FN(vec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(s
 
 static inline i64 FN(panels)(i64 N) { return (N + NR - 1) / NR; }
 
-/* A buffer for packed panels, kept per calling thread and grown on demand (a fresh allocation of
-   megabytes per call is an mmap plus page faults every time). NULL when it cannot grow. */
-static __thread scalar_t* FN(pack_buf) = NULL;
-static __thread i64 FN(pack_cap) = 0;
+/* Buffers for packed panels, kept per calling thread and grown on demand (a fresh allocation of
+   megabytes per call is an mmap plus page faults every time): slot 0 for the recurrent weight,
+   slot 1 for the input weight of a forward kernel's projection. NULL when one cannot grow. */
+static __thread scalar_t* FN(pack_buf)[2] = {NULL, NULL};
+static __thread i64 FN(pack_cap)[2] = {0, 0};
 
-static scalar_t* FN(pack_buffer)(i64 n) {
-    if (n > FN(pack_cap)) {
-        free(FN(pack_buf));
+static scalar_t* FN(pack_buffer)(i64 n, int slot) {
+    if (n > FN(pack_cap)[slot]) {
+        free(FN(pack_buf)[slot]);
         void* p = NULL;
-        FN(pack_buf) = posix_memalign(&p, 64, (size_t)n * sizeof(scalar_t)) == 0 ? p : NULL;
-        FN(pack_cap) = FN(pack_buf) ? n : 0;
+        FN(pack_buf)[slot] = posix_memalign(&p, 64, (size_t)n * sizeof(scalar_t)) == 0 ? p : NULL;
+        FN(pack_cap)[slot] = FN(pack_buf)[slot] ? n : 0;
     }
-    return FN(pack_buf);
+    return FN(pack_buf)[slot];
 }
 
 /* Pack B[K, N] (row-major, leading dimension ldb) into panels: panel p at P + p·K·NR holds
@@ -91,7 +92,8 @@ static void FN(pack_panels)(const scalar_t* B, i64 ldb, i64 K, i64 N, scalar_t* 
 }
 
 /* Pack B = Wᵀ, W[N, K] row-major (B[k, j] = W[j, k]), into panels as pack_panels does: the
-   forward GEMMs multiply by W_hhᵀ, read here from W_hh itself (no transposed copy per call). */
+   forward GEMMs multiply by W_hhᵀ (and W_ihᵀ), read here from W itself (no transposed copy per
+   call). */
 static void FN(pack_panels_t)(const scalar_t* W, i64 K, i64 N, scalar_t* P, int nt) {
     #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (i64 p = 0; p < FN(panels)(N); ++p) {
@@ -264,7 +266,7 @@ int FN(weight_grad)(const FN(weight_grad_args) * a) {
         for (i64 i = 0; i < G * H; ++i) a->dw[i] = 0;
         return 0;
     }
-    scalar_t* P = FN(pack_buffer)(GEMM_KC * FN(panels)(H) * NR);
+    scalar_t* P = FN(pack_buffer)(GEMM_KC * FN(panels)(H) * NR, 0);
     if (!P) return RNN_ERR_NOMEM;
     const int threads = threads_for(G * H * N, FN(panels)(H), a->gemm_grain, a->threads);
     for (i64 k0 = 0; k0 < N; k0 += GEMM_KC) {
@@ -356,11 +358,12 @@ static void FN(gemm_nt_direct)(i64 M, i64 N, i64 K, const scalar_t* A, const sca
     }
 }
 
-/* A sequence kernel's recurrent weight B[K, N], packed: backward B = W_hh itself (row-major
-   [K, N]); forward (transposed = 1) B = W_hhᵀ, read from W_hh [N, K]. NULL when the buffer
-   cannot grow. */
-static const scalar_t* FN(packed_weight)(const scalar_t* w, i64 K, i64 N, int transposed, int nt) {
-    scalar_t* P = FN(pack_buffer)(K * FN(panels)(N) * NR);
+/* A sequence kernel's weight B[K, N], packed into buffer `slot`: backward B = W_hh itself
+   (row-major [K, N]); forward (transposed = 1) B = W_hhᵀ or W_ihᵀ, read from W [N, K]. NULL when
+   the buffer cannot grow. */
+static const scalar_t* FN(packed_weight)(const scalar_t* w, i64 K, i64 N, int transposed, int nt,
+                                         int slot) {
+    scalar_t* P = FN(pack_buffer)(K * FN(panels)(N) * NR, slot);
     if (P && transposed) FN(pack_panels_t)(w, K, N, P, nt);
     else if (P) FN(pack_panels)(w, N, K, N, P, nt);
     return P;
@@ -376,13 +379,18 @@ void FN(lstm_fwd_rows)(const FN(lstm_fwd_step_args) * a, i64 lo, i64 hi);
 void FN(lstm_bwd_rows)(const FN(lstm_bwd_step_args) * a, i64 lo, i64 hi);
 void FN(gru_fwd_rows)(const FN(gru_fwd_step_args) * a, i64 lo, i64 hi);
 void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
+void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const scalar_t* b0,
+                    double eps, int layer_norm, i64 lo, i64 hi);
+
 
 /* The time loops, the same for every cell; they expand inside a *_seq kernel with its step
    struct a, sequence struct s, gate rows G and `step`, a copy of *a that each step's rows and
    threads are written into.
 
    Forward: per step the recurrent GEMM h_{t−1} W_hhᵀ into the step's rows of hp (with kept
-   buffers of B rows, rows [0, rows)), then the cell's step kernel STEP_FN.
+   buffers of B rows, rows [0, rows)), then the cell's step kernel STEP_FN. With the input
+   projection (s->x, inference), first the step's x rows times W_ihᵀ into gx's B rows, finished
+   by input_rows (its layer norms) just before each row's step: gx never leaves the cache.
 
    With more than one thread for some step (the grains decide, as for one step), the whole time
    loop is one parallel region: its threads take a share of each step's GEMM (panels) and of its
@@ -392,7 +400,9 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
 #define FORWARD_IN_TIME(STEP_FN, ROWS_FN)                                                         \
     do {                                                                                          \
         if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;                              \
-        const i64 H = a->H;                                                                       \
+        if (!projection_valid(s->x, s->w_ih, s->split, G, a->X, a->N, a->B))                      \
+            return RNN_ERR_PROJECTION;                                                            \
+        const i64 H = a->H, I = s->I;                                                             \
         i64 all_rows = 0; /* checked step by step below; here only the choice of GEMM */          \
         int team = 1;                                                                             \
         for (i64 k = 0; k < s->n_steps; ++k) {                                                    \
@@ -400,10 +410,14 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
             all_rows += rows;                                                                     \
             team = TEAM_MAX(team, FN(gemm_threads)(rows, G, H, s->gemm_grain, s->threads));       \
             team = TEAM_MAX(team, threads_for(rows * G, rows, s->grain, s->threads));             \
+            if (s->x)                                                                             \
+                team = TEAM_MAX(team, FN(gemm_threads)(rows, G, I, s->gemm_grain, s->threads));   \
         }                                                                                         \
-        const int direct = all_rows <= DIRECT_ROWS; /* W_hh read as stored, not packed */         \
-        const scalar_t* w = direct ? s->w : FN(packed_weight)(s->w, H, G, 1, s->threads);         \
-        if (!w) return RNN_ERR_NOMEM;                                                             \
+        const int direct = all_rows <= DIRECT_ROWS; /* weights read as stored, not packed */      \
+        const scalar_t* w = direct ? s->w : FN(packed_weight)(s->w, H, G, 1, s->threads, 0);      \
+        const scalar_t* wx = !s->x || direct ? s->w_ih                                            \
+                                             : FN(packed_weight)(s->w_ih, I, G, 1, s->threads, 1);\
+        if (!w || (s->x && !wx)) return RNN_ERR_NOMEM;                                            \
         team = team_cap(team);                                                                    \
         if (team > 1 && !direct) {                                                                \
             for (i64 k = 0; k < s->n_steps; ++k)                                                  \
@@ -421,8 +435,14 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
                     mine.rows = s->steps[2 * k + 1];                                              \
                     scalar_t* hp = a->hp + kept_row(a->R, a->N, mine.off, 0) * G;                 \
                     const int gnt = FN(gemm_threads)(mine.rows, G, H, s->gemm_grain, nth);        \
-                    if (tid == 0)                                                                 \
+                    if (s->x) {                                                                   \
+                        const int xnt = FN(gemm_threads)(mine.rows, G, I, s->gemm_grain, nth);    \
+                        if (tid < xnt)                                                            \
+                            FN(gemm_part)(mine.rows, G, I, s->x + mine.off * I, I, 1, wx, a->gx,  \
+                                          G, 0, tid, xnt);                                        \
+                    } else if (tid == 0) {                                                        \
                         prefetch_l2(a->gx + mine.off * G, mine.rows * G * (i64)sizeof(scalar_t)); \
+                    }                                                                             \
                     if (tid < gnt)                                                                \
                         FN(gemm_part)(mine.rows, G, H, a->h, H, 1, w, hp, G, 0, tid, gnt);        \
                     team_wait(&bar, nth);                                                         \
@@ -430,6 +450,9 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
                     if (tid < rnt) {                                                              \
                         i64 lo, hi;                                                               \
                         row_block(mine.rows, rnt, tid, &lo, &hi);                                 \
+                        if (s->x)                                                                 \
+                            FN(input_rows)(a->gx, G, s->split, s->w0, s->b0, a->eps,              \
+                                           a->layer_norm, lo, hi);                                \
                         ROWS_FN(&mine, lo, hi);                                                   \
                     }                                                                             \
                     team_wait(&bar, nth);                                                         \
@@ -442,7 +465,16 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
             step.rows = s->steps[2 * k + 1];                                                      \
             if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;             \
             scalar_t* hp = a->hp + kept_row(a->R, a->N, step.off, 0) * G;                         \
-            prefetch_l2(a->gx + step.off * G, step.rows * G * (i64)sizeof(scalar_t));             \
+            if (s->x) {                                                                           \
+                const scalar_t* xr = s->x + step.off * I;                                         \
+                const int xnt = FN(gemm_threads)(step.rows, G, I, s->gemm_grain, s->threads);     \
+                if (direct) FN(gemm_nt_direct)(step.rows, G, I, xr, wx, a->gx, G, xnt);           \
+                else FN(gemm)(step.rows, G, I, xr, I, 1, wx, a->gx, G, 0, xnt);                   \
+                FN(input_rows)(a->gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm, 0,        \
+                               step.rows);                                                        \
+            } else {                                                                              \
+                prefetch_l2(a->gx + step.off * G, step.rows * G * (i64)sizeof(scalar_t));         \
+            }                                                                                     \
             const int gemm_nt = FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads);     \
             if (direct) FN(gemm_nt_direct)(step.rows, G, H, a->h, w, hp, G, gemm_nt);             \
             else FN(gemm)(step.rows, G, H, a->h, H, 1, w, hp, G, 0, gemm_nt);                     \
@@ -468,7 +500,7 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
             team = TEAM_MAX(team, FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));  \
             team = TEAM_MAX(team, threads_for(step.rows * G, step.rows, s->grain, s->threads));   \
         }                                                                                         \
-        const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads);                         \
+        const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads, 0);                         \
         if (!w) return RNN_ERR_NOMEM;                                                             \
         team = team_cap(team);                                                                    \
         if (team > 1) {                                                                           \

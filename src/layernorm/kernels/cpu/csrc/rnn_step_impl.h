@@ -160,6 +160,38 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
     for (i64 j = 0; j < N; ++j) dx[j] += rf * (dy[j] * w[j] - cg - ((x[j] - mf) * rf) * cgx);
 }
 
+/* Rows [lo, hi) of gx (G columns each), the sequence kernels' projection x W_ihᵀ of a step's
+   inputs, finished in place: with layer_norm, columns [0, split) and [split, G) each normalized
+   as the step normalizes hp (moments, then ((v − hi) − lo)·r) with gain w0 and bias b0;
+   without, b0 added. NULL w0 / b0: ones / zeros. */
+void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const scalar_t* b0,
+                    double eps, int layer_norm, i64 lo, i64 hi) {
+    for (i64 i = lo; i < hi; ++i) {
+        scalar_t* v = gx + i * G;
+        if (!layer_norm) {
+            if (b0) {
+                #pragma omp simd
+                for (i64 j = 0; j < G; ++j) v[j] += b0[j];
+            }
+            continue;
+        }
+        for (i64 j0 = 0, j1 = split; j0 < G; j0 = j1, j1 = G) {
+            acc_t m, r;
+            FN(moments)(v + j0, j1 - j0, eps, &m, &r);
+            const FN(stats) st = FN(split)(m, r);
+            if (w0 && b0) {
+                #pragma omp simd
+                for (i64 j = j0; j < j1; ++j) v[j] = ((v[j] - st.hi) - st.lo) * st.r * w0[j] + b0[j];
+            } else {
+                #pragma omp simd
+                for (i64 j = j0; j < j1; ++j)
+                    v[j] = ((v[j] - st.hi) - st.lo) * st.r * (w0 ? w0[j] : (scalar_t)1) +
+                           (b0 ? b0[j] : (scalar_t)0);
+            }
+        }
+    }
+}
+
 static inline scalar_t FN(sigm)(scalar_t v) { return (scalar_t)1 / ((scalar_t)1 + EXP(-v)); }
 
 /* LN-LSTM forward of row i (gate order i, f, g, o, torch's). The gains and biases are always
@@ -169,7 +201,7 @@ static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
     const i64 H = A->H, G = 4 * H, row = A->off + i, k = kept_row(A->R, A->N, row, i);
     const int normalize = A->layer_norm;
     const scalar_t* hpr = A->hp + k * G;
-    const scalar_t* gxr = A->gx + row * G;
+    const scalar_t* gxr = A->gx + kept_row(A->X, A->N, row, i) * G;
     const scalar_t *w1 = A->w1, *b1 = A->b1, *w3 = A->w3, *b3 = A->b3;
     scalar_t* a = A->acts + k * G;
     acc_t m = 0, r = 1;
@@ -244,7 +276,8 @@ void FN(lstm_fwd_rows)(const FN(lstm_fwd_step_args) * a, i64 lo, i64 hi) {
 }
 
 int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
-    if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B))
+    if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B) ||
+        !kept_rows_valid(a->X, a->N, a->B))
         return RNN_ERR_ROWS;
     if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
         FN(lstm_fwd_rows)(a, 0, a->rows);
@@ -359,7 +392,7 @@ static inline __attribute__((always_inline)) void FN(gru_fwd_body)(
     const FN(gru_fwd_step_args) * A, i64 i, const int masks) {
     const i64 H = A->H, G = 3 * H, row = A->off + i, k = kept_row(A->R, A->N, row, i);
     const scalar_t* hp = A->hp + k * G;
-    const scalar_t* gx = A->gx + row * G;
+    const scalar_t* gx = A->gx + kept_row(A->X, A->N, row, i) * G;
     const scalar_t *w_rz = A->w_rz, *b_rz = A->b_rz, *w_n = A->w_n, *b_n = A->b_n;
     const scalar_t* b_hn = A->b_hn;
     scalar_t* rz = A->rz + k * 2 * H;
@@ -417,7 +450,8 @@ void FN(gru_fwd_rows)(const FN(gru_fwd_step_args) * a, i64 lo, i64 hi) {
 }
 
 int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
-    if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B))
+    if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B) ||
+        !kept_rows_valid(a->X, a->N, a->B))
         return RNN_ERR_ROWS;
     if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
         FN(gru_fwd_rows)(a, 0, a->rows);

@@ -143,9 +143,9 @@ static inline void f32_row_to_f16(const float* restrict src, uint16_t* restrict 
 
 /* Elements of float32 per block of rows the half kernels convert at once. The forwards keep a
    block (input and output) in the first-level cache, as do backwards without dw/db. Those with
-   dw/db take more rows per block: the float32 code they call moves its per-block float32 dw/db
-   sums into float64 at the end of every call, so a block of a row or two would pay that for every
-   row (measured at N = 768 and 1024: blocks of 8192 elements fastest, 2048 up to 2.7x slower). */
+   dw/db take more rows per block (measured at N = 768 and 1024: blocks of 8192 elements fastest,
+   2048 up to 2.7x slower while every block flushed its float32 dw/db sums to float64; they now
+   flush every FLUSH rows across blocks, and 2048 to 8192 came out within this machine's noise). */
 #ifndef HALF_FWD_ELEMS
 #define HALF_FWD_ELEMS 1024
 #endif

@@ -171,14 +171,16 @@ typedef struct {
 } FN(bwd_job);
 
 /* Rows [lo, hi), converted a block at a time and handed to the float32 bwd_rows, which adds the
-   block's dw/db terms to this thread's accumulators. Blocks hold an even number of rows, so the
-   float32 code's pairs of rows never straddle two blocks. */
+   block's dw/db terms to this thread's accumulators (flushed to float64 every FLUSH rows across
+   blocks, and at hi). Blocks hold an even number of rows, so the float32 code's pairs of rows
+   never straddle two blocks. */
 static int FN(bwd_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, float* fwa, float* fba,
                          i64 lo, i64 hi) {
     const i64 N = jb->N;
     /* without dw/db there are no sums to flush: blocks as small as the forward's */
     i64 R = half_block_rows(N, dwa ? HALF_BWD_ELEMS : HALF_FWD_ELEMS);
     if (R > 1) R -= R % 2;
+    int pending = 0;
     float* dyf = half_buffers(R * N, 3);
     if (!dyf) return 1;
     float *xf = dyf + R * N, *dxf = xf + R * N;
@@ -191,7 +193,7 @@ static int FN(bwd_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, float* f
                                 .dw = NULL, .db = NULL, .M = rows, .N = N,
                                 .detach_mean = jb->detach_mean, .detach_std = jb->detach_std,
                                 .threads = 1};
-        bwd_rows_f32(&fj, dwa, dba, fwa, fba, 0, rows);
+        bwd_rows_f32(&fj, dwa, dba, fwa, fba, 0, rows, &pending, i + rows == hi);
         if (jb->dx) FROM_F32(dxf, jb->dx + i * N, rows * N);
     }
     return 0;

@@ -285,14 +285,18 @@ typedef struct {
 } FN(bwd_job);
 
 /* Rows [lo, hi). The first sweep reads dy and x from memory; the second, which writes dx, finds
-   them in cache. */
+   them in cache. *pending counts the rows added to fwa/fba since their last float64 flush, which
+   happens every FLUSH rows and, with `last`, at hi: the half kernels hand their rows over a
+   block at a time and flush at the end of their range only, so that a block of a few rows (to
+   stay in cache) costs no flush of N float64 sums each. */
 static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* restrict dba,
-                         scalar_t* restrict fwa, scalar_t* restrict fba, i64 lo, i64 hi) {
+                         scalar_t* restrict fwa, scalar_t* restrict fba, i64 lo, i64 hi,
+                         int* pending_rows, int last) {
     const i64 N = jb->N;
     const scalar_t* restrict w = jb->w;
     scalar_t* restrict dx = jb->dx;
     const int need_sums = dx && !(jb->detach_mean && jb->detach_std);
-    int pending = 0;  /* rows added to fwa/fba since the last float64 flush */
+    int pending = *pending_rows;
     for (i64 i = lo; i < hi;) {
         const int rows = (dwa && i + 1 < hi) ? 2 : 1;
         scalar_t m[2], r[2];
@@ -309,7 +313,7 @@ static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* rest
         pending += rows;
         /* dw/db: FLUSH rows summed in the input precision, then moved into float64 (a float64
            add per element and row would cost as much as the rest of the sweep). */
-        if (dwa && (pending >= FLUSH || i + rows == hi)) {
+        if (dwa && (pending >= FLUSH || (last && i + rows == hi))) {
             #pragma omp simd
             for (i64 j = 0; j < N; ++j) {
                 dwa[j] += fwa[j];
@@ -332,6 +336,7 @@ static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* rest
         }
         i += rows;
     }
+    *pending_rows = pending;
 }
 
 static int FN(bwd_run)(FN(bwd_job)* jb) {
@@ -351,17 +356,20 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
         fba = fwa + (i64)nt * N;
     }
     if (nt == 1) {
-        FN(bwd_rows)(jb, dwa, dba, fwa, fba, 0, jb->M);
+        int pending = 0;
+        FN(bwd_rows)(jb, dwa, dba, fwa, fba, 0, jb->M, &pending, 1);
     } else {
         #pragma omp parallel num_threads(nt)
         {
             const i64 t = omp_get_thread_num();
             i64 lo, hi;
+            int pending = 0;
             row_block(jb->M, omp_get_num_threads(), (int)t, &lo, &hi);
             if (dwa)
-                FN(bwd_rows)(jb, dwa + t * N, dba + t * N, fwa + t * N, fba + t * N, lo, hi);
+                FN(bwd_rows)(jb, dwa + t * N, dba + t * N, fwa + t * N, fba + t * N, lo, hi,
+                             &pending, 1);
             else
-                FN(bwd_rows)(jb, NULL, NULL, NULL, NULL, lo, hi);
+                FN(bwd_rows)(jb, NULL, NULL, NULL, NULL, lo, hi, &pending, 1);
         }
     }
     if (jb->dw) {

@@ -173,8 +173,10 @@ def test_lstm_keeps_neither_previous_state_copy() -> None:
 
 @pytest.mark.parametrize("per_cpu", [False, True], ids=["2 threads", "3 per CPU"])
 def test_sequence_kernels_threaded(monkeypatch, per_cpu) -> None:
-    """With the grains at 1 every step splits its GEMM columns and its rows across threads (the
-    sequence kernels' team, at most one thread per CPU however many torch is given)."""
+    """With the grains at 1 the sequence kernels run a team of threads (at most one per CPU
+    however many torch is given): sequences of equal lengths split by batch rows, each thread
+    running its rows through every step; ragged ones share every step, its GEMM columns and its
+    rows split across the threads."""
     monkeypatch.setattr(_cstep, "_GEMM_GRAIN", 1)
     monkeypatch.setattr(_cstep, "_GRAIN", 1)
     monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
@@ -185,9 +187,11 @@ def test_sequence_kernels_threaded(monkeypatch, per_cpu) -> None:
         for kind in LAYERS:
             model = _model(kind, 40, "layer", torch.float64)
             gen = torch.Generator().manual_seed(1)
-            for steps, batch in ((8, 1), (6, 10)):  # the unpacked and the packed forward GEMM
-                xs = [0.5 + torch.randn(steps, 6, generator=gen, dtype=torch.float64)
-                      for _ in range(batch)]  # fmt: skip
+            # the direct forward GEMM; the packed one by batch rows, and on shared steps
+            for steps, batch, ragged in ((8, 1, False), (6, 10, False), (6, 10, True)):
+                xs = [0.5 + torch.randn(steps - (i % 3 if ragged else 0), 6, generator=gen,
+                                        dtype=torch.float64)
+                      for i in range(batch)]  # fmt: skip
                 ours, ref = _both(model, xs, packed=True)
                 for a, b in zip(ours, ref, strict=True):
                     torch.testing.assert_close(a, b, **TOL[torch.float64])

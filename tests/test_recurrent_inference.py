@@ -87,11 +87,15 @@ def test_no_grad_equals_the_training_path(kind, norm, packed, dtype, monkeypatch
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("norm", ["layer", "none"])
-def test_inference_projects_the_inputs_inside_the_time_loop(kind, norm, monkeypatch) -> None:
+@pytest.mark.parametrize("packed", [True, False], ids=["ragged", "equal lengths"])
+def test_inference_projects_the_inputs_inside_the_time_loop(
+    kind, norm, packed, monkeypatch
+) -> None:
     """Under no_grad the input side is never computed for all rows: the C sequence kernel
-    projects each step's rows (here with 1 and 2 threads, the team sharing each step)."""
+    projects each step's rows (here with 1 and 2 threads: the team shares each step of ragged
+    sequences, and splits sequences of equal lengths by batch rows)."""
     model = _model(kind, torch.float32, norm=norm, num_layers=2)
-    x = _inputs(torch.float32, packed=True)
+    x = _inputs(torch.float32, packed=packed)
     ref = [t.detach() for t in _flat(model(x))]
 
     def refuse(self):

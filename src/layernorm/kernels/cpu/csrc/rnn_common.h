@@ -130,4 +130,22 @@ static inline int projection_valid(const void* x, const void* w_ih, i64 split, i
     return w_ih && split > 0 && split <= G && X == B;
 }
 
+/* Whether a team splits the sequence by batch rows instead of sharing every step: each thread
+   then runs its own rows [lo, hi) of the batch through all steps, GEMMs included (row i of a
+   step needs row i of the last step only), and the threads never wait for one another, where a
+   shared step meets twice at a barrier and hands each step's GEMM output across cores. It
+   takes every step to have all B rows (else the lower rows, in more steps, would load one
+   thread), at least two rows per thread, and packed weights small enough (`bytes`) that every
+   thread's reading all of them each step stays in its caches: past BATCH_SPLIT_BYTES the panel
+   split, each thread reading its share of the panels, wins. */
+#ifndef BATCH_SPLIT_BYTES
+#define BATCH_SPLIT_BYTES (4 << 20)
+#endif
+static inline int batch_split(const i64* steps, i64 n_steps, i64 B, int team, i64 bytes) {
+    if (team < 2 || B < 2 * team || bytes > BATCH_SPLIT_BYTES) return 0;
+    for (i64 k = 0; k < n_steps; ++k)
+        if (steps[2 * k + 1] != B) return 0;
+    return 1;
+}
+
 #endif

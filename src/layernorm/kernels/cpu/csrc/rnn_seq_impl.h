@@ -393,9 +393,11 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
    by input_rows (its layer norms) just before each row's step: gx never leaves the cache.
 
    With more than one thread for some step (the grains decide, as for one step), the whole time
-   loop is one parallel region: its threads take a share of each step's GEMM (panels) and of its
-   rows (ROWS_FN), and meet at a team_barrier after each, instead of a fork-join per GEMM and per
-   step kernel. All steps are checked before the region (nothing returns from inside it). */
+   loop is one parallel region. Where batch_split (rnn_common.h) allows, each thread runs its
+   own rows of the batch through every step, GEMMs and ROWS_FN, and never waits; else its
+   threads take a share of each step's GEMM (panels) and of its rows (ROWS_FN), and meet at a
+   team_barrier after each, instead of a fork-join per GEMM and per step kernel. All steps are
+   checked before the region (nothing returns from inside it). */
 #define TEAM_MAX(u, v) ((u) > (v) ? (u) : (v))
 #define FORWARD_IN_TIME(STEP_FN, ROWS_FN)                                                         \
     do {                                                                                          \
@@ -419,6 +421,8 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
                                              : FN(packed_weight)(s->w_ih, I, G, 1, s->threads, 1);\
         if (!w || (s->x && !wx)) return RNN_ERR_NOMEM;                                            \
         team = team_cap(team);                                                                    \
+        const i64 packed = (H + (s->x ? I : 0)) * FN(panels)(G) * NR * (i64)sizeof(scalar_t);     \
+        const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
         if (team > 1 && !direct) {                                                                \
             for (i64 k = 0; k < s->n_steps; ++k)                                                  \
                 if (!rows_in_range(s->steps[2 * k], s->steps[2 * k + 1], a->N, a->B))             \
@@ -430,7 +434,26 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
             {                                                                                     \
                 const int tid = omp_get_thread_num(), nth = omp_get_num_threads();                \
                 __typeof__(step) mine = step;                                                     \
-                for (i64 k = 0; k < s->n_steps; ++k) {                                            \
+                i64 lo, hi; /* by_rows: this thread's rows of the batch */                        \
+                row_block(a->B, nth, tid, &lo, &hi);                                              \
+                for (i64 k = 0; by_rows && hi > lo && k < s->n_steps; ++k) {                      \
+                    mine.off = s->steps[2 * k];                                                   \
+                    mine.rows = s->steps[2 * k + 1];                                              \
+                    scalar_t* hp = a->hp + kept_row(a->R, a->N, mine.off, 0) * G;                 \
+                    if (s->x)                                                                     \
+                        FN(gemm_part)(hi - lo, G, I, s->x + (mine.off + lo) * I, I, 1, wx,        \
+                                      a->gx + lo * G, G, 0, 0, 1);                                \
+                    else                                                                          \
+                        prefetch_l2(a->gx + (mine.off + lo) * G,                                  \
+                                    (hi - lo) * G * (i64)sizeof(scalar_t));                       \
+                    FN(gemm_part)(hi - lo, G, H, a->h + lo * H, H, 1, w, hp + lo * G, G, 0, 0,    \
+                                  1);                                                             \
+                    if (s->x)                                                                     \
+                        FN(input_rows)(a->gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm,   \
+                                       lo, hi);                                                   \
+                    ROWS_FN(&mine, lo, hi);                                                       \
+                }                                                                                 \
+                for (i64 k = 0; !by_rows && k < s->n_steps; ++k) {                                \
                     mine.off = s->steps[2 * k];                                                   \
                     mine.rows = s->steps[2 * k + 1];                                              \
                     scalar_t* hp = a->hp + kept_row(a->R, a->N, mine.off, 0) * G;                 \
@@ -448,7 +471,6 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
                     team_wait(&bar, nth);                                                         \
                     const int rnt = threads_for(mine.rows * G, mine.rows, s->grain, nth);         \
                     if (tid < rnt) {                                                              \
-                        i64 lo, hi;                                                               \
                         row_block(mine.rows, rnt, tid, &lo, &hi);                                 \
                         if (s->x)                                                                 \
                             FN(input_rows)(a->gx, G, s->split, s->w0, s->b0, a->eps,              \
@@ -500,9 +522,11 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
             team = TEAM_MAX(team, FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));  \
             team = TEAM_MAX(team, threads_for(step.rows * G, step.rows, s->grain, s->threads));   \
         }                                                                                         \
-        const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads, 0);                         \
+        const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads, 0);                     \
         if (!w) return RNN_ERR_NOMEM;                                                             \
         team = team_cap(team);                                                                    \
+        const i64 packed = G * FN(panels)(H) * NR * (i64)sizeof(scalar_t);                         \
+        const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
         if (team > 1) {                                                                           \
             team_barrier bar;                                                                     \
             atomic_init(&bar.count, 0);                                                           \
@@ -511,12 +535,20 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
             {                                                                                     \
                 const int tid = omp_get_thread_num(), nth = omp_get_num_threads();                \
                 __typeof__(step) mine = step;                                                     \
-                for (i64 k = s->n_steps - 1; k >= 0; --k) {                                       \
+                i64 lo, hi; /* by_rows: this thread's rows of the batch */                        \
+                row_block(a->B, nth, tid, &lo, &hi);                                              \
+                for (i64 k = s->n_steps - 1; by_rows && hi > lo && k >= 0; --k) {                 \
+                    mine.off = s->steps[2 * k];                                                   \
+                    mine.rows = s->steps[2 * k + 1];                                              \
+                    ROWS_FN(&mine, lo, hi);                                                       \
+                    FN(gemm_part)(hi - lo, H, G, a->dhp + (mine.off + lo) * G, G, 1, w,           \
+                                  a->dh + lo * H, H, (ACCUMULATE), 0, 1);                         \
+                }                                                                                 \
+                for (i64 k = s->n_steps - 1; !by_rows && k >= 0; --k) {                           \
                     mine.off = s->steps[2 * k];                                                   \
                     mine.rows = s->steps[2 * k + 1];                                              \
                     const int rnt = threads_for(mine.rows * G, mine.rows, s->grain, nth);         \
                     if (tid < rnt) {                                                              \
-                        i64 lo, hi;                                                               \
                         row_block(mine.rows, rnt, tid, &lo, &hi);                                 \
                         ROWS_FN(&mine, lo, hi);                                                   \
                     }                                                                             \

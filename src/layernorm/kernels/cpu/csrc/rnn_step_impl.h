@@ -181,7 +181,8 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
             const FN(stats) st = FN(split)(m, r);
             if (w0 && b0) {
                 #pragma omp simd
-                for (i64 j = j0; j < j1; ++j) v[j] = ((v[j] - st.hi) - st.lo) * st.r * w0[j] + b0[j];
+                for (i64 j = j0; j < j1; ++j)
+                    v[j] = ((v[j] - st.hi) - st.lo) * st.r * w0[j] + b0[j];
             } else {
                 #pragma omp simd
                 for (i64 j = j0; j < j1; ++j)

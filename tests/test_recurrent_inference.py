@@ -120,7 +120,8 @@ def test_inference_projects_the_inputs_inside_the_time_loop(
 def test_few_rows_of_a_large_projection_compute_gx_before_the_loop(kind, monkeypatch) -> None:
     """Below ``_LOOP_PROJECTION_ROWS`` rows with a W_ih past ``_LOOP_PROJECTION_WEIGHT`` (here
     made 0) gx is computed before the loop (packing W_ih costs more than it saves there); from
-    that many rows on, inside it. The values agree either way."""
+    that many rows on, inside it, unless W_ih is past ``_LOOP_PROJECTION_MAX_BYTES`` (then
+    every step would read it from memory). The values agree either way."""
     monkeypatch.setattr(_fused, "_LOOP_PROJECTION_WEIGHT", 0)
     model = _model(kind, torch.float32)
     rows = _fused._LOOP_PROJECTION_ROWS
@@ -142,6 +143,12 @@ def test_few_rows_of_a_large_projection_compute_gx_before_the_loop(kind, monkeyp
         assert calls == ([steps * 5] if steps * 5 < rows else [])
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, **TOL[torch.float32])
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_MAX_BYTES", 0)
+    monkeypatch.setattr(_fused.InputProjection, "compute", counted)
+    calls.clear()
+    with torch.no_grad():
+        model(x)
+    assert calls == [x.shape[0] * 5]
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])

@@ -456,15 +456,22 @@ _LOOP_PROJECTION_DTYPES = (torch.float32, torch.float64)
 # the loop (torch's GEMM, then a layer-norm pass) costs its own per-call overhead. LN-LSTM, one
 # thread, AMD EPYC, in-loop / before-loop time: (T, B, I, H) = (1, 16, 512, 512) 1.46,
 # (4, 16, 512, 512) 1.04, (8, 16, 512, 512) 1.03, (2, 64, 650, 650) 1.00; (1, 32, 256, 256)
-# 0.98, (2, 8, 64, 128) 0.91, (16, 8, 64, 128) 0.91; at the bench shapes 0.85-0.92.
+# 0.98, (2, 8, 64, 128) 0.91, (16, 8, 64, 128) 0.91; at the bench shapes 0.85-0.92. And every
+# step reads all of the packed W_ih for its few rows: past a few MiB (out of the per-core
+# caches) that is a pass over memory per step, where one GEMM over all rows reads W_ih once per
+# block of rows: at (35, 20, 650, 650) (6.8 MB) in the loop took 1.10-1.31x torch's time, before
+# it 0.91-0.97x; at (100, 64, 256, 512) (2 MiB) in the loop 0.98-1.06x, before it 1.22-1.24x.
 _LOOP_PROJECTION_ROWS = 128
 _LOOP_PROJECTION_WEIGHT = 1 << 18
+_LOOP_PROJECTION_MAX_BYTES = 4 << 20
 
 
 def _projects_in_loop(source: InputProjection) -> bool:
     """Whether the C time loop computes ``source`` in inference (see the measures above)."""
     data, w_ih = source.data, source.w_ih
     if not data.is_cpu or data.dtype not in _LOOP_PROJECTION_DTYPES:
+        return False
+    if w_ih.numel() * w_ih.element_size() > _LOOP_PROJECTION_MAX_BYTES:
         return False
     return data.shape[0] >= _LOOP_PROJECTION_ROWS or w_ih.numel() <= _LOOP_PROJECTION_WEIGHT
 

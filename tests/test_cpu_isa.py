@@ -249,6 +249,39 @@ def test_recurrent_kernels_match_loop_float64(name, kind, batch, hidden, packed)
 @needs_kernels
 @pytest.mark.parametrize("name", ISAS)
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_recurrent_direct_gemm_per_target(name, kind, dtype, grad) -> None:
+    """A decoder's call (one step of 3 rows: the GEMMs read W as stored, dot products whose
+    lanes are summed four vectors at a time) on each target's whole-sequence kernels (also where
+    the target leaves them off by default), with hidden sizes ending in part of a vector and in
+    a block of fewer than four rows of W, against the float64 loop."""
+    xs = [x[:1] for x in _inputs(3, packed=False)]
+    tol = {"rtol": 1e-9, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    for hidden in (5, 37):
+        fused = _model(kind, hidden, torch.float64, "fused").to(dtype)
+        register_step_kernels("cpu", _pointwise.C_KERNELS)
+        try:
+            with targets.use(name), torch.set_grad_enabled(grad):
+                if grad:
+                    ours = _run(fused, [x.to(dtype) for x in xs], packed=False)
+                else:
+                    ours = [fused(torch.stack([x.to(dtype) for x in xs], 1))[0]]
+        finally:
+            register_step_kernels("cpu", None)
+        loop = _model(kind, hidden, torch.float64, "loop")
+        if grad:
+            ref = _run(loop, xs, packed=False)
+        else:
+            with torch.no_grad():
+                ref = [loop(torch.stack(xs, 1))[0]]
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a.double(), b, **tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_recurrent_kernels_float32_close_to_float64(name, kind) -> None:
     """float32 on each target against the float64 loop: every value within 2e-5 of the largest
     of its tensor (the GEMMs of a build without FMA round each product, so elementwise relative

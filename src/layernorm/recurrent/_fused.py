@@ -4,7 +4,9 @@ What makes an eager LN-LSTM slow is not arithmetic (layer norm adds ~1% FLOPs) b
 small autograd nodes per step. The split used here:
 
 * The input half ``LN(W_ih x_t)`` does not depend on the recurrence, so the sequence layer computes
-  it for **all** time steps with one GEMM and one layer norm (ordinary autograd, big tensors).
+  it for **all** time steps with one GEMM and one layer norm (ordinary autograd, big tensors);
+  in inference the C sequence kernels compute it step by step inside the time loop instead
+  (:class:`InputProjection`), where it stays in cache.
 * The recurrence is a single :class:`torch.autograd.Function` per direction. Forward runs the steps
   without recording a graph, writing what backward needs into preallocated ``(N, ·)`` buffers
   (N = rows of the packed sequence); backward walks the steps in reverse, per step one GEMM for

@@ -27,8 +27,9 @@ Speed: by default (``impl="auto"``) float32/float64 layer-norm and plain recurre
 fused path of :mod:`layernorm.recurrent._fused` (one GEMM + one LN for all input projections, one
 autograd node per direction with an analytic backward in time). When nothing will be
 differentiated (``torch.no_grad()``, or no input or parameter requires grad) the CPU C kernels run
-each direction as inference: no autograd node, nothing kept for backward, and the per-row buffers
-only as large as the batch (:func:`._fused.lstm_sequence`). ``impl="loop"`` runs the readable
+each direction as inference: no autograd node, nothing kept for backward, the per-row buffers
+only as large as the batch, and the input projection computed step by step inside the time loop
+(:func:`._fused.lstm_sequence`, :class:`._fused.InputProjection`). ``impl="loop"`` runs the readable
 per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare against; batch
 norm, torch.compile, torch.jit.trace, ``torch.func`` transforms, forward-mode AD and autocast always
 use it.

@@ -150,12 +150,16 @@ def test_c_refuses_step_rows_outside_the_buffers(off, rows) -> None:
 
 @needs_c
 @pytest.mark.parametrize("kernel", ["lstm_fwd_step", "lstm_fwd_seq"])
-def test_c_refuses_kept_buffers_of_neither_n_nor_b_rows(kernel) -> None:
-    """Kept buffers have N rows (training) or B (inference, rows [0, rows) each step); with any
-    other count (here 3, between B = 2 and N = 8) C returns an error and touches nothing."""
-    args, t, sizes = _lstm_fwd_struct(kept=3)
+@pytest.mark.parametrize("buffer", ["kept", "gx"])
+def test_c_refuses_kept_buffers_of_neither_n_nor_b_rows(kernel, buffer) -> None:
+    """Kept buffers and gx have N rows (training) or B (inference, rows [0, rows) each step);
+    with any other count (here 3, between B = 2 and N = 8) C returns an error and touches
+    nothing (a sequence kernel's gx without x must have N rows: the projection's error)."""
+    args, t, sizes = _lstm_fwd_struct(**{"kept" if buffer == "kept" else "gx_rows": 3})
     before = {k: v.clone() for k, v in t.items()}
-    with pytest.raises(ValueError, match="rows lie outside the buffers"):
+    projection = buffer == "gx" and kernel == "lstm_fwd_seq"
+    message = "gx of B rows" if projection else "rows lie outside the buffers"
+    with pytest.raises(ValueError, match=message):
         if kernel == "lstm_fwd_step":
             rnn.step(kernel, torch.float64, args, 0, 2, 1)
         else:

@@ -68,6 +68,11 @@ typedef struct {
     atomic_int phase;
 } team_barrier;
 
+static inline void team_init(team_barrier* b) {
+    atomic_init(&b->count, 0);
+    atomic_init(&b->phase, 0);
+}
+
 static inline void team_wait(team_barrier* b, int n) {
     if (n <= 1) return;
     const int phase = atomic_load_explicit(&b->phase, memory_order_acquire);

@@ -461,8 +461,7 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
                 if (!rows_in_range(s->steps[2 * k], s->steps[2 * k + 1], a->N, a->B))             \
                     return RNN_ERR_ROWS;                                                          \
             team_barrier bar;                                                                     \
-            atomic_init(&bar.count, 0);                                                           \
-            atomic_init(&bar.phase, 0);                                                           \
+            team_init(&bar);                                                                      \
             _Pragma("omp parallel num_threads(team)")                                             \
             {                                                                                     \
                 const int tid = omp_get_thread_num(), nth = omp_get_num_threads();                \
@@ -562,8 +561,7 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
         if (team > 1) {                                                                           \
             team_barrier bar;                                                                     \
-            atomic_init(&bar.count, 0);                                                           \
-            atomic_init(&bar.phase, 0);                                                           \
+            team_init(&bar);                                                                      \
             _Pragma("omp parallel num_threads(team)")                                             \
             {                                                                                     \
                 const int tid = omp_get_thread_num(), nth = omp_get_num_threads();                \

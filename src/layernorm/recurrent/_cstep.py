@@ -69,7 +69,7 @@ def _threads(rows: int, cols: int) -> int:
 def _sizes(st: dict[str, Any], kernel: str) -> dict[str, int]:
     """N, B, H, G, R and X of a sequence: B from the state the kernel updates (h forward, dh
     backward), R from the kept buffers (N rows when backward will read them, B for inference),
-    X from gx (N rows, or B where the sequence kernel projects the inputs, ``st["x"]``)."""
+    X from gx (N rows, or B where the sequence kernel projects the inputs, ``st["projection"]``)."""
     hs, cell = st["H"], kernel.split("_", 1)[0]
     state = st["dh"] if "_bwd" in kernel else st["h"]
     gx_rows = st["gx"].shape[0]
@@ -185,18 +185,14 @@ def _steps(sched: tuple[tuple[int, int, int], ...]) -> Tensor:
     return torch.tensor([(off, bs) for _, off, bs in sched], dtype=torch.int64).reshape(-1, 2)
 
 
-# The input projection a forward sequence kernel computes itself, where st has it (inference).
-_PROJECTION = ("x", "w_ih", "w0", "b0", "split")
-
-
 def _sequence(
     kernel: str, st: dict[str, Any], w: Tensor, sched: tuple[tuple[int, int, int], ...]
 ) -> None:
-    projection = {k: st[k] for k in _PROJECTION} if st.get("x") is not None else None
+    # st["projection"]: the input projection a forward kernel computes itself (inference)
     rnn.sequence(
         kernel, st["gx"].dtype, _args(st, kernel.replace("_seq", "_step")), w.contiguous(),
         _steps(sched), _sizes(st, kernel), torch.get_num_threads(), _SEQ_GRAIN, _SEQ_GEMM_GRAIN,
-        projection,
+        st.get("projection"),
     )  # fmt: skip
 
 

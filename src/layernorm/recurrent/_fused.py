@@ -446,7 +446,7 @@ def _inference(
     if kernels is None:
         return None
     if in_loop:
-        st.update(source.kernel_args())
+        st["projection"] = source.kernel_args()
     getattr(kernels, seq)(st, w_hh, sched)
     return tuple(st[k] for k in results)
 

@@ -188,11 +188,13 @@ def _steps(sched: tuple[tuple[int, int, int], ...]) -> Tensor:
 def _sequence(
     kernel: str, st: dict[str, Any], w: Tensor, sched: tuple[tuple[int, int, int], ...]
 ) -> None:
-    # st["projection"]: the input projection a forward kernel computes itself (inference)
+    # st["projection"]: the input projection a forward kernel computes itself (inference);
+    # st["ln_grads"]: the buffers a backward kernel sums the layer norms' parameter gradients into
+    options = st.get("projection" if "_fwd" in kernel else "ln_grads")
     rnn.sequence(
         kernel, st["gx"].dtype, _args(st, kernel.replace("_seq", "_step")), w.contiguous(),
         _steps(sched), _sizes(st, kernel), torch.get_num_threads(), _SEQ_GRAIN, _SEQ_GEMM_GRAIN,
-        st.get("projection"),
+        options,
     )  # fmt: skip
 
 

@@ -124,6 +124,28 @@ def _ln_param_grads(
     return (dw if need_w else None), (db.to(x.dtype) if need_b and db is not None else None)
 
 
+def _sum_ln_grads_in_kernel(
+    st: dict[str, Any], seq: SeqFn | None, normalize: bool, needed: bool, cell_cols: int | None
+) -> None:
+    """Where a sequence kernel runs backward through layer norms whose gains or biases need
+    gradients, buffers for it to sum them into as it goes (``st["ln_grads"]``, ``rnn_abi``'s
+    ``hp_grads``: LN(hp)'s gain then bias gradient, and with ``cell_cols`` ``c_grads``, the
+    LSTM's LN(c_t)'s), instead of :func:`_ln_param_grads`' passes over the saved rows after it."""
+    if seq is None or not normalize or not needed:
+        return
+    like, gates = st["gx"], st["hp"].shape[1]
+    st["ln_grads"] = {
+        "hp_grads": like.new_empty(2 * gates),
+        "c_grads": None if cell_cols is None else like.new_empty(2 * cell_cols),
+    }
+
+
+def _split_grads(sums: Tensor, need_w: bool, need_b: bool) -> tuple[Tensor | None, Tensor | None]:
+    """A kernel's ``(2 C)`` sums as the gain's and the bias's gradient (``None`` where unneeded)."""
+    dw, db = sums.chunk(2)
+    return (dw if need_w else None), (db if need_b else None)
+
+
 def _new_bufs(like: Tensor, n_rows: int, spec: dict[str, int]) -> dict[str, Tensor]:
     """``(N, cols)`` buffers in ``like``'s dtype, and ``(N,)`` row-statistics buffers (mean,
     1/σ) where cols is 0.
@@ -600,16 +622,20 @@ class LSTMSequence(torch.autograd.Function):
         st["dhp"] = gx.new_empty(n_rows, 4 * hs) if normalize else st["dgates"]
         w_hr = st["w_hr"]
         st["dhr"] = None if w_hr is None else gx.new_empty(n_rows, w_hr.shape[0])
-        kernels = _kernels(gx, st)
+        kernels, need = _kernels(gx, st), ctx.needs_input_grad
+        _sum_ln_grads_in_kernel(st, kernels.lstm_bwd_seq, normalize, any(need[4:8]), hs)
         # with zoneout of h the step leaves the direct path zh ⊙ dh_t in dh for the GEMM to add to
         _backward_in_time(
             st, w_hh, ctx.sched, kernels.lstm_bwd, kernels.lstm_bwd_seq,
             accumulate=st["zh"] is not None,
         )  # fmt: skip
-        dh, need = st["dh"], ctx.needs_input_grad
+        dh = st["dh"]
         d_w_hh = _grad_or_none(need[3], lambda: _lstm_weight_grad(kernels, st, ctx.sched))
         dw1 = db1 = dw3 = db3 = None
-        if normalize:
+        if "ln_grads" in st:
+            dw1, db1 = _split_grads(st["ln_grads"]["hp_grads"], need[4], need[5])
+            dw3, db3 = _split_grads(st["ln_grads"]["c_grads"], need[6], need[7])
+        elif normalize:
             ln = ln_kernels(gx)
             dw1, db1 = _ln_param_grads(
                 ln, st["dgates"], st["hp"], st["mh"], st["rh"], w1, need[4], need[5]
@@ -670,15 +696,29 @@ class GRUSequence(torch.autograd.Function):
         st.update(dout=dout.contiguous(), dh=dh_n.contiguous().clone(),
                   **_new_bufs(gx, n_rows, {"dgx": 3 * hs, "dgh": 3 * hs}))  # fmt: skip
         st["dhp"] = gx.new_empty(n_rows, 3 * hs) if normalize else st["dgh"]
-        kernels = _kernels(gx, st)
+        kernels, need = _kernels(gx, st), ctx.needs_input_grad
+        # torch's b_hn adds to LN(hp_n) as the LN's bias does: their gradients are the same sum
+        _sum_ln_grads_in_kernel(st, kernels.gru_bwd_seq, normalize, any(need[3:8]), None)
         _backward_in_time(
             st, w_hh, ctx.sched, kernels.gru_bwd, kernels.gru_bwd_seq, accumulate=True
         )
-        dh, dhp, need = st["dh"], st["dhp"], ctx.needs_input_grad
+        dh, dhp = st["dh"], st["dhp"]
         d_w_hh = _grad_or_none(need[2], lambda: _weight_grad(kernels, dhp, st["hprev"]))
         dgh, hp = st["dgh"], st["hp"]
         dw_rz = db_rz = dw_n = db_n = None
-        if normalize:
+        d_b_hn = None
+        if "ln_grads" in st:
+            dw, db = st["ln_grads"]["hp_grads"].chunk(2)
+            # b_hn's gradient is db_n's sum: a copy, not the same memory for two parameters
+            dw_rz, db_rz, dw_n, db_n, d_b_hn = (
+                g if needed else None
+                for g, needed in zip(
+                    (dw[: 2 * hs], db[: 2 * hs], dw[2 * hs :], db[2 * hs :],
+                     db[2 * hs :].clone() if need[7] else None),
+                    need[3:8],
+                )
+            )  # fmt: skip
+        elif normalize:
             ln = ln_kernels(gx)
             dw_rz, db_rz = _ln_param_grads(
                 ln, dgh[:, : 2 * hs], hp[:, : 2 * hs], st["mh"], st["rh"], w_rz, need[3], need[4]
@@ -686,7 +726,8 @@ class GRUSequence(torch.autograd.Function):
             dw_n, db_n = _ln_param_grads(
                 ln, dgh[:, 2 * hs :], hp[:, 2 * hs :], st["mn"], st["rn"], w_n, need[5], need[6]
             )
-        d_b_hn = _grad_or_none(need[7], lambda: dgh[:, 2 * hs :].sum(0))
+        if need[7] and d_b_hn is None:
+            d_b_hn = dgh[:, 2 * hs :].sum(0)
         return (st["dgx"], dh, d_w_hh, dw_rz, db_rz, dw_n, db_n, d_b_hn, *(None,) * 5)
 
 

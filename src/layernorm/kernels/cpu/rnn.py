@@ -149,22 +149,24 @@ def sequence(
     threads: int,
     grain: int,
     gemm_grain: int,
-    projection: Mapping[str, object] | None = None,
+    options: Mapping[str, object] | None = None,
 ) -> None:
     """Run sequence kernel ``kernel`` (``"lstm_fwd_seq"``, ...): every step of ``steps`` (an
     ``(S, 2)`` int64 tensor of (first row, rows) pairs in the forward pass's order; backward
     kernels walk them in reverse) with the recurrent weight ``w`` (``W_hh``; forward kernels
     multiply by its transpose), on the step struct ``args`` from :func:`prepare`.
 
-    ``projection`` (forward kernels): ``x``, ``w_ih``, ``w0``, ``b0`` and ``split`` of
-    :data:`.rnn_abi.SEQ_FWD`, for a kernel that computes each step's ``gx`` rows itself (the step
-    struct's gx then has B rows); ``None``: gx holds every row already."""
+    ``options``: the sequence struct's optional fields. Forward kernels: ``x``, ``w_ih``, ``w0``,
+    ``b0`` and ``split`` of :data:`.rnn_abi.SEQ_FWD`, for a kernel that computes each step's
+    ``gx`` rows itself (the step struct's gx then has B rows); without them gx holds every row
+    already. Backward kernels: ``hp_grads`` and ``c_grads`` of :data:`.rnn_abi.SEQ_BWD`, where
+    the kernel sums the layer norms' gain and bias gradients."""
     seq_struct = rnn_abi.BY_NAME[kernel].structs[1]
-    proj = dict(projection or {})
+    opts = dict(options or {})
     values = {"w": w, "steps": steps, "threads": max(1, threads), "grain": grain,
-              "gemm_grain": gemm_grain, "split": sizes.get("G", 0), **proj}  # fmt: skip
+              "gemm_grain": gemm_grain, "split": sizes.get("G", 0), **opts}  # fmt: skip
     # I from whichever of x and W_ih is given (C refuses one without the other)
-    given = [t for t in (proj.get("x"), proj.get("w_ih")) if isinstance(t, Tensor) and t.dim() == 2]
+    given = [t for t in (opts.get("x"), opts.get("w_ih")) if isinstance(t, Tensor) and t.dim() == 2]
     in_features = given[0].shape[1] if given else 0
     seq_sizes = {**sizes, "S": steps.shape[0], "I": in_features}
     seq_args = rnn_abi.pack(seq_struct, dtype, values, seq_sizes)

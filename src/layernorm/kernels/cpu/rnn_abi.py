@@ -264,14 +264,14 @@ GRU_BWD = Struct(
 )  # fmt: skip
 
 
-def _seq(name: str, w_shape: str, w_doc: str, projection: tuple[Field, ...] = ()) -> Struct:
+def _seq(name: str, w_shape: str, w_doc: str, options: tuple[Field, ...] = ()) -> Struct:
     return Struct(
         name,
         "The time loop of a sequence kernel: its steps in order, the recurrent weight, threads.",
         (
             _t("w", _IN, w_shape, w_doc),
             _t("steps", Kind.STEPS, "S 2", "(first row, rows) of each step, in forward order"),
-            *projection,
+            *options,
             Field("n_steps", Kind.SIZE, doc="steps", symbol="S"),
             Field("grain", Kind.INDEX, doc="step kernel: elements per thread at least", minimum=1),
             Field("gemm_grain", Kind.INDEX, doc="GEMM: multiply-adds per thread at least",
@@ -298,7 +298,17 @@ _PROJECTION = (
 SEQ_FWD = _seq(
     "rnn_seq_fwd_args", "G H", "W_hh (the kernel multiplies by its transpose)", _PROJECTION
 )
-SEQ_BWD = _seq("rnn_seq_bwd_args", "G H", "W_hh")
+# The backward sequence kernels' sums of the gains' and biases' gradients of the layer norms
+# inside the step (with layer_norm): each row's terms are added where the row's backward has them
+# in cache (in scalar_t for BLOCK_TERMS rows, then in float64, as the norm kernels sum dw and db),
+# instead of two more passes over (N, G) and (N, H) buffers after the call. NULL: not summed.
+_LN_GRADS = (
+    Field("hp_grads", _OUT, ("2G",), "LN(hp)'s gain then bias gradient: Σ dy⊙x̂, Σ dy over rows "
+          "(the GRU's (r, z) and n blocks side by side, as w_rz and w_n)", optional=True),
+    Field("c_grads", _OUT, ("2H",), "LN(c_t)'s gain then bias gradient (the LSTM's; NULL for "
+          "the GRU)", optional=True),
+)  # fmt: skip
+SEQ_BWD = _seq("rnn_seq_bwd_args", "G H", "W_hh", _LN_GRADS)
 WEIGHT_GRAD = Struct(
     "weight_grad_args",
     "dw = dhpᵀ · hprev: the recurrent weight's gradient summed over all rows.",

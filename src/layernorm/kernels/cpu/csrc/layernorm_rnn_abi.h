@@ -303,6 +303,8 @@ _Static_assert(sizeof(rnn_seq_fwd_args_f32) == 96, "rnn_seq_fwd_args_f32 size");
 typedef struct {
     const float* w; /* input (G, H): W_hh */
     const int64_t* steps; /* steps (S, 2): (first row, rows) of each step, in forward order */
+    float* hp_grads; /* output (2G), optional: NULL = off: LN(hp)'s gain then bias gradient: Σ dy⊙x̂, Σ dy over rows (the GRU's (r, z) and n blocks side by side, as w_rz and w_n) */
+    float* c_grads; /* output (2H), optional: NULL = off: LN(c_t)'s gain then bias gradient (the LSTM's; NULL for the GRU) */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
@@ -310,11 +312,13 @@ typedef struct {
 } rnn_seq_bwd_args_f32;
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, w) == 0, "rnn_seq_bwd_args_f32.w");
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, steps) == 8, "rnn_seq_bwd_args_f32.steps");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, n_steps) == 16, "rnn_seq_bwd_args_f32.n_steps");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, grain) == 24, "rnn_seq_bwd_args_f32.grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, gemm_grain) == 32, "rnn_seq_bwd_args_f32.gemm_grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, threads) == 40, "rnn_seq_bwd_args_f32.threads");
-_Static_assert(sizeof(rnn_seq_bwd_args_f32) == 48, "rnn_seq_bwd_args_f32 size");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, hp_grads) == 16, "rnn_seq_bwd_args_f32.hp_grads");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, c_grads) == 24, "rnn_seq_bwd_args_f32.c_grads");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, n_steps) == 32, "rnn_seq_bwd_args_f32.n_steps");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, grain) == 40, "rnn_seq_bwd_args_f32.grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, gemm_grain) == 48, "rnn_seq_bwd_args_f32.gemm_grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, threads) == 56, "rnn_seq_bwd_args_f32.threads");
+_Static_assert(sizeof(rnn_seq_bwd_args_f32) == 64, "rnn_seq_bwd_args_f32 size");
 
 /* dw = dhpᵀ · hprev: the recurrent weight's gradient summed over all rows. */
 typedef struct {
@@ -641,6 +645,8 @@ _Static_assert(sizeof(rnn_seq_fwd_args_f64) == 96, "rnn_seq_fwd_args_f64 size");
 typedef struct {
     const double* w; /* input (G, H): W_hh */
     const int64_t* steps; /* steps (S, 2): (first row, rows) of each step, in forward order */
+    double* hp_grads; /* output (2G), optional: NULL = off: LN(hp)'s gain then bias gradient: Σ dy⊙x̂, Σ dy over rows (the GRU's (r, z) and n blocks side by side, as w_rz and w_n) */
+    double* c_grads; /* output (2H), optional: NULL = off: LN(c_t)'s gain then bias gradient (the LSTM's; NULL for the GRU) */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
@@ -648,11 +654,13 @@ typedef struct {
 } rnn_seq_bwd_args_f64;
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, w) == 0, "rnn_seq_bwd_args_f64.w");
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, steps) == 8, "rnn_seq_bwd_args_f64.steps");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, n_steps) == 16, "rnn_seq_bwd_args_f64.n_steps");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, grain) == 24, "rnn_seq_bwd_args_f64.grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, gemm_grain) == 32, "rnn_seq_bwd_args_f64.gemm_grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, threads) == 40, "rnn_seq_bwd_args_f64.threads");
-_Static_assert(sizeof(rnn_seq_bwd_args_f64) == 48, "rnn_seq_bwd_args_f64 size");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, hp_grads) == 16, "rnn_seq_bwd_args_f64.hp_grads");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, c_grads) == 24, "rnn_seq_bwd_args_f64.c_grads");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, n_steps) == 32, "rnn_seq_bwd_args_f64.n_steps");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, grain) == 40, "rnn_seq_bwd_args_f64.grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, gemm_grain) == 48, "rnn_seq_bwd_args_f64.gemm_grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, threads) == 56, "rnn_seq_bwd_args_f64.threads");
+_Static_assert(sizeof(rnn_seq_bwd_args_f64) == 64, "rnn_seq_bwd_args_f64 size");
 
 /* dw = dhpᵀ · hprev: the recurrent weight's gradient summed over all rows. */
 typedef struct {

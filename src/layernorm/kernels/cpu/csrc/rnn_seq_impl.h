@@ -409,12 +409,77 @@ static inline int FN(gemm_threads)(i64 rows, i64 cols, i64 inner, i64 grain, int
 
 /* The step kernels' rows (rnn_step_impl.h), for the threads of a sequence call. */
 void FN(lstm_fwd_rows)(const FN(lstm_fwd_step_args) * a, i64 lo, i64 hi);
-void FN(lstm_bwd_rows)(const FN(lstm_bwd_step_args) * a, i64 lo, i64 hi);
+void FN(lstm_bwd_rows)(const FN(lstm_bwd_step_args) * a, i64 lo, i64 hi, scalar_t* sums);
 void FN(gru_fwd_rows)(const FN(gru_fwd_step_args) * a, i64 lo, i64 hi);
-void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi);
+void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi, scalar_t* sums);
 void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const scalar_t* b0,
                     double eps, int layer_norm, i64 lo, i64 hi);
 
+
+/* The layer norms' parameter-gradient sums of a backward call (rnn_abi.py, _LN_GRADS). Each thread
+   adds its rows' terms to its own scalar_t partials (the rows functions' sums) and moves them into
+   its float64 totals every BLOCK_TERMS rows it has run, as the norm kernels sum dw and db (a
+   scalar_t sum of at most BLOCK_TERMS terms per value, then float64); at the end the threads'
+   totals are added in thread order, so that a team of the same size gives the same result. */
+typedef struct {
+    scalar_t* part; /* per thread, `stride` apart: partial sums of the rows since the last move */
+    double* total;  /* per thread, `stride` apart */
+    i64 n, stride;  /* sums per thread (0: none asked), spacing (whole 64-byte lines) */
+} FN(grad_sums);
+
+/* 0, or RNN_ERR_NOMEM (nothing allocated). */
+static int FN(grad_sums_init)(FN(grad_sums) * g, i64 n, int team) {
+    g->n = n;
+    g->stride = (n + 7) / 8 * 8; /* 8 doubles: a line, and a whole number of lines of scalar_t */
+    g->part = NULL;
+    g->total = NULL;
+    if (!n) return 0;
+    void *p = NULL, *q = NULL;
+    const size_t count = (size_t)(g->stride * team);
+    if (posix_memalign(&p, 64, count * sizeof(scalar_t)) || posix_memalign(&q, 64, count * 8)) {
+        free(p);
+        return RNN_ERR_NOMEM;
+    }
+    g->part = p;
+    g->total = q;
+    memset(p, 0, count * sizeof(scalar_t));
+    memset(q, 0, count * 8);
+    return 0;
+}
+
+static inline scalar_t* FN(grad_sums_part)(const FN(grad_sums) * g, int tid) {
+    return g->n ? g->part + tid * g->stride : NULL;
+}
+
+/* After a thread's rows: every BLOCK_TERMS rows (and with last), its partials into its totals. */
+static inline void FN(grad_sums_add)(const FN(grad_sums) * g, int tid, i64 rows, i64* pending,
+                                     int last) {
+    if (!g->n) return;
+    *pending += rows;
+    if (*pending < BLOCK_TERMS && !(last && *pending)) return;
+    scalar_t* part = g->part + tid * g->stride;
+    double* total = g->total + tid * g->stride;
+    #pragma omp simd
+    for (i64 j = 0; j < g->n; ++j) {
+        total[j] += (double)part[j];
+        part[j] = 0;
+    }
+    *pending = 0;
+}
+
+/* The threads' totals, in thread order, into out0 (the first n0 sums) and out1 (the next n1;
+   NULL: skipped); then frees the buffers. */
+static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* out0, i64 n0,
+                                 scalar_t* out1, i64 n1) {
+    if (g->n) {
+        for (int t = 1; t < team; ++t)
+            for (i64 j = 0; j < g->n; ++j) g->total[j] += g->total[t * g->stride + j];
+        for (i64 j = 0; out0 && j < n0; ++j) out0[j] = (scalar_t)g->total[j];
+        for (i64 j = 0; out1 && j < n1; ++j) out1[j] = (scalar_t)g->total[n0 + j];
+    }
+    free(g->part);
+    free(g->total);
+}
 
 /* The time loops, the same for every cell; they expand inside a *_seq kernel with its step
    struct a, sequence struct s, gate rows G and `step`, a copy of *a that each step's rows and
@@ -539,10 +604,11 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
     } while (0)
 
 /* Backward: every step checked first (VALID, an expression over `step`: nothing is touched when
-   one fails), then per step in reverse the cell's step kernel STEP_FN, which leaves dhp, and the
-   GEMM dh (=|+=) dhp · W_hh (ACCUMULATE: += where the step left the direct path of h_{t−1} in
-   dh); with several threads, as one parallel region as forward. */
-#define BACKWARD_IN_TIME(STEP_FN, ROWS_FN, VALID, ACCUMULATE)                                     \
+   one fails), then per step in reverse the cell's rows ROWS_FN, which leave dhp (and add to the
+   thread's grad_sums partials, N_SUMS of them, 0: none), and the GEMM dh (=|+=) dhp · W_hh
+   (ACCUMULATE: += where the step left the direct path of h_{t−1} in dh); with several threads,
+   as one parallel region as forward. The sums go to OUT0 (N0 of them) and OUT1 (N1). */
+#define BACKWARD_IN_TIME(ROWS_FN, VALID, ACCUMULATE, N_SUMS, OUT0, N0, OUT1, N1)                 \
     do {                                                                                          \
         const i64 H = a->H;                                                                       \
         int team = 1;                                                                             \
@@ -557,6 +623,8 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
         const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads, 0);                     \
         if (!w) return RNN_ERR_NOMEM;                                                             \
         team = team_cap(team);                                                                    \
+        FN(grad_sums) sums;                                                                       \
+        if (FN(grad_sums_init)(&sums, (N_SUMS), team)) return RNN_ERR_NOMEM;                      \
         const i64 packed = G * FN(panels)(H) * NR * (i64)sizeof(scalar_t);                         \
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
         if (team > 1) {                                                                           \
@@ -566,12 +634,14 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
             {                                                                                     \
                 const int tid = omp_get_thread_num(), nth = omp_get_num_threads();                \
                 __typeof__(step) mine = step;                                                     \
-                i64 lo, hi; /* by_rows: this thread's rows of the batch */                        \
+                scalar_t* part = FN(grad_sums_part)(&sums, tid);                                  \
+                i64 lo, hi, pending = 0; /* by_rows: this thread's rows of the batch */           \
                 row_block(a->B, nth, tid, &lo, &hi);                                              \
                 for (i64 k = s->n_steps - 1; by_rows && hi > lo && k >= 0; --k) {                 \
                     mine.off = s->steps[2 * k];                                                   \
                     mine.rows = s->steps[2 * k + 1];                                              \
-                    ROWS_FN(&mine, lo, hi);                                                       \
+                    ROWS_FN(&mine, lo, hi, part);                                                 \
+                    FN(grad_sums_add)(&sums, tid, hi - lo, &pending, 0);                          \
                     FN(gemm_part)(hi - lo, H, G, a->dhp + (mine.off + lo) * G, G, 1, w,           \
                                   a->dh + lo * H, H, (ACCUMULATE), 0, 1);                         \
                 }                                                                                 \
@@ -581,7 +651,8 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
                     const int rnt = threads_for(mine.rows * G, mine.rows, s->grain, nth);         \
                     if (tid < rnt) {                                                              \
                         row_block(mine.rows, rnt, tid, &lo, &hi);                                 \
-                        ROWS_FN(&mine, lo, hi);                                                   \
+                        ROWS_FN(&mine, lo, hi, part);                                             \
+                        FN(grad_sums_add)(&sums, tid, hi - lo, &pending, 0);                      \
                     }                                                                             \
                     team_wait(&bar, nth);                                                         \
                     const int gnt = FN(gemm_threads)(mine.rows, H, G, s->gemm_grain, nth);        \
@@ -590,17 +661,22 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
                                       (ACCUMULATE), tid, gnt);                                    \
                     team_wait(&bar, nth);                                                         \
                 }                                                                                 \
+                FN(grad_sums_add)(&sums, tid, 0, &pending, 1);                                    \
             }                                                                                     \
-            return 0;                                                                             \
+        } else {                                                                                  \
+            scalar_t* part = FN(grad_sums_part)(&sums, 0);                                        \
+            i64 pending = 0;                                                                      \
+            for (i64 k = s->n_steps - 1; k >= 0; --k) {                                           \
+                step.off = s->steps[2 * k];                                                       \
+                step.rows = s->steps[2 * k + 1];                                                  \
+                ROWS_FN(&step, 0, step.rows, part);                                               \
+                FN(grad_sums_add)(&sums, 0, step.rows, &pending, 0);                              \
+                FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, (ACCUMULATE), \
+                         1);                                                                      \
+            }                                                                                     \
+            FN(grad_sums_add)(&sums, 0, 0, &pending, 1);                                          \
         }                                                                                         \
-        for (i64 k = s->n_steps - 1; k >= 0; --k) {                                               \
-            step.off = s->steps[2 * k];                                                           \
-            step.rows = s->steps[2 * k + 1];                                                      \
-            step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);           \
-            STEP_FN(&step);                                                                       \
-            FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, (ACCUMULATE),     \
-                     FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));               \
-        }                                                                                         \
+        FN(grad_sums_finish)(&sums, team, (OUT0), (N0), (OUT1), (N1));                            \
         return 0;                                                                                 \
     } while (0)
 
@@ -616,9 +692,11 @@ int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args
 int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
     const i64 G = 4 * a->H;
     FN(lstm_bwd_step_args) step = *a;
-    BACKWARD_IN_TIME(FN(lstm_bwd_step), FN(lstm_bwd_rows),
+    const int summed = a->layer_norm && (s->hp_grads || s->c_grads);
+    BACKWARD_IN_TIME(FN(lstm_bwd_rows),
                      carried_before_valid(a->cprev, a->c0, step.off, step.rows, a->N, a->B),
-                     a->zh != NULL);
+                     a->zh != NULL, summed ? 2 * G + 2 * a->H : 0, s->hp_grads, 2 * G, s->c_grads,
+                     2 * a->H);
 }
 
 int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
@@ -631,7 +709,8 @@ int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) 
 int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
     const i64 G = 3 * a->H;
     FN(gru_bwd_step_args) step = *a;
-    BACKWARD_IN_TIME(FN(gru_bwd_step), FN(gru_bwd_rows), 1, 1);
+    BACKWARD_IN_TIME(FN(gru_bwd_rows), 1, 1, a->layer_norm && s->hp_grads ? 2 * G : 0,
+                     s->hp_grads, 2 * G, NULL, 0);
 }
 
 #undef FORWARD_IN_TIME

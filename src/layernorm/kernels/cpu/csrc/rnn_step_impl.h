@@ -20,24 +20,24 @@
 #define MASK_ZH 1
 #define MASK_ZC 2
 #define MASK_CM 4
-/* Call body(A, i, masks) with masks the constant bit set of the masks A gives. */
-#define RNN_MASK_SWITCH_2(body, A, i)                               \
-    switch (((A)->zh ? MASK_ZH : 0) | ((A)->cm ? MASK_CM : 0)) {    \
-    case 0: body(A, i, 0); break;                                   \
-    case MASK_ZH: body(A, i, MASK_ZH); break;                       \
-    case MASK_CM: body(A, i, MASK_CM); break;                       \
-    default: body(A, i, MASK_ZH | MASK_CM); break;                  \
+/* Call body(A, ..., masks) with masks the constant bit set of the masks A gives. */
+#define RNN_MASK_SWITCH_2(body, A, ...)                                    \
+    switch (((A)->zh ? MASK_ZH : 0) | ((A)->cm ? MASK_CM : 0)) {           \
+    case 0: body(A, __VA_ARGS__, 0); break;                                \
+    case MASK_ZH: body(A, __VA_ARGS__, MASK_ZH); break;                    \
+    case MASK_CM: body(A, __VA_ARGS__, MASK_CM); break;                    \
+    default: body(A, __VA_ARGS__, MASK_ZH | MASK_CM); break;               \
     }
-#define RNN_MASK_SWITCH_3(body, A, i)                                                     \
+#define RNN_MASK_SWITCH_3(body, A, ...)                                                   \
     switch (((A)->zh ? MASK_ZH : 0) | ((A)->zc ? MASK_ZC : 0) | ((A)->cm ? MASK_CM : 0)) { \
-    case 0: body(A, i, 0); break;                                                         \
-    case 1: body(A, i, 1); break;                                                         \
-    case 2: body(A, i, 2); break;                                                         \
-    case 3: body(A, i, 3); break;                                                         \
-    case 4: body(A, i, 4); break;                                                         \
-    case 5: body(A, i, 5); break;                                                         \
-    case 6: body(A, i, 6); break;                                                         \
-    default: body(A, i, 7); break;                                                        \
+    case 0: body(A, __VA_ARGS__, 0); break;                                               \
+    case 1: body(A, __VA_ARGS__, 1); break;                                               \
+    case 2: body(A, __VA_ARGS__, 2); break;                                               \
+    case 3: body(A, __VA_ARGS__, 3); break;                                               \
+    case 4: body(A, __VA_ARGS__, 4); break;                                               \
+    case 5: body(A, __VA_ARGS__, 5); break;                                               \
+    case 6: body(A, __VA_ARGS__, 6); break;                                               \
+    default: body(A, __VA_ARGS__, 7); break;                                              \
     }
 #endif
 
@@ -122,10 +122,30 @@ static inline FN(stats) FN(split)(acc_t m, acc_t r) {
     return (FN(stats)){hi, (scalar_t)(m - (acc_t)hi), (scalar_t)r};
 }
 
+/* dx (=|+=) rstd·(g − cg − x̂·cgx) for accumulate (0|1); with sums, also sw += dy⊙x̂ and
+   sb += dy (the gain's and bias's gradient terms of this row). Constant flags: each caller's
+   loop is compiled for its own case (one pass, no reads of a dx that is not accumulated). */
+static inline __attribute__((always_inline)) void FN(ln_dx_store)(
+    const scalar_t* dy, const scalar_t* x, scalar_t mf, scalar_t rf, scalar_t cg, scalar_t cgx,
+    const scalar_t* w, scalar_t* dx, i64 N, scalar_t* sw, scalar_t* sb, const int accumulate,
+    const int sums) {
+    #pragma omp simd
+    for (i64 j = 0; j < N; ++j) {
+        const scalar_t d = dy[j], xh = (x[j] - mf) * rf;
+        const scalar_t v = rf * (d * w[j] - cg - xh * cgx);
+        dx[j] = accumulate ? dx[j] + v : v;
+        if (sums) {
+            sw[j] += d * xh;
+            sb[j] += d;
+        }
+    }
+}
+
 /* dx (+)= rstd·(g − mean(g) − x̂·mean(g⊙x̂)), g = dy⊙w, x̂ = (x − m)·r, in scalar_t with the
-   two means summed as row_sum does. */
+   two means summed as row_sum does; sw, sb (NULL: none) add this row's dy⊙x̂ and dy. */
 static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc_t r,
-                             const scalar_t* w, scalar_t* dx, i64 N, int accumulate) {
+                             const scalar_t* w, scalar_t* dx, i64 N, int accumulate,
+                             scalar_t* sw, scalar_t* sb) {
     const scalar_t mf = (scalar_t)m, rf = (scalar_t)r;
     const i64 step = 2 * SVL, nfull = N - N % step;
     acc_t ag[SVL] = {0}, agx[SVL] = {0};
@@ -151,13 +171,10 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
     }
     const scalar_t cg = (scalar_t)((sg + FN(sfold)(ag)) / N);
     const scalar_t cgx = (scalar_t)((sgx + FN(sfold)(agx)) / N);
-    /* Without accumulate, dx is an uninitialized buffer: never read it (0·NaN garbage = NaN). */
-    if (!accumulate) {
-        #pragma omp simd
-        for (i64 j = 0; j < N; ++j) dx[j] = 0;
-    }
-    #pragma omp simd
-    for (i64 j = 0; j < N; ++j) dx[j] += rf * (dy[j] * w[j] - cg - ((x[j] - mf) * rf) * cgx);
+    if (sw && accumulate) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, sw, sb, 1, 1);
+    else if (sw) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, sw, sb, 0, 1);
+    else if (accumulate) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, NULL, NULL, 1, 0);
+    else FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, NULL, NULL, 0, 0);
 }
 
 /* Rows [lo, hi) of gx (G columns each), the sequence kernels' projection x W_ihᵀ of a step's
@@ -306,7 +323,7 @@ static inline const scalar_t* FN(carried_before)(const FN(lstm_bwd_step_args) * 
 }
 
 static inline __attribute__((always_inline)) void FN(lstm_bwd_body)(
-    const FN(lstm_bwd_step_args) * A, i64 i, const int masks) {
+    const FN(lstm_bwd_step_args) * A, i64 i, scalar_t* sums, const int masks) {
     const i64 H = A->H, G = 4 * H, row = A->off + i;
     const int normalize = A->layer_norm, carry_norm = A->normalize_cell_state;
     const scalar_t* dout = A->dout + row * H;
@@ -344,7 +361,8 @@ static inline __attribute__((always_inline)) void FN(lstm_bwd_body)(
         dlc[j] = d;
     }
     if (normalize) {
-        FN(ln_dx)(dlc, A->cn + row * H, A->mc[row], A->rc[row], A->w3, dc, H, !carry_norm);
+        FN(ln_dx)(dlc, A->cn + row * H, A->mc[row], A->rc[row], A->w3, dc, H, !carry_norm,
+                  sums ? sums + 2 * G : NULL, sums ? sums + 2 * G + H : NULL);
     } else {
         for (i64 j = 0; j < H; ++j) dc[j] = dlc[j] + (carry_norm ? (scalar_t)0 : dc[j]);
     }
@@ -360,17 +378,20 @@ static inline __attribute__((always_inline)) void FN(lstm_bwd_body)(
         dc[j] = dcn * fg + direct;
     }
     if (normalize)
-        FN(ln_dx)(dg, A->hp + row * G, A->mh[row], A->rh[row], A->w1, A->dhp + row * G, G, 0);
+        FN(ln_dx)(dg, A->hp + row * G, A->mh[row], A->rh[row], A->w1, A->dhp + row * G, G, 0,
+                  sums, sums ? sums + G : NULL);
 }
 
-static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i) {
-    RNN_MASK_SWITCH_3(FN(lstm_bwd_body), A, i)
+static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i, scalar_t* sums) {
+    RNN_MASK_SWITCH_3(FN(lstm_bwd_body), A, i, sums)
 }
 
 /* Rows [lo, hi) of a step whose rows the caller has checked (the sequence kernels' threads,
-   each running its share of a step; see rnn_seq_impl.h). */
-void FN(lstm_bwd_rows)(const FN(lstm_bwd_step_args) * a, i64 lo, i64 hi) {
-    for (i64 i = lo; i < hi; ++i) FN(lstm_bwd_row)(a, i);
+   each running its share of a step; see rnn_seq_impl.h). With layer_norm and sums (NULL: none),
+   each row's terms of the layer norms' parameter gradients are added to sums: LN(hp)'s gain and
+   bias (G each), then LN(c_t)'s (H each). */
+void FN(lstm_bwd_rows)(const FN(lstm_bwd_step_args) * a, i64 lo, i64 hi, scalar_t* sums) {
+    for (i64 i = lo; i < hi; ++i) FN(lstm_bwd_row)(a, i, sums);
 }
 
 int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
@@ -378,11 +399,11 @@ int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
         !carried_before_valid(a->cprev, a->c0, a->off, a->rows, a->N, a->B))
         return RNN_ERR_ROWS;
     if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
-        FN(lstm_bwd_rows)(a, 0, a->rows);
+        FN(lstm_bwd_rows)(a, 0, a->rows, NULL);
         return 0;
     }
     #pragma omp parallel for num_threads(a->threads) schedule(static)
-    for (i64 i = 0; i < a->rows; ++i) FN(lstm_bwd_row)(a, i);
+    for (i64 i = 0; i < a->rows; ++i) FN(lstm_bwd_row)(a, i, NULL);
     return 0;
 }
 
@@ -468,7 +489,7 @@ int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
    then equals), and dh := the part of the gradient of h_{t−1} that bypasses W_hh (the caller adds
    dhp·W_hh). */
 static inline __attribute__((always_inline)) void FN(gru_bwd_body)(
-    const FN(gru_bwd_step_args) * A, i64 i, const int masks) {
+    const FN(gru_bwd_step_args) * A, i64 i, scalar_t* sums, const int masks) {
     const i64 H = A->H, G = 3 * H, row = A->off + i;
     const scalar_t* dout = A->dout + row * H;
     scalar_t* dh = A->dh + i * H;
@@ -500,29 +521,33 @@ static inline __attribute__((always_inline)) void FN(gru_bwd_body)(
     if (A->layer_norm) {
         const scalar_t* hp = A->hp + row * G;
         scalar_t* dhp = A->dhp + row * G;
-        FN(ln_dx)(dgh, hp, A->mh[row], A->rh[row], A->w_rz, dhp, 2 * H, 0);
-        FN(ln_dx)(dgh + 2 * H, hp + 2 * H, A->mn[row], A->rn[row], A->w_n, dhp + 2 * H, H, 0);
+        FN(ln_dx)(dgh, hp, A->mh[row], A->rh[row], A->w_rz, dhp, 2 * H, 0, sums,
+                  sums ? sums + G : NULL);
+        FN(ln_dx)(dgh + 2 * H, hp + 2 * H, A->mn[row], A->rn[row], A->w_n, dhp + 2 * H, H, 0,
+                  sums ? sums + 2 * H : NULL, sums ? sums + G + 2 * H : NULL);
     }
 }
 
-static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i) {
-    RNN_MASK_SWITCH_2(FN(gru_bwd_body), A, i)
+static inline void FN(gru_bwd_row)(const FN(gru_bwd_step_args) * A, i64 i, scalar_t* sums) {
+    RNN_MASK_SWITCH_2(FN(gru_bwd_body), A, i, sums)
 }
 
 /* Rows [lo, hi) of a step whose rows the caller has checked (the sequence kernels' threads,
-   each running its share of a step; see rnn_seq_impl.h). */
-void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi) {
-    for (i64 i = lo; i < hi; ++i) FN(gru_bwd_row)(a, i);
+   each running its share of a step; see rnn_seq_impl.h). With layer_norm and sums (NULL: none),
+   each row's terms of LN(hp)'s gain and bias gradients ((r, z) then n columns, G each) are
+   added to sums. */
+void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi, scalar_t* sums) {
+    for (i64 i = lo; i < hi; ++i) FN(gru_bwd_row)(a, i, sums);
 }
 
 int FN(gru_bwd_step)(const FN(gru_bwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B)) return RNN_ERR_ROWS;
     if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
-        FN(gru_bwd_rows)(a, 0, a->rows);
+        FN(gru_bwd_rows)(a, 0, a->rows, NULL);
         return 0;
     }
     #pragma omp parallel for num_threads(a->threads) schedule(static)
-    for (i64 i = 0; i < a->rows; ++i) FN(gru_bwd_row)(a, i);
+    for (i64 i = 0; i < a->rows; ++i) FN(gru_bwd_row)(a, i, NULL);
     return 0;
 }
 

@@ -716,6 +716,7 @@ class GRUSequence(torch.autograd.Function):
                     (dw[: 2 * hs], db[: 2 * hs], dw[2 * hs :], db[2 * hs :],
                      db[2 * hs :].clone() if need[7] else None),
                     need[3:8],
+                    strict=True,
                 )
             )  # fmt: skip
         elif normalize:

@@ -9,6 +9,7 @@ import ctypes
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from layernorm.kernels.cpu import rnn, rnn_abi
 from layernorm.recurrent import _fused
@@ -262,6 +263,104 @@ def test_c_refuses_an_inconsistent_projection(change, gx_rows) -> None:
     before = {k: v.clone() for k, v in t.items()}
     with pytest.raises(ValueError, match="input projection needs x and w_ih together"):
         rnn.sequence("lstm_fwd_seq", torch.float64, args, w, steps, sizes, 1, 1, 1, proj)
+    for k, v in t.items():
+        assert torch.equal(v, before[k]), k
+
+
+def _input_norm(hs: int = 3, n: int = 8) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    f64 = {"dtype": torch.float64, "generator": gen}
+    stats = torch.zeros(n, dtype=torch.float64)
+    return {"w0": 1 + 0.3 * torch.randn(4 * hs, **f64), "b0": 0.3 * torch.randn(4 * hs, **f64),
+            "mx": stats, "rx": stats.clone()}  # fmt: skip
+
+
+@needs_c
+@pytest.mark.parametrize("threads", [1, 2])
+def test_c_input_norm_in_the_step_equals_a_normalized_gx(threads) -> None:
+    """A forward sequence given the raw gx and w0, b0 adds LN(gx)·w0 + b0 inside the step: its
+    outputs are those of the sequence given the normalized gx, and mx, rx are gx's row mean and
+    1/std. Backward turns the gates' gradient into the raw gx's, and sums w0's and b0's
+    gradients, as torch's layer_norm backward has them."""
+    w = torch.linspace(-1, 1, 36, dtype=torch.float64).view(12, 3)
+    steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 2]])
+    raw = torch.randn(8, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    norm = _input_norm()
+    runs = []
+    for inside in (False, True):
+        args, t, sizes = _lstm_fwd_struct()
+        if inside:
+            t.update(norm)
+            t["gx"].copy_(raw)
+            args = rnn.prepare(rnn_abi.LSTM_FWD, torch.float64, {
+                **t, "eps": 1e-5, "off": 0, "rows": 0, "threads": 1, "layer_norm": 1,
+                "normalize_cell_state": 0}, sizes)  # fmt: skip
+        else:
+            t["gx"].copy_(F.layer_norm(raw, (12,), norm["w0"], norm["b0"], 1e-5))
+        rnn.sequence("lstm_fwd_seq", torch.float64, args, w, steps, sizes, threads, 1, 1)
+        runs.append(t)
+    for k in ("out", "h", "c", "acts", "mh", "rh"):
+        torch.testing.assert_close(runs[1][k], runs[0][k], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(runs[1]["mx"], raw.mean(1), rtol=1e-12, atol=1e-14)
+    rstd = (raw.var(1, unbiased=False) + 1e-5).rsqrt()
+    torch.testing.assert_close(runs[1]["rx"], rstd, rtol=1e-12, atol=1e-14)
+    # backward: a made-up gates gradient through the input side's layer norm
+    args, t, sizes = _lstm_bwd_struct(keep_cprev=True)
+    f = runs[1]
+    dgates = []
+    for inside in (False, True):
+        args, t, sizes = _lstm_bwd_struct(keep_cprev=True)
+        extra = {"gx": raw, "w0": norm["w0"], "mx": f["mx"], "rx": f["rx"]} if inside else {}
+        args = rnn.prepare(rnn_abi.LSTM_BWD, torch.float64, {
+            **t, **extra, "cprev": t["cprev"], "off": 0, "rows": 0, "threads": 1,
+            "layer_norm": 1, "normalize_cell_state": 0, "reverse": 0}, sizes)  # fmt: skip
+        sums = {"hp_grads": torch.zeros(24, dtype=torch.float64),
+                "x_grads": torch.zeros(24, dtype=torch.float64)}  # fmt: skip
+        rnn.sequence("lstm_bwd_seq", torch.float64, args, w, steps, sizes, threads, 1, 1, sums)
+        dgates.append((t["dgates"].clone(), sums))
+    (dg, _), (dgx, sums) = dgates
+    xr = raw.clone().requires_grad_(True)
+    w0, b0 = (norm[k].clone().requires_grad_(True) for k in ("w0", "b0"))
+    F.layer_norm(xr, (12,), w0, b0, 1e-5).backward(dg)
+    torch.testing.assert_close(dgx, xr.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(sums["x_grads"], torch.cat((w0.grad, b0.grad)), rtol=1e-10,
+                               atol=1e-12)  # fmt: skip
+    torch.testing.assert_close(sums["x_grads"][12:], sums["hp_grads"][12:], rtol=0, atol=0)
+
+
+@needs_c
+@pytest.mark.parametrize(
+    ("kernel", "drop"),
+    [("lstm_fwd_seq", "b0"), ("lstm_fwd_seq", "mx"), ("lstm_fwd_seq", "layer_norm"),
+     ("lstm_fwd_seq", "with-x"), ("lstm_fwd_step", "rx"), ("lstm_bwd_seq", "gx"),
+     ("lstm_bwd_step", "mx")],
+)  # fmt: skip
+def test_c_refuses_a_half_given_input_norm(kernel, drop) -> None:
+    """w0 comes with its bias and statistics (forward), with gx and the statistics (backward),
+    with layer_norm, and not with a projection the kernel computes: else an error before any
+    memory is touched."""
+    w, steps = torch.zeros(12, 3, dtype=torch.float64), torch.tensor([[0, 2], [2, 2]])
+    norm = _input_norm()
+    if "_fwd" in kernel:
+        args, t, sizes = _lstm_fwd_struct(gx_rows=2 if drop == "with-x" else 8)
+        t.update(norm)
+    else:
+        args, t, sizes = _lstm_bwd_struct(keep_cprev=True)
+        t.update(gx=torch.ones(8, 12, dtype=torch.float64), w0=norm["w0"], mx=norm["mx"],
+                 rx=norm["rx"])  # fmt: skip
+    struct = rnn_abi.LSTM_FWD if "_fwd" in kernel else rnn_abi.LSTM_BWD
+    values = {**t, "off": 0, "rows": 0, "threads": 1, "layer_norm": int(drop != "layer_norm"),
+              "normalize_cell_state": 0, "eps": 1e-5, "reverse": 0}  # fmt: skip
+    if drop in values and drop != "layer_norm":
+        values[drop] = None
+    args = rnn.prepare(struct, torch.float64, values, sizes)
+    before = {k: v.clone() for k, v in t.items()}
+    with pytest.raises(ValueError, match="the layer norm of gx needs w0"):
+        if kernel.endswith("_seq"):
+            proj = _projection() if drop == "with-x" else None
+            rnn.sequence(kernel, torch.float64, args, w, steps, sizes, 1, 1, 1, proj)
+        else:
+            rnn.step(kernel, torch.float64, args, 0, 2, 1)
     for k, v in t.items():
         assert torch.equal(v, before[k]), k
 

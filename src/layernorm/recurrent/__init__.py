@@ -3,8 +3,13 @@
 Cells (one time step, like ``torch.nn.LSTMCell``) and sequence layers (``torch.nn.LSTM``'s contract,
 weights and state_dict), with a fused fast path, plus the recurrent batch-norm baseline
 (``LayerNormLSTM(..., norm="batch")``, Cooijmans et al. 2016).
+
+On the CPU the fused path takes its per-row buffers from a cache that hands each out again once
+nothing holds it (:mod:`._buffers`): :func:`set_buffer_cache_limit` bounds it (0: off),
+:func:`clear_buffer_cache` empties it.
 """
 
+from ._buffers import buffer_cache_limit, clear_buffer_cache, set_buffer_cache_limit
 from ._pointwise import StepKernels, register_step_kernels
 from .cells import LayerNormGRUCell, LayerNormLSTMCell, LayerNormRNNCell
 from .layers import LayerNormGRU, LayerNormLSTM, LayerNormRNN
@@ -17,5 +22,8 @@ __all__ = [
     "LayerNormRNN",
     "LayerNormRNNCell",
     "StepKernels",
+    "buffer_cache_limit",
+    "clear_buffer_cache",
     "register_step_kernels",
+    "set_buffer_cache_limit",
 ]

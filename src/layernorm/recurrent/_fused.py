@@ -37,6 +37,7 @@ from torch import Tensor
 from ..functional import layer_norm
 from ..kernels.cpu import _native
 from ..kernels.cpu import layer_norm as cpu_layer_norm
+from . import _buffers
 from ._pointwise import (
     C_KERNELS,
     C_STEPS,
@@ -125,18 +126,25 @@ def _ln_param_grads(
 
 
 def _sum_ln_grads_in_kernel(
-    st: dict[str, Any], seq: SeqFn | None, normalize: bool, needed: bool, cell_cols: int | None
+    st: dict[str, Any],
+    seq: SeqFn | None,
+    normalize: bool,
+    needed: bool,
+    cell_cols: int | None,
+    input_norm: bool = False,
 ) -> None:
     """Where a sequence kernel runs backward through layer norms whose gains or biases need
     gradients, buffers for it to sum them into as it goes (``st["ln_grads"]``, ``rnn_abi``'s
-    ``hp_grads``: LN(hp)'s gain then bias gradient, and with ``cell_cols`` ``c_grads``, the
-    LSTM's LN(c_t)'s), instead of :func:`_ln_param_grads`' passes over the saved rows after it."""
+    ``hp_grads``: LN(hp)'s gain then bias gradient; with ``cell_cols`` ``c_grads``, the LSTM's
+    LN(c_t)'s; with ``input_norm`` ``x_grads``, its LN(gx)'s), instead of
+    :func:`_ln_param_grads`' passes over the saved rows after it."""
     if seq is None or not normalize or not needed:
         return
     like, gates = st["gx"], st["hp"].shape[1]
     st["ln_grads"] = {
         "hp_grads": like.new_empty(2 * gates),
         "c_grads": None if cell_cols is None else like.new_empty(2 * cell_cols),
+        "x_grads": like.new_empty(2 * gates) if input_norm else None,
     }
 
 
@@ -157,7 +165,7 @@ def _new_bufs(like: Tensor, n_rows: int, spec: dict[str, int]) -> dict[str, Tens
     """
     stats = torch.promote_types(like.dtype, torch.float32)
     return {
-        k: like.new_empty((n_rows, c)) if c else like.new_empty((n_rows,), dtype=stats)
+        k: _buffers.empty(like, (n_rows, c)) if c else _buffers.empty(like, (n_rows,), stats)
         for k, c in spec.items()
     }
 
@@ -263,7 +271,7 @@ def _lstm_state(
         "carry_normalized": carry_normalized, "gx": gx, "w1": w1, "b1": b1, "w3": w3,
         "b3": b3, "zh": zh, "zc": zc, "cm": cm,
         "w_hr": w_hr, "h": h0.contiguous().clone(), "c": c0.contiguous().clone(),
-        "out": gx.new_empty(n_rows, ps),
+        "out": _buffers.empty(gx, (n_rows, ps)),
         **_new_bufs(gx, kept_rows, {"hp": 4 * hs, "hprev": ps, "cprev": hs, "acts": 4 * hs,
                                     "cn": hs, "tc": hs, "mh": 0, "rh": 0, "mc": 0, "rc": 0}),
         "hu": None if w_hr is None else gx.new_empty(n_rows, hs), "y": None, "h0": None,
@@ -292,7 +300,7 @@ def _gru_state(
     return {
         "N": n_rows, "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz,
         "b_rz": b_rz, "w_n": w_n, "b_n": b_n, "b_hn": b_hn, "h": h0.contiguous().clone(),
-        "zh": zh, "cm": cm, "out": gx.new_empty(n_rows, hs),
+        "zh": zh, "cm": cm, "out": _buffers.empty(gx, (n_rows, hs)),
         **_new_bufs(gx, kept_rows, {"hp": 3 * hs, "hprev": hs, "rz": 2 * hs, "n": hs,
                                     "ghn": hs, "mh": 0, "rh": 0, "mn": 0, "rn": 0}),
     }  # fmt: skip
@@ -513,9 +521,30 @@ def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
         return st
 
     out = _inference(args, "lstm_fwd_seq", w_hh, sched, state, ("out", "h", "c"))
-    if out is None:
-        return LSTMSequence.apply(_gx(args[0]), *args[1:])  # type: ignore[no-any-return]
-    return out  # type: ignore[return-value]
+    if out is not None:
+        return out  # type: ignore[return-value]
+    source = args[0]
+    if _normalizes_in_kernel(source, _padded(masks, 4)[3]):
+        xp = F.linear(source.data, source.w_ih)  # raw: the kernels add its layer norm
+        return LSTMSequence.apply(  # type: ignore[no-any-return]
+            xp, *args[1:12], *_padded(masks, 4), True, source.weight, source.bias
+        )
+    return LSTMSequence.apply(_gx(source), *args[1:])  # type: ignore[no-any-return]
+
+
+def _normalizes_in_kernel(source: GatesInput, w_hr: Tensor | None) -> bool:
+    """Whether the LSTM's training path passes the raw projection and lets the C sequence
+    kernels add its layer norm (:class:`LSTMSequence`'s ``input_norm``): one pass over the
+    ``(N, G)`` projection forward and one backward, where a layer norm before the call writes
+    a normalized copy and one after it reads the gates' gradient and the projection back."""
+    return (
+        isinstance(source, InputProjection)
+        and source.layer_norm
+        and source.blocks is None
+        and w_hr is None
+        and not torch.jit.is_tracing()
+        and step_kernels(source.data) is C_KERNELS
+    )
 
 
 def gru_sequence(*args: Any) -> tuple[Tensor, Tensor]:
@@ -552,12 +581,14 @@ def _save(
 def _restore(ctx: Any) -> tuple[Tensor, dict[str, Any]]:
     """``(w_hh, st)`` with what :func:`_save` kept.
 
-    ``gx`` is not kept (backward never reads its values, and keeping it would hold an ``(N, G)``
-    buffer that nothing else keeps, an eighth of an LN-LSTM's training memory): ``st["gx"]`` is
-    ``hp``, which has gx's shape, dtype and device, all that backward asks of it."""
+    ``gx`` is not kept unless named (backward reads its values only when the kernels normalize
+    it, and keeping it would hold an ``(N, G)`` buffer that nothing else keeps, an eighth of an
+    LN-LSTM's training memory): ``st["gx"]`` is then ``hp``, which has gx's shape, dtype and
+    device, all that backward asks of it."""
     w_hh, *saved = ctx.saved_tensors
     st = {**ctx.consts, **dict(zip(ctx.names, saved, strict=True))}
-    st["gx"] = st["hp"]
+    if "gx" not in st:  # kept only where backward reads it (LSTMSequence's input_norm)
+        st["gx"] = st["hp"]
     return w_hh, st
 
 
@@ -571,6 +602,11 @@ class LSTMSequence(torch.autograd.Function):
     projection ``w_hr (P, H)`` (then ``h0`` and ``w_hh`` have P columns; without it P = H).
     Outputs: ``out (N, P)`` (h at every row), ``h_n (B, P)``, ``c_n (B, H)``. Buffer names are
     those of :mod:`._pointwise`.
+
+    With ``input_norm`` (the C sequence kernels only, see :func:`_normalizes_in_kernel`), ``gx``
+    is the raw projection ``W_ih x`` and the kernels add ``LN(gx; w0, b0)`` inside each step
+    (``w0``, ``b0`` ``(4H)``; ``None``: ones, zeros), keeping its row statistics; backward turns
+    the gates' gradient into gx's in place and sums ``w0``'s and ``b0``'s gradients as it goes.
     """
 
     @staticmethod
@@ -592,6 +628,9 @@ class LSTMSequence(torch.autograd.Function):
         zc: Tensor | None = None,
         cm: Tensor | None = None,
         w_hr: Tensor | None = None,
+        input_norm: bool = False,
+        w0: Tensor | None = None,
+        b0: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         _check_untraced("LSTMSequence")
         gx = gx.contiguous()
@@ -600,14 +639,25 @@ class LSTMSequence(torch.autograd.Function):
             kept_rows=gx.shape[0],
         )  # fmt: skip
         kernels = _kernels(gx, st)
+        if input_norm:
+            if kernels is not C_KERNELS or not normalize:
+                raise ValueError(
+                    "LSTMSequence: input_norm needs layer norms and the C sequence kernels, got "
+                    f"normalize={normalize} and {kernels}"
+                )
+            g4 = gx.shape[1]
+            st.update(w0=gx.new_ones(g4) if w0 is None else w0.contiguous(),
+                      b0=gx.new_zeros(g4) if b0 is None else b0.contiguous(),
+                      **_new_bufs(gx, gx.shape[0], {"mx": 0, "rx": 0}))  # fmt: skip
         if _previous_from_later_rows(kernels, sched, h0.shape[0]):
             st.update(hprev=None, y=st["out"], h0=h0.contiguous())
             if zc is None and not carry_normalized:  # the carried c_t is cn, kept anyway
                 st.update(cprev=None, c0=c0.contiguous(), reverse=int(sched[0][1] != 0))
         _forward_in_time(st, w_hh, sched, kernels.lstm_fwd, kernels.lstm_fwd_seq)
+        kept = ("gx", "w0", "mx", "rx") if input_norm else ()  # what backward's LN(gx) reads
         _save(ctx, st, w_hh, sched, ("w1", "b1", "w3", "b3", "hp", "hprev", "cprev", "acts",
-                                     "cn", "tc", "mh", "rh", "mc", "rc",
-                                     "zh", "zc", "cm", "w_hr", "hu", "y", "h0", "c0"))  # fmt: skip
+                                     "cn", "tc", "mh", "rh", "mc", "rc", "zh", "zc", "cm",
+                                     "w_hr", "hu", "y", "h0", "c0", *kept))  # fmt: skip
         return st["out"], st["h"], st["c"]
 
     @staticmethod
@@ -619,11 +669,15 @@ class LSTMSequence(torch.autograd.Function):
         st.update(dout=dout.contiguous(), dh=dh_n.contiguous().clone(),
                   dc=dc_n.contiguous().clone(),
                   **_new_bufs(gx, n_rows, {"dgates": 4 * hs, "dlc": hs}))  # fmt: skip
-        st["dhp"] = gx.new_empty(n_rows, 4 * hs) if normalize else st["dgates"]
+        st["dhp"] = _buffers.empty(gx, (n_rows, 4 * hs)) if normalize else st["dgates"]
         w_hr = st["w_hr"]
         st["dhr"] = None if w_hr is None else gx.new_empty(n_rows, w_hr.shape[0])
         kernels, need = _kernels(gx, st), ctx.needs_input_grad
-        _sum_ln_grads_in_kernel(st, kernels.lstm_bwd_seq, normalize, any(need[4:8]), hs)
+        input_norm = st.get("w0") is not None
+        _sum_ln_grads_in_kernel(
+            st, kernels.lstm_bwd_seq, normalize, any(need[4:8]) or any(need[17:19]), hs,
+            input_norm,
+        )  # fmt: skip
         # with zoneout of h the step leaves the direct path zh ⊙ dh_t in dh for the GEMM to add to
         _backward_in_time(
             st, w_hh, ctx.sched, kernels.lstm_bwd, kernels.lstm_bwd_seq,
@@ -646,7 +700,12 @@ class LSTMSequence(torch.autograd.Function):
         d_w_hr = None
         if w_hr is not None and need[15]:
             d_w_hr = st["dhr"].t().mm(st["hu"])
-        return (st["dgates"], dh, st["dc"], d_w_hh, dw1, db1, dw3, db3, *(None,) * 7, d_w_hr)
+        dw0 = db0 = None
+        if input_norm and "ln_grads" in st:
+            dw0, db0 = _split_grads(st["ln_grads"]["x_grads"], need[17], need[18])
+        # dgates: with input_norm the kernels turned it into the raw gx's gradient
+        return (st["dgates"], dh, st["dc"], d_w_hh, dw1, db1, dw3, db3, *(None,) * 7, d_w_hr,
+                None, dw0, db0)  # fmt: skip
 
 
 class GRUSequence(torch.autograd.Function):
@@ -695,7 +754,7 @@ class GRUSequence(torch.autograd.Function):
         n_rows = gx.shape[0]
         st.update(dout=dout.contiguous(), dh=dh_n.contiguous().clone(),
                   **_new_bufs(gx, n_rows, {"dgx": 3 * hs, "dgh": 3 * hs}))  # fmt: skip
-        st["dhp"] = gx.new_empty(n_rows, 3 * hs) if normalize else st["dgh"]
+        st["dhp"] = _buffers.empty(gx, (n_rows, 3 * hs)) if normalize else st["dgh"]
         kernels, need = _kernels(gx, st), ctx.needs_input_grad
         # torch's b_hn adds to LN(hp_n) as the LN's bias does: their gradients are the same sum
         _sum_ln_grads_in_kernel(st, kernels.gru_bwd_seq, normalize, any(need[3:8]), None)

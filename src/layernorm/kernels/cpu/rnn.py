@@ -120,6 +120,12 @@ def prepare(
 def _raise_for(status: int, kernel: str) -> None:
     if status == rnn_abi.ERR_NOMEM:
         raise MemoryError(f"layernorm recurrent CPU kernel {kernel} could not allocate its buffers")
+    if status == rnn_abi.ERR_INPUT_NORM:
+        raise ValueError(
+            f"layernorm recurrent CPU kernel {kernel}: the layer norm of gx needs w0 with b0, mx "
+            f"and rx (forward; gx, mx and rx backward) and layer_norm=1, and no input projection "
+            f"x; nothing was written"
+        )
     if status == rnn_abi.ERR_PROJECTION:
         raise ValueError(
             f"layernorm recurrent CPU kernel {kernel}: the input projection needs x and w_ih "

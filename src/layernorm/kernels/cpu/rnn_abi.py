@@ -43,6 +43,9 @@ RNN_INSTANCES: dict[torch.dtype, tuple[str, str]] = {
 ERR_ROWS = 1
 #: What a kernel returns when it cannot allocate its buffers (it then touches nothing).
 ERR_NOMEM = 2
+#: What an LSTM kernel returns when its input-side layer norm is half given (rnn_abi's
+#: ``_INPUT_NORM``: w0 without its bias, statistics or gx rows, or without layer_norm).
+ERR_INPUT_NORM = 4
 #: What a sequence kernel returns when its optional input projection is half given (x without
 #: w_ih or the reverse), its split is outside (0, G], or gx has the wrong rows for it.
 ERR_PROJECTION = 3
@@ -157,6 +160,28 @@ _CM = _mask("cm", "B H", "recurrent dropout on the candidate, one row per sequen
 _LSTM_MASKS = (_ZH, _mask("zc", "N H", "zoneout of the carried c, as zh"), _CM)
 _GRU_MASKS = (_ZH, _CM)
 
+# The LN-LSTM's input-side layer norm inside the step (training): with w0 given, gx holds the
+# raw projection W_ih x of every row, and the step adds LN(gx; w0, b0) to the gates, keeping its
+# row statistics mx, rx, where a layer-norm pass before the call would write a normalized copy
+# of gx for the step to read back. Backward then turns the gates' gradient into gx's in place
+# (dgates), where a pass after the call would read both back. NULL: gx already holds the input
+# side (normalized before the call, or without layer norms).
+_INPUT_NORM_FWD = (
+    Field("w0", _IN, ("4H",), "gain of LN(gx), normalized here (NULL: gx is the input side)",
+          optional=True),
+    Field("b0", _IN, ("4H",), "bias of LN(gx), torch's biases folded in (with w0)",
+          optional=True),
+    Field("mx", _OUT, ("R",), "mean of gx (with w0)", optional=True),
+    Field("rx", _OUT, ("R",), "1/std of gx (with w0)", optional=True),
+)  # fmt: skip
+_INPUT_NORM_BWD = (
+    Field("gx", _IN, ("N", "4H"), "the raw projection the forward normalized (with w0)",
+          optional=True),
+    Field("w0", _IN, ("4H",), "gain of LN(gx) (NULL: gx was the input side)", optional=True),
+    Field("mx", _IN, ("N",), "mean of gx (with w0)", optional=True),
+    Field("rx", _IN, ("N",), "1/std of gx (with w0)", optional=True),
+)  # fmt: skip
+
 LSTM_FWD = Struct(
     "lstm_fwd_step_args",
     "One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence.",
@@ -180,6 +205,7 @@ LSTM_FWD = Struct(
         _t("mc", _OUT, "R", "mean of c_t"),
         _t("rc", _OUT, "R", "1/std of c_t"),
         _t("tc", _OUT, "R H", "tanh(LN(c_t))"),
+        *_INPUT_NORM_FWD,
         *_LSTM_MASKS,
         *_SIZES, _KEPT, _GX_ROWS, _EPS, *_STEP, _LAYER_NORM, _CELL,
     ),
@@ -205,9 +231,10 @@ LSTM_BWD = Struct(
         _t("rc", _IN, "N"),
         _t("w3", _IN, "H"),
         _t("tc", _IN, "N H"),
-        _t("dgates", _OUT, "N 4H", "gradient of the gate pre-activations"),
+        _t("dgates", _OUT, "N 4H", "gradient of the gate pre-activations (with w0: of gx)"),
         _t("dhp", _OUT, "N 4H", "gradient of hp"),
         _t("dlc", _OUT, "N H", "gradient of LN(c_t)"),
+        *_INPUT_NORM_BWD,
         *_LSTM_MASKS,
         *_SIZES, *_STEP, _LAYER_NORM, _CELL,
         Field("reverse", Kind.FLAG, doc="with cprev NULL: 1 if the steps run backward in time"),
@@ -307,6 +334,8 @@ _LN_GRADS = (
           "(the GRU's (r, z) and n blocks side by side, as w_rz and w_n)", optional=True),
     Field("c_grads", _OUT, ("2H",), "LN(c_t)'s gain then bias gradient (the LSTM's; NULL for "
           "the GRU)", optional=True),
+    Field("x_grads", _OUT, ("2G",), "LN(gx)'s gain then bias gradient (the LSTM's, with w0; "
+          "NULL for the GRU)", optional=True),
 )  # fmt: skip
 SEQ_BWD = _seq("rnn_seq_bwd_args", "G H", "W_hh", _LN_GRADS)
 WEIGHT_GRAD = Struct(
@@ -539,6 +568,11 @@ def c_header() -> str:
         "/* Returned by a sequence kernel whose input projection is inconsistent (nothing is",
         "   touched): x without w_ih or the reverse, split outside (0, G], gx not of B rows. */",
         f"#define RNN_ERR_PROJECTION {ERR_PROJECTION}",
+        "",
+        "/* Returned by an LSTM kernel whose input-side layer norm is half given (nothing is",
+        "   touched): w0 without b0, mx, rx (forward) or gx, mx, rx (backward), or without",
+        "   layer_norm. */",
+        f"#define RNN_ERR_INPUT_NORM {ERR_INPUT_NORM}",
         "",
         "/* Bytes per vector of the sequence GEMM: 64 with AVX-512, 32 with AVX, else 16. */",
         "int rnn_vector_bytes(void);",

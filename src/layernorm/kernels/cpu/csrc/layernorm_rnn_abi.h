@@ -15,6 +15,11 @@
    touched): x without w_ih or the reverse, split outside (0, G], gx not of B rows. */
 #define RNN_ERR_PROJECTION 3
 
+/* Returned by an LSTM kernel whose input-side layer norm is half given (nothing is
+   touched): w0 without b0, mx, rx (forward) or gx, mx, rx (backward), or without
+   layer_norm. */
+#define RNN_ERR_INPUT_NORM 4
+
 /* Bytes per vector of the sequence GEMM: 64 with AVX-512, 32 with AVX, else 16. */
 int rnn_vector_bytes(void);
 
@@ -38,6 +43,10 @@ typedef struct {
     float* mc; /* output (R): mean of c_t */
     float* rc; /* output (R): 1/std of c_t */
     float* tc; /* output (R, H): tanh(LN(c_t)) */
+    const float* w0; /* input (4H), optional: NULL = off: gain of LN(gx), normalized here (NULL: gx is the input side) */
+    const float* b0; /* input (4H), optional: NULL = off: bias of LN(gx), torch's biases folded in (with w0) */
+    float* mx; /* output (R), optional: NULL = off: mean of gx (with w0) */
+    float* rx; /* output (R), optional: NULL = off: 1/std of gx (with w0) */
     const float* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
     const float* zc; /* input (N, H), optional: NULL = off: zoneout of the carried c, as zh */
     const float* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
@@ -71,21 +80,25 @@ _Static_assert(offsetof(lstm_fwd_step_args_f32, cn) == 112, "lstm_fwd_step_args_
 _Static_assert(offsetof(lstm_fwd_step_args_f32, mc) == 120, "lstm_fwd_step_args_f32.mc");
 _Static_assert(offsetof(lstm_fwd_step_args_f32, rc) == 128, "lstm_fwd_step_args_f32.rc");
 _Static_assert(offsetof(lstm_fwd_step_args_f32, tc) == 136, "lstm_fwd_step_args_f32.tc");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, zh) == 144, "lstm_fwd_step_args_f32.zh");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, zc) == 152, "lstm_fwd_step_args_f32.zc");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, cm) == 160, "lstm_fwd_step_args_f32.cm");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, N) == 168, "lstm_fwd_step_args_f32.N");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, B) == 176, "lstm_fwd_step_args_f32.B");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, H) == 184, "lstm_fwd_step_args_f32.H");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, R) == 192, "lstm_fwd_step_args_f32.R");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, X) == 200, "lstm_fwd_step_args_f32.X");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, eps) == 208, "lstm_fwd_step_args_f32.eps");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, off) == 216, "lstm_fwd_step_args_f32.off");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, rows) == 224, "lstm_fwd_step_args_f32.rows");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, threads) == 232, "lstm_fwd_step_args_f32.threads");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, layer_norm) == 236, "lstm_fwd_step_args_f32.layer_norm");
-_Static_assert(offsetof(lstm_fwd_step_args_f32, normalize_cell_state) == 240, "lstm_fwd_step_args_f32.normalize_cell_state");
-_Static_assert(sizeof(lstm_fwd_step_args_f32) == 248, "lstm_fwd_step_args_f32 size");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, w0) == 144, "lstm_fwd_step_args_f32.w0");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, b0) == 152, "lstm_fwd_step_args_f32.b0");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, mx) == 160, "lstm_fwd_step_args_f32.mx");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, rx) == 168, "lstm_fwd_step_args_f32.rx");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, zh) == 176, "lstm_fwd_step_args_f32.zh");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, zc) == 184, "lstm_fwd_step_args_f32.zc");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, cm) == 192, "lstm_fwd_step_args_f32.cm");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, N) == 200, "lstm_fwd_step_args_f32.N");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, B) == 208, "lstm_fwd_step_args_f32.B");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, H) == 216, "lstm_fwd_step_args_f32.H");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, R) == 224, "lstm_fwd_step_args_f32.R");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, X) == 232, "lstm_fwd_step_args_f32.X");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, eps) == 240, "lstm_fwd_step_args_f32.eps");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, off) == 248, "lstm_fwd_step_args_f32.off");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, rows) == 256, "lstm_fwd_step_args_f32.rows");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, threads) == 264, "lstm_fwd_step_args_f32.threads");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, layer_norm) == 268, "lstm_fwd_step_args_f32.layer_norm");
+_Static_assert(offsetof(lstm_fwd_step_args_f32, normalize_cell_state) == 272, "lstm_fwd_step_args_f32.normalize_cell_state");
+_Static_assert(sizeof(lstm_fwd_step_args_f32) == 280, "lstm_fwd_step_args_f32 size");
 
 /* One LN-LSTM step backward; dhp equals dgates without layer_norm (pass dgates). */
 typedef struct {
@@ -104,9 +117,13 @@ typedef struct {
     const float* rc; /* input (N) */
     const float* w3; /* input (H) */
     const float* tc; /* input (N, H) */
-    float* dgates; /* output (N, 4H): gradient of the gate pre-activations */
+    float* dgates; /* output (N, 4H): gradient of the gate pre-activations (with w0: of gx) */
     float* dhp; /* output (N, 4H): gradient of hp */
     float* dlc; /* output (N, H): gradient of LN(c_t) */
+    const float* gx; /* input (N, 4H), optional: NULL = off: the raw projection the forward normalized (with w0) */
+    const float* w0; /* input (4H), optional: NULL = off: gain of LN(gx) (NULL: gx was the input side) */
+    const float* mx; /* input (N), optional: NULL = off: mean of gx (with w0) */
+    const float* rx; /* input (N), optional: NULL = off: 1/std of gx (with w0) */
     const float* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
     const float* zc; /* input (N, H), optional: NULL = off: zoneout of the carried c, as zh */
     const float* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
@@ -138,19 +155,23 @@ _Static_assert(offsetof(lstm_bwd_step_args_f32, tc) == 112, "lstm_bwd_step_args_
 _Static_assert(offsetof(lstm_bwd_step_args_f32, dgates) == 120, "lstm_bwd_step_args_f32.dgates");
 _Static_assert(offsetof(lstm_bwd_step_args_f32, dhp) == 128, "lstm_bwd_step_args_f32.dhp");
 _Static_assert(offsetof(lstm_bwd_step_args_f32, dlc) == 136, "lstm_bwd_step_args_f32.dlc");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, zh) == 144, "lstm_bwd_step_args_f32.zh");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, zc) == 152, "lstm_bwd_step_args_f32.zc");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, cm) == 160, "lstm_bwd_step_args_f32.cm");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, N) == 168, "lstm_bwd_step_args_f32.N");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, B) == 176, "lstm_bwd_step_args_f32.B");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, H) == 184, "lstm_bwd_step_args_f32.H");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, off) == 192, "lstm_bwd_step_args_f32.off");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, rows) == 200, "lstm_bwd_step_args_f32.rows");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, threads) == 208, "lstm_bwd_step_args_f32.threads");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, layer_norm) == 212, "lstm_bwd_step_args_f32.layer_norm");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, normalize_cell_state) == 216, "lstm_bwd_step_args_f32.normalize_cell_state");
-_Static_assert(offsetof(lstm_bwd_step_args_f32, reverse) == 220, "lstm_bwd_step_args_f32.reverse");
-_Static_assert(sizeof(lstm_bwd_step_args_f32) == 224, "lstm_bwd_step_args_f32 size");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, gx) == 144, "lstm_bwd_step_args_f32.gx");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, w0) == 152, "lstm_bwd_step_args_f32.w0");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, mx) == 160, "lstm_bwd_step_args_f32.mx");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, rx) == 168, "lstm_bwd_step_args_f32.rx");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, zh) == 176, "lstm_bwd_step_args_f32.zh");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, zc) == 184, "lstm_bwd_step_args_f32.zc");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, cm) == 192, "lstm_bwd_step_args_f32.cm");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, N) == 200, "lstm_bwd_step_args_f32.N");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, B) == 208, "lstm_bwd_step_args_f32.B");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, H) == 216, "lstm_bwd_step_args_f32.H");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, off) == 224, "lstm_bwd_step_args_f32.off");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, rows) == 232, "lstm_bwd_step_args_f32.rows");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, threads) == 240, "lstm_bwd_step_args_f32.threads");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, layer_norm) == 244, "lstm_bwd_step_args_f32.layer_norm");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, normalize_cell_state) == 248, "lstm_bwd_step_args_f32.normalize_cell_state");
+_Static_assert(offsetof(lstm_bwd_step_args_f32, reverse) == 252, "lstm_bwd_step_args_f32.reverse");
+_Static_assert(sizeof(lstm_bwd_step_args_f32) == 256, "lstm_bwd_step_args_f32 size");
 
 /* One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence. */
 typedef struct {
@@ -305,6 +326,7 @@ typedef struct {
     const int64_t* steps; /* steps (S, 2): (first row, rows) of each step, in forward order */
     float* hp_grads; /* output (2G), optional: NULL = off: LN(hp)'s gain then bias gradient: Σ dy⊙x̂, Σ dy over rows (the GRU's (r, z) and n blocks side by side, as w_rz and w_n) */
     float* c_grads; /* output (2H), optional: NULL = off: LN(c_t)'s gain then bias gradient (the LSTM's; NULL for the GRU) */
+    float* x_grads; /* output (2G), optional: NULL = off: LN(gx)'s gain then bias gradient (the LSTM's, with w0; NULL for the GRU) */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
@@ -314,11 +336,12 @@ _Static_assert(offsetof(rnn_seq_bwd_args_f32, w) == 0, "rnn_seq_bwd_args_f32.w")
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, steps) == 8, "rnn_seq_bwd_args_f32.steps");
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, hp_grads) == 16, "rnn_seq_bwd_args_f32.hp_grads");
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, c_grads) == 24, "rnn_seq_bwd_args_f32.c_grads");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, n_steps) == 32, "rnn_seq_bwd_args_f32.n_steps");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, grain) == 40, "rnn_seq_bwd_args_f32.grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, gemm_grain) == 48, "rnn_seq_bwd_args_f32.gemm_grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, threads) == 56, "rnn_seq_bwd_args_f32.threads");
-_Static_assert(sizeof(rnn_seq_bwd_args_f32) == 64, "rnn_seq_bwd_args_f32 size");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, x_grads) == 32, "rnn_seq_bwd_args_f32.x_grads");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, n_steps) == 40, "rnn_seq_bwd_args_f32.n_steps");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, grain) == 48, "rnn_seq_bwd_args_f32.grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, gemm_grain) == 56, "rnn_seq_bwd_args_f32.gemm_grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, threads) == 64, "rnn_seq_bwd_args_f32.threads");
+_Static_assert(sizeof(rnn_seq_bwd_args_f32) == 72, "rnn_seq_bwd_args_f32 size");
 
 /* dw = dhpᵀ · hprev: the recurrent weight's gradient summed over all rows. */
 typedef struct {
@@ -380,6 +403,10 @@ typedef struct {
     double* mc; /* output (R): mean of c_t */
     double* rc; /* output (R): 1/std of c_t */
     double* tc; /* output (R, H): tanh(LN(c_t)) */
+    const double* w0; /* input (4H), optional: NULL = off: gain of LN(gx), normalized here (NULL: gx is the input side) */
+    const double* b0; /* input (4H), optional: NULL = off: bias of LN(gx), torch's biases folded in (with w0) */
+    double* mx; /* output (R), optional: NULL = off: mean of gx (with w0) */
+    double* rx; /* output (R), optional: NULL = off: 1/std of gx (with w0) */
     const double* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
     const double* zc; /* input (N, H), optional: NULL = off: zoneout of the carried c, as zh */
     const double* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
@@ -413,21 +440,25 @@ _Static_assert(offsetof(lstm_fwd_step_args_f64, cn) == 112, "lstm_fwd_step_args_
 _Static_assert(offsetof(lstm_fwd_step_args_f64, mc) == 120, "lstm_fwd_step_args_f64.mc");
 _Static_assert(offsetof(lstm_fwd_step_args_f64, rc) == 128, "lstm_fwd_step_args_f64.rc");
 _Static_assert(offsetof(lstm_fwd_step_args_f64, tc) == 136, "lstm_fwd_step_args_f64.tc");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, zh) == 144, "lstm_fwd_step_args_f64.zh");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, zc) == 152, "lstm_fwd_step_args_f64.zc");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, cm) == 160, "lstm_fwd_step_args_f64.cm");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, N) == 168, "lstm_fwd_step_args_f64.N");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, B) == 176, "lstm_fwd_step_args_f64.B");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, H) == 184, "lstm_fwd_step_args_f64.H");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, R) == 192, "lstm_fwd_step_args_f64.R");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, X) == 200, "lstm_fwd_step_args_f64.X");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, eps) == 208, "lstm_fwd_step_args_f64.eps");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, off) == 216, "lstm_fwd_step_args_f64.off");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, rows) == 224, "lstm_fwd_step_args_f64.rows");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, threads) == 232, "lstm_fwd_step_args_f64.threads");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, layer_norm) == 236, "lstm_fwd_step_args_f64.layer_norm");
-_Static_assert(offsetof(lstm_fwd_step_args_f64, normalize_cell_state) == 240, "lstm_fwd_step_args_f64.normalize_cell_state");
-_Static_assert(sizeof(lstm_fwd_step_args_f64) == 248, "lstm_fwd_step_args_f64 size");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, w0) == 144, "lstm_fwd_step_args_f64.w0");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, b0) == 152, "lstm_fwd_step_args_f64.b0");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, mx) == 160, "lstm_fwd_step_args_f64.mx");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, rx) == 168, "lstm_fwd_step_args_f64.rx");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, zh) == 176, "lstm_fwd_step_args_f64.zh");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, zc) == 184, "lstm_fwd_step_args_f64.zc");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, cm) == 192, "lstm_fwd_step_args_f64.cm");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, N) == 200, "lstm_fwd_step_args_f64.N");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, B) == 208, "lstm_fwd_step_args_f64.B");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, H) == 216, "lstm_fwd_step_args_f64.H");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, R) == 224, "lstm_fwd_step_args_f64.R");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, X) == 232, "lstm_fwd_step_args_f64.X");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, eps) == 240, "lstm_fwd_step_args_f64.eps");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, off) == 248, "lstm_fwd_step_args_f64.off");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, rows) == 256, "lstm_fwd_step_args_f64.rows");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, threads) == 264, "lstm_fwd_step_args_f64.threads");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, layer_norm) == 268, "lstm_fwd_step_args_f64.layer_norm");
+_Static_assert(offsetof(lstm_fwd_step_args_f64, normalize_cell_state) == 272, "lstm_fwd_step_args_f64.normalize_cell_state");
+_Static_assert(sizeof(lstm_fwd_step_args_f64) == 280, "lstm_fwd_step_args_f64 size");
 
 /* One LN-LSTM step backward; dhp equals dgates without layer_norm (pass dgates). */
 typedef struct {
@@ -446,9 +477,13 @@ typedef struct {
     const double* rc; /* input (N) */
     const double* w3; /* input (H) */
     const double* tc; /* input (N, H) */
-    double* dgates; /* output (N, 4H): gradient of the gate pre-activations */
+    double* dgates; /* output (N, 4H): gradient of the gate pre-activations (with w0: of gx) */
     double* dhp; /* output (N, 4H): gradient of hp */
     double* dlc; /* output (N, H): gradient of LN(c_t) */
+    const double* gx; /* input (N, 4H), optional: NULL = off: the raw projection the forward normalized (with w0) */
+    const double* w0; /* input (4H), optional: NULL = off: gain of LN(gx) (NULL: gx was the input side) */
+    const double* mx; /* input (N), optional: NULL = off: mean of gx (with w0) */
+    const double* rx; /* input (N), optional: NULL = off: 1/std of gx (with w0) */
     const double* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
     const double* zc; /* input (N, H), optional: NULL = off: zoneout of the carried c, as zh */
     const double* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
@@ -480,19 +515,23 @@ _Static_assert(offsetof(lstm_bwd_step_args_f64, tc) == 112, "lstm_bwd_step_args_
 _Static_assert(offsetof(lstm_bwd_step_args_f64, dgates) == 120, "lstm_bwd_step_args_f64.dgates");
 _Static_assert(offsetof(lstm_bwd_step_args_f64, dhp) == 128, "lstm_bwd_step_args_f64.dhp");
 _Static_assert(offsetof(lstm_bwd_step_args_f64, dlc) == 136, "lstm_bwd_step_args_f64.dlc");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, zh) == 144, "lstm_bwd_step_args_f64.zh");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, zc) == 152, "lstm_bwd_step_args_f64.zc");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, cm) == 160, "lstm_bwd_step_args_f64.cm");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, N) == 168, "lstm_bwd_step_args_f64.N");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, B) == 176, "lstm_bwd_step_args_f64.B");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, H) == 184, "lstm_bwd_step_args_f64.H");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, off) == 192, "lstm_bwd_step_args_f64.off");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, rows) == 200, "lstm_bwd_step_args_f64.rows");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, threads) == 208, "lstm_bwd_step_args_f64.threads");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, layer_norm) == 212, "lstm_bwd_step_args_f64.layer_norm");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, normalize_cell_state) == 216, "lstm_bwd_step_args_f64.normalize_cell_state");
-_Static_assert(offsetof(lstm_bwd_step_args_f64, reverse) == 220, "lstm_bwd_step_args_f64.reverse");
-_Static_assert(sizeof(lstm_bwd_step_args_f64) == 224, "lstm_bwd_step_args_f64 size");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, gx) == 144, "lstm_bwd_step_args_f64.gx");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, w0) == 152, "lstm_bwd_step_args_f64.w0");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, mx) == 160, "lstm_bwd_step_args_f64.mx");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, rx) == 168, "lstm_bwd_step_args_f64.rx");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, zh) == 176, "lstm_bwd_step_args_f64.zh");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, zc) == 184, "lstm_bwd_step_args_f64.zc");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, cm) == 192, "lstm_bwd_step_args_f64.cm");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, N) == 200, "lstm_bwd_step_args_f64.N");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, B) == 208, "lstm_bwd_step_args_f64.B");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, H) == 216, "lstm_bwd_step_args_f64.H");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, off) == 224, "lstm_bwd_step_args_f64.off");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, rows) == 232, "lstm_bwd_step_args_f64.rows");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, threads) == 240, "lstm_bwd_step_args_f64.threads");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, layer_norm) == 244, "lstm_bwd_step_args_f64.layer_norm");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, normalize_cell_state) == 248, "lstm_bwd_step_args_f64.normalize_cell_state");
+_Static_assert(offsetof(lstm_bwd_step_args_f64, reverse) == 252, "lstm_bwd_step_args_f64.reverse");
+_Static_assert(sizeof(lstm_bwd_step_args_f64) == 256, "lstm_bwd_step_args_f64 size");
 
 /* One LN-GRU step forward (gates r, z, n): rows [off, off + rows) of the sequence. */
 typedef struct {
@@ -647,6 +686,7 @@ typedef struct {
     const int64_t* steps; /* steps (S, 2): (first row, rows) of each step, in forward order */
     double* hp_grads; /* output (2G), optional: NULL = off: LN(hp)'s gain then bias gradient: Σ dy⊙x̂, Σ dy over rows (the GRU's (r, z) and n blocks side by side, as w_rz and w_n) */
     double* c_grads; /* output (2H), optional: NULL = off: LN(c_t)'s gain then bias gradient (the LSTM's; NULL for the GRU) */
+    double* x_grads; /* output (2G), optional: NULL = off: LN(gx)'s gain then bias gradient (the LSTM's, with w0; NULL for the GRU) */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
@@ -656,11 +696,12 @@ _Static_assert(offsetof(rnn_seq_bwd_args_f64, w) == 0, "rnn_seq_bwd_args_f64.w")
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, steps) == 8, "rnn_seq_bwd_args_f64.steps");
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, hp_grads) == 16, "rnn_seq_bwd_args_f64.hp_grads");
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, c_grads) == 24, "rnn_seq_bwd_args_f64.c_grads");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, n_steps) == 32, "rnn_seq_bwd_args_f64.n_steps");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, grain) == 40, "rnn_seq_bwd_args_f64.grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, gemm_grain) == 48, "rnn_seq_bwd_args_f64.gemm_grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, threads) == 56, "rnn_seq_bwd_args_f64.threads");
-_Static_assert(sizeof(rnn_seq_bwd_args_f64) == 64, "rnn_seq_bwd_args_f64 size");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, x_grads) == 32, "rnn_seq_bwd_args_f64.x_grads");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, n_steps) == 40, "rnn_seq_bwd_args_f64.n_steps");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, grain) == 48, "rnn_seq_bwd_args_f64.grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, gemm_grain) == 56, "rnn_seq_bwd_args_f64.gemm_grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, threads) == 64, "rnn_seq_bwd_args_f64.threads");
+_Static_assert(sizeof(rnn_seq_bwd_args_f64) == 72, "rnn_seq_bwd_args_f64 size");
 
 /* dw = dhpᵀ · hprev: the recurrent weight's gradient summed over all rows. */
 typedef struct {

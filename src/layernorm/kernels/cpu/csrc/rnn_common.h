@@ -135,6 +135,12 @@ static inline int projection_valid(const void* x, const void* w_ih, i64 split, i
     return w_ih && split > 0 && split <= G && X == B;
 }
 
+/* Whether an LSTM kernel's input-side layer norm (rnn_abi.py, _INPUT_NORM_*) is off (no w0) or
+   whole: w0 with `given` (forward: b0, mx and rx; backward: gx, mx and rx) and layer_norm. */
+static inline int input_norm_valid(const void* w0, int given, int layer_norm) {
+    return !w0 || (given && layer_norm);
+}
+
 /* Whether a team splits the sequence by batch rows instead of sharing every step: each thread
    then runs its own rows [lo, hi) of the batch through all steps, GEMMs included (row i of a
    step needs row i of the last step only), and the threads never wait for one another, where a

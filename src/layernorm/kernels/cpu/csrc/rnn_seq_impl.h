@@ -467,15 +467,16 @@ static inline void FN(grad_sums_add)(const FN(grad_sums) * g, int tid, i64 rows,
     *pending = 0;
 }
 
-/* The threads' totals, in thread order, into out0 (the first n0 sums) and out1 (the next n1;
-   NULL: skipped); then frees the buffers. */
-static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* out0, i64 n0,
-                                 scalar_t* out1, i64 n1) {
+/* The threads' totals, in thread order, into the outputs: out[o] (NULL: skipped) takes the
+   next n[o] sums; then frees the buffers. */
+#define GRAD_SUMS_OUTS 3
+static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* out,
+                                 const i64* n) {
     if (g->n) {
         for (int t = 1; t < team; ++t)
             for (i64 j = 0; j < g->n; ++j) g->total[j] += g->total[t * g->stride + j];
-        for (i64 j = 0; out0 && j < n0; ++j) out0[j] = (scalar_t)g->total[j];
-        for (i64 j = 0; out1 && j < n1; ++j) out1[j] = (scalar_t)g->total[n0 + j];
+        for (i64 o = 0, first = 0; o < GRAD_SUMS_OUTS && first < g->n; first += n[o++])
+            for (i64 j = 0; out[o] && j < n[o]; ++j) out[o][j] = (scalar_t)g->total[first + j];
     }
     free(g->part);
     free(g->total);
@@ -607,8 +608,9 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* out0, i6
    one fails), then per step in reverse the cell's rows ROWS_FN, which leave dhp (and add to the
    thread's grad_sums partials, N_SUMS of them, 0: none), and the GEMM dh (=|+=) dhp · W_hh
    (ACCUMULATE: += where the step left the direct path of h_{t−1} in dh); with several threads,
-   as one parallel region as forward. The sums go to OUT0 (N0 of them) and OUT1 (N1). */
-#define BACKWARD_IN_TIME(ROWS_FN, VALID, ACCUMULATE, N_SUMS, OUT0, N0, OUT1, N1)                 \
+   as one parallel region as forward. The sums go to the GRAD_SUMS_OUTS outputs OUTS (scalar_t*
+   const[]) of N_OUT (i64[]) sums each, in order. */
+#define BACKWARD_IN_TIME(ROWS_FN, VALID, ACCUMULATE, N_SUMS, OUTS, N_OUT)                        \
     do {                                                                                          \
         const i64 H = a->H;                                                                       \
         int team = 1;                                                                             \
@@ -676,12 +678,15 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* out0, i6
             }                                                                                     \
             FN(grad_sums_add)(&sums, 0, 0, &pending, 1);                                          \
         }                                                                                         \
-        FN(grad_sums_finish)(&sums, team, (OUT0), (N0), (OUT1), (N1));                            \
+        FN(grad_sums_finish)(&sums, team, (OUTS), (N_OUT));                                       \
         return 0;                                                                                 \
     } while (0)
 
 int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
     const i64 G = 4 * a->H;
+    /* gx normalized here is the given raw projection, not one the kernel computes (x) */
+    if (!input_norm_valid(a->w0, a->b0 && a->mx && a->rx && !s->x, a->layer_norm))
+        return RNN_ERR_INPUT_NORM;
     FN(lstm_fwd_step_args) step = *a;
     FORWARD_IN_TIME(FN(lstm_fwd_step), FN(lstm_fwd_rows));
 }
@@ -692,11 +697,14 @@ int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args
 int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
     const i64 G = 4 * a->H;
     FN(lstm_bwd_step_args) step = *a;
-    const int summed = a->layer_norm && (s->hp_grads || s->c_grads);
+    if (!input_norm_valid(a->w0, a->gx && a->mx && a->rx, a->layer_norm))
+        return RNN_ERR_INPUT_NORM;
+    const int summed = a->layer_norm && (s->hp_grads || s->c_grads || s->x_grads);
+    scalar_t* const outs[GRAD_SUMS_OUTS] = {s->hp_grads, s->c_grads, a->w0 ? s->x_grads : NULL};
+    const i64 n_out[GRAD_SUMS_OUTS] = {2 * G, 2 * a->H, a->w0 ? 2 * G : 0};
     BACKWARD_IN_TIME(FN(lstm_bwd_rows),
                      carried_before_valid(a->cprev, a->c0, step.off, step.rows, a->N, a->B),
-                     a->zh != NULL, summed ? 2 * G + 2 * a->H : 0, s->hp_grads, 2 * G, s->c_grads,
-                     2 * a->H);
+                     a->zh != NULL, summed ? n_out[0] + n_out[1] + n_out[2] : 0, outs, n_out);
 }
 
 int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
@@ -709,11 +717,14 @@ int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) 
 int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
     const i64 G = 3 * a->H;
     FN(gru_bwd_step_args) step = *a;
-    BACKWARD_IN_TIME(FN(gru_bwd_rows), 1, 1, a->layer_norm && s->hp_grads ? 2 * G : 0,
-                     s->hp_grads, 2 * G, NULL, 0);
+    scalar_t* const outs[GRAD_SUMS_OUTS] = {s->hp_grads, NULL, NULL};
+    const i64 n_out[GRAD_SUMS_OUTS] = {2 * G, 0, 0};
+    BACKWARD_IN_TIME(FN(gru_bwd_rows), 1, 1, a->layer_norm && s->hp_grads ? 2 * G : 0, outs,
+                     n_out);
 }
 
 #undef FORWARD_IN_TIME
+#undef GRAD_SUMS_OUTS
 #undef TEAM_MAX
 #undef BACKWARD_IN_TIME
 #undef DIRECT_ROWS

@@ -223,7 +223,21 @@ static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
     const scalar_t *w1 = A->w1, *b1 = A->b1, *w3 = A->w3, *b3 = A->b3;
     scalar_t* a = A->acts + k * G;
     acc_t m = 0, r = 1;
-    if (normalize) {
+    if (normalize && A->w0) { /* gx raw: its layer norm here, its statistics kept */
+        const scalar_t *w0 = A->w0, *b0 = A->b0;
+        FN(moments)(hpr, G, A->eps, &m, &r);
+        const FN(stats) st = FN(split)(m, r);
+        FN(moments)(gxr, G, A->eps, &m, &r);
+        const FN(stats) sx = FN(split)(m, r);
+        A->mh[k] = st.hi;
+        A->rh[k] = st.r;
+        A->mx[k] = sx.hi;
+        A->rx[k] = sx.r;
+        #pragma omp simd
+        for (i64 j = 0; j < G; ++j)
+            a[j] = ((hpr[j] - st.hi) - st.lo) * st.r * w1[j] + b1[j] +
+                   (((gxr[j] - sx.hi) - sx.lo) * sx.r * w0[j] + b0[j]);
+    } else if (normalize) {
         FN(moments)(hpr, G, A->eps, &m, &r);
         const FN(stats) st = FN(split)(m, r);
         A->mh[k] = st.hi;
@@ -297,6 +311,8 @@ int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B) ||
         !kept_rows_valid(a->X, a->N, a->B))
         return RNN_ERR_ROWS;
+    if (!input_norm_valid(a->w0, a->b0 && a->mx && a->rx, a->layer_norm))
+        return RNN_ERR_INPUT_NORM;
     if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
         FN(lstm_fwd_rows)(a, 0, a->rows);
         return 0;
@@ -380,6 +396,9 @@ static inline __attribute__((always_inline)) void FN(lstm_bwd_body)(
     if (normalize)
         FN(ln_dx)(dg, A->hp + row * G, A->mh[row], A->rh[row], A->w1, A->dhp + row * G, G, 0,
                   sums, sums ? sums + G : NULL);
+    if (normalize && A->w0) /* in place, dg read first: the gradient of the raw gx */
+        FN(ln_dx)(dg, A->gx + row * G, A->mx[row], A->rx[row], A->w0, dg, G, 0,
+                  sums ? sums + 2 * G + 2 * H : NULL, sums ? sums + 3 * G + 2 * H : NULL);
 }
 
 static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i, scalar_t* sums) {
@@ -389,7 +408,7 @@ static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i, sca
 /* Rows [lo, hi) of a step whose rows the caller has checked (the sequence kernels' threads,
    each running its share of a step; see rnn_seq_impl.h). With layer_norm and sums (NULL: none),
    each row's terms of the layer norms' parameter gradients are added to sums: LN(hp)'s gain and
-   bias (G each), then LN(c_t)'s (H each). */
+   bias (G each), then LN(c_t)'s (H each), then with w0 LN(gx)'s (G each). */
 void FN(lstm_bwd_rows)(const FN(lstm_bwd_step_args) * a, i64 lo, i64 hi, scalar_t* sums) {
     for (i64 i = lo; i < hi; ++i) FN(lstm_bwd_row)(a, i, sums);
 }
@@ -398,6 +417,8 @@ int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B) ||
         !carried_before_valid(a->cprev, a->c0, a->off, a->rows, a->N, a->B))
         return RNN_ERR_ROWS;
+    if (!input_norm_valid(a->w0, a->gx && a->mx && a->rx, a->layer_norm))
+        return RNN_ERR_INPUT_NORM;
     if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
         FN(lstm_bwd_rows)(a, 0, a->rows, NULL);
         return 0;

@@ -1,0 +1,122 @@
+"""The recurrent layers' CPU buffer cache (layernorm.recurrent._buffers): a buffer is handed out
+again only once nothing holds its memory, and training through it gives the gradients that fresh
+buffers give, with graphs alive side by side and graphs run backward twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm.recurrent import (
+    _buffers,
+    buffer_cache_limit,
+    clear_buffer_cache,
+    set_buffer_cache_limit,
+)
+
+pytestmark = pytest.mark.skipif(
+    _buffers._use_count is None, reason="this torch has no storage reference count"
+)
+
+_ROWS = _buffers.MIN_BYTES // (4 * 64)  # a (rows, 64) float32 buffer is cached
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    limit = buffer_cache_limit()
+    clear_buffer_cache()
+    yield
+    set_buffer_cache_limit(limit)
+    clear_buffer_cache()
+
+
+def _like() -> torch.Tensor:
+    return torch.empty(0)
+
+
+def test_released_buffer_is_handed_out_again() -> None:
+    a = _buffers.empty(_like(), (_ROWS, 64))
+    ptr = a.data_ptr()
+    del a
+    b = _buffers.empty(_like(), (_ROWS, 64))
+    assert b.data_ptr() == ptr
+    assert b._base is None  # not a view: an autograd output on it may be modified in place
+
+
+@pytest.mark.parametrize("hold", ["view", "storage", "tensor"])
+def test_buffer_held_anywhere_is_not_handed_out(hold) -> None:
+    a = _buffers.empty(_like(), (_ROWS, 64))
+    ptr = a.data_ptr()
+    kept = {"view": a[1:], "storage": a.untyped_storage(), "tensor": a}[hold]
+    del a
+    b = _buffers.empty(_like(), (_ROWS, 64))
+    assert b.data_ptr() != ptr
+    del kept, b
+    cached = _buffers.cached_bytes()
+    c = _buffers.empty(_like(), (_ROWS, 64))  # both free now: one is handed out, none made
+    assert c.data_ptr() != 0 and _buffers.cached_bytes() == cached
+
+
+def test_small_and_cuda_like_buffers_are_not_cached() -> None:
+    small = _buffers.empty(_like(), (4, 64))
+    assert small.shape == (4, 64)
+    assert _buffers.cached_bytes() == 0
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 1000, 4097, 65536, 65537, 10**6 + 3])
+def test_size_classes(numel) -> None:
+    c = _buffers._size_class(numel)
+    assert numel <= c <= numel * 1.125 + 1
+    assert _buffers._size_class(c) == c  # a class is its own class
+
+
+def test_limit_bounds_what_is_kept() -> None:
+    set_buffer_cache_limit(0)
+    a = _buffers.empty(_like(), (_ROWS, 64))
+    assert _buffers.cached_bytes() == 0
+    del a
+    one = _buffers.MIN_BYTES
+    set_buffer_cache_limit(2 * one)
+    held = [_buffers.empty(_like(), (_ROWS, 64)) for _ in range(3)]  # the third is not kept
+    assert _buffers.cached_bytes() == 2 * one
+    del held
+    set_buffer_cache_limit(one)  # free buffers beyond the new limit go
+    assert _buffers.cached_bytes() == one
+    with pytest.raises(ValueError, match="byte count >= 0"):
+        set_buffer_cache_limit(-1)
+
+
+def test_without_reference_counts_every_buffer_is_fresh(monkeypatch) -> None:
+    monkeypatch.setattr(_buffers, "_use_count", None)
+    a = _buffers.empty(_like(), (_ROWS, 64))
+    assert a.shape == (_ROWS, 64) and _buffers.cached_bytes() == 0
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> list[torch.Tensor]:
+    grads = torch.autograd.grad(out.square().sum(), [x, *model.parameters()], retain_graph=True)
+    return [g.clone() for g in grads]
+
+
+@pytest.mark.parametrize("cls", [LayerNormLSTM, LayerNormGRU], ids=["lstm", "gru"])
+def test_training_through_the_cache_matches_fresh_buffers(cls) -> None:
+    """Two graphs alive at once, each run backward twice (retain_graph), against the gradients
+    with the cache off: a buffer still held by the first graph must not serve the second."""
+    torch.manual_seed(0)
+    model = cls(16, 64)
+    xs = [torch.randn(40, 16, 16, requires_grad=True) for _ in range(2)]  # (640, 256) buffers
+    set_buffer_cache_limit(0)
+    reference = []
+    for x in xs:
+        out = model(x)[0]
+        reference.append((out.detach().clone(), _grads(model, x, out)))
+    set_buffer_cache_limit(64 << 20)
+    outs = [model(x)[0] for x in xs]
+    assert _buffers.cached_bytes() > 0
+    for _ in range(2):
+        for x, out, (ref_out, ref_grads) in zip(xs, outs, reference, strict=True):
+            torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+            for g, r in zip(_grads(model, x, out), ref_grads, strict=True):
+                torch.testing.assert_close(g, r, rtol=0, atol=0)
+        # a third forward in between, on the buffers the first two left free
+        model(torch.randn(40, 16, 16))[0].sum().backward()

@@ -201,6 +201,18 @@ def test_sequence_kernels_threaded(monkeypatch, per_cpu) -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize(("rows", "gates", "cols"), [(9, 512, 256), (9, 512, 255), (9, 500, 256)])
+def test_transposed_product_either_order(rows, gates, cols) -> None:
+    """dᵀ · x as torch.mm computes it, in either operand order (the first shape takes dᵀ.mm(x),
+    the others (xᵀ.mm(d))ᵀ), row-major."""
+    gen = torch.Generator().manual_seed(5)
+    d = torch.randn(rows, gates, generator=gen, dtype=torch.float64)
+    x = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
+    got = _cstep.transposed_product(d, x)
+    assert got.is_contiguous() and got.shape == (gates, cols)
+    torch.testing.assert_close(got, d.t() @ x, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(("rows", "gates", "hidden"), [(300, 148, 37), (7, 64, 16), (0, 12, 3)])
 def test_weight_grad_equals_mm(rows, gates, hidden, dtype) -> None:

@@ -37,7 +37,7 @@ from torch import Tensor
 from ..functional import layer_norm
 from ..kernels.cpu import _native
 from ..kernels.cpu import layer_norm as cpu_layer_norm
-from . import _buffers
+from . import _buffers, _cstep
 from ._pointwise import (
     C_KERNELS,
     C_STEPS,
@@ -525,11 +525,33 @@ def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
         return out  # type: ignore[return-value]
     source = args[0]
     if _normalizes_in_kernel(source, _padded(masks, 4)[3]):
-        xp = F.linear(source.data, source.w_ih)  # raw: the kernels add its layer norm
+        xp = _Projection.apply(source.data, source.w_ih)  # raw: the kernels add its layer norm
         return LSTMSequence.apply(  # type: ignore[no-any-return]
             xp, *args[1:12], *_padded(masks, 4), True, source.weight, source.bias
         )
     return LSTMSequence.apply(_gx(source), *args[1:])  # type: ignore[no-any-return]
+
+
+class _Projection(torch.autograd.Function):
+    """``data W_ihᵀ`` for all rows (``F.linear`` without bias) into a buffer of the cache
+    (:mod:`._buffers`: a fresh ``(N, G)`` result costs its page faults on every call), with
+    ``W_ih``'s gradient from :func:`._cstep.transposed_product`."""
+
+    @staticmethod
+    def forward(ctx: Any, data: Tensor, w_ih: Tensor) -> Tensor:  # type: ignore[override]
+        out = _buffers.empty(data, (data.shape[0], w_ih.shape[0]))
+        torch.mm(data, w_ih.t(), out=out)
+        ctx.save_for_backward(data, w_ih)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
+        data, w_ih = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        d_data = grad.mm(w_ih) if need[0] else None
+        d_w_ih = _cstep.transposed_product(grad, data) if need[1] else None
+        return d_data, d_w_ih
 
 
 def _normalizes_in_kernel(source: GatesInput, w_hr: Tensor | None) -> bool:

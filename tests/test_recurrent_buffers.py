@@ -16,7 +16,7 @@ from layernorm.recurrent import (
 )
 
 pytestmark = pytest.mark.skipif(
-    _buffers._use_count is None, reason="this torch has no storage reference count"
+    _buffers._FREE is None, reason="this torch has no storage reference count"
 )
 
 _ROWS = _buffers.MIN_BYTES // (4 * 64)  # a (rows, 64) float32 buffer is cached
@@ -64,11 +64,22 @@ def test_small_and_cuda_like_buffers_are_not_cached() -> None:
     assert _buffers.cached_bytes() == 0
 
 
-@pytest.mark.parametrize("numel", [1, 7, 8, 9, 1000, 4097, 65536, 65537, 10**6 + 3])
-def test_size_classes(numel) -> None:
-    c = _buffers._size_class(numel)
-    assert numel <= c <= numel * 1.125 + 1
-    assert _buffers._size_class(c) == c  # a class is its own class
+def test_a_free_buffer_serves_requests_up_to_an_eighth_smaller() -> None:
+    """New buffers have the size asked for; a free one serves a request it exceeds by at most an
+    eighth (the smallest that fits), not a smaller one."""
+    rows = 8 * _ROWS
+    a = _buffers.empty(_like(), (rows, 64))
+    ptr, cached = a.data_ptr(), _buffers.cached_bytes()
+    assert cached == rows * 64 * 4
+    del a
+    b = _buffers.empty(_like(), (rows - rows // 9, 64))  # fits: the same memory
+    assert b.data_ptr() == ptr and _buffers.cached_bytes() == cached
+    del b
+    c = _buffers.empty(_like(), (rows // 2, 64))  # too small for it: a new buffer
+    assert c.data_ptr() != ptr and _buffers.cached_bytes() == cached + rows // 2 * 64 * 4
+    del c
+    d = _buffers.empty(_like(), (rows // 2 - 1, 64))  # the smaller free one fits best
+    assert d.data_ptr() != ptr
 
 
 def test_limit_bounds_what_is_kept() -> None:
@@ -88,7 +99,7 @@ def test_limit_bounds_what_is_kept() -> None:
 
 
 def test_without_reference_counts_every_buffer_is_fresh(monkeypatch) -> None:
-    monkeypatch.setattr(_buffers, "_use_count", None)
+    monkeypatch.setattr(_buffers, "_FREE", None)
     a = _buffers.empty(_like(), (_ROWS, 64))
     assert a.shape == (_ROWS, 64) and _buffers.cached_bytes() == 0
 

@@ -13,8 +13,9 @@ flat tensor the cache keeps, and that memory is handed out again once nothing el
 tensor or view on it alive, not in the saved tensors of an autograd graph, not a gradient, not an
 output a caller kept (torch counts a storage's references from C++, and Python those to its
 storage object; a caller holding either keeps that buffer out of the cache's reach, and the next
-call gets another). Sizes are rounded up to eighths of a power of two, so that sequences of
-somewhat different lengths share buffers. The cache keeps at most :func:`buffer_cache_limit`
+call gets another). A buffer serves requests up to an eighth smaller than itself (the smallest
+free one that fits is taken), so that sequences of somewhat different lengths share buffers, and
+new buffers have the size asked for. The cache keeps at most :func:`buffer_cache_limit`
 bytes (the least recently used free buffers go first); :func:`clear_buffer_cache` hands them
 all back. CUDA tensors come from torch's own caching allocator and never pass through here.
 """
@@ -50,46 +51,57 @@ def _holders(flat: Tensor) -> tuple[int, int]:
 _FREE = None if _use_count is None else _holders(torch.empty(1))
 
 
-def _size_class(numel: int) -> int:
-    """``numel`` rounded up to a multiple of an eighth of its power of two (≤ 12.5% more)."""
-    step = max(1, (1 << (numel.bit_length() - 1)) >> 3)
-    return -(-numel // step) * step
+def _fits(size: int, numel: int) -> bool:
+    """Whether a buffer of ``size`` elements serves ``numel``: at most an eighth larger."""
+    return numel <= size <= numel + numel // 8
 
 
 class _Cache:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.bytes = 0
-        # id -> ((dtype, numel class), flat tensor), least recently handed out first
-        self.entries: OrderedDict[int, tuple[tuple[torch.dtype, int], Tensor]] = OrderedDict()
+        # id -> flat tensor, least recently handed out first
+        self.entries: OrderedDict[int, Tensor] = OrderedDict()
         self.lock = threading.Lock()
 
     @staticmethod
     def _free(flat: Tensor) -> bool:
         return _FREE is not None and _holders(flat) == _FREE
 
-    def take(self, key: tuple[torch.dtype, int]) -> Tensor | None:
+    def take(self, dtype: torch.dtype, numel: int) -> Tensor | None:
+        """The smallest free buffer of ``dtype`` that fits ``numel`` elements, or ``None``."""
         with self.lock:
-            for ident, (k, flat) in self.entries.items():
-                if k == key and self._free(flat):
-                    self.entries.move_to_end(ident)
-                    return flat
-            return None
+            best = None
+            for ident, flat in self.entries.items():
+                size = flat.numel()
+                if (
+                    flat.dtype is dtype
+                    and _fits(size, numel)
+                    and (best is None or size < best[1].numel())
+                    and self._free(flat)
+                ):
+                    best = (ident, flat)
+                    if size == numel:
+                        break
+            if best is None:
+                return None
+            self.entries.move_to_end(best[0])
+            return best[1]
 
     def _evict(self, room: int) -> None:
         """Drop free buffers, least recently used first, until ``room`` more bytes fit."""
-        for ident in [i for i, (_, t) in self.entries.items() if self._free(t)]:
+        for ident in [i for i, t in self.entries.items() if self._free(t)]:
             if self.bytes + room <= self.limit:
                 return
-            _, old = self.entries.pop(ident)
+            old = self.entries.pop(ident)
             self.bytes -= old.numel() * old.element_size()
 
-    def add(self, key: tuple[torch.dtype, int], flat: Tensor) -> None:
+    def add(self, flat: Tensor) -> None:
         size = flat.numel() * flat.element_size()
         with self.lock:
             self._evict(size)
             if self.bytes + size <= self.limit:
-                self.entries[id(flat)] = (key, flat)
+                self.entries[id(flat)] = flat
                 self.bytes += size
 
     def set_limit(self, limit: int) -> None:
@@ -111,13 +123,13 @@ def empty(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
     (default ``like``'s): on the CPU and from :data:`MIN_BYTES` up, a buffer of the cache."""
     dtype = like.dtype if dtype is None else dtype
     numel = math.prod(shape)
-    if not like.is_cpu or _use_count is None or numel * dtype.itemsize < MIN_BYTES:
+    nbytes = numel * dtype.itemsize
+    if not like.is_cpu or _FREE is None or nbytes < MIN_BYTES or nbytes > _CACHE.limit:
         return like.new_empty(shape, dtype=dtype)
-    key = (dtype, _size_class(numel))
-    flat = _CACHE.take(key)
+    flat = _CACHE.take(dtype, numel)
     if flat is None:
-        flat = like.new_empty((key[1],), dtype=dtype)
-        _CACHE.add(key, flat)
+        flat = like.new_empty((numel,), dtype=dtype)
+        _CACHE.add(flat)
     # a tensor on the flat tensor's memory, not a view of it: an output of an autograd Function
     # that is a view may not be modified in place (torch.nn.Dropout(inplace=True) on it)
     return like.new_empty((0,), dtype=dtype).set_(flat.untyped_storage(), 0, shape)

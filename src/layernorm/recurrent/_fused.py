@@ -154,6 +154,14 @@ def _split_grads(sums: Tensor, need_w: bool, need_b: bool) -> tuple[Tensor | Non
     return (dw if need_w else None), (db if need_b else None)
 
 
+def _contiguous(t: Tensor) -> Tensor:
+    """``t`` contiguous, a copy in a buffer of the cache where it is not (the output gradient of
+    a ``sum()``, expanded from one value)."""
+    if t.is_contiguous():
+        return t
+    return _buffers.empty(t, tuple(t.shape)).copy_(t)
+
+
 def _new_bufs(like: Tensor, n_rows: int, spec: dict[str, int]) -> dict[str, Tensor]:
     """``(N, cols)`` buffers in ``like``'s dtype, and ``(N,)`` row-statistics buffers (mean,
     1/σ) where cols is 0.
@@ -263,7 +271,8 @@ def _lstm_state(
 ) -> dict[str, Any]:
     """An LSTM direction's ``st``: the state copied from ``h0, c0``, the output buffer (``n_rows``
     rows, default gx's) and the kept buffers with ``kept_rows`` rows (N: for backward; B:
-    inference, see :func:`lstm_sequence`)."""
+    inference, see :func:`lstm_sequence`), but not yet the previous states' copies ``hprev``,
+    ``cprev`` (``None``: :func:`_keep_previous` adds those backward will read)."""
     n_rows = gx.shape[0] if n_rows is None else n_rows
     hs, ps = c0.shape[1], h0.shape[1]
     return {
@@ -272,11 +281,28 @@ def _lstm_state(
         "b3": b3, "zh": zh, "zc": zc, "cm": cm,
         "w_hr": w_hr, "h": h0.contiguous().clone(), "c": c0.contiguous().clone(),
         "out": _buffers.empty(gx, (n_rows, ps)),
-        **_new_bufs(gx, kept_rows, {"hp": 4 * hs, "hprev": ps, "cprev": hs, "acts": 4 * hs,
-                                    "cn": hs, "tc": hs, "mh": 0, "rh": 0, "mc": 0, "rc": 0}),
+        **_new_bufs(gx, kept_rows, {"hp": 4 * hs, "acts": 4 * hs, "cn": hs, "tc": hs, "mh": 0,
+                                    "rh": 0, "mc": 0, "rc": 0}),
+        "hprev": None, "cprev": None,
         "hu": None if w_hr is None else gx.new_empty(n_rows, hs), "y": None, "h0": None,
         "c0": None, "reverse": 0,
     }  # fmt: skip
+
+
+def _keep_previous(
+    st: dict[str, Any], kernels: StepKernels, sched: Schedule, h0: Tensor, c0: Tensor
+) -> None:
+    """The copies of ``h_{t−1}``, ``c_{t−1}`` a training direction keeps for backward: none where
+    the step before holds them (:func:`_previous_from_later_rows`), else ``(N, ·)`` buffers."""
+    n_rows, hs = st["gx"].shape[0], st["H"]
+    if not _previous_from_later_rows(kernels, sched, h0.shape[0]):
+        st.update(_new_bufs(st["gx"], n_rows, {"hprev": h0.shape[1], "cprev": hs}))
+        return
+    st.update(y=st["out"], h0=h0.contiguous())
+    if st["zc"] is None and not st["carry_normalized"]:  # the carried c_t is cn, kept anyway
+        st.update(c0=c0.contiguous(), reverse=int(sched[0][1] != 0))
+    else:
+        st["cprev"] = _new_bufs(st["gx"], n_rows, {"cprev": hs})["cprev"]
 
 
 def _gru_state(
@@ -515,10 +541,8 @@ def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
     (_, h0, c0, w_hh, w1, b1, w3, b3, sched, eps, normalize, carry, *masks) = args
 
     def state(gx: Tensor, n_rows: int) -> dict[str, Any]:
-        st = _lstm_state(gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry,
-                         *_padded(masks, 4), kept_rows=h0.shape[0], n_rows=n_rows)  # fmt: skip
-        st["hprev"] = st["cprev"] = None  # read by backward only
-        return st
+        return _lstm_state(gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry,
+                           *_padded(masks, 4), kept_rows=h0.shape[0], n_rows=n_rows)  # fmt: skip
 
     out = _inference(args, "lstm_fwd_seq", w_hh, sched, state, ("out", "h", "c"))
     if out is not None:
@@ -671,10 +695,7 @@ class LSTMSequence(torch.autograd.Function):
             st.update(w0=gx.new_ones(g4) if w0 is None else w0.contiguous(),
                       b0=gx.new_zeros(g4) if b0 is None else b0.contiguous(),
                       **_new_bufs(gx, gx.shape[0], {"mx": 0, "rx": 0}))  # fmt: skip
-        if _previous_from_later_rows(kernels, sched, h0.shape[0]):
-            st.update(hprev=None, y=st["out"], h0=h0.contiguous())
-            if zc is None and not carry_normalized:  # the carried c_t is cn, kept anyway
-                st.update(cprev=None, c0=c0.contiguous(), reverse=int(sched[0][1] != 0))
+        _keep_previous(st, kernels, sched, h0, c0)
         _forward_in_time(st, w_hh, sched, kernels.lstm_fwd, kernels.lstm_fwd_seq)
         kept = ("gx", "w0", "mx", "rx") if input_norm else ()  # what backward's LN(gx) reads
         _save(ctx, st, w_hh, sched, ("w1", "b1", "w3", "b3", "hp", "hprev", "cprev", "acts",
@@ -688,7 +709,7 @@ class LSTMSequence(torch.autograd.Function):
         w_hh, st = _restore(ctx)
         gx, hs, normalize, w1, w3 = st["gx"], st["H"], st["normalize"], st["w1"], st["w3"]
         n_rows = gx.shape[0]
-        st.update(dout=dout.contiguous(), dh=dh_n.contiguous().clone(),
+        st.update(dout=_contiguous(dout), dh=dh_n.contiguous().clone(),
                   dc=dc_n.contiguous().clone(),
                   **_new_bufs(gx, n_rows, {"dgates": 4 * hs, "dlc": hs}))  # fmt: skip
         st["dhp"] = _buffers.empty(gx, (n_rows, 4 * hs)) if normalize else st["dgates"]
@@ -774,7 +795,7 @@ class GRUSequence(torch.autograd.Function):
         w_hh, st = _restore(ctx)
         gx, hs, normalize, w_rz, w_n = st["gx"], st["H"], st["normalize"], st["w_rz"], st["w_n"]
         n_rows = gx.shape[0]
-        st.update(dout=dout.contiguous(), dh=dh_n.contiguous().clone(),
+        st.update(dout=_contiguous(dout), dh=dh_n.contiguous().clone(),
                   **_new_bufs(gx, n_rows, {"dgx": 3 * hs, "dgh": 3 * hs}))  # fmt: skip
         st["dhp"] = _buffers.empty(gx, (n_rows, 3 * hs)) if normalize else st["dgh"]
         kernels, need = _kernels(gx, st), ctx.needs_input_grad

@@ -104,6 +104,30 @@ def test_without_reference_counts_every_buffer_is_fresh(monkeypatch) -> None:
     assert a.shape == (_ROWS, 64) and _buffers.cached_bytes() == 0
 
 
+def test_threads_never_share_a_buffer() -> None:
+    """Threads taking and releasing buffers at once: no two buffers held at the same time share
+    memory (a buffer is found free and handed out under one lock)."""
+    import threading
+
+    held: list[list[torch.Tensor]] = [[] for _ in range(4)]
+    start = threading.Barrier(4)
+
+    def work(k: int) -> None:
+        start.wait()
+        for i in range(200):
+            t = _buffers.empty(_like(), (_ROWS, 64))
+            if i % 3 == 0:
+                held[k].append(t)  # kept to the end: must stay this thread's alone
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ptrs = [t.data_ptr() for ts in held for t in ts]
+    assert len(ptrs) == len(set(ptrs))
+
+
 def _grads(model: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> list[torch.Tensor]:
     grads = torch.autograd.grad(out.square().sum(), [x, *model.parameters()], retain_graph=True)
     return [g.clone() for g in grads]

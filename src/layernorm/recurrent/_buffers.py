@@ -57,6 +57,9 @@ def _fits(size: int, numel: int) -> bool:
 
 
 class _Cache:
+    """The buffers, and the lock under which a buffer is found free and handed out in one step
+    (two threads checking the same free buffer before either holds it would share it)."""
+
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.bytes = 0
@@ -68,41 +71,51 @@ class _Cache:
     def _free(flat: Tensor) -> bool:
         return _FREE is not None and _holders(flat) == _FREE
 
-    def take(self, dtype: torch.dtype, numel: int) -> Tensor | None:
-        """The smallest free buffer of ``dtype`` that fits ``numel`` elements, or ``None``."""
-        with self.lock:
-            best = None
-            for ident, flat in self.entries.items():
-                size = flat.numel()
-                if (
-                    flat.dtype is dtype
-                    and _fits(size, numel)
-                    and (best is None or size < best[1].numel())
-                    and self._free(flat)
-                ):
-                    best = (ident, flat)
-                    if size == numel:
-                        break
-            if best is None:
-                return None
-            self.entries.move_to_end(best[0])
-            return best[1]
+    def _take(self, dtype: torch.dtype, numel: int) -> Tensor | None:
+        """The smallest free buffer of ``dtype`` that fits ``numel`` elements, or ``None``
+        (under the lock)."""
+        best = None
+        for flat in self.entries.values():
+            size = flat.numel()
+            if (
+                flat.dtype is dtype
+                and _fits(size, numel)
+                and (best is None or size < best.numel())
+                and self._free(flat)
+            ):
+                best = flat
+                if size == numel:
+                    break
+        if best is not None:
+            self.entries.move_to_end(id(best))
+        return best
 
     def _evict(self, room: int) -> None:
-        """Drop free buffers, least recently used first, until ``room`` more bytes fit."""
+        """Drop free buffers, least recently used first, until ``room`` more bytes fit (under
+        the lock)."""
         for ident in [i for i, t in self.entries.items() if self._free(t)]:
             if self.bytes + room <= self.limit:
                 return
             old = self.entries.pop(ident)
             self.bytes -= old.numel() * old.element_size()
 
-    def add(self, flat: Tensor) -> None:
+    def _add(self, flat: Tensor) -> None:
+        """Keep ``flat`` if it fits under the limit (under the lock)."""
         size = flat.numel() * flat.element_size()
+        self._evict(size)
+        if self.bytes + size <= self.limit:
+            self.entries[id(flat)] = flat
+            self.bytes += size
+
+    def empty(self, like: Tensor, shape: tuple[int, ...], dtype: torch.dtype, numel: int) -> Tensor:
         with self.lock:
-            self._evict(size)
-            if self.bytes + size <= self.limit:
-                self.entries[id(flat)] = flat
-                self.bytes += size
+            flat = self._take(dtype, numel)
+            if flat is None:
+                flat = like.new_empty((numel,), dtype=dtype)
+                self._add(flat)
+            # a tensor on the flat tensor's memory, not a view of it: an output of an autograd
+            # Function that is a view may not be modified in place (Dropout(inplace=True) on it)
+            return like.new_empty((0,), dtype=dtype).set_(flat.untyped_storage(), 0, shape)
 
     def set_limit(self, limit: int) -> None:
         with self.lock:
@@ -126,13 +139,7 @@ def empty(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
     nbytes = numel * dtype.itemsize
     if not like.is_cpu or _FREE is None or nbytes < MIN_BYTES or nbytes > _CACHE.limit:
         return like.new_empty(shape, dtype=dtype)
-    flat = _CACHE.take(dtype, numel)
-    if flat is None:
-        flat = like.new_empty((numel,), dtype=dtype)
-        _CACHE.add(flat)
-    # a tensor on the flat tensor's memory, not a view of it: an output of an autograd Function
-    # that is a view may not be modified in place (torch.nn.Dropout(inplace=True) on it)
-    return like.new_empty((0,), dtype=dtype).set_(flat.untyped_storage(), 0, shape)
+    return _CACHE.empty(like, shape, dtype, numel)
 
 
 def buffer_cache_limit() -> int:

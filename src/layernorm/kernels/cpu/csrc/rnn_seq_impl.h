@@ -430,7 +430,7 @@ typedef struct {
 /* 0, or RNN_ERR_NOMEM (nothing allocated). */
 static int FN(grad_sums_init)(FN(grad_sums) * g, i64 n, int team) {
     g->n = n;
-    g->stride = (n + 7) / 8 * 8; /* 8 doubles: a line, and a whole number of lines of scalar_t */
+    g->stride = (n + 15) / 16 * 16; /* whole 64-byte lines of float and of double per thread */
     g->part = NULL;
     g->total = NULL;
     if (!n) return 0;

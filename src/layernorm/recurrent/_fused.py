@@ -811,16 +811,10 @@ class GRUSequence(torch.autograd.Function):
         d_b_hn = None
         if "ln_grads" in st:
             dw, db = st["ln_grads"]["hp_grads"].chunk(2)
-            # b_hn's gradient is db_n's sum: a copy, not the same memory for two parameters
-            dw_rz, db_rz, dw_n, db_n, d_b_hn = (
-                g if needed else None
-                for g, needed in zip(
-                    (dw[: 2 * hs], db[: 2 * hs], dw[2 * hs :], db[2 * hs :],
-                     db[2 * hs :].clone() if need[7] else None),
-                    need[3:8],
-                    strict=True,
-                )
-            )  # fmt: skip
+            dw_rz, db_rz = dw[: 2 * hs] if need[3] else None, db[: 2 * hs] if need[4] else None
+            dw_n, db_n = dw[2 * hs :] if need[5] else None, db[2 * hs :] if need[6] else None
+            if need[7]:  # b_hn's gradient is db_n's sum: a copy, not memory of two parameters
+                d_b_hn = db[2 * hs :].clone()
         elif normalize:
             ln = ln_kernels(gx)
             dw_rz, db_rz = _ln_param_grads(

@@ -470,6 +470,12 @@ static inline void FN(grad_sums_add)(const FN(grad_sums) * g, int tid, i64 rows,
 /* The threads' totals, in thread order, into the outputs: out[o] (NULL: skipped) takes the
    next n[o] sums; then frees the buffers. */
 #define GRAD_SUMS_OUTS 3
+/* Sums per thread: those of every output when any is asked for (summed), else none. */
+static inline i64 FN(grad_sums_count)(int summed, const i64* n) {
+    i64 total = 0;
+    for (int o = 0; summed && o < GRAD_SUMS_OUTS; ++o) total += n[o];
+    return total;
+}
 static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* out,
                                  const i64* n) {
     if (g->n) {
@@ -606,11 +612,11 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
 
 /* Backward: every step checked first (VALID, an expression over `step`: nothing is touched when
    one fails), then per step in reverse the cell's rows ROWS_FN, which leave dhp (and add to the
-   thread's grad_sums partials, N_SUMS of them, 0: none), and the GEMM dh (=|+=) dhp · W_hh
-   (ACCUMULATE: += where the step left the direct path of h_{t−1} in dh); with several threads,
-   as one parallel region as forward. The sums go to the GRAD_SUMS_OUTS outputs OUTS (scalar_t*
-   const[]) of N_OUT (i64[]) sums each, in order. */
-#define BACKWARD_IN_TIME(ROWS_FN, VALID, ACCUMULATE, N_SUMS, OUTS, N_OUT)                        \
+   thread's grad_sums partials where SUMMED), and the GEMM dh (=|+=) dhp · W_hh (ACCUMULATE: +=
+   where the step left the direct path of h_{t−1} in dh); with several threads, as one parallel
+   region as forward. The sums go to the GRAD_SUMS_OUTS outputs OUTS (scalar_t* const[]) of
+   N_OUT (i64[]) sums each, in order. */
+#define BACKWARD_IN_TIME(ROWS_FN, VALID, ACCUMULATE, SUMMED, OUTS, N_OUT)                        \
     do {                                                                                          \
         const i64 H = a->H;                                                                       \
         int team = 1;                                                                             \
@@ -626,7 +632,8 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
         if (!w) return RNN_ERR_NOMEM;                                                             \
         team = team_cap(team);                                                                    \
         FN(grad_sums) sums;                                                                       \
-        if (FN(grad_sums_init)(&sums, (N_SUMS), team)) return RNN_ERR_NOMEM;                      \
+        if (FN(grad_sums_init)(&sums, FN(grad_sums_count)((SUMMED), (N_OUT)), team))             \
+            return RNN_ERR_NOMEM;                                                                 \
         const i64 packed = G * FN(panels)(H) * NR * (i64)sizeof(scalar_t);                         \
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
         if (team > 1) {                                                                           \
@@ -704,7 +711,7 @@ int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args
     const i64 n_out[GRAD_SUMS_OUTS] = {2 * G, 2 * a->H, a->w0 ? 2 * G : 0};
     BACKWARD_IN_TIME(FN(lstm_bwd_rows),
                      carried_before_valid(a->cprev, a->c0, step.off, step.rows, a->N, a->B),
-                     a->zh != NULL, summed ? n_out[0] + n_out[1] + n_out[2] : 0, outs, n_out);
+                     a->zh != NULL, summed, outs, n_out);
 }
 
 int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
@@ -719,8 +726,7 @@ int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) 
     FN(gru_bwd_step_args) step = *a;
     scalar_t* const outs[GRAD_SUMS_OUTS] = {s->hp_grads, NULL, NULL};
     const i64 n_out[GRAD_SUMS_OUTS] = {2 * G, 0, 0};
-    BACKWARD_IN_TIME(FN(gru_bwd_rows), 1, 1, a->layer_norm && s->hp_grads ? 2 * G : 0, outs,
-                     n_out);
+    BACKWARD_IN_TIME(FN(gru_bwd_rows), 1, 1, a->layer_norm && s->hp_grads, outs, n_out);
 }
 
 #undef FORWARD_IN_TIME

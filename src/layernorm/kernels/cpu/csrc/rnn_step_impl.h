@@ -223,28 +223,26 @@ static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
     const scalar_t *w1 = A->w1, *b1 = A->b1, *w3 = A->w3, *b3 = A->b3;
     scalar_t* a = A->acts + k * G;
     acc_t m = 0, r = 1;
-    if (normalize && A->w0) { /* gx raw: its layer norm here, its statistics kept */
-        const scalar_t *w0 = A->w0, *b0 = A->b0;
-        FN(moments)(hpr, G, A->eps, &m, &r);
-        const FN(stats) st = FN(split)(m, r);
-        FN(moments)(gxr, G, A->eps, &m, &r);
-        const FN(stats) sx = FN(split)(m, r);
-        A->mh[k] = st.hi;
-        A->rh[k] = st.r;
-        A->mx[k] = sx.hi;
-        A->rx[k] = sx.r;
-        #pragma omp simd
-        for (i64 j = 0; j < G; ++j)
-            a[j] = ((hpr[j] - st.hi) - st.lo) * st.r * w1[j] + b1[j] +
-                   (((gxr[j] - sx.hi) - sx.lo) * sx.r * w0[j] + b0[j]);
-    } else if (normalize) {
+    if (normalize) {
         FN(moments)(hpr, G, A->eps, &m, &r);
         const FN(stats) st = FN(split)(m, r);
         A->mh[k] = st.hi;
         A->rh[k] = st.r;
-        #pragma omp simd
-        for (i64 j = 0; j < G; ++j)
-            a[j] = ((hpr[j] - st.hi) - st.lo) * st.r * w1[j] + b1[j] + gxr[j];
+        if (A->w0) { /* gx raw: its layer norm here, its statistics kept */
+            const scalar_t *w0 = A->w0, *b0 = A->b0;
+            FN(moments)(gxr, G, A->eps, &m, &r);
+            const FN(stats) sx = FN(split)(m, r);
+            A->mx[k] = sx.hi;
+            A->rx[k] = sx.r;
+            #pragma omp simd
+            for (i64 j = 0; j < G; ++j)
+                a[j] = ((hpr[j] - st.hi) - st.lo) * st.r * w1[j] + b1[j] +
+                       (((gxr[j] - sx.hi) - sx.lo) * sx.r * w0[j] + b0[j]);
+        } else {
+            #pragma omp simd
+            for (i64 j = 0; j < G; ++j)
+                a[j] = ((hpr[j] - st.hi) - st.lo) * st.r * w1[j] + b1[j] + gxr[j];
+        }
     } else {
         for (i64 j = 0; j < G; ++j) a[j] = hpr[j] + gxr[j];
     }

@@ -104,10 +104,10 @@ def _spy(monkeypatch) -> list[tuple[str, dict[str, int]]]:
     def fields(args) -> dict[str, int]:
         return {f: getattr(args, f) or 0 for f in ("zh", "zc", "cm") if hasattr(args, f)}
 
-    step, sequence = rnn.step, rnn.sequence
+    step, sequence = rnn.step, rnn.run_sequence
     monkeypatch.setattr(rnn, "step", lambda k, d, a, *r: calls.append((k, fields(a))) or
                         step(k, d, a, *r))  # fmt: skip
-    monkeypatch.setattr(rnn, "sequence", lambda k, d, a, *r: calls.append((k, fields(a))) or
+    monkeypatch.setattr(rnn, "run_sequence", lambda k, d, a, *r: calls.append((k, fields(a))) or
                         sequence(k, d, a, *r))  # fmt: skip
     return calls
 

@@ -11,12 +11,13 @@ C GEMM and ``torch.mm`` are made here.
 from __future__ import annotations
 
 import functools
-from typing import Any
+import os
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..kernels.cpu import rnn, rnn_abi
+from ..kernels.cpu import rnn, rnn_abi, targets
 
 # Below this many elements per step one thread does the rows: waking the pool costs more.
 _GRAIN = 32768
@@ -190,12 +191,36 @@ def _sequence(
 ) -> None:
     # st["projection"]: the input projection a forward kernel computes itself (inference);
     # st["ln_grads"]: the buffers a backward kernel sums the layer norms' parameter gradients into
+    # st keeps both structs and W_hh (st["_call"]): an inference plan (see _fused.InferencePlan)
+    # runs them again with new input and output addresses
     options = st.get("projection" if "_fwd" in kernel else "ln_grads")
-    rnn.sequence(
-        kernel, st["gx"].dtype, _args(st, kernel.replace("_seq", "_step")), w.contiguous(),
-        _steps(sched), _sizes(st, kernel), torch.get_num_threads(), _SEQ_GRAIN, _SEQ_GEMM_GRAIN,
-        options,
+    dtype, args, w = st["gx"].dtype, _args(st, kernel.replace("_seq", "_step")), w.contiguous()
+    seq_args = rnn.pack_sequence(
+        kernel, dtype, w, _steps(sched), _sizes(st, kernel), torch.get_num_threads(), _SEQ_GRAIN,
+        _SEQ_GEMM_GRAIN, options,
     )  # fmt: skip
+    st["_call"] = SequenceCall(kernel, dtype, args, seq_args, w, _steps(sched))
+    rnn.run_sequence(kernel, dtype, args, seq_args)
+
+
+def configuration() -> tuple[str, str | None]:
+    """What decides which kernels run, besides the arguments: the selected target and the
+    switch that turns the C kernels off (an inference plan is kept only while both hold)."""
+    return targets.selected().name, os.environ.get(rnn.ENV_SWITCH)
+
+
+class SequenceCall(NamedTuple):
+    """A sequence kernel's checked structs, with the recurrent weight they point at."""
+
+    kernel: str
+    dtype: torch.dtype
+    args: Any
+    seq_args: Any
+    w: Tensor
+    steps: Tensor  # the schedule the sequence struct points at (_steps' cache may drop it)
+
+    def run(self) -> None:
+        rnn.run_sequence(self.kernel, self.dtype, self.args, self.seq_args)
 
 
 def lstm_fwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]) -> None:

@@ -27,7 +27,10 @@ both in float64, forward and every gradient. The hand-written backward is not it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -504,7 +507,101 @@ def _inference(
     if in_loop:
         st["projection"] = source.kernel_args()
     getattr(kernels, seq)(st, w_hh, sched)
-    return tuple(st[k] for k in results)
+    result = tuple(st[k] for k in results)
+    kept = _KEPT_PLANS.get()
+    if kept is not None and projected and "_call" in st:
+        kept.append(InferencePlan(st, source, in_loop, results))
+    return result
+
+
+def configuration() -> tuple[str, str | None]:
+    """What selects the kernels besides the arguments (:func:`._cstep.configuration`)."""
+    return _cstep.configuration()
+
+
+# Where a caller asked for it (keeping_plans), the inference path's plans of this call.
+_KEPT_PLANS: contextvars.ContextVar[list[InferencePlan] | None] = contextvars.ContextVar(
+    "layernorm_kept_inference_plans", default=None
+)
+
+
+@contextlib.contextmanager
+def keeping_plans() -> Iterator[list[InferencePlan]]:
+    """Collect the :class:`InferencePlan` of every direction the inference path runs inside the
+    block (one per :func:`lstm_sequence` / :func:`gru_sequence` call that took it)."""
+    kept: list[InferencePlan] = []
+    token = _KEPT_PLANS.set(kept)
+    try:
+        yield kept
+    finally:
+        _KEPT_PLANS.reset(token)
+
+
+class InferencePlan:
+    """A direction's inference call kept for the next call with the same arguments but for the
+    input's and the initial state's values: the per-step buffers of B rows, the checked kernel
+    structs, the folded gains and biases they point at. :meth:`run` copies the initial state in,
+    points the structs at the new input and a new output, and runs the sequence kernel: what a
+    call of a few rows (a decoder's step) costs is then the kernel and a few tensor operations,
+    not the packing of two structs and a dozen buffers.
+
+    Valid only while everything it was built from holds (the caller's key: shapes, dtype,
+    steps, which parameters at which addresses, threads, kernel target); the structs read the
+    parameters where they are, and the one value folded from them, the input side's bias, is
+    passed again on every call. One call at a time: a call that
+    finds it busy (another thread) gets ``None`` and takes the ordinary path."""
+
+    def __init__(
+        self, st: dict[str, Any], source: InputProjection, in_loop: bool, results: tuple[str, ...]
+    ) -> None:
+        self.st, self.call, self.in_loop = st, st["_call"], in_loop
+        self.source = source._replace(data=None)  # type: ignore[arg-type]
+        self.results = results
+        self.out_cols = st["out"].shape[1]
+        self.lock = threading.Lock()
+        # what belonged to the call that built it: its output, input, projection, and the final
+        # states it returned (the plan's state buffers must not be those)
+        st["out"] = None
+        for name in results[1:]:
+            st[name] = st[name].clone()
+            setattr(self.call.args, name, st[name].data_ptr())
+        if in_loop:
+            st["projection"] = {**st["projection"], "x": None}
+        else:
+            st["gx"] = None
+
+    def run(
+        self, data: Tensor, h0: Tensor, c0: Tensor | None, bias: Tensor | None
+    ) -> tuple[Tensor, ...] | None:
+        """``(out, h_n[, c_n])`` for ``data`` (N rows, as when built) from ``h0`` (``c0``), with
+        the input side's bias ``bias`` as the caller computes it now (``None`` where the plan was
+        built without one): the parameters it is folded from may have changed in place."""
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            st, call = self.st, self.call
+            data = data.contiguous()
+            st["h"].copy_(h0)
+            if c0 is not None:
+                st["c"].copy_(c0)
+            out = _buffers.empty(data, (data.shape[0], self.out_cols))
+            call.args.out = out.data_ptr()
+            if self.in_loop:
+                b0 = st["projection"]["b0"]
+                if b0 is not None and b0 is not bias:
+                    b0.copy_(bias)
+                call.seq_args.x = data.data_ptr()
+                call.run()
+                call.seq_args.x = None
+            else:
+                gx = self.source._replace(data=data, bias=bias).compute().contiguous()
+                call.args.gx = gx.data_ptr()
+                call.run()
+                call.args.gx = None
+            call.args.out = None  # no address of this call's tensors stays in the structs
+            return (out, *(st[k].clone() for k in self.results[1:]))
+        finally:
+            self.lock.release()
 
 
 # The dtypes whose inference projection the C sequence kernels compute (their instances).

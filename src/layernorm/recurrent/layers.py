@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+import weakref
 from typing import Any, Literal, Self
 
 import torch
@@ -74,6 +75,11 @@ _FUSED_DTYPES = (torch.float32, torch.float64)
 # On the CPU, half inputs take the fused path too, computed in float32 (as the norm kernels do)
 # and returned in their own dtype: the step-by-step loop is many times slower.
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
+# Each layer's inference plans, per direction (suffix) with their keys (see _plan_key): outside
+# the module, so that copying or pickling a layer never copies C structs holding addresses.
+_INFERENCE_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[Any, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 # The torch layer whose weights each recurrence takes, for ``from_torch``.
 _TORCH_LAYERS: dict[str, type[nn.RNNBase]] = {"RNN": nn.RNN, "LSTM": nn.LSTM, "GRU": nn.GRU}
 
@@ -256,6 +262,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         weights and biases in the input's dtype. Normalization gains and biases may have another
         floating dtype: both paths then compute with them in the input's dtype."""
         params, device, dtype = self._parameters, data.device, data.dtype
+        cpu, plain = data.is_cpu, torch._C._get_tracing_state() is None
         for name, shape in self._param_shapes.items():
             p = params.get(name)
             # the usual case in few attribute reads (a call of a small layer is microseconds);
@@ -263,8 +270,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
             if (
                 isinstance(p, Tensor)
                 and p.dtype is dtype
-                and sizes_of(p) == shape
-                and p.device == device
+                and (p.shape if plain else sizes_of(p)) == shape
+                and (p.is_cpu if cpu else p.device == device)
                 and p.is_floating_point()
             ):
                 continue
@@ -537,10 +544,21 @@ class _LNRNNBase(NotScriptable, nn.Module):
         in the C kernels where they run (else on its eager step functions, as the Triton steps
         take no masks), and projections between the per-step C kernels (else on the eager steps)."""
         masks = self._draw_masks(sfx, data.shape[0], h0.shape[0], data)
+        fused = self._use_fused(data)
+        # inference of the same shapes with the same parameters: the plan the last call kept
+        key = self._plan_key(sfx, data, sizes, h0, c0, masks) if fused else None
+        if key is not None:
+            kept = _INFERENCE_PLANS.get(self, {}).get(sfx)
+            if kept is not None and kept[0] == key:
+                get = self._get
+                bias = self._input_bias(sfx, get(f"bias_ih{sfx}"), get(f"bias_hh{sfx}"), get)
+                result = kept[1].run(data, h0, c0, bias)
+                if result is not None:
+                    return result if len(result) == 3 else (result[0], result[1], None)
         weights = self._weights(sfx)
         if masks.w_hh is not None:
             weights = weights._replace(w_hh=weights.w_hh * masks.w_hh)
-        if self._use_fused(data):
+        if fused:
             if data.dtype in _HALF_DTYPES:
                 # computed in float32: the parameters are cast (differentiably) inside _fused
                 f32 = torch.float32
@@ -552,10 +570,60 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 c_dtype = data.dtype if c0 is None else c0.dtype
                 return (out.to(data.dtype), h_n.to(h0.dtype),
                         None if c_n is None else c_n.to(c_dtype))  # fmt: skip
-            return self._fused(data, sizes, sfx, reverse, h0, c0, weights, masks)
+            if key is None:
+                return self._fused(data, sizes, sfx, reverse, h0, c0, weights, masks)
+            with _fused.keeping_plans() as new:
+                result = self._fused(data, sizes, sfx, reverse, h0, c0, weights, masks)
+            if len(new) == 1:
+                _INFERENCE_PLANS.setdefault(self, {})[sfx] = (key, new[0])
+            return result
         return self._loop(data, sizes, sfx, reverse, h0, c0, weights, masks)
 
     # -- fused path --------------------------------------------------------------------------
+
+    def _plan_key(
+        self,
+        sfx: str,
+        data: Tensor,
+        sizes: list[int],
+        h0: Tensor,
+        c0: Tensor | None,
+        masks: _options.Masks,
+    ) -> tuple[Any, ...] | None:
+        """What an inference call of direction ``sfx`` depends on besides the values of its input
+        and initial state (the steps' batch sizes included), or ``None`` where it keeps no plan
+        (see :class:`._fused.InferencePlan`: the LSTM and the GRU without masks or projection,
+        float32 / float64 on the CPU, nothing to differentiate, every parameter contiguous in
+        the input's dtype). Each parameter enters by identity and address: the plan's kernel
+        structs point at the parameters themselves, so an update in place (an optimizer's step,
+        ``load_state_dict``, a write through ``.data``, none of which need change the version
+        counter) is seen; the folded input bias, the one value computed from them, is passed
+        again on every call (:meth:`._fused.InferencePlan.run`)."""
+        if self.mode == "RNN" or self.proj_size or any(m is not None for m in masks):
+            return None
+        if data.dtype not in _FUSED_DTYPES or not data.is_cpu:
+            return None
+        by_sfx = self.__dict__.setdefault("_plan_names", {})  # names of sfx's parameters
+        names = by_sfx.get(sfx)
+        if names is None:
+            names = by_sfx[sfx] = tuple(n for n in self._param_shapes if n.endswith(sfx))
+        params = [self._parameters.get(n) for n in names]
+        dtype = data.dtype
+        if any(p is None or p.dtype is not dtype or not p.is_contiguous() for p in params):
+            return None  # a parametrization in a parameter's place, or a copy the kernels read
+        if torch.is_grad_enabled() and (
+            data.requires_grad
+            or h0.requires_grad
+            or (c0 is not None and c0.requires_grad)
+            or any(p.requires_grad for p in params)  # type: ignore[union-attr]
+        ):
+            return None
+        return (
+            data.dtype, data.shape, tuple(sizes), h0.shape, self.eps,
+            getattr(self, "normalize_cell_state", None),
+            torch.get_num_threads(), torch.is_inference_mode_enabled(), _fused.configuration(),
+            *((id(p), p.data_ptr()) for p in params),  # type: ignore[union-attr]
+        )  # fmt: skip
 
     def _fused(
         self,
@@ -588,9 +656,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if self.mode == "LSTM":
             # all time steps in one GEMM, or in inference step by step inside the C time loop
             # (_fused.InputProjection); torch's biases folded into the input side's
-            bsum = None if b_ih is None or b_hh is None else b_ih + b_hh
-            b2 = g(f"ln_bias_ih{sfx}") if ln else None
-            b2 = bsum if b2 is None else (b2 if bsum is None else b2 + bsum)
+            b2 = self._input_bias(sfx, b_ih, b_hh, g)
             w2 = g(f"ln_weight_ih{sfx}") if ln else None
             gx = _fused.InputProjection(data, w_ih, w2, b2, self.eps, ln)
             out, h_n, c_n = _fused.lstm_sequence(
@@ -614,6 +680,23 @@ class _LNRNNBase(NotScriptable, nn.Module):
         )
         return out, h_n, None
 
+    def _input_bias(
+        self, sfx: str, b_ih: Tensor | None, b_hh: Tensor | None, g: Any
+    ) -> Tensor | None:
+        """The bias added to the input side of the LSTM's and the GRU's gates, the layer norm's
+        bias when it has one, with torch's biases folded in: ``b_ih + b_hh`` (the GRU: without
+        ``b_hn``, which the reset gate multiplies). ``g`` reads a normalization parameter."""
+        ln_bias = g(f"ln_bias_ih{sfx}") if self.norm == "layer" else None
+        if b_ih is None or b_hh is None:
+            return ln_bias
+        if self.mode == "GRU":
+            hs = self.hidden_size
+            folded = b_ih.clone()
+            folded[: 2 * hs] += b_hh[: 2 * hs]
+        else:
+            folded = b_ih + b_hh
+        return folded if ln_bias is None else folded.add_(ln_bias)
+
     def _fused_gru(
         self,
         data: Tensor,
@@ -635,12 +718,9 @@ class _LNRNNBase(NotScriptable, nn.Module):
         (:func:`._fused.normalized_projection`), so each layer norm reads a contiguous input; in
         inference the C time loop computes each step's rows (:class:`._fused.InputProjection`)."""
         hs, h2 = self.hidden_size, 2 * self.hidden_size
-        bias_x = None
-        if b_ih is not None and b_hh is not None:
-            bias_x = b_ih + torch.cat((b_hh[:h2], b_hh.new_zeros(hs)))
         ln = self.norm == "layer"
-        w, b = (g(f"ln_weight_ih{sfx}"), g(f"ln_bias_ih{sfx}")) if ln else (None, None)
-        b = bias_x if b is None else (b if bias_x is None else b + bias_x)
+        w = g(f"ln_weight_ih{sfx}") if ln else None
+        b = self._input_bias(sfx, b_ih, b_hh, g)
         gx = _fused.InputProjection(data, w_ih, w, b, self.eps, ln, blocks=(h2, hs))
         w1, b1 = g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}")
         out, h_n = _fused.gru_sequence(

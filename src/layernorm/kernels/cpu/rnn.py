@@ -167,6 +167,23 @@ def sequence(
     ``gx`` rows itself (the step struct's gx then has B rows); without them gx holds every row
     already. Backward kernels: ``hp_grads`` and ``c_grads`` of :data:`.rnn_abi.SEQ_BWD`, where
     the kernel sums the layer norms' gain and bias gradients."""
+    seq_args = pack_sequence(kernel, dtype, w, steps, sizes, threads, grain, gemm_grain, options)
+    run_sequence(kernel, dtype, args, seq_args)
+
+
+def pack_sequence(
+    kernel: str,
+    dtype: torch.dtype,
+    w: Tensor,
+    steps: Tensor,
+    sizes: Mapping[str, int],
+    threads: int,
+    grain: int,
+    gemm_grain: int,
+    options: Mapping[str, object] | None = None,
+) -> ctypes.Structure:
+    """The checked sequence struct of :func:`sequence` (its arguments), for
+    :func:`run_sequence`."""
     seq_struct = rnn_abi.BY_NAME[kernel].structs[1]
     opts = dict(options or {})
     values = {"w": w, "steps": steps, "threads": max(1, threads), "grain": grain,
@@ -175,7 +192,12 @@ def sequence(
     given = [t for t in (opts.get("x"), opts.get("w_ih")) if isinstance(t, Tensor) and t.dim() == 2]
     in_features = given[0].shape[1] if given else 0
     seq_sizes = {**sizes, "S": steps.shape[0], "I": in_features}
-    seq_args = rnn_abi.pack(seq_struct, dtype, values, seq_sizes)
+    return rnn_abi.pack(seq_struct, dtype, values, seq_sizes)
+
+
+def run_sequence(kernel: str, dtype: torch.dtype, args: Any, seq_args: Any) -> None:
+    """Run sequence kernel ``kernel`` on a step struct from :func:`prepare` and a sequence struct
+    from :func:`pack_sequence` (on the selected target)."""
     _raise_for(_fn(kernel, dtype)(ctypes.byref(args), ctypes.byref(seq_args)), kernel)
 
 

@@ -27,6 +27,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -532,10 +533,113 @@ def _check_number(struct: Struct, f: Field, v: object) -> None:
 def pack(
     struct: Struct, dtype: torch.dtype, values: Mapping[str, object], sizes: Mapping[str, int]
 ) -> ctypes.Structure:
-    """The argument struct of ``values``, each field checked as :func:`check` does."""
+    """The argument struct of ``values``, each field checked as :func:`check` does.
+
+    Well-formed arguments take :func:`_fast_fields` (a plan per struct, dtype and sizes, built
+    once); anything it refuses goes through :func:`_checked`, which raises the error naming what
+    is wrong (or packs what the fast test was too strict for)."""
+    cls = structure(struct, dtype) if dtype in RNN_INSTANCES else None
+    plan = _fast_plan(struct, dtype, _sizes_key(sizes)) if cls is not None else None
+    fields = None if plan is None else _fast_fields(plan, values)
+    if fields is not None:
+        return cls(*fields)  # type: ignore[misc]
     out = structure(struct, dtype)()
     _checked(struct, dtype, values, sizes, out)
     return out
+
+
+def _sizes_key(sizes: Mapping[str, int]) -> tuple[tuple[str, object], ...] | None:
+    """``sizes`` as a cache key, or ``None`` where one is not a plain int >= 0 (the slow path
+    then names it)."""
+    items = tuple(sorted(sizes.items()))
+    for _, v in items:
+        if type(v) is not int or v < 0:
+            return None
+    return items
+
+
+# A fast plan's entry kinds: a tensor, a size bound in the plan, a float, a flag, an integer
+# with a minimum (counts: 1, indices: their field's).
+_P_TENSOR, _P_SIZE, _P_FLOAT, _P_FLAG, _P_INT = range(5)
+
+
+@functools.lru_cache(maxsize=256)
+def _fast_plan(
+    struct: Struct, dtype: torch.dtype, sizes: tuple[tuple[str, object], ...] | None
+) -> tuple[tuple[Any, ...], ...] | None:
+    """``struct``'s fields in layout order as ``(kind, name, a, b, c)`` entries that
+    :func:`_fast_fields` checks in a few attribute reads each: a tensor's dtype, shape and
+    whether it may be ``None``; a size's bound value; a number's minimum. ``None`` where a size
+    is missing (the slow path names it)."""
+    if sizes is None:
+        return None
+    bound = dict(sizes)
+    try:
+        shapes = dict(_shapes(struct, sizes))
+    except ValueError:
+        return None
+    plan: list[tuple[Any, ...]] = []
+    for f in struct.layout():
+        if f.kind is Kind.SIZE:
+            v = bound.get(f.symbol or f.name)
+            if v is None:
+                return None
+            plan.append((_P_SIZE, f.name, v, None, None))
+        elif f.is_pointer:
+            want = torch.int64 if f.kind is Kind.STEPS else dtype
+            plan.append((_P_TENSOR, f.name, want, torch.Size(shapes[f]), f.optional))
+        elif f.kind is Kind.FLOAT:
+            plan.append((_P_FLOAT, f.name, f.minimum, None, None))
+        elif f.kind is Kind.FLAG:
+            plan.append((_P_FLAG, f.name, None, None, None))
+        else:
+            plan.append((_P_INT, f.name, 1 if f.kind is Kind.COUNT else f.minimum, None, None))
+    return tuple(plan)
+
+
+def _fast_fields(plan: tuple[tuple[Any, ...], ...], values: Mapping[str, object]) -> list | None:
+    """The struct's field values in layout order, or ``None`` at the first one that breaks its
+    rule (the same rules as :func:`_checked`, stated as tests that pass for good arguments)."""
+    fields: list[object] = []
+    get = values.get
+    try:
+        for kind, name, a, b, c in plan:
+            if kind == _P_TENSOR:
+                v = get(name)
+                if v is None:
+                    if not c:
+                        return None
+                    fields.append(None)
+                elif (
+                    isinstance(v, Tensor)
+                    and v.dtype is a
+                    and v.is_cpu
+                    and v.shape == b
+                    and v.is_contiguous()
+                ):
+                    fields.append(v.data_ptr())
+                else:
+                    return None
+            elif kind == _P_SIZE:
+                fields.append(a)
+            else:
+                v = get(name)
+                if kind == _P_FLOAT:
+                    if type(v) is not float and type(v) is not int:
+                        return None
+                    if not (a <= v < math.inf):  # NaN fails
+                        return None
+                elif type(v) is not int and type(v) is not bool:
+                    return None
+                elif kind == _P_FLAG:
+                    if v not in (0, 1):
+                        return None
+                elif v < a:
+                    return None
+                fields.append(v)
+    except (AttributeError, TypeError):
+        return None
+    return fields
 
 
 # ------------------------------------------------------------------------------ C side

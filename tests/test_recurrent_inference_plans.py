@@ -1,0 +1,283 @@
+"""Inference plans: a recurrent layer's inference call (no gradient to record, the C sequence
+kernels) keeps its checked kernel structs and per-step buffers, and the next call with the same
+shapes, schedule and parameters runs them again with its own input, initial state and a new output
+(``_fused.InferencePlan``). It runs the same kernel on the same struct values, so its results
+equal, bit for bit, those of a call that builds everything afresh (a copy of the layer has no
+plan). Anything the plan was built from that changes (a parameter updated in place or replaced,
+the shapes, the steps of a packed input, the thread count, the kernel target) makes the next call
+build a new one.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_sequence
+
+from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm.kernels.cpu import targets
+from layernorm.recurrent import _cstep, _fused, layers
+
+pytestmark = pytest.mark.skipif(
+    not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
+    reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
+)
+LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU}
+
+
+def _model(kind: str, dtype: torch.dtype = torch.float32, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = LAYERS[kind](6, 13, dtype=dtype, **kw).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "ln_weight" in name else 0.0) + 0.3 * torch.randn_like(p))
+    return model
+
+
+def _flat(result) -> list[torch.Tensor]:
+    out, states = result
+    return [out, *(states if isinstance(states, tuple) else (states,))]
+
+
+def _fresh(model: torch.nn.Module, *args) -> list[torch.Tensor]:
+    """What ``model`` returns when nothing is kept: a copy of it has no plan."""
+    with torch.no_grad():
+        return _flat(copy.deepcopy(model)(*args))
+
+
+def _planned(model: torch.nn.Module, *args) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return _flat(model(*args))
+
+
+def _plans(model: torch.nn.Module) -> dict:
+    return layers._INFERENCE_PLANS.get(model, {})
+
+
+def _runs(monkeypatch) -> list[int]:
+    """Count the calls that ran a kept plan."""
+    runs: list[int] = []
+    run = _fused.InferencePlan.run
+
+    def counted(self, *args):
+        runs.append(1)
+        return run(self, *args)
+
+    monkeypatch.setattr(_fused.InferencePlan, "run", counted)
+    return runs
+
+
+def _exactly(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("steps", "batch", "options"),
+    [
+        (1, 1, {}),  # a decoder's token
+        (1, 3, {"num_layers": 2}),
+        (4, 2, {"bidirectional": True}),
+        (3, 5, {"batch_first": True, "num_layers": 2, "bidirectional": True}),
+        (30, 5, {}),  # past _LOOP_PROJECTION_ROWS: the projection inside the time loop
+    ],
+)
+def test_a_kept_plan_returns_what_a_fresh_call_does(
+    kind, dtype, steps, batch, options, monkeypatch
+) -> None:
+    model = _model(kind, dtype, **options)
+    runs = _runs(monkeypatch)
+    gen = torch.Generator().manual_seed(2)
+    shape = (batch, steps, 6) if options.get("batch_first") else (steps, batch, 6)
+    directions = model.num_layers * model.num_directions
+    for call in range(3):
+        x = torch.randn(*shape, generator=gen, dtype=dtype)
+        h0 = torch.randn(directions, batch, 13, generator=gen, dtype=dtype)
+        hx = (h0, torch.randn_like(h0)) if kind == "lstm" else h0
+        args = (x,) if call == 0 else (x, hx)  # zeros, then given states
+        _exactly(_planned(model, *args), _fresh(model, *args))
+    assert len(runs) == 2 * directions  # the first call built the plans, the next two ran them
+    assert len(_plans(model)) == directions
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_few_rows_of_a_large_projection_run_it_before_the_loop(kind, monkeypatch) -> None:
+    """With gx computed before the time loop (here every W_ih counts as large), the plan computes
+    it from each call's input."""
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_WEIGHT", 0)
+    model = _model(kind)
+    runs = _runs(monkeypatch)
+    for seed in range(3):
+        x = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(seed))
+        _exactly(_planned(model, x), _fresh(model, x))
+    assert len(runs) == 2
+    ((_, plan),) = _plans(model).values()
+    assert not plan.in_loop
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_results_are_new_tensors_every_call(kind) -> None:
+    """A call's output and states are its own: the next call writes into none of them."""
+    model = _model(kind)
+    x1, x2 = torch.randn(2, 1, 3, 6).unbind(0)
+    first = _planned(model, x1)
+    kept = [t.clone() for t in first]
+    second = _planned(model, x2)
+    _exactly(first, kept)
+    for a, b in zip(first, second, strict=True):
+        assert a.data_ptr() != b.data_ptr()
+
+
+# Values changed where they are: the plan runs again and reads them (the one value folded from
+# parameters, the input side's bias, is passed again each call; fused Adam and writes through
+# .data leave the version counters as they were).
+VALUE_CHANGES = ["in place", "through .data", "fused Adam", "SGD", "load_state_dict"]
+# What the plan's key holds: a new one is built.
+KEY_CHANGES = ["new parameter", "eps", "shape", "threads"]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("change", VALUE_CHANGES + KEY_CHANGES)
+@pytest.mark.parametrize("projection", ["in the loop", "before it"])
+def test_what_a_plan_was_built_from_changes_and_the_next_call_sees_it(
+    kind, change, projection, monkeypatch
+) -> None:
+    if projection == "before it":
+        monkeypatch.setattr(_fused, "_LOOP_PROJECTION_WEIGHT", 0)
+    model = _model(kind)
+    x = torch.randn(3, 2, 6, generator=torch.Generator().manual_seed(3))
+    _planned(model, x)
+    _planned(model, x)  # runs the plan
+    if change == "in place":
+        with torch.no_grad():
+            model.bias_ih_l0.mul_(0.5)
+            model.ln_weight_hh_l0.mul_(0.5)
+    elif change == "through .data":
+        model.bias_hh_l0.data.add_(1.0)
+        model.ln_bias_ih_l0.data.add_(1.0)
+    elif change in ("fused Adam", "SGD"):
+        out, _ = model(x)
+        out.square().sum().backward()
+        opt = (
+            torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+            if change == "fused Adam"
+            else torch.optim.SGD(model.parameters(), lr=0.1)
+        )
+        opt.step()
+    elif change == "load_state_dict":
+        state = {k: v + 0.25 for k, v in model.state_dict().items()}
+        model.load_state_dict(state)
+    elif change == "new parameter":
+        model.bias_hh_l0 = torch.nn.Parameter(model.bias_hh_l0.detach() + 1.0)
+    elif change == "eps":
+        model.eps = 0.5
+    elif change == "shape":
+        x = torch.cat([x, x[:1]])  # another step
+    else:
+        threads = torch.get_num_threads()
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+    runs = _runs(monkeypatch)
+    _exactly(_planned(model, x), _fresh(model, x))
+    assert (runs == []) == (change in KEY_CHANGES)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_packed_inputs_of_other_lengths_but_as_many_rows_get_their_own_schedule(kind) -> None:
+    model = _model(kind)
+    gen = torch.Generator().manual_seed(4)
+    for lengths in ([4, 2], [3, 3], [5, 1]):  # six rows of two sequences each time
+        xs = [torch.randn(n, 6, generator=gen) for n in lengths]
+        packed = pack_sequence(xs, enforce_sorted=False)
+        got, want = _planned(model, packed), _fresh(model, packed)
+        _exactly(got[1:], want[1:])
+        _exactly([got[0].data], [want[0].data])
+
+
+def test_another_kernel_target_builds_its_own_plan(monkeypatch) -> None:
+    model = _model("lstm")
+    x = torch.randn(2, 2, 6)
+    _planned(model, x)
+    other = next((n for n in targets.available() if n != targets.selected().name), None)
+    if other is None:
+        pytest.skip("this CPU runs one kernel target")
+    runs = _runs(monkeypatch)
+    with targets.use(other):
+        if not _cstep.sequence_gemm():
+            pytest.skip(f"target {other} has no whole-sequence path")
+        _exactly(_planned(model, x), _fresh(model, x))
+    assert runs == []
+
+
+def test_gradients_and_training_keep_no_plan(monkeypatch) -> None:
+    model = _model("gru")
+    x = torch.randn(3, 2, 6, requires_grad=True)
+    model(x)[0].sum().backward()  # recorded: the training node, no plan
+    assert _plans(model) == {}
+    model.train()
+    model.zoneout_hidden = 0.1  # masks: never kept
+    with torch.no_grad():
+        model(x)
+    assert _plans(model) == {}
+
+
+def test_a_layer_with_a_plan_copies_and_pickles_without_it() -> None:
+    model = _model("lstm")
+    x = torch.randn(2, 2, 6)
+    want = _planned(model, x)
+    assert _plans(model)
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert _plans(other) == {}
+        _exactly(_planned(other, x), want)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_threads_sharing_a_layer_each_get_their_own_results(kind) -> None:
+    """A plan runs one call at a time; a call that finds it busy takes the ordinary path."""
+    model = _model(kind)
+    gen = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(4, 2, 6, generator=gen) for _ in range(4)]
+    wants = [_fresh(model, x) for x in inputs]
+    _planned(model, inputs[0])
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(30):
+                _exactly(_planned(model, inputs[i]), wants[i])
+        except BaseException as err:  # reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_plan_never_writes_into_what_the_call_that_built_it_returned(kind) -> None:
+    """The call that builds a plan returns its final states straight from the kernel's state
+    buffers; the plan runs on copies of them."""
+    model = _model(kind)
+    gen = torch.Generator().manual_seed(6)
+    data, data2 = torch.randn(2, 8, 6, generator=gen).unbind(0)
+    h0, c0 = torch.randn(2, 2, 13, generator=gen).unbind(0)
+    c0 = c0 if kind == "lstm" else None
+    with torch.no_grad():
+        first = model._direction(data, [2] * 4, "_l0", False, h0, c0)
+    returned = [t.clone() for t in first if t is not None]
+    ((_, plan),) = _plans(model).values()
+    bias = model._input_bias("_l0", model.bias_ih_l0, model.bias_hh_l0, model._get)
+    with torch.no_grad():
+        again = plan.run(data2, h0 + 1.0, None if c0 is None else c0 - 1.0, bias)
+    _exactly([t for t in first if t is not None], returned)
+    assert not torch.equal(again[1], first[1])

@@ -381,19 +381,52 @@ def test_c_refuses_a_half_given_input_norm(kernel, drop) -> None:
         ("cm", torch.zeros(1, 4)[:, ::2], ValueError, "cm must be contiguous"),
     ],
 )
-def test_numbers_and_missing_tensors_are_refused(field, value, error, message) -> None:
+@pytest.mark.parametrize("entry", ["check", "pack"])
+def test_numbers_and_missing_tensors_are_refused(field, value, error, message, entry) -> None:
+    """``check`` and ``pack`` (whose fast test hands what it refuses to the same checks)."""
     hs, n, b = 2, 2, 1
     sizes = {"N": n, "B": b, "H": hs, "R": n, "X": n}
-    values: dict[str, object] = {}
-    for f in rnn_abi.GRU_FWD.fields:
-        if f.is_pointer:
-            values[f.name] = torch.zeros([rnn_abi.size_of(t, sizes) for t in f.shape])
-    values.update(eps=1e-5, off=0, rows=0, threads=1, layer_norm=1)
-    rnn_abi.check(rnn_abi.GRU_FWD, torch.float32, values, sizes)  # the good ones pass
-    rnn_abi.check(rnn_abi.GRU_FWD, torch.float32, {**values, "zh": None, "cm": None}, sizes)
+    values = _good_values(rnn_abi.GRU_FWD, sizes)
+    call = getattr(rnn_abi, entry)
+    call(rnn_abi.GRU_FWD, torch.float32, values, sizes)  # the good ones pass
+    call(rnn_abi.GRU_FWD, torch.float32, {**values, "zh": None, "cm": None}, sizes)
     values[field] = value
     with pytest.raises(error, match=message):
-        rnn_abi.check(rnn_abi.GRU_FWD, torch.float32, values, sizes)
+        call(rnn_abi.GRU_FWD, torch.float32, values, sizes)
+
+
+def _good_values(struct, sizes, dtype=torch.float32) -> dict[str, object]:
+    """Well-formed values of every field of ``struct`` but its sizes."""
+    values: dict[str, object] = {}
+    for i, f in enumerate(struct.fields):
+        if f.kind is rnn_abi.Kind.STEPS:
+            values[f.name] = torch.zeros([rnn_abi.size_of(t, sizes) for t in f.shape],
+                                         dtype=torch.int64)  # fmt: skip
+        elif f.is_pointer:
+            shape = [rnn_abi.size_of(t, sizes) for t in f.shape]
+            values[f.name] = torch.full(shape, float(i), dtype=dtype)
+        elif f.kind is rnn_abi.Kind.FLOAT:
+            values[f.name] = 1e-5 + f.minimum
+        elif f.kind is rnn_abi.Kind.FLAG:
+            values[f.name] = i % 2
+        elif f.kind is not rnn_abi.Kind.SIZE:
+            values[f.name] = int(max(f.minimum, 1)) + i
+    return values
+
+
+@pytest.mark.parametrize("struct", rnn_abi.STRUCTS, ids=lambda s: s.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_fast_packing_fills_every_field_as_the_checked_one(struct, dtype) -> None:
+    sizes = {"N": 6, "B": 2, "H": 3, "G": 12, "S": 3, "I": 5, "R": 6, "X": 6}
+    values = _good_values(struct, sizes, dtype)
+    plan = rnn_abi._fast_plan(struct, dtype, rnn_abi._sizes_key(sizes))
+    assert rnn_abi._fast_fields(plan, values) is not None  # the fast test takes them
+    fast = rnn_abi.pack(struct, dtype, values, sizes)
+    slow = rnn_abi.structure(struct, dtype)()
+    rnn_abi._checked(struct, dtype, values, sizes, slow)
+    for f in struct.fields:
+        assert getattr(fast, f.name) == getattr(slow, f.name), f.name
+    assert bytes(fast) == bytes(slow)
 
 
 def _lstm_bwd_struct(keep_cprev: bool, reverse: int = 0, hs: int = 3, n: int = 8, b: int = 2):

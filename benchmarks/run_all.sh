@@ -5,7 +5,9 @@
 #   - every norm variant, forward + backward, float32 and bfloat16, against torch's layer_norm,
 #     and the modules on small (per-token) inputs against torch.nn.LayerNorm / RMSNorm;
 #   - LN-LSTM and LN-GRU against torch.nn.LSTM / GRU, training and inference, at the six shapes
-#     of the targets; with one thread also the peak memory of a call.
+#     of the targets; with one thread also the peak memory of a call;
+#   - the same layers in inference one step at a time (T = 1: a decoder's token), where a call
+#     costs its Python and its weights' reads more than its arithmetic.
 # Each table starts with its processor, kernel target, torch version and threads. Ratios are
 # ours / torch in the same process; run it on a machine with nothing else running.
 #   ISAS="avx2" THREADS="1" benchmarks/run_all.sh     # a subset
@@ -22,6 +24,8 @@ ISAS=${ISAS:-$("$PY" -c 'from layernorm.kernels.cpu import targets; print(*targe
 THREADS=${THREADS:-"1 2"}
 REPS=${REPS:-7}
 SHAPES=${SHAPES:-100x32x128x256,100x64x256x512,50x8x64x128,200x16x64x256,1000x4x32x128,35x20x650x650}
+STEP_SHAPES=${STEP_SHAPES:-1x1x256x256,1x8x256x256,1x32x512x512,1x1x1024x1024}
+STEP_REPS=${STEP_REPS:-200}
 echo "processor: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) |" \
      "features: $(grep -o -w 'avx2\|avx512f\|avx512_bf16\|f16c' /proc/cpuinfo | sort -u | xargs) |" \
      "targets: $ISAS | $("$PY" -c 'import torch, sys; print("torch", torch.__version__, "| python", sys.version.split()[0])')"
@@ -40,5 +44,7 @@ for isa in $ISAS; do
             "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode "$mode" \
                 --reps "$REPS" --shapes "$SHAPES" $opts
         done
+        "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode infer \
+            --reps "$STEP_REPS" --shapes "$STEP_SHAPES"
     done
 done

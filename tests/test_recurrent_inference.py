@@ -87,6 +87,33 @@ def test_no_grad_equals_the_training_path(kind, norm, packed, dtype, monkeypatch
         torch.testing.assert_close(a, b, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize(("steps", "batch"), [(1, 1), (3, 1), (1, 2), (1, 8)])
+@pytest.mark.parametrize("large_w_ih", [False, True])
+def test_decoder_steps_equal_the_training_path(
+    kind, steps, batch, large_w_ih, dtype, monkeypatch
+) -> None:
+    """A token at a time (one step of up to ``direct_rows`` rows: the weights read as stored, one
+    row of the input by a GEMV of DOT_WIDE rows of W at a time, 4 H or 3 H = 52 or 39 columns,
+    not a multiple of it; the projection inside the loop even where W_ih counts as large, here
+    every W_ih) and a few steps of one row."""
+    if large_w_ih:
+        monkeypatch.setattr(_fused, "_LOOP_PROJECTION_MAX_BYTES", 0)
+    model = _model(kind, dtype)
+    x = _inputs(dtype, packed=False, batch=batch)[:steps]
+    trained = [t.detach() for t in _flat(model(x))]
+    _forbid_training_node(monkeypatch, kind)
+    with torch.no_grad():
+        inferred = _flat(model(x))
+    for a, b in zip(inferred, trained, strict=True):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+    one_step = steps * batch <= min(batch, _cstep.direct_rows())
+    assert _fused._projects_in_loop(_fused.InputProjection(
+        x.reshape(-1, 6), model.weight_ih_l0, None, None, 1e-5, True), batch) == (
+        one_step or not large_w_ih)  # fmt: skip
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("norm", ["layer", "none"])
 @pytest.mark.parametrize("packed", [True, False], ids=["ragged", "equal lengths"])

@@ -56,6 +56,12 @@ def available(x: Tensor) -> bool:
     return rnn.available(x)
 
 
+def direct_rows() -> int:
+    """Rows in all steps up to which the forward sequence kernels read their weights as stored
+    (:func:`layernorm.kernels.cpu.rnn.direct_rows`)."""
+    return rnn.direct_rows()
+
+
 def sequence_gemm() -> bool:
     """Whether the whole-sequence functions are used: on the targets whose C GEMM was measured
     faster than the per-step loop around ``torch.mm`` (see :mod:`layernorm.kernels.cpu.targets`

@@ -46,9 +46,10 @@ def _build(target: targets.Target | None = None) -> Path:
 
 
 @functools.cache
-def _library_for(isa: str) -> tuple[KernelTable, int] | None:
-    """The kernels of target ``isa``'s library (built on first use) and its GEMM's vector bytes,
-    or ``None`` after a warning when it cannot be built or loaded."""
+def _library_for(isa: str) -> tuple[KernelTable, int, int] | None:
+    """The kernels of target ``isa``'s library (built on first use), its GEMM's vector bytes and
+    its direct rows (:func:`direct_rows`), or ``None`` after a warning when it cannot be built or
+    loaded."""
     try:
         # checked, and rebuilt once if damaged
         lib = cache.load_library(lambda: _build(targets.target(isa)))
@@ -61,9 +62,10 @@ def _library_for(isa: str) -> tuple[KernelTable, int] | None:
                     ctypes.POINTER(rnn_abi.structure(s, dtype)) for s in kernel.structs
                 )
                 fns[kernel.name, dtype] = fn
-        lib.rnn_vector_bytes.restype = ctypes.c_int
-        lib.rnn_vector_bytes.argtypes = ()
-        return fns, lib.rnn_vector_bytes()
+        for name in ("rnn_vector_bytes", "rnn_direct_rows"):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = ()
+        return fns, lib.rnn_vector_bytes(), lib.rnn_direct_rows()
     except Exception as err:  # any failure falls back to the eager step functions
         warnings.warn(
             f"layernorm: C recurrent kernels unavailable, using eager ops ({err})",
@@ -73,7 +75,7 @@ def _library_for(isa: str) -> tuple[KernelTable, int] | None:
         return None
 
 
-def _library() -> tuple[KernelTable, int] | None:
+def _library() -> tuple[KernelTable, int, int] | None:
     """The kernels of the selected target (see :mod:`.targets`)."""
     return _library_for(targets.selected().name)
 
@@ -99,6 +101,13 @@ def vector_bytes() -> int:
     AVX-512, 32 with AVX2); 0 when it is not built."""
     lib = _library()
     return 0 if lib is None else lib[1]
+
+
+def direct_rows() -> int:
+    """Rows in all steps up to which a forward sequence kernel reads ``W_hh`` and ``W_ih`` as
+    stored (a decoder's token) instead of packing them; 0 when the library is not built."""
+    lib = _library()
+    return 0 if lib is None else lib[2]
 
 
 def sequence_enabled() -> bool:

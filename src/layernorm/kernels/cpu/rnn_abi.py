@@ -680,6 +680,8 @@ def c_header() -> str:
         "",
         "/* Bytes per vector of the sequence GEMM: 64 with AVX-512, 32 with AVX, else 16. */",
         "int rnn_vector_bytes(void);",
+        "/* Rows (all steps) up to which a forward sequence kernel reads its weights as stored. */",
+        "int rnn_direct_rows(void);",
         "",
     ]
     for dtype, (scalar, suffix) in RNN_INSTANCES.items():

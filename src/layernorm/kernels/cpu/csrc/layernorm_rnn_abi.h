@@ -22,6 +22,8 @@
 
 /* Bytes per vector of the sequence GEMM: 64 with AVX-512, 32 with AVX, else 16. */
 int rnn_vector_bytes(void);
+/* Rows (all steps) up to which a forward sequence kernel reads its weights as stored. */
+int rnn_direct_rows(void);
 
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {

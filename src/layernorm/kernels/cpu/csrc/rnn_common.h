@@ -14,6 +14,11 @@
 #include "cpu_common.h"
 #include "layernorm_rnn_abi.h"
 
+/* Up to this many rows in all its steps a forward sequence kernel reads W_hh and W_ih as stored
+   instead of packing them (see gemm_nt_direct in rnn_seq_impl.h); rnn_direct_rows() tells
+   Python. */
+#define DIRECT_ROWS 8
+
 /* Token pasting through one more macro level, so SUF is expanded before it is pasted. */
 #define RNN_CAT_(a, b) a##_##b
 #define RNN_CAT(a, b) RNN_CAT_(a, b)

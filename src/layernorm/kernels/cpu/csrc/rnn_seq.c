@@ -5,6 +5,7 @@
 #include "rnn_common.h"
 
 int rnn_vector_bytes(void) { return VEC_BYTES; }
+int rnn_direct_rows(void) { return DIRECT_ROWS; }
 
 #define scalar_t float
 #define SUF f32

@@ -286,13 +286,17 @@ int FN(weight_grad)(const FN(weight_grad_args) * a) {
    block of W here reads all of A again. A block of DOT_M rows of A × DOT_N rows of W keeps
    DOT_M·DOT_N vector accumulators over K, each loaded vector feeding DOT_N or DOT_M FMAs; lanes
    are summed at the end, so only the rounding differs from the packed GEMM. */
-#define DIRECT_ROWS 8
 #define DOT_M 4
 #if VEC_BYTES >= 64
 #define DOT_N 4
 #else
 #define DOT_N 2 /* 16 registers: 2·4 accumulators, 4 + 2 loaded vectors */
 #endif
+/* One row of A (a decoder's token for a batch of one): DOT_WIDE rows of W at a time, so that
+   DOT_WIDE independent FMA chains hide the FMA latency (DOT_N chains left it waiting on each
+   sum) and as many streams of W are read at once. */
+#define DOT_WIDE 8
+#define DOT_ACC (DOT_M * DOT_N > DOT_WIDE ? DOT_M * DOT_N : DOT_WIDE)
 
 /* The sums of the lanes of four vectors: two rounds of shuffles fold them into one vector whose
    quarters hold each one's partial sums (VL/4 lanes each), then those are added. Summing each
@@ -338,18 +342,18 @@ static inline void FN(sum4)(FN(vec) v0, FN(vec) v1, FN(vec) v2, FN(vec) v3, scal
 static inline __attribute__((always_inline)) void FN(dot_block)(
     const scalar_t* A, const scalar_t* W, i64 K, const int rm, const int rn, scalar_t* C,
     i64 ldc) {
-    FN(vec) acc[DOT_M * DOT_N + 3];
-    for (int i = 0; i < DOT_M * DOT_N + 3; ++i) acc[i] = (FN(vec)){0};
+    FN(vec) acc[DOT_ACC + 3];
+    for (int i = 0; i < DOT_ACC + 3; ++i) acc[i] = (FN(vec)){0};
     const i64 kv = K - K % VL;
     for (i64 k = 0; k < kv; k += VL) {
-        FN(vec) w[DOT_N];
+        FN(vec) w[DOT_ACC];
         for (int c = 0; c < rn; ++c) w[c] = *(const FN(vec)*)(W + c * K + k);
         for (int r = 0; r < rm; ++r) {
             const FN(vec) a = *(const FN(vec)*)(A + r * K + k);
             for (int c = 0; c < rn; ++c) acc[r * rn + c] += a * w[c];
         }
     }
-    scalar_t sums[DOT_M * DOT_N + 3];
+    scalar_t sums[DOT_ACC + 3];
     for (int i = 0; i < rm * rn; i += 4) FN(sum4)(acc[i], acc[i + 1], acc[i + 2], acc[i + 3], sums + i);
     for (int r = 0; r < rm; ++r)
         for (int c = 0; c < rn; ++c) {
@@ -380,6 +384,16 @@ static void FN(dot_rows)(int rm, int rn, const scalar_t* A, const scalar_t* W, i
 
 static void FN(gemm_nt_direct)(i64 M, i64 N, i64 K, const scalar_t* A, const scalar_t* W,
                                scalar_t* C, i64 ldc, int nt) {
+    if (M == 1) {
+        const i64 wide = N / DOT_WIDE;
+        #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+        for (i64 b = 0; b < wide + N % DOT_WIDE; ++b) {
+            const i64 j = b < wide ? b * DOT_WIDE : wide * DOT_WIDE + (b - wide);
+            if (b < wide) FN(dot_block)(A, W + j * K, K, 1, DOT_WIDE, C + j, ldc);
+            else FN(dot_block)(A, W + j * K, K, 1, 1, C + j, ldc);
+        }
+        return;
+    }
     const i64 full = N / DOT_N;
     #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (i64 b = 0; b < full + N % DOT_N; ++b) {
@@ -733,9 +747,10 @@ int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) 
 #undef GRAD_SUMS_OUTS
 #undef TEAM_MAX
 #undef BACKWARD_IN_TIME
-#undef DIRECT_ROWS
 #undef DOT_M
 #undef DOT_N
+#undef DOT_WIDE
+#undef DOT_ACC
 #undef VL
 #undef NR
 #undef GEMM_MR

@@ -83,16 +83,19 @@ def step(model: torch.nn.Module, x: torch.Tensor, mode: str = "train"):
 
 
 def via_training_node(fn):
-    """Run ``fn`` with the inference path off: under ``no_grad`` the direction then runs the
-    training node, its per-row buffers over every row (what inference ran before that path)."""
+    """Run ``fn`` with the inference path off (and the plans a layer kept from it): under
+    ``no_grad`` the direction then runs the training node, its per-row buffers over every row
+    (what inference ran before that path)."""
 
     def wrapped() -> None:
-        saved = _fused._inference_kernels
+        saved, run = _fused._inference_kernels, _fused.InferencePlan.run
         _fused._inference_kernels = lambda *args: None
+        _fused.InferencePlan.run = lambda *args: None  # type: ignore[method-assign]
         try:
             fn()
         finally:
             _fused._inference_kernels = saved
+            _fused.InferencePlan.run = run  # type: ignore[method-assign]
 
     return wrapped
 

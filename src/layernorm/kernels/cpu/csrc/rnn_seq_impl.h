@@ -375,6 +375,10 @@ static inline __attribute__((always_inline)) void FN(dot_block)(
    accumulators stay in registers. */
 static void FN(dot_rows)(int rm, int rn, const scalar_t* A, const scalar_t* W, i64 K,
                          scalar_t* C, i64 ldc) {
+    if (rm == 1 && rn == DOT_WIDE) {
+        FN(dot_block)(A, W, K, 1, DOT_WIDE, C, ldc);
+        return;
+    }
     switch (rm) {
         DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4)
         default: return;
@@ -384,23 +388,14 @@ static void FN(dot_rows)(int rm, int rn, const scalar_t* A, const scalar_t* W, i
 
 static void FN(gemm_nt_direct)(i64 M, i64 N, i64 K, const scalar_t* A, const scalar_t* W,
                                scalar_t* C, i64 ldc, int nt) {
-    if (M == 1) {
-        const i64 wide = N / DOT_WIDE;
-        #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-        for (i64 b = 0; b < wide + N % DOT_WIDE; ++b) {
-            const i64 j = b < wide ? b * DOT_WIDE : wide * DOT_WIDE + (b - wide);
-            if (b < wide) FN(dot_block)(A, W + j * K, K, 1, DOT_WIDE, C + j, ldc);
-            else FN(dot_block)(A, W + j * K, K, 1, 1, C + j, ldc);
-        }
-        return;
-    }
-    const i64 full = N / DOT_N;
+    const int bn = M == 1 ? DOT_WIDE : DOT_N; /* rows of W a block */
+    const i64 full = N / bn;
     #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-    for (i64 b = 0; b < full + N % DOT_N; ++b) {
-        const i64 j = b < full ? b * DOT_N : full * DOT_N + (b - full); /* then W's rows one by one */
+    for (i64 b = 0; b < full + N % bn; ++b) {
+        const i64 j = b < full ? b * bn : full * bn + (b - full); /* then W's rows one by one */
         for (i64 i = 0; i < M; i += DOT_M) {
             const int rm = M - i < DOT_M ? (int)(M - i) : DOT_M;
-            FN(dot_rows)(rm, b < full ? DOT_N : 1, A + i * K, W + j * K, K, C + i * ldc + j, ldc);
+            FN(dot_rows)(rm, b < full ? bn : 1, A + i * K, W + j * K, K, C + i * ldc + j, ldc);
         }
     }
 }

@@ -201,11 +201,12 @@ def _sequence(
     # runs them again with new input and output addresses
     options = st.get("projection" if "_fwd" in kernel else "ln_grads")
     dtype, args, w = st["gx"].dtype, _args(st, kernel.replace("_seq", "_step")), w.contiguous()
+    steps = _steps(sched)
     seq_args = rnn.pack_sequence(
-        kernel, dtype, w, _steps(sched), _sizes(st, kernel), torch.get_num_threads(), _SEQ_GRAIN,
+        kernel, dtype, w, steps, _sizes(st, kernel), torch.get_num_threads(), _SEQ_GRAIN,
         _SEQ_GEMM_GRAIN, options,
     )  # fmt: skip
-    st["_call"] = SequenceCall(kernel, dtype, args, seq_args, w, _steps(sched))
+    st["_call"] = SequenceCall(kernel, dtype, args, seq_args, w, steps)
     rnn.run_sequence(kernel, dtype, args, seq_args)
 
 

@@ -514,11 +514,6 @@ def _inference(
     return result
 
 
-def configuration() -> tuple[str, str | None]:
-    """What selects the kernels besides the arguments (:func:`._cstep.configuration`)."""
-    return _cstep.configuration()
-
-
 # Where a caller asked for it (keeping_plans), the inference path's plans of this call.
 _KEPT_PLANS: contextvars.ContextVar[list[InferencePlan] | None] = contextvars.ContextVar(
     "layernorm_kept_inference_plans", default=None
@@ -548,8 +543,8 @@ class InferencePlan:
     Valid only while everything it was built from holds (the caller's key: shapes, dtype,
     steps, which parameters at which addresses, threads, kernel target); the structs read the
     parameters where they are, and the one value folded from them, the input side's bias, is
-    passed again on every call. One call at a time: a call that
-    finds it busy (another thread) gets ``None`` and takes the ordinary path."""
+    passed again on every call. One call at a time: a call that finds it busy (another thread)
+    gets ``None`` and takes the ordinary path."""
 
     def __init__(
         self, st: dict[str, Any], source: InputProjection, in_loop: bool, results: tuple[str, ...]

@@ -51,7 +51,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .._torchscript import NotScriptable
 from .._validation import as_int, check_flag, check_float_tensor, sizes_of
 from ..ops._dispatch import plain_eager
-from . import _fused, _options, _steps
+from . import _cstep, _fused, _options, _steps
 from ._batchnorm import make_step_bn
 from ._checks import (
     check_batch_sizes,
@@ -621,7 +621,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         return (
             data.dtype, data.shape, tuple(sizes), h0.shape, self.eps,
             getattr(self, "normalize_cell_state", None),
-            torch.get_num_threads(), torch.is_inference_mode_enabled(), _fused.configuration(),
+            torch.get_num_threads(), torch.is_inference_mode_enabled(), _cstep.configuration(),
             *((id(p), p.data_ptr()) for p in params),  # type: ignore[union-attr]
         )  # fmt: skip
 

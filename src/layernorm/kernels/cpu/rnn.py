@@ -154,30 +154,11 @@ def step(kernel: str, dtype: torch.dtype, args: Any, off: int, rows: int, thread
     _raise_for(_fn(kernel, dtype)(ctypes.byref(args)), kernel)
 
 
-def sequence(
-    kernel: str,
-    dtype: torch.dtype,
-    args: Any,
-    w: Tensor,
-    steps: Tensor,
-    sizes: Mapping[str, int],
-    threads: int,
-    grain: int,
-    gemm_grain: int,
-    options: Mapping[str, object] | None = None,
-) -> None:
-    """Run sequence kernel ``kernel`` (``"lstm_fwd_seq"``, ...): every step of ``steps`` (an
-    ``(S, 2)`` int64 tensor of (first row, rows) pairs in the forward pass's order; backward
-    kernels walk them in reverse) with the recurrent weight ``w`` (``W_hh``; forward kernels
-    multiply by its transpose), on the step struct ``args`` from :func:`prepare`.
-
-    ``options``: the sequence struct's optional fields. Forward kernels: ``x``, ``w_ih``, ``w0``,
-    ``b0`` and ``split`` of :data:`.rnn_abi.SEQ_FWD`, for a kernel that computes each step's
-    ``gx`` rows itself (the step struct's gx then has B rows); without them gx holds every row
-    already. Backward kernels: ``hp_grads`` and ``c_grads`` of :data:`.rnn_abi.SEQ_BWD`, where
-    the kernel sums the layer norms' gain and bias gradients."""
-    seq_args = pack_sequence(kernel, dtype, w, steps, sizes, threads, grain, gemm_grain, options)
-    run_sequence(kernel, dtype, args, seq_args)
+def sequence(kernel: str, dtype: torch.dtype, args: Any, *pack_args: Any, **pack_kw: Any) -> None:
+    """Run sequence kernel ``kernel`` (``"lstm_fwd_seq"``, ...) on the step struct ``args`` from
+    :func:`prepare` and a sequence struct packed from the rest (:func:`pack_sequence`'s
+    arguments after ``kernel`` and ``dtype``)."""
+    run_sequence(kernel, dtype, args, pack_sequence(kernel, dtype, *pack_args, **pack_kw))
 
 
 def pack_sequence(
@@ -191,8 +172,16 @@ def pack_sequence(
     gemm_grain: int,
     options: Mapping[str, object] | None = None,
 ) -> ctypes.Structure:
-    """The checked sequence struct of :func:`sequence` (its arguments), for
-    :func:`run_sequence`."""
+    """The checked sequence struct of kernel ``kernel``, for :func:`run_sequence`: every step of
+    ``steps`` (an ``(S, 2)`` int64 tensor of (first row, rows) pairs in the forward pass's order;
+    backward kernels walk them in reverse) with the recurrent weight ``w`` (``W_hh``; forward
+    kernels multiply by its transpose).
+
+    ``options``: the sequence struct's optional fields. Forward kernels: ``x``, ``w_ih``, ``w0``,
+    ``b0`` and ``split`` of :data:`.rnn_abi.SEQ_FWD`, for a kernel that computes each step's
+    ``gx`` rows itself (the step struct's gx then has B rows); without them gx holds every row
+    already. Backward kernels: ``hp_grads`` and ``c_grads`` of :data:`.rnn_abi.SEQ_BWD`, where
+    the kernel sums the layer norms' gain and bias gradients."""
     seq_struct = rnn_abi.BY_NAME[kernel].structs[1]
     opts = dict(options or {})
     values = {"w": w, "steps": steps, "threads": max(1, threads), "grain": grain,

@@ -125,6 +125,34 @@ def test_fused_matches_eager_fallback(variant, monkeypatch):
         _close(g, g0, TOL[torch.float32]["dparam"], "dweight/dbias", scale=math.sqrt(m))
 
 
+@pytest.mark.parametrize("variant", ["ln", "detach_both", "rms", "ada"])
+def test_no_grad_runs_the_forward_kernel_without_a_graph_node(variant, monkeypatch):
+    """Where nothing needs a gradient (no_grad, or no input requiring one) the ops call the
+    forward kernel alone: no autograd.Function, no graph node, the same values bit for bit."""
+    from layernorm.ops import ada_norm, layer_norm, rms_norm
+
+    kind, use_w, use_b, opts = VARIANTS[variant]
+    m, n = 6, 40
+    x = make_x((m, n), requires_grad=True)
+    w = make_param((n,), torch.float32, center=1.0, requires_grad=True) if use_w else None
+    b = make_param((n,), torch.float32, center=0.0, requires_grad=True) if use_b else None
+    with_grad = _run(kind, x, w, b, opts)
+    assert with_grad.grad_fn is not None
+
+    def boom(*args, **kwargs):
+        raise AssertionError("an autograd.Function ran although nothing needs a gradient")
+
+    for fn in (layer_norm._LayerNormEager, rms_norm._RMSNormEager, ada_norm._AdaNormEager):
+        monkeypatch.setattr(fn, "apply", boom)
+    with torch.no_grad():
+        y = _run(kind, x, w, b, opts)
+    detached = [None if t is None else t.detach() for t in (x, w, b)]
+    y_plain = _run(kind, *detached, opts)
+    for out in (y, y_plain):
+        assert out.grad_fn is None and not out.requires_grad
+        assert torch.equal(out, with_grad.detach())
+
+
 @needs_kernels
 def test_switch_off_bypasses_kernels(monkeypatch):
     def boom(*args, **kwargs):
@@ -173,6 +201,13 @@ def test_large_offset_rows_keep_precision():
     yr = layer_norm_reference(x.double(), (512,))
     # μ is applied in float32: its rounding, 1e3·2⁻²⁴ ≈ 6e-5, shifts y by that much (σ ≈ 1).
     _close(y, yr, (1e-4, 1e-4), "output")
+    # the functional op keeps it where nothing needs a gradient and on tiny inputs too (torch's
+    # own kernel, which LayerNorm runs there, is 0.04 off on these rows)
+    x = make_x((4, 1000), offset=1e4, scale=1e-3)
+    yr = layer_norm_reference(x.double(), (1000,))
+    with torch.no_grad():
+        _close(LF.layer_norm(x, (1000,)), yr, (1e-4, 1e-4), "output under no_grad")
+    _close(LF.layer_norm(x[:1].requires_grad_(), (1000,)).detach(), yr[:1], (1e-4, 1e-4), "1 row")
 
 
 @needs_kernels

@@ -342,15 +342,18 @@ def test_transformer_encoder_layer_with_our_norms_inside():
 
 
 def _spy_full_path(monkeypatch):
-    """Count calls of the functional ops the modules fall back to."""
-    from layernorm.modules import normalization
+    """Record the op of every call that takes the functional ops' full path (their checks, which
+    the lean paths skip)."""
+    from layernorm import functional
 
     calls = []
-    for name in ("layer_norm", "rms_norm"):
-        fn = getattr(normalization.F, name)
-        monkeypatch.setattr(
-            normalization.F, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k)
-        )
+    check_input = functional.check_input
+
+    def spy(x, normalized_shape, op):
+        calls.append(op)
+        return check_input(x, normalized_shape, op)
+
+    monkeypatch.setattr(functional, "check_input", spy)
     return calls
 
 
@@ -389,7 +392,7 @@ def test_lean_path_matches_full_path(monkeypatch, shape, dtype):
 def test_small_layer_norm_with_grad_uses_torch_kernel_detach_norm_does_not(monkeypatch):
     """With gradients, a small plain LayerNorm runs torch's kernel (same formula, same gradients);
     DetachNorm keeps the fused path, whose backward differs, and large inputs do too."""
-    from layernorm.modules import normalization
+    from layernorm.modules.normalization import SMALL_NUMEL
 
     calls = _spy_full_path(monkeypatch)
     ln, dn = layernorm.LayerNorm(16), layernorm.LayerNorm(16, detach_mean=True)
@@ -398,9 +401,23 @@ def test_small_layer_norm_with_grad_uses_torch_kernel_detach_norm_does_not(monke
     assert calls == []
     dn(x).sum().backward()
     assert calls == ["layer_norm"]
-    big = make_x((normalization.SMALL_NUMEL // 16 + 1, 16), requires_grad=True)
+    big = make_x((SMALL_NUMEL // 16 + 1, 16), requires_grad=True)
     ln(big)
     assert calls == ["layer_norm", "layer_norm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_small_half_layer_norm_with_grad_runs_the_fused_kernels(monkeypatch, dtype):
+    """torch's half-precision CPU backward misses the fused kernels' tolerances: with gradients a
+    half LayerNorm takes the full path whatever its size (under no_grad torch's kernel runs)."""
+    calls = _spy_full_path(monkeypatch)
+    ln = layernorm.LayerNorm(16).to(dtype)
+    x = make_x((4, 16), dtype, requires_grad=True)
+    ln(x).sum().backward()
+    assert calls == ["layer_norm"]
+    with torch.no_grad():
+        ln(x)
+    assert calls == ["layer_norm"]
 
 
 @pytest.mark.parametrize("cls", [layernorm.LayerNorm, layernorm.RMSNorm])

@@ -3,14 +3,13 @@
 :class:`LayerNorm` and :class:`RMSNorm` subclass :class:`torch.nn.LayerNorm` and
 :class:`torch.nn.RMSNorm`, so code that finds norms by type (weight-decay splits, mixed-precision
 and FSDP policies) treats them as norms. Each ``forward`` takes a lean path when it can: the
-arguments are plain eager CPU tensors and no tracer watches (see :func:`_lean_input`). Its checks
-are a few attribute reads, so a (1, 768) call costs about what ``torch.nn.LayerNorm``'s does.
+arguments are plain eager CPU tensors and no tracer watches (see
+:func:`layernorm.ops._dispatch.lean_input`). Its checks are a few attribute reads, so a (1, 768)
+call costs about what ``torch.nn.LayerNorm``'s does.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from typing import Any
 
 import torch
@@ -19,50 +18,35 @@ from torch import Tensor, nn
 from .. import functional as F
 from .._torchscript import NotScriptable
 from .._validation import (
-    FLOAT_DTYPES,
     ShapeLike,
     as_shape,
     check_eps,
     check_finite_scalar,
     check_flag,
-    stats_dtype,
 )
-from ..backend import _forced as _forced_backend
-from ..ops._dispatch import backend_module, plain_eager
+from ..ops._dispatch import lean_input, needs_grad
 
-# Up to this many elements a LayerNorm that needs gradients runs torch's native kernel: the same
-# formula, and there our autograd.Function's Python costs more than the fused kernels save
-# (fused 1.2-1.5x torch at 64-256 rows of 768); the two are even near 64 x 4096 (fused 0.9x on a
-# quiet machine, 1.0-1.1x on a loaded one), where a fixed Python cost stops mattering.
+# Up to this many elements a LayerNorm that needs gradients runs torch's native kernel (see
+# _takes_torch_layer_norm): the same formula, and there our autograd.Function's Python costs more
+# than the fused kernels save (fused 1.2-1.5x torch at 64-256 rows of 768); the two are even near
+# 64 x 4096 (fused 0.9x on a quiet machine, 1.0-1.1x on a loaded one), where a fixed Python cost
+# stops mattering.
 SMALL_NUMEL = 1 << 17
-_ENV_BACKEND = bool(os.environ.get("LAYERNORM_BACKEND"))
-_RMS_DEFAULT_EPS = {dt: float(torch.finfo(stats_dtype(dt)).eps) for dt in FLOAT_DTYPES}
+# the dtypes whose gradients torch's CPU layer norm gives within the fused kernels' tolerances
+_TORCH_BACKWARD_DTYPES = (torch.float32, torch.float64)
 
 
-def _lean_input(x: object, eps: object) -> bool:
-    """True when ``x`` may skip the full checks: a plain CPU tensor of a float dtype, a valid
-    ``eps``, no forced backend and no tracer (compile, export, vmap, fake tensors, forward AD).
-    Anything else takes the full path, which names what is wrong. The caller checks the shapes (or
-    lets torch's kernel refuse them and falls back to the full path for the message).
-
-    Under 1 µs: every call pays it. ``LAYERNORM_BACKEND`` is read once, at import, for this check
-    (the full path reads it on every call)."""
-    return (
-        type(x) is Tensor
-        and x.is_cpu
-        and x.dtype in FLOAT_DTYPES
-        and type(eps) is float
-        and 0.0 < eps < math.inf
-        and plain_eager()  # before the ContextVar, which Dynamo cannot trace: False there
-        and not _ENV_BACKEND
-        and _forced_backend.get() is None
-    )
-
-
-def _needs_grad(x: Tensor, *params: Tensor | None) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    return x.requires_grad or any(p is not None and p.requires_grad for p in params)
+def _takes_torch_layer_norm(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, detaching: bool
+) -> bool:
+    """Whether :class:`LayerNorm` runs ``torch.layer_norm`` on a lean input ``x``: wherever nothing
+    needs a gradient (the same forward formula); with gradients, up to :data:`SMALL_NUMEL`
+    elements, without a DetachNorm flag (which changes the backward), and in float32 or float64
+    (torch's bfloat16 and float16 CPU backward gave dx errors 1.6x the fused kernels' bfloat16
+    tolerance at 37 rows of 7, where the fused kernels compute in float32)."""
+    if not needs_grad(x, weight, bias):
+        return True
+    return not detaching and x.numel() <= SMALL_NUMEL and x.dtype in _TORCH_BACKWARD_DTYPES
 
 
 def _gain(weight: Tensor | None, offset: float) -> Tensor | None:
@@ -102,10 +86,14 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
     holds.
 
     Which kernel runs: in plain eager mode on the CPU, when nothing needs a gradient (``no_grad``,
-    inference) or the input has at most :data:`SMALL_NUMEL` elements and no DetachNorm flag is
-    set, torch's native ``layer_norm`` runs — the same formula (DetachNorm changes only the
-    backward), and at these sizes the call overhead is the cost. Otherwise the fused kernels of
-    :mod:`layernorm.ops` do, with their analytic backward.
+    inference) or, in float32 and float64, the input has at most :data:`SMALL_NUMEL` elements and
+    no DetachNorm flag is set, torch's native ``layer_norm`` runs — the same formula (DetachNorm
+    changes only the backward), and at these sizes the call overhead is the cost. Otherwise the
+    fused kernels of :mod:`layernorm.ops` do, with their analytic backward. The two differ on
+    rows whose mean is far above their spread: float32 rows of 10⁴ plus noise of 10⁻³ come out of
+    torch's kernel 0.04 off, of the fused kernels 10⁻⁷ off (their statistics are shifted by the
+    row's first element, see the kernels' error model); :func:`layernorm.layer_norm` always runs
+    the fused kernels.
 
     Args:
         normalized_shape: trailing shape normalized together.
@@ -172,9 +160,8 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
         shape, eps, weight, bias = self.normalized_shape, self.eps, self.weight, self.bias
         if self.gain_offset:
             weight = _gain(weight, self.gain_offset)
-        if _lean_input(x, eps) and (
-            (x.numel() <= SMALL_NUMEL and not (self.detach_mean or self.detach_std))
-            or not _needs_grad(x, weight, bias)
+        if lean_input(x, eps) and _takes_torch_layer_norm(
+            x, weight, bias, self.detach_mean or self.detach_std
         ):
             try:
                 return torch.layer_norm(x, shape, weight, bias, eps)
@@ -247,7 +234,6 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
         offset = _check_offset(gain_offset, affine, "RMSNorm")
         self.__dict__["gain_offset"] = offset
         super().__init__(shape, eps_, affine, device=device, dtype=dtype)  # type: ignore[arg-type]
-        self._numel = math.prod(shape)
 
     def reset_parameters(self) -> None:
         """Gain 1."""
@@ -258,21 +244,6 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
         shape, eps, weight = self.normalized_shape, self.eps, self.weight
         if self.gain_offset:
             weight = _gain(weight, self.gain_offset)
-        lean_eps = _RMS_DEFAULT_EPS.get(x.dtype) if eps is None and type(x) is Tensor else eps
-        if (
-            _lean_input(x, lean_eps)
-            and x.shape[-len(shape) :] == shape
-            and not _needs_grad(x, weight)
-            and not torch.jit.is_tracing()  # a trace would not see the kernel fill y
-            and (weight is None or (weight.is_cpu and weight.shape == shape))
-        ):
-            # the kernels take contiguous rows; the checks above are all they need
-            rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self._numel)
-            w = weight if weight is None or weight.dim() == 1 else weight.reshape(-1)
-            y = backend_module(rows, "rms_norm").rms_norm_fwd(
-                rows.contiguous(), None if w is None else w.contiguous(), lean_eps
-            )[0]
-            return y if y.shape == x.shape else y.view(x.shape)
         return F.rms_norm(x, shape, weight, eps)
 
     def extra_repr(self) -> str:

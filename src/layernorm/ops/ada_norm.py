@@ -16,6 +16,7 @@ from . import _checks
 from ._dispatch import (
     backend_module,
     in_stats_dtype,
+    needs_grad,
     needs_reference,
     plain_eager,
 )
@@ -104,6 +105,8 @@ def ada_norm_rows(x: Tensor, k: float, scale: float, eps: float) -> Tensor:
     """AdaNorm of the rows of contiguous 2-D ``x``: the custom op when a tracer is active, the
     identical kernels behind a plain autograd.Function otherwise (see ``layer_norm_rows``)."""
     if plain_eager():
+        if not needs_grad(x):
+            return backend_module(x, "ada_norm").ada_norm_fwd(x, k, scale, eps)[0]
         return _AdaNormEager.apply(x, k, scale, eps)
     if needs_reference():
         shape = (x.shape[1],)

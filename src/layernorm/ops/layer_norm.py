@@ -21,6 +21,7 @@ from ._dispatch import (
     backend_module,
     empty_like_none,
     in_stats_dtype,
+    needs_grad,
     needs_reference,
     none_if_empty,
     plain_eager,
@@ -166,9 +167,12 @@ def layer_norm_rows(
     detach_std: bool = False,
 ) -> Tensor:
     """Layer norm of the rows of contiguous 2-D ``x``: the custom op when a tracer (compile, export,
-    vmap, fake tensors) is active, the identical kernels behind a plain autograd.Function otherwise.
+    vmap, fake tensors) is active, the identical kernels behind a plain autograd.Function otherwise,
+    and where nothing needs a gradient the forward kernel alone (nothing saved, no graph node).
     """
     if plain_eager():
+        if not needs_grad(x, weight, bias):
+            return backend_module(x, "layer_norm").layer_norm_fwd(x, weight, bias, eps)[0]
         return _LayerNormEager.apply(x, weight, bias, eps, detach_mean, detach_std)
     if needs_reference():
         shape = (x.shape[1],)

@@ -17,6 +17,7 @@ from ._dispatch import (
     backend_module,
     empty_like_none,
     in_stats_dtype,
+    needs_grad,
     needs_reference,
     none_if_empty,
     plain_eager,
@@ -112,6 +113,8 @@ def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm of the rows of contiguous 2-D ``x``: the custom op when a tracer is active, the
     identical kernels behind a plain autograd.Function otherwise (see ``layer_norm_rows``)."""
     if plain_eager():
+        if not needs_grad(x, weight):
+            return backend_module(x, "rms_norm").rms_norm_fwd(x, weight, eps)[0]
         return _RMSNormEager.apply(x, weight, eps)
     if needs_reference():
         shape = (x.shape[1],)

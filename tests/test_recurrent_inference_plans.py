@@ -124,6 +124,40 @@ def test_few_rows_of_a_large_projection_run_it_before_the_loop(kind, monkeypatch
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_step_of_a_batch_runs_torch_gemm_then_the_step_kernel(kind, dtype, monkeypatch) -> None:
+    """One step of more rows than the direct GEMM takes, its projection before the loop: the
+    recurrent GEMM by torch.mm and the C step kernel (_cstep.StepCall), kept in the plan, which
+    reads W_hh where it is (an update in place is seen); the results are the step-by-step
+    reference's."""
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_WEIGHT", 0)
+    model = _model(kind, dtype)
+    reference = LAYERS[kind](6, 13, dtype=dtype, impl="loop").eval()
+    reference.load_state_dict(model.state_dict())
+    runs = _runs(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    batch = _cstep.direct_rows() + 3
+    for call in range(3):
+        x = torch.randn(1, batch, 6, generator=gen, dtype=dtype)
+        h0 = torch.randn(1, batch, 13, generator=gen, dtype=dtype)
+        hx = (h0, torch.randn_like(h0)) if kind == "lstm" else h0
+        if call == 2:
+            with torch.no_grad():
+                model.weight_hh_l0.mul_(0.5)
+                reference.weight_hh_l0.mul_(0.5)
+        got = _planned(model, x, hx)
+        _exactly(got, _fresh(model, x, hx))
+        with torch.no_grad():
+            want = _flat(reference(x, hx))
+        tol = {"atol": 1e-12, "rtol": 1e-12} if dtype == torch.float64 else {}
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, **tol)
+    assert len(runs) == 2
+    ((_, plan),) = _plans(model).values()
+    assert isinstance(plan.call, _cstep.StepCall) and not plan.in_loop
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_results_are_new_tensors_every_call(kind) -> None:
     """A call's output and states are its own: the next call writes into none of them."""
     model = _model(kind)

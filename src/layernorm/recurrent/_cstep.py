@@ -230,6 +230,37 @@ class SequenceCall(NamedTuple):
         rnn.run_sequence(self.kernel, self.dtype, self.args, self.seq_args)
 
 
+class StepCall(NamedTuple):
+    """One time step of a forward direction run as torch's GEMM ``hp = h W_hhᵀ`` then the C step
+    kernel (:func:`one_step`), with what a later call needs to run it again: the step struct,
+    which points at ``st``'s buffers, and ``st``, where the GEMM finds ``h`` and ``hp`` then."""
+
+    kernel: str
+    dtype: torch.dtype
+    args: Any
+    st: dict[str, Any]
+    w_t: Tensor  # W_hhᵀ, a view of the parameter
+    rows: int
+    threads: int
+
+    def run(self) -> None:
+        st = self.st
+        torch.mm(st["h"], self.w_t, out=st["hp"][: self.rows])
+        rnn.step(self.kernel, self.dtype, self.args, 0, self.rows, self.threads)
+
+
+def one_step(seq: str, st: dict[str, Any], w_hh: Tensor, rows: int) -> None:
+    """The forward direction of sequence kernel ``seq`` over one step of ``rows`` rows (the whole
+    batch, kept buffers of those rows) as a :class:`StepCall`, kept in ``st["_call"]`` (see
+    :func:`_sequence`)."""
+    kernel = seq.replace("_seq", "_step")
+    gates = _GATES[kernel.split("_", 1)[0]]
+    threads = _threads(rows, gates * st["H"])
+    call = StepCall(kernel, st["gx"].dtype, _args(st, kernel), st, w_hh.t(), rows, threads)
+    st["_call"] = call
+    call.run()
+
+
 def lstm_fwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]) -> None:
     _sequence("lstm_fwd_seq", st, w_hh, sched)
 

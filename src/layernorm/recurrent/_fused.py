@@ -506,7 +506,10 @@ def _inference(
         return None
     if in_loop:
         st["projection"] = source.kernel_args()
-    getattr(kernels, seq)(st, w_hh, sched)
+    if kernels is C_KERNELS and not in_loop and _one_step_by_gemm(sched):
+        _cstep.one_step(seq, st, w_hh, sched[0][2])
+    else:
+        getattr(kernels, seq)(st, w_hh, sched)
     result = tuple(st[k] for k in results)
     kept = _KEPT_PLANS.get()
     if kept is not None and projected and "_call" in st:
@@ -614,6 +617,18 @@ _LOOP_PROJECTION_DTYPES = (torch.float32, torch.float64)
 _LOOP_PROJECTION_ROWS = 128
 _LOOP_PROJECTION_WEIGHT = 1 << 18
 _LOOP_PROJECTION_MAX_BYTES = 4 << 20
+
+
+def _one_step_by_gemm(sched: Schedule) -> bool:
+    """Whether an inference direction runs torch's GEMM ``h W_hhᵀ`` and the C step kernel instead
+    of the sequence kernel: for one step of more rows than :func:`._cstep.direct_rows` (a
+    decoder's step of a batch), whose GEMM the sequence kernel runs on a packed copy of W_hh made
+    on every call (a pass over W_hh, one over the copy) where torch's reads W_hh once as stored.
+    LN-GRU, one thread, AMD EPYC (AVX2), ours / torch.nn.GRU with the sequence kernel and with
+    this: (B, I, H) = (16, 1024, 1024) 1.45 / 1.08, (32, 512, 512) 1.30 / 1.17, (12, 512, 512)
+    1.33 / 1.13, (16, 256, 256) 1.03 / 1.01; LN-LSTM (16, 512, 1024) 1.43 / 0.98,
+    (32, 512, 512) 1.13 / 0.99; none slower (benchmarks/RESULTS.md)."""
+    return len(sched) == 1 and sched[0][2] > _cstep.direct_rows()
 
 
 def _projects_in_loop(source: InputProjection, n_batch: int) -> bool:

@@ -30,9 +30,12 @@ _GEMM_GRAIN = 1 << 21
 # inference at (100, 32, 128, 256) 31.7 -> 19.2 ms.
 _SEQ_GRAIN = 4096
 _SEQ_GEMM_GRAIN = 1 << 17
-# Up to this many multiply-adds the weight gradient uses the C GEMM (measured 0.8x torch.mm's time
-# at (N, G, H) = (400, 512, 128)); beyond, MKL's cache blocking wins (1.5x at (6400, 2048, 512)).
-_WEIGHT_GRAD_MAX = 1 << 26
+# Up to this many multiply-adds the weight gradient uses the C GEMM, per vector width of the
+# selected target (rnn.vector_bytes); beyond, MKL's cache blocking wins. AVX-512: 0.8x torch.mm's
+# time at (N, G, H) = (400, 512, 128), 1.5x at (6400, 2048, 512). AVX2 (AMD EPYC without AVX-512,
+# one thread): 0.97-1.01x up to 12.5 M, 1.04-1.15x beyond ((800, 256, 64), (50, 1024, 256),
+# (400, 512, 128)). Other targets: torch.mm.
+_WEIGHT_GRAD_MAX = {64: 1 << 26, 32: 1 << 23}
 # The argument struct of each step kernel, and the gains / biases (with their sizes in units of
 # H) that become ones / zeros when the layer has none: the kernels load them unconditionally.
 _STRUCTS = {
@@ -283,7 +286,7 @@ def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
     n_rows, gates = dhp.shape
     hs = hprev.shape[1]
     if (
-        n_rows * gates * hs > _WEIGHT_GRAD_MAX
+        n_rows * gates * hs > _WEIGHT_GRAD_MAX.get(rnn.vector_bytes(), 0)
         or hprev.dtype != dhp.dtype
         or not (dhp.is_contiguous() and hprev.is_contiguous())
     ):

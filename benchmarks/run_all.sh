@@ -24,7 +24,7 @@ ISAS=${ISAS:-$("$PY" -c 'from layernorm.kernels.cpu import targets; print(*targe
 THREADS=${THREADS:-"1 2"}
 REPS=${REPS:-7}
 SHAPES=${SHAPES:-100x32x128x256,100x64x256x512,50x8x64x128,200x16x64x256,1000x4x32x128,35x20x650x650}
-STEP_SHAPES=${STEP_SHAPES:-1x1x256x256,1x8x256x256,1x32x512x512,1x1x1024x1024}
+STEP_SHAPES=${STEP_SHAPES:-1x1x256x256,1x8x256x256,1x32x512x512,1x16x1024x1024,1x1x1024x1024}
 STEP_REPS=${STEP_REPS:-200}
 echo "processor: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) |" \
      "features: $(grep -o -w 'avx2\|avx512f\|avx512_bf16\|f16c' /proc/cpuinfo | sort -u | xargs) |" \

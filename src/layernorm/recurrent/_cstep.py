@@ -234,32 +234,35 @@ class SequenceCall(NamedTuple):
 
 
 class StepCall(NamedTuple):
-    """One time step of a forward direction run as torch's GEMM ``hp = h W_hhᵀ`` then the C step
-    kernel (:func:`one_step`), with what a later call needs to run it again: the step struct,
-    which points at ``st``'s buffers, and ``st``, where the GEMM finds ``h`` and ``hp`` then."""
+    """A forward direction run step by step as torch's GEMM ``hp = h W_hhᵀ`` then the C step
+    kernel (:func:`by_steps`), with what a later call needs to run it again: the step struct,
+    which points at ``st``'s buffers, and ``st``, where the GEMM finds ``h`` and ``hp`` then
+    (kept buffers of the batch's rows: every step's GEMM writes hp's first rows)."""
 
     kernel: str
     dtype: torch.dtype
     args: Any
     st: dict[str, Any]
     w_t: Tensor  # W_hhᵀ, a view of the parameter
-    rows: int
-    threads: int
+    steps: tuple[tuple[int, int, int], ...]  # (first row, rows, threads) per step
 
     def run(self) -> None:
-        st = self.st
-        torch.mm(st["h"], self.w_t, out=st["hp"][: self.rows])
-        rnn.step(self.kernel, self.dtype, self.args, 0, self.rows, self.threads)
+        h, hp = self.st["h"], self.st["hp"]
+        for off, rows, threads in self.steps:
+            torch.mm(h[:rows], self.w_t, out=hp[:rows])
+            rnn.step(self.kernel, self.dtype, self.args, off, rows, threads)
 
 
-def one_step(seq: str, st: dict[str, Any], w_hh: Tensor, rows: int) -> None:
-    """The forward direction of sequence kernel ``seq`` over one step of ``rows`` rows (the whole
-    batch, kept buffers of those rows) as a :class:`StepCall`, kept in ``st["_call"]`` (see
+def by_steps(
+    seq: str, st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]
+) -> None:
+    """The forward direction of sequence kernel ``seq`` over the steps of ``sched`` (inference:
+    kept buffers of the batch's rows) as a :class:`StepCall`, kept in ``st["_call"]`` (see
     :func:`_sequence`)."""
     kernel = seq.replace("_seq", "_step")
-    gates = _GATES[kernel.split("_", 1)[0]]
-    threads = _threads(rows, gates * st["H"])
-    call = StepCall(kernel, st["gx"].dtype, _args(st, kernel), st, w_hh.t(), rows, threads)
+    gates = _GATES[kernel.split("_", 1)[0]] * st["H"]
+    steps = tuple((off, bs, _threads(bs, gates)) for _, off, bs in sched)
+    call = StepCall(kernel, st["gx"].dtype, _args(st, kernel), st, w_hh.t(), steps)
     st["_call"] = call
     call.run()
 

@@ -507,7 +507,7 @@ def _inference(
     if in_loop:
         st["projection"] = source.kernel_args()
     if kernels is C_KERNELS and not in_loop and _one_step_by_gemm(sched):
-        _cstep.one_step(seq, st, w_hh, sched[0][2])
+        _cstep.by_steps(seq, st, w_hh, sched)
     else:
         getattr(kernels, seq)(st, w_hh, sched)
     result = tuple(st[k] for k in results)
@@ -627,7 +627,9 @@ def _one_step_by_gemm(sched: Schedule) -> bool:
     LN-GRU, one thread, AMD EPYC (AVX2), ours / torch.nn.GRU with the sequence kernel and with
     this: (B, I, H) = (16, 1024, 1024) 1.45 / 1.08, (32, 512, 512) 1.30 / 1.17, (12, 512, 512)
     1.33 / 1.13, (16, 256, 256) 1.03 / 1.01; LN-LSTM (16, 512, 1024) 1.43 / 0.98,
-    (32, 512, 512) 1.13 / 0.99; none slower (benchmarks/RESULTS.md)."""
+    (32, 512, 512) 1.13 / 0.99; none slower (benchmarks/RESULTS.md). From two steps on the
+    packing pays: (T, B, I, H) = (4, 16, 1024, 1024) 0.90 / 1.00, (16, 16, 1024, 1024) LSTM
+    0.97 / 1.32 with torch's GEMM per step."""
     return len(sched) == 1 and sched[0][2] > _cstep.direct_rows()
 
 

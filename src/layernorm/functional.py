@@ -35,7 +35,9 @@ from .ops.rms_norm import rms_norm_rows
 
 __all__ = ["ada_norm", "layer_norm", "rms_norm"]
 
-# rms_norm's eps=None per input dtype: the machine epsilon of the statistics' dtype
+# rms_norm's eps=None per input dtype: the machine epsilon of the statistics' dtype, as torch takes
+# the epsilon of its accumulation type, not of a half input (9.8e-4 for float16 would dwarf
+# mean(x²) of small activations)
 _RMS_DEFAULT_EPS = {dt: float(torch.finfo(stats_dtype(dt)).eps) for dt in FLOAT_DTYPES}
 
 
@@ -135,9 +137,7 @@ def rms_norm(
     weight = check_param(weight, "weight", shape, x, "rms_norm")
     eps_ = check_eps(eps, "rms_norm", allow_none=True)
     if eps_ is None:
-        # torch takes the epsilon of its accumulation type, not of a half input (9.8e-4 for float16
-        # would dwarf mean(x²) of small activations).
-        eps_ = float(torch.finfo(stats_dtype(x.dtype)).eps)
+        eps_ = _RMS_DEFAULT_EPS[x.dtype]
     y = rms_norm_rows(_rows(x, shape), _flat(weight), eps_)
     return _unrows(y, x, shape)
 

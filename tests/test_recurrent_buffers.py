@@ -1,4 +1,5 @@
-"""The recurrent layers' CPU buffer cache (layernorm.recurrent._buffers): a buffer is handed out
+"""The CPU buffer cache (layernorm.kernels.cpu.buffers) of the recurrent layers and the norm
+kernels' large outputs: a buffer is handed out
 again only once nothing holds its memory, and training through it gives the gradients that fresh
 buffers give, with graphs alive side by side and graphs run backward twice."""
 
@@ -7,13 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import layernorm
 from layernorm import LayerNormGRU, LayerNormLSTM
-from layernorm.recurrent import (
-    _buffers,
-    buffer_cache_limit,
-    clear_buffer_cache,
-    set_buffer_cache_limit,
-)
+from layernorm.kernels.cpu import buffers as _buffers
+from layernorm.recurrent import buffer_cache_limit, clear_buffer_cache, set_buffer_cache_limit
 
 pytestmark = pytest.mark.skipif(
     _buffers._FREE is None, reason="this torch has no storage reference count"
@@ -155,3 +153,56 @@ def test_training_through_the_cache_matches_fresh_buffers(cls) -> None:
                 torch.testing.assert_close(g, r, rtol=0, atol=0)
         # a third forward in between, on the buffers the first two left free
         model(torch.randn(40, 16, 16))[0].sum().backward()
+
+
+_NORM_OPS = {
+    "layer_norm": lambda x, w: layernorm.layer_norm(x, x.shape[-1], w, None),
+    "detach_norm": lambda x, w: layernorm.layer_norm(x, x.shape[-1], w, None, detach_std=True),
+    "rms_norm": lambda x, w: layernorm.rms_norm(x, x.shape[-1], w),
+    "ada_norm": lambda x, w: layernorm.ada_norm(x, x.shape[-1]),
+}
+
+
+@pytest.mark.parametrize("op", list(_NORM_OPS))
+def test_large_norm_outputs_come_from_the_cache_and_stay_the_callers(op, monkeypatch) -> None:
+    """From OUTPUT_MIN_BYTES up a norm kernel's y and dx are buffers of the cache: reused once
+    nothing holds them, never while an output or a gradient the caller kept does, and equal to
+    what fresh memory gives."""
+    from layernorm.kernels.cpu import _native
+
+    if not _native.enabled():
+        pytest.skip("the fused kernels are not built here")
+    monkeypatch.setattr(_buffers, "OUTPUT_MIN_BYTES", _buffers.MIN_BYTES)
+    fn = _NORM_OPS[op]
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(_ROWS, 64, generator=gen) + 3.0
+    w = 0.5 + torch.rand(64, generator=gen)
+    with torch.no_grad():
+        y1 = fn(x, w)
+        kept = y1.clone()
+        y2 = fn(2 * x, w)  # y1 held: other memory
+        assert y2.data_ptr() != y1.data_ptr() and torch.equal(y1, kept)
+        ptr = y1.data_ptr()
+        del y1
+        y3 = fn(x, w)  # y1's memory is free again
+        assert y3.data_ptr() == ptr and torch.equal(y3, kept)
+    assert _buffers.cached_bytes() > 0
+    xg = x.clone().requires_grad_()
+    fn(xg, w).sum().backward()
+    g1 = xg.grad
+    kept_grad = g1.clone()
+    xg.grad = None
+    fn(xg, w).sum().backward()  # the first gradient is held: the second gets other memory
+    assert xg.grad.data_ptr() != g1.data_ptr() and torch.equal(g1, kept_grad)
+    torch.testing.assert_close(xg.grad, kept_grad, rtol=0, atol=0)
+    set_buffer_cache_limit(0)  # off: fresh memory, nothing more kept (held buffers stay counted)
+    held = _buffers.cached_bytes()
+    with torch.no_grad():
+        assert torch.equal(fn(x, w), kept) and _buffers.cached_bytes() == held
+
+
+def test_small_norm_outputs_are_plain_allocations() -> None:
+    x = torch.randn(_ROWS, 64)  # above MIN_BYTES, below OUTPUT_MIN_BYTES
+    with torch.no_grad():
+        layernorm.layer_norm(x, 64)
+    assert _buffers.cached_bytes() == 0

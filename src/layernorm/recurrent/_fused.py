@@ -39,8 +39,9 @@ from torch import Tensor
 
 from ..functional import layer_norm
 from ..kernels.cpu import _native
+from ..kernels.cpu import buffers as _buffers
 from ..kernels.cpu import layer_norm as cpu_layer_norm
-from . import _buffers, _cstep
+from . import _cstep
 from ._pointwise import (
     C_KERNELS,
     C_STEPS,
@@ -672,7 +673,8 @@ def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
 
 class _Projection(torch.autograd.Function):
     """``data W_ihᵀ`` for all rows (``F.linear`` without bias) into a buffer of the cache
-    (:mod:`._buffers`: a fresh ``(N, G)`` result costs its page faults on every call), with
+    (:mod:`layernorm.kernels.cpu.buffers`: a fresh ``(N, G)`` result costs its page faults on
+    every call), with
     ``W_ih``'s gradient from :func:`._cstep.transposed_product`."""
 
     @staticmethod

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import abi, cache, cbuild, targets
+from . import abi, buffers, cache, cbuild, targets
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
 ENV_CACHE = cbuild.ENV_CACHE
@@ -143,7 +143,7 @@ def ln_fwd(
     """``(y, mean, rstd)``; ``y`` written into ``out`` when given (checked as y: x's shape and
     dtype, contiguous; it must not overlap x)."""
     m, n = x.shape
-    y = torch.empty_like(x) if out is None else out
+    y = buffers.output(x) if out is None else out
     mean, rstd = _stats(x, m), _stats(x, m)
     _call("ln_fwd", x=x, weight=_compute(weight, x), bias=_compute(bias, x), y=y, mean=mean,
           rstd=rstd, eps=eps, threads=_threads(m, n))  # fmt: skip
@@ -165,7 +165,7 @@ def ln_bwd(
     """``(dx, dweight, dbias)``: ``dweight`` in the weight's dtype, ``dbias`` in the compute
     dtype (the caller casts it to the bias's)."""
     m, n = x.shape
-    dx = torch.empty_like(x) if need_dx else None
+    dx = buffers.output(x) if need_dx else None
     dw = _stats(x, n) if need_dw else None
     db = _stats(x, n) if need_db else None
     _call("ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=_compute(weight, x), dx=dx,
@@ -178,7 +178,7 @@ def ln_bwd(
 
 def rms_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     m, n = x.shape
-    y, rstd = torch.empty_like(x), _stats(x, m)
+    y, rstd = buffers.output(x), _stats(x, m)
     _call("rms_fwd", x=x, weight=_compute(weight, x), y=y, rstd=rstd, eps=eps,
           threads=_threads(m, n))  # fmt: skip
     return y, rstd
@@ -188,7 +188,7 @@ def rms_bwd(
     dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, need_dx: bool, need_dw: bool
 ) -> tuple[Tensor | None, Tensor | None]:
     m, n = x.shape
-    dx = torch.empty_like(x) if need_dx else None
+    dx = buffers.output(x) if need_dx else None
     dw = _stats(x, n) if need_dw else None
     _call("rms_bwd", dy=dy, x=x, rstd=rstd, weight=_compute(weight, x), dx=dx, dweight=dw,
           threads=_threads(m, n))  # fmt: skip
@@ -199,7 +199,7 @@ def rms_bwd(
 
 def ada_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     m, n = x.shape
-    z = torch.empty_like(x)
+    z = buffers.output(x)
     mean, rstd = _stats(x, m), _stats(x, m)
     _call("ada_fwd", x=x, z=z, mean=mean, rstd=rstd, eps=eps, k=k, scale=scale,
           threads=_threads(m, n))  # fmt: skip
@@ -208,7 +208,7 @@ def ada_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tens
 
 def ada_bwd(dz: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, k: float, scale: float) -> Tensor:
     m, n = x.shape
-    dx = torch.empty_like(x)
+    dx = buffers.output(x)
     _call("ada_bwd", dz=dz, x=x, mean=mean, rstd=rstd, dx=dx, k=k, scale=scale,
           threads=_threads(m, n))  # fmt: skip
     return dx

@@ -406,6 +406,21 @@ def test_small_layer_norm_with_grad_uses_torch_kernel_detach_norm_does_not(monke
     assert calls == ["layer_norm", "layer_norm"]
 
 
+def test_large_layer_norm_under_no_grad_runs_the_fused_kernels(monkeypatch):
+    """From the buffer cache's output size on, the fused kernels (whose output memory is reused)
+    run where nothing needs a gradient; below it torch's kernel does."""
+    from layernorm.kernels.cpu import buffers
+
+    monkeypatch.setattr(buffers, "OUTPUT_MIN_BYTES", 64 * 16 * 4)
+    calls = _spy_full_path(monkeypatch)
+    ln = layernorm.LayerNorm(16)
+    with torch.no_grad():
+        ln(make_x((63, 16)))
+        assert calls == []
+        ln(make_x((64, 16)))
+    assert calls == ["layer_norm"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_small_half_layer_norm_with_grad_runs_the_fused_kernels(monkeypatch, dtype):
     """torch's half-precision CPU backward misses the fused kernels' tolerances: with gradients a

@@ -24,6 +24,7 @@ from .._validation import (
     check_finite_scalar,
     check_flag,
 )
+from ..kernels.cpu import buffers
 from ..ops._dispatch import lean_input, needs_grad
 
 # Up to this many elements a LayerNorm that needs gradients runs torch's native kernel (see
@@ -39,13 +40,16 @@ _TORCH_BACKWARD_DTYPES = (torch.float32, torch.float64)
 def _takes_torch_layer_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, detaching: bool
 ) -> bool:
-    """Whether :class:`LayerNorm` runs ``torch.layer_norm`` on a lean input ``x``: wherever nothing
-    needs a gradient (the same forward formula); with gradients, up to :data:`SMALL_NUMEL`
-    elements, without a DetachNorm flag (which changes the backward), and in float32 or float64
-    (torch's bfloat16 and float16 CPU backward gave dx errors 1.6x the fused kernels' bfloat16
-    tolerance at 37 rows of 7, where the fused kernels compute in float32)."""
+    """Whether :class:`LayerNorm` runs ``torch.layer_norm`` on a lean input ``x``: where nothing
+    needs a gradient (the same forward formula), below the buffer cache's output size
+    (:data:`layernorm.kernels.cpu.buffers.OUTPUT_MIN_BYTES`); with gradients, up to
+    :data:`SMALL_NUMEL` elements, without a DetachNorm flag (which changes the backward), and in
+    float32 or float64 (torch's bfloat16 and float16 CPU backward gave dx errors 1.6x the fused
+    kernels' bfloat16 tolerance at 37 rows of 7, where the fused kernels compute in float32)."""
     if not needs_grad(x, weight, bias):
-        return True
+        # from the buffer cache's size on, the fused kernels write into reused memory where
+        # torch's output takes fresh pages on every call (3x torch's time at 32 MiB)
+        return x.numel() * x.element_size() < buffers.OUTPUT_MIN_BYTES
     return not detaching and x.numel() <= SMALL_NUMEL and x.dtype in _TORCH_BACKWARD_DTYPES
 
 
@@ -86,8 +90,9 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
     holds.
 
     Which kernel runs: in plain eager mode on the CPU, when nothing needs a gradient (``no_grad``,
-    inference) or, in float32 and float64, the input has at most :data:`SMALL_NUMEL` elements and
-    no DetachNorm flag is set, torch's native ``layer_norm`` runs — the same formula (DetachNorm
+    inference; inputs under 32 MiB, see :mod:`layernorm.kernels.cpu.buffers`) or, in float32 and
+    float64, the input has at most :data:`SMALL_NUMEL` elements and no DetachNorm flag is set,
+    torch's native ``layer_norm`` runs — the same formula (DetachNorm
     changes only the backward), and at these sizes the call overhead is the cost. Otherwise the
     fused kernels of :mod:`layernorm.ops` do, with their analytic backward. The two differ on
     rows whose mean is far above their spread: float32 rows of 10⁴ plus noise of 10⁻³ come out of

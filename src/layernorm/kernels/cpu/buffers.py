@@ -23,7 +23,7 @@ all back. CUDA tensors come from torch's own caching allocator and never pass th
 The norm kernels take their outputs (y, dx) from here from :data:`OUTPUT_MIN_BYTES` up
 (:func:`output`): glibc's malloc maps a block of that size or more from the operating system on
 every call and unmaps it when freed, so each call's first write to each of its pages faults. A
-float32 layer norm's forward and backward at (8192, 1024), 32 MiB a tensor, took 57 ms on a
+float32 layer norm's forward and backward at (8192, 1024), 32 MiB a tensor, took 55 ms on a
 processor that ran it in 16 ms on reused memory (AMD EPYC, one thread; torch's own 58 ms), while
 below that size malloc reuses its heap and the cache gains nothing: (8000, 1024) 1.01 against
 0.99 of torch's time, (4096, 768) 1.13 against 1.15, and smaller inputs lose the lookup's time.

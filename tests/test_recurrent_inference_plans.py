@@ -158,6 +158,30 @@ def test_one_step_of_a_batch_runs_torch_gemm_then_the_step_kernel(kind, dtype, m
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_one_step_of_a_batch_with_zoneout_by_torch_gemm(kind, monkeypatch) -> None:
+    """Zoneout at eval (its constant coefficients) in that one step: the step kernel takes the
+    masks, the results are the step-by-step reference's (no plan is kept with masks)."""
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_WEIGHT", 0)
+    calls: list[int] = []
+    by_steps = _cstep.by_steps
+    monkeypatch.setattr(_cstep, "by_steps", lambda *a: calls.append(1) or by_steps(*a))
+    zoneout = {"zoneout_hidden": 0.3, **({"zoneout_cell": 0.2} if kind == "lstm" else {})}
+    model = _model(kind, torch.float64, **zoneout)
+    reference = LAYERS[kind](6, 13, dtype=torch.float64, impl="loop", **zoneout).eval()
+    reference.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(4)
+    batch = _cstep.direct_rows() + 2
+    x = torch.randn(1, batch, 6, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(1, batch, 13, generator=gen, dtype=torch.float64)
+    hx = (h0, torch.randn_like(h0)) if kind == "lstm" else h0
+    with torch.no_grad():
+        got, want = _flat(model(x, hx)), _flat(reference(x, hx))
+    assert calls == [1]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_results_are_new_tensors_every_call(kind) -> None:
     """A call's output and states are its own: the next call writes into none of them."""
     model = _model(kind)

@@ -629,7 +629,7 @@ def _one_step_by_gemm(sched: Schedule) -> bool:
     this: (B, I, H) = (16, 1024, 1024) 1.45 / 1.08, (32, 512, 512) 1.30 / 1.17, (12, 512, 512)
     1.33 / 1.13, (16, 256, 256) 1.03 / 1.01; LN-LSTM (16, 512, 1024) 1.43 / 0.98,
     (32, 512, 512) 1.13 / 0.99; none slower (benchmarks/RESULTS.md). From two steps on the
-    packing pays: (T, B, I, H) = (4, 16, 1024, 1024) 0.90 / 1.00, (16, 16, 1024, 1024) LSTM
+    packing pays: (T, B, I, H) = (4, 16, 1024, 1024) GRU 0.90 / 1.00, (16, 16, 1024, 1024) LSTM
     0.97 / 1.32 with torch's GEMM per step."""
     return len(sched) == 1 and sched[0][2] > _cstep.direct_rows()
 

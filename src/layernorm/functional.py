@@ -146,9 +146,9 @@ def _rms_norm_lean(
     x: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, eps: object
 ) -> Tensor | None:
     """RMSNorm by the forward kernel alone where nothing needs a gradient, for a :func:`lean_input`
-    ``x`` whose trailing sizes and weight match ``normalized_shape`` (a few attribute reads:
-    a (1, 768) call costs about what ``torch.nn.RMSNorm``'s does); ``None`` otherwise (the full
-    path checks, and names what is wrong)."""
+    ``x`` whose trailing sizes and weight match ``normalized_shape`` (a few attribute reads instead
+    of the full checks, for per-token calls); ``None`` otherwise (the full path checks, and names
+    what is wrong)."""
     if not lean_input(x, eps) or needs_grad(x, weight):
         return None
     shape = as_shape(normalized_shape)

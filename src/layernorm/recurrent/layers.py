@@ -608,16 +608,17 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if names is None:
             names = by_sfx[sfx] = tuple(n for n in self._param_shapes if n.endswith(sfx))
         params = [self._parameters.get(n) for n in names]
-        dtype = data.dtype
-        if any(p is None or p.dtype is not dtype or not p.is_contiguous() for p in params):
-            return None  # a parametrization in a parameter's place, or a copy the kernels read
+        # first what a training call fails on, so that it pays for one test
         if torch.is_grad_enabled() and (
             data.requires_grad
             or h0.requires_grad
             or (c0 is not None and c0.requires_grad)
-            or any(p.requires_grad for p in params)  # type: ignore[union-attr]
+            or any(p is not None and p.requires_grad for p in params)
         ):
             return None
+        dtype = data.dtype
+        if any(p is None or p.dtype is not dtype or not p.is_contiguous() for p in params):
+            return None  # a parametrization in a parameter's place, or a copy the kernels read
         return (
             data.dtype, data.shape, tuple(sizes), h0.shape, self.eps,
             getattr(self, "normalize_cell_state", None),

@@ -105,6 +105,64 @@ def test_fused_matches_reference(variant, m, n, dtype, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(("m", "n"), [*SHAPES, (1, 8), (2, 4096)], ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_streaming_stores_equal_plain_stores_bitwise(variant, m, n, dtype, monkeypatch):
+    """Outputs written past the caches (non-temporal stores after a scalar head up to the vector
+    alignment, with the next rows prefetched) hold exactly the plain stores' values: rows of
+    every alignment (odd N), fewer rows than the prefetch distance, two threads."""
+    kind, use_w, use_b, opts = VARIANTS[variant]
+    x = make_x((m, n), dtype, requires_grad=True)
+    w = make_param((n,), dtype, center=1.0, requires_grad=True) if use_w else None
+    b = make_param((n,), dtype, center=0.0, requires_grad=True) if use_b else None
+    dy = torch.randn(m, n, dtype=torch.float64).to(dtype)
+    streamed = []
+    for threshold in (1 << 62, 0):  # never, always
+        monkeypatch.setattr(_native, "STREAM_MIN_BYTES", threshold)
+        assert _native._stream(x, 2) == (threshold == 0)
+        y, grads = _forward_backward(kind, x, w, b, opts, dy)
+        streamed.append((y, *grads))
+    for plain, stream in zip(*streamed, strict=True):
+        assert torch.equal(plain, stream)
+
+
+@needs_kernels
+def test_streaming_output_at_an_unaligned_address():
+    """ln_fwd's ``out`` at an element offset (not aligned to any vector): the streamed rows start
+    after a scalar head, and nothing outside ``out`` is written."""
+    m, n = 9, 301
+    x = make_x((m, n))
+    w = make_param((n,), torch.float32, center=1.0)
+    b = make_param((n,), torch.float32, center=0.0)
+    expected = _native.ln_fwd(x, w, b, 1e-5)[0].clone()
+    storage = torch.full((m * n + 2,), 7.0)
+    out = storage[1:-1].view(m, n)
+    old = _native.STREAM_MIN_BYTES
+    try:
+        _native.STREAM_MIN_BYTES = 0
+        _native.ln_fwd(x, w, b, 1e-5, out=out)
+    finally:
+        _native.STREAM_MIN_BYTES = old
+    assert torch.equal(out, expected)
+    assert storage[0] == 7.0 and storage[-1] == 7.0
+
+
+def test_last_level_cache_size_from_sysfs(tmp_path):
+    """The streaming threshold's cache size: the highest level's size, units K/M/G; 32 MiB where
+    Linux lists no caches."""
+    for index, (level, size) in enumerate([("1", "32K"), ("2", "512K"), ("3", "32768K")]):
+        d = tmp_path / f"index{index}"
+        d.mkdir()
+        (d / "level").write_text(level + "\n")
+        (d / "size").write_text(size + "\n")
+    assert _native._last_level_cache_bytes(tmp_path) == 32 << 20
+    (tmp_path / "index2" / "size").write_text("1M\n")
+    assert _native._last_level_cache_bytes(tmp_path) == 1 << 20
+    assert _native._last_level_cache_bytes(tmp_path / "missing") == 32 << 20
+
+
+@needs_kernels
 @pytest.mark.parametrize("variant", ["ln", "detach_mean", "rms", "ada"])
 def test_fused_matches_eager_fallback(variant, monkeypatch):
     """LAYERNORM_CPU_COMPILE=0 switches to the eager ATen path; both agree (float32, 2 threads)."""

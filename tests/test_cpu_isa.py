@@ -149,7 +149,11 @@ def _close(actual, expected, tol, what, scale=1.0) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("kind", list(NORMS))
 @pytest.mark.parametrize(("m", "n"), [(5, 31), (7, 33), (3, 1000), (80, 1031)], ids=str)
-def test_norm_kernels_match_reference(name, dtype, kind, m, n) -> None:
+@pytest.mark.parametrize("stores", ["plain", "streaming"])
+def test_norm_kernels_match_reference(name, dtype, kind, m, n, stores, monkeypatch) -> None:
+    """Each target's kernels, with plain stores and with the outputs streamed past the caches
+    (each target has its own non-temporal stores)."""
+    monkeypatch.setattr(_native, "STREAM_MIN_BYTES", 0 if stores == "streaming" else 1 << 62)
     _, use_w, use_b = NORMS[kind]
     x = make_x((m, n), dtype, requires_grad=True)
     w = make_param((n,), dtype, center=1.0, requires_grad=True) if use_w else None

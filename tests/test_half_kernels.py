@@ -123,10 +123,11 @@ def _ln_case(target: str, dtype: torch.dtype, m: int, n: int, offset: float) -> 
     b = (0.5 * torch.randn(n, generator=g)).float()
     dy = torch.randn(m, n, generator=g).to(dtype)
     y, mean, rstd = torch.empty_like(x), torch.empty(m), torch.empty(m)
-    _run(target, "ln_fwd", x=x, weight=w, bias=b, y=y, mean=mean, rstd=rstd, eps=1e-5, threads=2)
+    _run(target, "ln_fwd", x=x, weight=w, bias=b, y=y, mean=mean, rstd=rstd, eps=1e-5, threads=2,
+         stream=1)  # fmt: skip
     dx, dw, db = torch.empty_like(x), torch.empty(n), torch.empty(n)
     _run(target, "ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=w, dx=dx, dweight=dw,
-         dbias=db, detach_mean=0, detach_std=0, threads=2)  # fmt: skip
+         dbias=db, detach_mean=0, detach_std=0, threads=2, stream=1)  # fmt: skip
     xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
     yr = layer_norm_reference(xr, (n,), wr, br, 1e-5)
     dxr, dwr, dbr = torch.autograd.grad(yr, (xr, wr, br), dy.double())

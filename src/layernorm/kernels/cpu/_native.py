@@ -122,6 +122,39 @@ def _threads(m: int, n: int) -> int:
     return max(1, min(torch.get_num_threads(), m, (m * n) // _GRAIN))
 
 
+def _last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The size of the processor's last-level cache, as Linux describes it (the highest ``level``
+    under ``root``); 32 MiB where it says nothing."""
+    best = (0, 32 << 20)
+    for index in sorted(root.glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        scale = units.get(size[-1:].upper(), 1)
+        digits = size[:-1] if size[-1:].upper() in units else size
+        if digits.isdigit() and level > best[0]:
+            best = (level, int(digits) * scale)
+    return best[1]
+
+
+#: A kernel writes its (M, N) output past the caches (the ABI's ``stream``) when the (M, N)
+#: tensors it reads and writes take at least this many bytes together: half the last-level cache,
+#: which every core (and, in a virtual machine, every tenant) shares, so such an output would not
+#: stay in cache for the next op, while a plain store first reads each of its lines from memory.
+#: Measured on an AMD EPYC (AVX2, 32 MiB L3), float32 layer norm forward + backward against the
+#: same kernels with plain stores: (4096, 768) 0.71 of the time with one thread, 0.82 with two;
+#: at (1024, 768), 9 MiB a backward, streaming gained with one thread and lost with two.
+STREAM_MIN_BYTES = _last_level_cache_bytes() // 2
+
+
+def _stream(x: Tensor, tensors: int) -> int:
+    """The ``stream`` flag of a kernel moving ``tensors`` (M, N) tensors (inputs and output)."""
+    return int(tensors * x.numel() * x.element_size() >= STREAM_MIN_BYTES)
+
+
 _BINDERS = {k.name: abi.Binder(k) for k in abi.KERNELS}
 
 
@@ -146,7 +179,7 @@ def ln_fwd(
     y = buffers.output(x) if out is None else out
     mean, rstd = _stats(x, m), _stats(x, m)
     _call("ln_fwd", x=x, weight=_compute(weight, x), bias=_compute(bias, x), y=y, mean=mean,
-          rstd=rstd, eps=eps, threads=_threads(m, n))  # fmt: skip
+          rstd=rstd, eps=eps, threads=_threads(m, n), stream=_stream(x, 2))  # fmt: skip
     return y, mean, rstd
 
 
@@ -170,7 +203,7 @@ def ln_bwd(
     db = _stats(x, n) if need_db else None
     _call("ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=_compute(weight, x), dx=dx,
           dweight=dw, dbias=db, detach_mean=int(detach_mean), detach_std=int(detach_std),
-          threads=_threads(m, n))  # fmt: skip
+          threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2))  # fmt: skip
     if dw is not None and weight is not None:
         dw = dw.to(weight.dtype)
     return dx, dw, db
@@ -180,7 +213,7 @@ def rms_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tenso
     m, n = x.shape
     y, rstd = buffers.output(x), _stats(x, m)
     _call("rms_fwd", x=x, weight=_compute(weight, x), y=y, rstd=rstd, eps=eps,
-          threads=_threads(m, n))  # fmt: skip
+          threads=_threads(m, n), stream=_stream(x, 2))  # fmt: skip
     return y, rstd
 
 
@@ -191,7 +224,7 @@ def rms_bwd(
     dx = buffers.output(x) if need_dx else None
     dw = _stats(x, n) if need_dw else None
     _call("rms_bwd", dy=dy, x=x, rstd=rstd, weight=_compute(weight, x), dx=dx, dweight=dw,
-          threads=_threads(m, n))  # fmt: skip
+          threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2))  # fmt: skip
     if dw is not None and weight is not None:
         dw = dw.to(weight.dtype)
     return dx, dw
@@ -202,7 +235,7 @@ def ada_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tens
     z = buffers.output(x)
     mean, rstd = _stats(x, m), _stats(x, m)
     _call("ada_fwd", x=x, z=z, mean=mean, rstd=rstd, eps=eps, k=k, scale=scale,
-          threads=_threads(m, n))  # fmt: skip
+          threads=_threads(m, n), stream=_stream(x, 2))  # fmt: skip
     return z, mean, rstd
 
 
@@ -210,7 +243,7 @@ def ada_bwd(dz: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, k: float, scale: 
     m, n = x.shape
     dx = buffers.output(x)
     _call("ada_bwd", dz=dz, x=x, mean=mean, rstd=rstd, dx=dx, k=k, scale=scale,
-          threads=_threads(m, n))  # fmt: skip
+          threads=_threads(m, n), stream=_stream(x, 3))  # fmt: skip
     return dx
 
 

@@ -147,6 +147,10 @@ _SIZES = (
     Arg("N", _SC, DType.INDEX, minimum=1, doc="elements per row"),
 )
 _THREADS = Arg("threads", _SC, DType.COUNT, minimum=1, doc="OpenMP threads to split rows over")
+_STREAM = Arg(
+    "stream", _SC, DType.FLAG, minimum=0,
+    doc="1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it)",
+)  # fmt: skip
 _EPS = Arg("eps", _SC, DType.FLOAT, minimum=0.0, doc="added to the variance")
 _K = Arg("k", _SC, DType.FLOAT, doc="AdaNorm's k in φ(y) = C·(1 − k·y)")
 _SCALE = Arg("scale", _SC, DType.FLOAT, doc="AdaNorm's C")
@@ -162,7 +166,7 @@ KERNELS: tuple[Kernel, ...] = (
             _tensor("y", _OUT, _MN),
             _tensor("mean", _OUT, _M, DType.STATS),
             _tensor("rstd", _OUT, _M, DType.STATS),
-            *_SIZES, _EPS, _THREADS,
+            *_SIZES, _EPS, _THREADS, _STREAM,
         ),
     ),
     Kernel(
@@ -180,7 +184,7 @@ KERNELS: tuple[Kernel, ...] = (
             *_SIZES,
             Arg("detach_mean", _SC, DType.FLAG, minimum=0, doc="1: μ is a constant in backward"),
             Arg("detach_std", _SC, DType.FLAG, minimum=0, doc="1: σ is a constant in backward"),
-            _THREADS,
+            _THREADS, _STREAM,
         ),
     ),
     Kernel(
@@ -191,7 +195,7 @@ KERNELS: tuple[Kernel, ...] = (
             _tensor("weight", _IN, _N, DType.COMPUTE, optional=True, doc="w = 1"),
             _tensor("y", _OUT, _MN),
             _tensor("rstd", _OUT, _M, DType.STATS),
-            *_SIZES, _EPS, _THREADS,
+            *_SIZES, _EPS, _THREADS, _STREAM,
         ),
     ),
     Kernel(
@@ -204,7 +208,7 @@ KERNELS: tuple[Kernel, ...] = (
             _tensor("weight", _IN, _N, DType.COMPUTE, optional=True, doc="w = 1"),
             _tensor("dx", _OUT, _MN, optional=True),
             _tensor("dweight", _OUT, _N, DType.COMPUTE, optional=True),
-            *_SIZES, _THREADS,
+            *_SIZES, _THREADS, _STREAM,
         ),
     ),
     Kernel(
@@ -215,7 +219,7 @@ KERNELS: tuple[Kernel, ...] = (
             _tensor("z", _OUT, _MN),
             _tensor("mean", _OUT, _M, DType.STATS),
             _tensor("rstd", _OUT, _M, DType.STATS),
-            *_SIZES, _EPS, _K, _SCALE, _THREADS,
+            *_SIZES, _EPS, _K, _SCALE, _THREADS, _STREAM,
         ),
     ),
     Kernel(
@@ -227,7 +231,7 @@ KERNELS: tuple[Kernel, ...] = (
             _tensor("mean", _IN, _M, DType.STATS),
             _tensor("rstd", _IN, _M, DType.STATS),
             _tensor("dx", _OUT, _MN),
-            *_SIZES, _K, _SCALE, _THREADS,
+            *_SIZES, _K, _SCALE, _THREADS, _STREAM,
         ),
     ),
     Kernel(

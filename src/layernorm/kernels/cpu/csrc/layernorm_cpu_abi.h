@@ -21,6 +21,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ln_fwd_args_f32;
 int ln_fwd_f32(const ln_fwd_args_f32* a);
 _Static_assert(offsetof(ln_fwd_args_f32, x) == 0, "ln_fwd_args_f32.x");
@@ -33,6 +34,7 @@ _Static_assert(offsetof(ln_fwd_args_f32, M) == 48, "ln_fwd_args_f32.M");
 _Static_assert(offsetof(ln_fwd_args_f32, N) == 56, "ln_fwd_args_f32.N");
 _Static_assert(offsetof(ln_fwd_args_f32, eps) == 64, "ln_fwd_args_f32.eps");
 _Static_assert(offsetof(ln_fwd_args_f32, threads) == 72, "ln_fwd_args_f32.threads");
+_Static_assert(offsetof(ln_fwd_args_f32, stream) == 76, "ln_fwd_args_f32.stream");
 _Static_assert(sizeof(ln_fwd_args_f32) == 80, "ln_fwd_args_f32 size");
 
 typedef struct {
@@ -46,6 +48,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ln_fwd_args_f64;
 int ln_fwd_f64(const ln_fwd_args_f64* a);
 _Static_assert(offsetof(ln_fwd_args_f64, x) == 0, "ln_fwd_args_f64.x");
@@ -58,6 +61,7 @@ _Static_assert(offsetof(ln_fwd_args_f64, M) == 48, "ln_fwd_args_f64.M");
 _Static_assert(offsetof(ln_fwd_args_f64, N) == 56, "ln_fwd_args_f64.N");
 _Static_assert(offsetof(ln_fwd_args_f64, eps) == 64, "ln_fwd_args_f64.eps");
 _Static_assert(offsetof(ln_fwd_args_f64, threads) == 72, "ln_fwd_args_f64.threads");
+_Static_assert(offsetof(ln_fwd_args_f64, stream) == 76, "ln_fwd_args_f64.stream");
 _Static_assert(sizeof(ln_fwd_args_f64) == 80, "ln_fwd_args_f64 size");
 
 typedef struct {
@@ -71,6 +75,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ln_fwd_args_bf16;
 int ln_fwd_bf16(const ln_fwd_args_bf16* a);
 _Static_assert(offsetof(ln_fwd_args_bf16, x) == 0, "ln_fwd_args_bf16.x");
@@ -83,6 +88,7 @@ _Static_assert(offsetof(ln_fwd_args_bf16, M) == 48, "ln_fwd_args_bf16.M");
 _Static_assert(offsetof(ln_fwd_args_bf16, N) == 56, "ln_fwd_args_bf16.N");
 _Static_assert(offsetof(ln_fwd_args_bf16, eps) == 64, "ln_fwd_args_bf16.eps");
 _Static_assert(offsetof(ln_fwd_args_bf16, threads) == 72, "ln_fwd_args_bf16.threads");
+_Static_assert(offsetof(ln_fwd_args_bf16, stream) == 76, "ln_fwd_args_bf16.stream");
 _Static_assert(sizeof(ln_fwd_args_bf16) == 80, "ln_fwd_args_bf16 size");
 
 typedef struct {
@@ -96,6 +102,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ln_fwd_args_f16;
 int ln_fwd_f16(const ln_fwd_args_f16* a);
 _Static_assert(offsetof(ln_fwd_args_f16, x) == 0, "ln_fwd_args_f16.x");
@@ -108,6 +115,7 @@ _Static_assert(offsetof(ln_fwd_args_f16, M) == 48, "ln_fwd_args_f16.M");
 _Static_assert(offsetof(ln_fwd_args_f16, N) == 56, "ln_fwd_args_f16.N");
 _Static_assert(offsetof(ln_fwd_args_f16, eps) == 64, "ln_fwd_args_f16.eps");
 _Static_assert(offsetof(ln_fwd_args_f16, threads) == 72, "ln_fwd_args_f16.threads");
+_Static_assert(offsetof(ln_fwd_args_f16, stream) == 76, "ln_fwd_args_f16.stream");
 _Static_assert(sizeof(ln_fwd_args_f16) == 80, "ln_fwd_args_f16 size");
 
 /* Layer-norm (DetachNorm) gradients; an output left NULL is not computed. */
@@ -125,6 +133,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ln_bwd_args_f32;
 int ln_bwd_f32(const ln_bwd_args_f32* a);
 _Static_assert(offsetof(ln_bwd_args_f32, dy) == 0, "ln_bwd_args_f32.dy");
@@ -140,6 +149,7 @@ _Static_assert(offsetof(ln_bwd_args_f32, N) == 72, "ln_bwd_args_f32.N");
 _Static_assert(offsetof(ln_bwd_args_f32, detach_mean) == 80, "ln_bwd_args_f32.detach_mean");
 _Static_assert(offsetof(ln_bwd_args_f32, detach_std) == 84, "ln_bwd_args_f32.detach_std");
 _Static_assert(offsetof(ln_bwd_args_f32, threads) == 88, "ln_bwd_args_f32.threads");
+_Static_assert(offsetof(ln_bwd_args_f32, stream) == 92, "ln_bwd_args_f32.stream");
 _Static_assert(sizeof(ln_bwd_args_f32) == 96, "ln_bwd_args_f32 size");
 
 typedef struct {
@@ -156,6 +166,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ln_bwd_args_f64;
 int ln_bwd_f64(const ln_bwd_args_f64* a);
 _Static_assert(offsetof(ln_bwd_args_f64, dy) == 0, "ln_bwd_args_f64.dy");
@@ -171,6 +182,7 @@ _Static_assert(offsetof(ln_bwd_args_f64, N) == 72, "ln_bwd_args_f64.N");
 _Static_assert(offsetof(ln_bwd_args_f64, detach_mean) == 80, "ln_bwd_args_f64.detach_mean");
 _Static_assert(offsetof(ln_bwd_args_f64, detach_std) == 84, "ln_bwd_args_f64.detach_std");
 _Static_assert(offsetof(ln_bwd_args_f64, threads) == 88, "ln_bwd_args_f64.threads");
+_Static_assert(offsetof(ln_bwd_args_f64, stream) == 92, "ln_bwd_args_f64.stream");
 _Static_assert(sizeof(ln_bwd_args_f64) == 96, "ln_bwd_args_f64 size");
 
 typedef struct {
@@ -187,6 +199,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ln_bwd_args_bf16;
 int ln_bwd_bf16(const ln_bwd_args_bf16* a);
 _Static_assert(offsetof(ln_bwd_args_bf16, dy) == 0, "ln_bwd_args_bf16.dy");
@@ -202,6 +215,7 @@ _Static_assert(offsetof(ln_bwd_args_bf16, N) == 72, "ln_bwd_args_bf16.N");
 _Static_assert(offsetof(ln_bwd_args_bf16, detach_mean) == 80, "ln_bwd_args_bf16.detach_mean");
 _Static_assert(offsetof(ln_bwd_args_bf16, detach_std) == 84, "ln_bwd_args_bf16.detach_std");
 _Static_assert(offsetof(ln_bwd_args_bf16, threads) == 88, "ln_bwd_args_bf16.threads");
+_Static_assert(offsetof(ln_bwd_args_bf16, stream) == 92, "ln_bwd_args_bf16.stream");
 _Static_assert(sizeof(ln_bwd_args_bf16) == 96, "ln_bwd_args_bf16 size");
 
 typedef struct {
@@ -218,6 +232,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ln_bwd_args_f16;
 int ln_bwd_f16(const ln_bwd_args_f16* a);
 _Static_assert(offsetof(ln_bwd_args_f16, dy) == 0, "ln_bwd_args_f16.dy");
@@ -233,6 +248,7 @@ _Static_assert(offsetof(ln_bwd_args_f16, N) == 72, "ln_bwd_args_f16.N");
 _Static_assert(offsetof(ln_bwd_args_f16, detach_mean) == 80, "ln_bwd_args_f16.detach_mean");
 _Static_assert(offsetof(ln_bwd_args_f16, detach_std) == 84, "ln_bwd_args_f16.detach_std");
 _Static_assert(offsetof(ln_bwd_args_f16, threads) == 88, "ln_bwd_args_f16.threads");
+_Static_assert(offsetof(ln_bwd_args_f16, stream) == 92, "ln_bwd_args_f16.stream");
 _Static_assert(sizeof(ln_bwd_args_f16) == 96, "ln_bwd_args_f16 size");
 
 /* RMSNorm of each row: y = x·rstd ⊙ w, rstd = 1/sqrt(mean(x²) + eps). */
@@ -245,6 +261,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } rms_fwd_args_f32;
 int rms_fwd_f32(const rms_fwd_args_f32* a);
 _Static_assert(offsetof(rms_fwd_args_f32, x) == 0, "rms_fwd_args_f32.x");
@@ -255,6 +272,7 @@ _Static_assert(offsetof(rms_fwd_args_f32, M) == 32, "rms_fwd_args_f32.M");
 _Static_assert(offsetof(rms_fwd_args_f32, N) == 40, "rms_fwd_args_f32.N");
 _Static_assert(offsetof(rms_fwd_args_f32, eps) == 48, "rms_fwd_args_f32.eps");
 _Static_assert(offsetof(rms_fwd_args_f32, threads) == 56, "rms_fwd_args_f32.threads");
+_Static_assert(offsetof(rms_fwd_args_f32, stream) == 60, "rms_fwd_args_f32.stream");
 _Static_assert(sizeof(rms_fwd_args_f32) == 64, "rms_fwd_args_f32 size");
 
 typedef struct {
@@ -266,6 +284,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } rms_fwd_args_f64;
 int rms_fwd_f64(const rms_fwd_args_f64* a);
 _Static_assert(offsetof(rms_fwd_args_f64, x) == 0, "rms_fwd_args_f64.x");
@@ -276,6 +295,7 @@ _Static_assert(offsetof(rms_fwd_args_f64, M) == 32, "rms_fwd_args_f64.M");
 _Static_assert(offsetof(rms_fwd_args_f64, N) == 40, "rms_fwd_args_f64.N");
 _Static_assert(offsetof(rms_fwd_args_f64, eps) == 48, "rms_fwd_args_f64.eps");
 _Static_assert(offsetof(rms_fwd_args_f64, threads) == 56, "rms_fwd_args_f64.threads");
+_Static_assert(offsetof(rms_fwd_args_f64, stream) == 60, "rms_fwd_args_f64.stream");
 _Static_assert(sizeof(rms_fwd_args_f64) == 64, "rms_fwd_args_f64 size");
 
 typedef struct {
@@ -287,6 +307,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } rms_fwd_args_bf16;
 int rms_fwd_bf16(const rms_fwd_args_bf16* a);
 _Static_assert(offsetof(rms_fwd_args_bf16, x) == 0, "rms_fwd_args_bf16.x");
@@ -297,6 +318,7 @@ _Static_assert(offsetof(rms_fwd_args_bf16, M) == 32, "rms_fwd_args_bf16.M");
 _Static_assert(offsetof(rms_fwd_args_bf16, N) == 40, "rms_fwd_args_bf16.N");
 _Static_assert(offsetof(rms_fwd_args_bf16, eps) == 48, "rms_fwd_args_bf16.eps");
 _Static_assert(offsetof(rms_fwd_args_bf16, threads) == 56, "rms_fwd_args_bf16.threads");
+_Static_assert(offsetof(rms_fwd_args_bf16, stream) == 60, "rms_fwd_args_bf16.stream");
 _Static_assert(sizeof(rms_fwd_args_bf16) == 64, "rms_fwd_args_bf16 size");
 
 typedef struct {
@@ -308,6 +330,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } rms_fwd_args_f16;
 int rms_fwd_f16(const rms_fwd_args_f16* a);
 _Static_assert(offsetof(rms_fwd_args_f16, x) == 0, "rms_fwd_args_f16.x");
@@ -318,6 +341,7 @@ _Static_assert(offsetof(rms_fwd_args_f16, M) == 32, "rms_fwd_args_f16.M");
 _Static_assert(offsetof(rms_fwd_args_f16, N) == 40, "rms_fwd_args_f16.N");
 _Static_assert(offsetof(rms_fwd_args_f16, eps) == 48, "rms_fwd_args_f16.eps");
 _Static_assert(offsetof(rms_fwd_args_f16, threads) == 56, "rms_fwd_args_f16.threads");
+_Static_assert(offsetof(rms_fwd_args_f16, stream) == 60, "rms_fwd_args_f16.stream");
 _Static_assert(sizeof(rms_fwd_args_f16) == 64, "rms_fwd_args_f16 size");
 
 /* RMSNorm gradients; an output left NULL is not computed. */
@@ -331,6 +355,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } rms_bwd_args_f32;
 int rms_bwd_f32(const rms_bwd_args_f32* a);
 _Static_assert(offsetof(rms_bwd_args_f32, dy) == 0, "rms_bwd_args_f32.dy");
@@ -342,6 +367,7 @@ _Static_assert(offsetof(rms_bwd_args_f32, dweight) == 40, "rms_bwd_args_f32.dwei
 _Static_assert(offsetof(rms_bwd_args_f32, M) == 48, "rms_bwd_args_f32.M");
 _Static_assert(offsetof(rms_bwd_args_f32, N) == 56, "rms_bwd_args_f32.N");
 _Static_assert(offsetof(rms_bwd_args_f32, threads) == 64, "rms_bwd_args_f32.threads");
+_Static_assert(offsetof(rms_bwd_args_f32, stream) == 68, "rms_bwd_args_f32.stream");
 _Static_assert(sizeof(rms_bwd_args_f32) == 72, "rms_bwd_args_f32 size");
 
 typedef struct {
@@ -354,6 +380,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } rms_bwd_args_f64;
 int rms_bwd_f64(const rms_bwd_args_f64* a);
 _Static_assert(offsetof(rms_bwd_args_f64, dy) == 0, "rms_bwd_args_f64.dy");
@@ -365,6 +392,7 @@ _Static_assert(offsetof(rms_bwd_args_f64, dweight) == 40, "rms_bwd_args_f64.dwei
 _Static_assert(offsetof(rms_bwd_args_f64, M) == 48, "rms_bwd_args_f64.M");
 _Static_assert(offsetof(rms_bwd_args_f64, N) == 56, "rms_bwd_args_f64.N");
 _Static_assert(offsetof(rms_bwd_args_f64, threads) == 64, "rms_bwd_args_f64.threads");
+_Static_assert(offsetof(rms_bwd_args_f64, stream) == 68, "rms_bwd_args_f64.stream");
 _Static_assert(sizeof(rms_bwd_args_f64) == 72, "rms_bwd_args_f64 size");
 
 typedef struct {
@@ -377,6 +405,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } rms_bwd_args_bf16;
 int rms_bwd_bf16(const rms_bwd_args_bf16* a);
 _Static_assert(offsetof(rms_bwd_args_bf16, dy) == 0, "rms_bwd_args_bf16.dy");
@@ -388,6 +417,7 @@ _Static_assert(offsetof(rms_bwd_args_bf16, dweight) == 40, "rms_bwd_args_bf16.dw
 _Static_assert(offsetof(rms_bwd_args_bf16, M) == 48, "rms_bwd_args_bf16.M");
 _Static_assert(offsetof(rms_bwd_args_bf16, N) == 56, "rms_bwd_args_bf16.N");
 _Static_assert(offsetof(rms_bwd_args_bf16, threads) == 64, "rms_bwd_args_bf16.threads");
+_Static_assert(offsetof(rms_bwd_args_bf16, stream) == 68, "rms_bwd_args_bf16.stream");
 _Static_assert(sizeof(rms_bwd_args_bf16) == 72, "rms_bwd_args_bf16 size");
 
 typedef struct {
@@ -400,6 +430,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } rms_bwd_args_f16;
 int rms_bwd_f16(const rms_bwd_args_f16* a);
 _Static_assert(offsetof(rms_bwd_args_f16, dy) == 0, "rms_bwd_args_f16.dy");
@@ -411,6 +442,7 @@ _Static_assert(offsetof(rms_bwd_args_f16, dweight) == 40, "rms_bwd_args_f16.dwei
 _Static_assert(offsetof(rms_bwd_args_f16, M) == 48, "rms_bwd_args_f16.M");
 _Static_assert(offsetof(rms_bwd_args_f16, N) == 56, "rms_bwd_args_f16.N");
 _Static_assert(offsetof(rms_bwd_args_f16, threads) == 64, "rms_bwd_args_f16.threads");
+_Static_assert(offsetof(rms_bwd_args_f16, stream) == 68, "rms_bwd_args_f16.stream");
 _Static_assert(sizeof(rms_bwd_args_f16) == 72, "rms_bwd_args_f16 size");
 
 /* AdaNorm of each row: z = C·(1 − k·ŷ)·ŷ, ŷ = (x − μ)·rstd. */
@@ -425,6 +457,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ada_fwd_args_f32;
 int ada_fwd_f32(const ada_fwd_args_f32* a);
 _Static_assert(offsetof(ada_fwd_args_f32, x) == 0, "ada_fwd_args_f32.x");
@@ -437,6 +470,7 @@ _Static_assert(offsetof(ada_fwd_args_f32, eps) == 48, "ada_fwd_args_f32.eps");
 _Static_assert(offsetof(ada_fwd_args_f32, k) == 56, "ada_fwd_args_f32.k");
 _Static_assert(offsetof(ada_fwd_args_f32, scale) == 64, "ada_fwd_args_f32.scale");
 _Static_assert(offsetof(ada_fwd_args_f32, threads) == 72, "ada_fwd_args_f32.threads");
+_Static_assert(offsetof(ada_fwd_args_f32, stream) == 76, "ada_fwd_args_f32.stream");
 _Static_assert(sizeof(ada_fwd_args_f32) == 80, "ada_fwd_args_f32 size");
 
 typedef struct {
@@ -450,6 +484,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ada_fwd_args_f64;
 int ada_fwd_f64(const ada_fwd_args_f64* a);
 _Static_assert(offsetof(ada_fwd_args_f64, x) == 0, "ada_fwd_args_f64.x");
@@ -462,6 +497,7 @@ _Static_assert(offsetof(ada_fwd_args_f64, eps) == 48, "ada_fwd_args_f64.eps");
 _Static_assert(offsetof(ada_fwd_args_f64, k) == 56, "ada_fwd_args_f64.k");
 _Static_assert(offsetof(ada_fwd_args_f64, scale) == 64, "ada_fwd_args_f64.scale");
 _Static_assert(offsetof(ada_fwd_args_f64, threads) == 72, "ada_fwd_args_f64.threads");
+_Static_assert(offsetof(ada_fwd_args_f64, stream) == 76, "ada_fwd_args_f64.stream");
 _Static_assert(sizeof(ada_fwd_args_f64) == 80, "ada_fwd_args_f64 size");
 
 typedef struct {
@@ -475,6 +511,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ada_fwd_args_bf16;
 int ada_fwd_bf16(const ada_fwd_args_bf16* a);
 _Static_assert(offsetof(ada_fwd_args_bf16, x) == 0, "ada_fwd_args_bf16.x");
@@ -487,6 +524,7 @@ _Static_assert(offsetof(ada_fwd_args_bf16, eps) == 48, "ada_fwd_args_bf16.eps");
 _Static_assert(offsetof(ada_fwd_args_bf16, k) == 56, "ada_fwd_args_bf16.k");
 _Static_assert(offsetof(ada_fwd_args_bf16, scale) == 64, "ada_fwd_args_bf16.scale");
 _Static_assert(offsetof(ada_fwd_args_bf16, threads) == 72, "ada_fwd_args_bf16.threads");
+_Static_assert(offsetof(ada_fwd_args_bf16, stream) == 76, "ada_fwd_args_bf16.stream");
 _Static_assert(sizeof(ada_fwd_args_bf16) == 80, "ada_fwd_args_bf16 size");
 
 typedef struct {
@@ -500,6 +538,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ada_fwd_args_f16;
 int ada_fwd_f16(const ada_fwd_args_f16* a);
 _Static_assert(offsetof(ada_fwd_args_f16, x) == 0, "ada_fwd_args_f16.x");
@@ -512,6 +551,7 @@ _Static_assert(offsetof(ada_fwd_args_f16, eps) == 48, "ada_fwd_args_f16.eps");
 _Static_assert(offsetof(ada_fwd_args_f16, k) == 56, "ada_fwd_args_f16.k");
 _Static_assert(offsetof(ada_fwd_args_f16, scale) == 64, "ada_fwd_args_f16.scale");
 _Static_assert(offsetof(ada_fwd_args_f16, threads) == 72, "ada_fwd_args_f16.threads");
+_Static_assert(offsetof(ada_fwd_args_f16, stream) == 76, "ada_fwd_args_f16.stream");
 _Static_assert(sizeof(ada_fwd_args_f16) == 80, "ada_fwd_args_f16 size");
 
 /* AdaNorm input gradient, φ(ŷ) held constant (Xu et al. 2019, Eq. 10). */
@@ -526,6 +566,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ada_bwd_args_f32;
 int ada_bwd_f32(const ada_bwd_args_f32* a);
 _Static_assert(offsetof(ada_bwd_args_f32, dz) == 0, "ada_bwd_args_f32.dz");
@@ -538,6 +579,7 @@ _Static_assert(offsetof(ada_bwd_args_f32, N) == 48, "ada_bwd_args_f32.N");
 _Static_assert(offsetof(ada_bwd_args_f32, k) == 56, "ada_bwd_args_f32.k");
 _Static_assert(offsetof(ada_bwd_args_f32, scale) == 64, "ada_bwd_args_f32.scale");
 _Static_assert(offsetof(ada_bwd_args_f32, threads) == 72, "ada_bwd_args_f32.threads");
+_Static_assert(offsetof(ada_bwd_args_f32, stream) == 76, "ada_bwd_args_f32.stream");
 _Static_assert(sizeof(ada_bwd_args_f32) == 80, "ada_bwd_args_f32 size");
 
 typedef struct {
@@ -551,6 +593,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ada_bwd_args_f64;
 int ada_bwd_f64(const ada_bwd_args_f64* a);
 _Static_assert(offsetof(ada_bwd_args_f64, dz) == 0, "ada_bwd_args_f64.dz");
@@ -563,6 +606,7 @@ _Static_assert(offsetof(ada_bwd_args_f64, N) == 48, "ada_bwd_args_f64.N");
 _Static_assert(offsetof(ada_bwd_args_f64, k) == 56, "ada_bwd_args_f64.k");
 _Static_assert(offsetof(ada_bwd_args_f64, scale) == 64, "ada_bwd_args_f64.scale");
 _Static_assert(offsetof(ada_bwd_args_f64, threads) == 72, "ada_bwd_args_f64.threads");
+_Static_assert(offsetof(ada_bwd_args_f64, stream) == 76, "ada_bwd_args_f64.stream");
 _Static_assert(sizeof(ada_bwd_args_f64) == 80, "ada_bwd_args_f64 size");
 
 typedef struct {
@@ -576,6 +620,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ada_bwd_args_bf16;
 int ada_bwd_bf16(const ada_bwd_args_bf16* a);
 _Static_assert(offsetof(ada_bwd_args_bf16, dz) == 0, "ada_bwd_args_bf16.dz");
@@ -588,6 +633,7 @@ _Static_assert(offsetof(ada_bwd_args_bf16, N) == 48, "ada_bwd_args_bf16.N");
 _Static_assert(offsetof(ada_bwd_args_bf16, k) == 56, "ada_bwd_args_bf16.k");
 _Static_assert(offsetof(ada_bwd_args_bf16, scale) == 64, "ada_bwd_args_bf16.scale");
 _Static_assert(offsetof(ada_bwd_args_bf16, threads) == 72, "ada_bwd_args_bf16.threads");
+_Static_assert(offsetof(ada_bwd_args_bf16, stream) == 76, "ada_bwd_args_bf16.stream");
 _Static_assert(sizeof(ada_bwd_args_bf16) == 80, "ada_bwd_args_bf16 size");
 
 typedef struct {
@@ -601,6 +647,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it) */
 } ada_bwd_args_f16;
 int ada_bwd_f16(const ada_bwd_args_f16* a);
 _Static_assert(offsetof(ada_bwd_args_f16, dz) == 0, "ada_bwd_args_f16.dz");
@@ -613,6 +660,7 @@ _Static_assert(offsetof(ada_bwd_args_f16, N) == 48, "ada_bwd_args_f16.N");
 _Static_assert(offsetof(ada_bwd_args_f16, k) == 56, "ada_bwd_args_f16.k");
 _Static_assert(offsetof(ada_bwd_args_f16, scale) == 64, "ada_bwd_args_f16.scale");
 _Static_assert(offsetof(ada_bwd_args_f16, threads) == 72, "ada_bwd_args_f16.threads");
+_Static_assert(offsetof(ada_bwd_args_f16, stream) == 76, "ada_bwd_args_f16.stream");
 _Static_assert(sizeof(ada_bwd_args_f16) == 80, "ada_bwd_args_f16 size");
 
 /* The conversions every kernel makes: xf = x in compute_t; y = yf rounded to scalar_t (nearest even, NaN kept). */

@@ -10,6 +10,10 @@
 
 #include "cpu_common.h"
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 /* Row sums run in LANES independent partial sums, two vectors of the build's widest registers
    (norms_impl.h: LANES = 2·VL, HALF = VL; 32 float32 lanes with AVX-512, 16 with AVX2): a single
    running sum would wait on the add latency every step and run at a fraction of the speed.

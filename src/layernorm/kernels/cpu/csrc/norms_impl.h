@@ -48,6 +48,56 @@ typedef scalar_t FN(vec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(s
 
 static inline FN(vec) FN(ld)(const scalar_t* p) { return *(const FN(vec)*)p; }
 
+/* A non-temporal store of one vector to p, aligned to VEC_BYTES: the line goes to memory without
+   first being read into the cache, as a plain store's line is (a third of the memory traffic of
+   writing an output larger than the caches). A plain store where the target has none. */
+static inline void FN(st_stream)(scalar_t* p, FN(vec) v) {
+#if defined(__AVX512F__)
+    if (sizeof(scalar_t) == 4) _mm512_stream_ps((float*)p, (__m512)v);
+    else _mm512_stream_pd((double*)p, (__m512d)v);
+#elif defined(__AVX__)
+    if (sizeof(scalar_t) == 4) _mm256_stream_ps((float*)p, (__m256)v);
+    else _mm256_stream_pd((double*)p, (__m256d)v);
+#elif defined(__SSE2__)
+    if (sizeof(scalar_t) == 4) _mm_stream_ps((float*)p, (__m128)v);
+    else _mm_stream_pd((double*)p, (__m128d)v);
+#else
+    *(FN(vec)*)p = v;
+#endif
+}
+
+/* The loads of an output expression (ROW_OUT): element j, or the vector at j. */
+#define LOAD_ONE(p) (p)[j]
+#define LOAD_VEC(p) FN(ld)((p) + j)
+
+/* Writes one output row: dst[j] = EXPR(L) for j in [0, n), where EXPR is an expression of the
+   loads L(p), written once for scalars and vectors (GCC broadcasts scalar operands). With
+   `stream`, the aligned body goes out by non-temporal stores and the rows that pf0/pf1 point at
+   (NULL: none), the next rows' inputs, are prefetched meanwhile, so that the next row's first
+   sweep reads them from cache while this row's stores drain; a row read from memory and then
+   written kept a single core's memory traffic in one direction at a time. Without it, a plain
+   vectorized loop. The stores of a kernel that streamed are ordered before it returns
+   (STREAM_FENCE). */
+#define ROW_OUT(dst, n, stream, pf0, pf1, EXPR)                                                \
+    do {                                                                                        \
+        scalar_t* restrict out_ = (dst);                                                        \
+        const scalar_t *pf0_ = (pf0), *pf1_ = (pf1);                                            \
+        const i64 n_ = (n);                                                                     \
+        i64 done_ = 0;                                                                          \
+        if (stream) {                                                                           \
+            i64 j = 0;                                                                          \
+            for (; j < n_ && (uintptr_t)(out_ + j) % VEC_BYTES; ++j) out_[j] = EXPR(LOAD_ONE);  \
+            for (; j + VL <= n_; j += VL) {                                                     \
+                if (pf0_) __builtin_prefetch(pf0_ + j);                                         \
+                if (pf1_) __builtin_prefetch(pf1_ + j);                                         \
+                FN(st_stream)(out_ + j, EXPR(LOAD_VEC));                                        \
+            }                                                                                   \
+            done_ = j;                                                                          \
+        }                                                                                       \
+        _Pragma("omp simd")                                                                     \
+        for (i64 j = done_; j < n_; ++j) out_[j] = EXPR(LOAD_ONE);                              \
+    } while (0)
+
 /* End of a block: the two vectors of partial sums, added lane by lane in scalar_t, go into HALF
    float64 partial sums (a vector add and conversions, where a full fold per block would cost as
    much as the block's own adds). */
@@ -224,10 +274,26 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
 
 /* ------------------------------------------------------------------ layer norm forward ---- */
 
+/* The row PF_ROWS after row i of a (·, N) tensor at p, within rows [.., hi); NULL past hi. */
+#define PF_ROWS 2
+static inline const scalar_t* FN(ahead)(const scalar_t* p, i64 i, i64 hi, i64 N) {
+    return i + PF_ROWS < hi ? p + (i + PF_ROWS) * N : NULL;
+}
+
+/* Orders a kernel's non-temporal stores before it returns (they are weakly ordered). */
+static inline void FN(stream_fence)(int stream) {
+#if defined(__SSE2__)
+    if (stream) _mm_sfence();
+#else
+    (void)stream;
+#endif
+}
+
 static void FN(ln_fwd_rows)(const FN(ln_fwd_args)* a, i64 lo, i64 hi) {
     const i64 N = a->N;
     const scalar_t* restrict w = a->weight;
     const scalar_t* restrict b = a->bias;
+    const int st = a->stream;
     for (i64 i = lo; i < hi; ++i) {
         const scalar_t* restrict xr = a->x + i * N;
         scalar_t* restrict yr = a->y + i * N;
@@ -236,20 +302,21 @@ static void FN(ln_fwd_rows)(const FN(ln_fwd_args)* a, i64 lo, i64 hi) {
         FN(row_moments)(xr, N, a->eps, &mh, &ml, &r);
         a->mean[i] = mh;
         const scalar_t rf = a->rstd[i] = (scalar_t)r;
-        if (w && b) {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = ((xr[j] - mh) - ml) * rf * w[j] + b[j];
-        } else if (w) {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = ((xr[j] - mh) - ml) * rf * w[j];
-        } else if (b) {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = ((xr[j] - mh) - ml) * rf + b[j];
-        } else {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = ((xr[j] - mh) - ml) * rf;
-        }
+        const scalar_t* pf = st ? FN(ahead)(a->x, i, hi, N) : NULL;
+#define XHAT(L) (((L(xr) - mh) - ml) * rf)
+#define Y_WB(L) (XHAT(L) * L(w) + L(b))
+#define Y_W(L) (XHAT(L) * L(w))
+#define Y_B(L) (XHAT(L) + L(b))
+        if (w && b) ROW_OUT(yr, N, st, pf, NULL, Y_WB);
+        else if (w) ROW_OUT(yr, N, st, pf, NULL, Y_W);
+        else if (b) ROW_OUT(yr, N, st, pf, NULL, Y_B);
+        else ROW_OUT(yr, N, st, pf, NULL, XHAT);
+#undef XHAT
+#undef Y_WB
+#undef Y_W
+#undef Y_B
     }
+    FN(stream_fence)(st);
 }
 
 int FN(ln_fwd)(const FN(ln_fwd_args)* a) {
@@ -281,7 +348,7 @@ typedef struct {
     scalar_t* dw;
     scalar_t* db;
     i64 M, N;
-    int detach_mean, detach_std, threads;
+    int detach_mean, detach_std, threads, stream;
 } FN(bwd_job);
 
 /* Rows [lo, hi). The first sweep reads dy and x from memory; the second, which writes dx, finds
@@ -330,13 +397,16 @@ static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* rest
             const scalar_t c1 = jb->detach_mean ? 0 : (scalar_t)(sg[k] / (acc_t)N);
             const scalar_t c2 = jb->detach_std ? 0 : (scalar_t)(sgx[k] / (acc_t)N);
             const scalar_t mf = m[k], rf = r[k];
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j)
-                dxr[j] = rf * (dyr[j] * w[j] - c1 - (xr[j] - mf) * rf * c2);
+            const scalar_t* pdy = jb->stream ? FN(ahead)(jb->dy, i + k, hi, N) : NULL;
+            const scalar_t* px = jb->stream ? FN(ahead)(jb->x, i + k, hi, N) : NULL;
+#define DX(L) (rf * (L(dyr) * L(w) - c1 - (L(xr) - mf) * rf * c2))
+            ROW_OUT(dxr, N, jb->stream, pdy, px, DX);
+#undef DX
         }
         i += rows;
     }
     *pending_rows = pending;
+    FN(stream_fence)(jb->stream);
 }
 
 static int FN(bwd_run)(FN(bwd_job)* jb) {
@@ -385,7 +455,7 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
 
 int FN(ln_bwd)(const FN(ln_bwd_args)* a) {
     FN(bwd_job) jb = {a->dy, a->x, a->mean, a->rstd, a->weight, a->dx, a->dweight, a->dbias,
-                      a->M, a->N, a->detach_mean, a->detach_std, a->threads};
+                      a->M, a->N, a->detach_mean, a->detach_std, a->threads, a->stream};
     return FN(bwd_run)(&jb);
 }
 
@@ -399,14 +469,15 @@ static void FN(rms_fwd_rows)(const FN(rms_fwd_args)* a, i64 lo, i64 hi) {
         scalar_t* restrict yr = a->y + i * N;
         const acc_t ss = FN(row_sum_sq)(xr, N);
         const scalar_t rf = a->rstd[i] = (scalar_t)(1.0 / sqrt(ss / (acc_t)N + a->eps));
-        if (w) {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = xr[j] * rf * w[j];
-        } else {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j) yr[j] = xr[j] * rf;
-        }
+        const scalar_t* pf = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
+#define Y_W(L) (L(xr) * rf * L(w))
+#define Y(L) (L(xr) * rf)
+        if (w) ROW_OUT(yr, N, a->stream, pf, NULL, Y_W);
+        else ROW_OUT(yr, N, a->stream, pf, NULL, Y);
+#undef Y_W
+#undef Y
     }
+    FN(stream_fence)(a->stream);
 }
 
 int FN(rms_fwd)(const FN(rms_fwd_args)* a) {
@@ -426,7 +497,7 @@ int FN(rms_fwd)(const FN(rms_fwd_args)* a) {
 /* RMSNorm's backward is the layer-norm one with μ = 0 and no mean term (μ is not a variable). */
 int FN(rms_bwd)(const FN(rms_bwd_args)* a) {
     FN(bwd_job) jb = {a->dy, a->x, NULL, a->rstd, a->weight, a->dx, a->dweight, NULL,
-                      a->M, a->N, 1, 0, a->threads};
+                      a->M, a->N, 1, 0, a->threads, a->stream};
     return FN(bwd_run)(&jb);
 }
 
@@ -443,12 +514,14 @@ static void FN(ada_fwd_rows)(const FN(ada_fwd_args)* a, i64 lo, i64 hi) {
         FN(row_moments)(xr, N, a->eps, &mh, &ml, &r);
         a->mean[i] = mh;
         const scalar_t rf = a->rstd[i] = (scalar_t)r;
-        #pragma omp simd
-        for (i64 j = 0; j < N; ++j) {
-            const scalar_t yv = ((xr[j] - mh) - ml) * rf;
-            zr[j] = (c - ck * yv) * yv;
-        }
+        const scalar_t* pf = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
+#define YV(L) (((L(xr) - mh) - ml) * rf)
+#define Z(L) ((c - ck * YV(L)) * YV(L))
+        ROW_OUT(zr, N, a->stream, pf, NULL, Z);
+#undef YV
+#undef Z
     }
+    FN(stream_fence)(a->stream);
 }
 
 int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
@@ -496,13 +569,17 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
         }
         const scalar_t c1 = (scalar_t)((sd + fold_half(sa, HALF)) / (acc_t)N);
         const scalar_t c2 = (scalar_t)((sdy + fold_half(sb, HALF)) / (acc_t)N);
-        #pragma omp simd
-        for (i64 j = 0; j < N; ++j) {
-            const scalar_t yv = (xr[j] - m) * r;
-            const scalar_t d = dzr[j] * (c - ck * yv);
-            dxr[j] = r * (d - c1 - yv * c2);
-        }
+        const scalar_t* pdz = a->stream ? FN(ahead)(a->dz, i, hi, N) : NULL;
+        const scalar_t* px = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
+#define YV(L) ((L(xr) - m) * r)
+#define D(L) (L(dzr) * (c - ck * YV(L)))
+#define DX(L) (r * (D(L) - c1 - YV(L) * c2))
+        ROW_OUT(dxr, N, a->stream, pdz, px, DX);
+#undef YV
+#undef D
+#undef DX
     }
+    FN(stream_fence)(a->stream);
 }
 
 int FN(ada_bwd)(const FN(ada_bwd_args)* a) {
@@ -519,6 +596,10 @@ int FN(ada_bwd)(const FN(ada_bwd_args)* a) {
     return 0;
 }
 
+#undef LOAD_ONE
+#undef LOAD_VEC
+#undef ROW_OUT
+#undef PF_ROWS
 #undef VL
 #undef LANES
 #undef HALF

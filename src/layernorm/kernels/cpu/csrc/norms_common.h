@@ -14,6 +14,15 @@
 #include <immintrin.h>
 #endif
 
+/* Orders a kernel's non-temporal stores (weakly ordered) before it returns, when it made any. */
+static inline void stream_fence(int stream) {
+#if defined(__SSE2__)
+    if (stream) _mm_sfence();
+#else
+    (void)stream;
+#endif
+}
+
 /* Row sums run in LANES independent partial sums, two vectors of the build's widest registers
    (norms_impl.h: LANES = 2·VL, HALF = VL; 32 float32 lanes with AVX-512, 16 with AVX2): a single
    running sum would wait on the add latency every step and run at a fraction of the speed.

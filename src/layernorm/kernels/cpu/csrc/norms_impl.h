@@ -77,7 +77,7 @@ static inline void FN(st_stream)(scalar_t* p, FN(vec) v) {
    sweep reads them from cache while this row's stores drain; a row read from memory and then
    written kept a single core's memory traffic in one direction at a time. Without it, a plain
    vectorized loop. The stores of a kernel that streamed are ordered before it returns
-   (STREAM_FENCE). */
+   (stream_fence). */
 #define ROW_OUT(dst, n, stream, pf0, pf1, EXPR)                                                \
     do {                                                                                        \
         scalar_t* restrict out_ = (dst);                                                        \
@@ -280,15 +280,6 @@ static inline const scalar_t* FN(ahead)(const scalar_t* p, i64 i, i64 hi, i64 N)
     return i + PF_ROWS < hi ? p + (i + PF_ROWS) * N : NULL;
 }
 
-/* Orders a kernel's non-temporal stores before it returns (they are weakly ordered). */
-static inline void FN(stream_fence)(int stream) {
-#if defined(__SSE2__)
-    if (stream) _mm_sfence();
-#else
-    (void)stream;
-#endif
-}
-
 static void FN(ln_fwd_rows)(const FN(ln_fwd_args)* a, i64 lo, i64 hi) {
     const i64 N = a->N;
     const scalar_t* restrict w = a->weight;
@@ -316,7 +307,7 @@ static void FN(ln_fwd_rows)(const FN(ln_fwd_args)* a, i64 lo, i64 hi) {
 #undef Y_W
 #undef Y_B
     }
-    FN(stream_fence)(st);
+    stream_fence(st);
 }
 
 int FN(ln_fwd)(const FN(ln_fwd_args)* a) {
@@ -406,7 +397,7 @@ static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* rest
         i += rows;
     }
     *pending_rows = pending;
-    FN(stream_fence)(jb->stream);
+    stream_fence(jb->stream);
 }
 
 static int FN(bwd_run)(FN(bwd_job)* jb) {
@@ -477,7 +468,7 @@ static void FN(rms_fwd_rows)(const FN(rms_fwd_args)* a, i64 lo, i64 hi) {
 #undef Y_W
 #undef Y
     }
-    FN(stream_fence)(a->stream);
+    stream_fence(a->stream);
 }
 
 int FN(rms_fwd)(const FN(rms_fwd_args)* a) {
@@ -521,7 +512,7 @@ static void FN(ada_fwd_rows)(const FN(ada_fwd_args)* a, i64 lo, i64 hi) {
 #undef YV
 #undef Z
     }
-    FN(stream_fence)(a->stream);
+    stream_fence(a->stream);
 }
 
 int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
@@ -579,7 +570,7 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
 #undef D
 #undef DX
     }
-    FN(stream_fence)(a->stream);
+    stream_fence(a->stream);
 }
 
 int FN(ada_bwd)(const FN(ada_bwd_args)* a) {

@@ -37,6 +37,7 @@ use it.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
@@ -71,6 +72,21 @@ from .cells import _build_from_torch, _require_torch_kind
 __all__ = ["LayerNormGRU", "LayerNormLSTM", "LayerNormRNN"]
 
 Impl = Literal["auto", "fused", "loop"]
+
+
+@functools.lru_cache(maxsize=64)
+def _gru_fold_mask_of(hidden: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.cat([torch.ones(2 * hidden, dtype=dtype, device=device),
+                      torch.zeros(hidden, dtype=dtype, device=device)])  # fmt: skip
+
+
+def _gru_fold_mask(hidden: int, like: Tensor) -> Tensor:
+    """Ones over the GRU's ``(r, z)`` gates and zeros over ``n``, in ``like``'s dtype and device:
+    which of torch's ``b_hh`` folds into the input side (``b_hn`` stays inside the reset gate's
+    product)."""
+    return _gru_fold_mask_of(hidden, like.dtype, like.device)
+
+
 _FUSED_DTYPES = (torch.float32, torch.float64)
 # On the CPU, half inputs take the fused path too, computed in float32 (as the norm kernels do)
 # and returned in their own dtype: the step-by-step loop is many times slower.
@@ -691,9 +707,9 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if b_ih is None or b_hh is None:
             return ln_bias
         if self.mode == "GRU":
-            hs = self.hidden_size
-            folded = b_ih.clone()
-            folded[: 2 * hs] += b_hh[: 2 * hs]
+            # b_ih + b_hh ⊙ (1 on r, z; 0 on n): one op where a clone and a sliced add took three
+            # (a decoder step's call pays it every time)
+            folded = torch.addcmul(b_ih, b_hh, _gru_fold_mask(self.hidden_size, b_hh))
         else:
             folded = b_ih + b_hh
         return folded if ln_bias is None else folded.add_(ln_bias)

@@ -201,6 +201,39 @@ def test_large_norm_outputs_come_from_the_cache_and_stay_the_callers(op, monkeyp
         assert torch.equal(fn(x, w), kept) and _buffers.cached_bytes() == held
 
 
+@pytest.mark.parametrize("op", list(_NORM_OPS))
+def test_outputs_a_backward_follows_come_from_the_cache_from_the_training_size(op) -> None:
+    """Below OUTPUT_MIN_BYTES and from TRAINING_OUTPUT_MIN_BYTES up, a forward that autograd
+    records takes its output from the cache and its backward the input gradient; the next step
+    reuses both once the caller let go of them; under no_grad the same call takes fresh memory."""
+    from layernorm.kernels.cpu import _native
+
+    if not _native.enabled():
+        pytest.skip("the fused kernels are not built here")
+    nbytes = _ROWS * 64 * 4
+    assert _buffers.TRAINING_OUTPUT_MIN_BYTES <= nbytes < _buffers.OUTPUT_MIN_BYTES
+    fn = _NORM_OPS[op]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(_ROWS, 64, generator=gen) + 3.0
+    w = 0.5 + torch.rand(64, generator=gen)
+    with torch.no_grad():
+        expected = fn(x, w)
+    assert _buffers.cached_bytes() == 0
+    xg = x.clone().requires_grad_()
+    y = fn(xg, w)
+    assert _buffers.cached_bytes() == nbytes
+    torch.testing.assert_close(y.detach(), expected, rtol=0, atol=0)
+    y.sum().backward()
+    assert _buffers.cached_bytes() == 2 * nbytes
+    kept_grad = xg.grad.clone()
+    del y
+    xg.grad = None
+    y = fn(xg, w)
+    y.sum().backward()
+    assert _buffers.cached_bytes() == 2 * nbytes  # both buffers handed out again
+    torch.testing.assert_close(xg.grad, kept_grad, rtol=0, atol=0)
+
+
 def test_small_norm_outputs_are_plain_allocations() -> None:
     x = torch.randn(_ROWS, 64)  # above MIN_BYTES, below OUTPUT_MIN_BYTES
     with torch.no_grad():

@@ -85,7 +85,9 @@ class _AdaNormEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x, k, scale, eps):  # type: ignore[override]
-        z, mean, rstd = backend_module(x, "ada_norm").ada_norm_fwd(x, k, scale, eps)
+        z, mean, rstd = backend_module(x, "ada_norm").ada_norm_fwd(
+            x, k, scale, eps, for_backward=True
+        )
         ctx.save_for_backward(x, mean, rstd)
         ctx.k, ctx.scale, ctx.eps = k, scale, eps
         return z

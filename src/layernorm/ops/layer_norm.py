@@ -148,7 +148,9 @@ class _LayerNormEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x, weight, bias, eps, detach_mean, detach_std):  # type: ignore[override]
-        y, mean, rstd = backend_module(x, "layer_norm").layer_norm_fwd(x, weight, bias, eps)
+        y, mean, rstd = backend_module(x, "layer_norm").layer_norm_fwd(
+            x, weight, bias, eps, for_backward=True
+        )
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.eps, ctx.detach_mean, ctx.detach_std = eps, detach_mean, detach_std
         return y

@@ -92,7 +92,7 @@ class _RMSNormEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x, weight, eps):  # type: ignore[override]
-        y, rstd = backend_module(x, "rms_norm").rms_norm_fwd(x, weight, eps)
+        y, rstd = backend_module(x, "rms_norm").rms_norm_fwd(x, weight, eps, for_backward=True)
         ctx.save_for_backward(x, weight, rstd)
         ctx.eps = eps
         return y

@@ -171,12 +171,19 @@ def _call(name: str, **values: object) -> None:
 
 
 def ln_fwd(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out: Tensor | None = None
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    out: Tensor | None = None,
+    *,
+    for_backward: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, mean, rstd)``; ``y`` written into ``out`` when given (checked as y: x's shape and
-    dtype, contiguous; it must not overlap x)."""
+    dtype, contiguous; it must not overlap x), else into :func:`.buffers.output` (a backward
+    follows with ``for_backward``)."""
     m, n = x.shape
-    y = buffers.output(x) if out is None else out
+    y = buffers.output(x, for_backward) if out is None else out
     mean, rstd = _stats(x, m), _stats(x, m)
     _call("ln_fwd", x=x, weight=_compute(weight, x), bias=_compute(bias, x), y=y, mean=mean,
           rstd=rstd, eps=eps, threads=_threads(m, n), stream=_stream(x, 2))  # fmt: skip
@@ -198,7 +205,7 @@ def ln_bwd(
     """``(dx, dweight, dbias)``: ``dweight`` in the weight's dtype, ``dbias`` in the compute
     dtype (the caller casts it to the bias's)."""
     m, n = x.shape
-    dx = buffers.output(x) if need_dx else None
+    dx = buffers.output(x, True) if need_dx else None
     dw = _stats(x, n) if need_dw else None
     db = _stats(x, n) if need_db else None
     _call("ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=_compute(weight, x), dx=dx,
@@ -209,9 +216,11 @@ def ln_bwd(
     return dx, dw, db
 
 
-def rms_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+def rms_fwd(
+    x: Tensor, weight: Tensor | None, eps: float, *, for_backward: bool = False
+) -> tuple[Tensor, Tensor]:
     m, n = x.shape
-    y, rstd = buffers.output(x), _stats(x, m)
+    y, rstd = buffers.output(x, for_backward), _stats(x, m)
     _call("rms_fwd", x=x, weight=_compute(weight, x), y=y, rstd=rstd, eps=eps,
           threads=_threads(m, n), stream=_stream(x, 2))  # fmt: skip
     return y, rstd
@@ -221,7 +230,7 @@ def rms_bwd(
     dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, need_dx: bool, need_dw: bool
 ) -> tuple[Tensor | None, Tensor | None]:
     m, n = x.shape
-    dx = buffers.output(x) if need_dx else None
+    dx = buffers.output(x, True) if need_dx else None
     dw = _stats(x, n) if need_dw else None
     _call("rms_bwd", dy=dy, x=x, rstd=rstd, weight=_compute(weight, x), dx=dx, dweight=dw,
           threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2))  # fmt: skip
@@ -230,9 +239,11 @@ def rms_bwd(
     return dx, dw
 
 
-def ada_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def ada_fwd(
+    x: Tensor, k: float, scale: float, eps: float, *, for_backward: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     m, n = x.shape
-    z = buffers.output(x)
+    z = buffers.output(x, for_backward)
     mean, rstd = _stats(x, m), _stats(x, m)
     _call("ada_fwd", x=x, z=z, mean=mean, rstd=rstd, eps=eps, k=k, scale=scale,
           threads=_threads(m, n), stream=_stream(x, 2))  # fmt: skip
@@ -241,7 +252,7 @@ def ada_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tens
 
 def ada_bwd(dz: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, k: float, scale: float) -> Tensor:
     m, n = x.shape
-    dx = buffers.output(x)
+    dx = buffers.output(x, True)
     _call("ada_bwd", dz=dz, x=x, mean=mean, rstd=rstd, dx=dx, k=k, scale=scale,
           threads=_threads(m, n), stream=_stream(x, 3))  # fmt: skip
     return dx

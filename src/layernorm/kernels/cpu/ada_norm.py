@@ -14,9 +14,11 @@ from . import _native
 from ._common import compute_dtype
 
 
-def ada_norm_fwd(x: Tensor, k: float, scale: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def ada_norm_fwd(
+    x: Tensor, k: float, scale: float, eps: float, *, for_backward: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     if _native.supports(x):
-        return _native.ada_fwd(x, k, scale, eps)
+        return _native.ada_fwd(x, k, scale, eps, for_backward=for_backward)
     cdt = compute_dtype(x)
     n = x.shape[-1]
     y, mean, rstd = torch.native_layer_norm(x.to(cdt), (n,), None, None, eps)

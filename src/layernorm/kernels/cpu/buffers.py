@@ -20,13 +20,19 @@ new buffers have the size asked for. The cache keeps at most :func:`buffer_cache
 bytes (the least recently used free buffers go first); :func:`clear_buffer_cache` hands them
 all back. CUDA tensors come from torch's own caching allocator and never pass through here.
 
-The norm kernels take their outputs (y, dx) from here from :data:`OUTPUT_MIN_BYTES` up
-(:func:`output`): glibc's malloc maps a block of that size or more from the operating system on
-every call and unmaps it when freed, so each call's first write to each of its pages faults. A
-float32 layer norm's forward and backward at (8192, 1024), 32 MiB a tensor, took 55 ms on a
-processor that ran it in 16 ms on reused memory (AMD EPYC, one thread; torch's own 58 ms), while
-below that size malloc reuses its heap and the cache gains nothing: (8000, 1024) 1.01 against
-0.99 of torch's time, (4096, 768) 1.13 against 1.15, and smaller inputs lose the lookup's time.
+The norm kernels take their outputs (y, dx) from here (:func:`output`) from
+:data:`OUTPUT_MIN_BYTES` up, and from :data:`TRAINING_OUTPUT_MIN_BYTES` up when a backward
+follows (the forward of an autograd node, and its backward). glibc's malloc maps a block of 32 MiB
+or more from the operating system on every call and unmaps it when freed, so each call's first
+write to each of its pages faults: a float32 layer norm's forward and backward at (8192, 1024)
+took 55 ms on a processor that ran it in 16 ms on reused memory (AMD EPYC, one thread; torch's own
+58 ms). Smaller blocks come from malloc's heap, but a training step frees the forward's output
+and the backward's gradient together, and freeing that much at the top of the heap hands it back
+to the operating system (glibc's trim threshold, twice the largest block it has mapped), so the
+next step faults again: forward and backward of float32 layer norm, one thread, fresh against
+reused memory, (512, 1024) 1.66 against 0.95 ms, (2048, 768) 4.8 against 3.2 ms, (8192, 256)
+6.3 against 3.8 ms. A forward alone frees its output by itself, which the heap keeps: there the
+cache's lookup (about 8 µs) only costs, 7-20% of a call of up to a few MiB, hence the two sizes.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ MIN_BYTES = 256 << 10
 #: The norm kernels' outputs from this size up come from the cache (:func:`output`): glibc's
 #: largest mmap threshold, from which on every allocation is a fresh mapping.
 OUTPUT_MIN_BYTES = 32 << 20
+#: The same for the outputs of a call that a backward follows: the forward's output and the
+#: backward's input gradient (see the module's notes).
+TRAINING_OUTPUT_MIN_BYTES = MIN_BYTES
 _DEFAULT_LIMIT = 512 << 20
 
 # torch's count of a storage's references from C++ (its tensors and views, a Python storage
@@ -154,10 +163,13 @@ def empty(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
     return _CACHE.empty(like, shape, dtype, numel)
 
 
-def output(like: Tensor) -> Tensor:
+def output(like: Tensor, for_backward: bool = False) -> Tensor:
     """An uninitialized tensor of ``like``'s shape, dtype and device for a kernel's output: from
-    the cache from :data:`OUTPUT_MIN_BYTES` up (CPU), else ``torch.empty_like``. Contiguous."""
-    if like.numel() * like.element_size() < OUTPUT_MIN_BYTES:
+    the cache from :data:`OUTPUT_MIN_BYTES` up (CPU), from :data:`TRAINING_OUTPUT_MIN_BYTES` up
+    ``for_backward`` (a forward whose backward follows, or that backward), else
+    ``torch.empty_like``. Contiguous."""
+    limit = TRAINING_OUTPUT_MIN_BYTES if for_backward else OUTPUT_MIN_BYTES
+    if like.numel() * like.element_size() < limit:
         return torch.empty_like(like, memory_format=torch.contiguous_format)
     return empty(like, tuple(like.shape))
 

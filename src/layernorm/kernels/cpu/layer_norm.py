@@ -24,10 +24,10 @@ from ._common import compute_dtype, to_compute
 
 
 def layer_norm_fwd(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, *, for_backward: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     if _native.supports(x, weight, bias):
-        return _native.ln_fwd(x, weight, bias, eps)
+        return _native.ln_fwd(x, weight, bias, eps, for_backward=for_backward)
     cdt = compute_dtype(x)
     n = x.shape[-1]
     y, mean, rstd = torch.native_layer_norm(

@@ -13,9 +13,11 @@ from . import _native
 from ._common import compute_dtype, to_compute
 
 
-def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+def rms_norm_fwd(
+    x: Tensor, weight: Tensor | None, eps: float, *, for_backward: bool = False
+) -> tuple[Tensor, Tensor]:
     if _native.supports(x, weight):
-        return _native.rms_fwd(x, weight, eps)
+        return _native.rms_fwd(x, weight, eps, for_backward=for_backward)
     cdt = compute_dtype(x)
     xc = x.to(cdt)
     rstd = (xc * xc).mean(-1, keepdim=True).add_(eps).rsqrt_()

@@ -17,9 +17,16 @@ from ._norm_core import MODE_ADA, norm_bwd, norm_fwd
 
 
 def ada_norm_fwd(
-    x: Tensor, k: float, scale: float, eps: float, *, block_n: int | None = None
+    x: Tensor,
+    k: float,
+    scale: float,
+    eps: float,
+    *,
+    block_n: int | None = None,
+    for_backward: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(z, mean, rstd)``; ``block_n`` forces the looped kernel's chunk (tests)."""
+    """``(z, mean, rstd)``; ``block_n`` forces the looped kernel's chunk (tests);
+    ``for_backward`` changes nothing here (see :mod:`layernorm.kernels`)."""
     if x.dtype == torch.float64:
         return _aten.ada_norm_fwd(x, k, scale, eps)
     return norm_fwd(x, None, None, eps, MODE_ADA, k=k, scale=scale, block_n=block_n)

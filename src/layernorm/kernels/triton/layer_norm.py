@@ -23,8 +23,10 @@ def layer_norm_fwd(
     eps: float,
     *,
     block_n: int | None = None,
+    for_backward: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, mean, rstd)``; ``block_n`` forces the looped kernel's chunk (tests)."""
+    """``(y, mean, rstd)``; ``block_n`` forces the looped kernel's chunk (tests);
+    ``for_backward`` changes nothing here (see :mod:`layernorm.kernels`)."""
     if x.dtype == torch.float64:
         return _aten.layer_norm_fwd(x, weight, bias, eps)
     return norm_fwd(x, weight, bias, eps, MODE_LN, block_n=block_n)

@@ -16,9 +16,15 @@ from ._norm_core import MODE_RMS, norm_bwd, norm_fwd
 
 
 def rms_norm_fwd(
-    x: Tensor, weight: Tensor | None, eps: float, *, block_n: int | None = None
+    x: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    *,
+    block_n: int | None = None,
+    for_backward: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """``(y, rstd)``; ``block_n`` forces the looped kernel's chunk (tests)."""
+    """``(y, rstd)``; ``block_n`` forces the looped kernel's chunk (tests);
+    ``for_backward`` changes nothing here (see :mod:`layernorm.kernels`)."""
     if x.dtype == torch.float64:
         return _aten.rms_norm_fwd(x, weight, eps)
     y, _, rstd = norm_fwd(x, weight, None, eps, MODE_RMS, block_n=block_n)

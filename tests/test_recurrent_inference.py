@@ -37,6 +37,7 @@ TOL = {
     torch.float64: {"rtol": 1e-12, "atol": 1e-13},
     torch.float32: {"rtol": 1e-5, "atol": 1e-6},
     torch.bfloat16: {"rtol": 2**-7, "atol": 1e-6},
+    torch.float16: {"rtol": 2**-10, "atol": 1e-6},
 }
 
 
@@ -254,6 +255,26 @@ def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype, monke
         got = _flat(model(x))
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+@pytest.mark.parametrize("blocks", [None, (26, 13)], ids=["one block", "gru blocks"])
+def test_projection_chunks_and_blocks_equal_the_differentiable_one(blocks, dtype, monkeypatch):
+    """The inference projection's row chunks (128 rows: two full and a remainder of 9) and the
+    GRU's two column blocks, each normalized on its own after one GEMM of all columns, equal the
+    differentiable projection (F.linear, then a layer norm per block); float16 takes the
+    backend's kernels on a copy of each block."""
+    monkeypatch.setattr(_fused, "_PROJECTION_BYTES", 0)
+    gen = torch.Generator().manual_seed(11)
+    gates = 39 if blocks else 52
+    data = torch.randn(265, 6, generator=gen).to(dtype)
+    w_ih = torch.randn(gates, 6, generator=gen).to(dtype)
+    weight = (1 + 0.3 * torch.randn(gates, generator=gen)).to(dtype)
+    bias = (0.3 * torch.randn(gates, generator=gen)).to(dtype)
+    ref = _fused.normalized_projection(data, w_ih.requires_grad_(), weight, bias, 1e-5, blocks)
+    with torch.no_grad():
+        got = _fused.normalized_projection(data, w_ih, weight, bias, 1e-5, blocks)
+    torch.testing.assert_close(got, ref.detach(), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -403,19 +403,23 @@ def normalized_projection(
     native = ln is cpu_layer_norm
     out = data.new_empty(data.shape[0], w_ih.shape[0])
     chunk = max(_PROJECTION_MIN_ROWS, _PROJECTION_BYTES // (w_ih.shape[0] * data.element_size()))
-    for c in cols:
-        w_t = (w_ih if len(cols) == 1 else w_ih[c]).t()
-        wc, bc = (weight, bias) if len(cols) == 1 else (part(weight, c), part(bias, c))
-        whole = native and _native.supports(data, wc, bc)
-        for r0 in range(0, data.shape[0], chunk):
-            rows = slice(r0, r0 + chunk)
-            xp = torch.mm(data[rows], w_t)
-            if whole and len(cols) == 1:
-                _native.ln_fwd(xp, wc, bc, eps, out=out[rows])  # the rows, written in place
-            elif whole:
-                out[rows, c] = _native.ln_fwd(xp, wc, bc, eps)[0]
+    w_t = w_ih.t()
+    blocks = [(c, *((weight, bias) if len(cols) == 1 else (part(weight, c), part(bias, c))))
+              for c in cols]  # fmt: skip
+    for r0 in range(0, data.shape[0], chunk):
+        rows = slice(r0, r0 + chunk)
+        # one GEMM for every block: the GRU's two GEMMs of a 32-row step took 1.44 ms where one
+        # took 1.05, the GEMMs alone (B = 32, I = H = 512, two threads, AMD EPYC)
+        xp = torch.mm(data[rows], w_t)
+        for c, wc, bc in blocks:
+            xc = xp if len(cols) == 1 else xp[:, c].contiguous()
+            if native and _native.supports(xc, wc, bc):
+                if len(cols) == 1:
+                    _native.ln_fwd(xc, wc, bc, eps, out=out[rows])  # the rows, written in place
+                else:
+                    out[rows, c] = _native.ln_fwd(xc, wc, bc, eps)[0]
             else:
-                out[rows, c] = ln.layer_norm_fwd(xp, wc, bc, eps)[0]
+                out[rows, c] = ln.layer_norm_fwd(xc, wc, bc, eps)[0]
     return out
 
 

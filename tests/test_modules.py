@@ -421,6 +421,38 @@ def test_large_layer_norm_under_no_grad_runs_the_fused_kernels(monkeypatch):
     assert calls == ["layer_norm"]
 
 
+def test_small_rms_norm_under_no_grad_runs_torch_s_kernel(monkeypatch):
+    """Where nothing needs a gradient a small float32 / float64 RMSNorm runs ``torch.rms_norm``
+    (the same formula, within the fused kernels' tolerance); with a gradient, in bfloat16, from
+    the buffer cache's output size on, or with a shape torch would refuse, the fused path runs."""
+    from layernorm.kernels.cpu import buffers
+
+    real = torch.rms_norm
+    torch_calls: list[tuple[int, ...]] = []
+
+    def spy(x, *args, **kwargs):
+        torch_calls.append(tuple(x.shape))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "rms_norm", spy)
+    monkeypatch.setattr(buffers, "OUTPUT_MIN_BYTES", 64 * 16 * 4)
+    m = layernorm.RMSNorm(16)
+    _randomize(m)
+    x = make_x((63, 16))
+    with torch.no_grad():
+        y = m(x)
+        assert torch_calls == [(63, 16)]
+        torch.testing.assert_close(y, layernorm.rms_norm(x, 16, m.weight, m.eps))
+        m(make_x((64, 16)))  # the cache's size: the fused kernels
+        m.to(torch.bfloat16)(x.to(torch.bfloat16))
+        m.float()
+        with pytest.raises(ValueError, match=r"got input of shape \(63, 15\)"):
+            m(make_x((63, 15)))
+    m(x.requires_grad_()).sum().backward()
+    assert torch_calls == [(63, 16)]
+    assert m.weight.grad is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_small_half_layer_norm_with_grad_runs_the_fused_kernels(monkeypatch, dtype):
     """torch's half-precision CPU backward misses the fused kernels' tolerances: with gradients a

@@ -29,10 +29,12 @@ from ..ops._dispatch import lean_input, needs_grad
 
 # Up to this many elements a LayerNorm that needs gradients runs torch's native kernel (see
 # _takes_torch_layer_norm): the same formula, and there our autograd.Function's Python costs more
-# than the fused kernels save (fused 1.2-1.5x torch at 64-256 rows of 768); the two are even near
-# 64 x 4096 (fused 0.9x on a quiet machine, 1.0-1.1x on a loaded one), where a fixed Python cost
-# stops mattering.
-SMALL_NUMEL = 1 << 17
+# than the fused kernels save. Forward + backward, fused / torch, AMD EPYC (AVX2), one and two
+# threads: (128, 768) 1.76 and 2.15, (256, 768) 0.93-1.33 and 1.52-1.75, (128, 2048) 1.48 and
+# 1.22; from about 1 MiB the two are even, torch's time jumping between runs with whether its
+# outputs' memory was handed back to the system ((64, 4096) 0.88 and 0.78-1.45, (320, 768)
+# 0.68 and 1.01-1.45).
+SMALL_NUMEL = 1 << 18
 # the dtypes whose gradients torch's CPU layer norm gives within the fused kernels' tolerances
 _TORCH_BACKWARD_DTYPES = (torch.float32, torch.float64)
 

@@ -55,27 +55,6 @@ def _takes_torch_layer_norm(
     return not detaching and x.numel() <= SMALL_NUMEL and x.dtype in _TORCH_BACKWARD_DTYPES
 
 
-def _takes_torch_rms_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None) -> bool:
-    """Whether :class:`RMSNorm` runs ``torch.rms_norm`` (torch's fused CPU kernel, the same
-    formula) on a lean input ``x``: where nothing needs a gradient, below the buffer cache's output
-    size, in float32 or float64 with a gain of x's dtype, and shapes that fit (anything else takes
-    the full path, which names what is wrong). There a call is its Python, and torch's costs less:
-    (8, 768) float32, one thread, 36 µs against 57 through the fused kernels. Its error is within
-    the fused kernels' tolerance (float32 rows of 768 to 2^20 elements: 2.6-3.0e-7 against
-    1.8-2.1e-7 from float64)."""
-    if needs_grad(x, weight):  # first: a training call pays for one test
-        return False
-    k = len(shape)
-    return (
-        x.dim() >= k
-        and x.shape[x.dim() - k :] == shape
-        and (weight is None or weight.shape == shape)
-        and x.dtype in _TORCH_BACKWARD_DTYPES
-        and (weight is None or weight.dtype is x.dtype)
-        and x.numel() * x.element_size() < buffers.OUTPUT_MIN_BYTES
-    )
-
-
 def _gain(weight: Tensor | None, offset: float) -> Tensor | None:
     """The gain ``offset + weight``; in float32 for half weights, as Gemma computes it."""
     if weight is None or not offset:
@@ -224,8 +203,8 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
     Which kernel runs: the fused kernels of :mod:`layernorm.ops`. When nothing needs a gradient,
     in plain eager mode on the CPU, a float32 or float64 input below 32 MiB takes torch's own
     ``rms_norm`` kernel (the same formula, within the same tolerance; what is left to save on a
-    per-token call is Python), a larger or half one the fused forward kernel directly, with nothing
-    saved for backward.
+    per-token call is Python; see :func:`layernorm.functional._rms_norm_lean`), a larger or half
+    one the fused forward kernel directly, with nothing saved for backward.
 
     Args:
         normalized_shape: trailing shape normalized together.
@@ -274,14 +253,7 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
         shape, eps, weight = self.normalized_shape, self.eps, self.weight
         if self.gain_offset:
             weight = _gain(weight, self.gain_offset)
-        if type(x) is Tensor:
-            eps_ = F._RMS_DEFAULT_EPS.get(x.dtype) if eps is None else eps
-            if lean_input(x, eps_) and _takes_torch_rms_norm(x, shape, weight):
-                try:
-                    return torch.rms_norm(x, shape, weight, eps_)
-                except RuntimeError:
-                    pass  # a shape or gain torch refuses: the full path names it
-        return F.rms_norm(x, shape, weight, eps)
+        return F._rms_norm(x, shape, weight, eps, torch_kernel=True)
 
     def extra_repr(self) -> str:
         s = super().extra_repr()

@@ -163,20 +163,25 @@ _NORM_OPS = {
 }
 
 
+def _norm_case(op: str, seed: int):
+    """``(op, x, w)``: norm op ``op`` of _NORM_OPS and a ``(_ROWS, 64)`` float32 input with its
+    gain (skips where the fused kernels are not built: only they take buffers of the cache)."""
+    from layernorm.kernels.cpu import _native
+
+    if not _native.enabled():
+        pytest.skip("the fused kernels are not built here")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(_ROWS, 64, generator=gen) + 3.0
+    return _NORM_OPS[op], x, 0.5 + torch.rand(64, generator=gen)
+
+
 @pytest.mark.parametrize("op", list(_NORM_OPS))
 def test_large_norm_outputs_come_from_the_cache_and_stay_the_callers(op, monkeypatch) -> None:
     """From OUTPUT_MIN_BYTES up a norm kernel's y and dx are buffers of the cache: reused once
     nothing holds them, never while an output or a gradient the caller kept does, and equal to
     what fresh memory gives."""
-    from layernorm.kernels.cpu import _native
-
-    if not _native.enabled():
-        pytest.skip("the fused kernels are not built here")
     monkeypatch.setattr(_buffers, "OUTPUT_MIN_BYTES", _buffers.MIN_BYTES)
-    fn = _NORM_OPS[op]
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(_ROWS, 64, generator=gen) + 3.0
-    w = 0.5 + torch.rand(64, generator=gen)
+    fn, x, w = _norm_case(op, seed=7)
     with torch.no_grad():
         y1 = fn(x, w)
         kept = y1.clone()
@@ -206,16 +211,9 @@ def test_outputs_a_backward_follows_come_from_the_cache_from_the_training_size(o
     """Below OUTPUT_MIN_BYTES and from TRAINING_OUTPUT_MIN_BYTES up, a forward that autograd
     records takes its output from the cache and its backward the input gradient; the next step
     reuses both once the caller let go of them; under no_grad the same call takes fresh memory."""
-    from layernorm.kernels.cpu import _native
-
-    if not _native.enabled():
-        pytest.skip("the fused kernels are not built here")
+    fn, x, w = _norm_case(op, seed=3)
     nbytes = _ROWS * 64 * 4
     assert _buffers.TRAINING_OUTPUT_MIN_BYTES <= nbytes < _buffers.OUTPUT_MIN_BYTES
-    fn = _NORM_OPS[op]
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(_ROWS, 64, generator=gen) + 3.0
-    w = 0.5 + torch.rand(64, generator=gen)
     with torch.no_grad():
         expected = fn(x, w)
     assert _buffers.cached_bytes() == 0

@@ -122,6 +122,9 @@ def _threads(m: int, n: int) -> int:
     return max(1, min(torch.get_num_threads(), m, (m * n) // _GRAIN))
 
 
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
 def _last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
     """The size of the processor's last-level cache, as Linux describes it (the highest ``level``
     under ``root``); 32 MiB where it says nothing."""
@@ -132,9 +135,9 @@ def _last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cach
             size = (index / "size").read_text().strip()
         except (OSError, ValueError):
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        scale = units.get(size[-1:].upper(), 1)
-        digits = size[:-1] if size[-1:].upper() in units else size
+        unit = size[-1:].upper()
+        scale = _SIZE_UNITS.get(unit, 1)
+        digits = size[:-1] if unit in _SIZE_UNITS else size
         if digits.isdigit() and level > best[0]:
             best = (level, int(digits) * scale)
     return best[1]
@@ -205,7 +208,7 @@ def ln_bwd(
     """``(dx, dweight, dbias)``: ``dweight`` in the weight's dtype, ``dbias`` in the compute
     dtype (the caller casts it to the bias's)."""
     m, n = x.shape
-    dx = buffers.output(x, True) if need_dx else None
+    dx = buffers.output(x, for_backward=True) if need_dx else None
     dw = _stats(x, n) if need_dw else None
     db = _stats(x, n) if need_db else None
     _call("ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=_compute(weight, x), dx=dx,
@@ -230,7 +233,7 @@ def rms_bwd(
     dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, need_dx: bool, need_dw: bool
 ) -> tuple[Tensor | None, Tensor | None]:
     m, n = x.shape
-    dx = buffers.output(x, True) if need_dx else None
+    dx = buffers.output(x, for_backward=True) if need_dx else None
     dw = _stats(x, n) if need_dw else None
     _call("rms_bwd", dy=dy, x=x, rstd=rstd, weight=_compute(weight, x), dx=dx, dweight=dw,
           threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2))  # fmt: skip
@@ -252,7 +255,7 @@ def ada_fwd(
 
 def ada_bwd(dz: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, k: float, scale: float) -> Tensor:
     m, n = x.shape
-    dx = buffers.output(x, True)
+    dx = buffers.output(x, for_backward=True)
     _call("ada_bwd", dz=dz, x=x, mean=mean, rstd=rstd, dx=dx, k=k, scale=scale,
           threads=_threads(m, n), stream=_stream(x, 3))  # fmt: skip
     return dx

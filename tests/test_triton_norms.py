@@ -301,6 +301,17 @@ def test_launch_config_heuristics():
             assert cfg.looped and cfg.block_n == _norm_core.LOOPED_BLOCK_N
     small = _norm_core.launch_config(100)
     assert small.block_n == 128 and small.block_m * small.block_n == _norm_core.FUSED_TILE_ELEMS
+    small_bwd = _norm_core.launch_config(100, backward=True)
+    assert small_bwd.block_m * small_bwd.block_n == _norm_core.FUSED_TILE_ELEMS_BWD
+    # the backward's own tile and looped warps; the forward's are unchanged
+    assert small_bwd.num_warps == _norm_core._num_warps(_norm_core.FUSED_TILE_ELEMS_BWD)
+    assert small.num_warps == _norm_core._num_warps(_norm_core.FUSED_TILE_ELEMS)
+    per_thread = {False: _norm_core.ELEMS_PER_THREAD, True: _norm_core.LOOPED_ELEMS_PER_THREAD_BWD}
+    for backward, elems in per_thread.items():
+        looped = _norm_core.launch_config(262_144, backward=backward)
+        assert looped.num_warps == _norm_core.LOOPED_BLOCK_N // (32 * elems)
+        forced = _norm_core.launch_config(8192, block_n=2048, backward=backward)
+        assert forced.looped and forced.num_warps == max(2, 2048 // (32 * elems))
     assert _norm_core.launch_config(100, block_n=32).looped
     assert not _norm_core.launch_config(100, block_n=128).looped  # chunk ≥ row: fused
     with pytest.raises(ValueError, match="power of two"):
@@ -394,6 +405,10 @@ NON_DEFAULT_SETTINGS = [
     # fused both ways with 2-row tiles: several tiles per persistent program
     (dict(fused_tile_elems=128, max_fused_block_m=2, programs_per_sm=2, elems_per_thread=32),
      (False, False)),
+    # the backward's own row tiles (4 rows) and looped warps
+    (dict(fused_tile_elems_bwd=256, looped_elems_per_thread_bwd=4), (False, False)),
+    (dict(max_fused_block_n_bwd=16, looped_block_n=16, looped_elems_per_thread_bwd=4),
+     (False, True)),
 ]  # fmt: skip
 
 
@@ -419,6 +434,8 @@ def test_norms_match_reference_under_non_default_settings(
     assert (fwd_cfg.looped, bwd_cfg.looped) == looped
     if not fwd_cfg.looped:
         assert fwd_cfg.block_m == min(st.max_fused_block_m, st.fused_tile_elems // 64)
+    if not bwd_cfg.looped:
+        assert bwd_cfg.block_m == min(st.max_fused_block_m, st.fused_tile_elems_bwd // 64)
     yr, dxr, dwr, dbr = _ref_grads(
         lambda a, g, c: layer_norm_reference(a, (n,), g, c), [x, w, b], dy
     )

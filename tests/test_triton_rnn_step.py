@@ -336,15 +336,16 @@ def test_seam_routes_float64_to_the_fallback():
 
 
 def test_float64_is_refused_by_name():
-    b, hs, f64 = 2, 4, torch.float64
-    w4, w1 = torch.ones(4 * hs, dtype=f64), torch.ones(hs, dtype=f64)
+    # on the kernels' own device, so that the dtype check (not the device check) is what refuses
+    b, hs, f64 = 2, 4, dict(dtype=torch.float64, device=DEVICE)
+    w4, w1 = torch.ones(4 * hs, **f64), torch.ones(hs, **f64)
     with pytest.raises(TypeError, match=r"ln_lstm_step: .*computes in float32.*got torch\.float64"):
-        g4 = torch.zeros(b, 4 * hs, dtype=f64)
-        rnn_step.ln_lstm_step(g4, g4, torch.zeros(b, hs, dtype=f64), w4, w4, w4, w4, None, w1, w1)
+        g4 = torch.zeros(b, 4 * hs, **f64)
+        rnn_step.ln_lstm_step(g4, g4, torch.zeros(b, hs, **f64), w4, w4, w4, w4, None, w1, w1)
     with pytest.raises(TypeError, match=r"gru step: .*got torch\.float64"):
-        rnn_step.gru_step_fwd(torch.zeros(b, 2 * hs, dtype=f64), torch.zeros(b, hs, dtype=f64),
-                              torch.zeros(b, 3 * hs, dtype=f64), torch.zeros(b, hs, dtype=f64),
-                              *[torch.ones(2 * hs, dtype=f64)] * 2, w1, w1, None, 1e-5)  # fmt: skip
+        rnn_step.gru_step_fwd(torch.zeros(b, 2 * hs, **f64), torch.zeros(b, hs, **f64),
+                              torch.zeros(b, 3 * hs, **f64), torch.zeros(b, hs, **f64),
+                              *[torch.ones(2 * hs, **f64)] * 2, w1, w1, None, 1e-5)  # fmt: skip
 
 
 def test_bad_arguments_name_what_was_expected():

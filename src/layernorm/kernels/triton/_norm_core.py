@@ -66,26 +66,39 @@ MODE_LN: int = 0  # centred: layer norm, LN-simple, DetachNorm
 MODE_RMS: int = 1  # not centred: RMSNorm
 MODE_ADA: int = 2  # centred, z = C·x̂·(1 − k·x̂): AdaNorm
 
-# Defaults of LaunchSettings. Rows up to these lengths are normalized in registers; longer rows use
-# the looped kernels. The limits and the warp counts keep about 16 elements per thread for each
-# row-sized operand: compiled for sm_90 (ptxas -v), the forward at 16384 x 32 warps and the backward
-# at 8192 x 16 warps use 64 and 128 registers with no spills, while the backward at 16384 spills
-# over 1.8 KB per thread (x, dy, w and the two partial-sum vectors all live in registers).
-MAX_FUSED_BLOCK_N_FWD: int = 16384
+# Defaults of LaunchSettings, from `benchmarks/bench_norms_gpu.py --tune` on an H200 (Triton 3.6,
+# 2026-11-26; benchmarks/RESULTS.md). Rows up to these lengths are normalized in registers; longer
+# rows use the looped kernels. The warp counts keep about 16 elements per thread for each row-sized
+# operand (32 in the forward at 32768, which still measured 19-51% over the looped forward there).
+# Compiled for sm_90 (ptxas -v), the backward at 8192 x 16 warps uses 128 registers with no spills,
+# while at 16384 it spills over 1.8 KB per thread (x, dy, w and the two partial-sum vectors all
+# live in registers).
+MAX_FUSED_BLOCK_N_FWD: int = 32768
 MAX_FUSED_BLOCK_N_BWD: int = 8192
 # Chunk length of the looped kernels.
 LOOPED_BLOCK_N: int = 4096
 # Row tiles of the fused kernels hold about this many elements, so short rows still give each
-# program enough bytes in flight.
+# program enough bytes in flight. The backward's tiles are smaller, so that short rows run 4 warps
+# per program instead of 8: at N = 512 and 1024 that measured 1.2-2.5x the bandwidth, at 256 and
+# 2048 0.86-1.28x (the same sweep before and after, on the H200).
 FUSED_TILE_ELEMS: int = 4096
+FUSED_TILE_ELEMS_BWD: int = 2048
 MAX_FUSED_BLOCK_M: int = 32
 # Programs per SM for the persistent backward; on CPU (the interpreter) a small fixed count.
 PROGRAMS_PER_SM: int = 4
 INTERPRETER_PROGRAMS: int = 4
 ELEMS_PER_THREAD: int = 16
+# The looped backward (N > 8192) with twice the warps: 0.94-1.15x the bandwidth, median 1.04x.
+LOOPED_ELEMS_PER_THREAD_BWD: int = 8
 # Triton's limit on the elements of one block (tl.arange, a register tile).
 _MAX_BLOCK_ELEMS: int = 1 << 20
 LAUNCH_ENV_VAR: str = "LAYERNORM_TRITON_LAUNCH"
+# Launch options of the backward kernels. No multiply-add contraction: it would round g = dy ⊙ w
+# once inside ``g − mean(g)`` (a fused multiply-add) and once in ``mean(g)``, so a row whose g is
+# constant (N = 1, say) would get rstd · (rounding of dy ⊙ w) instead of an exact 0, and rstd is
+# up to 1/√eps there. The backward is bound by memory, not by its arithmetic. (The interpreter
+# ignores launch options.)
+BWD_LAUNCH_OPTIONS: dict[str, bool] = {"enable_fp_fusion": False}
 
 
 @dataclass(frozen=True)
@@ -100,19 +113,23 @@ class LaunchSettings:
         max_fused_block_n_fwd: longest (power-of-two padded) row the forward keeps in registers.
         max_fused_block_n_bwd: the same for the backward.
         looped_block_n: chunk length of the looped kernels.
-        fused_tile_elems: about this many elements per row tile of the fused kernels.
+        fused_tile_elems: about this many elements per row tile of the fused forward.
+        fused_tile_elems_bwd: the same for the fused backward.
         max_fused_block_m: at most this many rows per fused tile.
         programs_per_sm: programs per SM of the persistent backward grid (CUDA only).
         elems_per_thread: target elements per thread and operand; sets ``num_warps``.
+        looped_elems_per_thread_bwd: the same for the looped backward kernels.
     """
 
     max_fused_block_n_fwd: int = MAX_FUSED_BLOCK_N_FWD
     max_fused_block_n_bwd: int = MAX_FUSED_BLOCK_N_BWD
     looped_block_n: int = LOOPED_BLOCK_N
     fused_tile_elems: int = FUSED_TILE_ELEMS
+    fused_tile_elems_bwd: int = FUSED_TILE_ELEMS_BWD
     max_fused_block_m: int = MAX_FUSED_BLOCK_M
     programs_per_sm: int = PROGRAMS_PER_SM
     elems_per_thread: int = ELEMS_PER_THREAD
+    looped_elems_per_thread_bwd: int = LOOPED_ELEMS_PER_THREAD_BWD
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -196,13 +213,16 @@ def launch_settings(
         _settings = previous
 
 
-def _num_warps(tile_elems: int) -> int:
-    """About ``elems_per_thread`` elements per thread for each operand, 2 to 32 warps."""
-    return max(2, min(32, tile_elems // (32 * _settings.elems_per_thread)))
+def _num_warps(tile_elems: int, elems_per_thread: int | None = None) -> int:
+    """About ``elems_per_thread`` (default: the setting) elements per thread for each operand, 2 to
+    32 warps."""
+    per_thread = elems_per_thread or _settings.elems_per_thread
+    return max(2, min(32, tile_elems // (32 * per_thread)))
 
 
-def _fused_block_m(block_n: int) -> int:
-    return max(1, min(_settings.max_fused_block_m, _settings.fused_tile_elems // block_n))
+def _fused_block_m(block_n: int, *, backward: bool = False) -> int:
+    tile = _settings.fused_tile_elems_bwd if backward else _settings.fused_tile_elems
+    return max(1, min(_settings.max_fused_block_m, tile // block_n))
 
 
 def _num_programs(device: torch.device, work_items: int) -> int:
@@ -309,17 +329,20 @@ def launch_config(n: int, block_n: int | None = None, *, backward: bool = False)
     ``block_n`` smaller than ``n`` selects the looped kernels even for short rows, which is how the
     tests exercise them at sizes the interpreter runs quickly.
     """
+    st = _settings
+    looped_per_thread = st.looped_elems_per_thread_bwd if backward else st.elems_per_thread
     if block_n is not None:
         if block_n <= 0 or block_n & (block_n - 1):
             raise ValueError(f"block_n must be a positive power of two, got {block_n}")
         if block_n < n:
-            return LaunchConfig(True, 1, block_n, _num_warps(block_n))
-    st = _settings
+            return LaunchConfig(True, 1, block_n, _num_warps(block_n, looped_per_thread))
     full = triton.next_power_of_2(n)
     if full <= (st.max_fused_block_n_bwd if backward else st.max_fused_block_n_fwd):
-        block_m = _fused_block_m(full)
+        block_m = _fused_block_m(full, backward=backward)
         return LaunchConfig(False, block_m, full, _num_warps(block_m * full))
-    return LaunchConfig(True, 1, st.looped_block_n, _num_warps(st.looped_block_n))
+    return LaunchConfig(
+        True, 1, st.looped_block_n, _num_warps(st.looped_block_n, looped_per_thread)
+    )
 
 
 def backward_groups(
@@ -780,19 +803,21 @@ def norm_bwd(
             _norm_bwd_coeffs_kernel[(m,)](
                 dy, x, w, mean, rstd, c1, c2, n, k, scale,
                 MODE=mode, HAS_W=weight is not None, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                **BWD_LAUNCH_OPTIONS,
             )  # fmt: skip
         else:
             c1 = c2 = rstd  # unused
         _norm_bwd_cols_kernel[(triton.cdiv(n, cfg.block_n), groups)](
             dy, x, w, mean, rstd, c1, c2, dx_arg, dw_part, db_part, m, n, k, scale,
             DETACH_MEAN=detach_mean, DETACH_STD=detach_std, STORE_DX=need_dx,
-            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags,
+            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags, **BWD_LAUNCH_OPTIONS,
         )  # fmt: skip
     else:
         _norm_bwd_fused_kernel[(groups,)](
             dy, x, w, mean, rstd, dx_arg, dw_part, db_part, m, n, k, scale,
             DETACH_MEAN=detach_mean, DETACH_STD=detach_std, STORE_DX=need_dx,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags,
+            **BWD_LAUNCH_OPTIONS,
         )  # fmt: skip
     dw = dw_part.sum(dim=0).to(weight.dtype) if need_dw else None  # type: ignore[union-attr]
     db = db_part.sum(dim=0) if need_db else None

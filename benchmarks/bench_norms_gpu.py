@@ -66,6 +66,8 @@ TUNE_GRID: dict[str, list[int]] = {
     "looped_block_n": [2048, 4096, 8192],
     "programs_per_sm": [2, 4, 8],
     "fused_tile_elems": [2048, 4096, 8192],
+    "fused_tile_elems_bwd": [1024, 2048, 4096],
+    "looped_elems_per_thread_bwd": [4, 8, 16],
 }
 # --tune --dry-run: the same factors at the tiny rows' scale (N = 256, 512), so that both kernel
 # routes and several tile shapes run under the interpreter
@@ -76,6 +78,8 @@ DRY_RUN_TUNE_GRID: dict[str, list[int]] = {
     "looped_block_n": [128],
     "programs_per_sm": [2],
     "fused_tile_elems": [1024],
+    "fused_tile_elems_bwd": [1024],
+    "looped_elems_per_thread_bwd": [16],
 }
 TUNE_REP_MS = 50  # do_bench's measuring time per candidate; the sweep's 100 ms is not needed
 
@@ -209,6 +213,9 @@ def make_provider(name: str, op: str, x, w, b, dy, eps: float):
     elif name == "torch":
         fwd = _native(op, n, x, w, b, eps)
     elif name == "compile":
+        # a fresh cache per shape: dynamo's recompile limit (8 per code object) would otherwise
+        # make the later rows of the sweep run the eager op under the "compile" label
+        torch._dynamo.reset()
         compiled = torch.compile(
             (lambda a, g, c: _native(op, n, a, g, c, eps)()), fullgraph=True, dynamic=False
         )
@@ -228,16 +235,16 @@ def make_provider(name: str, op: str, x, w, b, dy, eps: float):
 
 
 def _liger(op: str, n: int, x, w, b, eps: float):
-    """Liger-Kernel's norms (optional dependency); ImportError skips the column."""
+    """Liger-Kernel's norms (optional dependency); ImportError skips the column. RMSNorm with
+    ``in_place=False``: its default writes dx over dy, which the timed backward replays."""
     if op == "layer_norm":
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
         return lambda: LigerLayerNormFunction.apply(x, w, b, eps)
-    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-    mod = LigerRMSNorm(n, eps=eps).to(device=x.device, dtype=w.dtype)
-    mod.weight = w  # the same parameter tensor as the other providers
-    return lambda: mod(x)
+    # (X, W, eps, offset, casting_mode, in_place): the module LigerRMSNorm's defaults otherwise
+    return lambda: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@
 #
 # OUTDIR (default benchmarks/results) receives the logs, the CSV and the plot. Liger-Kernel is
 # compared when it imports; wheels placed in .whl/ are installed first (the machine may be
-# offline). The package is used from src/ so that no install step is needed.
+# offline). The package is used from src/ so that no install step is needed. Extra arguments per
+# stage: TEST_ARGS (pytest, e.g. "-n 8 -x"), SWEEP_ARGS and TUNE_ARGS (bench_norms_gpu.py, e.g.
+# "--ns 1024 4096 65536" or "--tune-factors elems_per_thread").
 set -euo pipefail
 
 stage="${1:-all}"
@@ -39,16 +41,16 @@ EOF
 run_tests() {
     # Compiled kernels (no TRITON_INTERPRET): the same correctness tests plus the gpu-marked ones.
     "$py" -m pytest -q -p no:cacheprovider tests/test_triton_norms.py tests/test_triton_rnn_step.py \
-        tests/test_triton_compile.py tests/test_recurrent_layers.py 2>&1 | tee "$out/gpu_tests.log"
+        tests/test_triton_compile.py tests/test_recurrent_layers.py ${TEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log"
 }
 
 run_sweep() {
     "$py" benchmarks/bench_norms_gpu.py --csv "$out/bench_norms_gpu.csv" \
-        --plot "$out/norms_gpu.png" 2>&1 | tee "$out/gpu_sweep.log"
+        --plot "$out/norms_gpu.png" ${SWEEP_ARGS:-} 2>&1 | tee "$out/gpu_sweep.log"
 }
 
 run_tune() {
-    "$py" benchmarks/bench_norms_gpu.py --tune --csv "$out/bench_norms_gpu.csv" 2>&1 \
+    "$py" benchmarks/bench_norms_gpu.py --tune --csv "$out/bench_norms_gpu.csv" ${TUNE_ARGS:-} 2>&1 \
         | tee "$out/gpu_tune.log"
 }
 

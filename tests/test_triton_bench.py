@@ -4,6 +4,7 @@ GPU stops with a clear message (the measurements themselves need a CUDA device).
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,14 @@ def _load():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _skip_if_interpreter_broken(proc) -> None:
+    """The dry runs need a working Triton interpreter; the library names the reason when the
+    installed Triton and NumPy cannot interpret its kernels (Triton 3.6 with NumPy >= 2.4)."""
+    marker = re.search(r"the Triton interpreter \(.*?\) cannot run [^:]*", proc.stdout)
+    if marker is not None:
+        pytest.skip(marker.group(0))
 
 
 def test_default_sweep_and_options():
@@ -70,6 +79,7 @@ def test_dry_run_exercises_every_table(tmp_path: Path):
          "--csv", str(out_csv), "--plot", str(out_png)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
+    _skip_if_interpreter_broken(proc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(out_csv.open()))
     tables = {r["table"] for r in rows}
@@ -92,6 +102,8 @@ def test_tune_grid_and_options():
     assert grid["elems_per_thread"] == [8, 16, 32] and grid["programs_per_sm"] == [2, 4, 8]
     assert grid["looped_block_n"] == [2048, 4096, 8192]
     assert grid["fused_tile_elems"] == [2048, 4096, 8192]
+    assert grid["fused_tile_elems_bwd"] == [1024, 2048, 4096]
+    assert grid["looped_elems_per_thread_bwd"] == [4, 8, 16]
     assert set(bench.DRY_RUN_TUNE_GRID) == set(grid)
     narrow = bench.parse_args(["--tune", "--tune-factors", "looped_block_n"])
     assert narrow.tune_factors == ["looped_block_n"]
@@ -141,7 +153,6 @@ def test_tune_dry_run_prints_tables_and_appends_rows(tmp_path: Path):
     """--tune --dry-run: the tuning path on CPU under the interpreter, with the grid scaled to the
     tiny rows, so both kernel routes run; one table per (op, dtype), CSV rows per candidate."""
     import csv
-    import re
     import subprocess
     import sys
 
@@ -152,6 +163,7 @@ def test_tune_dry_run_prints_tables_and_appends_rows(tmp_path: Path):
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     out = proc.stdout
+    _skip_if_interpreter_broken(proc)
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     announced = re.search(r"candidate settings .*?; (\d+) timings", out)
     assert announced is not None, out[-3000:]

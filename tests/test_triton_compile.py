@@ -30,7 +30,7 @@ _NORM = "layernorm.kernels.triton._norm_core"
 _RNN = "layernorm.kernels.triton.rnn_step"
 KERNELS = [
     ("_norm_fwd_fused_kernel", _NORM, _LN, ("M", "N"), ("eps", "k", "scale"),
-     dict(MODE=0, HAS_W=True, HAS_B=True, BLOCK_M=1, BLOCK_N=16384), 32),
+     dict(MODE=0, HAS_W=True, HAS_B=True, BLOCK_M=1, BLOCK_N=32768), 32),
     ("_norm_fwd_fused_kernel", _NORM, _LN, ("M", "N"), ("eps", "k", "scale"),
      dict(MODE=2, HAS_W=False, HAS_B=False, BLOCK_M=16, BLOCK_N=256), 8),
     ("_norm_fwd_looped_kernel", _NORM, _LN, ("N",), ("eps", "k", "scale"),
@@ -51,6 +51,13 @@ KERNELS = [
 ]  # fmt: skip
 
 
+# Spill stores (bytes per thread) accepted for a variant, where a measurement chose it anyway: the
+# forward's whole 32768-element row in 32 warps is capped at 64 registers and spills 272 bytes
+# (Triton 3.9), yet ran at 1.2-1.5x the bandwidth of the looped forward at N = 32768 on an H200
+# (benchmarks/RESULTS.md, 2026-11-26). Any other spill, or more of this one, fails the test.
+SPILL_ALLOWANCE = {("_norm_fwd_fused_kernel", 32768): 512}
+
+
 def _rnn_kernels() -> list[tuple]:
     """The recurrent-step kernels, described by the module itself (it knows its pointer names)."""
     import importlib
@@ -66,9 +73,20 @@ def compile_all(capability: int = 90) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from layernorm.kernels.triton import _norm_core
+
+    # the largest fused rows listed above are the heuristics' limits
+    fused = {name: spec[4]["BLOCK_N"] for name, *spec in KERNELS if spec[4].get("BLOCK_M") == 1}
+    assert fused == {
+        "_norm_fwd_fused_kernel": _norm_core.MAX_FUSED_BLOCK_N_FWD,
+        "_norm_bwd_fused_kernel": _norm_core.MAX_FUSED_BLOCK_N_BWD,
+    }, fused
     lines = []
     for name, module, ptrs, ints, floats, constexprs, num_warps in KERNELS + _rnn_kernels():
         fn = getattr(importlib.import_module(module), name)
+        options = {"num_warps": num_warps}
+        if name.startswith("_norm_bwd"):  # compiled as they are launched
+            options.update(_norm_core.BWD_LAUNCH_OPTIONS)
         signature = {}
         for arg in fn.arg_names:
             if arg in constexprs:
@@ -83,9 +101,7 @@ def compile_all(capability: int = 90) -> list[str]:
                 raise KeyError(f"{name}: no type given for argument {arg!r}")
         start = time.perf_counter()
         src = ASTSource(fn, signature, constexprs=constexprs)
-        kernel = triton.compile(
-            src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps}
-        )
+        kernel = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
         assert kernel.asm.get("cubin"), f"{name}: no cubin"
         lines.append(
             f"{name} {constexprs} warps={num_warps}: ok in {time.perf_counter() - start:.1f}s; "
@@ -144,8 +160,23 @@ def test_all_kernels_compile_for_sm90():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if ": ok in" in line]
     assert len(lines) == len(KERNELS) + len(_rnn_kernels()), proc.stdout
-    spilling = [line for line in lines if "spill stores" in line and "stores 0 bytes" not in line]
+    spilling = [line for line in lines if _spill_bytes(line) > _allowance(line)]
     assert not spilling, "\n".join(spilling)
+
+
+def _spill_bytes(line: str) -> int:
+    import re
+
+    found = re.search(r"spill stores (\d+) bytes", line)
+    return int(found.group(1)) if found else 0
+
+
+def _allowance(line: str) -> int:
+    import re
+
+    name = line.split(" ", 1)[0]
+    block = re.search(r"'BLOCK_N': (\d+)", line)
+    return SPILL_ALLOWANCE.get((name, int(block.group(1)) if block else 0), 0)
 
 
 if __name__ == "__main__":

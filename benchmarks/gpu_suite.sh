@@ -5,20 +5,26 @@
 #   bash benchmarks/gpu_suite.sh tests  [OUTDIR]   # the Triton tests, compiled, gpu-marked included
 #   bash benchmarks/gpu_suite.sh sweep  [OUTDIR]   # bench_norms_gpu.py: GB/s sweep, latency, LN-LSTM
 #   bash benchmarks/gpu_suite.sh tune   [OUTDIR]   # bench_norms_gpu.py --tune: launch settings
-#   bash benchmarks/gpu_suite.sh all    [OUTDIR]
+#   bash benchmarks/gpu_suite.sh host   [OUTDIR]   # the CPU kernels on this machine's processor
+#   bash benchmarks/gpu_suite.sh all    [OUTDIR]   # tests, sweep, tune (not host)
 #
 # OUTDIR (default benchmarks/results) receives the logs, the CSV and the plot. Liger-Kernel is
 # compared when it imports; wheels placed in .whl/ are installed first (the machine may be
 # offline). The package is used from src/ so that no install step is needed. Extra arguments per
 # stage: TEST_ARGS (pytest, e.g. "-n 8 -x"), SWEEP_ARGS and TUNE_ARGS (bench_norms_gpu.py, e.g.
-# "--ns 1024 4096 65536" or "--tune-factors elems_per_thread").
+# "--ns 1024 4096 65536" or "--tune-factors elems_per_thread"), HOST_WORKERS and HOST_SHAPES.
+#
+# The host stage checks the C kernels on the GPU machine's own processor, often one with AVX-512
+# where the project's other machines may have AVX2 only: the tests of every instruction-set target,
+# then, once they are done (timings beside running tests are not results), LN-LSTM/GRU against
+# torch per target. It needs a C compiler there (and uses pytest-xdist where it is installed).
 set -euo pipefail
 
 stage="${1:-all}"
 out="${2:-benchmarks/results}"
 case "$stage" in
-    tests | sweep | tune | all) ;;
-    *) echo "gpu_suite.sh: stage must be tests, sweep, tune or all, got '$stage'" >&2; exit 2 ;;
+    tests | sweep | tune | host | all) ;;
+    *) echo "gpu_suite.sh: stage must be tests, sweep, tune, host or all, got '$stage'" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -26,7 +32,8 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 py="${PYTHON:-python3}"
 
 if [[ -d .whl ]] && compgen -G ".whl/*.whl" >/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/layernorm-site .whl/*.whl
+    "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/layernorm-site \
+        .whl/*.whl
     export PYTHONPATH="$PYTHONPATH:/tmp/layernorm-site"
 fi
 
@@ -34,9 +41,10 @@ fi
 import torch, triton
 print(f"torch {torch.__version__}, triton {triton.__version__}, "
       f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
-if not torch.cuda.is_available():
-    raise SystemExit("gpu_suite.sh: no CUDA device")
 EOF
+if [[ "$stage" != host ]]; then
+    "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "gpu_suite.sh: no CUDA device")'
+fi
 
 run_tests() {
     # Compiled kernels (no TRITON_INTERPRET): the same correctness tests plus the gpu-marked ones.
@@ -54,9 +62,28 @@ run_tune() {
         | tee "$out/gpu_tune.log"
 }
 
+run_host() {
+    grep -m1 'model name' /proc/cpuinfo | tee "$out/host_bench.log"
+    local workers=()
+    "$py" -c 'import xdist' 2>/dev/null && workers=(-n "${HOST_WORKERS:-8}")
+    "$py" -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_cpu_isa.py \
+        tests/test_cpu_fast_paths.py tests/test_half_kernels.py tests/test_recurrent_cseq.py \
+        tests/test_kernel_accuracy.py 2>&1 | tee "$out/host_tests.log"
+    local isas
+    isas=$("$py" -c 'from layernorm.kernels.cpu import targets; print(*targets.available())')
+    for isa in $isas; do
+        [[ "$isa" == portable ]] && continue
+        for mode in train infer; do
+            "$py" benchmarks/bench_rnn.py --isa "$isa" --threads 1 --mode "$mode" --reps 5 \
+                --shapes "${HOST_SHAPES:-50x8x64x128,100x32x128x256}" 2>&1 | tee -a "$out/host_bench.log"
+        done
+    done
+}
+
 case "$stage" in
     tests) run_tests ;;
     sweep) run_sweep ;;
     tune) run_tune ;;
+    host) run_host ;;
     all) run_tests; run_sweep; run_tune ;;
 esac

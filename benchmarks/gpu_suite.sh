@@ -18,6 +18,11 @@
 # where the project's other machines may have AVX2 only: the tests of every instruction-set target,
 # then, once they are done (timings beside running tests are not results), LN-LSTM/GRU against
 # torch per target. It needs a C compiler there (and uses pytest-xdist where it is installed).
+#
+# Wall times seen on an H200 machine (16 cores, 2026-11-26), for planning a short lease: tests
+# with TEST_ARGS="-n 8" 45 s; sweep with SWEEP_ARGS="--ns 1024 4096 16384 65536 262144" (five N,
+# torch.compile recompiling per shape) 95 s; tune 95 s (84 s of timings); host about 140 s of tests
+# at 12 workers, then about 15 s per benchmark table. The machine's start adds about a minute.
 set -euo pipefail
 
 stage="${1:-all}"

@@ -176,6 +176,38 @@ def test_norm_kernels_match_reference(name, dtype, kind, m, n, stores, monkeypat
         _close(g, gr, tol["dparam"], "dweight/dbias", scale=math.sqrt(m))
 
 
+# Centred norms of one-element rows: x̂ = 0, so y is the bias and dx is exactly 0 (the gradient
+# through the mean cancels the direct one). Not within a tolerance: exactly, which a multiply-add
+# contracted across ``dy·w − mean(dy·w)`` breaks by rstd = 1/√eps times a rounding.
+ONE_ELEMENT = {
+    "layer": dict(affine=True, detach_std=False),
+    "layer, no affine": dict(affine=False, detach_std=False),
+    "detach_std": dict(affine=True, detach_std=True),
+    "ada": dict(affine=False, detach_std=False),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16],
+                         ids=str)  # fmt: skip
+@pytest.mark.parametrize("variant", list(ONE_ELEMENT))
+def test_one_element_rows_give_exactly_zero_dx(name, dtype, variant) -> None:
+    opts = ONE_ELEMENT[variant]
+    x = (3 * torch.randn(37, 1, dtype=torch.float64) + 1).to(dtype).requires_grad_()
+    w = (2 * torch.randn(1, dtype=torch.float64)).to(dtype) if opts["affine"] else None
+    b = torch.randn(1, dtype=torch.float64).to(dtype) if opts["affine"] else None
+    dy = torch.randn(37, 1, dtype=torch.float64).to(dtype)
+    with targets.use(name):
+        if variant == "ada":
+            y = LF.ada_norm(x, (1,), k=0.1, scale=2.0)
+        else:
+            y = LF.layer_norm(x, (1,), w, b, 1e-5, detach_std=opts["detach_std"])
+        (dx,) = torch.autograd.grad(y, (x,), dy)
+    assert torch.equal(y, b.expand_as(y) if b is not None else torch.zeros_like(y)), y
+    assert torch.equal(dx, torch.zeros_like(dx)), f"dx not exactly 0: max {dx.abs().max()}"
+
+
 # ------------------------------------------------------------------------------------------------
 # Recurrent kernels per target
 # ------------------------------------------------------------------------------------------------

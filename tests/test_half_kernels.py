@@ -46,7 +46,9 @@ def _library(target: str) -> ctypes.CDLL:
     missing = [f for f in needs if f not in _cpu_flags()]
     if missing:
         pytest.skip(f"this processor lacks {missing}")
-    path = cbuild.build_shared_library(_native.SOURCES, f"layernorm_cpu_{target}", isa_flags=flags)
+    path = cbuild.build_shared_library(
+        _native.SOURCES, f"layernorm_cpu_{target}", _native.EXTRA_FLAGS, isa_flags=flags
+    )
     return ctypes.CDLL(str(path))
 
 

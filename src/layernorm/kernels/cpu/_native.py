@@ -33,6 +33,12 @@ _GRAIN = 32768
 _CSRC = abi.CSRC_DIR
 #: The translation units of the norm kernels (headers are found next to them).
 SOURCES = (_CSRC / "norms.c",)
+#: On top of the shared flags: no multiply-add contraction. The compiler would otherwise fuse
+#: ``dy·w − mean(dy·w)`` into one multiply-add, rounding the product in the mean but not in the
+#: difference, so a row whose gradient ``dy ⊙ w`` is constant (a row of one element) would get
+#: ``rstd · (rounding of dy·w)``, up to 1/√eps times it, instead of an exact 0. The kernels are
+#: bound by memory; explicit multiply-adds (none in these sources) would still be fused.
+EXTRA_FLAGS = ("-ffp-contract=off",)
 
 
 def _build(target: targets.Target | None = None) -> Path:
@@ -40,7 +46,7 @@ def _build(target: targets.Target | None = None) -> Path:
     cached build matches; return the library's path."""
     target = targets.selected() if target is None else target
     return cbuild.build_shared_library(
-        SOURCES, f"layernorm_cpu_{target.name}", isa_flags=target.flags
+        SOURCES, f"layernorm_cpu_{target.name}", EXTRA_FLAGS, isa_flags=target.flags
     )
 
 

@@ -404,16 +404,19 @@ def normalized_projection(
     out = data.new_empty(data.shape[0], w_ih.shape[0])
     chunk = max(_PROJECTION_MIN_ROWS, _PROJECTION_BYTES // (w_ih.shape[0] * data.element_size()))
     w_t = w_ih.t()
-    blocks = [(c, *((weight, bias) if len(cols) == 1 else (part(weight, c), part(bias, c))))
-              for c in cols]  # fmt: skip
+    # per block: its columns, gain, bias, and whether the native kernel takes them, asked once of
+    # `out` (contiguous, in data's dtype and device, as every chunk's projection is)
+    params = [(weight, bias) if len(cols) == 1 else (part(weight, c), part(bias, c)) for c in cols]
+    blocks = [(c, wc, bc, native and _native.supports(out, wc, bc))
+              for c, (wc, bc) in zip(cols, params, strict=True)]  # fmt: skip
     for r0 in range(0, data.shape[0], chunk):
         rows = slice(r0, r0 + chunk)
         # one GEMM for every block: the GRU's two GEMMs of a 32-row step took 1.44 ms where one
         # took 1.05, the GEMMs alone (B = 32, I = H = 512, two threads, AMD EPYC)
         xp = torch.mm(data[rows], w_t)
-        for c, wc, bc in blocks:
+        for c, wc, bc, whole in blocks:
             xc = xp if len(cols) == 1 else xp[:, c].contiguous()
-            if native and _native.supports(xc, wc, bc):
+            if whole:
                 if len(cols) == 1:
                     _native.ln_fwd(xc, wc, bc, eps, out=out[rows])  # the rows, written in place
                 else:

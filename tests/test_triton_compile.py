@@ -14,6 +14,7 @@ Run directly to see the kernels and the compile times: ``python tests/test_trito
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -112,7 +113,6 @@ def compile_all(capability: int = 90) -> list[str]:
 
 def _ptxas_report(ptx: str, capability: int) -> str:
     """``ptxas -v``'s register and spill lines, or ``ptxas: unavailable``."""
-    import re
     import tempfile
 
     try:
@@ -165,15 +165,11 @@ def test_all_kernels_compile_for_sm90():
 
 
 def _spill_bytes(line: str) -> int:
-    import re
-
     found = re.search(r"spill stores (\d+) bytes", line)
     return int(found.group(1)) if found else 0
 
 
 def _allowance(line: str) -> int:
-    import re
-
     name = line.split(" ", 1)[0]
     block = re.search(r"'BLOCK_N': (\d+)", line)
     return SPILL_ALLOWANCE.get((name, int(block.group(1)) if block else 0), 0)

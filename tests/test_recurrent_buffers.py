@@ -96,6 +96,28 @@ def test_limit_bounds_what_is_kept() -> None:
         set_buffer_cache_limit(-1)
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["room", "at-limit"])
+def test_many_held_buffers_are_not_all_asked(full, monkeypatch) -> None:
+    """A caller holding many buffers of one size (graphs kept alive): an allocation asks at most
+    ``_MAX_PROBES`` of them whether they are free, in lookup and in eviction (at the limit too),
+    and a buffer released among the first it asks is handed out again."""
+    held = [_buffers.empty(_like(), (_ROWS, 64)) for _ in range(40)]
+    assert len(held) > 2 * _buffers._MAX_PROBES  # else the test shows nothing
+    if full:
+        set_buffer_cache_limit(_buffers.cached_bytes())
+    asked = []
+    real = _buffers._holders
+    monkeypatch.setattr(_buffers, "_holders", lambda flat: asked.append(1) or real(flat))
+    extra = _buffers.empty(_like(), (_ROWS, 64))
+    assert extra.data_ptr() not in {t.data_ptr() for t in held}
+    assert 0 < len(asked) <= 2 * _buffers._MAX_PROBES
+    ptr = held[1].data_ptr()
+    del held[1]
+    asked.clear()
+    again = _buffers.empty(_like(), (_ROWS, 64))
+    assert again.data_ptr() == ptr and len(asked) == 2
+
+
 def test_without_reference_counts_every_buffer_is_fresh(monkeypatch) -> None:
     monkeypatch.setattr(_buffers, "_FREE", None)
     a = _buffers.empty(_like(), (_ROWS, 64))

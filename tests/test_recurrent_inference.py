@@ -8,8 +8,8 @@ computes it for all rows (torch's GEMM, the norm kernels), the inference path st
 the C time loop (the sequence kernel's GEMM, the step kernels' layer norm): the same sums in
 another order, so results agree to rounding carried through the steps (:data:`TOL`). Where the
 inference kernels do not run the projection (torch.nn.LSTM's ``proj_size``), ``gx`` is computed
-before the loop a chunk of rows at a time, and up to ``_fused._NATIVE_ROWS`` rows with torch's
-``layer_norm``. The tests also check that the training node is not entered, and that the C
+before the loop a chunk of rows at a time, or whole with torch's ``layer_norm`` up to
+``_fused._NATIVE_BYTES``. The tests also check that the training node is not entered, and that the C
 boundary refuses kept buffers of any other row count.
 """
 
@@ -216,14 +216,18 @@ def test_inference_with_masks_in_eval_and_in_training(kind) -> None:
 
 
 def test_projection_falls_back_to_the_node_under_no_grad() -> None:
-    """torch.nn.LSTM's projection runs between per-step calls: no inference kernels, same result."""
+    """torch.nn.LSTM's projection runs between per-step calls: no inference kernels, the same
+    result; exactly where the projection before the loop takes the norm kernels as training does
+    (above ``_NATIVE_BYTES``), to rounding where it takes torch's ``layer_norm``."""
     model = _model("lstm", torch.float64, proj_size=4)
     x = _inputs(torch.float64, packed=False)
     ref = [t.detach() for t in _flat(model(x))]
-    with torch.no_grad():
-        got = _flat(model(x))
-    for a, b in zip(got, ref, strict=True):
-        assert torch.equal(a, b)
+    for native_bytes, tol in ((0, {"rtol": 0, "atol": 0}), (1 << 30, TOL[torch.float64])):
+        with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+            mp.setattr(_fused, "_NATIVE_BYTES", native_bytes)
+            got = _flat(model(x))
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, **tol)
 
 
 def test_inference_state_does_not_alias_the_callers() -> None:
@@ -246,6 +250,7 @@ def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype, monke
     chunks and a remainder; the values are those of one projection of all rows (training), to
     the GEMM's rounding in float32."""
     monkeypatch.setattr(_fused, "_PROJECTION_BYTES", 0)
+    monkeypatch.setattr(_fused, "_NATIVE_BYTES", 0)  # the chunks whatever the size
     assert _fused._PROJECTION_MIN_ROWS == 128
     model = _model("lstm", dtype, num_layers=2, proj_size=4)
     gen = torch.Generator().manual_seed(5)
@@ -265,6 +270,7 @@ def test_projection_chunks_and_blocks_equal_the_differentiable_one(blocks, dtype
     differentiable projection (F.linear, then a layer norm per block); float16 takes the
     backend's kernels on a copy of each block."""
     monkeypatch.setattr(_fused, "_PROJECTION_BYTES", 0)
+    monkeypatch.setattr(_fused, "_NATIVE_BYTES", 0)  # the chunks whatever the size
     gen = torch.Generator().manual_seed(11)
     gates = 39 if blocks else 52
     data = torch.randn(265, 6, generator=gen).to(dtype)
@@ -280,14 +286,17 @@ def test_projection_chunks_and_blocks_equal_the_differentiable_one(blocks, dtype
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("steps", [1, 3, 4])
-def test_few_rows_take_torch_s_layer_norm_with_the_same_values(kind, steps, dtype) -> None:
-    """5, 15 and 20 rows, both sides of ``_NATIVE_ROWS`` (16), through the projection computed
-    before the loop (:func:`_fused.normalized_projection`, the GRU's two blocks too): without
-    autograd the values are those with it, to the rounding of a different summation order."""
-    assert 15 <= _fused._NATIVE_ROWS < 20
+def test_small_projections_take_torch_s_layer_norm_with_the_same_values(
+    kind, steps, dtype, monkeypatch
+) -> None:
+    """5, 15 and 20 rows, both sides of ``_NATIVE_BYTES`` (set to 16 rows' projection here),
+    through the projection computed before the loop (:func:`_fused.normalized_projection`, the
+    GRU's two blocks too): without autograd the values are those with it, to the rounding of a
+    different summation order."""
     gen = torch.Generator().manual_seed(7)
     hs, blocks = 13, ((26, 13) if kind == "gru" else None)
     gates = 3 * hs if kind == "gru" else 4 * hs
+    monkeypatch.setattr(_fused, "_NATIVE_BYTES", 16 * gates * dtype.itemsize)
     data = torch.randn(steps * 5, 6, generator=gen, dtype=dtype)
     w_ih = torch.randn(gates, 6, generator=gen, dtype=dtype)
     weight = 1 + 0.3 * torch.randn(gates, generator=gen, dtype=dtype)

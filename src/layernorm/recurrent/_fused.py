@@ -348,10 +348,15 @@ def differentiated(*tensors: Tensor | None) -> bool:
 # chunks 2.2 ms, as F.linear then layer_norm on all rows (AMD EPYC, one thread).
 _PROJECTION_BYTES = 1 << 20
 _PROJECTION_MIN_ROWS = 128
-# Up to this many rows (a decoder step, a few sequences at T = 1) inference normalizes with
-# torch's own layer_norm, the same formula: what is left to save there is per-call overhead (the
-# checked C argument structs cost more than the arithmetic of a few rows).
-_NATIVE_ROWS = 16
+# Up to this size of the (rows, G) projection inference computes it whole with F.linear and
+# normalizes it with torch's own layer_norm, the same formula: the chunks' extra GEMM dispatches,
+# checked C calls and (the GRU's blocks) copies cost more than the cache they save, and the
+# projection comes from malloc's heap without page faults. AMD EPYC (AVX2), one thread, chunked
+# C / torch's time, interleaved: (rows, I, G) = (32, 512, 1536) 1.30 (the GRU's decoder step of
+# a batch), (256, 256, 768) 1.30, (512, 256, 768) 1.18, (1024, 64, 512) 1.35, (2048, 64, 512)
+# 1.12, (1024, 128, 1024) 1.06; beyond it the chunks win where a fresh (N, G) result faults
+# its pages: (4000, 32, 512) 0.76-0.95 (two runs).
+_NATIVE_BYTES = 4 << 20
 
 
 def normalized_projection(
@@ -366,7 +371,8 @@ def normalized_projection(
     ``blocks`` (column counts summing to ``W_ih``'s rows) each block of columns is normalized on
     its own, as the LN-GRU's ``(r, z)`` and ``n`` blocks.
 
-    At most ``_NATIVE_ROWS`` rows in inference: ``F.linear`` and torch's ``layer_norm``.
+    In inference, a projection of at most ``_NATIVE_BYTES``: ``F.linear`` and torch's
+    ``layer_norm``.
 
     When autograd will not differentiate it (on the CPU), a chunk of rows at a time into the
     result, without an autograd node: the projection of a chunk is normalized while in cache and
@@ -391,7 +397,7 @@ def normalized_projection(
                        eps)
             for c in cols
         ], dim=1)  # fmt: skip
-    if data.shape[0] <= _NATIVE_ROWS:
+    if data.shape[0] * w_ih.shape[0] * data.element_size() <= _NATIVE_BYTES:
         xp = F.linear(data, w_ih)
         if len(cols) == 1:
             return F.layer_norm(xp, (xp.shape[1],), weight, bias, eps)

@@ -82,6 +82,36 @@ def test_fused_equals_reference_loop(kind: str, norm: str, packed: bool) -> None
         torch.testing.assert_close(a, b, **FUSED_TOL)
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("norm", ["layer", "none"])
+@pytest.mark.parametrize("inputs", [16, 4], ids=["rows<=inputs", "rows>inputs"])
+def test_one_step_of_a_batch_equals_reference_loop(kind, norm, inputs, monkeypatch) -> None:
+    """One time step of more rows than the sequence kernels read their weights as stored for (a
+    step of a batch): the GRU trains on the C step kernels around torch's GEMMs, not the sequence
+    kernels, and its input projection is one GEMM split into the layer norms' blocks where the
+    rows are at most the inputs (else a GEMM per block); forward and every gradient are the
+    loop's."""
+    from layernorm.kernels.cpu import rnn
+    from layernorm.recurrent import _cstep
+
+    batch = _cstep.direct_rows() + 4
+    cls, _ = LAYERS[kind]
+    model = cls(inputs, 5, norm=norm, dtype=DT)
+    randomize(model)
+    x, hx = seq(1, batch, inputs), states(kind, 1, batch, 5)
+    sequences = []
+    real = rnn.run_sequence
+    monkeypatch.setattr(rnn, "run_sequence", lambda k, *a: sequences.append(k) or real(k, *a))
+    model.impl = "fused"
+    out_f, grads_f = run(model, x, hx, packed=False)
+    if _cstep.sequence_gemm():
+        assert ("gru" not in "".join(sequences)) if kind == "gru" else sequences
+    model.impl = "loop"
+    out_l, grads_l = run(model, x, hx, packed=False)
+    for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **FUSED_TOL)
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_fused_equals_loop_with_a_large_eps(kind: str, bias: bool) -> None:

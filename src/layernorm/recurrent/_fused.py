@@ -392,10 +392,25 @@ def normalized_projection(
     if differentiated(data, w_ih, weight, bias) or not data.is_cpu or torch.jit.is_tracing():
         if len(cols) == 1:
             return layer_norm(F.linear(data, w_ih), w_ih.shape[0], weight, bias, eps)
+        # the parameters' blocks by split, not indexing: an indexed block's backward fills a
+        # zero tensor of the whole parameter to put its gradient into, one per block, where
+        # split's concatenates the blocks' gradients
+        sizes = list(blocks)
+        g_parts = (None,) * len(sizes) if weight is None else weight.split(sizes)
+        b_parts = (None,) * len(sizes) if bias is None else bias.split(sizes)
+        if data.shape[0] <= data.shape[1]:
+            # fewer rows than inputs (a step of a batch): one GEMM, the blocks split from its
+            # result, whose copies (a layer norm reads its block contiguous) and gradient
+            # concatenation are smaller than W_ih's gradient concatenated from its blocks
+            return torch.cat([
+                layer_norm(xb, n, g, b, eps)
+                for n, xb, g, b in zip(sizes, F.linear(data, w_ih).split(sizes, dim=1), g_parts,
+                                       b_parts, strict=True)
+            ], dim=1)  # fmt: skip
+        w_parts = w_ih.split(sizes)
         return torch.cat([
-            layer_norm(F.linear(data, w_ih[c]), c.stop - c.start, part(weight, c), part(bias, c),
-                       eps)
-            for c in cols
+            layer_norm(F.linear(data, w), n, g, b, eps)
+            for n, w, g, b in zip(sizes, w_parts, g_parts, b_parts, strict=True)
         ], dim=1)  # fmt: skip
     if data.shape[0] * w_ih.shape[0] * data.element_size() <= _NATIVE_BYTES:
         xp = F.linear(data, w_ih)
@@ -645,6 +660,13 @@ def _one_step_by_gemm(sched: Schedule) -> bool:
     packing pays: (T, B, I, H) = (4, 16, 1024, 1024) GRU 0.90 / 1.00, (16, 16, 1024, 1024) LSTM
     0.97 / 1.32 with torch's GEMM per step."""
     return len(sched) == 1 and sched[0][2] > _cstep.direct_rows()
+
+
+def _one_step_kernels(kernels: StepKernels, sched: Schedule) -> StepKernels:
+    """The GRU's training kernels: for one step of a batch (:func:`_one_step_by_gemm`) the C step
+    kernels around torch's GEMMs, where the sequence kernels would pack ``W_hh`` forward and
+    backward for that one step; ``kernels`` otherwise."""
+    return C_STEPS if kernels is C_KERNELS and _one_step_by_gemm(sched) else kernels
 
 
 def _projects_in_loop(source: InputProjection, n_batch: int) -> bool:
@@ -911,7 +933,7 @@ class GRUSequence(torch.autograd.Function):
         st = _gru_state(
             gx, h0, w_rz, b_rz, w_n, b_n, b_hn, eps, normalize, zh, cm, kept_rows=gx.shape[0]
         )
-        kernels = _kernels(gx, st)
+        kernels = _one_step_kernels(_kernels(gx, st), sched)
         _forward_in_time(st, w_hh, sched, kernels.gru_fwd, kernels.gru_fwd_seq)
         _save(ctx, st, w_hh, sched, ("w_rz", "b_rz", "w_n", "b_n", "b_hn", "hp", "hprev",
                                      "rz", "n", "ghn", "mh", "rh", "mn", "rn",
@@ -927,7 +949,7 @@ class GRUSequence(torch.autograd.Function):
         st.update(dout=_contiguous(dout), dh=dh_n.contiguous().clone(),
                   **_new_bufs(gx, n_rows, {"dgx": 3 * hs, "dgh": 3 * hs}))  # fmt: skip
         st["dhp"] = _buffers.empty(gx, (n_rows, 3 * hs)) if normalize else st["dgh"]
-        kernels, need = _kernels(gx, st), ctx.needs_input_grad
+        kernels, need = _one_step_kernels(_kernels(gx, st), ctx.sched), ctx.needs_input_grad
         # torch's b_hn adds to LN(hp_n) as the LN's bias does: their gradients are the same sum
         _sum_ln_grads_in_kernel(st, kernels.gru_bwd_seq, normalize, any(need[3:8]), None)
         _backward_in_time(

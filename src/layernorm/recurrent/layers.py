@@ -731,20 +731,23 @@ class _LNRNNBase(NotScriptable, nn.Module):
         ``(r, z)`` and ``n`` blocks normalized separately, then :func:`._fused.gru_sequence`.
 
         The input-side biases are one ``(3H)`` vector folded into the layer norms' biases. Where
-        ``gx`` is computed for all steps, each block has its own GEMM
-        (:func:`._fused.normalized_projection`), so each layer norm reads a contiguous input; in
-        inference the C time loop computes each step's rows (:class:`._fused.InputProjection`)."""
+        ``gx`` is computed for all steps, each block has its own GEMM, so each layer norm reads a
+        contiguous input, or for fewer rows than inputs one GEMM whose result is split
+        (:func:`._fused.normalized_projection`); in inference the C time loop computes each
+        step's rows (:class:`._fused.InputProjection`)."""
         hs, h2 = self.hidden_size, 2 * self.hidden_size
         ln = self.norm == "layer"
         w = g(f"ln_weight_ih{sfx}") if ln else None
         b = self._input_bias(sfx, b_ih, b_hh, g)
         gx = _fused.InputProjection(data, w_ih, w, b, self.eps, ln, blocks=(h2, hs))
+        # blocks by split, not indexing (see _fused.normalized_projection): an indexed block's
+        # backward fills a zero tensor of the whole parameter, one per block
         w1, b1 = g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}")
+        w_rz, w_n = (None, None) if w1 is None else w1.split([h2, hs])
+        b_rz, b_n = (None, None) if b1 is None else b1.split([h2, hs])
         out, h_n = _fused.gru_sequence(
-            gx, h0, w_hh,
-            None if w1 is None else w1[:h2], None if b1 is None else b1[:h2],
-            None if w1 is None else w1[h2:], None if b1 is None else b1[h2:],
-            None if b_hh is None else b_hh[h2:].contiguous(), sched, self.eps,
+            gx, h0, w_hh, w_rz, b_rz, w_n, b_n,
+            None if b_hh is None else b_hh.split([h2, hs])[1].contiguous(), sched, self.eps,
             self.norm == "layer", masks.zoneout_h, masks.candidate,
         )  # fmt: skip
         return out, h_n, None

@@ -217,15 +217,18 @@ def test_inference_with_masks_in_eval_and_in_training(kind) -> None:
 
 def test_projection_falls_back_to_the_node_under_no_grad() -> None:
     """torch.nn.LSTM's projection runs between per-step calls: no inference kernels, the same
-    result; exactly where the projection before the loop takes the norm kernels as training does
-    (above ``_NATIVE_BYTES``), to rounding where it takes torch's ``layer_norm``."""
+    result; exactly where the projection before the loop takes the norm kernels in both (above
+    ``_NATIVE_BYTES`` in inference and ``TORCH_KERNEL_NUMEL`` in training), to rounding where
+    either takes torch's ``layer_norm``."""
     model = _model("lstm", torch.float64, proj_size=4)
     x = _inputs(torch.float64, packed=False)
-    ref = [t.detach() for t in _flat(model(x))]
-    for native_bytes, tol in ((0, {"rtol": 0, "atol": 0}), (1 << 30, TOL[torch.float64])):
-        with pytest.MonkeyPatch.context() as mp, torch.no_grad():
-            mp.setattr(_fused, "_NATIVE_BYTES", native_bytes)
-            got = _flat(model(x))
+    for limit, tol in ((0, {"rtol": 0, "atol": 0}), (1 << 30, TOL[torch.float64])):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_fused, "_NATIVE_BYTES", limit)
+            mp.setattr(_fused, "TORCH_KERNEL_NUMEL", limit)
+            ref = [t.detach() for t in _flat(model(x))]
+            with torch.no_grad():
+                got = _flat(model(x))
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, **tol)
 

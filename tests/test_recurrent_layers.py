@@ -529,3 +529,26 @@ def test_fused_nodes_refuse_jit_trace() -> None:
     with pytest.raises(RuntimeError, match=r"LSTMSequence cannot be recorded by torch\.jit\.trace"):
         torch.jit.trace(fn, torch.ones(2))
     fn(torch.ones(2))  # outside a trace it passes
+
+
+@pytest.mark.parametrize("limit", [None, 0], ids=["small", "above the limit"])
+def test_small_training_projection_takes_torch_s_layer_norm(limit, monkeypatch) -> None:
+    """The GRU's input projection in training normalizes with torch's kernel up to
+    ``TORCH_KERNEL_NUMEL`` elements (float32 / float64 on the CPU), with the fused kernels above
+    it; the layer's values and gradients are the loop's either way."""
+    from layernorm.recurrent import _fused
+
+    if limit is not None:
+        monkeypatch.setattr(_fused, "TORCH_KERNEL_NUMEL", limit)
+    calls = []
+    real = _fused._torch_layer_norm
+    monkeypatch.setattr(_fused, "_torch_layer_norm", lambda *a: calls.append(1) or real(*a))
+    model = LayerNormGRU(3, 4, dtype=DT)
+    randomize(model)
+    x, hx = seq(5, 4, 3), states("gru", 1, 4, 4)
+    out_f, grads_f = run(model, x, hx, packed=False)
+    assert len(calls) == (2 if limit is None else 0)  # the (r, z) and n blocks
+    model.impl = "loop"
+    out_l, grads_l = run(model, x, hx, packed=False)
+    for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **FUSED_TOL)

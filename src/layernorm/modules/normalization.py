@@ -25,18 +25,16 @@ from .._validation import (
     check_flag,
 )
 from ..kernels.cpu import buffers
-from ..ops._dispatch import lean_input, needs_grad
+from ..ops._dispatch import (
+    TORCH_BACKWARD_DTYPES,
+    TORCH_KERNEL_NUMEL,
+    lean_input,
+    needs_grad,
+)
 
 # Up to this many elements a LayerNorm that needs gradients runs torch's native kernel (see
-# _takes_torch_layer_norm): the same formula, and there our autograd.Function's Python costs more
-# than the fused kernels save. Forward + backward, fused / torch, AMD EPYC (AVX2), one and two
-# threads: (128, 768) 1.76 and 2.15, (256, 768) 0.93-1.33 and 1.52-1.75, (128, 2048) 1.48 and
-# 1.22; from about 1 MiB the two are even, torch's time jumping between runs with whether its
-# outputs' memory was handed back to the system ((64, 4096) 0.88 and 0.78-1.45, (320, 768)
-# 0.68 and 1.01-1.45).
-SMALL_NUMEL = 1 << 18
-# the dtypes whose gradients torch's CPU layer norm gives within the fused kernels' tolerances
-_TORCH_BACKWARD_DTYPES = (torch.float32, torch.float64)
+# _takes_torch_layer_norm and the measures at layernorm.ops._dispatch.TORCH_KERNEL_NUMEL).
+SMALL_NUMEL = TORCH_KERNEL_NUMEL
 
 
 def _takes_torch_layer_norm(
@@ -52,7 +50,7 @@ def _takes_torch_layer_norm(
         # from the buffer cache's size on, the fused kernels write into reused memory where
         # torch's output takes fresh pages on every call (3x torch's time at 32 MiB)
         return x.numel() * x.element_size() < buffers.OUTPUT_MIN_BYTES
-    return not detaching and x.numel() <= SMALL_NUMEL and x.dtype in _TORCH_BACKWARD_DTYPES
+    return not detaching and x.numel() <= SMALL_NUMEL and x.dtype in TORCH_BACKWARD_DTYPES
 
 
 def _gain(weight: Tensor | None, offset: float) -> Tensor | None:

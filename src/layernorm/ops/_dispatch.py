@@ -110,6 +110,20 @@ def lean_input(x: object, eps: object) -> bool:
     )
 
 
+# Up to this many elements a plain layer norm that needs gradients runs torch's native kernel in
+# the modules (layernorm.modules.normalization) and the recurrent layers' input projection: the
+# same formula, and there our autograd.Function's Python costs more than the fused kernels save.
+# Forward + backward, fused / torch, AMD EPYC (AVX2), one and two threads: (128, 768) 1.76 and
+# 2.15, (256, 768) 0.93-1.33 and 1.52-1.75, (128, 2048) 1.48 and 1.22; from about 1 MiB the two
+# are even, torch's time jumping between runs with whether its outputs' memory was handed back to
+# the system ((64, 4096) 0.88 and 0.78-1.45, (320, 768) 0.68 and 1.01-1.45).
+TORCH_KERNEL_NUMEL = 1 << 18
+#: The dtypes whose gradients torch's CPU layer norm gives within the fused kernels' tolerances
+#: (torch's bfloat16 and float16 backward gave dx errors 1.6x the fused kernels' bfloat16
+#: tolerance at 37 rows of 7, where the fused kernels compute in float32).
+TORCH_BACKWARD_DTYPES = (torch.float32, torch.float64)
+
+
 def needs_grad(x: Tensor, *params: Tensor | None) -> bool:
     """Whether autograd records an op on ``x`` and ``params`` now."""
     if not torch.is_grad_enabled():

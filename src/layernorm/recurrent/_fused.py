@@ -37,10 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..functional import layer_norm
+from ..functional import layer_norm as _layer_norm
 from ..kernels.cpu import _native
 from ..kernels.cpu import buffers as _buffers
 from ..kernels.cpu import layer_norm as cpu_layer_norm
+from ..ops._dispatch import TORCH_BACKWARD_DTYPES, TORCH_KERNEL_NUMEL
 from . import _cstep
 from ._pointwise import (
     C_KERNELS,
@@ -359,6 +360,13 @@ _PROJECTION_MIN_ROWS = 128
 _NATIVE_BYTES = 4 << 20
 
 
+def _torch_layer_norm(
+    x: Tensor, n: int, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> Tensor:
+    """:func:`layernorm.functional.layer_norm`'s arguments, torch's kernel."""
+    return F.layer_norm(x, (n,), weight, bias, eps)
+
+
 def normalized_projection(
     data: Tensor,
     w_ih: Tensor,
@@ -390,6 +398,17 @@ def normalized_projection(
         return None if t is None or len(cols) == 1 else t[c]
 
     if differentiated(data, w_ih, weight, bias) or not data.is_cpu or torch.jit.is_tracing():
+        # small float32 / float64 CPU projections: torch's layer norm, the same formula, where
+        # its native backward costs less than our autograd.Function (TORCH_KERNEL_NUMEL). Its
+        # statistics lose more to a row's offset than the fused kernels' (float32, offset / spread
+        # 1e3 to 1e7: about twice one rounding of the offset, relative to the spread), but a
+        # projection's rows come out of a GEMM in that dtype, which rounds them that much already
+        small = (
+            data.is_cpu
+            and data.dtype in TORCH_BACKWARD_DTYPES
+            and data.shape[0] * w_ih.shape[0] <= TORCH_KERNEL_NUMEL
+        )
+        layer_norm = _torch_layer_norm if small else _layer_norm
         if len(cols) == 1:
             return layer_norm(F.linear(data, w_ih), w_ih.shape[0], weight, bias, eps)
         # the parameters' blocks by split, not indexing: an indexed block's backward fills a

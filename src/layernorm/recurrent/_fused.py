@@ -342,12 +342,14 @@ def differentiated(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-# The input projection in inference is computed a chunk of rows at a time (normalized_projection)
-# so that a chunk's (rows, G) projection is still in L2 for its layer norm: about 1 MiB a chunk,
-# at least 128 rows. Smaller chunks cost their per-call overhead (a GEMM dispatch and a checked C
-# call, ~10 µs): at (4000 rows, 32 inputs, 512 columns) 128-row chunks took 3.4 ms, 512-row
-# chunks 2.2 ms, as F.linear then layer_norm on all rows (AMD EPYC, one thread).
-_PROJECTION_BYTES = 1 << 20
+# The input projection in inference is computed a chunk of rows at a time (normalized_projection),
+# each chunk's GEMM into a buffer of the cache, so that inference holds one (N, G) result and a
+# chunk instead of two (N, G) buffers: about 8 MiB a chunk, at least 128 rows. Smaller chunks cost
+# GEMM efficiency and per-call overhead: at (4000 rows, 32 inputs, 512 columns) 128-row chunks took
+# 3.4 ms, 512-row chunks 2.2 ms, as F.linear then layer_norm on all rows (AMD EPYC, one thread);
+# LN-LSTM inference at (35, 20, 650, 650), two threads, 1 MiB chunks (128 rows) 1.09-1.20x
+# torch.nn.LSTM's time, 8 MiB (all 700 rows) 0.94-1.00x; at (200, 32, 650, 650) 1.21 -> 1.05x.
+_PROJECTION_BYTES = 8 << 20
 _PROJECTION_MIN_ROWS = 128
 # Up to this size of the (rows, G) projection inference computes it whole with F.linear and
 # normalizes it with torch's own layer_norm, the same formula: the chunks' extra GEMM dispatches,
@@ -453,7 +455,9 @@ def normalized_projection(
         rows = slice(r0, r0 + chunk)
         # one GEMM for every block: the GRU's two GEMMs of a 32-row step took 1.44 ms where one
         # took 1.05, the GEMMs alone (B = 32, I = H = 512, two threads, AMD EPYC)
-        xp = torch.mm(data[rows], w_t)
+        part_rows = data[rows]
+        # from the buffer cache: a fresh chunk of a few MiB faults its pages on every call
+        xp = torch.mm(part_rows, w_t, out=_buffers.empty(data, (part_rows.shape[0], w_t.shape[1])))
         for c, wc, bc, whole in blocks:
             xc = xp if len(cols) == 1 else xp[:, c].contiguous()
             if whole:

@@ -1,0 +1,83 @@
+"""A/B of one dispatch setting of the recurrent layers, in one process, against torch.nn.
+
+A threshold of :mod:`layernorm.recurrent._fused` (a module attribute: a byte or element limit, a
+chunk size, a function choosing kernels) is set to value A before one provider's calls and to
+value B before the other's; both run the same layer on the same input, round after round in
+shuffled order with ``torch.nn.LSTM`` / ``GRU`` beside them (:func:`_timing.interleaved_samples`),
+so the two settings see the same machine. Printed: each setting's time as a ratio to torch's, of
+the medians (of the fastest rounds). One timed call is that of ``bench_rnn.py``: forward and
+``backward()`` of ``output.sum()`` with the gradients set to ``None`` after it (``train``), or the
+forward under ``no_grad`` (``infer``).
+
+    python benchmarks/ab_rnn.py --kind lstm --shape 35x20x650x650 --mode infer --threads 2 \\
+        --attr _PROJECTION_BYTES --a "1 << 20" --b "8 << 20"
+
+``--a`` and ``--b`` are Python expressions, evaluated with ``_fused`` in scope (``--b
+_fused._one_step_kernels`` keeps a function as it is, ``--a "lambda k, s: k"`` replaces it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import CLOCKS, cpu_model, interleaved_samples, use_clock
+from bench_rnn import KINDS, step
+from layernorm.kernels.cpu import targets
+from layernorm.recurrent import _fused
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--kind", choices=sorted(KINDS), default="lstm")
+    ap.add_argument("--shape", default="50x8x64x128", help="T x B x I x H")
+    ap.add_argument("--mode", choices=("train", "infer"), default="train")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--attr", required=True, help="an attribute of layernorm.recurrent._fused")
+    ap.add_argument("--a", required=True, help="its value for provider A (a Python expression)")
+    ap.add_argument("--b", required=True, help="its value for provider B")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    args = ap.parse_args()
+    if not hasattr(_fused, args.attr):
+        ap.error(f"layernorm.recurrent._fused has no attribute {args.attr!r}")
+    scope = {"_fused": _fused}
+    # the command line's own expressions, evaluated as the user typed them
+    values = {"A": eval(args.a, scope), "B": eval(args.b, scope)}
+    torch.set_num_threads(args.threads)
+    use_clock(args.clock)
+    t, b, i, h = (int(v) for v in args.shape.split("x"))
+    torch.manual_seed(0)
+    tcls, ocls = KINDS[args.kind]
+    ref = tcls(i, h)
+    ours = ocls.from_torch(ref)
+    x = (torch.randn(t, b, i) + 0.5).requires_grad_(args.mode == "train")
+    run = step(ours, x, args.mode)
+
+    def with_value(value: object):
+        def fn() -> None:
+            setattr(_fused, args.attr, value)
+            run()
+
+        return fn
+
+    fns = {"torch": step(ref, x, args.mode), "A": with_value(values["A"]),
+           "B": with_value(values["B"])}  # fmt: skip
+    samples = interleaved_samples(fns, warmup=3, reps=args.reps)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    low = {k: min(v) for k, v in samples.items()}
+    print(f"device: {cpu_model()} | kernels {targets.selected().name} | torch {torch.__version__} "
+          f"| threads {args.threads} | clock {args.clock}")  # fmt: skip
+    print(f"{args.kind} {(t, b, i, h)} {args.mode}: torch {med['torch']:.2f} ms; {args.attr} "
+          f"A = {args.a}: {med['A'] / med['torch']:.2f} ({low['A'] / low['torch']:.2f}), "
+          f"B = {args.b}: {med['B'] / med['torch']:.2f} ({low['B'] / low['torch']:.2f}) "
+          f"x torch, medians (fastest rounds) of {args.reps} rounds")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -141,8 +141,10 @@ class _Cache:
     def _evict(self, room: int) -> None:
         """Drop free buffers, least recently used first, until ``room`` more bytes fit, asking
         at most :data:`_MAX_PROBES` buffers in use (under the lock)."""
+        if self.bytes + room <= self.limit:
+            return
         busy = 0
-        for ident, flat in list(self.entries.items()):
+        for ident, flat in list(self.entries.items()):  # a copy: dropping changes entries
             if self.bytes + room <= self.limit or busy == _MAX_PROBES:
                 return
             if self._free(flat):

@@ -540,6 +540,34 @@ def test_zoneout_and_recurrent_dropout_fused_equals_loop_from_the_same_seed(
             torch.testing.assert_close(a, b, **TOL)
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_masks_on_one_step_of_a_batch_fused_equals_loop_from_the_same_seed(kind: str) -> None:
+    """One time step of more rows than the sequence kernels read their weights as stored for:
+    the GRU trains it on the C step kernels around torch's GEMMs; zoneout, recurrent dropout and
+    DropConnect give the loop's values and gradients there too."""
+    from layernorm.recurrent import _cstep
+
+    batch = _cstep.direct_rows() + 4
+    opts = {"weight_dropout": 0.2, "zoneout_hidden": 0.3, "recurrent_dropout": 0.4}
+    model = LAYERS[kind](5, 4, dtype=DT, **opts)
+    randomize(model)
+    x, hx = seq(1, batch, 5), hx_for(kind, batch, 4)
+    for training in (True, False):
+        model.train(training)
+        results = []
+        for impl in ("fused", "loop"):
+            model.impl = impl
+            xi = x.clone().requires_grad_()
+            hi = tuple(s.clone().requires_grad_() for s in hx)
+            torch.manual_seed(3)
+            out, states = model(xi, hi if kind == "lstm" else hi[0])
+            states = states if isinstance(states, tuple) else (states,)
+            grads = grads_of((out, states), [xi, *hi, *model.parameters()])
+            results.append([out, *states, *grads])
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+
+
 def test_the_fused_path_runs_masks_and_proj_size_on_the_c_kernels(monkeypatch) -> None:
     """Zoneout, recurrent dropout and proj_size stay on the fused node, on the C kernels where
     they are built (the projection on the per-step ones: the sequence kernels have none)."""

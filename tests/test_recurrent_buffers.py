@@ -259,3 +259,32 @@ def test_small_norm_outputs_are_plain_allocations() -> None:
     with torch.no_grad():
         layernorm.layer_norm(x, 64)
     assert _buffers.cached_bytes() == 0
+
+
+@pytest.mark.parametrize("cls", [LayerNormLSTM, LayerNormGRU], ids=["lstm", "gru"])
+@pytest.mark.parametrize("steps", [1, 40], ids=["one step", "sequence"])
+def test_weight_gradients_come_from_the_cache_and_kept_ones_stay(cls, steps) -> None:
+    """The recurrent weight's gradient is a buffer of the cache: after ``zero_grad()`` the next
+    step's gradient takes the same memory (no fresh pages), and a gradient the caller kept is
+    never written by a later step."""
+    torch.manual_seed(0)
+    model = cls(16, 160)  # W_hh (G, 160): above the cache's smallest buffer
+    x = torch.randn(steps, 16, 16)
+
+    def step(inputs: torch.Tensor) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        model(inputs)[0].square().sum().backward()
+        return model.weight_hh_l0.grad
+
+    assert model.weight_hh_l0.numel() * 4 >= _buffers.MIN_BYTES
+    first = step(x)
+    cached = {t.untyped_storage().data_ptr() for t in _buffers._CACHE.entries.values()}
+    assert first.untyped_storage().data_ptr() in cached
+    ptr = first.data_ptr()
+    del first
+    assert step(x).data_ptr() == ptr  # released by zero_grad, handed out again
+    kept = model.weight_hh_l0.grad
+    kept_values = kept.clone()
+    again = step(2 * x)  # `kept` is still held: the new gradient takes other memory
+    assert again.data_ptr() != kept.data_ptr()
+    assert torch.equal(kept, kept_values)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ..kernels.cpu import buffers as _buffers
 from ..kernels.cpu import rnn, rnn_abi, targets
 
 # Below this many elements per step one thread does the rows: waking the pool costs more.
@@ -300,10 +301,14 @@ def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
 def transposed_product(d: Tensor, x: Tensor) -> Tensor:
     """``dᵀ · x`` (``(N, G)``, ``(N, J)`` → ``(G, J)``, a weight's gradient over N rows) with
     ``torch.mm``, in the operand order MKL runs faster for the shape: ``(xᵀ · d)ᵀ`` copied to
-    row-major, unless J >= 256 and G a multiple of 512. One thread, AMD EPYC, ms of
+    row-major, unless N < 256 or J >= 256 and G a multiple of 512. One thread, AMD EPYC, ms of
     ``dᵀ.mm(x)`` against ``(xᵀ.mm(d))ᵀ``: (N, G, J) = (700, 2600, 650) 43.3 / 28.7,
-    (4000, 512, 32) 2.46 / 1.91, (3200, 1024, 64) 6.58 / 5.84, (3200, 1024, 128) 10.9 / 9.9;
-    (3200, 1024, 256) 18.7 / 21.5, (6400, 2048, 512) 149 / 168."""
-    if x.shape[1] >= 256 and d.shape[1] % 512 == 0:
-        return d.t().mm(x)
-    return x.t().mm(d).t().contiguous()
+    (4000, 512, 32) 2.46 / 1.91, (3200, 1024, 64) 6.58 / 5.84, (3200, 1024, 128) 10.9 / 9.9,
+    (512, 1024, 128) 2.01 / 1.74; (3200, 1024, 256) 18.7 / 21.5, (6400, 2048, 512) 149 / 168;
+    few rows (a step of a batch): (64, 768, 256) 0.31 / 0.50, (128, 512, 64) 0.15 / 0.20,
+    (256, 1024, 128) 0.97 / 0.97. The result is a buffer of the cache (see
+    :func:`._fused._weight_grad`)."""
+    out = _buffers.empty(d, (d.shape[1], x.shape[1]))
+    if d.shape[0] < 256 or (x.shape[1] >= 256 and d.shape[1] % 512 == 0):
+        return torch.mm(d.t(), x, out=out)
+    return out.copy_(torch.mm(x.t(), d, out=_buffers.empty(d, (x.shape[1], d.shape[1]))).t())

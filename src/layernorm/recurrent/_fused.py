@@ -223,7 +223,9 @@ def _weight_grad(kernels: StepKernels, dhp: Tensor, hprev: Tensor) -> Tensor:
     """``dhpᵀ · hprev`` (the recurrent weight's gradient, one GEMM over all rows)."""
     if kernels.weight_grad is not None:
         return kernels.weight_grad(dhp, hprev)
-    return dhp.t().mm(hprev)
+    # into a buffer of the cache: a weight's gradient is megabytes, handed to the parameter and
+    # freed by zero_grad(), so a fresh one faults its pages on every step
+    return torch.mm(dhp.t(), hprev, out=_buffers.empty(dhp, (dhp.shape[1], hprev.shape[1])))
 
 
 def _previous_from_later_rows(kernels: StepKernels, sched: Schedule, batch: int) -> bool:
@@ -422,11 +424,15 @@ def normalized_projection(
         if data.shape[0] <= data.shape[1]:
             # fewer rows than inputs (a step of a batch): one GEMM, the blocks split from its
             # result, whose copies (a layer norm reads its block contiguous) and gradient
-            # concatenation are smaller than W_ih's gradient concatenated from its blocks
+            # concatenation are smaller than W_ih's gradient concatenated from its blocks; on the
+            # CPU into buffers of the cache, its gradients too (see _weight_grad), except under
+            # a trace, which would keep a buffer as a constant
+            cached = data.is_cpu and not torch.jit.is_tracing()
+            xp = _Projection.apply(data, w_ih) if cached else F.linear(data, w_ih)
             return torch.cat([
                 layer_norm(xb, n, g, b, eps)
-                for n, xb, g, b in zip(sizes, F.linear(data, w_ih).split(sizes, dim=1), g_parts,
-                                       b_parts, strict=True)
+                for n, xb, g, b in zip(sizes, xp.split(sizes, dim=1), g_parts, b_parts,
+                                       strict=True)
             ], dim=1)  # fmt: skip
         w_parts = w_ih.split(sizes)
         return torch.cat([
@@ -747,7 +753,10 @@ class _Projection(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
         data, w_ih = ctx.saved_tensors
         need = ctx.needs_input_grad
-        d_data = grad.mm(w_ih) if need[0] else None
+        # into buffers of the cache as the weight's gradient (see _weight_grad)
+        d_data = None
+        if need[0]:
+            d_data = torch.mm(grad, w_ih, out=_buffers.empty(grad, (grad.shape[0], w_ih.shape[1])))
         d_w_ih = _cstep.transposed_product(grad, data) if need[1] else None
         return d_data, d_w_ih
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import cache, cbuild, rnn_abi, targets
+from . import buffers, cache, cbuild, rnn_abi, targets
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
 #: The translation units (headers are found next to them).
@@ -203,7 +203,9 @@ def weight_grad(dhp: Tensor, hprev: Tensor, threads: int, gemm_grain: int) -> Te
     """``dhpᵀ · hprev`` (``(N, G)``, ``(N, H)`` → ``(G, H)``) with the C GEMM."""
     n_rows, gates = dhp.shape
     hs = hprev.shape[1]
-    dw = dhp.new_empty((gates, hs))
+    # a buffer of the cache: a weight's gradient, freed by zero_grad() and faulting its pages
+    # afresh on every step otherwise
+    dw = buffers.empty(dhp, (gates, hs))
     values = {"dhp": dhp, "hprev": hprev, "dw": dw, "threads": max(1, threads),
               "gemm_grain": gemm_grain}  # fmt: skip
     sizes = {"N": n_rows, "G": gates, "H": hs}

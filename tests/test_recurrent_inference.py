@@ -253,6 +253,7 @@ def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype, monke
     chunks and a remainder; the values are those of one projection of all rows (training), to
     the GEMM's rounding in float32."""
     monkeypatch.setattr(_fused, "_PROJECTION_BYTES", 0)
+    monkeypatch.setattr(_fused, "_PROJECTION_BLOCKS_BYTES", 0)
     monkeypatch.setattr(_fused, "_NATIVE_BYTES", 0)  # the chunks whatever the size
     assert _fused._PROJECTION_MIN_ROWS == 128
     model = _model("lstm", dtype, num_layers=2, proj_size=4)
@@ -273,6 +274,7 @@ def test_projection_chunks_and_blocks_equal_the_differentiable_one(blocks, dtype
     differentiable projection (F.linear, then a layer norm per block); float16 takes the
     backend's kernels on a copy of each block."""
     monkeypatch.setattr(_fused, "_PROJECTION_BYTES", 0)
+    monkeypatch.setattr(_fused, "_PROJECTION_BLOCKS_BYTES", 0)
     monkeypatch.setattr(_fused, "_NATIVE_BYTES", 0)  # the chunks whatever the size
     gen = torch.Generator().manual_seed(11)
     gates = 39 if blocks else 52

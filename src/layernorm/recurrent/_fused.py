@@ -351,7 +351,11 @@ def differentiated(*tensors: Tensor | None) -> bool:
 # 3.4 ms, 512-row chunks 2.2 ms, as F.linear then layer_norm on all rows (AMD EPYC, one thread);
 # LN-LSTM inference at (35, 20, 650, 650), two threads, 1 MiB chunks (128 rows) 1.09-1.20x
 # torch.nn.LSTM's time, 8 MiB (all 700 rows) 0.94-1.00x; at (200, 32, 650, 650) 1.21 -> 1.05x.
+# The GRU's blocks (each copied out of the chunk, normalized, copied into the result) keep 1 MiB
+# chunks: 8 MiB gained nothing there ((35, 20, 650, 650): 0.71 / 0.73x torch.nn.GRU's time, two
+# threads) and raised the call's peak memory from 9.3 to 19.2 MB (torch.nn.GRU's: 8.7).
 _PROJECTION_BYTES = 8 << 20
+_PROJECTION_BLOCKS_BYTES = 1 << 20
 _PROJECTION_MIN_ROWS = 128
 # Up to this size of the (rows, G) projection inference computes it whole with F.linear and
 # normalizes it with torch's own layer_norm, the same formula: the chunks' extra GEMM dispatches,
@@ -450,7 +454,8 @@ def normalized_projection(
     ln = ln_kernels(data)
     native = ln is cpu_layer_norm
     out = data.new_empty(data.shape[0], w_ih.shape[0])
-    chunk = max(_PROJECTION_MIN_ROWS, _PROJECTION_BYTES // (w_ih.shape[0] * data.element_size()))
+    chunk_bytes = _PROJECTION_BYTES if len(cols) == 1 else _PROJECTION_BLOCKS_BYTES
+    chunk = max(_PROJECTION_MIN_ROWS, chunk_bytes // (w_ih.shape[0] * data.element_size()))
     w_t = w_ih.t()
     # per block: its columns, gain, bias, and whether the native kernel takes them, asked once of
     # `out` (contiguous, in data's dtype and device, as every chunk's projection is)

@@ -552,3 +552,30 @@ def test_small_training_projection_takes_torch_s_layer_norm(limit, monkeypatch) 
     out_l, grads_l = run(model, x, hx, packed=False)
     for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
         torch.testing.assert_close(a, b, **FUSED_TOL)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("node_bytes", [0, 1 << 40], ids=["projection node", "F.linear"])
+def test_raw_projection_either_way_equals_reference_loop(kind, node_bytes, monkeypatch) -> None:
+    """The raw input projection (the LSTM's, whose layer norm the C kernels add; the GRU's one
+    GEMM for a step of a batch) through the projection node, whose result and gradients are
+    buffers of the cache, or through ``F.linear`` below ``_PROJECTION_NODE_BYTES``: the loop's
+    values and gradients either way."""
+    from layernorm.recurrent import _cstep, _fused
+
+    monkeypatch.setattr(_fused, "_PROJECTION_NODE_BYTES", node_bytes)
+    nodes = []
+    real = _fused._Projection.apply
+    monkeypatch.setattr(_fused._Projection, "apply", lambda *a: nodes.append(1) or real(*a))
+    batch = _cstep.direct_rows() + 4
+    cls, _ = LAYERS[kind]
+    model = cls(16, 5, dtype=DT)
+    randomize(model)
+    x, hx = seq(1 if kind == "gru" else 3, batch, 16), states(kind, 1, batch, 5)
+    out_f, grads_f = run(model, x, hx, packed=False)
+    if _cstep.sequence_gemm():
+        assert len(nodes) == (1 if node_bytes == 0 else 0)
+    model.impl = "loop"
+    out_l, grads_l = run(model, x, hx, packed=False)
+    for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **FUSED_TOL)

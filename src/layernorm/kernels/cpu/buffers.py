@@ -138,14 +138,14 @@ class _Cache:
             self.sizes[old.dtype].remove(key[1])
         self.bytes -= old.numel() * old.element_size()
 
-    def _evict(self, room: int) -> None:
+    def _evict(self, room: int, max_busy: int | None = _MAX_PROBES) -> None:
         """Drop free buffers, least recently used first, until ``room`` more bytes fit, asking
-        at most :data:`_MAX_PROBES` buffers in use (under the lock)."""
+        at most ``max_busy`` buffers in use (``None``: all of them) (under the lock)."""
         if self.bytes + room <= self.limit:
             return
         busy = 0
         for ident, flat in list(self.entries.items()):  # a copy: dropping changes entries
-            if self.bytes + room <= self.limit or busy == _MAX_PROBES:
+            if self.bytes + room <= self.limit or busy == max_busy:
                 return
             if self._free(flat):
                 self._drop(ident)
@@ -178,11 +178,7 @@ class _Cache:
     def set_limit(self, limit: int) -> None:
         with self.lock:
             self.limit = limit
-            for ident, flat in list(self.entries.items()):  # every free buffer beyond it
-                if self.bytes <= limit:
-                    break
-                if self._free(flat):
-                    self._drop(ident)
+            self._evict(0, max_busy=None)  # every free buffer beyond it
 
     def clear(self) -> None:
         with self.lock:

@@ -223,9 +223,11 @@ def _weight_grad(kernels: StepKernels, dhp: Tensor, hprev: Tensor) -> Tensor:
     """``dhpᵀ · hprev`` (the recurrent weight's gradient, one GEMM over all rows)."""
     if kernels.weight_grad is not None:
         return kernels.weight_grad(dhp, hprev)
-    # into a buffer of the cache: a weight's gradient is megabytes, handed to the parameter and
-    # freed by zero_grad(), so a fresh one faults its pages on every step
-    return torch.mm(dhp.t(), hprev, out=_buffers.empty(dhp, (dhp.shape[1], hprev.shape[1])))
+    if dhp.is_cpu:
+        # into a buffer of the cache: a weight's gradient is megabytes, handed to the parameter
+        # and freed by zero_grad(), so a fresh one faults its pages on every step
+        return _cstep.transposed_product(dhp, hprev)
+    return dhp.t().mm(hprev)
 
 
 def _previous_from_later_rows(kernels: StepKernels, sched: Schedule, batch: int) -> bool:

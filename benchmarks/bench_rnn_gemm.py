@@ -8,6 +8,10 @@ emulated on an AVX-512 processor) and timed round-robin with ``torch.mm`` in one
 ratios hold on a shared machine. Results are checked against ``torch.mm`` first.
 
     python benchmarks/bench_rnn_gemm.py --threads 1
+    python benchmarks/bench_rnn_gemm.py --targets avx512 --variant mr12=-DGEMM_MR=12
+
+``--variant NAME=FLAGS`` adds a build of each chosen target with extra compiler flags (e.g. another
+row tile, ``-DGEMM_MR=12``, see rnn_seq_impl.h), timed beside the others as ``TARGET+NAME``.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from layernorm.kernels.cpu import cbuild, rnn, rnn_abi, targets
 BENCH_C = Path(__file__).resolve().parent / "csrc" / "rnn_gemm_bench.c"
 
 
-def load(target: targets.Target) -> ctypes.CDLL:
-    """This target's GEMM harness (the recurrent kernels' sources plus one entry point)."""
+def load(target: targets.Target, variant: str = "", flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """This target's GEMM harness (the recurrent kernels' sources plus one entry point), built with
+    ``flags`` added under the name ``variant``."""
+    name = f"layernorm_gemm_bench_{target.name}" + (f"_{variant}" if variant else "")
     path = cbuild.build_shared_library(
-        (BENCH_C, rnn_abi.CSRC_DIR / "rnn_step.c"), f"layernorm_gemm_bench_{target.name}",
-        rnn.EXTRA_FLAGS, isa_flags=target.flags,
+        (BENCH_C, rnn_abi.CSRC_DIR / "rnn_step.c"), name, (*rnn.EXTRA_FLAGS, *flags),
+        isa_flags=target.flags,
     )  # fmt: skip
     lib = ctypes.CDLL(str(path))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -72,9 +78,19 @@ def main() -> None:
     ap.add_argument("--inner", type=int, default=20, help="products per timed call")
     ap.add_argument("--rows", default="4,8,16,32,64")
     ap.add_argument("--hidden", default="128,256,650")
+    ap.add_argument("--targets", default="", help="comma-separated (default: every one this CPU runs)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="also build each target with these compiler flags (repeatable)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    libs = {t: load(targets.target(t)) for t in targets.available()}
+    names = args.targets.split(",") if args.targets else list(targets.available())
+    libs = {t: load(targets.target(t)) for t in names}
+    for spec in args.variant:
+        variant, sep, flags = spec.partition("=")
+        if not sep or not variant.isidentifier():
+            ap.error(f"--variant takes NAME=FLAGS with NAME a word, got {spec!r}")
+        for t in names:
+            libs[f"{t}+{variant}"] = load(targets.target(t), variant, tuple(flags.split()))
     print(f"device: {cpu_model()} | targets {', '.join(libs)} | torch {torch.__version__} | "
           f"threads {args.threads} | float32 | GFLOP/s, median of {args.reps}\n")  # fmt: skip
     print("| pass | M | K | N | torch.mm | " + " | ".join(libs) + " | "

@@ -9,7 +9,7 @@ int bench_gemm_f32(int64_t M, int64_t N, int64_t K, const float* A, const float*
                    int repack, int reps, int threads) {
     const float* P = NULL;
     for (int r = 0; r < reps; ++r) {
-        if (repack || !P) P = packed_weight_f32(B, K, N, 0, threads);
+        if (repack || !P) P = packed_weight_f32(B, K, N, 0, threads, 0);
         if (!P) return RNN_ERR_NOMEM;
         gemm_f32(M, N, K, A, K, 1, P, C, N, 0, threads);
     }

@@ -32,12 +32,20 @@
    rounding differs from torch.mm. */
 
 #define FN(name) RNN_CAT(name, SUF)
+/* A build may set GEMM_MR and GEMM_BALANCED with -D, as benchmarks/bench_rnn_gemm.py --variant
+   does to compare tiles on one processor; both instantiations (f32, f64) use the same. */
+#ifndef GEMM_MR
 #if VEC_BYTES >= 64
 #define GEMM_MR 8
-#define GEMM_BALANCED 4
 #else
 #define GEMM_MR 6
-#define GEMM_BALANCED 3
+#endif
+#endif
+#ifndef GEMM_BALANCED
+#define GEMM_BALANCED (GEMM_MR / 2)
+#endif
+#if GEMM_MR < 6 || GEMM_MR > 16 || GEMM_MR % 2
+#error "GEMM_MR must be even, from 6 to 16 (tile_rows has a case for each row count up to it)"
 #endif
 #define GEMM_KC 128
 
@@ -201,6 +209,18 @@ static void FN(tile_rows)(int rows, const scalar_t* A, i64 sar, i64 sak, const s
         TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
 #if GEMM_MR >= 8
         TILE_CASE(7) TILE_CASE(8)
+#endif
+#if GEMM_MR >= 10
+        TILE_CASE(9) TILE_CASE(10)
+#endif
+#if GEMM_MR >= 12
+        TILE_CASE(11) TILE_CASE(12)
+#endif
+#if GEMM_MR >= 14
+        TILE_CASE(13) TILE_CASE(14)
+#endif
+#if GEMM_MR >= 16
+        TILE_CASE(15) TILE_CASE(16)
 #endif
         default: return;
     }
@@ -748,9 +768,7 @@ int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) 
 #undef DOT_ACC
 #undef VL
 #undef NR
-#undef GEMM_MR
 #undef GEMM_KC
-#undef GEMM_BALANCED
 #undef GEMM_WIDE_MR
 #undef IN_REGISTERS
 #undef FN

@@ -64,10 +64,13 @@ static inline void FN(sflush)(FN(svec) p0, FN(svec) p1, acc_t* acc) {
     for (i64 l = 0; l < SVL; ++l) acc[l] += (acc_t)p[l];
 }
 
-static inline acc_t FN(sfold)(const acc_t* acc) {
-    acc_t s = 0;
-    for (i64 l = 0; l < SVL; ++l) s += acc[l];
-    return s;
+/* Σ acc[l], folded pairwise as the norm kernels fold (norms_common.h fold_half): log2(SVL)
+   dependent vector adds where a running sum waited on SVL scalar adds (16 with AVX-512, four
+   times per LSTM row). Destroys acc. */
+static inline acc_t FN(sfold)(acc_t* acc) {
+    for (i64 w = SVL / 2; w >= 1; w /= 2)
+        for (i64 l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return acc[0];
 }
 
 /* Σ (x − c) and, with sq, Σ (x − c)² over a row, blocked as above. */

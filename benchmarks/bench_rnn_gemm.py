@@ -78,9 +78,14 @@ def main() -> None:
     ap.add_argument("--inner", type=int, default=20, help="products per timed call")
     ap.add_argument("--rows", default="4,8,16,32,64")
     ap.add_argument("--hidden", default="128,256,650")
-    ap.add_argument("--targets", default="", help="comma-separated (default: every one this CPU runs)")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                    help="also build each target with these compiler flags (repeatable)")
+    ap.add_argument("--targets", default="", help="comma-separated (default: all this CPU runs)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="also build each target with these compiler flags (repeatable)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     names = args.targets.split(",") if args.targets else list(targets.available())

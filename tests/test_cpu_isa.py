@@ -11,6 +11,7 @@ tested on made-up feature sets, so they are checked on any machine.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import subprocess
@@ -26,6 +27,7 @@ from layernorm import LayerNormGRU, LayerNormLSTM
 from layernorm.kernels.cpu import _native, cbuild, isa, rnn, targets
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
+from tolerances import assert_close_to_rounding
 
 AVAILABLE = targets.available() if cbuild.compiler() is not None else ()
 needs_kernels = pytest.mark.skipif(not AVAILABLE, reason="no C compiler: eager path only")
@@ -232,13 +234,14 @@ def _run(model: torch.nn.Module, xs: list[torch.Tensor], packed: bool) -> list[t
     dtype, batch, hidden = xs[0].dtype, len(xs), model.hidden_size
     gen = torch.Generator().manual_seed(3)
     n_states = 2 if isinstance(model, LayerNormLSTM) else 1
-    hx = [torch.randn(2, batch, hidden, generator=gen, dtype=torch.float64).to(dtype)
-          .requires_grad_() for _ in range(n_states)]  # fmt: skip
+    # values representable in float32, so a float64 run of a float32 case sees the same ones
+    hx = [torch.randn(2, batch, hidden, generator=gen).to(dtype).requires_grad_()
+          for _ in range(n_states)]  # fmt: skip
     inp = pack_sequence(xs, enforce_sorted=False) if packed else torch.stack(xs, 1)
     out, h_n = model(inp, tuple(hx) if n_states == 2 else hx[0])
     data = out.data if packed else out
     h_n = h_n if isinstance(h_n, tuple) else (h_n,)
-    weights = torch.linspace(-1, 2, data.numel(), dtype=torch.float64).to(dtype).view_as(data)
+    weights = torch.linspace(-1, 2, data.numel()).to(dtype).view_as(data)
     ((data * weights).sum() + sum((s * s).sum() for s in h_n)).backward()
     grads = [*(x.grad for x in xs), *(s.grad for s in hx), *(p.grad for p in model.parameters())]
     return [data.detach(), *(s.detach() for s in h_n), *grads]
@@ -250,10 +253,38 @@ def _inputs(batch: int, packed: bool) -> list[torch.Tensor]:
     return [0.5 + torch.randn(n, 6, generator=gen, dtype=torch.float64) for n in lengths]
 
 
-# Rows that fill no, one and several row tiles (6 rows with AVX2/SSE, 8 with AVX-512, split into
+# Rows that fill no, one and several row tiles (6 rows with AVX2/SSE, 14 with AVX-512, split into
 # near-equal tiles), hidden sizes whose gate columns end in a full panel, part of a vector and
 # scalar leftovers for every vector width.
 RNN_SHAPES = [(4, 16), (11, 37), (17, 8)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_recurrent_gemm_every_row_count(name, dtype) -> None:
+    """A packed batch of 31 sequences of lengths 31 down to 1: step t has 31 − t rows, so the
+    forward and backward GEMMs run every row count from 31 to 1 (the wide tile's 1–4, every case
+    of the row tile up to GEMM_MR, and splits into two and three near-equal tiles) against the
+    per-step loop; hidden 37 leaves a partial panel of 148 gate columns."""
+    gen = torch.Generator().manual_seed(4)
+    xs = [0.5 + torch.randn(n, 6, generator=gen, dtype=dtype) for n in range(31, 0, -1)]
+    fused = _model("lstm", 37, dtype, "fused")
+    with targets.use(name):
+        register_step_kernels("cpu", _pointwise.C_KERNELS)
+        try:
+            ours = _run(fused, xs, packed=True)
+        finally:
+            register_step_kernels("cpu", None)
+    loop = _model("lstm", 37, dtype, "loop")
+    ref = _run(loop, xs, packed=True)
+    if dtype == torch.float64:
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+        return
+    # float32: the loop's GEMM is torch.mm's, in another order; bound by the rounding's size here
+    exact = _run(copy.deepcopy(loop).double(), [x.double() for x in xs], packed=True)
+    assert_close_to_rounding(ours, ref, exact, rtol=2e-5, atol=2e-5)
 
 
 @needs_kernels

@@ -13,6 +13,7 @@ of the GEMM.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -21,6 +22,7 @@ from torch.nn.utils.rnn import pack_sequence
 
 from layernorm import LayerNormGRU, LayerNormLSTM
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
+from tolerances import assert_close_to_rounding
 
 pytestmark = pytest.mark.skipif(
     not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
@@ -49,13 +51,14 @@ def _run(model: torch.nn.Module, xs: list[torch.Tensor], packed: bool) -> list[t
     gen = torch.Generator().manual_seed(3)
     n_states = 2 if isinstance(model, LayerNormLSTM) else 1
     dirs = 2 if model.bidirectional else 1
-    hx = [torch.randn(dirs, batch, hidden, generator=gen, dtype=xs[0].dtype).requires_grad_()
+    # drawn in float32 and converted, so a float64 run of a float32 case sees the same values
+    hx = [torch.randn(dirs, batch, hidden, generator=gen).to(xs[0].dtype).requires_grad_()
           for _ in range(n_states)]  # fmt: skip
     inp = pack_sequence(xs, enforce_sorted=False) if packed else torch.stack(xs, 1)
     out, h_n = model(inp, tuple(hx) if n_states == 2 else hx[0])
     data = out.data if packed else out
     h_n = h_n if isinstance(h_n, tuple) else (h_n,)
-    weights = torch.linspace(-1, 2, data.numel(), dtype=data.dtype).view_as(data)
+    weights = torch.linspace(-1, 2, data.numel()).to(data.dtype).view_as(data)
     ((data * weights).sum() + sum((s * s).sum() for s in h_n)).backward()
     grads = [*(x.grad for x in xs), *(s.grad for s in hx), *(p.grad for p in model.parameters())]
     return [data.detach(), *(s.detach() for s in h_n), *grads]
@@ -85,8 +88,14 @@ def test_sequence_kernels_equal_per_step_loop(kind, batch, hidden, packed, steps
     lengths = [steps - (i % min(steps, 4)) for i in range(batch)] if packed else [steps] * batch
     xs = [0.5 + torch.randn(n, 6, generator=gen, dtype=dtype) for n in lengths]
     ours, ref = _both(model, xs, packed)
-    for a, b in zip(ours, ref, strict=True):
-        torch.testing.assert_close(a, b, **TOL[dtype])
+    if dtype == torch.float64:
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, b, **TOL[dtype])
+        return
+    # float32: the two GEMMs' orders differ by the processor's BLAS; the bound follows the size
+    # of the per-step loop's rounding, measured against the same layer run in float64
+    exact = _run(copy.deepcopy(model).double(), [x.double() for x in xs], packed)
+    assert_close_to_rounding(ours, ref, exact, **TOL[dtype])
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])

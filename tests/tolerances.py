@@ -124,3 +124,45 @@ def simple(in_dtype: torch.dtype, quantity: str, kappa: float = 4.0) -> tuple[fl
     u = UNIT_ROUNDOFF[COMPUTE[in_dtype]]
     tol = K[in_dtype][quantity] * u * kappa
     return tol, max(tol, 2 * UNIT_ROUNDOFF[in_dtype])
+
+
+def assert_close_to_rounding(
+    actual: list[torch.Tensor],
+    ref: list[torch.Tensor],
+    exact: list[torch.Tensor],
+    *,
+    atol: float,
+    rtol: float,
+    factor: float = 8.0,
+) -> None:
+    """``actual`` and ``ref``: the results of one computation (a layer's outputs and gradients,
+    say) done twice in one dtype along paths that round differently, such as a recurrent layer
+    whose GEMMs sum in another order (the C tile against BLAS, whose blocking and vector width
+    follow the processor: MKL's AVX-512 kernels on an Intel Xeon put float32 results of a 5-step
+    LN-LSTM 2.6e-5 from the per-step loop's, past a fixed 2e-5); ``exact``: the same computation
+    in float64 on the same rounded inputs.
+
+    How far rounding moves such results depends on the problem (steps, layer norms of rows with
+    little spread, sums over many rows), and which of two paths lands nearer ``exact`` varies from
+    result to result (a GEMM order can be lucky on one direction's gradients), so the bound is
+    the problem's measured sensitivity: ``ref``'s largest error relative to its result's size,
+    over all results, ``ρ = max_i ‖ref_i − exact_i‖∞ / ‖exact_i‖∞``. Each ``actual_i`` may differ
+    from ``ref_i`` by ``atol + rtol·|ref_i|`` or by ``factor · ρ · ‖ref_i‖∞``, whichever is
+    larger: differences of the order of the rounding pass on any processor, a wrong value (many
+    times the rounding) does not, and ``actual``'s own errors cannot widen the bound."""
+    assert len(actual) == len(ref) == len(exact), (len(actual), len(ref), len(exact))
+    rho = max(
+        (r.detach().double() - e.detach().double()).abs().max().item()
+        / max(e.detach().double().abs().max().item(), torch.finfo(torch.float64).tiny)
+        for r, e in zip(ref, exact, strict=True)
+        if e.numel()
+    )
+    for i, (a, r) in enumerate(zip(actual, ref, strict=True)):
+        scale = r.detach().double().abs().max().item() if r.numel() else 0.0
+        torch.testing.assert_close(
+            a,
+            r,
+            rtol=rtol,
+            atol=max(atol, factor * rho * scale),
+            msg=lambda m, i=i: f"result {i}: {m}",
+        )

@@ -20,9 +20,13 @@
    than 6 + 1, 85–91 against 69–77 GFLOP/s; M = 8 → 4 + 4, 93–95 against 80–88), else into full
    tiles first, and up to GEMM_WIDE_MR rows a tile spans two panels (below).
 
-   GEMM_MR follows the register file: 8 rows (16 accumulators) of 32 zmm registers with AVX-512,
+   GEMM_MR follows the register file: 14 rows (28 accumulators) of 32 zmm registers with AVX-512,
    6 rows (12) of 16 ymm/xmm registers with AVX2 and SSE, leaving room for the panel's two vectors
-   and the broadcast value of A (8 rows there spill to the stack: that tile ran at 63 GFLOP/s).
+   and the broadcast value of A (8 rows there spill to the stack: that tile ran at 63 GFLOP/s;
+   16 rows spill with AVX-512). On an Intel Xeon (two 512-bit FMA units) the 14-row tile ran at
+   1.0–1.2x the 8-row one's rate from 16 rows up, most at H = 650 where each pass over a panel
+   (K·NR floats, 333 KB at K = 2600) comes from L2 and more rows share it; 10 and 12 rows fell
+   between (RESULTS.md, 2026-11-26).
    A 4 × 3 tile (also 12 chains) was tried for AVX2 and ran at about 0.7× this one's rate at
    M = 32: GCC keeps its three panel vectors in memory, 16 loads per 12 FMAs.
 
@@ -36,7 +40,7 @@
    does to compare tiles on one processor; both instantiations (f32, f64) use the same. */
 #ifndef GEMM_MR
 #if VEC_BYTES >= 64
-#define GEMM_MR 8
+#define GEMM_MR 14
 #else
 #define GEMM_MR 6
 #endif

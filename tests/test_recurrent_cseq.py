@@ -233,3 +233,34 @@ def test_weight_grad_equals_mm(rows, gates, hidden, dtype) -> None:
     assert got.shape == (gates, hidden) and got.dtype == dtype
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-4}
     torch.testing.assert_close(got.double(), dhp.t() @ hprev, **tol)
+
+
+@pytest.mark.parametrize(
+    ("norm", "gains_grad", "dgh_rows"),
+    [("layer", True, "B"), ("layer", False, "B"), ("none", True, "N")],
+    ids=["layer norms, gains trained", "layer norms, gains frozen", "no layer norms"],
+)
+def test_gru_backward_keeps_dgh_only_where_it_is_read_after_the_loop(
+    norm, gains_grad, dgh_rows, monkeypatch
+) -> None:
+    """The LN-GRU backward's dgh is a step's scratch of B rows where the sequence kernel sums the
+    layer norms' gain and bias gradients itself (or none are needed), and N rows without layer
+    norms, where it is hp's gradient for W_hh's: (N, 3H) less memory at the backward's peak."""
+    seen = []
+    prepare = _cstep.rnn.prepare
+
+    def spy(struct, dtype, values, sizes):
+        if struct.name == "gru_bwd_step_args":
+            seen.append((sizes["D"], sizes["N"], sizes["B"]))
+        return prepare(struct, dtype, values, sizes)
+
+    monkeypatch.setattr(_cstep.rnn, "prepare", spy)
+    model = _model("gru", 16, norm, torch.float32)
+    for name, p in model.named_parameters():
+        if name.startswith("ln_"):
+            p.requires_grad_(gains_grad)
+    xs = [torch.randn(7, 6) for _ in range(5)]
+    _run(model, xs, packed=False)
+    assert seen, "the GRU backward ran no C kernel"
+    for d, n, b in seen:
+        assert d == {"B": b, "N": n}[dgh_rows], (d, n, b)

@@ -191,6 +191,56 @@ def test_c_inference_buffers_of_b_rows() -> None:
             assert torch.equal(v, full[k][6:]), k
 
 
+def _gru_bwd_struct(dgh_rows: int, layer_norm: int, hs: int = 3, n: int = 8, b: int = 2):
+    """A checked GRU backward struct over N = n rows, B = b state rows and dgh of ``dgh_rows``
+    rows, its inputs drawn in their ranges (r, z in (0, 1), n in (-1, 1), 1/σ > 0)."""
+    gen = torch.Generator().manual_seed(6)
+    f64 = {"dtype": torch.float64, "generator": gen}
+    t = {"dout": torch.randn(n, hs, **f64), "dh": torch.randn(b, hs, **f64),
+         "hprev": torch.randn(n, hs, **f64), "hp": torch.randn(n, 3 * hs, **f64),
+         "rz": torch.rand(n, 2 * hs, **f64), "n": torch.rand(n, hs, **f64) * 2 - 1,
+         "ghn": torch.randn(n, hs, **f64), "mh": torch.randn(n, **f64),
+         "rh": torch.rand(n, **f64) + 0.5, "mn": torch.randn(n, **f64),
+         "rn": torch.rand(n, **f64) + 0.5, "w_rz": torch.randn(2 * hs, **f64),
+         "w_n": torch.randn(hs, **f64), "dgx": torch.zeros(n, 3 * hs, dtype=torch.float64),
+         "dgh": torch.zeros(dgh_rows, 3 * hs, dtype=torch.float64),
+         "dhp": torch.zeros(n, 3 * hs, dtype=torch.float64)}  # fmt: skip
+    values = {**t, "off": 0, "rows": 0, "threads": 1, "layer_norm": layer_norm}
+    sizes = {"N": n, "B": b, "H": hs, "G": 3 * hs, "D": dgh_rows}
+    return rnn.prepare(rnn_abi.GRU_BWD, torch.float64, values, sizes), t
+
+
+@needs_c
+def test_c_gru_backward_takes_dgh_as_a_scratch_of_b_rows() -> None:
+    """With layer norms the GRU backward's dgh may have B rows (each step's rows [0, rows), D =
+    B): dgx, dhp and dh come out as with dgh of N rows, steps in reverse as a sequence runs."""
+    runs = []
+    for dgh_rows in (8, 2):
+        args, t = _gru_bwd_struct(dgh_rows, 1)
+        for off in (6, 4, 2, 0):
+            rnn.step("gru_bwd_step", torch.float64, args, off, 2, 1)
+        runs.append(t)
+    full, scratch = runs
+    assert full["dhp"].abs().min() > 0
+    assert full["dgh"].abs().sum(1).min() > 0  # with N rows every row is kept
+    for k in ("dgx", "dhp", "dh"):
+        assert torch.equal(scratch[k], full[k]), k
+    assert torch.equal(scratch["dgh"], full["dgh"][:2])  # the last step's (rows 0, 1)
+
+
+@needs_c
+@pytest.mark.parametrize(("dgh_rows", "layer_norm"), [(2, 0), (3, 1)])
+def test_c_refuses_dgh_of_b_rows_without_layer_norm(dgh_rows, layer_norm) -> None:
+    """Without layer norms dgh is dhp, which the caller reads for every row after the loop: B
+    rows are refused there, and any count but N or B always; nothing is written."""
+    args, t = _gru_bwd_struct(dgh_rows, layer_norm)
+    before = {k: v.clone() for k, v in t.items()}
+    with pytest.raises(ValueError, match="rows lie outside the buffers"):
+        rnn.step("gru_bwd_step", torch.float64, args, 0, 2, 1)
+    for k, v in t.items():
+        assert torch.equal(v, before[k]), k
+
+
 @needs_c
 def test_c_refuses_sequence_steps_outside_the_buffers() -> None:
     args, t, sizes = _lstm_fwd_struct()
@@ -417,7 +467,7 @@ def _good_values(struct, sizes, dtype=torch.float32) -> dict[str, object]:
 @pytest.mark.parametrize("struct", rnn_abi.STRUCTS, ids=lambda s: s.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_fast_packing_fills_every_field_as_the_checked_one(struct, dtype) -> None:
-    sizes = {"N": 6, "B": 2, "H": 3, "G": 12, "S": 3, "I": 5, "R": 6, "X": 6}
+    sizes = {"N": 6, "B": 2, "H": 3, "G": 12, "S": 3, "I": 5, "R": 6, "X": 6, "D": 6}
     values = _good_values(struct, sizes, dtype)
     plan = rnn_abi._fast_plan(struct, dtype, rnn_abi._sizes_key(sizes))
     assert rnn_abi._fast_fields(plan, values) is not None  # the fast test takes them

@@ -78,14 +78,17 @@ def _threads(rows: int, cols: int) -> int:
 
 
 def _sizes(st: dict[str, Any], kernel: str) -> dict[str, int]:
-    """N, B, H, G, R and X of a sequence: B from the state the kernel updates (h forward, dh
+    """N, B, H, G, R, X and D of a sequence: B from the state the kernel updates (h forward, dh
     backward), R from the kept buffers (N rows when backward will read them, B for inference),
-    X from gx (N rows, or B where the sequence kernel projects the inputs, ``st["projection"]``)."""
+    X from gx (N rows, or B where the sequence kernel projects the inputs, ``st["projection"]``),
+    D from the GRU backward's dgh (N rows, or B where it is a step's scratch)."""
     hs, cell = st["H"], kernel.split("_", 1)[0]
     state = st["dh"] if "_bwd" in kernel else st["h"]
     gx_rows = st["gx"].shape[0]
+    dgh = st.get("dgh")
     return {"N": st.get("N", gx_rows), "B": state.shape[0], "H": hs, "G": _GATES[cell] * hs,
-            "R": st["hp"].shape[0], "X": gx_rows}  # fmt: skip
+            "R": st["hp"].shape[0], "X": gx_rows,
+            "D": dgh.shape[0] if dgh is not None else gx_rows}  # fmt: skip
 
 
 def _args(st: dict[str, Any], kernel: str) -> Any:

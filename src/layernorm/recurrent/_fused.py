@@ -1002,11 +1002,20 @@ class GRUSequence(torch.autograd.Function):
         gx, hs, normalize, w_rz, w_n = st["gx"], st["H"], st["normalize"], st["w_rz"], st["w_n"]
         n_rows = gx.shape[0]
         st.update(dout=_contiguous(dout), dh=dh_n.contiguous().clone(),
-                  **_new_bufs(gx, n_rows, {"dgx": 3 * hs, "dgh": 3 * hs}))  # fmt: skip
-        st["dhp"] = _buffers.empty(gx, (n_rows, 3 * hs)) if normalize else st["dgh"]
+                  dgx=_buffers.empty(gx, (n_rows, 3 * hs)))  # fmt: skip
         kernels, need = _one_step_kernels(_kernels(gx, st), ctx.sched), ctx.needs_input_grad
         # torch's b_hn adds to LN(hp_n) as the LN's bias does: their gradients are the same sum
         _sum_ln_grads_in_kernel(st, kernels.gru_bwd_seq, normalize, any(need[3:8]), None)
+        # dgh (the layer norms' output gradient) outlives the loop only where its gains' and
+        # biases' gradients are summed after it, or without layer norms (dgh is then dhp); else
+        # the sequence kernel takes it as a step's scratch of B rows (rnn_abi's D)
+        scratch = (
+            normalize
+            and kernels.gru_bwd_seq is not None
+            and ("ln_grads" in st or not any(need[3:8]))
+        )
+        st["dgh"] = _buffers.empty(gx, (st["dh"].shape[0] if scratch else n_rows, 3 * hs))
+        st["dhp"] = _buffers.empty(gx, (n_rows, 3 * hs)) if normalize else st["dgh"]
         _backward_in_time(
             st, w_hh, ctx.sched, kernels.gru_bwd, kernels.gru_bwd_seq, accumulate=True
         )

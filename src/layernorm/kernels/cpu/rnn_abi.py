@@ -147,6 +147,11 @@ _KEPT = Field("R", Kind.SIZE, doc="rows of the kept buffers: N (training) or B (
 # of the sequence) or B (inference: the sequence kernel projects each step's inputs into it and
 # row i of a step is row i, as with R = B).
 _GX_ROWS = Field("X", Kind.SIZE, doc="rows of gx: N (given) or B (the kernel's projection)")
+# The LN-GRU backward's dgh (the gradient of the gates' layer-norm outputs) has D rows: N (kept for
+# the caller: its layer norms' gain and bias gradients, or hp's gradient itself without layer
+# norms) or B (with layer_norm, where the sequence kernel sums those gradients as it goes: a
+# step's scratch, row i of a step is row i, as with R = B).
+_DGH_ROWS = Field("D", Kind.SIZE, doc="rows of dgh: N (kept) or B (with layer_norm: scratch)")
 _STEP = (
     Field("off", Kind.INDEX, doc="the step's first row in the (N, ·) buffers"),
     Field("rows", Kind.INDEX, doc="the step's rows: rows [off, off + rows), state rows [0, rows)"),
@@ -284,10 +289,10 @@ GRU_BWD = Struct(
         _t("w_rz", _IN, "2H"),
         _t("w_n", _IN, "H"),
         _t("dgx", _OUT, "N 3H", "gradient of gx"),
-        _t("dgh", _OUT, "N 3H", "gradient of LN(hp_rz) and of LN(hp_n) + b_hn"),
+        _t("dgh", _OUT, "D 3H", "gradient of LN(hp_rz) and of LN(hp_n) + b_hn"),
         _t("dhp", _OUT, "N 3H", "gradient of hp"),
         *_GRU_MASKS,
-        *_SIZES, *_STEP, _LAYER_NORM,
+        *_SIZES, _DGH_ROWS, *_STEP, _LAYER_NORM,
     ),
 )  # fmt: skip
 

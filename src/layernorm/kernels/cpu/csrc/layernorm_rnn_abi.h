@@ -254,13 +254,14 @@ typedef struct {
     const float* w_rz; /* input (2H) */
     const float* w_n; /* input (H) */
     float* dgx; /* output (N, 3H): gradient of gx */
-    float* dgh; /* output (N, 3H): gradient of LN(hp_rz) and of LN(hp_n) + b_hn */
+    float* dgh; /* output (D, 3H): gradient of LN(hp_rz) and of LN(hp_n) + b_hn */
     float* dhp; /* output (N, 3H): gradient of hp */
     const float* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
     const float* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
+    int64_t D; /* size: rows of dgh: N (kept) or B (with layer_norm: scratch) */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
     int32_t threads; /* count: OpenMP threads to split the rows over */
@@ -287,11 +288,12 @@ _Static_assert(offsetof(gru_bwd_step_args_f32, cm) == 136, "gru_bwd_step_args_f3
 _Static_assert(offsetof(gru_bwd_step_args_f32, N) == 144, "gru_bwd_step_args_f32.N");
 _Static_assert(offsetof(gru_bwd_step_args_f32, B) == 152, "gru_bwd_step_args_f32.B");
 _Static_assert(offsetof(gru_bwd_step_args_f32, H) == 160, "gru_bwd_step_args_f32.H");
-_Static_assert(offsetof(gru_bwd_step_args_f32, off) == 168, "gru_bwd_step_args_f32.off");
-_Static_assert(offsetof(gru_bwd_step_args_f32, rows) == 176, "gru_bwd_step_args_f32.rows");
-_Static_assert(offsetof(gru_bwd_step_args_f32, threads) == 184, "gru_bwd_step_args_f32.threads");
-_Static_assert(offsetof(gru_bwd_step_args_f32, layer_norm) == 188, "gru_bwd_step_args_f32.layer_norm");
-_Static_assert(sizeof(gru_bwd_step_args_f32) == 192, "gru_bwd_step_args_f32 size");
+_Static_assert(offsetof(gru_bwd_step_args_f32, D) == 168, "gru_bwd_step_args_f32.D");
+_Static_assert(offsetof(gru_bwd_step_args_f32, off) == 176, "gru_bwd_step_args_f32.off");
+_Static_assert(offsetof(gru_bwd_step_args_f32, rows) == 184, "gru_bwd_step_args_f32.rows");
+_Static_assert(offsetof(gru_bwd_step_args_f32, threads) == 192, "gru_bwd_step_args_f32.threads");
+_Static_assert(offsetof(gru_bwd_step_args_f32, layer_norm) == 196, "gru_bwd_step_args_f32.layer_norm");
+_Static_assert(sizeof(gru_bwd_step_args_f32) == 200, "gru_bwd_step_args_f32 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
@@ -614,13 +616,14 @@ typedef struct {
     const double* w_rz; /* input (2H) */
     const double* w_n; /* input (H) */
     double* dgx; /* output (N, 3H): gradient of gx */
-    double* dgh; /* output (N, 3H): gradient of LN(hp_rz) and of LN(hp_n) + b_hn */
+    double* dgh; /* output (D, 3H): gradient of LN(hp_rz) and of LN(hp_n) + b_hn */
     double* dhp; /* output (N, 3H): gradient of hp */
     const double* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
     const double* cm; /* input (B, H), optional: NULL = off: recurrent dropout on the candidate, one row per sequence (scaled) */
     int64_t N; /* size: rows of the packed sequence */
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
+    int64_t D; /* size: rows of dgh: N (kept) or B (with layer_norm: scratch) */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
     int32_t threads; /* count: OpenMP threads to split the rows over */
@@ -647,11 +650,12 @@ _Static_assert(offsetof(gru_bwd_step_args_f64, cm) == 136, "gru_bwd_step_args_f6
 _Static_assert(offsetof(gru_bwd_step_args_f64, N) == 144, "gru_bwd_step_args_f64.N");
 _Static_assert(offsetof(gru_bwd_step_args_f64, B) == 152, "gru_bwd_step_args_f64.B");
 _Static_assert(offsetof(gru_bwd_step_args_f64, H) == 160, "gru_bwd_step_args_f64.H");
-_Static_assert(offsetof(gru_bwd_step_args_f64, off) == 168, "gru_bwd_step_args_f64.off");
-_Static_assert(offsetof(gru_bwd_step_args_f64, rows) == 176, "gru_bwd_step_args_f64.rows");
-_Static_assert(offsetof(gru_bwd_step_args_f64, threads) == 184, "gru_bwd_step_args_f64.threads");
-_Static_assert(offsetof(gru_bwd_step_args_f64, layer_norm) == 188, "gru_bwd_step_args_f64.layer_norm");
-_Static_assert(sizeof(gru_bwd_step_args_f64) == 192, "gru_bwd_step_args_f64 size");
+_Static_assert(offsetof(gru_bwd_step_args_f64, D) == 168, "gru_bwd_step_args_f64.D");
+_Static_assert(offsetof(gru_bwd_step_args_f64, off) == 176, "gru_bwd_step_args_f64.off");
+_Static_assert(offsetof(gru_bwd_step_args_f64, rows) == 184, "gru_bwd_step_args_f64.rows");
+_Static_assert(offsetof(gru_bwd_step_args_f64, threads) == 192, "gru_bwd_step_args_f64.threads");
+_Static_assert(offsetof(gru_bwd_step_args_f64, layer_norm) == 196, "gru_bwd_step_args_f64.layer_norm");
+_Static_assert(sizeof(gru_bwd_step_args_f64) == 200, "gru_bwd_step_args_f64 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {

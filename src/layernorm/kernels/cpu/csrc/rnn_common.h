@@ -131,6 +131,11 @@ static inline int carried_before_valid(const void* cprev, const void* c0, i64 of
 }
 static inline int kept_rows_valid(i64 R, i64 N, i64 B) { return R == N || R == B; }
 static inline i64 kept_row(i64 R, i64 N, i64 row, i64 i) { return R == N ? row : i; }
+/* The LN-GRU backward's dgh: N rows, or B (a step's scratch) only where layer norms make dhp a
+   buffer of its own (without them dgh is dhp, which the caller reads after the loop). */
+static inline int dgh_rows_valid(i64 D, i64 N, i64 B, int layer_norm) {
+    return D == N || (D == B && layer_norm);
+}
 
 /* Whether a forward kernel's projection arguments agree (rnn_abi.py, _PROJECTION): none, or x and
    w_ih both, a split in (0, G], and gx of B rows written each step (with x) or N rows (without). */

@@ -520,7 +520,7 @@ static inline __attribute__((always_inline)) void FN(gru_bwd_body)(
     const scalar_t* n = A->n + row * H;
     const scalar_t* ghn = A->ghn + row * H;
     scalar_t* dgx = A->dgx + row * G;
-    scalar_t* dgh = A->dgh + row * G;
+    scalar_t* dgh = A->dgh + kept_row(A->D, A->N, row, i) * G; /* D = B: a step's scratch */
     const scalar_t* zh = (masks & MASK_ZH) ? A->zh + row * H : NULL;
     const scalar_t* cm = (masks & MASK_CM) ? A->cm + i * H : NULL;
     #pragma omp simd
@@ -563,7 +563,9 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi, scalar_t*
 }
 
 int FN(gru_bwd_step)(const FN(gru_bwd_step_args) * a) {
-    if (!rows_in_range(a->off, a->rows, a->N, a->B)) return RNN_ERR_ROWS;
+    if (!rows_in_range(a->off, a->rows, a->N, a->B) || !dgh_rows_valid(a->D, a->N, a->B,
+                                                                         a->layer_norm))
+        return RNN_ERR_ROWS;
     if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
         FN(gru_bwd_rows)(a, 0, a->rows, NULL);
         return 0;

@@ -253,6 +253,17 @@ def _inputs(batch: int, packed: bool) -> list[torch.Tensor]:
     return [0.5 + torch.randn(n, 6, generator=gen, dtype=torch.float64) for n in lengths]
 
 
+def _run_sequence_kernels(name: str, model: torch.nn.Module, xs: list[torch.Tensor]):
+    """:func:`_run` of a packed batch on target ``name``'s whole-sequence kernels (registered
+    also where the target leaves them off by default)."""
+    with targets.use(name):
+        register_step_kernels("cpu", _pointwise.C_KERNELS)
+        try:
+            return _run(model, xs, packed=True)
+        finally:
+            register_step_kernels("cpu", None)
+
+
 # Rows that fill no, one and several row tiles (6 rows with AVX2/SSE, 14 with AVX-512, split into
 # near-equal tiles), hidden sizes whose gate columns end in a full panel, part of a vector and
 # scalar leftovers for every vector width.
@@ -269,13 +280,7 @@ def test_recurrent_gemm_every_row_count(name, dtype) -> None:
     per-step loop; hidden 37 leaves a partial panel of 148 gate columns."""
     gen = torch.Generator().manual_seed(4)
     xs = [0.5 + torch.randn(n, 6, generator=gen, dtype=dtype) for n in range(31, 0, -1)]
-    fused = _model("lstm", 37, dtype, "fused")
-    with targets.use(name):
-        register_step_kernels("cpu", _pointwise.C_KERNELS)
-        try:
-            ours = _run(fused, xs, packed=True)
-        finally:
-            register_step_kernels("cpu", None)
+    ours = _run_sequence_kernels(name, _model("lstm", 37, dtype, "fused"), xs)
     loop = _model("lstm", 37, dtype, "loop")
     ref = _run(loop, xs, packed=True)
     if dtype == torch.float64:
@@ -404,13 +409,7 @@ def test_recurrent_kernels_threaded_match_loop(name, monkeypatch) -> None:
     try:
         for kind in LAYERS:
             xs = _inputs(40, packed=True)
-            fused = _model(kind, 37, torch.float64, "fused")
-            with targets.use(name):
-                register_step_kernels("cpu", _pointwise.C_KERNELS)
-                try:
-                    ours = _run(fused, xs, packed=True)
-                finally:
-                    register_step_kernels("cpu", None)
+            ours = _run_sequence_kernels(name, _model(kind, 37, torch.float64, "fused"), xs)
             ref = _run(_model(kind, 37, torch.float64, "loop"), xs, packed=True)
             for a, b in zip(ours, ref, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)

@@ -191,9 +191,14 @@ def test_c_inference_buffers_of_b_rows() -> None:
             assert torch.equal(v, full[k][6:]), k
 
 
-def _gru_bwd_struct(dgh_rows: int, layer_norm: int, hs: int = 3, n: int = 8, b: int = 2):
+def _gru_bwd_struct(
+    dgh_rows: int, layer_norm: int, hs: int = 3, n: int = 8, b: int = 2, previous: str = "kept",
+    reverse: int = 0,
+):  # fmt: skip
     """A checked GRU backward struct over N = n rows, B = b state rows and dgh of ``dgh_rows``
-    rows, its inputs drawn in their ranges (r, z in (0, 1), n in (-1, 1), 1/σ > 0)."""
+    rows, its inputs drawn in their ranges (r, z in (0, 1), n in (-1, 1), 1/σ > 0). h_{t−1}:
+    ``previous`` "kept" (hprev), "later rows" (hprev NULL: h0 and the output y, steps in order
+    or in ``reverse``) or "none" (hprev NULL, nothing to take it from)."""
     gen = torch.Generator().manual_seed(6)
     f64 = {"dtype": torch.float64, "generator": gen}
     t = {"dout": torch.randn(n, hs, **f64), "dh": torch.randn(b, hs, **f64),
@@ -204,8 +209,19 @@ def _gru_bwd_struct(dgh_rows: int, layer_norm: int, hs: int = 3, n: int = 8, b: 
          "rn": torch.rand(n, **f64) + 0.5, "w_rz": torch.randn(2 * hs, **f64),
          "w_n": torch.randn(hs, **f64), "dgx": torch.zeros(n, 3 * hs, dtype=torch.float64),
          "dgh": torch.zeros(dgh_rows, 3 * hs, dtype=torch.float64),
-         "dhp": torch.zeros(n, 3 * hs, dtype=torch.float64)}  # fmt: skip
-    values = {**t, "off": 0, "rows": 0, "threads": 1, "layer_norm": layer_norm}
+         "dhp": torch.zeros(n, 3 * hs, dtype=torch.float64),
+         "h0": torch.randn(b, hs, **f64), "y": torch.randn(n, hs, **f64)}  # fmt: skip
+    if previous == "kept":  # what the C backward reads in place of hprev without it
+        prev = (
+            torch.cat([t["h0"], t["y"][:-b]]) if not reverse else torch.cat([t["y"][b:], t["h0"]])
+        )
+        t["hprev"] = prev.contiguous()
+    else:
+        t["hprev"] = None
+    if previous != "later rows":
+        t["h0"] = t["y"] = None
+    values = {**t, "off": 0, "rows": 0, "threads": 1, "layer_norm": layer_norm,
+              "reverse": reverse}  # fmt: skip
     sizes = {"N": n, "B": b, "H": hs, "G": 3 * hs, "D": dgh_rows}
     return rnn.prepare(rnn_abi.GRU_BWD, torch.float64, values, sizes), t
 
@@ -234,11 +250,41 @@ def test_c_refuses_dgh_of_b_rows_without_layer_norm(dgh_rows, layer_norm) -> Non
     """Without layer norms dgh is dhp, which the caller reads for every row after the loop: B
     rows are refused there, and any count but N or B always; nothing is written."""
     args, t = _gru_bwd_struct(dgh_rows, layer_norm)
-    before = {k: v.clone() for k, v in t.items()}
+    before = {k: v.clone() for k, v in t.items() if v is not None}
     with pytest.raises(ValueError, match="rows lie outside the buffers"):
         rnn.step("gru_bwd_step", torch.float64, args, 0, 2, 1)
-    for k, v in t.items():
-        assert torch.equal(v, before[k]), k
+    for k, v in before.items():
+        assert torch.equal(t[k], v), k
+
+
+@needs_c
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_c_gru_backward_takes_h_before_from_the_step_before(reverse) -> None:
+    """Without a kept h_{t−1} (hprev NULL) the GRU backward reads h0 for the first step's rows and
+    the output of the step before for the others (B rows earlier, later in reverse): the same
+    gradients as from the kept copy."""
+    runs = []
+    for previous in ("kept", "later rows"):
+        args, t = _gru_bwd_struct(8, 1, previous=previous, reverse=reverse)
+        for off in (6, 4, 2, 0) if not reverse else (0, 2, 4, 6):
+            rnn.step("gru_bwd_step", torch.float64, args, off, 2, 1)
+        runs.append(t)
+    kept, later = runs
+    for k in ("dgx", "dhp", "dh"):
+        assert torch.equal(later[k], kept[k]), k
+
+
+@needs_c
+@pytest.mark.parametrize(("previous", "rows"), [("none", 2), ("later rows", 1)])
+def test_c_refuses_a_gru_backward_without_h_before(previous, rows) -> None:
+    """hprev NULL needs h0 and y, and steps of all B rows (a packed step's rows are not B rows
+    from the step before's): refused, nothing written."""
+    args, t = _gru_bwd_struct(8, 1, previous=previous)
+    before = {k: v.clone() for k, v in t.items() if v is not None}
+    with pytest.raises(ValueError, match="rows lie outside the buffers"):
+        rnn.step("gru_bwd_step", torch.float64, args, 2, rows, 1)
+    for k, v in before.items():
+        assert torch.equal(t[k], v), k
 
 
 @needs_c

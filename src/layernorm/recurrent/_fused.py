@@ -230,20 +230,22 @@ def _weight_grad(kernels: StepKernels, dhp: Tensor, hprev: Tensor) -> Tensor:
     return dhp.t().mm(hprev)
 
 
-def _previous_from_later_rows(kernels: StepKernels, sched: Schedule, batch: int) -> bool:
-    """Whether an LSTM direction keeps no copies of its previous states ``h_{t−1}, c_{t−1}``.
+def _previous_from_later_rows(seq: SeqFn | None, sched: Schedule, batch: int) -> bool:
+    """Whether a direction run by the sequence kernel ``seq`` keeps no copies of its previous
+    states (``h_{t−1}``; the LSTM's ``c_{t−1}`` too).
 
     Where the whole-sequence kernels run every step over the whole batch (a padded sequence; no
     projection, which runs the per-step path), a step's previous state is the state of the step
     before it, whose rows are B earlier (B later in reverse): ``h_{t−1}`` is that step's output
-    (zoneout included: the output is the carried state), read shifted by :func:`_lstm_weight_grad`;
+    (zoneout included: the output is the carried state), read shifted by
+    :func:`_recurrent_weight_grad` and, for the GRU's update gate, by its C backward; the LSTM's
     ``c_{t−1}`` is its ``cn`` when the carried state is ``c_t`` itself (no zoneout of c, no
     normalized carry), which the C backward reads there. ``h0, c0`` stand for the first step's.
-    Each copy would be ``(N, H)``, a sixteenth of what a step keeps for backward."""
-    return kernels.lstm_fwd_seq is not None and all(bs == batch for _, _, bs in sched)
+    Each copy would be ``(N, H)``, a sixteenth (LSTM) or a tenth (GRU) of what a step keeps."""
+    return seq is not None and all(bs == batch for _, _, bs in sched)
 
 
-def _lstm_weight_grad(kernels: StepKernels, st: dict[str, Any], sched: Schedule) -> Tensor:
+def _recurrent_weight_grad(kernels: StepKernels, st: dict[str, Any], sched: Schedule) -> Tensor:
     """``Σ_t dhp_tᵀ h_{t−1}``: from the kept ``hprev``, or (:func:`_previous_from_later_rows`)
     from the output ``y`` shifted by a step, the first step's ``h_{t−1}`` being ``h0``."""
     dhp = st["dhp"]
@@ -304,7 +306,7 @@ def _keep_previous(
     """The copies of ``h_{t−1}``, ``c_{t−1}`` a training direction keeps for backward: none where
     the step before holds them (:func:`_previous_from_later_rows`), else ``(N, ·)`` buffers."""
     n_rows, hs = st["gx"].shape[0], st["H"]
-    if not _previous_from_later_rows(kernels, sched, h0.shape[0]):
+    if not _previous_from_later_rows(kernels.lstm_fwd_seq, sched, h0.shape[0]):
         st.update(_new_bufs(st["gx"], n_rows, {"hprev": h0.shape[1], "cprev": hs}))
         return
     st.update(y=st["out"], h0=h0.contiguous())
@@ -336,8 +338,9 @@ def _gru_state(
         "N": n_rows, "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz,
         "b_rz": b_rz, "w_n": w_n, "b_n": b_n, "b_hn": b_hn, "h": h0.contiguous().clone(),
         "zh": zh, "cm": cm, "out": _buffers.empty(gx, (n_rows, hs)),
-        **_new_bufs(gx, kept_rows, {"hp": 3 * hs, "hprev": hs, "rz": 2 * hs, "n": hs,
-                                    "ghn": hs, "mh": 0, "rh": 0, "mn": 0, "rn": 0}),
+        **_new_bufs(gx, kept_rows, {"hp": 3 * hs, "rz": 2 * hs, "n": hs, "ghn": hs, "mh": 0,
+                                    "rh": 0, "mn": 0, "rn": 0}),
+        "hprev": None, "y": None, "h0": None, "reverse": 0,
     }  # fmt: skip
 
 
@@ -933,7 +936,7 @@ class LSTMSequence(torch.autograd.Function):
             accumulate=st["zh"] is not None,
         )  # fmt: skip
         dh = st["dh"]
-        d_w_hh = _grad_or_none(need[3], lambda: _lstm_weight_grad(kernels, st, ctx.sched))
+        d_w_hh = _grad_or_none(need[3], lambda: _recurrent_weight_grad(kernels, st, ctx.sched))
         dw1 = db1 = dw3 = db3 = None
         if "ln_grads" in st:
             dw1, db1 = _split_grads(st["ln_grads"]["hp_grads"], need[4], need[5])
@@ -989,10 +992,14 @@ class GRUSequence(torch.autograd.Function):
             gx, h0, w_rz, b_rz, w_n, b_n, b_hn, eps, normalize, zh, cm, kept_rows=gx.shape[0]
         )
         kernels = _one_step_kernels(_kernels(gx, st), sched)
+        if _previous_from_later_rows(kernels.gru_fwd_seq, sched, h0.shape[0]):
+            st.update(y=st["out"], h0=h0.contiguous(), reverse=int(sched[0][1] != 0))
+        else:
+            st["hprev"] = _buffers.empty(gx, (gx.shape[0], h0.shape[1]))
         _forward_in_time(st, w_hh, sched, kernels.gru_fwd, kernels.gru_fwd_seq)
         _save(ctx, st, w_hh, sched, ("w_rz", "b_rz", "w_n", "b_n", "b_hn", "hp", "hprev",
                                      "rz", "n", "ghn", "mh", "rh", "mn", "rn",
-                                     "zh", "cm"))  # fmt: skip
+                                     "zh", "cm", "y", "h0"))  # fmt: skip
         return st["out"], st["h"]
 
     @staticmethod
@@ -1019,8 +1026,8 @@ class GRUSequence(torch.autograd.Function):
         _backward_in_time(
             st, w_hh, ctx.sched, kernels.gru_bwd, kernels.gru_bwd_seq, accumulate=True
         )
-        dh, dhp = st["dh"], st["dhp"]
-        d_w_hh = _grad_or_none(need[2], lambda: _weight_grad(kernels, dhp, st["hprev"]))
+        dh = st["dh"]
+        d_w_hh = _grad_or_none(need[2], lambda: _recurrent_weight_grad(kernels, st, ctx.sched))
         dgh, hp = st["dgh"], st["hp"]
         dw_rz = db_rz = dw_n = db_n = None
         d_b_hn = None

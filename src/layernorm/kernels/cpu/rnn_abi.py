@@ -259,7 +259,8 @@ GRU_FWD = Struct(
         _t("b_hn", _IN, "H", "torch's b_hn"),
         _t("h", _INOUT, "B H", "h_{t-1} in, h_t out"),
         _t("out", _OUT, "N H", "h_t"),
-        _t("hprev", _OUT, "R H", "h_{t-1}"),
+        # NULL: not kept (backward reads h_{t-1} from out shifted by a step, see _fused)
+        Field("hprev", _OUT, ("R", "H"), "h_{t-1}", optional=True),
         _t("rz", _OUT, "R 2H", "r and z"),
         _t("n", _OUT, "R H", "candidate"),
         _t("ghn", _OUT, "R H", "LN(hp_n) + b_hn"),
@@ -277,7 +278,10 @@ GRU_BWD = Struct(
     (
         _t("dout", _IN, "N H", "gradient of this step's output"),
         _t("dh", _INOUT, "B H", "gradient of h_t in, its direct part for h_{t-1} out"),
-        _t("hprev", _IN, "N H"),
+        Field("hprev", _IN, ("N", "H"), "h_{t-1}; NULL: h0 for the first step's rows, else y of "
+              "the step before (steps of all B rows)", optional=True),
+        Field("h0", _IN, ("B", "H"), "h before the first step (with hprev NULL)", optional=True),
+        Field("y", _IN, ("N", "H"), "the forward's output h_t (with hprev NULL)", optional=True),
         _t("hp", _IN, "N 3H"),
         _t("rz", _IN, "N 2H"),
         _t("n", _IN, "N H"),
@@ -293,6 +297,7 @@ GRU_BWD = Struct(
         _t("dhp", _OUT, "N 3H", "gradient of hp"),
         *_GRU_MASKS,
         *_SIZES, _DGH_ROWS, *_STEP, _LAYER_NORM,
+        Field("reverse", Kind.FLAG, doc="with hprev NULL: 1 if the steps run backward in time"),
     ),
 )  # fmt: skip
 

@@ -186,7 +186,7 @@ typedef struct {
     const float* b_hn; /* input (H): torch's b_hn */
     float* h; /* in/out (B, H): h_{t-1} in, h_t out */
     float* out; /* output (N, H): h_t */
-    float* hprev; /* output (R, H): h_{t-1} */
+    float* hprev; /* output (R, H), optional: NULL = off: h_{t-1} */
     float* rz; /* output (R, 2H): r and z */
     float* n; /* output (R, H): candidate */
     float* ghn; /* output (R, H): LN(hp_n) + b_hn */
@@ -242,7 +242,9 @@ _Static_assert(sizeof(gru_fwd_step_args_f32) == 224, "gru_fwd_step_args_f32 size
 typedef struct {
     const float* dout; /* input (N, H): gradient of this step's output */
     float* dh; /* in/out (B, H): gradient of h_t in, its direct part for h_{t-1} out */
-    const float* hprev; /* input (N, H) */
+    const float* hprev; /* input (N, H), optional: NULL = off: h_{t-1}; NULL: h0 for the first step's rows, else y of the step before (steps of all B rows) */
+    const float* h0; /* input (B, H), optional: NULL = off: h before the first step (with hprev NULL) */
+    const float* y; /* input (N, H), optional: NULL = off: the forward's output h_t (with hprev NULL) */
     const float* hp; /* input (N, 3H) */
     const float* rz; /* input (N, 2H) */
     const float* n; /* input (N, H) */
@@ -266,34 +268,38 @@ typedef struct {
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
     int32_t threads; /* count: OpenMP threads to split the rows over */
     int32_t layer_norm; /* flag: 1: layer-normalize hp (and c_t) with the gains */
+    int32_t reverse; /* flag: with hprev NULL: 1 if the steps run backward in time */
 } gru_bwd_step_args_f32;
 _Static_assert(offsetof(gru_bwd_step_args_f32, dout) == 0, "gru_bwd_step_args_f32.dout");
 _Static_assert(offsetof(gru_bwd_step_args_f32, dh) == 8, "gru_bwd_step_args_f32.dh");
 _Static_assert(offsetof(gru_bwd_step_args_f32, hprev) == 16, "gru_bwd_step_args_f32.hprev");
-_Static_assert(offsetof(gru_bwd_step_args_f32, hp) == 24, "gru_bwd_step_args_f32.hp");
-_Static_assert(offsetof(gru_bwd_step_args_f32, rz) == 32, "gru_bwd_step_args_f32.rz");
-_Static_assert(offsetof(gru_bwd_step_args_f32, n) == 40, "gru_bwd_step_args_f32.n");
-_Static_assert(offsetof(gru_bwd_step_args_f32, ghn) == 48, "gru_bwd_step_args_f32.ghn");
-_Static_assert(offsetof(gru_bwd_step_args_f32, mh) == 56, "gru_bwd_step_args_f32.mh");
-_Static_assert(offsetof(gru_bwd_step_args_f32, rh) == 64, "gru_bwd_step_args_f32.rh");
-_Static_assert(offsetof(gru_bwd_step_args_f32, mn) == 72, "gru_bwd_step_args_f32.mn");
-_Static_assert(offsetof(gru_bwd_step_args_f32, rn) == 80, "gru_bwd_step_args_f32.rn");
-_Static_assert(offsetof(gru_bwd_step_args_f32, w_rz) == 88, "gru_bwd_step_args_f32.w_rz");
-_Static_assert(offsetof(gru_bwd_step_args_f32, w_n) == 96, "gru_bwd_step_args_f32.w_n");
-_Static_assert(offsetof(gru_bwd_step_args_f32, dgx) == 104, "gru_bwd_step_args_f32.dgx");
-_Static_assert(offsetof(gru_bwd_step_args_f32, dgh) == 112, "gru_bwd_step_args_f32.dgh");
-_Static_assert(offsetof(gru_bwd_step_args_f32, dhp) == 120, "gru_bwd_step_args_f32.dhp");
-_Static_assert(offsetof(gru_bwd_step_args_f32, zh) == 128, "gru_bwd_step_args_f32.zh");
-_Static_assert(offsetof(gru_bwd_step_args_f32, cm) == 136, "gru_bwd_step_args_f32.cm");
-_Static_assert(offsetof(gru_bwd_step_args_f32, N) == 144, "gru_bwd_step_args_f32.N");
-_Static_assert(offsetof(gru_bwd_step_args_f32, B) == 152, "gru_bwd_step_args_f32.B");
-_Static_assert(offsetof(gru_bwd_step_args_f32, H) == 160, "gru_bwd_step_args_f32.H");
-_Static_assert(offsetof(gru_bwd_step_args_f32, D) == 168, "gru_bwd_step_args_f32.D");
-_Static_assert(offsetof(gru_bwd_step_args_f32, off) == 176, "gru_bwd_step_args_f32.off");
-_Static_assert(offsetof(gru_bwd_step_args_f32, rows) == 184, "gru_bwd_step_args_f32.rows");
-_Static_assert(offsetof(gru_bwd_step_args_f32, threads) == 192, "gru_bwd_step_args_f32.threads");
-_Static_assert(offsetof(gru_bwd_step_args_f32, layer_norm) == 196, "gru_bwd_step_args_f32.layer_norm");
-_Static_assert(sizeof(gru_bwd_step_args_f32) == 200, "gru_bwd_step_args_f32 size");
+_Static_assert(offsetof(gru_bwd_step_args_f32, h0) == 24, "gru_bwd_step_args_f32.h0");
+_Static_assert(offsetof(gru_bwd_step_args_f32, y) == 32, "gru_bwd_step_args_f32.y");
+_Static_assert(offsetof(gru_bwd_step_args_f32, hp) == 40, "gru_bwd_step_args_f32.hp");
+_Static_assert(offsetof(gru_bwd_step_args_f32, rz) == 48, "gru_bwd_step_args_f32.rz");
+_Static_assert(offsetof(gru_bwd_step_args_f32, n) == 56, "gru_bwd_step_args_f32.n");
+_Static_assert(offsetof(gru_bwd_step_args_f32, ghn) == 64, "gru_bwd_step_args_f32.ghn");
+_Static_assert(offsetof(gru_bwd_step_args_f32, mh) == 72, "gru_bwd_step_args_f32.mh");
+_Static_assert(offsetof(gru_bwd_step_args_f32, rh) == 80, "gru_bwd_step_args_f32.rh");
+_Static_assert(offsetof(gru_bwd_step_args_f32, mn) == 88, "gru_bwd_step_args_f32.mn");
+_Static_assert(offsetof(gru_bwd_step_args_f32, rn) == 96, "gru_bwd_step_args_f32.rn");
+_Static_assert(offsetof(gru_bwd_step_args_f32, w_rz) == 104, "gru_bwd_step_args_f32.w_rz");
+_Static_assert(offsetof(gru_bwd_step_args_f32, w_n) == 112, "gru_bwd_step_args_f32.w_n");
+_Static_assert(offsetof(gru_bwd_step_args_f32, dgx) == 120, "gru_bwd_step_args_f32.dgx");
+_Static_assert(offsetof(gru_bwd_step_args_f32, dgh) == 128, "gru_bwd_step_args_f32.dgh");
+_Static_assert(offsetof(gru_bwd_step_args_f32, dhp) == 136, "gru_bwd_step_args_f32.dhp");
+_Static_assert(offsetof(gru_bwd_step_args_f32, zh) == 144, "gru_bwd_step_args_f32.zh");
+_Static_assert(offsetof(gru_bwd_step_args_f32, cm) == 152, "gru_bwd_step_args_f32.cm");
+_Static_assert(offsetof(gru_bwd_step_args_f32, N) == 160, "gru_bwd_step_args_f32.N");
+_Static_assert(offsetof(gru_bwd_step_args_f32, B) == 168, "gru_bwd_step_args_f32.B");
+_Static_assert(offsetof(gru_bwd_step_args_f32, H) == 176, "gru_bwd_step_args_f32.H");
+_Static_assert(offsetof(gru_bwd_step_args_f32, D) == 184, "gru_bwd_step_args_f32.D");
+_Static_assert(offsetof(gru_bwd_step_args_f32, off) == 192, "gru_bwd_step_args_f32.off");
+_Static_assert(offsetof(gru_bwd_step_args_f32, rows) == 200, "gru_bwd_step_args_f32.rows");
+_Static_assert(offsetof(gru_bwd_step_args_f32, threads) == 208, "gru_bwd_step_args_f32.threads");
+_Static_assert(offsetof(gru_bwd_step_args_f32, layer_norm) == 212, "gru_bwd_step_args_f32.layer_norm");
+_Static_assert(offsetof(gru_bwd_step_args_f32, reverse) == 216, "gru_bwd_step_args_f32.reverse");
+_Static_assert(sizeof(gru_bwd_step_args_f32) == 224, "gru_bwd_step_args_f32 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
@@ -548,7 +554,7 @@ typedef struct {
     const double* b_hn; /* input (H): torch's b_hn */
     double* h; /* in/out (B, H): h_{t-1} in, h_t out */
     double* out; /* output (N, H): h_t */
-    double* hprev; /* output (R, H): h_{t-1} */
+    double* hprev; /* output (R, H), optional: NULL = off: h_{t-1} */
     double* rz; /* output (R, 2H): r and z */
     double* n; /* output (R, H): candidate */
     double* ghn; /* output (R, H): LN(hp_n) + b_hn */
@@ -604,7 +610,9 @@ _Static_assert(sizeof(gru_fwd_step_args_f64) == 224, "gru_fwd_step_args_f64 size
 typedef struct {
     const double* dout; /* input (N, H): gradient of this step's output */
     double* dh; /* in/out (B, H): gradient of h_t in, its direct part for h_{t-1} out */
-    const double* hprev; /* input (N, H) */
+    const double* hprev; /* input (N, H), optional: NULL = off: h_{t-1}; NULL: h0 for the first step's rows, else y of the step before (steps of all B rows) */
+    const double* h0; /* input (B, H), optional: NULL = off: h before the first step (with hprev NULL) */
+    const double* y; /* input (N, H), optional: NULL = off: the forward's output h_t (with hprev NULL) */
     const double* hp; /* input (N, 3H) */
     const double* rz; /* input (N, 2H) */
     const double* n; /* input (N, H) */
@@ -628,34 +636,38 @@ typedef struct {
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
     int32_t threads; /* count: OpenMP threads to split the rows over */
     int32_t layer_norm; /* flag: 1: layer-normalize hp (and c_t) with the gains */
+    int32_t reverse; /* flag: with hprev NULL: 1 if the steps run backward in time */
 } gru_bwd_step_args_f64;
 _Static_assert(offsetof(gru_bwd_step_args_f64, dout) == 0, "gru_bwd_step_args_f64.dout");
 _Static_assert(offsetof(gru_bwd_step_args_f64, dh) == 8, "gru_bwd_step_args_f64.dh");
 _Static_assert(offsetof(gru_bwd_step_args_f64, hprev) == 16, "gru_bwd_step_args_f64.hprev");
-_Static_assert(offsetof(gru_bwd_step_args_f64, hp) == 24, "gru_bwd_step_args_f64.hp");
-_Static_assert(offsetof(gru_bwd_step_args_f64, rz) == 32, "gru_bwd_step_args_f64.rz");
-_Static_assert(offsetof(gru_bwd_step_args_f64, n) == 40, "gru_bwd_step_args_f64.n");
-_Static_assert(offsetof(gru_bwd_step_args_f64, ghn) == 48, "gru_bwd_step_args_f64.ghn");
-_Static_assert(offsetof(gru_bwd_step_args_f64, mh) == 56, "gru_bwd_step_args_f64.mh");
-_Static_assert(offsetof(gru_bwd_step_args_f64, rh) == 64, "gru_bwd_step_args_f64.rh");
-_Static_assert(offsetof(gru_bwd_step_args_f64, mn) == 72, "gru_bwd_step_args_f64.mn");
-_Static_assert(offsetof(gru_bwd_step_args_f64, rn) == 80, "gru_bwd_step_args_f64.rn");
-_Static_assert(offsetof(gru_bwd_step_args_f64, w_rz) == 88, "gru_bwd_step_args_f64.w_rz");
-_Static_assert(offsetof(gru_bwd_step_args_f64, w_n) == 96, "gru_bwd_step_args_f64.w_n");
-_Static_assert(offsetof(gru_bwd_step_args_f64, dgx) == 104, "gru_bwd_step_args_f64.dgx");
-_Static_assert(offsetof(gru_bwd_step_args_f64, dgh) == 112, "gru_bwd_step_args_f64.dgh");
-_Static_assert(offsetof(gru_bwd_step_args_f64, dhp) == 120, "gru_bwd_step_args_f64.dhp");
-_Static_assert(offsetof(gru_bwd_step_args_f64, zh) == 128, "gru_bwd_step_args_f64.zh");
-_Static_assert(offsetof(gru_bwd_step_args_f64, cm) == 136, "gru_bwd_step_args_f64.cm");
-_Static_assert(offsetof(gru_bwd_step_args_f64, N) == 144, "gru_bwd_step_args_f64.N");
-_Static_assert(offsetof(gru_bwd_step_args_f64, B) == 152, "gru_bwd_step_args_f64.B");
-_Static_assert(offsetof(gru_bwd_step_args_f64, H) == 160, "gru_bwd_step_args_f64.H");
-_Static_assert(offsetof(gru_bwd_step_args_f64, D) == 168, "gru_bwd_step_args_f64.D");
-_Static_assert(offsetof(gru_bwd_step_args_f64, off) == 176, "gru_bwd_step_args_f64.off");
-_Static_assert(offsetof(gru_bwd_step_args_f64, rows) == 184, "gru_bwd_step_args_f64.rows");
-_Static_assert(offsetof(gru_bwd_step_args_f64, threads) == 192, "gru_bwd_step_args_f64.threads");
-_Static_assert(offsetof(gru_bwd_step_args_f64, layer_norm) == 196, "gru_bwd_step_args_f64.layer_norm");
-_Static_assert(sizeof(gru_bwd_step_args_f64) == 200, "gru_bwd_step_args_f64 size");
+_Static_assert(offsetof(gru_bwd_step_args_f64, h0) == 24, "gru_bwd_step_args_f64.h0");
+_Static_assert(offsetof(gru_bwd_step_args_f64, y) == 32, "gru_bwd_step_args_f64.y");
+_Static_assert(offsetof(gru_bwd_step_args_f64, hp) == 40, "gru_bwd_step_args_f64.hp");
+_Static_assert(offsetof(gru_bwd_step_args_f64, rz) == 48, "gru_bwd_step_args_f64.rz");
+_Static_assert(offsetof(gru_bwd_step_args_f64, n) == 56, "gru_bwd_step_args_f64.n");
+_Static_assert(offsetof(gru_bwd_step_args_f64, ghn) == 64, "gru_bwd_step_args_f64.ghn");
+_Static_assert(offsetof(gru_bwd_step_args_f64, mh) == 72, "gru_bwd_step_args_f64.mh");
+_Static_assert(offsetof(gru_bwd_step_args_f64, rh) == 80, "gru_bwd_step_args_f64.rh");
+_Static_assert(offsetof(gru_bwd_step_args_f64, mn) == 88, "gru_bwd_step_args_f64.mn");
+_Static_assert(offsetof(gru_bwd_step_args_f64, rn) == 96, "gru_bwd_step_args_f64.rn");
+_Static_assert(offsetof(gru_bwd_step_args_f64, w_rz) == 104, "gru_bwd_step_args_f64.w_rz");
+_Static_assert(offsetof(gru_bwd_step_args_f64, w_n) == 112, "gru_bwd_step_args_f64.w_n");
+_Static_assert(offsetof(gru_bwd_step_args_f64, dgx) == 120, "gru_bwd_step_args_f64.dgx");
+_Static_assert(offsetof(gru_bwd_step_args_f64, dgh) == 128, "gru_bwd_step_args_f64.dgh");
+_Static_assert(offsetof(gru_bwd_step_args_f64, dhp) == 136, "gru_bwd_step_args_f64.dhp");
+_Static_assert(offsetof(gru_bwd_step_args_f64, zh) == 144, "gru_bwd_step_args_f64.zh");
+_Static_assert(offsetof(gru_bwd_step_args_f64, cm) == 152, "gru_bwd_step_args_f64.cm");
+_Static_assert(offsetof(gru_bwd_step_args_f64, N) == 160, "gru_bwd_step_args_f64.N");
+_Static_assert(offsetof(gru_bwd_step_args_f64, B) == 168, "gru_bwd_step_args_f64.B");
+_Static_assert(offsetof(gru_bwd_step_args_f64, H) == 176, "gru_bwd_step_args_f64.H");
+_Static_assert(offsetof(gru_bwd_step_args_f64, D) == 184, "gru_bwd_step_args_f64.D");
+_Static_assert(offsetof(gru_bwd_step_args_f64, off) == 192, "gru_bwd_step_args_f64.off");
+_Static_assert(offsetof(gru_bwd_step_args_f64, rows) == 200, "gru_bwd_step_args_f64.rows");
+_Static_assert(offsetof(gru_bwd_step_args_f64, threads) == 208, "gru_bwd_step_args_f64.threads");
+_Static_assert(offsetof(gru_bwd_step_args_f64, layer_norm) == 212, "gru_bwd_step_args_f64.layer_norm");
+_Static_assert(offsetof(gru_bwd_step_args_f64, reverse) == 216, "gru_bwd_step_args_f64.reverse");
+_Static_assert(sizeof(gru_bwd_step_args_f64) == 224, "gru_bwd_step_args_f64 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {

@@ -136,6 +136,12 @@ static inline i64 kept_row(i64 R, i64 N, i64 row, i64 i) { return R == N ? row :
 static inline int dgh_rows_valid(i64 D, i64 N, i64 B, int layer_norm) {
     return D == N || (D == B && layer_norm);
 }
+/* Whether a GRU backward step (struct pointer a) of rows [off, off + rows) finds its buffers:
+   dgh of N rows or a scratch of B, h_{t−1} kept or taken from the step before (h0, y and steps
+   of all B rows, as the LSTM's c_{t−1}). */
+#define GRU_BWD_ROWS_VALID(a, off, rows)                                   \
+    (dgh_rows_valid((a)->D, (a)->N, (a)->B, (a)->layer_norm) &&            \
+     carried_before_valid((a)->hprev, (a)->y ? (a)->h0 : NULL, (off), (rows), (a)->N, (a)->B))
 
 /* Whether a forward kernel's projection arguments agree (rnn_abi.py, _PROJECTION): none, or x and
    w_ih both, a split in (0, G], and gx of B rows written each step (with x) or N rows (without). */

@@ -759,7 +759,7 @@ int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) 
     FN(gru_bwd_step_args) step = *a;
     scalar_t* const outs[GRAD_SUMS_OUTS] = {s->hp_grads, NULL, NULL};
     const i64 n_out[GRAD_SUMS_OUTS] = {2 * G, 0, 0};
-    BACKWARD_IN_TIME(FN(gru_bwd_rows), dgh_rows_valid(a->D, a->N, a->B, a->layer_norm), 1,
+    BACKWARD_IN_TIME(FN(gru_bwd_rows), GRU_BWD_ROWS_VALID(a, step.off, step.rows), 1,
                      a->layer_norm && s->hp_grads, outs, n_out);
 }
 

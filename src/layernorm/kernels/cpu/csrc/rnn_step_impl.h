@@ -468,13 +468,13 @@ static inline __attribute__((always_inline)) void FN(gru_fwd_body)(
         #pragma omp simd
         for (i64 j = 0; j < H; ++j) ghn[j] = hp[2 * H + j] + b_hn[j];
     }
+    if (hpv) memcpy(hpv, hs, (size_t)H * sizeof(scalar_t));
     #pragma omp simd
     for (i64 j = 0; j < H; ++j) {
         const scalar_t v = ghn[j];
         const scalar_t nv = TANH(gx[2 * H + j] + rz[j] * v);
         n[j] = nv;
         const scalar_t hprev = hs[j];
-        hpv[j] = hprev;
         const scalar_t nm = (masks & MASK_CM) ? nv * cm[j] : nv;
         const scalar_t own = nm + rz[H + j] * (hprev - nm);
         const scalar_t h = (masks & MASK_ZH) ? zh[j] * hprev + ((scalar_t)1 - zh[j]) * own : own;
@@ -510,12 +510,21 @@ int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
    LN(hp_n) + b_hn), dhp (of hp; with layer_norm = 0 not written: the caller passes dgh, which it
    then equals), and dh := the part of the gradient of h_{t−1} that bypasses W_hh (the caller adds
    dhp·W_hh). */
+/* h_{t−1} of a row when the forward kept no copy (hprev NULL; the caller asks for it only on
+   steps of all B rows): h0 for the first step's rows, else the output of the step before, B rows
+   earlier forward in time and B rows later in reverse. */
+static inline const scalar_t* FN(h_before)(const FN(gru_bwd_step_args) * A, i64 row, i64 i) {
+    const i64 B = A->B, H = A->H;
+    const int first = A->reverse ? row >= A->N - B : row < B;
+    return first ? A->h0 + i * H : A->y + (A->reverse ? row + B : row - B) * H;
+}
+
 static inline __attribute__((always_inline)) void FN(gru_bwd_body)(
     const FN(gru_bwd_step_args) * A, i64 i, scalar_t* sums, const int masks) {
     const i64 H = A->H, G = 3 * H, row = A->off + i;
     const scalar_t* dout = A->dout + row * H;
     scalar_t* dh = A->dh + i * H;
-    const scalar_t* hpv = A->hprev + row * H;
+    const scalar_t* hpv = A->hprev ? A->hprev + row * H : FN(h_before)(A, row, i);
     const scalar_t* rz = A->rz + row * 2 * H;
     const scalar_t* n = A->n + row * H;
     const scalar_t* ghn = A->ghn + row * H;
@@ -563,8 +572,7 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi, scalar_t*
 }
 
 int FN(gru_bwd_step)(const FN(gru_bwd_step_args) * a) {
-    if (!rows_in_range(a->off, a->rows, a->N, a->B) || !dgh_rows_valid(a->D, a->N, a->B,
-                                                                         a->layer_norm))
+    if (!rows_in_range(a->off, a->rows, a->N, a->B) || !GRU_BWD_ROWS_VALID(a, a->off, a->rows))
         return RNN_ERR_ROWS;
     if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
         FN(gru_bwd_rows)(a, 0, a->rows, NULL);

@@ -12,17 +12,22 @@
 # compared when it imports; wheels placed in .whl/ are installed first (the machine may be
 # offline). The package is used from src/ so that no install step is needed. Extra arguments per
 # stage: TEST_ARGS (pytest, e.g. "-n 8 -x"), SWEEP_ARGS and TUNE_ARGS (bench_norms_gpu.py, e.g.
-# "--ns 1024 4096 65536" or "--tune-factors elems_per_thread"), HOST_WORKERS and HOST_SHAPES.
+# "--ns 1024 4096 65536" or "--tune-factors elems_per_thread"), HOST_WORKERS, HOST_SHAPES and
+# HOST_ISAS (e.g. "avx512": one target's tables only).
 #
 # The host stage checks the C kernels on the GPU machine's own processor, often one with AVX-512
-# where the project's other machines may have AVX2 only: the tests of every instruction-set target,
-# then, once they are done (timings beside running tests are not results), LN-LSTM/GRU against
-# torch per target. It needs a C compiler there (and uses pytest-xdist where it is installed).
+# where the project's other machines may have AVX2 only: first, on the quiet machine, LN-LSTM/GRU
+# against torch per target (1 and 2 threads, training and inference, the six shapes of the
+# targets) and the recurrent GEMM's tile against MKL; then the tests of every instruction-set
+# target (after the timings: a test run cut by a time limit can leave its workers running, and
+# timings beside running tests are not results). It needs a C compiler there (and uses
+# pytest-xdist where it is installed).
 #
 # Wall times seen on an H200 machine (16 cores, 2026-11-26), for planning a short lease: tests
 # with TEST_ARGS="-n 8" 45 s; sweep with SWEEP_ARGS="--ns 1024 4096 16384 65536 262144" (five N,
-# torch.compile recompiling per shape) 95 s; tune 95 s (84 s of timings); host about 140 s of tests
-# at 12 workers, then about 15 s per benchmark table. The machine's start adds about a minute.
+# torch.compile recompiling per shape) 95 s; tune 95 s (84 s of timings); host: about 30 s per
+# recurrent table at the six shapes, 20 s for the GEMM, then about 140 s of tests at 12 workers.
+# The machine's start adds about a minute.
 set -euo pipefail
 
 stage="${1:-all}"
@@ -68,21 +73,27 @@ run_tune() {
 }
 
 run_host() {
-    grep -m1 'model name' /proc/cpuinfo | tee "$out/host_bench.log"
+    { grep -m1 'model name' /proc/cpuinfo; uptime; } | tee "$out/host_bench.log"
+    local isas shapes
+    isas=$("$py" -c 'from layernorm.kernels.cpu import targets; print(*targets.available())')
+    shapes=${HOST_SHAPES:-100x32x128x256,100x64x256x512,50x8x64x128,200x16x64x256,1000x4x32x128,35x20x650x650}
+    for isa in ${HOST_ISAS:-$isas}; do
+        [[ "$isa" == portable ]] && continue
+        for threads in 1 2; do
+            for mode in train infer; do
+                "$py" benchmarks/bench_rnn.py --isa "$isa" --threads "$threads" --mode "$mode" \
+                    --reps 5 --shapes "$shapes" 2>&1 | tee -a "$out/host_bench.log"
+            done
+        done
+    done
+    "$py" benchmarks/bench_rnn_gemm.py --reps 5 --inner 5 --rows 4,8,16,32,64 \
+        --hidden 128,256,512,650 2>&1 | tee "$out/host_gemm.log"
     local workers=()
     "$py" -c 'import xdist' 2>/dev/null && workers=(-n "${HOST_WORKERS:-8}")
     "$py" -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_cpu_isa.py \
         tests/test_cpu_fast_paths.py tests/test_half_kernels.py tests/test_recurrent_cseq.py \
+        tests/test_recurrent_inference.py tests/test_rnn_kernel_abi.py \
         tests/test_kernel_accuracy.py 2>&1 | tee "$out/host_tests.log"
-    local isas
-    isas=$("$py" -c 'from layernorm.kernels.cpu import targets; print(*targets.available())')
-    for isa in $isas; do
-        [[ "$isa" == portable ]] && continue
-        for mode in train infer; do
-            "$py" benchmarks/bench_rnn.py --isa "$isa" --threads 1 --mode "$mode" --reps 5 \
-                --shapes "${HOST_SHAPES:-50x8x64x128,100x32x128x256}" 2>&1 | tee -a "$out/host_bench.log"
-        done
-    done
 }
 
 case "$stage" in

@@ -210,7 +210,8 @@ def _gru_bwd_struct(
          "w_n": torch.randn(hs, **f64), "dgx": torch.zeros(n, 3 * hs, dtype=torch.float64),
          "dgh": torch.zeros(dgh_rows, 3 * hs, dtype=torch.float64),
          "dhp": torch.zeros(n, 3 * hs, dtype=torch.float64),
-         "h0": torch.randn(b, hs, **f64), "y": torch.randn(n, hs, **f64)}  # fmt: skip
+         "h0": torch.randn(b, hs, **f64), "y": torch.randn(n, hs, **f64),
+         "b_n": torch.randn(hs, **f64), "b_hn": torch.randn(hs, **f64)}  # fmt: skip
     if previous == "kept":  # what the C backward reads in place of hprev without it
         prev = (
             torch.cat([t["h0"], t["y"][:-b]]) if not reverse else torch.cat([t["y"][b:], t["h0"]])
@@ -220,7 +221,7 @@ def _gru_bwd_struct(
         t["hprev"] = None
     if previous != "later rows":
         t["h0"] = t["y"] = None
-    values = {**t, "off": 0, "rows": 0, "threads": 1, "layer_norm": layer_norm,
+    values = {**t, "off": 0, "rows": 0, "threads": 1, "layer_norm": layer_norm, "eps": 1e-5,
               "reverse": reverse}  # fmt: skip
     sizes = {"N": n, "B": b, "H": hs, "G": 3 * hs, "D": dgh_rows}
     return rnn.prepare(rnn_abi.GRU_BWD, torch.float64, values, sizes), t
@@ -272,6 +273,51 @@ def test_c_gru_backward_takes_h_before_from_the_step_before(reverse) -> None:
     kept, later = runs
     for k in ("dgx", "dhp", "dh"):
         assert torch.equal(later[k], kept[k]), k
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("layer_norm", [1, 0])
+def test_c_gru_backward_recomputes_ghn_to_the_bit(layer_norm, dtype) -> None:
+    """Where the forward keeps no LN(hp_n) + b_hn (ghn NULL) the backward computes it again from
+    hp, finding the row statistics as the forward did: the same gradients to the bit as from the
+    kept values, on rows whose mean (1e6) is far from their spread (1), where the mean's low part
+    in the normalized value matters (float32: the mean is split in two float32 parts)."""
+    hs, n = 5, 4
+    gen = torch.Generator().manual_seed(8)
+    f64 = {"dtype": dtype, "generator": gen}
+    offset = 1e6 if layer_norm else 0.0  # without layer norms the gates would saturate
+    fwd = {"hp": offset + torch.randn(n, 3 * hs, **f64), "gx": torch.randn(n, 3 * hs, **f64),
+           "w_rz": torch.randn(2 * hs, **f64), "b_rz": torch.randn(2 * hs, **f64),
+           "w_n": torch.randn(hs, **f64), "b_n": torch.randn(hs, **f64),
+           "b_hn": torch.randn(hs, **f64), "h": torch.randn(n, hs, **f64),
+           "out": torch.zeros(n, hs, dtype=dtype), "hprev": None,
+           "rz": torch.zeros(n, 2 * hs, dtype=dtype),
+           "n": torch.zeros(n, hs, dtype=dtype),
+           "ghn": torch.zeros(n, hs, dtype=dtype),
+           **{k: torch.zeros(n, dtype=dtype) for k in ("mh", "rh", "mn", "rn")},
+           }  # fmt: skip
+    sizes = {"N": n, "B": n, "H": hs, "G": 3 * hs, "R": n, "X": n, "D": n}
+    common = {"eps": 1e-5, "off": 0, "rows": 0, "threads": 1, "layer_norm": layer_norm}
+    h0 = fwd["h"].clone()
+    args = rnn.prepare(rnn_abi.GRU_FWD, dtype, {**fwd, **common}, sizes)
+    rnn.step("gru_fwd_step", dtype, args, 0, n, 1)
+    runs = []
+    for ghn in (fwd["ghn"], None):
+        bwd = {k: fwd[k] for k in ("hp", "rz", "n", "mh", "rh", "mn", "rn", "w_rz", "w_n", "b_n",
+                                   "b_hn")}  # fmt: skip
+        bwd.update(dout=torch.linspace(-1, 1, n * hs, dtype=dtype).view(n, hs),
+                   dh=torch.full((n, hs), 0.5, dtype=dtype), hprev=h0, h0=None, y=None,
+                   ghn=ghn, dgx=torch.zeros(n, 3 * hs, dtype=dtype),
+                   dgh=torch.zeros(n, 3 * hs, dtype=dtype),
+                   dhp=torch.zeros(n, 3 * hs, dtype=dtype), zh=None, cm=None)  # fmt: skip
+        args = rnn.prepare(rnn_abi.GRU_BWD, dtype, {**bwd, **common, "reverse": 0}, sizes)
+        rnn.step("gru_bwd_step", dtype, args, 0, n, 1)
+        runs.append(bwd)
+    kept, recomputed = runs
+    assert kept["dgx"].abs().min() > 0
+    for k in ("dgx", "dgh", "dhp", "dh"):
+        assert torch.equal(recomputed[k], kept[k]), k
 
 
 @needs_c

@@ -338,9 +338,11 @@ def _gru_state(
         "N": n_rows, "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz,
         "b_rz": b_rz, "w_n": w_n, "b_n": b_n, "b_hn": b_hn, "h": h0.contiguous().clone(),
         "zh": zh, "cm": cm, "out": _buffers.empty(gx, (n_rows, hs)),
-        **_new_bufs(gx, kept_rows, {"hp": 3 * hs, "rz": 2 * hs, "n": hs, "ghn": hs, "mh": 0,
-                                    "rh": 0, "mn": 0, "rn": 0}),
-        "hprev": None, "y": None, "h0": None, "reverse": 0,
+        **_new_bufs(gx, kept_rows, {"hp": 3 * hs, "rz": 2 * hs, "n": hs, "mh": 0, "rh": 0,
+                                    "mn": 0, "rn": 0}),
+        # the C kernels keep no h_{t−1} or LN(hp_n) + b_hn where they can do without (see
+        # GRUSequence.forward); the step functions in Python need both
+        "hprev": None, "ghn": None, "y": None, "h0": None, "reverse": 0,
     }  # fmt: skip
 
 
@@ -996,6 +998,8 @@ class GRUSequence(torch.autograd.Function):
             st.update(y=st["out"], h0=h0.contiguous(), reverse=int(sched[0][1] != 0))
         else:
             st["hprev"] = _buffers.empty(gx, (gx.shape[0], h0.shape[1]))
+        if kernels.gru_fwd_seq is None:  # the C backward recomputes LN(hp_n) + b_hn from hp
+            st["ghn"] = _buffers.empty(gx, (gx.shape[0], h0.shape[1]))
         _forward_in_time(st, w_hh, sched, kernels.gru_fwd, kernels.gru_fwd_seq)
         _save(ctx, st, w_hh, sched, ("w_rz", "b_rz", "w_n", "b_n", "b_hn", "hp", "hprev",
                                      "rz", "n", "ghn", "mh", "rh", "mn", "rn",

@@ -189,7 +189,7 @@ typedef struct {
     float* hprev; /* output (R, H), optional: NULL = off: h_{t-1} */
     float* rz; /* output (R, 2H): r and z */
     float* n; /* output (R, H): candidate */
-    float* ghn; /* output (R, H): LN(hp_n) + b_hn */
+    float* ghn; /* output (R, H), optional: NULL = off: LN(hp_n) + b_hn */
     float* mh; /* output (R): mean of hp_rz */
     float* rh; /* output (R): 1/std of hp_rz */
     float* mn; /* output (R): mean of hp_n */
@@ -248,13 +248,15 @@ typedef struct {
     const float* hp; /* input (N, 3H) */
     const float* rz; /* input (N, 2H) */
     const float* n; /* input (N, H) */
-    const float* ghn; /* input (N, H) */
+    const float* ghn; /* input (N, H), optional: NULL = off: LN(hp_n) + b_hn; NULL: recomputed from hp (its row statistics found again as the forward found them), w_n, b_n and b_hn */
     const float* mh; /* input (N) */
     const float* rh; /* input (N) */
     const float* mn; /* input (N) */
     const float* rn; /* input (N) */
     const float* w_rz; /* input (2H) */
     const float* w_n; /* input (H) */
+    const float* b_n; /* input (H): bias of LN(hp_n) */
+    const float* b_hn; /* input (H): torch's b_hn */
     float* dgx; /* output (N, 3H): gradient of gx */
     float* dgh; /* output (D, 3H): gradient of LN(hp_rz) and of LN(hp_n) + b_hn */
     float* dhp; /* output (N, 3H): gradient of hp */
@@ -264,6 +266,7 @@ typedef struct {
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
     int64_t D; /* size: rows of dgh: N (kept) or B (with layer_norm: scratch) */
+    double eps; /* float, >= 0: added to the variance */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
     int32_t threads; /* count: OpenMP threads to split the rows over */
@@ -285,21 +288,24 @@ _Static_assert(offsetof(gru_bwd_step_args_f32, mn) == 88, "gru_bwd_step_args_f32
 _Static_assert(offsetof(gru_bwd_step_args_f32, rn) == 96, "gru_bwd_step_args_f32.rn");
 _Static_assert(offsetof(gru_bwd_step_args_f32, w_rz) == 104, "gru_bwd_step_args_f32.w_rz");
 _Static_assert(offsetof(gru_bwd_step_args_f32, w_n) == 112, "gru_bwd_step_args_f32.w_n");
-_Static_assert(offsetof(gru_bwd_step_args_f32, dgx) == 120, "gru_bwd_step_args_f32.dgx");
-_Static_assert(offsetof(gru_bwd_step_args_f32, dgh) == 128, "gru_bwd_step_args_f32.dgh");
-_Static_assert(offsetof(gru_bwd_step_args_f32, dhp) == 136, "gru_bwd_step_args_f32.dhp");
-_Static_assert(offsetof(gru_bwd_step_args_f32, zh) == 144, "gru_bwd_step_args_f32.zh");
-_Static_assert(offsetof(gru_bwd_step_args_f32, cm) == 152, "gru_bwd_step_args_f32.cm");
-_Static_assert(offsetof(gru_bwd_step_args_f32, N) == 160, "gru_bwd_step_args_f32.N");
-_Static_assert(offsetof(gru_bwd_step_args_f32, B) == 168, "gru_bwd_step_args_f32.B");
-_Static_assert(offsetof(gru_bwd_step_args_f32, H) == 176, "gru_bwd_step_args_f32.H");
-_Static_assert(offsetof(gru_bwd_step_args_f32, D) == 184, "gru_bwd_step_args_f32.D");
-_Static_assert(offsetof(gru_bwd_step_args_f32, off) == 192, "gru_bwd_step_args_f32.off");
-_Static_assert(offsetof(gru_bwd_step_args_f32, rows) == 200, "gru_bwd_step_args_f32.rows");
-_Static_assert(offsetof(gru_bwd_step_args_f32, threads) == 208, "gru_bwd_step_args_f32.threads");
-_Static_assert(offsetof(gru_bwd_step_args_f32, layer_norm) == 212, "gru_bwd_step_args_f32.layer_norm");
-_Static_assert(offsetof(gru_bwd_step_args_f32, reverse) == 216, "gru_bwd_step_args_f32.reverse");
-_Static_assert(sizeof(gru_bwd_step_args_f32) == 224, "gru_bwd_step_args_f32 size");
+_Static_assert(offsetof(gru_bwd_step_args_f32, b_n) == 120, "gru_bwd_step_args_f32.b_n");
+_Static_assert(offsetof(gru_bwd_step_args_f32, b_hn) == 128, "gru_bwd_step_args_f32.b_hn");
+_Static_assert(offsetof(gru_bwd_step_args_f32, dgx) == 136, "gru_bwd_step_args_f32.dgx");
+_Static_assert(offsetof(gru_bwd_step_args_f32, dgh) == 144, "gru_bwd_step_args_f32.dgh");
+_Static_assert(offsetof(gru_bwd_step_args_f32, dhp) == 152, "gru_bwd_step_args_f32.dhp");
+_Static_assert(offsetof(gru_bwd_step_args_f32, zh) == 160, "gru_bwd_step_args_f32.zh");
+_Static_assert(offsetof(gru_bwd_step_args_f32, cm) == 168, "gru_bwd_step_args_f32.cm");
+_Static_assert(offsetof(gru_bwd_step_args_f32, N) == 176, "gru_bwd_step_args_f32.N");
+_Static_assert(offsetof(gru_bwd_step_args_f32, B) == 184, "gru_bwd_step_args_f32.B");
+_Static_assert(offsetof(gru_bwd_step_args_f32, H) == 192, "gru_bwd_step_args_f32.H");
+_Static_assert(offsetof(gru_bwd_step_args_f32, D) == 200, "gru_bwd_step_args_f32.D");
+_Static_assert(offsetof(gru_bwd_step_args_f32, eps) == 208, "gru_bwd_step_args_f32.eps");
+_Static_assert(offsetof(gru_bwd_step_args_f32, off) == 216, "gru_bwd_step_args_f32.off");
+_Static_assert(offsetof(gru_bwd_step_args_f32, rows) == 224, "gru_bwd_step_args_f32.rows");
+_Static_assert(offsetof(gru_bwd_step_args_f32, threads) == 232, "gru_bwd_step_args_f32.threads");
+_Static_assert(offsetof(gru_bwd_step_args_f32, layer_norm) == 236, "gru_bwd_step_args_f32.layer_norm");
+_Static_assert(offsetof(gru_bwd_step_args_f32, reverse) == 240, "gru_bwd_step_args_f32.reverse");
+_Static_assert(sizeof(gru_bwd_step_args_f32) == 248, "gru_bwd_step_args_f32 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
@@ -557,7 +563,7 @@ typedef struct {
     double* hprev; /* output (R, H), optional: NULL = off: h_{t-1} */
     double* rz; /* output (R, 2H): r and z */
     double* n; /* output (R, H): candidate */
-    double* ghn; /* output (R, H): LN(hp_n) + b_hn */
+    double* ghn; /* output (R, H), optional: NULL = off: LN(hp_n) + b_hn */
     double* mh; /* output (R): mean of hp_rz */
     double* rh; /* output (R): 1/std of hp_rz */
     double* mn; /* output (R): mean of hp_n */
@@ -616,13 +622,15 @@ typedef struct {
     const double* hp; /* input (N, 3H) */
     const double* rz; /* input (N, 2H) */
     const double* n; /* input (N, H) */
-    const double* ghn; /* input (N, H) */
+    const double* ghn; /* input (N, H), optional: NULL = off: LN(hp_n) + b_hn; NULL: recomputed from hp (its row statistics found again as the forward found them), w_n, b_n and b_hn */
     const double* mh; /* input (N) */
     const double* rh; /* input (N) */
     const double* mn; /* input (N) */
     const double* rn; /* input (N) */
     const double* w_rz; /* input (2H) */
     const double* w_n; /* input (H) */
+    const double* b_n; /* input (H): bias of LN(hp_n) */
+    const double* b_hn; /* input (H): torch's b_hn */
     double* dgx; /* output (N, 3H): gradient of gx */
     double* dgh; /* output (D, 3H): gradient of LN(hp_rz) and of LN(hp_n) + b_hn */
     double* dhp; /* output (N, 3H): gradient of hp */
@@ -632,6 +640,7 @@ typedef struct {
     int64_t B; /* size: rows of the state (the batch) */
     int64_t H; /* size: hidden units */
     int64_t D; /* size: rows of dgh: N (kept) or B (with layer_norm: scratch) */
+    double eps; /* float, >= 0: added to the variance */
     int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
     int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
     int32_t threads; /* count: OpenMP threads to split the rows over */
@@ -653,21 +662,24 @@ _Static_assert(offsetof(gru_bwd_step_args_f64, mn) == 88, "gru_bwd_step_args_f64
 _Static_assert(offsetof(gru_bwd_step_args_f64, rn) == 96, "gru_bwd_step_args_f64.rn");
 _Static_assert(offsetof(gru_bwd_step_args_f64, w_rz) == 104, "gru_bwd_step_args_f64.w_rz");
 _Static_assert(offsetof(gru_bwd_step_args_f64, w_n) == 112, "gru_bwd_step_args_f64.w_n");
-_Static_assert(offsetof(gru_bwd_step_args_f64, dgx) == 120, "gru_bwd_step_args_f64.dgx");
-_Static_assert(offsetof(gru_bwd_step_args_f64, dgh) == 128, "gru_bwd_step_args_f64.dgh");
-_Static_assert(offsetof(gru_bwd_step_args_f64, dhp) == 136, "gru_bwd_step_args_f64.dhp");
-_Static_assert(offsetof(gru_bwd_step_args_f64, zh) == 144, "gru_bwd_step_args_f64.zh");
-_Static_assert(offsetof(gru_bwd_step_args_f64, cm) == 152, "gru_bwd_step_args_f64.cm");
-_Static_assert(offsetof(gru_bwd_step_args_f64, N) == 160, "gru_bwd_step_args_f64.N");
-_Static_assert(offsetof(gru_bwd_step_args_f64, B) == 168, "gru_bwd_step_args_f64.B");
-_Static_assert(offsetof(gru_bwd_step_args_f64, H) == 176, "gru_bwd_step_args_f64.H");
-_Static_assert(offsetof(gru_bwd_step_args_f64, D) == 184, "gru_bwd_step_args_f64.D");
-_Static_assert(offsetof(gru_bwd_step_args_f64, off) == 192, "gru_bwd_step_args_f64.off");
-_Static_assert(offsetof(gru_bwd_step_args_f64, rows) == 200, "gru_bwd_step_args_f64.rows");
-_Static_assert(offsetof(gru_bwd_step_args_f64, threads) == 208, "gru_bwd_step_args_f64.threads");
-_Static_assert(offsetof(gru_bwd_step_args_f64, layer_norm) == 212, "gru_bwd_step_args_f64.layer_norm");
-_Static_assert(offsetof(gru_bwd_step_args_f64, reverse) == 216, "gru_bwd_step_args_f64.reverse");
-_Static_assert(sizeof(gru_bwd_step_args_f64) == 224, "gru_bwd_step_args_f64 size");
+_Static_assert(offsetof(gru_bwd_step_args_f64, b_n) == 120, "gru_bwd_step_args_f64.b_n");
+_Static_assert(offsetof(gru_bwd_step_args_f64, b_hn) == 128, "gru_bwd_step_args_f64.b_hn");
+_Static_assert(offsetof(gru_bwd_step_args_f64, dgx) == 136, "gru_bwd_step_args_f64.dgx");
+_Static_assert(offsetof(gru_bwd_step_args_f64, dgh) == 144, "gru_bwd_step_args_f64.dgh");
+_Static_assert(offsetof(gru_bwd_step_args_f64, dhp) == 152, "gru_bwd_step_args_f64.dhp");
+_Static_assert(offsetof(gru_bwd_step_args_f64, zh) == 160, "gru_bwd_step_args_f64.zh");
+_Static_assert(offsetof(gru_bwd_step_args_f64, cm) == 168, "gru_bwd_step_args_f64.cm");
+_Static_assert(offsetof(gru_bwd_step_args_f64, N) == 176, "gru_bwd_step_args_f64.N");
+_Static_assert(offsetof(gru_bwd_step_args_f64, B) == 184, "gru_bwd_step_args_f64.B");
+_Static_assert(offsetof(gru_bwd_step_args_f64, H) == 192, "gru_bwd_step_args_f64.H");
+_Static_assert(offsetof(gru_bwd_step_args_f64, D) == 200, "gru_bwd_step_args_f64.D");
+_Static_assert(offsetof(gru_bwd_step_args_f64, eps) == 208, "gru_bwd_step_args_f64.eps");
+_Static_assert(offsetof(gru_bwd_step_args_f64, off) == 216, "gru_bwd_step_args_f64.off");
+_Static_assert(offsetof(gru_bwd_step_args_f64, rows) == 224, "gru_bwd_step_args_f64.rows");
+_Static_assert(offsetof(gru_bwd_step_args_f64, threads) == 232, "gru_bwd_step_args_f64.threads");
+_Static_assert(offsetof(gru_bwd_step_args_f64, layer_norm) == 236, "gru_bwd_step_args_f64.layer_norm");
+_Static_assert(offsetof(gru_bwd_step_args_f64, reverse) == 240, "gru_bwd_step_args_f64.reverse");
+_Static_assert(sizeof(gru_bwd_step_args_f64) == 248, "gru_bwd_step_args_f64 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {

@@ -429,6 +429,16 @@ int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
     return 0;
 }
 
+/* LN(hp_n) + b_hn at column j of a GRU row (hp + b_hn without layer norms): the forward's value,
+   and the backward's where the forward kept none (the row statistics s found as the forward
+   found them, so the value is the same to the bit). */
+static inline scalar_t FN(ghn_value)(const scalar_t* hp, i64 j, i64 H, FN(stats) s,
+                                     const scalar_t* w_n, const scalar_t* b_n,
+                                     const scalar_t* b_hn, int normalize) {
+    const scalar_t x = hp[2 * H + j];
+    return normalize ? ((x - s.hi) - s.lo) * s.r * w_n[j] + b_n[j] + b_hn[j] : x + b_hn[j];
+}
+
 /* LN-GRU forward of row i (gates r, z, n; torch's layout). hp = W_hh h_{t−1} (raw), gx = LN(W_ih x)
    + b_ih + [b_hr, b_hz, 0]. The (r, z) block and the n block of hp get separate layer norms. b_hn
    and the gains and biases are always given (ones / zeros where the layer has none). */
@@ -440,18 +450,21 @@ static inline __attribute__((always_inline)) void FN(gru_fwd_body)(
     const scalar_t *w_rz = A->w_rz, *b_rz = A->b_rz, *w_n = A->w_n, *b_n = A->b_n;
     const scalar_t* b_hn = A->b_hn;
     scalar_t* rz = A->rz + k * 2 * H;
-    scalar_t* ghn = A->ghn + k * H;
+    scalar_t* ghn = A->ghn ? A->ghn + k * H : NULL; /* NULL: not kept */
     scalar_t* n = A->n + k * H;
     scalar_t* hs = A->h + i * H;
     scalar_t* hpv = A->hprev ? A->hprev + k * H : NULL; /* NULL: h_{t-1} is not kept */
     scalar_t* o = A->out + row * H;
     const scalar_t* zh = (masks & MASK_ZH) ? A->zh + row * H : NULL;
     const scalar_t* cm = (masks & MASK_CM) ? A->cm + i * H : NULL;
-    if (A->layer_norm) {
+    const int normalize = A->layer_norm;
+    FN(stats) s2 = {0, 0, 1};
+    if (normalize) {
         acc_t m1, r1, m2, r2;
         FN(moments)(hp, 2 * H, A->eps, &m1, &r1);
         FN(moments)(hp + 2 * H, H, A->eps, &m2, &r2);
-        const FN(stats) s1 = FN(split)(m1, r1), s2 = FN(split)(m2, r2);
+        const FN(stats) s1 = FN(split)(m1, r1);
+        s2 = FN(split)(m2, r2);
         A->mh[k] = s1.hi;
         A->rh[k] = s1.r;
         A->mn[k] = s2.hi;
@@ -459,19 +472,15 @@ static inline __attribute__((always_inline)) void FN(gru_fwd_body)(
         #pragma omp simd
         for (i64 j = 0; j < 2 * H; ++j)
             rz[j] = FN(sigm)(((hp[j] - s1.hi) - s1.lo) * s1.r * w_rz[j] + b_rz[j] + gx[j]);
-        #pragma omp simd
-        for (i64 j = 0; j < H; ++j)
-            ghn[j] = ((hp[2 * H + j] - s2.hi) - s2.lo) * s2.r * w_n[j] + b_n[j] + b_hn[j];
     } else {
         #pragma omp simd
         for (i64 j = 0; j < 2 * H; ++j) rz[j] = FN(sigm)(hp[j] + gx[j]);
-        #pragma omp simd
-        for (i64 j = 0; j < H; ++j) ghn[j] = hp[2 * H + j] + b_hn[j];
     }
     if (hpv) memcpy(hpv, hs, (size_t)H * sizeof(scalar_t));
     #pragma omp simd
     for (i64 j = 0; j < H; ++j) {
-        const scalar_t v = ghn[j];
+        const scalar_t v = FN(ghn_value)(hp, j, H, s2, w_n, b_n, b_hn, normalize);
+        if (ghn) ghn[j] = v;
         const scalar_t nv = TANH(gx[2 * H + j] + rz[j] * v);
         n[j] = nv;
         const scalar_t hprev = hs[j];
@@ -527,7 +536,14 @@ static inline __attribute__((always_inline)) void FN(gru_bwd_body)(
     const scalar_t* hpv = A->hprev ? A->hprev + row * H : FN(h_before)(A, row, i);
     const scalar_t* rz = A->rz + row * 2 * H;
     const scalar_t* n = A->n + row * H;
-    const scalar_t* ghn = A->ghn + row * H;
+    const scalar_t* ghn = A->ghn ? A->ghn + row * H : NULL; /* NULL: recomputed below */
+    const scalar_t* hp = A->hp + row * G;
+    FN(stats) s2 = {0, 0, 1};
+    if (!ghn && A->layer_norm) {
+        acc_t m2, r2;
+        FN(moments)(hp + 2 * H, H, A->eps, &m2, &r2);
+        s2 = FN(split)(m2, r2);
+    }
     scalar_t* dgx = A->dgx + row * G;
     scalar_t* dgh = A->dgh + kept_row(A->D, A->N, row, i) * G; /* D = B: a step's scratch */
     const scalar_t* zh = (masks & MASK_ZH) ? A->zh + row * H : NULL;
@@ -539,7 +555,9 @@ static inline __attribute__((always_inline)) void FN(gru_bwd_body)(
         const scalar_t r = rz[j], z = rz[H + j], nv = n[j];
         const scalar_t m = (masks & MASK_CM) ? cm[j] : (scalar_t)1;
         const scalar_t dn = dht * ((scalar_t)1 - z) * ((scalar_t)1 - nv * nv) * m;
-        const scalar_t dr = dn * ghn[j] * r * ((scalar_t)1 - r);
+        const scalar_t g = ghn ? ghn[j]
+                               : FN(ghn_value)(hp, j, H, s2, A->w_n, A->b_n, A->b_hn, A->layer_norm);
+        const scalar_t dr = dn * g * r * ((scalar_t)1 - r);
         const scalar_t dz = dht * (hpv[j] - nv * m) * z * ((scalar_t)1 - z);
         dgx[j] = dr;
         dgx[H + j] = dz;
@@ -550,7 +568,6 @@ static inline __attribute__((always_inline)) void FN(gru_bwd_body)(
         dh[j] = (masks & MASK_ZH) ? dht * z + zh[j] * dzoned : dht * z;
     }
     if (A->layer_norm) {
-        const scalar_t* hp = A->hp + row * G;
         scalar_t* dhp = A->dhp + row * G;
         FN(ln_dx)(dgh, hp, A->mh[row], A->rh[row], A->w_rz, dhp, 2 * H, 0, sums,
                   sums ? sums + G : NULL);

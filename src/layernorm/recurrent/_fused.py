@@ -1018,13 +1018,10 @@ class GRUSequence(torch.autograd.Function):
         # torch's b_hn adds to LN(hp_n) as the LN's bias does: their gradients are the same sum
         _sum_ln_grads_in_kernel(st, kernels.gru_bwd_seq, normalize, any(need[3:8]), None)
         # dgh (the layer norms' output gradient) outlives the loop only where its gains' and
-        # biases' gradients are summed after it, or without layer norms (dgh is then dhp); else
-        # the sequence kernel takes it as a step's scratch of B rows (rnn_abi's D)
-        scratch = (
-            normalize
-            and kernels.gru_bwd_seq is not None
-            and ("ln_grads" in st or not any(need[3:8]))
-        )
+        # biases' gradients are summed after it (the per-step paths), or without layer norms (dgh
+        # is then dhp); the sequence kernel sums them itself (ln_grads, where any is needed) and
+        # takes dgh as a step's scratch of B rows (rnn_abi's D)
+        scratch = normalize and kernels.gru_bwd_seq is not None
         st["dgh"] = _buffers.empty(gx, (st["dh"].shape[0] if scratch else n_rows, 3 * hs))
         st["dhp"] = _buffers.empty(gx, (n_rows, 3 * hs)) if normalize else st["dgh"]
         _backward_in_time(

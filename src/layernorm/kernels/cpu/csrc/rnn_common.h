@@ -131,6 +131,14 @@ static inline int carried_before_valid(const void* cprev, const void* c0, i64 of
 }
 static inline int kept_rows_valid(i64 R, i64 N, i64 B) { return R == N || R == B; }
 static inline i64 kept_row(i64 R, i64 N, i64 row, i64 i) { return R == N ? row : i; }
+/* In a padded sequence (every step B rows), the row of the step before `row` in the order the
+   steps ran (B rows earlier forward in time, B rows later in reverse), or -1 for the first step's
+   rows, whose previous state is the initial one: where the backward takes a previous state (the
+   LSTM's c_{t−1}, the GRU's h_{t−1}) from the step before instead of a kept copy. */
+static inline i64 row_before(i64 row, i64 N, i64 B, int reverse) {
+    if (reverse) return row >= N - B ? -1 : row + B;
+    return row < B ? -1 : row - B;
+}
 /* The LN-GRU backward's dgh: N rows, or B (a step's scratch) only where layer norms make dhp a
    buffer of its own (without them dgh is dhp, which the caller reads after the loop). */
 static inline int dgh_rows_valid(i64 D, i64 N, i64 B, int layer_norm) {

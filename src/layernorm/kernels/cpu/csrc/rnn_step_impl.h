@@ -334,9 +334,8 @@ int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
    only on steps of all B rows with the carried state c_t itself): c0 for the first step's rows,
    else c_t of the step before, B rows earlier forward in time and B rows later in reverse. */
 static inline const scalar_t* FN(carried_before)(const FN(lstm_bwd_step_args) * A, i64 row, i64 i) {
-    const i64 B = A->B, H = A->H;
-    const int first = A->reverse ? row >= A->N - B : row < B;
-    return first ? A->c0 + i * H : A->cn + (A->reverse ? row + B : row - B) * H;
+    const i64 p = row_before(row, A->N, A->B, A->reverse);
+    return p < 0 ? A->c0 + i * A->H : A->cn + p * A->H;
 }
 
 static inline __attribute__((always_inline)) void FN(lstm_bwd_body)(
@@ -515,19 +514,17 @@ int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
     return 0;
 }
 
+/* h_{t−1} of a row when the forward kept no copy (hprev NULL; the caller asks for it only on
+   steps of all B rows): h0 for the first step's rows, else the output of the step before. */
+static inline const scalar_t* FN(h_before)(const FN(gru_bwd_step_args) * A, i64 row, i64 i) {
+    const i64 p = row_before(row, A->N, A->B, A->reverse);
+    return p < 0 ? A->h0 + i * A->H : A->y + p * A->H;
+}
+
 /* LN-GRU backward of row i. Out: dgx (of the input-side pre-activations), dgh (of LN(hp_rz) and of
    LN(hp_n) + b_hn), dhp (of hp; with layer_norm = 0 not written: the caller passes dgh, which it
    then equals), and dh := the part of the gradient of h_{t−1} that bypasses W_hh (the caller adds
    dhp·W_hh). */
-/* h_{t−1} of a row when the forward kept no copy (hprev NULL; the caller asks for it only on
-   steps of all B rows): h0 for the first step's rows, else the output of the step before, B rows
-   earlier forward in time and B rows later in reverse. */
-static inline const scalar_t* FN(h_before)(const FN(gru_bwd_step_args) * A, i64 row, i64 i) {
-    const i64 B = A->B, H = A->H;
-    const int first = A->reverse ? row >= A->N - B : row < B;
-    return first ? A->h0 + i * H : A->y + (A->reverse ? row + B : row - B) * H;
-}
-
 static inline __attribute__((always_inline)) void FN(gru_bwd_body)(
     const FN(gru_bwd_step_args) * A, i64 i, scalar_t* sums, const int masks) {
     const i64 H = A->H, G = 3 * H, row = A->off + i;

@@ -502,6 +502,59 @@ def test_lean_path_mixed_dtypes_run_like_the_full_path():
     torch.testing.assert_close(y, layernorm.layer_norm(x, 8, m.weight, m.bias).detach())
 
 
+def _under_transform(transform: str, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s output on ``x`` (a batch of rows) computed under one of torch's tracers or
+    transforms; for ``jvp``, the tangent along x itself (the output's directional derivative)."""
+    from torch.func import functional_call, grad, jvp, vmap
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if transform == "vmap":
+        return vmap(module)(x)
+    if transform == "jvp":
+        return jvp(module, (x,), (x * 0.5 - 0.25,))[1]
+    if transform == "make_fx":
+        return make_fx(module)(x)(x)
+    params = dict(module.named_parameters())
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (functional_call(module, p, (x,)) * x.flip(-1)).sum()
+
+    return grad(loss)(params)["weight"]  # the gain's gradient, through the layer's backward
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["params", "frozen"])
+@pytest.mark.parametrize("transform", ["vmap", "jvp", "make_fx", "grad"])
+@pytest.mark.parametrize("kwargs", [{}, {"detach_mean": True, "detach_std": True}], ids=str)
+def test_module_under_transforms_matches_the_reference(transform, kwargs, frozen):
+    """The module's route to ``torch.layer_norm`` is open under make_fx, the functorch transforms
+    and forward-mode AD (each records or transforms that ATen op): the results are those of the
+    reference, DetachNorm's derivatives too (torch's op would give plain layer norm's), also
+    where no parameter requires a gradient (then only the transform takes a derivative)."""
+    if frozen and transform == "grad":
+        pytest.skip("the gain's gradient needs a gain that requires it")
+    m = layernorm.LayerNorm(8, **kwargs).double()
+    _randomize(m)
+    m.requires_grad_(not frozen)
+    x = make_x((3, 8), torch.float64)
+    got = _under_transform(transform, m, x)
+    want = _under_transform(transform, _ReferenceLayerNorm(m), x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+class _ReferenceLayerNorm(torch.nn.Module):
+    """``layer_norm_reference`` (plain tensor ops) with a :class:`layernorm.LayerNorm`'s
+    parameters and options."""
+
+    def __init__(self, m: layernorm.LayerNorm) -> None:
+        super().__init__()
+        self.weight, self.bias, self.m = m.weight, m.bias, m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.m
+        return layer_norm_reference(x, m.normalized_shape, self.weight, self.bias, m.eps,
+                                    m.detach_mean, m.detach_std)  # fmt: skip
+
+
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 @pytest.mark.parametrize("cls", [layernorm.LayerNorm, layernorm.RMSNorm])
 def test_jit_trace_under_no_grad_replays_on_new_inputs(cls):

@@ -2,10 +2,11 @@
 
 :class:`LayerNorm` and :class:`RMSNorm` subclass :class:`torch.nn.LayerNorm` and
 :class:`torch.nn.RMSNorm`, so code that finds norms by type (weight-decay splits, mixed-precision
-and FSDP policies) treats them as norms. Each ``forward`` takes a lean path when it can: the
-arguments are plain eager CPU tensors and no tracer watches (see
-:func:`layernorm.ops._dispatch.lean_input`). Its checks are a few attribute reads, so a (1, 768)
-call costs about what ``torch.nn.LayerNorm``'s does.
+and FSDP policies) treats them as norms. Each ``forward`` takes a lean path when it can:
+``LayerNorm`` calls ``torch.layer_norm`` for a plain CPU tensor (see
+:func:`layernorm.ops._dispatch.aten_input`) where the formula is the same, ``RMSNorm`` its forward
+kernel where no tracer watches either (:func:`layernorm.ops._dispatch.lean_input`). The checks are
+a few attribute reads, so a (1, 768) call costs about what ``torch.nn.LayerNorm``'s does.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from ..kernels.cpu import buffers
 from ..ops._dispatch import (
     TORCH_BACKWARD_DTYPES,
     TORCH_KERNEL_NUMEL,
-    lean_input,
-    needs_grad,
+    aten_input,
+    forward_ad_on,
 )
 
 # Up to this many elements a LayerNorm that needs gradients runs torch's native kernel (see
@@ -46,10 +47,16 @@ def _takes_torch_layer_norm(
     :data:`SMALL_NUMEL` elements, without a DetachNorm flag (which changes the backward), and in
     float32 or float64 (torch's bfloat16 and float16 CPU backward gave dx errors 1.6x the fused
     kernels' bfloat16 tolerance at 37 rows of 7, where the fused kernels compute in float32)."""
-    if not needs_grad(x, weight, bias):
+    if detaching and (forward_ad_on() or torch._C._are_functorch_transforms_active()):
+        return False  # a derivative may be taken without autograd's graph: DetachNorm's own
+    if not torch.is_grad_enabled() or not (
+        x.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    ):  # needs_grad written out: a call of its own is a tenth of a per-token call's extra time
         # from the buffer cache's size on, the fused kernels write into reused memory where
         # torch's output takes fresh pages on every call (3x torch's time at 32 MiB)
-        return x.numel() * x.element_size() < buffers.OUTPUT_MIN_BYTES
+        return x.nbytes < buffers.OUTPUT_MIN_BYTES
     return not detaching and x.numel() <= SMALL_NUMEL and x.dtype in TORCH_BACKWARD_DTYPES
 
 
@@ -165,7 +172,7 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
         shape, eps, weight, bias = self.normalized_shape, self.eps, self.weight, self.bias
         if self.gain_offset:
             weight = _gain(weight, self.gain_offset)
-        if lean_input(x, eps) and _takes_torch_layer_norm(
+        if aten_input(x, eps) and _takes_torch_layer_norm(
             x, weight, bias, self.detach_mean or self.detach_std
         ):
             try:

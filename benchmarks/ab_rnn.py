@@ -14,6 +14,13 @@ forward under ``no_grad`` (``infer``).
 
 ``--a`` and ``--b`` are Python expressions, evaluated with ``_fused`` in scope (``--b
 _fused._one_step_kernels`` keeps a function as it is, ``--a "lambda k, s: k"`` replaces it).
+
+With ``--cflags`` instead of ``--attr`` they are compiler flags: the C kernels of the selected
+target are built once more with each set added, and each provider's calls run its own library
+(e.g. a build setting of ``csrc/rnn_seq_impl.h``):
+
+    python benchmarks/ab_rnn.py --shape 1000x4x32x128 --mode infer --cflags \
+        --a="" --b="-DGEMM_PREFETCH=8"
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import CLOCKS, cpu_model, interleaved_samples, use_clock
 from bench_rnn import KINDS, step
-from layernorm.kernels.cpu import targets
+from layernorm.kernels.cpu import rnn, targets
 from layernorm.recurrent import _fused
 
 
@@ -38,17 +45,30 @@ def main() -> None:
     ap.add_argument("--shape", default="50x8x64x128", help="T x B x I x H")
     ap.add_argument("--mode", choices=("train", "infer"), default="train")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--attr", required=True, help="an attribute of layernorm.recurrent._fused")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--attr", help="an attribute of layernorm.recurrent._fused")
+    what.add_argument("--cflags", action="store_true", help="--a and --b are compiler flags")
     ap.add_argument("--a", required=True, help="its value for provider A (a Python expression)")
     ap.add_argument("--b", required=True, help="its value for provider B")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     args = ap.parse_args()
-    if not hasattr(_fused, args.attr):
-        ap.error(f"layernorm.recurrent._fused has no attribute {args.attr!r}")
-    scope = {"_fused": _fused}
-    # the command line's own expressions, evaluated as the user typed them
-    values = {"A": eval(args.a, scope), "B": eval(args.b, scope)}
+    if args.cflags:
+        isa = targets.selected().name
+        libs = {
+            k: rnn._library_for(isa, tuple(v.split())) for k, v in (("A", args.a), ("B", args.b))
+        }
+        if None in libs.values():
+            ap.error("a variant's C kernels did not build (see the warning)")
+        values: dict[str, object] = {k: (lambda lib=lib: lib) for k, lib in libs.items()}
+        module, attr = rnn, "_library"
+    else:
+        if not hasattr(_fused, args.attr):
+            ap.error(f"layernorm.recurrent._fused has no attribute {args.attr!r}")
+        scope = {"_fused": _fused}
+        # the command line's own expressions, evaluated as the user typed them
+        values = {"A": eval(args.a, scope), "B": eval(args.b, scope)}
+        module, attr = _fused, args.attr
     torch.set_num_threads(args.threads)
     use_clock(args.clock)
     t, b, i, h = (int(v) for v in args.shape.split("x"))
@@ -61,7 +81,7 @@ def main() -> None:
 
     def with_value(value: object):
         def fn() -> None:
-            setattr(_fused, args.attr, value)
+            setattr(module, attr, value)
             run()
 
         return fn
@@ -73,7 +93,8 @@ def main() -> None:
     low = {k: min(v) for k, v in samples.items()}
     print(f"device: {cpu_model()} | kernels {targets.selected().name} | torch {torch.__version__} "
           f"| threads {args.threads} | clock {args.clock}")  # fmt: skip
-    print(f"{args.kind} {(t, b, i, h)} {args.mode}: torch {med['torch']:.2f} ms; {args.attr} "
+    setting = args.attr or "cflags"
+    print(f"{args.kind} {(t, b, i, h)} {args.mode}: torch {med['torch']:.2f} ms; {setting} "
           f"A = {args.a}: {med['A'] / med['torch']:.2f} ({low['A'] / low['torch']:.2f}), "
           f"B = {args.b}: {med['B'] / med['torch']:.2f} ({low['B'] / low['torch']:.2f}) "
           f"x torch, medians (fastest rounds) of {args.reps} rounds")  # fmt: skip

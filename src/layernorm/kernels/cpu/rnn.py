@@ -37,22 +37,25 @@ EXTRA_FLAGS = ("-fno-math-errno", "-fno-trapping-math")
 KernelTable = dict[tuple[str, torch.dtype], Any]
 
 
-def _build(target: targets.Target | None = None) -> Path:
-    """Compile the kernels for ``target`` (default: the selected one) unless cached."""
+def _build(target: targets.Target | None = None, variant: tuple[str, ...] = ()) -> Path:
+    """Compile the kernels for ``target`` (default: the selected one) unless cached; ``variant``:
+    more compiler flags (a benchmark's build setting, e.g. ``-DGEMM_MR=12``), in a library of its
+    own name."""
     target = targets.selected() if target is None else target
+    name = f"layernorm_rnn_{target.name}" + ("_variant" if variant else "")
     return cbuild.build_shared_library(
-        SOURCES, f"layernorm_rnn_{target.name}", EXTRA_FLAGS, isa_flags=target.flags
+        SOURCES, name, (*EXTRA_FLAGS, *variant), isa_flags=target.flags
     )
 
 
 @functools.cache
-def _library_for(isa: str) -> tuple[KernelTable, int, int] | None:
-    """The kernels of target ``isa``'s library (built on first use), its GEMM's vector bytes and
-    its direct rows (:func:`direct_rows`), or ``None`` after a warning when it cannot be built or
-    loaded."""
+def _library_for(isa: str, variant: tuple[str, ...] = ()) -> tuple[KernelTable, int, int] | None:
+    """The kernels of target ``isa``'s library (built on first use, with the compiler flags
+    ``variant`` added), its GEMM's vector bytes and its direct rows (:func:`direct_rows`), or
+    ``None`` after a warning when it cannot be built or loaded."""
     try:
         # checked, and rebuilt once if damaged
-        lib = cache.load_library(lambda: _build(targets.target(isa)))
+        lib = cache.load_library(lambda: _build(targets.target(isa), variant))
         fns: KernelTable = {}
         for kernel in rnn_abi.KERNELS:
             for dtype, (_, suffix) in rnn_abi.RNN_INSTANCES.items():

@@ -36,7 +36,7 @@
    rounding differs from torch.mm. */
 
 #define FN(name) RNN_CAT(name, SUF)
-/* A build may set GEMM_MR and GEMM_BALANCED with -D, as benchmarks/bench_rnn_gemm.py --variant
+/* A build may set GEMM_MR, GEMM_BALANCED and GEMM_PREFETCH with -D, as bench_rnn_gemm.py --variant
    does to compare tiles on one processor; both instantiations (f32, f64) use the same. */
 #ifndef GEMM_MR
 #if VEC_BYTES >= 64
@@ -52,6 +52,18 @@
 #error "GEMM_MR must be even, from 6 to 16 (tile_rows has a case for each row count up to it)"
 #endif
 #define GEMM_KC 128
+/* A tile asks for its panel's cache lines GEMM_PREFETCH values of k ahead (0: left to the
+   hardware prefetchers). On an Intel Xeon (AVX-512, one thread) 16 ahead (2 KiB a panel) took the
+   GEMMs at H = 650 (K·NR floats a panel: 83 KB forward, 333 KB backward, streamed from L2) from
+   1.25–1.74x MKL's time to 1.06–1.60x, and the LN-LSTM's inference 2–6% (RESULTS.md,
+   2026-11-26 11:04); below H = 512 within the run's spread. Not measured to help with AVX2. */
+#ifndef GEMM_PREFETCH
+#if VEC_BYTES >= 64
+#define GEMM_PREFETCH 16
+#else
+#define GEMM_PREFETCH 0
+#endif
+#endif
 
 /* Keep two loaded vectors in registers: left to itself GCC folds the panel's loads into every
    row's FMA (a memory operand each), 2·rows loads of B per k instead of 2; the 4-row AVX2 tile
@@ -71,6 +83,17 @@ typedef scalar_t FN(vec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(s
 #define NR (2 * VL)
 
 static inline i64 FN(panels)(i64 N) { return (N + NR - 1) / NR; }
+
+/* Ask for the cache lines of panel row k + GEMM_PREFETCH (past the panel's end: the next one's). */
+static inline __attribute__((always_inline)) void FN(prefetch_panel)(const scalar_t* P, i64 k) {
+#if GEMM_PREFETCH > 0
+    for (i64 j = 0; j < NR; j += 64 / (i64)sizeof(scalar_t))
+        __builtin_prefetch(P + (k + GEMM_PREFETCH) * NR + j, 0, 3);
+#else
+    (void)P;
+    (void)k;
+#endif
+}
 
 /* Buffers for packed panels, kept per calling thread and grown on demand (a fresh allocation of
    megabytes per call is an mmap plus page faults every time): slot 0 for the recurrent weight,
@@ -129,6 +152,7 @@ static inline __attribute__((always_inline)) void FN(gemm_tile)(
     FN(vec) acc[GEMM_MR][2];
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = (FN(vec)){0};
     for (i64 k = 0; k < K; ++k) {
+        FN(prefetch_panel)(P, k);
         FN(vec) b0 = *(const FN(vec)*)(P + k * NR), b1 = *(const FN(vec)*)(P + k * NR + VL);
         IN_REGISTERS(b0, b1);
         for (int r = 0; r < rows; ++r) {
@@ -169,6 +193,8 @@ static inline __attribute__((always_inline)) void FN(gemm_tile_wide)(
     const scalar_t* Q = P + K * NR; /* the next panel */
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (FN(vec)){0};
     for (i64 k = 0; k < K; ++k) {
+        FN(prefetch_panel)(P, k);
+        FN(prefetch_panel)(Q, k);
         FN(vec) b0 = *(const FN(vec)*)(P + k * NR), b1 = *(const FN(vec)*)(P + k * NR + VL);
         FN(vec) b2 = *(const FN(vec)*)(Q + k * NR), b3 = *(const FN(vec)*)(Q + k * NR + VL);
         IN_REGISTERS(b0, b1);

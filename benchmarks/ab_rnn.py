@@ -15,10 +15,9 @@ forward under ``no_grad`` (``infer``).
 ``--a`` and ``--b`` are Python expressions, evaluated with ``_fused`` in scope (``--b
 _fused._one_step_kernels`` keeps a function as it is, ``--a "lambda k, s: k"`` replaces it).
 
-With ``--gemm`` they name the sequence kernels' recurrent GEMM (``tile`` or ``blas``, see
-``layernorm.kernels.cpu.rnn.use_gemm``). With ``--cflags`` they are compiler flags: the C kernels
-of the selected target are built once more with each set added, and each provider's calls run
-its own library (e.g. a build setting of ``csrc/rnn_seq_impl.h``):
+With ``--cflags`` instead of ``--attr`` they are compiler flags: the C kernels of the selected
+target are built once more with each set added, and each provider's calls run its own library
+(e.g. a build setting of ``csrc/rnn_seq_impl.h``):
 
     python benchmarks/ab_rnn.py --shape 1000x4x32x128 --mode infer --cflags \
         --a="" --b="-DGEMM_PREFETCH=8"
@@ -49,19 +48,12 @@ def main() -> None:
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--attr", help="an attribute of layernorm.recurrent._fused")
     what.add_argument("--cflags", action="store_true", help="--a and --b are compiler flags")
-    what.add_argument("--gemm", action="store_true", help="--a and --b: tile or blas")
     ap.add_argument("--a", required=True, help="its value for provider A (a Python expression)")
     ap.add_argument("--b", required=True, help="its value for provider B")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     args = ap.parse_args()
-    if args.gemm:
-        for v in (args.a, args.b):
-            if v not in rnn.GEMM_CHOICES:
-                ap.error(f"--gemm takes --a and --b from {rnn.GEMM_CHOICES}, got {v!r}")
-        values = {"A": args.a, "B": args.b}
-        module, attr = None, "gemm"
-    elif args.cflags:
+    if args.cflags:
         isa = targets.selected().name
         libs = {
             k: rnn._library_for(isa, tuple(v.split())) for k, v in (("A", args.a), ("B", args.b))
@@ -89,10 +81,7 @@ def main() -> None:
 
     def with_value(value: object):
         def fn() -> None:
-            if module is None:
-                rnn.use_gemm(value)  # type: ignore[arg-type]
-            else:
-                setattr(module, attr, value)
+            setattr(module, attr, value)
             run()
 
         return fn
@@ -104,7 +93,7 @@ def main() -> None:
     low = {k: min(v) for k, v in samples.items()}
     print(f"device: {cpu_model()} | kernels {targets.selected().name} | torch {torch.__version__} "
           f"| threads {args.threads} | clock {args.clock}")  # fmt: skip
-    setting = args.attr or ("gemm" if args.gemm else "cflags")
+    setting = args.attr or "cflags"
     print(f"{args.kind} {(t, b, i, h)} {args.mode}: torch {med['torch']:.2f} ms; {setting} "
           f"A = {args.a}: {med['A'] / med['torch']:.2f} ({low['A'] / low['torch']:.2f}), "
           f"B = {args.b}: {med['B'] / med['torch']:.2f} ({low['B'] / low['torch']:.2f}) "

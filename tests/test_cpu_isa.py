@@ -47,32 +47,6 @@ AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512c
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", ""])
-@pytest.mark.parametrize("name", targets.NAMES)
-def test_recurrent_gemm_choice_follows_the_processor(monkeypatch, vendor, name) -> None:
-    """The sequence kernels multiply by PyTorch's BLAS by default on Intel processors with the
-    AVX-512 target only (where it was measured faster); use_gemm overrides either way, and the
-    tile runs where PyTorch has no BLAS."""
-    monkeypatch.setattr(targets, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(targets, "selected", lambda: targets.target(name, "x86_64", AVX512_CPU))
-    monkeypatch.setattr(rnn, "torch_blas", lambda: (1, 2))
-    monkeypatch.setattr(rnn, "_LOADED", {})  # made-up addresses: for no loaded library
-    try:
-        assert rnn.gemm_in_use() == (
-            "blas" if (vendor, name) == ("GenuineIntel", "avx512") else "tile"
-        )
-        rnn.use_gemm("tile")
-        assert rnn.gemm_in_use() == "tile"
-        rnn.use_gemm("blas")
-        assert rnn.gemm_in_use() == "blas"
-        monkeypatch.setattr(rnn, "torch_blas", lambda: None)
-        assert rnn.gemm_in_use() == "tile"
-    finally:
-        rnn.use_gemm(None)
-    with pytest.raises(ValueError, match="choice must be one of"):
-        rnn.use_gemm("mkl")
-
-
 def test_best_target_follows_the_features() -> None:
     assert targets.best("x86_64", AVX512_CPU).name == "avx512"
     assert targets.best("x86_64", AVX2_CPU).name == "avx2"

@@ -14,7 +14,6 @@ of the GEMM.
 from __future__ import annotations
 
 import copy
-import ctypes
 import os
 
 import pytest
@@ -22,7 +21,6 @@ import torch
 from torch.nn.utils.rnn import pack_sequence
 
 from layernorm import LayerNormGRU, LayerNormLSTM
-from layernorm.kernels.cpu import rnn
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 from tolerances import assert_close_to_rounding
 
@@ -98,79 +96,6 @@ def test_sequence_kernels_equal_per_step_loop(kind, batch, hidden, packed, steps
     # of the per-step loop's rounding, measured against the same layer run in float64
     exact = _run(copy.deepcopy(model).double(), [x.double() for x in xs], packed)
     assert_close_to_rounding(ours, ref, exact, **TOL[dtype])
-
-
-def _counting_blas(monkeypatch) -> dict[str, int]:
-    """Point the kernels' BLAS (rnn.torch_blas) at forwarders that count their calls into the
-    running PyTorch's own sgemm_ / dgemm_; calls per routine."""
-    real = rnn.torch_blas()
-    if real is None:
-        pytest.skip("this PyTorch has no BLAS gemm to call")
-    proto = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 13)
-    calls = {"sgemm_": 0, "dgemm_": 0}
-
-    def forwarder(name: str, address: int):
-        target = proto(address)
-
-        def call(*args: int) -> None:
-            calls[name] += 1
-            target(*args)
-
-        return proto(call)
-
-    keep = [forwarder(n, a) for n, a in zip(calls, real, strict=True)]
-    addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in keep)
-    monkeypatch.setattr(rnn, "torch_blas", lambda: addresses)
-    monkeypatch.setattr(rnn, "_forwarders", keep, raising=False)  # alive while patched
-    return calls
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-@pytest.mark.parametrize(
-    ("batch", "lengths", "threads"),
-    [(5, "equal", 1), (13, "ragged", 1), (6, "equal", 2), (10, "ragged", 2)],
-    ids=str,
-)
-def test_blas_gemm_matches_the_tile(monkeypatch, kind, batch, lengths, threads, dtype) -> None:
-    """rnn.use_gemm("blas"): the sequence kernels' recurrent GEMMs (forward, with the input
-    projection in the loop for inference, and backward) by the running PyTorch's BLAS, reading
-    the weights as stored, give the tile's results up to the rounding; one and two threads (the
-    grains at 1: a team by batch rows for equal lengths, GEMM columns shared on ragged steps)."""
-    calls = _counting_blas(monkeypatch)
-    for name in ("_GEMM_GRAIN", "_GRAIN", "_SEQ_GEMM_GRAIN", "_SEQ_GRAIN"):
-        monkeypatch.setattr(_cstep, name, 1)
-    model = _model(kind, 37, "layer", dtype, bidirectional=True)
-    gen = torch.Generator().manual_seed(2)
-    steps = [9 - (i % 4 if lengths == "ragged" else 0) for i in range(batch)]
-    xs = [0.5 + torch.randn(n, 6, generator=gen, dtype=dtype) for n in steps]
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        results = {}
-        for choice in ("tile", "blas"):
-            rnn.use_gemm(choice)
-            trained = _run(model, xs, packed=True)
-            with torch.no_grad():
-                inferred = model(pack_sequence(xs, enforce_sorted=False))[0].data
-            results[choice] = [*trained, inferred]
-            if choice == "tile":
-                assert calls == {"sgemm_": 0, "dgemm_": 0}
-    finally:
-        rnn.use_gemm(None)
-        torch.set_num_threads(old_threads)
-    assert calls["sgemm_" if dtype == torch.float32 else "dgemm_"] > 0
-    if dtype == torch.float64:
-        for a, b in zip(results["blas"], results["tile"], strict=True):
-            torch.testing.assert_close(a, b, **TOL[dtype])
-        return
-    exact_model = copy.deepcopy(model).double()
-    exact = _run(exact_model, [x.double() for x in xs], packed=True)
-    with torch.no_grad():
-        exact.append(
-            exact_model(pack_sequence([x.double() for x in xs], enforce_sorted=False))[0].data
-        )
-    assert_close_to_rounding(results["blas"], results["tile"], exact, **TOL[dtype])
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])

@@ -36,67 +36,6 @@ EXTRA_FLAGS = ("-fno-math-errno", "-fno-trapping-math")
 
 KernelTable = dict[tuple[str, torch.dtype], Any]
 
-#: The sequence kernels' recurrent GEMM: ``"blas"`` (the running PyTorch's ``sgemm_`` /
-#: ``dgemm_``, MKL's), ``"tile"`` (the library's own packed tile), or ``None``: by processor
-#: (:func:`blas_by_default`). Set through :func:`use_gemm`.
-GEMM_CHOICES = ("blas", "tile")
-_gemm_choice: str | None = None
-
-
-@functools.cache
-def torch_blas() -> tuple[int, int] | None:
-    """The addresses of the BLAS ``sgemm_`` and ``dgemm_`` in the running PyTorch's own CPU
-    library (MKL's, linked into ``libtorch_cpu``; the library is already loaded, nothing new is),
-    or ``None`` where it has none (no MKL, another platform)."""
-    if not torch.backends.mkl.is_available():
-        return None
-    path = Path(torch.__file__).resolve().parent / "lib" / "libtorch_cpu.so"
-    try:
-        lib = ctypes.CDLL(str(path))
-        return tuple(  # type: ignore[return-value]
-            ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in ("sgemm_", "dgemm_")
-        )
-    except (OSError, AttributeError):
-        return None
-
-
-def blas_by_default(isa: str) -> bool:
-    """Whether the sequence kernels of target ``isa`` multiply by the running PyTorch's BLAS
-    unless told: on Intel processors with the AVX-512 target, where MKL's sgemm ran a step's GEMM
-    (4-64 rows) in 0.7-0.95x the tile's time (Intel Xeon); not on AMD, where it took 1.1-2.5x
-    (AMD EPYC, AVX2), nor where it was not measured."""
-    return isa == "avx512" and targets.cpu_vendor() == "GenuineIntel"
-
-
-def _apply_gemm(isa: str, set_blas: Any) -> None:
-    """Give a loaded library of target ``isa`` the BLAS (or none) that the choice says."""
-    blas = torch_blas()
-    on = _gemm_choice == "blas" if _gemm_choice else blas_by_default(isa)
-    set_blas(*(blas if on and blas else (None, None)))
-
-
-def use_gemm(choice: str | None) -> None:
-    """Choose the sequence kernels' recurrent GEMM for every library loaded or loaded later
-    (:data:`GEMM_CHOICES`, or ``None`` for the processor's default); ``"blas"`` where PyTorch has
-    none runs the tile. Not while a kernel runs (benchmarks and tests switch between calls)."""
-    global _gemm_choice
-    if choice is not None and choice not in GEMM_CHOICES:
-        raise ValueError(f"use_gemm: choice must be one of {GEMM_CHOICES} or None, got {choice!r}")
-    _gemm_choice = choice
-    for (isa, _), lib in _LOADED.items():
-        _apply_gemm(isa, lib)
-
-
-def gemm_in_use() -> str:
-    """``"blas"`` or ``"tile"``: what the selected target's sequence kernels multiply by."""
-    isa = targets.selected().name
-    on = _gemm_choice == "blas" if _gemm_choice else blas_by_default(isa)
-    return "blas" if on and torch_blas() else "tile"
-
-
-# rnn_set_blas of every library loaded, by (target, variant flags)
-_LOADED: dict[tuple[str, tuple[str, ...]], Any] = {}
-
 
 def _build(target: targets.Target | None = None, variant: tuple[str, ...] = ()) -> Path:
     """Compile the kernels for ``target`` (default: the selected one) unless cached; ``variant``:
@@ -129,10 +68,6 @@ def _library_for(isa: str, variant: tuple[str, ...] = ()) -> tuple[KernelTable, 
         for name in ("rnn_vector_bytes", "rnn_direct_rows"):
             getattr(lib, name).restype = ctypes.c_int
             getattr(lib, name).argtypes = ()
-        lib.rnn_set_blas.restype = None
-        lib.rnn_set_blas.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
-        _LOADED[isa, variant] = lib.rnn_set_blas
-        _apply_gemm(isa, lib.rnn_set_blas)
         return fns, lib.rnn_vector_bytes(), lib.rnn_direct_rows()
     except Exception as err:  # any failure falls back to the eager step functions
         warnings.warn(

@@ -697,10 +697,6 @@ def c_header() -> str:
         "int rnn_vector_bytes(void);",
         "/* Rows (all steps) up to which a forward sequence kernel reads its weights as stored. */",
         "int rnn_direct_rows(void);",
-        "/* The sequence kernels' recurrent GEMMs by these BLAS sgemm_ / dgemm_ (the running",
-        "   PyTorch's; rnn.py decides), or by the library's own tile where NULL. Set before the",
-        "   kernels run, not while they do. */",
-        "void rnn_set_blas(void* sgemm, void* dgemm);",
         "",
     ]
     for dtype, (scalar, suffix) in RNN_INSTANCES.items():

@@ -95,20 +95,6 @@ def cpu_features() -> frozenset[str]:
     return frozenset()
 
 
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor as ``/proc/cpuinfo`` names it (``GenuineIntel``, ``AuthenticAMD``; empty
-    where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.split(":", 1)[0].strip().lower() == "vendor_id":
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 class UnavailableIsaError(RuntimeError):
     """The named target is unknown, or this CPU lacks features it needs."""
 

@@ -24,10 +24,6 @@
 int rnn_vector_bytes(void);
 /* Rows (all steps) up to which a forward sequence kernel reads its weights as stored. */
 int rnn_direct_rows(void);
-/* The sequence kernels' recurrent GEMMs by these BLAS sgemm_ / dgemm_ (the running
-   PyTorch's; rnn.py decides), or by the library's own tile where NULL. Set before the
-   kernels run, not while they do. */
-void rnn_set_blas(void* sgemm, void* dgemm);
 
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {

@@ -461,61 +461,6 @@ static const scalar_t* FN(packed_weight)(const scalar_t* w, i64 K, i64 N, int tr
     return P;
 }
 
-/* The running PyTorch's BLAS ?gemm_ for scalar_t (rnn_seq.c, rnn_set_blas), or NULL. */
-#define BLAS_GEMM _Generic((scalar_t)0, float: blas_f32, double: blas_f64)
-
-/* A sequence kernel's weight as its GEMMs take it: B of C = A · B is Wᵀ for W [N, K] (transposed)
-   or W [K, N] itself. Packed into panels for the library's tile, or read as stored by the running
-   PyTorch's BLAS where rnn.py set it (rnn_set_blas): on an Intel Xeon (AVX-512) MKL's sgemm ran a
-   step's GEMM in 0.7-0.95x the tile's time, on an AMD EPYC (AVX2) in 1.1-2.5x. */
-typedef struct {
-    const scalar_t* packed; /* panels of B, or NULL: `blas` reads w */
-    const scalar_t* w;
-    i64 K, N;
-    int transposed;
-    __typeof__(BLAS_GEMM) blas; /* taken once per call: a later rnn_set_blas does not reach it */
-} FN(weight);
-
-/* 0 when the packed panels' buffer cannot grow (the caller returns RNN_ERR_NOMEM). */
-static int FN(weight_init)(FN(weight) * b, const scalar_t* w, i64 K, i64 N, int transposed,
-                           int nt, int slot) {
-    *b = (FN(weight)){NULL, w, K, N, transposed, BLAS_GEMM};
-    if (b->blas && K <= INT_MAX && N <= INT_MAX) return 1;
-    b->blas = NULL;
-    b->packed = FN(packed_weight)(w, K, N, transposed, nt, slot);
-    return b->packed != NULL;
-}
-
-/* Part `part` of `parts` of C[M, N] (=|+=) A[M, K] · B, A row-major with leading dimension lda:
-   a contiguous share of the columns (whole panels, as gemm_part shares them). */
-static void FN(wgemm_part)(const FN(weight) * b, i64 M, const scalar_t* A, i64 lda, scalar_t* C,
-                           i64 ldc, int accumulate, int part, int parts) {
-    if (!b->blas) {
-        FN(gemm_part)(M, b->N, b->K, A, lda, 1, b->packed, C, ldc, accumulate, part, parts);
-        return;
-    }
-    i64 lo, hi;
-    row_block(FN(panels)(b->N), parts, part, &lo, &hi);
-    const i64 j0 = lo * NR, j1 = hi * NR < b->N ? hi * NR : b->N;
-    if (M <= 0 || j1 <= j0) return;
-    /* Row-major C = A · B is column-major Cᵀ = Bᵀ · Aᵀ on the same memory: A's rows are the
-       columns of Aᵀ ('N', lda); W [N, K] read column-major is Wᵀ = B, so Bᵀ is 'T' of it (ld K);
-       W [K, N] read column-major is Wᵀ = Bᵀ itself ('N', ld N). */
-    const int m = (int)(j1 - j0), n = (int)M, k = (int)b->K, la = (int)lda, lc = (int)ldc;
-    const int lw = (int)(b->transposed ? b->K : b->N);
-    const scalar_t one = 1, beta = accumulate ? 1 : 0;
-    b->blas(b->transposed ? "T" : "N", "N", &m, &n, &k, &one,
-            b->transposed ? b->w + j0 * b->K : b->w + j0, &lw, A, &la, &beta, C + j0, &lc);
-}
-
-/* C[M, N] (=|+=) A[M, K] · B: the tile's panels split across nt threads, or one BLAS call (which
-   takes PyTorch's thread setting). */
-static void FN(wgemm)(const FN(weight) * b, i64 M, const scalar_t* A, i64 lda, scalar_t* C,
-                      i64 ldc, int accumulate, int nt) {
-    if (b->blas) FN(wgemm_part)(b, M, A, lda, C, ldc, accumulate, 0, 1);
-    else FN(gemm)(M, b->N, b->K, A, lda, 1, b->packed, C, ldc, accumulate, nt);
-}
-
 /* Threads of a step's GEMM over `cols` output columns and of its step kernel. */
 static inline int FN(gemm_threads)(i64 rows, i64 cols, i64 inner, i64 grain, int nt) {
     return threads_for(rows * cols * inner, FN(panels)(cols), grain, nt);
@@ -635,11 +580,10 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                 team = TEAM_MAX(team, FN(gemm_threads)(rows, G, I, s->gemm_grain, s->threads));   \
         }                                                                                         \
         const int direct = all_rows <= DIRECT_ROWS; /* weights read as stored, not packed */      \
-        const scalar_t *w = s->w, *wx = s->w_ih; /* direct: as stored */                        \
-        FN(weight) wb, wxb; /* else packed, or for the BLAS */                                    \
-        if (!direct && (!FN(weight_init)(&wb, s->w, H, G, 1, s->threads, 0) ||                    \
-                        (s->x && !FN(weight_init)(&wxb, s->w_ih, I, G, 1, s->threads, 1))))       \
-            return RNN_ERR_NOMEM;                                                                 \
+        const scalar_t* w = direct ? s->w : FN(packed_weight)(s->w, H, G, 1, s->threads, 0);      \
+        const scalar_t* wx = !s->x || direct ? s->w_ih                                            \
+                                             : FN(packed_weight)(s->w_ih, I, G, 1, s->threads, 1);\
+        if (!w || (s->x && !wx)) return RNN_ERR_NOMEM;                                            \
         team = team_cap(team);                                                                    \
         const i64 packed = (H + (s->x ? I : 0)) * FN(panels)(G) * NR * (i64)sizeof(scalar_t);     \
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
@@ -660,12 +604,13 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     mine.rows = s->steps[2 * k + 1];                                              \
                     scalar_t* hp = a->hp + kept_row(a->R, a->N, mine.off, 0) * G;                 \
                     if (s->x)                                                                     \
-                        FN(wgemm_part)(&wxb, hi - lo, s->x + (mine.off + lo) * I, I,              \
-                                       a->gx + lo * G, G, 0, 0, 1);                               \
+                        FN(gemm_part)(hi - lo, G, I, s->x + (mine.off + lo) * I, I, 1, wx,        \
+                                      a->gx + lo * G, G, 0, 0, 1);                                \
                     else                                                                          \
                         prefetch_l2(a->gx + (mine.off + lo) * G,                                  \
                                     (hi - lo) * G * (i64)sizeof(scalar_t));                       \
-                    FN(wgemm_part)(&wb, hi - lo, a->h + lo * H, H, hp + lo * G, G, 0, 0, 1);      \
+                    FN(gemm_part)(hi - lo, G, H, a->h + lo * H, H, 1, w, hp + lo * G, G, 0, 0,    \
+                                  1);                                                             \
                     if (s->x)                                                                     \
                         FN(input_rows)(a->gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm,   \
                                        lo, hi);                                                   \
@@ -679,13 +624,13 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     if (s->x) {                                                                   \
                         const int xnt = FN(gemm_threads)(mine.rows, G, I, s->gemm_grain, nth);    \
                         if (tid < xnt)                                                            \
-                            FN(wgemm_part)(&wxb, mine.rows, s->x + mine.off * I, I, a->gx, G, 0,  \
-                                           tid, xnt);                                             \
+                            FN(gemm_part)(mine.rows, G, I, s->x + mine.off * I, I, 1, wx, a->gx,  \
+                                          G, 0, tid, xnt);                                        \
                     } else if (tid == 0) {                                                        \
                         prefetch_l2(a->gx + mine.off * G, mine.rows * G * (i64)sizeof(scalar_t)); \
                     }                                                                             \
                     if (tid < gnt)                                                                \
-                        FN(wgemm_part)(&wb, mine.rows, a->h, H, hp, G, 0, tid, gnt);              \
+                        FN(gemm_part)(mine.rows, G, H, a->h, H, 1, w, hp, G, 0, tid, gnt);        \
                     team_wait(&bar, nth);                                                         \
                     const int rnt = threads_for(mine.rows * G, mine.rows, s->grain, nth);         \
                     if (tid < rnt) {                                                              \
@@ -709,7 +654,7 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                 const scalar_t* xr = s->x + step.off * I;                                         \
                 const int xnt = FN(gemm_threads)(step.rows, G, I, s->gemm_grain, s->threads);     \
                 if (direct) FN(gemm_nt_direct)(step.rows, G, I, xr, wx, a->gx, G, xnt);           \
-                else FN(wgemm)(&wxb, step.rows, xr, I, a->gx, G, 0, xnt);                         \
+                else FN(gemm)(step.rows, G, I, xr, I, 1, wx, a->gx, G, 0, xnt);                   \
                 FN(input_rows)(a->gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm, 0,        \
                                step.rows);                                                        \
             } else {                                                                              \
@@ -717,7 +662,7 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
             }                                                                                     \
             const int gemm_nt = FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads);     \
             if (direct) FN(gemm_nt_direct)(step.rows, G, H, a->h, w, hp, G, gemm_nt);             \
-            else FN(wgemm)(&wb, step.rows, a->h, H, hp, G, 0, gemm_nt);                           \
+            else FN(gemm)(step.rows, G, H, a->h, H, 1, w, hp, G, 0, gemm_nt);                     \
             step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);           \
             STEP_FN(&step);                                                                       \
         }                                                                                         \
@@ -742,8 +687,8 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
             team = TEAM_MAX(team, FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));  \
             team = TEAM_MAX(team, threads_for(step.rows * G, step.rows, s->grain, s->threads));   \
         }                                                                                         \
-        FN(weight) wb; /* W_hh itself: dh = dhp · W_hh */                                         \
-        if (!FN(weight_init)(&wb, s->w, G, H, 0, s->threads, 0)) return RNN_ERR_NOMEM;            \
+        const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads, 0);                     \
+        if (!w) return RNN_ERR_NOMEM;                                                             \
         team = team_cap(team);                                                                    \
         FN(grad_sums) sums;                                                                       \
         if (FN(grad_sums_init)(&sums, FN(grad_sums_count)((SUMMED), (N_OUT)), team))             \
@@ -765,8 +710,8 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     mine.rows = s->steps[2 * k + 1];                                              \
                     ROWS_FN(&mine, lo, hi, part);                                                 \
                     FN(grad_sums_add)(&sums, tid, hi - lo, &pending, 0);                          \
-                    FN(wgemm_part)(&wb, hi - lo, a->dhp + (mine.off + lo) * G, G, a->dh + lo * H, \
-                                   H, (ACCUMULATE), 0, 1);                                        \
+                    FN(gemm_part)(hi - lo, H, G, a->dhp + (mine.off + lo) * G, G, 1, w,           \
+                                  a->dh + lo * H, H, (ACCUMULATE), 0, 1);                         \
                 }                                                                                 \
                 for (i64 k = s->n_steps - 1; !by_rows && k >= 0; --k) {                           \
                     mine.off = s->steps[2 * k];                                                   \
@@ -780,8 +725,8 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     team_wait(&bar, nth);                                                         \
                     const int gnt = FN(gemm_threads)(mine.rows, H, G, s->gemm_grain, nth);        \
                     if (tid < gnt)                                                                \
-                        FN(wgemm_part)(&wb, mine.rows, a->dhp + mine.off * G, G, a->dh, H,        \
-                                       (ACCUMULATE), tid, gnt);                                   \
+                        FN(gemm_part)(mine.rows, H, G, a->dhp + mine.off * G, G, 1, w, a->dh, H,  \
+                                      (ACCUMULATE), tid, gnt);                                    \
                     team_wait(&bar, nth);                                                         \
                 }                                                                                 \
                 FN(grad_sums_add)(&sums, tid, 0, &pending, 1);                                    \
@@ -794,7 +739,8 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                 step.rows = s->steps[2 * k + 1];                                                  \
                 ROWS_FN(&step, 0, step.rows, part);                                               \
                 FN(grad_sums_add)(&sums, 0, step.rows, &pending, 0);                              \
-                FN(wgemm)(&wb, step.rows, a->dhp + step.off * G, G, a->dh, H, (ACCUMULATE), 1);   \
+                FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, (ACCUMULATE), \
+                         1);                                                                      \
             }                                                                                     \
             FN(grad_sums_add)(&sums, 0, 0, &pending, 1);                                          \
         }                                                                                         \
@@ -855,6 +801,5 @@ int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) 
 #undef NR
 #undef GEMM_KC
 #undef GEMM_WIDE_MR
-#undef BLAS_GEMM
 #undef IN_REGISTERS
 #undef FN

@@ -98,6 +98,24 @@ def test_sequence_kernels_equal_per_step_loop(kind, batch, hidden, packed, steps
     assert_close_to_rounding(ours, ref, exact, **TOL[dtype])
 
 
+@pytest.mark.parametrize("prefetch", [0, 16])
+def test_gemm_prefetch_changes_no_result(monkeypatch, prefetch) -> None:
+    """A build of the kernels with another GEMM prefetch distance (rnn._library_for's variant
+    flags, as benchmarks/ab_rnn.py --cflags builds them) gives the default build's results to the
+    bit: prefetching only asks for cache lines. Ragged float32 batch, forward and backward."""
+    from layernorm.kernels.cpu import rnn, targets
+
+    model = _model("lstm", 37, "layer", torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    xs = [0.5 + torch.randn(9 - i % 4, 6, generator=gen) for i in range(21)]
+    default = _run(model, xs, packed=True)
+    variant = rnn._library_for(targets.selected().name, (f"-DGEMM_PREFETCH={prefetch}",))
+    assert variant is not None and variant is not rnn._library()
+    monkeypatch.setattr(rnn, "_library", lambda: variant)
+    for a, b in zip(_run(model, xs, packed=True), default, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("norm", ["none", "layer"])
 def test_sequence_kernels_without_norm_and_normalized_cell(kind, norm) -> None:

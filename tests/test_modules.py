@@ -9,7 +9,7 @@ import torch
 
 import layernorm
 from conftest import make_param, make_x
-from layernorm.reference import ada_norm_reference, layer_norm_reference
+from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
 
 LN_CONFIGS = [
     pytest.param({}, id="affine"),
@@ -524,33 +524,44 @@ def _under_transform(transform: str, module: torch.nn.Module, x: torch.Tensor) -
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["params", "frozen"])
 @pytest.mark.parametrize("transform", ["vmap", "jvp", "make_fx", "grad"])
-@pytest.mark.parametrize("kwargs", [{}, {"detach_mean": True, "detach_std": True}], ids=str)
-def test_module_under_transforms_matches_the_reference(transform, kwargs, frozen):
-    """The module's route to ``torch.layer_norm`` is open under make_fx, the functorch transforms
-    and forward-mode AD (each records or transforms that ATen op): the results are those of the
-    reference, DetachNorm's derivatives too (torch's op would give plain layer norm's), also
-    where no parameter requires a gradient (then only the transform takes a derivative)."""
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: layernorm.LayerNorm(8), id="LayerNorm"),
+        pytest.param(lambda: layernorm.LayerNorm(8, detach_mean=True, detach_std=True),
+                     id="DetachNorm"),
+        pytest.param(lambda: layernorm.RMSNorm(8), id="RMSNorm"),
+    ],
+)  # fmt: skip
+def test_module_under_transforms_matches_the_reference(transform, make, frozen):
+    """The modules' routes to ``torch.layer_norm`` / ``torch.rms_norm`` are open under make_fx,
+    the functorch transforms and forward-mode AD (each records or transforms that ATen op): the
+    results are those of the reference, DetachNorm's derivatives too (torch's op would give plain
+    layer norm's), also where no parameter requires a gradient (then only the transform takes a
+    derivative)."""
     if frozen and transform == "grad":
         pytest.skip("the gain's gradient needs a gain that requires it")
-    m = layernorm.LayerNorm(8, **kwargs).double()
+    m = make().double()
     _randomize(m)
     m.requires_grad_(not frozen)
     x = make_x((3, 8), torch.float64)
     got = _under_transform(transform, m, x)
-    want = _under_transform(transform, _ReferenceLayerNorm(m), x)
+    want = _under_transform(transform, _Reference(m), x)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-class _ReferenceLayerNorm(torch.nn.Module):
-    """``layer_norm_reference`` (plain tensor ops) with a :class:`layernorm.LayerNorm`'s
+class _Reference(torch.nn.Module):
+    """``layer_norm_reference`` or ``rms_norm_reference`` (plain tensor ops) with a module's
     parameters and options."""
 
-    def __init__(self, m: layernorm.LayerNorm) -> None:
+    def __init__(self, m: torch.nn.Module) -> None:
         super().__init__()
         self.weight, self.bias, self.m = m.weight, m.bias, m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.m
+        if isinstance(m, layernorm.RMSNorm):
+            return rms_norm_reference(x, m.normalized_shape, self.weight, m.eps)
         return layer_norm_reference(x, m.normalized_shape, self.weight, self.bias, m.eps,
                                     m.detach_mean, m.detach_std)  # fmt: skip
 

@@ -28,16 +28,12 @@ from ._validation import (
     check_param,
     stats_dtype,
 )
-from .kernels.cpu import buffers
 from .ops._dispatch import lean_input, needs_grad
 from .ops.ada_norm import ada_norm_rows
 from .ops.layer_norm import layer_norm_rows
 from .ops.rms_norm import rms_norm_rows
 
 __all__ = ["ada_norm", "layer_norm", "rms_norm"]
-
-# the dtypes in which the RMSNorm module's small no-grad calls run torch's kernel (_rms_norm_lean)
-_TORCH_RMS_DTYPES = (torch.float32, torch.float64)
 
 # rms_norm's eps=None per input dtype: the machine epsilon of the statistics' dtype, as torch takes
 # the epsilon of its accumulation type, not of a half input (9.8e-4 for float16 would dwarf
@@ -131,24 +127,17 @@ def rms_norm(
     re-centering, so it is not invariant to shifting the input.
     See :class:`layernorm.RMSNorm`.
     """
-    return _rms_norm(x, normalized_shape, weight, eps, torch_kernel=False)
+    return _rms_norm(x, normalized_shape, weight, eps)
 
 
 def _rms_norm(
-    x: Tensor,
-    normalized_shape: ShapeLike,
-    weight: Tensor | None,
-    eps: float | None,
-    *,
-    torch_kernel: bool,
+    x: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, eps: float | None
 ) -> Tensor:
-    """:func:`rms_norm`; with ``torch_kernel`` (the :class:`layernorm.RMSNorm` module's calls) a
-    small call that needs no gradient may run torch's kernel (see :func:`_rms_norm_lean`)."""
+    """:func:`rms_norm`, by the lean path (:func:`_rms_norm_lean`) where it can."""
     if type(x) is Tensor and (weight is None or isinstance(weight, Tensor)):
         y = _rms_norm_lean(
-            x, normalized_shape, weight, _RMS_DEFAULT_EPS.get(x.dtype, eps) if eps is None else eps,
-            torch_kernel,
-        )  # fmt: skip
+            x, normalized_shape, weight, _RMS_DEFAULT_EPS.get(x.dtype, eps) if eps is None else eps
+        )
         if y is not None:
             return y
     x, shape = check_input(x, normalized_shape, "rms_norm")
@@ -161,19 +150,13 @@ def _rms_norm(
 
 
 def _rms_norm_lean(
-    x: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, eps: object, torch_kernel: bool
+    x: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, eps: object
 ) -> Tensor | None:
     """RMSNorm by the forward kernel alone where nothing needs a gradient, for a :func:`lean_input`
     ``x`` whose trailing sizes and weight match ``normalized_shape`` (a few attribute reads instead
     of the full checks, for per-token calls); ``None`` otherwise (the full path checks, and names
-    what is wrong).
-
-    With ``torch_kernel``, a float32 / float64 ``x`` below the buffer cache's output size with a
-    gain of its dtype runs torch's fused CPU ``rms_norm`` kernel instead: the same formula, within
-    the fused kernels' tolerance (float32 rows of 768 to 2^20 elements: 2.6-3.0e-7 from float64,
-    ours 1.8-2.1e-7), and a call of that size is mostly its Python, of which torch's has less
-    ((8, 768), one thread: 36 µs against 57). The functional op does not take it, so that its
-    values with and without gradients stay bit-identical."""
+    what is wrong). (The :class:`layernorm.RMSNorm` module runs torch's own ``rms_norm`` before
+    this where it can: see its ``forward``.)"""
     if not lean_input(x, eps) or needs_grad(x, weight):
         return None
     shape = as_shape(normalized_shape)
@@ -184,13 +167,6 @@ def _rms_norm_lean(
         weight.is_cpu and weight.dtype in FLOAT_DTYPES and weight.shape == shape
     ):
         return None
-    if (
-        torch_kernel
-        and x.dtype in _TORCH_RMS_DTYPES
-        and (weight is None or weight.dtype is x.dtype)
-        and x.numel() * x.element_size() < buffers.OUTPUT_MIN_BYTES
-    ):
-        return torch.rms_norm(x, shape, weight, eps)  # type: ignore[arg-type]
     return _unrows(rms_norm_rows(_rows(x, shape), _flat(weight), eps), x, shape)  # type: ignore[arg-type]
 
 

@@ -60,6 +60,28 @@ def _takes_torch_layer_norm(
     return not detaching and x.numel() <= SMALL_NUMEL and x.dtype in TORCH_BACKWARD_DTYPES
 
 
+# The dtypes in which RMSNorm's calls that need no gradient may run torch's rms_norm: it computes
+# in x's dtype there, within the fused kernels' tolerance (float32 rows of 768 to 2^20 elements:
+# 2.6-3.0e-7 from float64, ours 1.8-2.1e-7); a call of per-token size is mostly its Python.
+_TORCH_RMS_DTYPES = (torch.float32, torch.float64)
+
+
+def _takes_torch_rms_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None) -> bool:
+    """Whether :class:`RMSNorm` runs ``torch.rms_norm`` on an :func:`aten_input` ``x``: where
+    nothing needs a gradient, in float32 or float64 with a gain of x's dtype (torch's kernel then
+    computes in x's dtype, as the fused kernels do), x's trailing sizes ``shape``, below the buffer
+    cache's output size (where the fused kernels write into reused memory)."""
+    if x.dtype not in _TORCH_RMS_DTYPES or (weight is not None and weight.dtype is not x.dtype):
+        return False
+    if x.dim() < len(shape) or x.shape[x.dim() - len(shape) :] != shape:
+        return False  # the full path names the mismatch
+    if torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad)
+    ):
+        return False
+    return x.nbytes < buffers.OUTPUT_MIN_BYTES
+
+
 def _gain(weight: Tensor | None, offset: float) -> Tensor | None:
     """The gain ``offset + weight``; in float32 for half weights, as Gemma computes it."""
     if weight is None or not offset:
@@ -206,10 +228,10 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
     the state_dict (``weight`` only, shape ``normalized_shape``) are ``torch.nn.RMSNorm``'s.
 
     Which kernel runs: the fused kernels of :mod:`layernorm.ops`. When nothing needs a gradient,
-    in plain eager mode on the CPU, a float32 or float64 input below 32 MiB takes torch's own
-    ``rms_norm`` kernel (the same formula, within the same tolerance; what is left to save on a
-    per-token call is Python; see :func:`layernorm.functional._rms_norm_lean`), a larger or half
-    one the fused forward kernel directly, with nothing saved for backward.
+    on the CPU, a float32 or float64 input below 32 MiB with a gain of its dtype takes torch's own
+    ``rms_norm`` (the same formula, within the same tolerance; what is left to save on a per-token
+    call is Python), a larger or half one the fused forward kernel directly, with nothing saved
+    for backward (see :func:`layernorm.functional._rms_norm_lean`).
 
     Args:
         normalized_shape: trailing shape normalized together.
@@ -258,7 +280,14 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
         shape, eps, weight = self.normalized_shape, self.eps, self.weight
         if self.gain_offset:
             weight = _gain(weight, self.gain_offset)
-        return F._rms_norm(x, shape, weight, eps, torch_kernel=True)
+        if eps is None and type(x) is Tensor:
+            eps = F._RMS_DEFAULT_EPS.get(x.dtype)
+        if aten_input(x, eps) and _takes_torch_rms_norm(x, shape, weight):
+            try:
+                return torch.rms_norm(x, shape, weight, eps)
+            except RuntimeError:
+                pass  # a shape torch refuses: the full path names it
+        return F._rms_norm(x, shape, weight, eps)
 
     def extra_repr(self) -> str:
         s = super().extra_repr()

@@ -55,8 +55,9 @@
 /* A tile asks for its panel's cache lines GEMM_PREFETCH values of k ahead (0: left to the
    hardware prefetchers). On an Intel Xeon (AVX-512, one thread) 16 ahead (2 KiB a panel) took the
    GEMMs at H = 650 (K·NR floats a panel: 83 KB forward, 333 KB backward, streamed from L2) from
-   1.25–1.74x MKL's time to 1.06–1.60x, and the LN-LSTM's inference 2–6% (RESULTS.md,
-   2026-11-26 11:04); below H = 512 within the run's spread. Not measured to help with AVX2. */
+   1.25–1.74x MKL's time to 1.06–1.60x (8 ahead: 1.17–1.55x, and the LN-LSTM's inference 2–6%
+   faster; RESULTS.md, 2026-11-26 11:04); below H = 512 within the run's spread. Not measured to
+   help with AVX2. */
 #ifndef GEMM_PREFETCH
 #if VEC_BYTES >= 64
 #define GEMM_PREFETCH 16

@@ -30,7 +30,8 @@ from ..ops._dispatch import (
     TORCH_BACKWARD_DTYPES,
     TORCH_KERNEL_NUMEL,
     aten_input,
-    forward_ad_on,
+    needs_grad,
+    transformed,
 )
 
 # Up to this many elements a LayerNorm that needs gradients runs torch's native kernel (see
@@ -47,13 +48,9 @@ def _takes_torch_layer_norm(
     :data:`SMALL_NUMEL` elements, without a DetachNorm flag (which changes the backward), and in
     float32 or float64 (torch's bfloat16 and float16 CPU backward gave dx errors 1.6x the fused
     kernels' bfloat16 tolerance at 37 rows of 7, where the fused kernels compute in float32)."""
-    if detaching and (forward_ad_on() or torch._C._are_functorch_transforms_active()):
+    if detaching and transformed():
         return False  # a derivative may be taken without autograd's graph: DetachNorm's own
-    if not torch.is_grad_enabled() or not (
-        x.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-    ):  # needs_grad written out: a call of its own is a tenth of a per-token call's extra time
+    if not needs_grad(x, weight, bias):
         # from the buffer cache's size on, the fused kernels write into reused memory where
         # torch's output takes fresh pages on every call (3x torch's time at 32 MiB)
         return x.nbytes < buffers.OUTPUT_MIN_BYTES
@@ -75,11 +72,7 @@ def _takes_torch_rms_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | No
         return False
     if x.dim() < len(shape) or x.shape[x.dim() - len(shape) :] != shape:
         return False  # the full path names the mismatch
-    if torch.is_grad_enabled() and (
-        x.requires_grad or (weight is not None and weight.requires_grad)
-    ):
-        return False
-    return x.nbytes < buffers.OUTPUT_MIN_BYTES
+    return not needs_grad(x, weight) and x.nbytes < buffers.OUTPUT_MIN_BYTES
 
 
 def _gain(weight: Tensor | None, offset: float) -> Tensor | None:

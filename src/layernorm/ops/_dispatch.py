@@ -37,9 +37,16 @@ def plain_eager() -> bool:
     return not (
         # torch.jit.trace must record the ops (an autograd.Function cannot be saved). This is
         # torch.jit.is_tracing() at half its cost on every op, and torch.compile knows it too.
-        torch._C._get_tracing_state() is not None
-        or torch.compiler.is_compiling()
-        or torch._C._are_functorch_transforms_active()
+        torch._C._get_tracing_state() is not None or torch.compiler.is_compiling() or transformed()
+    )
+
+
+def transformed() -> bool:
+    """True inside a functorch transform (vmap, grad), a dispatch mode (fake tensors, make_fx) or
+    forward-mode AD: the tracers that record or transform ATen ops but not a kernel called
+    directly."""
+    return (
+        torch._C._are_functorch_transforms_active()
         or torch._C._len_torch_dispatch_stack() > 0
         or forward_ad_on()
     )
@@ -90,36 +97,17 @@ def none_if_empty(t: Tensor) -> Tensor | None:
 _ENV_BACKEND = bool(os.environ.get("LAYERNORM_BACKEND"))
 
 
-def lean_input(x: object, eps: object) -> bool:
-    """True when ``x`` may skip the full checks: a plain CPU tensor of a float dtype, a valid
-    ``eps``, no forced backend and no tracer (compile, export, vmap, fake tensors, forward AD).
-    Anything else takes the full path, which names what is wrong. The caller checks the shapes (or
-    lets torch's kernel refuse them and falls back to the full path for the message).
-
-    Under 1 µs: every call pays it. ``LAYERNORM_BACKEND`` is read once, at import, for this check
-    (the full path reads it on every call)."""
-    return (
-        type(x) is Tensor
-        and x.is_cpu
-        and x.dtype in FLOAT_DTYPES
-        and type(eps) is float
-        and 0.0 < eps < math.inf
-        and plain_eager()  # before the ContextVar, which Dynamo cannot trace: False there
-        and not _ENV_BACKEND
-        and _forced_backend.get() is None
-    )
-
-
 def aten_input(x: object, eps: object) -> bool:
     """True when ``x`` may go to one of torch's own ATen ops in place of ours where the formula is
-    the same (the modules' ``torch.layer_norm`` route): a plain CPU tensor of a float dtype, a
-    valid ``eps``, no forced backend, not under Dynamo (which cannot trace the ContextVar) nor
-    ``torch.jit.trace`` (the route depends on the input's size, which a trace would freeze).
+    the same (the modules' ``torch.layer_norm`` / ``torch.rms_norm`` routes): a plain CPU tensor
+    of a float dtype, a valid ``eps``, no forced backend, not under Dynamo (which cannot trace the
+    ContextVar) nor ``torch.jit.trace`` (the route depends on the input's size, which a trace
+    would freeze). Anything else takes the full path, which names what is wrong.
 
     Unlike :func:`lean_input` no other tracer is asked about: ``make_fx``, the functorch
     transforms and forward-mode AD record or transform an ATen op as they do the ops of the full
-    path, where a direct kernel call would be invisible to them. Half the cost of
-    :func:`lean_input`, on every per-token call."""
+    path, where a direct kernel call would be invisible to them. ``LAYERNORM_BACKEND`` is read
+    once, at import, for this check (the full path reads it on every call)."""
     return (
         type(x) is Tensor
         and type(eps) is float
@@ -127,10 +115,19 @@ def aten_input(x: object, eps: object) -> bool:
         and x.is_cpu
         and x.dtype in FLOAT_DTYPES
         and not _ENV_BACKEND
-        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_compiling()  # before the ContextVar: False under Dynamo
         and torch._C._get_tracing_state() is None
         and _forced_backend.get() is None
     )
+
+
+def lean_input(x: object, eps: object) -> bool:
+    """True when ``x`` may skip the full checks and go to a kernel called directly: an
+    :func:`aten_input` and no other tracer either (vmap, fake tensors, make_fx, forward AD: a
+    direct call would be invisible to them: :func:`transformed`). The caller checks the shapes
+    (or lets torch's kernel refuse them and falls back to the full path for the message). Under
+    1 µs: every call pays it."""
+    return aten_input(x, eps) and not transformed()
 
 
 # Up to this many elements a plain layer norm that needs gradients runs torch's native kernel in

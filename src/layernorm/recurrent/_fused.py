@@ -245,6 +245,13 @@ def _previous_from_later_rows(seq: SeqFn | None, sched: Schedule, batch: int) ->
     return seq is not None and all(bs == batch for _, _, bs in sched)
 
 
+def _previous_from_output(st: dict[str, Any], sched: Schedule, h0: Tensor) -> None:
+    """Point a direction's backward at the step before's output for ``h_{t−1}``
+    (:func:`_previous_from_later_rows`): ``y``, ``h0`` for the first step's rows, and whether the
+    steps run backward in time (the first step's rows then start at N − B, not 0)."""
+    st.update(y=st["out"], h0=h0.contiguous(), reverse=int(sched[0][1] != 0))
+
+
 def _recurrent_weight_grad(kernels: StepKernels, st: dict[str, Any], sched: Schedule) -> Tensor:
     """``Σ_t dhp_tᵀ h_{t−1}``: from the kept ``hprev``, or (:func:`_previous_from_later_rows`)
     from the output ``y`` shifted by a step, the first step's ``h_{t−1}`` being ``h0``."""
@@ -309,9 +316,9 @@ def _keep_previous(
     if not _previous_from_later_rows(kernels.lstm_fwd_seq, sched, h0.shape[0]):
         st.update(_new_bufs(st["gx"], n_rows, {"hprev": h0.shape[1], "cprev": hs}))
         return
-    st.update(y=st["out"], h0=h0.contiguous())
+    _previous_from_output(st, sched, h0)
     if st["zc"] is None and not st["carry_normalized"]:  # the carried c_t is cn, kept anyway
-        st.update(c0=c0.contiguous(), reverse=int(sched[0][1] != 0))
+        st["c0"] = c0.contiguous()
     else:
         st["cprev"] = _new_bufs(st["gx"], n_rows, {"cprev": hs})["cprev"]
 
@@ -995,7 +1002,7 @@ class GRUSequence(torch.autograd.Function):
         )
         kernels = _one_step_kernels(_kernels(gx, st), sched)
         if _previous_from_later_rows(kernels.gru_fwd_seq, sched, h0.shape[0]):
-            st.update(y=st["out"], h0=h0.contiguous(), reverse=int(sched[0][1] != 0))
+            _previous_from_output(st, sched, h0)
         else:
             st["hprev"] = _buffers.empty(gx, (gx.shape[0], h0.shape[1]))
         if kernels.gru_fwd_seq is None:  # the C backward recomputes LN(hp_n) + b_hn from hp

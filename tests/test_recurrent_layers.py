@@ -554,13 +554,11 @@ def test_small_training_projection_takes_torch_s_layer_norm(limit, monkeypatch) 
         torch.testing.assert_close(a, b, **FUSED_TOL)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("node_bytes", [0, 1 << 40], ids=["projection node", "F.linear"])
-def test_raw_projection_either_way_equals_reference_loop(kind, node_bytes, monkeypatch) -> None:
-    """The raw input projection (the LSTM's, whose layer norm the C kernels add; the GRU's one
-    GEMM for a step of a batch) through the projection node, whose result and gradients are
-    buffers of the cache, or through ``F.linear`` below ``_PROJECTION_NODE_BYTES``: the loop's
-    values and gradients either way."""
+def test_raw_projection_either_way_equals_reference_loop(node_bytes, monkeypatch) -> None:
+    """The GRU's raw input projection (one GEMM for a step of a batch) through the projection
+    node, whose result and gradients are buffers of the cache, or through ``F.linear`` below
+    ``_PROJECTION_NODE_BYTES``: the loop's values and gradients either way."""
     from layernorm.recurrent import _cstep, _fused
 
     monkeypatch.setattr(_fused, "_PROJECTION_NODE_BYTES", node_bytes)
@@ -568,10 +566,9 @@ def test_raw_projection_either_way_equals_reference_loop(kind, node_bytes, monke
     real = _fused._Projection.apply
     monkeypatch.setattr(_fused._Projection, "apply", lambda *a: nodes.append(1) or real(*a))
     batch = _cstep.direct_rows() + 4
-    cls, _ = LAYERS[kind]
-    model = cls(16, 5, dtype=DT)
+    model = LayerNormGRU(16, 5, dtype=DT)
     randomize(model)
-    x, hx = seq(1 if kind == "gru" else 3, batch, 16), states(kind, 1, batch, 5)
+    x, hx = seq(1, batch, 16), states("gru", 1, batch, 5)
     out_f, grads_f = run(model, x, hx, packed=False)
     if _cstep.sequence_gemm():
         assert len(nodes) == (1 if node_bytes == 0 else 0)
@@ -579,3 +576,50 @@ def test_raw_projection_either_way_equals_reference_loop(kind, node_bytes, monke
     out_l, grads_l = run(model, x, hx, packed=False)
     for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
         torch.testing.assert_close(a, b, **FUSED_TOL)
+
+
+def _graph_nodes(t: torch.Tensor) -> list[str]:
+    """The names of the autograd nodes ``t`` was computed through (each node once)."""
+    seen, todo, names = set(), [t.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("frozen", ["none", "input side", "all but biases"])
+def test_lstm_direction_is_one_node(bias: bool, frozen: str) -> None:
+    """A training LN-LSTM direction on the C kernels is one autograd node, which projects the
+    inputs and adds torch's biases to the input layer norm's bias itself (no GEMM or addition
+    nodes before it), and gives the loop's values and every gradient: of the layer's input
+    (the first layer's and the second's, an output of the first), of W_ih, of b_ih, b_hh and
+    the layer norm's bias (one gradient, three parameters), also with some of them frozen."""
+    from layernorm.recurrent import _cstep
+
+    if not _cstep.sequence_gemm():
+        pytest.skip("the sequence kernels do not run on this target")
+    model = LayerNormLSTM(3, 4, num_layers=2, bidirectional=True, bias=bias, dtype=DT)
+    randomize(model)
+    for name, p in model.named_parameters():
+        if frozen == "input side" and "_ih" in name:
+            p.requires_grad_(False)
+        if frozen == "all but biases" and "bias" not in name:
+            p.requires_grad_(False)
+    x, hx = seq(5, 4, 3), states("lstm", 4, 4, 4)
+    out, _ = model(x.detach().clone().requires_grad_(), hx)
+    nodes = _graph_nodes(out)
+    assert nodes.count("LSTMSequenceBackward") == 4
+    assert not [n for n in nodes if n.startswith(("Mm", "Addmm", "Add", "T", "Projection"))]
+    out_f, grads_f = run(model, x, hx, packed=False)
+    model.impl = "loop"
+    out_l, grads_l = run(model, x, hx, packed=False)
+    for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
+        if a is None or b is None:
+            assert a is None and b is None
+        else:
+            torch.testing.assert_close(a, b, **FUSED_TOL)

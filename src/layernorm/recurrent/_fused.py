@@ -493,13 +493,28 @@ def normalized_projection(
     return out
 
 
+def fold_input_bias(
+    bias: Tensor | None, torch_biases: tuple[Tensor, Tensor] | None
+) -> Tensor | None:
+    """The input side's bias with torch's ``(b_ih, b_hh)`` folded in: ``(b_ih + b_hh) + bias``
+    (differentiable; ``bias`` itself where there is nothing to fold)."""
+    if torch_biases is None:
+        return bias
+    folded = torch_biases[0] + torch_biases[1]
+    return folded if bias is None else folded.add_(bias)
+
+
 class InputProjection(NamedTuple):
     """The input side of a direction's gates, ``gx``, not yet computed: ``LN(data W_ihᵀ)`` with
-    gain ``weight`` and bias ``bias`` (torch's input biases folded in), each block of ``blocks``
-    columns on its own (:func:`normalized_projection`), or without ``layer_norm``
-    ``data W_ihᵀ + bias``. The sequence functions take it in place of ``gx``: in inference the C
-    sequence kernels compute each step's rows inside the time loop, where they stay in cache
-    (no ``(N, G)`` buffer, no pass over it), else :meth:`compute` makes ``gx`` first."""
+    gain ``weight`` and bias :meth:`input_bias`, each block of ``blocks`` columns on its own
+    (:func:`normalized_projection`), or without ``layer_norm`` ``data W_ihᵀ + input_bias()``.
+    The sequence functions take it in place of ``gx``: in inference the C sequence kernels
+    compute each step's rows inside the time loop, where they stay in cache (no ``(N, G)``
+    buffer, no pass over it), else :meth:`compute` makes ``gx`` first.
+
+    ``torch_biases``: torch's ``(b_ih, b_hh)``, still to be added to ``bias``
+    (:func:`fold_input_bias`), kept apart so that the LSTM's training node can add them itself
+    and hand each its gradient, where a fold before the call costs two autograd nodes."""
 
     data: Tensor
     w_ih: Tensor
@@ -508,24 +523,30 @@ class InputProjection(NamedTuple):
     eps: float
     layer_norm: bool
     blocks: tuple[int, ...] | None = None
+    torch_biases: tuple[Tensor, Tensor] | None = None
 
     def tensors(self) -> tuple[Tensor | None, ...]:
-        return (self.data, self.w_ih, self.weight, self.bias)
+        return (self.data, self.w_ih, self.weight, self.bias, *(self.torch_biases or ()))
+
+    def input_bias(self) -> Tensor | None:
+        """The bias added to the input side, torch's biases folded in."""
+        return fold_input_bias(self.bias, self.torch_biases)
 
     def compute(self) -> Tensor:
         """``gx`` for every row (differentiable)."""
         if self.layer_norm:
             return normalized_projection(
-                self.data, self.w_ih, self.weight, self.bias, self.eps, self.blocks
+                self.data, self.w_ih, self.weight, self.input_bias(), self.eps, self.blocks
             )
-        return F.linear(self.data, self.w_ih, self.bias)
+        return F.linear(self.data, self.w_ih, self.input_bias())
 
     def kernel_args(self) -> dict[str, Any]:
         """The C sequence kernels' projection arguments (``rnn_abi.SEQ_FWD``)."""
+        bias = self.input_bias()
         return {
             "x": self.data.contiguous(), "w_ih": self.w_ih.contiguous(),
             "w0": None if self.weight is None or not self.layer_norm else self.weight.contiguous(),
-            "b0": None if self.bias is None else self.bias.contiguous(),
+            "b0": None if bias is None else bias.contiguous(),
             "split": (self.blocks or (self.w_ih.shape[0],))[0],
         }  # fmt: skip
 
@@ -667,7 +688,8 @@ class InferencePlan:
                 call.run()
                 call.seq_args.x = None
             else:
-                gx = self.source._replace(data=data, bias=bias).compute().contiguous()
+                gx = self.source._replace(data=data, bias=bias, torch_biases=None).compute()
+                gx = gx.contiguous()
                 call.args.gx = gx.data_ptr()
                 call.run()
                 call.args.gx = None
@@ -745,10 +767,13 @@ def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
         return out  # type: ignore[return-value]
     source = args[0]
     if _normalizes_in_kernel(source, _padded(masks, 4)[3]):
-        xp = raw_projection(source.data, source.w_ih)  # the kernels add its layer norm
+        # the node projects the inputs and the kernels add its layer norm, torch's biases folded
+        # into its bias there: one autograd node for the layer's direction
+        b_ih, b_hh = source.torch_biases or (None, None)
         return LSTMSequence.apply(  # type: ignore[no-any-return]
-            xp, *args[1:12], *_padded(masks, 4), True, source.weight, source.bias
-        )
+            source.data, *args[1:12], *_padded(masks, 4), True, source.weight, source.bias,
+            source.w_ih, b_ih, b_hh,
+        )  # fmt: skip
     return LSTMSequence.apply(_gx(source), *args[1:])  # type: ignore[no-any-return]
 
 
@@ -764,10 +789,36 @@ def raw_projection(data: Tensor, w_ih: Tensor) -> Tensor:
     """``data W_ihᵀ`` for all rows, differentiable: :class:`_Projection` (result and gradients in
     buffers of the cache) on the CPU from :data:`_PROJECTION_NODE_BYTES` of result or weight, else
     ``F.linear``; ``F.linear`` under a trace too, which would keep a buffer as a constant."""
-    size = max(data.shape[0], w_ih.shape[1]) * w_ih.shape[0] * data.element_size()
+    size = _projection_bytes(data, w_ih)
     if data.is_cpu and size >= _PROJECTION_NODE_BYTES and not torch.jit.is_tracing():
         return _Projection.apply(data, w_ih)  # type: ignore[no-any-return]
     return F.linear(data, w_ih)
+
+
+def _projected(data: Tensor, w_ih: Tensor) -> Tensor:
+    """``data W_ihᵀ``, into a buffer of the cache from :data:`_PROJECTION_NODE_BYTES` of result
+    or weight (see :func:`raw_projection`)."""
+    if _projection_bytes(data, w_ih) < _PROJECTION_NODE_BYTES:
+        return torch.mm(data, w_ih.t())
+    return torch.mm(data, w_ih.t(), out=_buffers.empty(data, (data.shape[0], w_ih.shape[0])))
+
+
+def _projection_grads(
+    grad: Tensor, data: Tensor, w_ih: Tensor, need_data: bool, need_w: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """The gradients of ``data`` and ``W_ih`` from that of ``data W_ihᵀ``: into buffers of the
+    cache where :func:`_projected` took one (a weight's gradient as in :func:`_weight_grad`)."""
+    if _projection_bytes(data, w_ih) < _PROJECTION_NODE_BYTES:
+        return (grad.mm(w_ih) if need_data else None), (grad.t().mm(data) if need_w else None)
+    d_data = None
+    if need_data:
+        d_data = torch.mm(grad, w_ih, out=_buffers.empty(grad, (grad.shape[0], w_ih.shape[1])))
+    return d_data, (_cstep.transposed_product(grad, data) if need_w else None)
+
+
+def _projection_bytes(data: Tensor, w_ih: Tensor) -> int:
+    """The larger of ``data W_ihᵀ``'s and ``W_ih``'s sizes in bytes."""
+    return max(data.shape[0], w_ih.shape[1]) * w_ih.shape[0] * data.element_size()
 
 
 class _Projection(torch.autograd.Function):
@@ -778,22 +829,15 @@ class _Projection(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, data: Tensor, w_ih: Tensor) -> Tensor:  # type: ignore[override]
-        out = _buffers.empty(data, (data.shape[0], w_ih.shape[0]))
-        torch.mm(data, w_ih.t(), out=out)
         ctx.save_for_backward(data, w_ih)
-        return out
+        return _projected(data, w_ih)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
         data, w_ih = ctx.saved_tensors
         need = ctx.needs_input_grad
-        # into buffers of the cache as the weight's gradient (see _weight_grad)
-        d_data = None
-        if need[0]:
-            d_data = torch.mm(grad, w_ih, out=_buffers.empty(grad, (grad.shape[0], w_ih.shape[1])))
-        d_w_ih = _cstep.transposed_product(grad, data) if need[1] else None
-        return d_data, d_w_ih
+        return _projection_grads(grad, data, w_ih, need[0], need[1])
 
 
 def _normalizes_in_kernel(source: GatesInput, w_hr: Tensor | None) -> bool:
@@ -871,6 +915,12 @@ class LSTMSequence(torch.autograd.Function):
     is the raw projection ``W_ih x`` and the kernels add ``LN(gx; w0, b0)`` inside each step
     (``w0``, ``b0`` ``(4H)``; ``None``: ones, zeros), keeping its row statistics; backward turns
     the gates' gradient into gx's in place and sums ``w0``'s and ``b0``'s gradients as it goes.
+    With ``w_ih`` (``(4H, I)``, input_norm only) the first argument is the layer's input
+    ``x (N, I)`` and the node computes ``gx = x W_ihᵀ`` itself (backward: x's and W_ih's
+    gradients from gx's); ``b_ih``, ``b_hh`` (``(4H)``, input_norm only) are torch's biases,
+    added to b0 as ``(b_ih + b_hh) + b0``, each getting b0's gradient. The layers pass all of
+    that, so that a direction is one autograd node, not four more for the projection and the
+    folded bias.
     """
 
     @staticmethod
@@ -895,9 +945,21 @@ class LSTMSequence(torch.autograd.Function):
         input_norm: bool = False,
         w0: Tensor | None = None,
         b0: Tensor | None = None,
+        w_ih: Tensor | None = None,
+        b_ih: Tensor | None = None,
+        b_hh: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         _check_untraced("LSTMSequence")
+        if not input_norm and (w_ih is not None or b_ih is not None or b_hh is not None):
+            raise ValueError("LSTMSequence: w_ih, b_ih and b_hh need input_norm")
+        if (b_ih is None) != (b_hh is None):
+            raise ValueError("LSTMSequence: b_ih and b_hh come together or not at all")
+        x = None
+        if w_ih is not None:  # gx is the input: its projection
+            x = gx.contiguous()
+            gx = _projected(x, w_ih)
         gx = gx.contiguous()
+        b0 = fold_input_bias(b0, None if b_ih is None else (b_ih, b_hh))
         st = _lstm_state(
             gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry_normalized, zh, zc, cm, w_hr,
             kept_rows=gx.shape[0],
@@ -916,6 +978,9 @@ class LSTMSequence(torch.autograd.Function):
         _keep_previous(st, kernels, sched, h0, c0)
         _forward_in_time(st, w_hh, sched, kernels.lstm_fwd, kernels.lstm_fwd_seq)
         kept = ("gx", "w0", "mx", "rx") if input_norm else ()  # what backward's LN(gx) reads
+        if x is not None:
+            st.update(x=x, w_ih=w_ih)
+            kept += ("x", "w_ih")  # the projection's backward
         _save(ctx, st, w_hh, sched, ("w1", "b1", "w3", "b3", "hp", "hprev", "cprev", "acts",
                                      "cn", "tc", "mh", "rh", "mc", "rc", "zh", "zc", "cm",
                                      "w_hr", "hu", "y", "h0", "c0", *kept))  # fmt: skip
@@ -933,10 +998,12 @@ class LSTMSequence(torch.autograd.Function):
         st["dhp"] = _buffers.empty(gx, (n_rows, 4 * hs)) if normalize else st["dgates"]
         w_hr = st["w_hr"]
         st["dhr"] = None if w_hr is None else gx.new_empty(n_rows, w_hr.shape[0])
-        kernels, need = _kernels(gx, st), ctx.needs_input_grad
-        input_norm = st.get("w0") is not None
+        # the optional arguments a call left out need no gradient
+        need = ctx.needs_input_grad + (False,) * (22 - len(ctx.needs_input_grad))
+        kernels, input_norm = _kernels(gx, st), st.get("w0") is not None
+        need_b0 = need[18] or any(need[20:22])  # b0's gradient is also b_ih's and b_hh's
         _sum_ln_grads_in_kernel(
-            st, kernels.lstm_bwd_seq, normalize, any(need[4:8]) or any(need[17:19]), hs,
+            st, kernels.lstm_bwd_seq, normalize, any(need[4:8]) or need[17] or need_b0, hs,
             input_norm,
         )  # fmt: skip
         # with zoneout of h the step leaves the direct path zh ⊙ dh_t in dh for the GEMM to add to
@@ -963,10 +1030,14 @@ class LSTMSequence(torch.autograd.Function):
             d_w_hr = st["dhr"].t().mm(st["hu"])
         dw0 = db0 = None
         if input_norm and "ln_grads" in st:
-            dw0, db0 = _split_grads(st["ln_grads"]["x_grads"], need[17], need[18])
+            dw0, db0 = _split_grads(st["ln_grads"]["x_grads"], need[17], need_b0)
         # dgates: with input_norm the kernels turned it into the raw gx's gradient
-        return (st["dgates"], dh, st["dc"], d_w_hh, dw1, db1, dw3, db3, *(None,) * 7, d_w_hr,
-                None, dw0, db0)  # fmt: skip
+        d_gx, d_w_ih = st["dgates"], None
+        if "x" in st:  # gx = x W_ihᵀ was projected here
+            d_gx, d_w_ih = _projection_grads(d_gx, st["x"], st["w_ih"], need[0], need[19])
+        d_b_ih, d_b_hh = (db0 if n else None for n in need[20:22])  # b0's, as they add to it
+        return (d_gx, dh, st["dc"], d_w_hh, dw1, db1, dw3, db3, *(None,) * 7, d_w_hr, None, dw0,
+                db0 if need[18] else None, d_w_ih, d_b_ih, d_b_hh)  # fmt: skip
 
 
 class GRUSequence(torch.autograd.Function):

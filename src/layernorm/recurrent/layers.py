@@ -672,10 +672,13 @@ class _LNRNNBase(NotScriptable, nn.Module):
             return self._fused_gru(data, sched, sfx, h0, w_ih, w_hh, b_ih, b_hh, masks, g)
         if self.mode == "LSTM":
             # all time steps in one GEMM, or in inference step by step inside the C time loop
-            # (_fused.InputProjection); torch's biases folded into the input side's
-            b2 = self._input_bias(sfx, b_ih, b_hh, g)
+            # (_fused.InputProjection); torch's biases folded into the input side's there
             w2 = g(f"ln_weight_ih{sfx}") if ln else None
-            gx = _fused.InputProjection(data, w_ih, w2, b2, self.eps, ln)
+            b2 = g(f"ln_bias_ih{sfx}") if ln else None
+            both = b_ih is not None and b_hh is not None
+            gx = _fused.InputProjection(
+                data, w_ih, w2, b2, self.eps, ln, torch_biases=(b_ih, b_hh) if both else None
+            )
             out, h_n, c_n = _fused.lstm_sequence(
                 gx, h0, c0, w_hh, g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"),
                 g(f"ln_weight_c{sfx}"), g(f"ln_bias_c{sfx}"), sched, self.eps, ln,
@@ -706,12 +709,11 @@ class _LNRNNBase(NotScriptable, nn.Module):
         ln_bias = g(f"ln_bias_ih{sfx}") if self.norm == "layer" else None
         if b_ih is None or b_hh is None:
             return ln_bias
-        if self.mode == "GRU":
-            # b_ih + b_hh ⊙ (1 on r, z; 0 on n): one op where a clone and a sliced add took three
-            # (a decoder step's call pays it every time)
-            folded = torch.addcmul(b_ih, b_hh, _gru_fold_mask(self.hidden_size, b_hh))
-        else:
-            folded = b_ih + b_hh
+        if self.mode != "GRU":
+            return _fused.fold_input_bias(ln_bias, (b_ih, b_hh))
+        # b_ih + b_hh ⊙ (1 on r, z; 0 on n): one op where a clone and a sliced add took three
+        # (a decoder step's call pays it every time)
+        folded = torch.addcmul(b_ih, b_hh, _gru_fold_mask(self.hidden_size, b_hh))
         return folded if ln_bias is None else folded.add_(ln_bias)
 
     def _fused_gru(

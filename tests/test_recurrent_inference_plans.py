@@ -339,3 +339,130 @@ def test_a_plan_never_writes_into_what_the_call_that_built_it_returned(kind) -> 
         again = plan.run(data2, h0 + 1.0, None if c0 is None else c0 - 1.0, bias)
     _exactly([t for t in first if t is not None], returned)
     assert not torch.equal(again[1], first[1])
+
+
+# ------------------------------------------------------------------------------ planned calls
+
+
+def _planned_calls(monkeypatch) -> list[bool]:
+    """Per call that found a planned call (``layers._CallPlan``): whether it was taken."""
+    taken: list[bool] = []
+    run = layers._CallPlan.run
+
+    def counted(self, *args):
+        result = run(self, *args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(layers._CallPlan, "run", counted)
+    return taken
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize(
+    ("shape", "options", "states"),
+    [
+        ((1, 1, 6), {}, "zeros"),  # a decoder's token
+        ((1, 1, 6), {}, "given"),
+        ((4, 6), {}, "given"),  # unbatched
+        ((4, 6), {}, "zeros"),
+        ((2, 3, 6), {"batch_first": True, "num_layers": 2, "bidirectional": True}, "given"),
+        ((3, 2, 6), {"num_layers": 2, "dropout": 0.5}, "zeros"),  # eval: no dropout
+    ],
+)
+def test_a_planned_call_returns_what_the_full_call_does(
+    kind, shape, options, states, monkeypatch
+) -> None:
+    """Once an inference call has run every direction by a kept plan (the second call), a call
+    of the same signature runs the plans straight away, and returns, bit for bit, what a call
+    that builds everything does."""
+    model = _model(kind, **options)
+    taken = _planned_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    n_states = model.num_layers * model.num_directions
+    state_shape = (
+        (n_states, 13) if len(shape) == 2 else (n_states, shape[0 if model.batch_first else 1], 13)
+    )
+    for _ in range(4):
+        x = torch.randn(*shape, generator=gen)
+        hx = None
+        if states == "given":
+            h0 = torch.randn(*state_shape, generator=gen)
+            hx = (h0, torch.randn_like(h0)) if kind == "lstm" else h0
+        _exactly(_planned(model, x, hx), _fresh(model, x, hx))
+    assert taken == [True, True]
+
+
+def _write(model: torch.nn.Module, change: str) -> None:
+    if change == "batch_first":
+        model.batch_first = True
+    elif change == "train":
+        model.train()
+    elif change == "normalize_cell_state":
+        model.normalize_cell_state = True
+    elif change == "impl":
+        model.impl = "loop"
+    elif change == "parameter moved":
+        model.bias_hh_l0.data = model.bias_hh_l0.data.clone() + 1.0
+    elif change == "dtype":
+        model.double()
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize(
+    "change",
+    ["batch_first", "train", "normalize_cell_state", "impl", "parameter moved", "dtype"],
+)
+def test_a_setting_written_or_a_parameter_moved_ends_the_planned_call(
+    kind, change, monkeypatch
+) -> None:
+    """Anything the planned call's signature holds (a setting written, ``train()``, a parameter's
+    address or dtype) makes the next call the full one, with its results."""
+    if change == "normalize_cell_state" and kind == "gru":
+        pytest.skip("an LSTM option")
+    model = _model(kind)
+    x = torch.randn(3, 3, 6, generator=torch.Generator().manual_seed(6))
+    _planned(model, x)
+    _planned(model, x)  # runs the kept plans: the call is planned
+    taken = _planned_calls(monkeypatch)
+    _write(model, change)
+    y = x.double() if change == "dtype" else x
+    _exactly(_planned(model, y), _fresh(model, y))
+    assert taken == [False]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_parameter_cut_in_place_is_refused_after_a_planned_call(kind) -> None:
+    """A parameter shortened through ``.data`` (its address kept) is refused as without a plan,
+    not read past its end."""
+    model = _model(kind)
+    x = torch.randn(1, 1, 6)
+    _planned(model, x)
+    _planned(model, x)
+    model.ln_bias_ih_l0.data = model.ln_bias_ih_l0.data[:-1]
+    with pytest.raises(ValueError, match="ln_bias_ih_l0"):
+        _planned(model, x)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_no_planned_call_with_gradients_a_list_state_or_a_trace(kind, monkeypatch) -> None:
+    """Gradients on, a list of states, or a tracer (``make_fx``): the full call, its results."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    model = _model(kind)
+    x = torch.randn(2, 1, 6)
+    h0 = torch.randn(1, 1, 13)
+    hx = [h0, torch.randn_like(h0)] if kind == "lstm" else h0
+    _planned(model, x, hx)
+    _planned(model, x, hx)
+    taken = _planned_calls(monkeypatch)
+    _exactly(_planned(model, x, hx), _fresh(model, x, hx))
+    out, _ = model(x, hx)  # gradients on: recorded
+    assert out.grad_fn is not None
+    with torch.no_grad():
+        traced = make_fx(lambda t: model(t, hx)[0])(x)
+    torch.testing.assert_close(traced(x), _fresh(model, x, hx)[0])
+    if kind == "lstm":
+        assert layers._CALL_PLANS.get(model) is None  # a list of states is never planned
+    else:
+        assert taken == [True, False, False]

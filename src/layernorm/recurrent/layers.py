@@ -42,7 +42,7 @@ import math
 import numbers
 import warnings
 import weakref
-from typing import Any, Literal, Self
+from typing import Any, Literal, NamedTuple, Self
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +96,84 @@ _HALF_DTYPES = (torch.bfloat16, torch.float16)
 _INFERENCE_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[Any, Any]]] = (
     weakref.WeakKeyDictionary()
 )
+# Each layer's planned call (_CallPlan): the last inference call that ran every direction by a
+# kept plan, for the next call with the same signature (_call_signature).
+_CALL_PLANS: weakref.WeakKeyDictionary[nn.Module, _CallPlan] = weakref.WeakKeyDictionary()
 # The torch layer whose weights each recurrence takes, for ``from_torch``.
 _TORCH_LAYERS: dict[str, type[nn.RNNBase]] = {"RNN": nn.RNN, "LSTM": nn.LSTM, "GRU": nn.GRU}
+
+
+def _state_signature(hx: Any) -> Any:
+    """The shapes, dtypes and devices of ``hx`` (``None``; a tensor; a tuple of tensors) for a
+    call's signature, or ``False`` for anything else (a list, a tensor subclass), whose calls
+    are not planned."""
+    if hx is None:
+        return None
+    states = hx if type(hx) is tuple else (hx,)
+    if any(type(t) is not Tensor for t in states):
+        return False
+    return tuple((t.shape, t.dtype, t.is_cpu) for t in states)
+
+
+class _CallPlan(NamedTuple):
+    """An inference call of a layer whose every direction ran a kept inference plan
+    (:class:`._fused.InferencePlan`), kept for the next call with the same signature
+    (:meth:`_LNRNNBase._call_signature`): that call runs the plans straight away, without the
+    checks, state handling and per-direction choices whose outcome the signature fixes. A
+    decoder's step of ``LayerNormGRU`` at (B, I, H) = (1, 128, 128) went from 1.24-1.30x
+    ``torch.nn.GRU``'s time to 0.94-0.96x, at (1, 256, 256) from 0.91-1.20x to 0.73-0.80x (AMD
+    EPYC, one thread; benchmarks/RESULTS.md).
+
+    Taken only where nothing can be recorded or differentiated (gradients off, no tracer,
+    transform or autocast, all asked on every call) and each parameter is the tensor it was, at
+    the address, shape, dtype and layout it had (values may change in place: the plans read the
+    parameters where they are, and the input side's bias is folded again on every call). Any
+    setting written since (``eps``, ``batch_first``, ``train()``, a parameter replaced) changes
+    the signature."""
+
+    signature: tuple[Any, ...]
+    plans: list[_fused.InferencePlan]  # per layer and direction, in the call's order
+    states: tuple[Tensor, Tensor | None] | None  # the zero initial states of a call without hx
+
+    def run(self, layer: _LNRNNBase, input: Any, hx: Any) -> Any:
+        """The layer's ``forward(input, hx)`` by the plans, or ``None`` where this call is not
+        the planned one (or a plan is busy in another thread): the layer then runs it itself."""
+        if torch.is_grad_enabled() or type(input) is not Tensor:
+            return None
+        if not plain_eager() or torch.is_autocast_enabled(input.device.type):
+            return None
+        if layer._call_signature(input, hx) != self.signature:
+            return None
+        batched = input.dim() == 3
+        x = input if batched else input.unsqueeze(1)
+        if batched and layer.batch_first:
+            x = x.transpose(0, 1)
+        seq_len, n_batch = x.shape[0], x.shape[1]
+        layer_in = x.reshape(seq_len * n_batch, layer.input_size)
+        if self.states is not None:
+            h0, c0 = self.states
+        else:
+            given = hx if type(hx) is tuple else (hx,)
+            if not batched:
+                given = tuple(t.unsqueeze(1) for t in given)
+            h0, c0 = given[0], (given[1] if len(given) == 2 else None)
+        h_n: list[Tensor] = []
+        c_n: list[Tensor] = []
+        for k in range(layer.num_layers):
+            outs = []
+            for d, sfx in enumerate(layer._suffixes(k)):
+                j = k * layer.num_directions + d
+                result = layer._run_kept(
+                    self.plans[j], sfx, layer_in, h0[j], None if c0 is None else c0[j]
+                )
+                if result is None:
+                    return None
+                outs.append(result[0])
+                h_n.append(result[1])
+                if result[2] is not None:
+                    c_n.append(result[2])
+            layer_in = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return layer._outputs(layer_in, h_n, c_n, seq_len, n_batch, batched)
 
 
 class _LNRNNBase(NotScriptable, nn.Module):
@@ -110,6 +186,12 @@ class _LNRNNBase(NotScriptable, nn.Module):
 
     mode = "RNN"  # "RNN", "LSTM" or "GRU"
     gate_count = 1
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        # every setting a call reads is an attribute, and train() / eval() set one too: a new
+        # value ends the planned call (_CallPlan), whose signature holds this count
+        self.__dict__["_settings_version"] = self.__dict__.get("_settings_version", 0) + 1
 
     def __init__(
         self,
@@ -412,6 +494,11 @@ class _LNRNNBase(NotScriptable, nn.Module):
         input, an ``hx`` of the wrong structure, or a dtype other than the weights' (outside
         autocast).
         """
+        planned = _CALL_PLANS.get(self)
+        if planned is not None:
+            result = planned.run(self, input, hx)
+            if result is not None:
+                return result
         owner = type(self).__name__
         if isinstance(input, PackedSequence):
             data, batch_sizes, sorted_idx, unsorted_idx = input
@@ -456,6 +543,14 @@ class _LNRNNBase(NotScriptable, nn.Module):
         check_params_match(data, self.weight_ih_l0, owner)
         self._check_parameters(data, owner)
         h0, c0 = self._initial_state(hx, data, n_batch, batched, sorted_idx)
+        # an inference call whose every direction runs a kept plan is kept as a whole
+        planning = (
+            type(input) is Tensor
+            and _state_signature(hx) is not False
+            and not torch.is_grad_enabled()
+            and not (self.dropout > 0 and self.training and self.num_layers > 1)
+        )
+        used: list[_fused.InferencePlan] | None = [] if planning else None
 
         layer_in = data
         h_n: list[Tensor] = []
@@ -465,7 +560,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             for d, sfx in enumerate(self._suffixes(k)):
                 j = k * self.num_directions + d
                 out, hk, ck = self._direction(
-                    layer_in, sizes, sfx, d == 1, h0[j], None if c0 is None else c0[j]
+                    layer_in, sizes, sfx, d == 1, h0[j], None if c0 is None else c0[j], used
                 )
                 outs.append(out)
                 h_n.append(hk)
@@ -474,23 +569,70 @@ class _LNRNNBase(NotScriptable, nn.Module):
             layer_in = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
             if self.dropout > 0 and self.training and k < self.num_layers - 1:
                 layer_in = F.dropout(layer_in, self.dropout, training=True)
-        hs_out = torch.stack(h_n)
-        cs_out = torch.stack(c_n) if c_n else None
-
+        if used is not None and len(used) == self.num_layers * self.num_directions:
+            states = (h0, c0) if hx is None else None
+            _CALL_PLANS[self] = _CallPlan(self._call_signature(input, hx), used, states)
         if isinstance(input, PackedSequence):
+            hs_out = torch.stack(h_n)
+            cs_out = torch.stack(c_n) if c_n else None
             output: Any = PackedSequence(layer_in, input.batch_sizes, sorted_idx, unsorted_idx)
             if unsorted_idx is not None:
                 hs_out = hs_out.index_select(1, unsorted_idx)
                 cs_out = None if cs_out is None else cs_out.index_select(1, unsorted_idx)
-        else:
-            output = layer_in.view(seq_len, n_batch, self.num_directions * self.output_size)
-            if not batched:
-                output = output.squeeze(1)
-                hs_out = hs_out.squeeze(1)
-                cs_out = None if cs_out is None else cs_out.squeeze(1)
-            elif self.batch_first:
-                output = output.transpose(0, 1)
+            return output, (hs_out if cs_out is None else (hs_out, cs_out))
+        return self._outputs(layer_in, h_n, c_n, seq_len, n_batch, batched)
+
+    def _outputs(
+        self,
+        layer_in: Tensor,
+        h_n: list[Tensor],
+        c_n: list[Tensor],
+        seq_len: int,
+        n_batch: int,
+        batched: bool,
+    ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
+        """``output, h_n`` (LSTM: ``output, (h_n, c_n)``) in the input's layout from the last
+        layer's rows and each direction's final states (a tensor input's)."""
+        # one state: a view, where stack would copy it (a decoder's step pays every op)
+        hs_out = h_n[0].unsqueeze(0) if len(h_n) == 1 else torch.stack(h_n)
+        cs_out = None if not c_n else c_n[0].unsqueeze(0) if len(c_n) == 1 else torch.stack(c_n)
+        output = layer_in.view(seq_len, n_batch, self.num_directions * self.output_size)
+        if not batched:
+            output = output.squeeze(1)
+            hs_out = hs_out.squeeze(1)
+            cs_out = None if cs_out is None else cs_out.squeeze(1)
+        elif self.batch_first:
+            output = output.transpose(0, 1)
         return output, (hs_out if cs_out is None else (hs_out, cs_out))
+
+    def _call_signature(self, input: Tensor, hx: Any) -> tuple[Any, ...]:
+        """What a planned call (:class:`_CallPlan`) holds for besides the values of the input,
+        the initial state and the parameters: the settings (their version, see
+        :meth:`__setattr__`), the input's and the states' shapes, dtypes and device, the threads,
+        inference mode and kernel target the inference plans are keyed on, and each parameter's
+        identity, address, shape, dtype and layout (what the checks of a call and the plans'
+        keys read of it; an update in place changes none of them, and the plans read the
+        parameters where they are)."""
+
+        return (
+            self.__dict__.get("_settings_version"), input.shape, input.dtype, input.is_cpu,
+            _state_signature(hx), torch.get_num_threads(), torch.is_inference_mode_enabled(),
+            _cstep.configuration(),
+            *[(id(p), p.data_ptr(), p.shape, p.dtype, p.is_contiguous())
+              for p in self._parameters.values() if p is not None],
+        )  # fmt: skip
+
+    def _run_kept(
+        self, plan: _fused.InferencePlan, sfx: str, data: Tensor, h0: Tensor, c0: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """Direction ``sfx`` by its kept inference plan, with the input side's bias folded from
+        the parameters as they are now; ``None`` where the plan is busy (another thread)."""
+        get = self._get
+        bias = self._input_bias(sfx, get(f"bias_ih{sfx}"), get(f"bias_hh{sfx}"), get)
+        result = plan.run(data, h0, c0, bias)
+        if result is None:
+            return None
+        return result if len(result) == 3 else (result[0], result[1], None)
 
     def _initial_state(
         self, hx: Any, data: Tensor, n_batch: int, batched: bool, sorted_idx: Tensor | None
@@ -551,9 +693,19 @@ class _LNRNNBase(NotScriptable, nn.Module):
         return False
 
     def _direction(
-        self, data: Tensor, sizes: list[int], sfx: str, reverse: bool, h0: Tensor, c0: Tensor | None
+        self,
+        data: Tensor,
+        sizes: list[int],
+        sfx: str,
+        reverse: bool,
+        h0: Tensor,
+        c0: Tensor | None,
+        used: list[_fused.InferencePlan] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Run one layer in one direction over packed rows ``data``: ``(out, h_n, c_n)``.
+
+        ``used``: where given, the direction's inference plan is added to it when a kept plan
+        ran it (see :class:`_CallPlan`).
 
         The masks are drawn first, whatever the path, and both paths take them: DropConnect acts
         on the weights before either sees them; the fused path runs zoneout and recurrent dropout
@@ -566,11 +718,11 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if key is not None:
             kept = _INFERENCE_PLANS.get(self, {}).get(sfx)
             if kept is not None and kept[0] == key:
-                get = self._get
-                bias = self._input_bias(sfx, get(f"bias_ih{sfx}"), get(f"bias_hh{sfx}"), get)
-                result = kept[1].run(data, h0, c0, bias)
+                result = self._run_kept(kept[1], sfx, data, h0, c0)
                 if result is not None:
-                    return result if len(result) == 3 else (result[0], result[1], None)
+                    if used is not None:
+                        used.append(kept[1])
+                    return result
         weights = self._weights(sfx)
         if masks.w_hh is not None:
             weights = weights._replace(w_hh=weights.w_hh * masks.w_hh)

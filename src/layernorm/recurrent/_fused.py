@@ -1011,7 +1011,7 @@ class LSTMSequence(torch.autograd.Function):
         st["dhp"] = _buffers.empty(gx, (n_rows, 4 * hs)) if normalize else st["dgates"]
         w_hr = st["w_hr"]
         st["dhr"] = None if w_hr is None else gx.new_empty(n_rows, w_hr.shape[0])
-        # the optional arguments a call left out need no gradient
+        # the optional arguments a call left out need no gradient (forward takes 22 in all)
         need = ctx.needs_input_grad + (False,) * (22 - len(ctx.needs_input_grad))
         kernels, input_norm = _kernels(gx, st), st.get("w0") is not None
         need_b0 = need[18] or any(need[20:22])  # b0's gradient is also b_ih's and b_hh's

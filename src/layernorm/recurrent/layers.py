@@ -42,6 +42,7 @@ import math
 import numbers
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, Self
 
 import torch
@@ -115,6 +116,12 @@ def _state_signature(hx: Any) -> Any:
     return tuple((t.shape, t.dtype, t.is_cpu) for t in states)
 
 
+def _stacked(states: list[Tensor]) -> Tensor:
+    """The directions' final states as one ``(L·D, ...)`` tensor: one state as a view, where
+    stack would copy it (a decoder's step pays for every op)."""
+    return states[0].unsqueeze(0) if len(states) == 1 else torch.stack(states)
+
+
 class _CallPlan(NamedTuple):
     """An inference call of a layer whose every direction ran a kept inference plan
     (:class:`._fused.InferencePlan`), kept for the next call with the same signature
@@ -157,23 +164,12 @@ class _CallPlan(NamedTuple):
             if not batched:
                 given = tuple(t.unsqueeze(1) for t in given)
             h0, c0 = given[0], (given[1] if len(given) == 2 else None)
-        h_n: list[Tensor] = []
-        c_n: list[Tensor] = []
-        for k in range(layer.num_layers):
-            outs = []
-            for d, sfx in enumerate(layer._suffixes(k)):
-                j = k * layer.num_directions + d
-                result = layer._run_kept(
-                    self.plans[j], sfx, layer_in, h0[j], None if c0 is None else c0[j]
-                )
-                if result is None:
-                    return None
-                outs.append(result[0])
-                h_n.append(result[1])
-                if result[2] is not None:
-                    c_n.append(result[2])
-            layer_in = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return layer._outputs(layer_in, h_n, c_n, seq_len, n_batch, batched)
+
+        def kept(j: int, sfx: str, _: bool, rows: Tensor, h: Tensor, c: Tensor | None) -> Any:
+            return layer._run_kept(self.plans[j], sfx, rows, h, c)
+
+        ran = layer._run_layers(layer_in, h0, c0, kept)
+        return None if ran is None else layer._outputs(*ran, seq_len, n_batch, batched)
 
 
 class _LNRNNBase(NotScriptable, nn.Module):
@@ -545,36 +541,27 @@ class _LNRNNBase(NotScriptable, nn.Module):
         h0, c0 = self._initial_state(hx, data, n_batch, batched, sorted_idx)
         # an inference call whose every direction runs a kept plan is kept as a whole
         planning = (
-            type(input) is Tensor
+            not torch.is_grad_enabled()
+            and type(input) is Tensor
             and _state_signature(hx) is not False
-            and not torch.is_grad_enabled()
             and not (self.dropout > 0 and self.training and self.num_layers > 1)
         )
         used: list[_fused.InferencePlan] | None = [] if planning else None
 
-        layer_in = data
-        h_n: list[Tensor] = []
-        c_n: list[Tensor] = []
-        for k in range(self.num_layers):
-            outs = []
-            for d, sfx in enumerate(self._suffixes(k)):
-                j = k * self.num_directions + d
-                out, hk, ck = self._direction(
-                    layer_in, sizes, sfx, d == 1, h0[j], None if c0 is None else c0[j], used
-                )
-                outs.append(out)
-                h_n.append(hk)
-                if ck is not None:
-                    c_n.append(ck)
-            layer_in = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-            if self.dropout > 0 and self.training and k < self.num_layers - 1:
-                layer_in = F.dropout(layer_in, self.dropout, training=True)
+        def direction(
+            _: int, sfx: str, reverse: bool, rows: Tensor, h: Tensor, c: Tensor | None
+        ) -> tuple[Tensor, Tensor, Tensor | None]:
+            return self._direction(rows, sizes, sfx, reverse, h, c, used)
+
+        ran = self._run_layers(data, h0, c0, direction)
+        assert ran is not None  # _direction always gives a result
+        layer_in, h_n, c_n = ran
         if used is not None and len(used) == self.num_layers * self.num_directions:
             states = (h0, c0) if hx is None else None
             _CALL_PLANS[self] = _CallPlan(self._call_signature(input, hx), used, states)
         if isinstance(input, PackedSequence):
-            hs_out = torch.stack(h_n)
-            cs_out = torch.stack(c_n) if c_n else None
+            hs_out = _stacked(h_n)
+            cs_out = _stacked(c_n) if c_n else None
             output: Any = PackedSequence(layer_in, input.batch_sizes, sorted_idx, unsorted_idx)
             if unsorted_idx is not None:
                 hs_out = hs_out.index_select(1, unsorted_idx)
@@ -593,9 +580,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
     ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
         """``output, h_n`` (LSTM: ``output, (h_n, c_n)``) in the input's layout from the last
         layer's rows and each direction's final states (a tensor input's)."""
-        # one state: a view, where stack would copy it (a decoder's step pays every op)
-        hs_out = h_n[0].unsqueeze(0) if len(h_n) == 1 else torch.stack(h_n)
-        cs_out = None if not c_n else c_n[0].unsqueeze(0) if len(c_n) == 1 else torch.stack(c_n)
+        hs_out = _stacked(h_n)
+        cs_out = _stacked(c_n) if c_n else None
         output = layer_in.view(seq_len, n_batch, self.num_directions * self.output_size)
         if not batched:
             output = output.squeeze(1)
@@ -604,6 +590,39 @@ class _LNRNNBase(NotScriptable, nn.Module):
         elif self.batch_first:
             output = output.transpose(0, 1)
         return output, (hs_out if cs_out is None else (hs_out, cs_out))
+
+    def _run_layers(
+        self,
+        layer_in: Tensor,
+        h0: Tensor,
+        c0: Tensor | None,
+        direction: Callable[
+            [int, str, bool, Tensor, Tensor, Tensor | None],
+            tuple[Tensor, Tensor, Tensor | None] | None,
+        ],
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]] | None:
+        """Every layer and direction over the packed rows ``layer_in``, each by
+        ``direction(j, sfx, reverse, rows, h0[j], c0[j])`` (``j`` the state's index): the last
+        layer's rows (the directions' outputs side by side) and each direction's final ``h`` and
+        ``c``, or ``None`` where ``direction`` gave none. Dropout between layers in training."""
+        h_n: list[Tensor] = []
+        c_n: list[Tensor] = []
+        for k in range(self.num_layers):
+            outs = []
+            for d, sfx in enumerate(self._suffixes(k)):
+                j = k * self.num_directions + d
+                result = direction(j, sfx, d == 1, layer_in, h0[j], None if c0 is None else c0[j])
+                if result is None:
+                    return None
+                out, hk, ck = result
+                outs.append(out)
+                h_n.append(hk)
+                if ck is not None:
+                    c_n.append(ck)
+            layer_in = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            if self.dropout > 0 and self.training and k < self.num_layers - 1:
+                layer_in = F.dropout(layer_in, self.dropout, training=True)
+        return layer_in, h_n, c_n
 
     def _call_signature(self, input: Tensor, hx: Any) -> tuple[Any, ...]:
         """What a planned call (:class:`_CallPlan`) holds for besides the values of the input,

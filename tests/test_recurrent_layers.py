@@ -48,8 +48,9 @@ def states(kind: str, layers: int, b: int, h: int, seed: int = 2) -> tuple[torch
     return tuple(torch.randn(layers, b, h, generator=gen, dtype=DT) for _ in range(n))
 
 
-def run(model, x, hx, packed: bool):
-    """Output data, final states, and gradients of input, initial states and every parameter."""
+def run(model, x, hx, packed: bool, before_backward=None):
+    """Output data, final states, and gradients of input, initial states and every parameter
+    (``before_backward()`` called between the forward and the backward, where given)."""
     model.zero_grad()
     x = x.detach().clone().requires_grad_()
     hx = tuple(s.detach().clone().requires_grad_() for s in hx)
@@ -60,6 +61,8 @@ def run(model, x, hx, packed: bool):
     weights = torch.linspace(-1, 2, data.numel(), dtype=data.dtype, device=data.device)
     weights = weights.view_as(data)
     loss = (data * weights).sum() + sum((s * s).sum() for s in h_n)
+    if before_backward is not None:
+        before_backward()
     loss.backward()
     grads = [x.grad, *(s.grad for s in hx)]
     grads += [p.grad for _, p in model.named_parameters()]
@@ -589,6 +592,29 @@ def _graph_nodes(t: torch.Tensor) -> list[str]:
         names.append(type(fn).__name__)
         todo.extend(f for f, _ in fn.next_functions)
     return names
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_backward_runs_the_kernels_forward_chose(kind: str, monkeypatch) -> None:
+    """The C kernels switched off between a training forward and its backward: the backward
+    still runs the kernels the forward chose (the buffers it kept are laid out for them) and
+    gives the loop's gradients."""
+    from layernorm.kernels.cpu import rnn
+    from layernorm.recurrent import _cstep
+
+    if not _cstep.sequence_gemm():
+        pytest.skip("the sequence kernels do not run on this target")
+    cls, _ = LAYERS[kind]
+    model = cls(3, 4, dtype=DT)
+    randomize(model)
+    x, hx = seq(5, 4, 3), states(kind, 1, 4, 4)
+    out_f, grads_f = run(
+        model, x, hx, packed=False, before_backward=lambda: monkeypatch.setenv(rnn.ENV_SWITCH, "0")
+    )
+    model.impl = "loop"
+    out_l, grads_l = run(model, x, hx, packed=False)
+    for a, b in zip(out_f + grads_f, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **FUSED_TOL)
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -571,6 +571,17 @@ def test_the_fast_packing_fills_every_field_as_the_checked_one(struct, dtype) ->
     assert bytes(fast) == bytes(slow)
 
 
+@pytest.mark.parametrize("size", [2.0, "2", -2])
+def test_a_size_equal_to_a_packed_one_is_checked_again(size) -> None:
+    # the fast path keeps a plan per struct, dtype and sizes; 2.0 equals 2 as a dict key, and
+    # must still be refused as no size once the plan of 2 is kept
+    sizes = {"N": 6, "B": 2, "H": 3, "G": 12, "S": 3, "I": 5, "R": 6, "X": 6, "D": 6}
+    values = _good_values(rnn_abi.LSTM_FWD, sizes)
+    rnn_abi.pack(rnn_abi.LSTM_FWD, torch.float32, values, sizes)
+    with pytest.raises(ValueError, match="size B must be an int >= 0"):
+        rnn_abi.pack(rnn_abi.LSTM_FWD, torch.float32, values, {**sizes, "B": size})
+
+
 def _lstm_bwd_struct(keep_cprev: bool, reverse: int = 0, hs: int = 3, n: int = 8, b: int = 2):
     """A checked LSTM backward struct over seeded buffers (N = n, B = b): with the carried
     c_{t−1} kept in ``cprev`` (= c0 then cn shifted by a step), or not kept (``cprev`` NULL)."""

@@ -176,11 +176,13 @@ def _new_bufs(like: Tensor, n_rows: int, spec: dict[str, int]) -> dict[str, Tens
     inputs are computed in float32, see ``_HALF_DTYPES`` in :mod:`.layers`), so this matters only
     to a caller driving the sequence functions directly.
     """
-    stats = torch.promote_types(like.dtype, torch.float32)
-    return {
-        k: _buffers.empty(like, (n_rows, c)) if c else _buffers.empty(like, (n_rows,), stats)
-        for k, c in spec.items()
-    }
+    names = [k for k, c in spec.items() if not c]
+    stats: dict[str, Tensor] = {}
+    if names:  # the rows of one buffer: one allocation where each vector took its own
+        dtype = torch.promote_types(like.dtype, torch.float32)
+        rows = _buffers.empty(like, (len(names), n_rows), dtype).unbind(0)
+        stats = dict(zip(names, rows, strict=True))
+    return {k: _buffers.empty(like, (n_rows, c)) if c else stats[k] for k, c in spec.items()}
 
 
 def _forward_in_time(
@@ -977,7 +979,8 @@ class LSTMSequence(torch.autograd.Function):
             gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry_normalized, zh, zc, cm, w_hr,
             kept_rows=gx.shape[0],
         )  # fmt: skip
-        kernels = _kernels(gx, st)
+        # backward runs what forward chose: the kept buffers' layout depends on it
+        kernels = ctx.kernels = _kernels(gx, st)
         if input_norm:
             if kernels is not C_KERNELS or not normalize:
                 raise ValueError(
@@ -1013,7 +1016,7 @@ class LSTMSequence(torch.autograd.Function):
         st["dhr"] = None if w_hr is None else gx.new_empty(n_rows, w_hr.shape[0])
         # the optional arguments a call left out need no gradient (forward takes 22 in all)
         need = ctx.needs_input_grad + (False,) * (22 - len(ctx.needs_input_grad))
-        kernels, input_norm = _kernels(gx, st), st.get("w0") is not None
+        kernels, input_norm = ctx.kernels, st.get("w0") is not None
         need_b0 = need[18] or any(need[20:22])  # b0's gradient is also b_ih's and b_hh's
         _sum_ln_grads_in_kernel(
             st, kernels.lstm_bwd_seq, normalize, any(need[4:8]) or need[17] or need_b0, hs,
@@ -1084,7 +1087,8 @@ class GRUSequence(torch.autograd.Function):
         st = _gru_state(
             gx, h0, w_rz, b_rz, w_n, b_n, b_hn, eps, normalize, zh, cm, kept_rows=gx.shape[0]
         )
-        kernels = _one_step_kernels(_kernels(gx, st), sched)
+        # backward runs what forward chose: the kept buffers' layout depends on it
+        kernels = ctx.kernels = _one_step_kernels(_kernels(gx, st), sched)
         if _previous_from_later_rows(kernels.gru_fwd_seq, sched, h0.shape[0]):
             _previous_from_output(st, sched, h0)
         else:
@@ -1105,7 +1109,7 @@ class GRUSequence(torch.autograd.Function):
         n_rows = gx.shape[0]
         st.update(dout=_contiguous(dout), dh=dh_n.contiguous().clone(),
                   dgx=_buffers.empty(gx, (n_rows, 3 * hs)))  # fmt: skip
-        kernels, need = _one_step_kernels(_kernels(gx, st), ctx.sched), ctx.needs_input_grad
+        kernels, need = ctx.kernels, ctx.needs_input_grad
         # torch's b_hn adds to LN(hp_n) as the LN's bias does: their gradients are the same sum
         _sum_ln_grads_in_kernel(st, kernels.gru_bwd_seq, normalize, any(need[3:8]), None)
         # dgh (the layer norms' output gradient) outlives the loop only where its gains' and

@@ -553,14 +553,41 @@ def pack(
     Well-formed arguments take :func:`_fast_fields` (a plan per struct, dtype and sizes, built
     once); anything it refuses goes through :func:`_checked`, which raises the error naming what
     is wrong (or packs what the fast test was too strict for)."""
-    cls = structure(struct, dtype) if dtype in RNN_INSTANCES else None
-    plan = _fast_plan(struct, dtype, _sizes_key(sizes)) if cls is not None else None
-    fields = None if plan is None else _fast_fields(plan, values)
-    if fields is not None:
-        return cls(*fields)  # type: ignore[misc]
+    packer = _fast_packer(struct, dtype, sizes)
+    if packer is not None:
+        fields = _fast_fields(packer[1], values)
+        if fields is not None:
+            return packer[0](*fields)
     out = structure(struct, dtype)()
     _checked(struct, dtype, values, sizes, out)
     return out
+
+
+# (struct, dtype, *sizes.items()) -> the struct's class and fast plan (None: the slow path packs):
+# one lookup per call where a cached function of sorted sizes took several
+_Packer = tuple[type[ctypes.Structure], tuple[tuple[Any, ...], ...]]
+_PACKERS: dict[tuple[Any, ...], _Packer | None] = {}
+_PACKERS_MAX = 1024
+
+
+def _fast_packer(struct: Struct, dtype: torch.dtype, sizes: Mapping[str, int]) -> _Packer | None:
+    """``struct``'s class and :func:`_fast_plan` for ``dtype`` and ``sizes``, or ``None`` where
+    the fast path does not apply (a dtype without kernels, a size that is not a plain int >= 0,
+    a missing size). Keyed by the sizes in the caller's order and each size's type: 2.0 equals
+    2 as a key, and must still meet the checks."""
+    key = (struct, dtype, *sizes.items(), *map(type, sizes.values()))
+    try:
+        return _PACKERS[key]
+    except KeyError:
+        pass
+    plan = None
+    if dtype in RNN_INSTANCES:
+        plan = _fast_plan(struct, dtype, _sizes_key(sizes))
+    packer = None if plan is None else (structure(struct, dtype), plan)
+    if len(_PACKERS) >= _PACKERS_MAX:
+        _PACKERS.clear()
+    _PACKERS[key] = packer
+    return packer
 
 
 def _sizes_key(sizes: Mapping[str, int]) -> tuple[tuple[str, object], ...] | None:

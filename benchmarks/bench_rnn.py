@@ -1,12 +1,13 @@
-"""CPU benchmark: layer-normalized LSTM/GRU layers against torch.nn.LSTM/GRU, forward + backward.
+"""CPU benchmark: layer-normalized LSTM/GRU/RNN layers against torch.nn's, forward + backward.
 
 Providers, timed round-robin in one run (see ``_timing.interleaved_ms``) so their ratios hold on a
 shared machine:
 
-* ``torch``      — ``torch.nn.LSTM`` / ``GRU`` (ATen's fused CPU RNN, oneDNN where available)
-* ``ln``         — ``LayerNormLSTM`` / ``LayerNormGRU`` (fused path: one GEMM + one LN for all
-  input projections, one C call per direction for the time loop, its recurrent GEMMs and pointwise
-  work, analytic backward in time)
+* ``torch``      — ``torch.nn.LSTM`` / ``GRU`` / ``RNN`` (ATen's fused CPU RNN, oneDNN where
+  available)
+* ``ln``         — ``LayerNormLSTM`` / ``LayerNormGRU`` / ``LayerNormRNN`` (fused path: one GEMM +
+  one LN for all input projections, one C call per direction for the time loop, its recurrent
+  GEMMs and pointwise work, analytic backward in time)
 * ``none``       — our fused path with ``norm="none"`` (what the LN costs on top of our recurrence)
 * ``ln-loop``    — the readable step-by-step reference (eager autograd), with ``--loop``
 * ``ln-eager``   — the fused path with the eager (PyTorch-op) step functions instead of the C
@@ -48,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import CLOCKS, cpu_model, interleaved_samples, use_clock
-from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.kernels.cpu import targets
 from layernorm.recurrent import (
@@ -60,7 +61,11 @@ from layernorm.recurrent import (
 )
 
 SHAPES = ((100, 32, 128, 256), (100, 64, 256, 512), (50, 8, 64, 128))  # (T, B, I, H)
-KINDS = {"lstm": (torch.nn.LSTM, LayerNormLSTM), "gru": (torch.nn.GRU, LayerNormGRU)}
+KINDS = {
+    "lstm": (torch.nn.LSTM, LayerNormLSTM),
+    "gru": (torch.nn.GRU, LayerNormGRU),
+    "rnn": (torch.nn.RNN, LayerNormRNN),
+}
 
 
 def step(model: torch.nn.Module, x: torch.Tensor, mode: str = "train"):
@@ -172,7 +177,7 @@ def main() -> None:
     ap.add_argument("--loop", action="store_true", help="also time the eager reference loop")
     ap.add_argument("--eager-steps", action="store_true", help="also time eager step functions")
     ap.add_argument("--per-step", action="store_true", help="also time the per-step C loop")
-    ap.add_argument("--kinds", default="lstm,gru")
+    ap.add_argument("--kinds", default="lstm,gru,rnn")
     ap.add_argument("--shapes", default=None, help="e.g. 50x8x64x128,100x32x128x256")
     ap.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
     ap.add_argument("--mode", choices=("train", "infer"), default="train",

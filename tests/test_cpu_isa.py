@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import pack_sequence
 
 import layernorm.functional as LF
 from conftest import make_param, make_x, upcast
-from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.kernels.cpu import _native, cbuild, isa, rnn, targets
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
@@ -214,7 +214,7 @@ def test_one_element_rows_give_exactly_zero_dx(name, dtype, variant) -> None:
 # Recurrent kernels per target
 # ------------------------------------------------------------------------------------------------
 
-LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU}
+LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU, "rnn": LayerNormRNN}
 
 
 def _model(kind: str, hidden: int, dtype: torch.dtype, impl: str) -> torch.nn.Module:
@@ -294,7 +294,7 @@ def test_recurrent_gemm_every_row_count(name, dtype) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("name", ISAS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize(("batch", "hidden"), RNN_SHAPES, ids=str)
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_recurrent_kernels_match_loop_float64(name, kind, batch, hidden, packed) -> None:
@@ -320,7 +320,7 @@ def test_recurrent_kernels_match_loop_float64(name, kind, batch, hidden, packed)
 
 @needs_kernels
 @pytest.mark.parametrize("name", ISAS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
 def test_recurrent_direct_gemm_per_target(name, kind, dtype, grad) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
-from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.kernels.cpu import cbuild, rnn, targets
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 
@@ -246,4 +246,37 @@ def test_masks_on_every_target_equal_the_loop(name, kind) -> None:
     with targets.use(name):
         ours = _run(model, xs, "fused", None)
     for a, b in zip(ours, _run(model, xs, "loop", None), strict=True):
+        _assert_close(a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_elman_zoneout_on_the_sequence_kernels(threads, training, nonlinearity, monkeypatch):
+    """The Elman RNN's zoneout of h reaches its sequence kernels (the mask's pointer set forward
+    and backward), with its rows split across threads where the grains are 1, and gives the
+    loop's values and gradients (training: the same seeded masks; eval: the expectation)."""
+    _path("seq")
+    for grain in ("_GEMM_GRAIN", "_GRAIN", "_SEQ_GEMM_GRAIN", "_SEQ_GRAIN"):
+        monkeypatch.setattr(_cstep, grain, 1)
+    torch.manual_seed(0)
+    model = LayerNormRNN(5, 7, num_layers=2, bidirectional=True, nonlinearity=nonlinearity,
+                         zoneout_hidden=0.3, dtype=torch.float64)  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = 0.3 * torch.randn_like(p)
+            p.copy_(1.0 + noise if "ln_weight" in name else noise)
+    model.train(training)
+    xs = _inputs(torch.float64)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        calls = _spy(monkeypatch)
+        ours = _run(model, xs, "fused", None)
+        ref = _run(model, xs, "loop", None)
+    finally:
+        torch.set_num_threads(saved)
+    for kernel in ("elman_fwd_seq", "elman_bwd_seq"):
+        assert any(k == kernel and f["zh"] for k, f in calls), kernel
+    for a, b in zip(ours, ref, strict=True):
         _assert_close(a, b)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
-from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 from tolerances import assert_close_to_rounding
 
@@ -29,7 +29,8 @@ pytestmark = pytest.mark.skipif(
     reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
 )
 TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-11}, torch.float32: {"rtol": 2e-5, "atol": 2e-5}}
-LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU}
+# the Elman RNN's reference (PER_STEP registered) is its loop of PyTorch ops
+LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU, "rnn": LayerNormRNN}
 PER_STEP = _pointwise.C_STEPS
 
 
@@ -75,7 +76,7 @@ def _both(model: torch.nn.Module, xs: list[torch.Tensor], packed: bool):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize(("batch", "hidden"), [(3, 5), (8, 16), (11, 37), (17, 8)])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("steps", [1, 2, 5])
@@ -116,7 +117,7 @@ def test_gemm_prefetch_changes_no_result(monkeypatch, prefetch) -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("norm", ["none", "layer"])
 def test_sequence_kernels_without_norm_and_normalized_cell(kind, norm) -> None:
     kw = {"normalize_cell_state": True} if kind == "lstm" and norm == "layer" else {}

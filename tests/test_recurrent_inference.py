@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
-from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import _cstep, _fused
 from tolerances import assert_close_to_rounding
 
@@ -29,8 +29,8 @@ pytestmark = pytest.mark.skipif(
     not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
     reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
 )
-LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU}
-NODES = {"lstm": _fused.LSTMSequence, "gru": _fused.GRUSequence}
+LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU, "rnn": LayerNormRNN}
+NODES = {"lstm": _fused.LSTMSequence, "gru": _fused.GRUSequence, "rnn": _fused.RNNSequence}
 # Both paths' input sides round differently (another summation order, a few ulp of the compute
 # dtype), carried through up to 53 steps; bfloat16 layers compute in float32 and round their
 # results to bfloat16, where such a difference can move a value by one bfloat16 ulp (2^-8..2^-7).
@@ -73,7 +73,7 @@ def _forbid_training_node(monkeypatch, kind: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("norm", ["layer", "none"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_no_grad_equals_the_training_path(kind, norm, packed, dtype, monkeypatch) -> None:
@@ -182,7 +182,7 @@ def test_few_rows_of_a_large_projection_compute_gx_before_the_loop(kind, monkeyp
     assert calls == [x.shape[0] * 5]
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 def test_nothing_requiring_grad_takes_the_inference_path(kind, monkeypatch) -> None:
     """Grad mode on, but neither the parameters nor the input require grad (a frozen model)."""
     model = _model(kind, torch.float64).requires_grad_(False)
@@ -198,12 +198,15 @@ def test_nothing_requiring_grad_takes_the_inference_path(kind, monkeypatch) -> N
         model(x.clone().requires_grad_())
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 def test_inference_with_masks_in_eval_and_in_training(kind) -> None:
     """Zoneout (eval: the expectation, a dense coefficient) and recurrent dropout (training, the
-    same seeded draw on both paths) reach the inference kernels as they reach the training ones."""
+    same seeded draw on both paths) reach the inference kernels as they reach the training ones
+    (the Elman RNN has zoneout only)."""
     extra = {"zoneout_cell": 0.2} if kind == "lstm" else {}
-    model = _model(kind, torch.float64, zoneout_hidden=0.3, recurrent_dropout=0.25, **extra)
+    if kind != "rnn":
+        extra["recurrent_dropout"] = 0.25
+    model = _model(kind, torch.float64, zoneout_hidden=0.3, **extra)
     x = _inputs(torch.float64, packed=True)
     for training in (False, True):
         model.train(training)

@@ -409,6 +409,50 @@ def test_c_refuses_an_inconsistent_projection(change, gx_rows) -> None:
         assert torch.equal(v, before[k]), k
 
 
+def _elman_fwd_struct(hs: int = 3, n: int = 8, b: int = 2, gx_rows: int | None = None):
+    """A checked Elman forward struct over zeroed buffers of N = n rows and B = b state rows, gx
+    with ``gx_rows`` (default N)."""
+    f64 = {"dtype": torch.float64}
+    gx_rows = n if gx_rows is None else gx_rows
+    t = {k: torch.zeros(gx_rows if k == "gx" else n, hs, **f64)
+         for k in ("hp", "gx", "out", "hprev")}  # fmt: skip
+    t.update(mh=torch.zeros(n, **f64), rh=torch.zeros(n, **f64), w=torch.ones(hs, **f64),
+             b=torch.zeros(hs, **f64), h=torch.ones(b, hs, **f64))  # fmt: skip
+    values = {**t, "eps": 1e-5, "off": 0, "rows": 0, "threads": 1, "layer_norm": 1, "relu": 0}
+    sizes = {"N": n, "B": b, "H": hs, "G": hs, "R": n, "X": gx_rows}
+    return rnn.prepare(rnn_abi.ELMAN_FWD, torch.float64, values, sizes), t, sizes
+
+
+@needs_c
+@pytest.mark.parametrize(("off", "rows"), [(7, 2), (-1, 1), (0, 3)])
+def test_c_refuses_elman_step_rows_outside_the_buffers(off, rows) -> None:
+    args, t, _ = _elman_fwd_struct()
+    before = {k: v.clone() for k, v in t.items()}
+    with pytest.raises(ValueError, match="rows lie outside the buffers"):
+        rnn.step("elman_fwd_step", torch.float64, args, off, rows, 1)
+    for k, v in t.items():
+        assert torch.equal(v, before[k]), k
+
+
+@needs_c
+def test_c_elman_sequence_refuses_an_input_projection() -> None:
+    """The Elman step normalizes hp + gx as one, so its sequence kernel takes gx as given and
+    refuses the projection the LSTM's and GRU's compute inside the loop into gx's B rows (it
+    would normalize the projection on its own), before any memory is touched."""
+    args, t, sizes = _elman_fwd_struct(n=4, gx_rows=2)
+    f64 = {"dtype": torch.float64}
+    proj = {"x": torch.zeros(4, 5, **f64), "w_ih": torch.zeros(3, 5, **f64), "split": 3}
+    w, steps = torch.zeros(3, 3, dtype=torch.float64), torch.tensor([[0, 2], [2, 2]])
+    before = {k: v.clone() for k, v in t.items()}
+    with pytest.raises(ValueError, match="the Elman kernels take none"):
+        rnn.sequence("elman_fwd_seq", torch.float64, args, w, steps, sizes, 1, 1, 1, proj)
+    for k, v in t.items():
+        assert torch.equal(v, before[k]), k
+    args, t, sizes = _elman_fwd_struct(n=4)  # gx of every row, given: it runs
+    rnn.sequence("elman_fwd_seq", torch.float64, args, w, steps, sizes, 1, 1, 1)
+    assert torch.equal(t["h"], torch.zeros(2, 3, dtype=torch.float64))  # tanh(LN(0)) = 0
+
+
 def _input_norm(hs: int = 3, n: int = 8) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(4)
     f64 = {"dtype": torch.float64, "generator": gen}

@@ -44,14 +44,17 @@ _STRUCTS = {
     "lstm_bwd_step": rnn_abi.LSTM_BWD,
     "gru_fwd_step": rnn_abi.GRU_FWD,
     "gru_bwd_step": rnn_abi.GRU_BWD,
+    "elman_fwd_step": rnn_abi.ELMAN_FWD,
+    "elman_bwd_step": rnn_abi.ELMAN_BWD,
 }
-_GATES = {"lstm": 4, "gru": 3}
+_GATES = {"lstm": 4, "gru": 3, "elman": 1}
 # The optional masks each kernel takes (None = off; see layernorm.recurrent._options).
-_MASKS = {"lstm": ("zh", "zc", "cm"), "gru": ("zh", "cm")}
+_MASKS = {"lstm": ("zh", "zc", "cm"), "gru": ("zh", "cm"), "elman": ("zh",)}
 _DEFAULTS = {
     "lstm": (("w1", 4, 1.0), ("b1", 4, 0.0), ("w3", 1, 1.0), ("b3", 1, 0.0)),
     "gru": (("w_rz", 2, 1.0), ("b_rz", 2, 0.0), ("w_n", 1, 1.0), ("b_n", 1, 0.0),
             ("b_hn", 1, 0.0)),
+    "elman": (("w", 1, 1.0), ("b", 1, 0.0)),
 }  # fmt: skip
 
 
@@ -112,6 +115,8 @@ def _args(st: dict[str, Any], kernel: str) -> Any:
             values.update(_projection_buffers(st, kernel))
         if cell == "lstm":
             values["normalize_cell_state"] = int(st["carry_normalized"])
+        if cell == "elman":
+            values["relu"] = int(st["relu"])
         args = st[key] = rnn.prepare(_STRUCTS[kernel], like.dtype, values, _sizes(st, kernel))
     return args
 
@@ -285,6 +290,18 @@ def gru_fwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, i
 
 def gru_bwd_seq(st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]) -> None:
     _sequence("gru_bwd_seq", st, w_hh, sched)
+
+
+def elman_fwd_seq(
+    st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]
+) -> None:
+    _sequence("elman_fwd_seq", st, w_hh, sched)
+
+
+def elman_bwd_seq(
+    st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]
+) -> None:
+    _sequence("elman_bwd_seq", st, w_hh, sched)
 
 
 def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:

@@ -1146,6 +1146,55 @@ class GRUSequence(torch.autograd.Function):
         return (st["dgx"], dh, d_w_hh, dw_rz, db_rz, dw_n, db_n, d_b_hn, *(None,) * 5)
 
 
+def _elman_in_c(xp: Tensor) -> bool:
+    """Whether the C sequence kernels run an Elman direction on ``xp`` (where they run the
+    LSTM's and the GRU's whole directions; elsewhere :class:`RNNSequence` loops over the steps
+    with PyTorch ops and the layer-norm kernels)."""
+    return step_kernels(xp) is C_KERNELS
+
+
+def _elman_state(
+    xp: Tensor,
+    h0: Tensor,
+    g: Tensor | None,
+    b: Tensor | None,
+    eps: float,
+    normalize: bool,
+    relu: bool,
+    zh: Tensor | None,
+    kept_rows: int,
+) -> dict[str, Any]:
+    """An Elman direction's ``st`` for the C kernels (``rnn_abi.ELMAN_FWD``): the state copied
+    from ``h0``, the output of every row, and the kept buffers of ``kept_rows`` rows (N for
+    backward, B in inference): ``hp`` (the GEMM's product, then the pre-activation), its row
+    statistics, and with zoneout the cell's own ``h̃_t`` (else the output is it)."""
+    n_rows, hs = xp.shape[0], h0.shape[1]
+    return {
+        "N": n_rows, "H": hs, "eps": eps, "normalize": normalize, "relu": relu, "gx": xp,
+        "w": g, "b": b, "zh": zh, "h": h0.contiguous().clone(),
+        "out": _buffers.empty(xp, (n_rows, hs)),
+        **_new_bufs(xp, kept_rows, {"hp": hs, "mh": 0, "rh": 0}),
+        "own": None if zh is None else _buffers.empty(xp, (kept_rows, hs)),
+        "hprev": None, "y": None, "h0": None, "reverse": 0,
+    }  # fmt: skip
+
+
+def rnn_sequence(*args: Any) -> tuple[Tensor, Tensor]:
+    """One Elman direction with :class:`RNNSequence`'s arguments and results: where autograd will
+    not differentiate it and the C sequence kernels run, one call of them without an autograd
+    node, with kept buffers of the batch's rows (overwritten each step); else
+    :meth:`RNNSequence.apply`."""
+    xp, h0, w_hh, g, b, sched, eps, normalize, relu, *rest = args
+    zh = rest[0] if rest else None
+    if differentiated(xp, h0, w_hh, g, b) or torch.jit.is_tracing() or not _elman_in_c(xp):
+        return RNNSequence.apply(*args)  # type: ignore[no-any-return]
+    xp = xp.contiguous()
+    zh = None if zh is None else zh.contiguous()
+    st = _elman_state(xp, h0, g, b, eps, normalize, relu, zh, kept_rows=h0.shape[0])
+    _cstep.elman_fwd_seq(st, w_hh, sched)
+    return st["out"], st["h"]
+
+
 class RNNSequence(torch.autograd.Function):
     """Recurrence of one Elman-RNN direction (Eq. 4) given ``xp = W_ih x`` for all rows.
 
@@ -1153,6 +1202,10 @@ class RNNSequence(torch.autograd.Function):
     without normalization ``xp`` already holds the biases and ``h_t = f(xp_t + W_hh h_{t−1})``.
     With zoneout coefficients ``zh (N, H)`` the output and carried state is
     ``zh ⊙ h_{t−1} + (1 − zh) ⊙ h_t``.
+
+    On the C sequence kernels (:func:`_elman_in_c`) a direction is one call forward and one
+    backward, the layer norm's gain and bias gradients summed inside it; elsewhere a loop over
+    the steps.
     """
 
     @staticmethod
@@ -1170,6 +1223,21 @@ class RNNSequence(torch.autograd.Function):
         zh: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         _check_untraced("RNNSequence")
+        # backward runs what forward chose: the kept buffers' layout depends on it
+        ctx.c_kernels = _elman_in_c(xp)
+        if ctx.c_kernels:
+            xp = xp.contiguous()
+            zh = None if zh is None else zh.contiguous()
+            st = _elman_state(xp, h0, g, b, eps, normalize, relu, zh, kept_rows=xp.shape[0])
+            if _previous_from_later_rows(_cstep.elman_fwd_seq, sched, h0.shape[0]):
+                _previous_from_output(st, sched, h0)
+            else:
+                st["hprev"] = _buffers.empty(xp, (xp.shape[0], h0.shape[1]))
+            _cstep.elman_fwd_seq(st, w_hh, sched)
+            if st["own"] is None:  # without zoneout the output is the cell's own h̃_t
+                st["own"] = st["out"]
+            _save(ctx, st, w_hh, sched, ("w", "hp", "mh", "rh", "own", "zh", "hprev", "y", "h0"))
+            return st["out"], st["h"]
         n_rows, hs = xp.shape[0], h0.shape[1]
         ln = ln_kernels(xp)
         h = h0.contiguous().clone()
@@ -1203,6 +1271,8 @@ class RNNSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         _no_double_backward()
+        if ctx.c_kernels:
+            return RNNSequence._backward_in_c(ctx, dout, dh_n)
         w_hh, g, own, hprev_all, a_all, mean_all, rstd_all, zh = ctx.saved_tensors
         ln = ctx.ln
         dh = dh_n.contiguous().clone()
@@ -1235,3 +1305,21 @@ class RNNSequence(torch.autograd.Function):
         if ctx.normalize:
             dg, db = _ln_param_grads(ln, dy_all, a_all, mean_all, rstd_all, g, need[3], need[4])
         return (da_all, dh, d_w_hh, dg, db, None, None, None, None, None)
+
+    @staticmethod
+    def _backward_in_c(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:
+        """Backward of a direction the C sequence kernels ran: one call back through every step
+        (``dhp``: the gradient of the pre-activation, which is xp's), then the recurrent
+        weight's gradient in one GEMM."""
+        w_hh, st = _restore(ctx)
+        n_rows, hs = st["hp"].shape
+        st.update(dout=_contiguous(dout), dh=dh_n.contiguous().clone(),
+                  dhp=_buffers.empty(st["hp"], (n_rows, hs)))  # fmt: skip
+        need = ctx.needs_input_grad
+        _sum_ln_grads_in_kernel(st, _cstep.elman_bwd_seq, st["normalize"], need[3] or need[4], None)
+        _cstep.elman_bwd_seq(st, w_hh, ctx.sched)
+        d_w_hh = _grad_or_none(need[2], lambda: _recurrent_weight_grad(C_KERNELS, st, ctx.sched))
+        dg = db = None
+        if "ln_grads" in st:
+            dg, db = _split_grads(st["ln_grads"]["hp_grads"], need[3], need[4])
+        return (st["dhp"], st["dh"], d_w_hh, dg, db, None, None, None, None, None)

@@ -866,7 +866,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         else:
             xp = xp if bsum is None else xp + bsum
             w = b = None
-        out, h_n = _fused.RNNSequence.apply(
+        out, h_n = _fused.rnn_sequence(
             xp, h0, w_hh, w, b, sched, self.eps, ln, self.nonlinearity == "relu", masks.zoneout_h
         )
         return out, h_n, None

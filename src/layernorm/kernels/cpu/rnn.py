@@ -141,7 +141,8 @@ def _raise_for(status: int, kernel: str) -> None:
     if status == rnn_abi.ERR_PROJECTION:
         raise ValueError(
             f"layernorm recurrent CPU kernel {kernel}: the input projection needs x and w_ih "
-            f"together, 0 < split <= G and gx of B rows (without it, N rows); nothing was written"
+            f"together, 0 < split <= G and gx of B rows (without it, N rows), and the Elman "
+            f"kernels take none; nothing was written"
         )
     if status != 0:
         raise ValueError(

@@ -48,7 +48,8 @@ ERR_NOMEM = 2
 #: ``_INPUT_NORM``: w0 without its bias, statistics or gx rows, or without layer_norm).
 ERR_INPUT_NORM = 4
 #: What a sequence kernel returns when its optional input projection is half given (x without
-#: w_ih or the reverse), its split is outside (0, G], or gx has the wrong rows for it.
+#: w_ih or the reverse), its split is outside (0, G], or gx has the wrong rows for it; the Elman
+#: kernels, which normalize hp + gx as one, when it is given at all.
 ERR_PROJECTION = 3
 
 
@@ -307,6 +308,50 @@ GRU_BWD = Struct(
 )  # fmt: skip
 
 
+# The Elman RNN's activation switch (torch.nn.RNN's nonlinearity).
+_RELU = Field("relu", Kind.FLAG, doc="1: f = relu, 0: f = tanh")
+ELMAN_FWD = Struct(
+    "elman_fwd_step_args",
+    "One LN-RNN (Elman) step forward: h~ = f(LN(hp + gx)), rows [off, off + rows) of the sequence.",
+    (
+        _t("hp", _INOUT, "R H", "W_hh h_{t-1} in (the sequence kernel's GEMM writes it); the "
+           "pre-activation a = hp + gx out, backward's layer-norm input"),
+        # in-out as the other cells' gx: the shared time loop writes it given a projection x,
+        # which the Elman kernel refuses
+        _t("gx", _INOUT, "X H", "W_ih x (torch's biases added without layer_norm)"),
+        _t("w", _IN, "H", "gain of LN(a)"),
+        _t("b", _IN, "H", "bias of LN(a), torch's biases folded in"),
+        _t("h", _INOUT, "B H", "h_{t-1} in, h_t out"),
+        _t("out", _OUT, "N H", "h_t"),
+        # NULL: not kept (the caller takes h_{t-1} from out shifted by a step, see _fused)
+        Field("hprev", _OUT, ("R", "H"), "h_{t-1}", optional=True),
+        Field("own", _OUT, ("R", "H"), "the cell's own h~_t (with zoneout of h; NULL: out holds "
+              "it)", optional=True),
+        _t("mh", _OUT, "R", "mean of a"),
+        _t("rh", _OUT, "R", "1/std of a"),
+        _ZH,
+        *_SIZES, _KEPT, _GX_ROWS, _EPS, *_STEP, _LAYER_NORM, _RELU,
+    ),
+)  # fmt: skip
+ELMAN_BWD = Struct(
+    "elman_bwd_step_args",
+    "One LN-RNN (Elman) step backward; dhp is the gradient of gx too (the two add).",
+    (
+        _t("dout", _IN, "N H", "gradient of this step's output"),
+        _t("dh", _INOUT, "B H", "gradient of h_t from later steps in; with zoneout of h its "
+           "direct part for h_{t-1} out (else left for the GEMM to overwrite)"),
+        _t("hp", _IN, "N H", "the pre-activation a the forward normalized"),
+        _t("mh", _IN, "N"),
+        _t("rh", _IN, "N"),
+        _t("w", _IN, "H"),
+        _t("own", _IN, "N H", "the cell's own h~_t (the forward's own, or out without zoneout)"),
+        _t("dhp", _OUT, "N H", "gradient of a (of hp and of gx)"),
+        _ZH,
+        *_SIZES, *_STEP, _LAYER_NORM, _RELU,
+    ),
+)  # fmt: skip
+
+
 def _seq(name: str, w_shape: str, w_doc: str, options: tuple[Field, ...] = ()) -> Struct:
     return Struct(
         name,
@@ -369,7 +414,9 @@ WEIGHT_GRAD = Struct(
     ),
 )
 
-STRUCTS: tuple[Struct, ...] = (LSTM_FWD, LSTM_BWD, GRU_FWD, GRU_BWD, SEQ_FWD, SEQ_BWD, WEIGHT_GRAD)
+STRUCTS: tuple[Struct, ...] = (
+    LSTM_FWD, LSTM_BWD, GRU_FWD, GRU_BWD, ELMAN_FWD, ELMAN_BWD, SEQ_FWD, SEQ_BWD, WEIGHT_GRAD,
+)  # fmt: skip
 KERNELS: tuple[Kernel, ...] = (
     Kernel("lstm_fwd_step", "LN-LSTM step forward.", (LSTM_FWD,)),
     Kernel("lstm_bwd_step", "LN-LSTM step backward.", (LSTM_BWD,)),
@@ -379,8 +426,13 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("lstm_bwd_seq", "LN-LSTM direction backward, steps in reverse.", (LSTM_BWD, SEQ_BWD)),
     Kernel("gru_fwd_seq", "LN-GRU direction forward: GEMM + step per step.", (GRU_FWD, SEQ_FWD)),
     Kernel("gru_bwd_seq", "LN-GRU direction backward, steps in reverse.", (GRU_BWD, SEQ_BWD)),
+    Kernel("elman_fwd_step", "LN-RNN (Elman) step forward.", (ELMAN_FWD,)),
+    Kernel("elman_bwd_step", "LN-RNN (Elman) step backward.", (ELMAN_BWD,)),
+    Kernel("elman_fwd_seq", "LN-RNN direction forward: GEMM + step per step (gx given).",
+           (ELMAN_FWD, SEQ_FWD)),
+    Kernel("elman_bwd_seq", "LN-RNN direction backward, steps in reverse.", (ELMAN_BWD, SEQ_BWD)),
     Kernel("weight_grad", "The recurrent weight's gradient.", (WEIGHT_GRAD,)),
-)
+)  # fmt: skip
 BY_NAME: dict[str, Kernel] = {k.name: k for k in KERNELS}
 
 

@@ -307,6 +307,94 @@ _Static_assert(offsetof(gru_bwd_step_args_f32, layer_norm) == 236, "gru_bwd_step
 _Static_assert(offsetof(gru_bwd_step_args_f32, reverse) == 240, "gru_bwd_step_args_f32.reverse");
 _Static_assert(sizeof(gru_bwd_step_args_f32) == 248, "gru_bwd_step_args_f32 size");
 
+/* One LN-RNN (Elman) step forward: h~ = f(LN(hp + gx)), rows [off, off + rows) of the sequence. */
+typedef struct {
+    float* hp; /* in/out (R, H): W_hh h_{t-1} in (the sequence kernel's GEMM writes it); the pre-activation a = hp + gx out, backward's layer-norm input */
+    float* gx; /* in/out (X, H): W_ih x (torch's biases added without layer_norm) */
+    const float* w; /* input (H): gain of LN(a) */
+    const float* b; /* input (H): bias of LN(a), torch's biases folded in */
+    float* h; /* in/out (B, H): h_{t-1} in, h_t out */
+    float* out; /* output (N, H): h_t */
+    float* hprev; /* output (R, H), optional: NULL = off: h_{t-1} */
+    float* own; /* output (R, H), optional: NULL = off: the cell's own h~_t (with zoneout of h; NULL: out holds it) */
+    float* mh; /* output (R): mean of a */
+    float* rh; /* output (R): 1/std of a */
+    const float* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    int64_t N; /* size: rows of the packed sequence */
+    int64_t B; /* size: rows of the state (the batch) */
+    int64_t H; /* size: hidden units */
+    int64_t R; /* size: rows of the kept buffers: N (training) or B (inference) */
+    int64_t X; /* size: rows of gx: N (given) or B (the kernel's projection) */
+    double eps; /* float, >= 0: added to the variance */
+    int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
+    int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
+    int32_t threads; /* count: OpenMP threads to split the rows over */
+    int32_t layer_norm; /* flag: 1: layer-normalize hp (and c_t) with the gains */
+    int32_t relu; /* flag: 1: f = relu, 0: f = tanh */
+} elman_fwd_step_args_f32;
+_Static_assert(offsetof(elman_fwd_step_args_f32, hp) == 0, "elman_fwd_step_args_f32.hp");
+_Static_assert(offsetof(elman_fwd_step_args_f32, gx) == 8, "elman_fwd_step_args_f32.gx");
+_Static_assert(offsetof(elman_fwd_step_args_f32, w) == 16, "elman_fwd_step_args_f32.w");
+_Static_assert(offsetof(elman_fwd_step_args_f32, b) == 24, "elman_fwd_step_args_f32.b");
+_Static_assert(offsetof(elman_fwd_step_args_f32, h) == 32, "elman_fwd_step_args_f32.h");
+_Static_assert(offsetof(elman_fwd_step_args_f32, out) == 40, "elman_fwd_step_args_f32.out");
+_Static_assert(offsetof(elman_fwd_step_args_f32, hprev) == 48, "elman_fwd_step_args_f32.hprev");
+_Static_assert(offsetof(elman_fwd_step_args_f32, own) == 56, "elman_fwd_step_args_f32.own");
+_Static_assert(offsetof(elman_fwd_step_args_f32, mh) == 64, "elman_fwd_step_args_f32.mh");
+_Static_assert(offsetof(elman_fwd_step_args_f32, rh) == 72, "elman_fwd_step_args_f32.rh");
+_Static_assert(offsetof(elman_fwd_step_args_f32, zh) == 80, "elman_fwd_step_args_f32.zh");
+_Static_assert(offsetof(elman_fwd_step_args_f32, N) == 88, "elman_fwd_step_args_f32.N");
+_Static_assert(offsetof(elman_fwd_step_args_f32, B) == 96, "elman_fwd_step_args_f32.B");
+_Static_assert(offsetof(elman_fwd_step_args_f32, H) == 104, "elman_fwd_step_args_f32.H");
+_Static_assert(offsetof(elman_fwd_step_args_f32, R) == 112, "elman_fwd_step_args_f32.R");
+_Static_assert(offsetof(elman_fwd_step_args_f32, X) == 120, "elman_fwd_step_args_f32.X");
+_Static_assert(offsetof(elman_fwd_step_args_f32, eps) == 128, "elman_fwd_step_args_f32.eps");
+_Static_assert(offsetof(elman_fwd_step_args_f32, off) == 136, "elman_fwd_step_args_f32.off");
+_Static_assert(offsetof(elman_fwd_step_args_f32, rows) == 144, "elman_fwd_step_args_f32.rows");
+_Static_assert(offsetof(elman_fwd_step_args_f32, threads) == 152, "elman_fwd_step_args_f32.threads");
+_Static_assert(offsetof(elman_fwd_step_args_f32, layer_norm) == 156, "elman_fwd_step_args_f32.layer_norm");
+_Static_assert(offsetof(elman_fwd_step_args_f32, relu) == 160, "elman_fwd_step_args_f32.relu");
+_Static_assert(sizeof(elman_fwd_step_args_f32) == 168, "elman_fwd_step_args_f32 size");
+
+/* One LN-RNN (Elman) step backward; dhp is the gradient of gx too (the two add). */
+typedef struct {
+    const float* dout; /* input (N, H): gradient of this step's output */
+    float* dh; /* in/out (B, H): gradient of h_t from later steps in; with zoneout of h its direct part for h_{t-1} out (else left for the GEMM to overwrite) */
+    const float* hp; /* input (N, H): the pre-activation a the forward normalized */
+    const float* mh; /* input (N) */
+    const float* rh; /* input (N) */
+    const float* w; /* input (H) */
+    const float* own; /* input (N, H): the cell's own h~_t (the forward's own, or out without zoneout) */
+    float* dhp; /* output (N, H): gradient of a (of hp and of gx) */
+    const float* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    int64_t N; /* size: rows of the packed sequence */
+    int64_t B; /* size: rows of the state (the batch) */
+    int64_t H; /* size: hidden units */
+    int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
+    int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
+    int32_t threads; /* count: OpenMP threads to split the rows over */
+    int32_t layer_norm; /* flag: 1: layer-normalize hp (and c_t) with the gains */
+    int32_t relu; /* flag: 1: f = relu, 0: f = tanh */
+} elman_bwd_step_args_f32;
+_Static_assert(offsetof(elman_bwd_step_args_f32, dout) == 0, "elman_bwd_step_args_f32.dout");
+_Static_assert(offsetof(elman_bwd_step_args_f32, dh) == 8, "elman_bwd_step_args_f32.dh");
+_Static_assert(offsetof(elman_bwd_step_args_f32, hp) == 16, "elman_bwd_step_args_f32.hp");
+_Static_assert(offsetof(elman_bwd_step_args_f32, mh) == 24, "elman_bwd_step_args_f32.mh");
+_Static_assert(offsetof(elman_bwd_step_args_f32, rh) == 32, "elman_bwd_step_args_f32.rh");
+_Static_assert(offsetof(elman_bwd_step_args_f32, w) == 40, "elman_bwd_step_args_f32.w");
+_Static_assert(offsetof(elman_bwd_step_args_f32, own) == 48, "elman_bwd_step_args_f32.own");
+_Static_assert(offsetof(elman_bwd_step_args_f32, dhp) == 56, "elman_bwd_step_args_f32.dhp");
+_Static_assert(offsetof(elman_bwd_step_args_f32, zh) == 64, "elman_bwd_step_args_f32.zh");
+_Static_assert(offsetof(elman_bwd_step_args_f32, N) == 72, "elman_bwd_step_args_f32.N");
+_Static_assert(offsetof(elman_bwd_step_args_f32, B) == 80, "elman_bwd_step_args_f32.B");
+_Static_assert(offsetof(elman_bwd_step_args_f32, H) == 88, "elman_bwd_step_args_f32.H");
+_Static_assert(offsetof(elman_bwd_step_args_f32, off) == 96, "elman_bwd_step_args_f32.off");
+_Static_assert(offsetof(elman_bwd_step_args_f32, rows) == 104, "elman_bwd_step_args_f32.rows");
+_Static_assert(offsetof(elman_bwd_step_args_f32, threads) == 112, "elman_bwd_step_args_f32.threads");
+_Static_assert(offsetof(elman_bwd_step_args_f32, layer_norm) == 116, "elman_bwd_step_args_f32.layer_norm");
+_Static_assert(offsetof(elman_bwd_step_args_f32, relu) == 120, "elman_bwd_step_args_f32.relu");
+_Static_assert(sizeof(elman_bwd_step_args_f32) == 128, "elman_bwd_step_args_f32 size");
+
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
     const float* w; /* input (G, H): W_hh (the kernel multiplies by its transpose) */
@@ -396,6 +484,14 @@ int lstm_bwd_seq_f32(const lstm_bwd_step_args_f32* a, const rnn_seq_bwd_args_f32
 int gru_fwd_seq_f32(const gru_fwd_step_args_f32* a, const rnn_seq_fwd_args_f32* s);
 /* LN-GRU direction backward, steps in reverse. */
 int gru_bwd_seq_f32(const gru_bwd_step_args_f32* a, const rnn_seq_bwd_args_f32* s);
+/* LN-RNN (Elman) step forward. */
+int elman_fwd_step_f32(const elman_fwd_step_args_f32* a);
+/* LN-RNN (Elman) step backward. */
+int elman_bwd_step_f32(const elman_bwd_step_args_f32* a);
+/* LN-RNN direction forward: GEMM + step per step (gx given). */
+int elman_fwd_seq_f32(const elman_fwd_step_args_f32* a, const rnn_seq_fwd_args_f32* s);
+/* LN-RNN direction backward, steps in reverse. */
+int elman_bwd_seq_f32(const elman_bwd_step_args_f32* a, const rnn_seq_bwd_args_f32* s);
 /* The recurrent weight's gradient. */
 int weight_grad_f32(const weight_grad_args_f32* a);
 
@@ -681,6 +777,94 @@ _Static_assert(offsetof(gru_bwd_step_args_f64, layer_norm) == 236, "gru_bwd_step
 _Static_assert(offsetof(gru_bwd_step_args_f64, reverse) == 240, "gru_bwd_step_args_f64.reverse");
 _Static_assert(sizeof(gru_bwd_step_args_f64) == 248, "gru_bwd_step_args_f64 size");
 
+/* One LN-RNN (Elman) step forward: h~ = f(LN(hp + gx)), rows [off, off + rows) of the sequence. */
+typedef struct {
+    double* hp; /* in/out (R, H): W_hh h_{t-1} in (the sequence kernel's GEMM writes it); the pre-activation a = hp + gx out, backward's layer-norm input */
+    double* gx; /* in/out (X, H): W_ih x (torch's biases added without layer_norm) */
+    const double* w; /* input (H): gain of LN(a) */
+    const double* b; /* input (H): bias of LN(a), torch's biases folded in */
+    double* h; /* in/out (B, H): h_{t-1} in, h_t out */
+    double* out; /* output (N, H): h_t */
+    double* hprev; /* output (R, H), optional: NULL = off: h_{t-1} */
+    double* own; /* output (R, H), optional: NULL = off: the cell's own h~_t (with zoneout of h; NULL: out holds it) */
+    double* mh; /* output (R): mean of a */
+    double* rh; /* output (R): 1/std of a */
+    const double* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    int64_t N; /* size: rows of the packed sequence */
+    int64_t B; /* size: rows of the state (the batch) */
+    int64_t H; /* size: hidden units */
+    int64_t R; /* size: rows of the kept buffers: N (training) or B (inference) */
+    int64_t X; /* size: rows of gx: N (given) or B (the kernel's projection) */
+    double eps; /* float, >= 0: added to the variance */
+    int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
+    int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
+    int32_t threads; /* count: OpenMP threads to split the rows over */
+    int32_t layer_norm; /* flag: 1: layer-normalize hp (and c_t) with the gains */
+    int32_t relu; /* flag: 1: f = relu, 0: f = tanh */
+} elman_fwd_step_args_f64;
+_Static_assert(offsetof(elman_fwd_step_args_f64, hp) == 0, "elman_fwd_step_args_f64.hp");
+_Static_assert(offsetof(elman_fwd_step_args_f64, gx) == 8, "elman_fwd_step_args_f64.gx");
+_Static_assert(offsetof(elman_fwd_step_args_f64, w) == 16, "elman_fwd_step_args_f64.w");
+_Static_assert(offsetof(elman_fwd_step_args_f64, b) == 24, "elman_fwd_step_args_f64.b");
+_Static_assert(offsetof(elman_fwd_step_args_f64, h) == 32, "elman_fwd_step_args_f64.h");
+_Static_assert(offsetof(elman_fwd_step_args_f64, out) == 40, "elman_fwd_step_args_f64.out");
+_Static_assert(offsetof(elman_fwd_step_args_f64, hprev) == 48, "elman_fwd_step_args_f64.hprev");
+_Static_assert(offsetof(elman_fwd_step_args_f64, own) == 56, "elman_fwd_step_args_f64.own");
+_Static_assert(offsetof(elman_fwd_step_args_f64, mh) == 64, "elman_fwd_step_args_f64.mh");
+_Static_assert(offsetof(elman_fwd_step_args_f64, rh) == 72, "elman_fwd_step_args_f64.rh");
+_Static_assert(offsetof(elman_fwd_step_args_f64, zh) == 80, "elman_fwd_step_args_f64.zh");
+_Static_assert(offsetof(elman_fwd_step_args_f64, N) == 88, "elman_fwd_step_args_f64.N");
+_Static_assert(offsetof(elman_fwd_step_args_f64, B) == 96, "elman_fwd_step_args_f64.B");
+_Static_assert(offsetof(elman_fwd_step_args_f64, H) == 104, "elman_fwd_step_args_f64.H");
+_Static_assert(offsetof(elman_fwd_step_args_f64, R) == 112, "elman_fwd_step_args_f64.R");
+_Static_assert(offsetof(elman_fwd_step_args_f64, X) == 120, "elman_fwd_step_args_f64.X");
+_Static_assert(offsetof(elman_fwd_step_args_f64, eps) == 128, "elman_fwd_step_args_f64.eps");
+_Static_assert(offsetof(elman_fwd_step_args_f64, off) == 136, "elman_fwd_step_args_f64.off");
+_Static_assert(offsetof(elman_fwd_step_args_f64, rows) == 144, "elman_fwd_step_args_f64.rows");
+_Static_assert(offsetof(elman_fwd_step_args_f64, threads) == 152, "elman_fwd_step_args_f64.threads");
+_Static_assert(offsetof(elman_fwd_step_args_f64, layer_norm) == 156, "elman_fwd_step_args_f64.layer_norm");
+_Static_assert(offsetof(elman_fwd_step_args_f64, relu) == 160, "elman_fwd_step_args_f64.relu");
+_Static_assert(sizeof(elman_fwd_step_args_f64) == 168, "elman_fwd_step_args_f64 size");
+
+/* One LN-RNN (Elman) step backward; dhp is the gradient of gx too (the two add). */
+typedef struct {
+    const double* dout; /* input (N, H): gradient of this step's output */
+    double* dh; /* in/out (B, H): gradient of h_t from later steps in; with zoneout of h its direct part for h_{t-1} out (else left for the GEMM to overwrite) */
+    const double* hp; /* input (N, H): the pre-activation a the forward normalized */
+    const double* mh; /* input (N) */
+    const double* rh; /* input (N) */
+    const double* w; /* input (H) */
+    const double* own; /* input (N, H): the cell's own h~_t (the forward's own, or out without zoneout) */
+    double* dhp; /* output (N, H): gradient of a (of hp and of gx) */
+    const double* zh; /* input (N, H), optional: NULL = off: zoneout of h: h_t = zh h_{t-1} + (1 - zh) h~_t (0/1, or p at eval) */
+    int64_t N; /* size: rows of the packed sequence */
+    int64_t B; /* size: rows of the state (the batch) */
+    int64_t H; /* size: hidden units */
+    int64_t off; /* index, >= 0: the step's first row in the (N, ·) buffers */
+    int64_t rows; /* index, >= 0: the step's rows: rows [off, off + rows), state rows [0, rows) */
+    int32_t threads; /* count: OpenMP threads to split the rows over */
+    int32_t layer_norm; /* flag: 1: layer-normalize hp (and c_t) with the gains */
+    int32_t relu; /* flag: 1: f = relu, 0: f = tanh */
+} elman_bwd_step_args_f64;
+_Static_assert(offsetof(elman_bwd_step_args_f64, dout) == 0, "elman_bwd_step_args_f64.dout");
+_Static_assert(offsetof(elman_bwd_step_args_f64, dh) == 8, "elman_bwd_step_args_f64.dh");
+_Static_assert(offsetof(elman_bwd_step_args_f64, hp) == 16, "elman_bwd_step_args_f64.hp");
+_Static_assert(offsetof(elman_bwd_step_args_f64, mh) == 24, "elman_bwd_step_args_f64.mh");
+_Static_assert(offsetof(elman_bwd_step_args_f64, rh) == 32, "elman_bwd_step_args_f64.rh");
+_Static_assert(offsetof(elman_bwd_step_args_f64, w) == 40, "elman_bwd_step_args_f64.w");
+_Static_assert(offsetof(elman_bwd_step_args_f64, own) == 48, "elman_bwd_step_args_f64.own");
+_Static_assert(offsetof(elman_bwd_step_args_f64, dhp) == 56, "elman_bwd_step_args_f64.dhp");
+_Static_assert(offsetof(elman_bwd_step_args_f64, zh) == 64, "elman_bwd_step_args_f64.zh");
+_Static_assert(offsetof(elman_bwd_step_args_f64, N) == 72, "elman_bwd_step_args_f64.N");
+_Static_assert(offsetof(elman_bwd_step_args_f64, B) == 80, "elman_bwd_step_args_f64.B");
+_Static_assert(offsetof(elman_bwd_step_args_f64, H) == 88, "elman_bwd_step_args_f64.H");
+_Static_assert(offsetof(elman_bwd_step_args_f64, off) == 96, "elman_bwd_step_args_f64.off");
+_Static_assert(offsetof(elman_bwd_step_args_f64, rows) == 104, "elman_bwd_step_args_f64.rows");
+_Static_assert(offsetof(elman_bwd_step_args_f64, threads) == 112, "elman_bwd_step_args_f64.threads");
+_Static_assert(offsetof(elman_bwd_step_args_f64, layer_norm) == 116, "elman_bwd_step_args_f64.layer_norm");
+_Static_assert(offsetof(elman_bwd_step_args_f64, relu) == 120, "elman_bwd_step_args_f64.relu");
+_Static_assert(sizeof(elman_bwd_step_args_f64) == 128, "elman_bwd_step_args_f64 size");
+
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
     const double* w; /* input (G, H): W_hh (the kernel multiplies by its transpose) */
@@ -770,6 +954,14 @@ int lstm_bwd_seq_f64(const lstm_bwd_step_args_f64* a, const rnn_seq_bwd_args_f64
 int gru_fwd_seq_f64(const gru_fwd_step_args_f64* a, const rnn_seq_fwd_args_f64* s);
 /* LN-GRU direction backward, steps in reverse. */
 int gru_bwd_seq_f64(const gru_bwd_step_args_f64* a, const rnn_seq_bwd_args_f64* s);
+/* LN-RNN (Elman) step forward. */
+int elman_fwd_step_f64(const elman_fwd_step_args_f64* a);
+/* LN-RNN (Elman) step backward. */
+int elman_bwd_step_f64(const elman_bwd_step_args_f64* a);
+/* LN-RNN direction forward: GEMM + step per step (gx given). */
+int elman_fwd_seq_f64(const elman_fwd_step_args_f64* a, const rnn_seq_fwd_args_f64* s);
+/* LN-RNN direction backward, steps in reverse. */
+int elman_bwd_seq_f64(const elman_bwd_step_args_f64* a, const rnn_seq_bwd_args_f64* s);
 /* The recurrent weight's gradient. */
 int weight_grad_f64(const weight_grad_args_f64* a);
 

@@ -472,6 +472,8 @@ void FN(lstm_fwd_rows)(const FN(lstm_fwd_step_args) * a, i64 lo, i64 hi);
 void FN(lstm_bwd_rows)(const FN(lstm_bwd_step_args) * a, i64 lo, i64 hi, scalar_t* sums);
 void FN(gru_fwd_rows)(const FN(gru_fwd_step_args) * a, i64 lo, i64 hi);
 void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi, scalar_t* sums);
+void FN(elman_fwd_rows)(const FN(elman_fwd_step_args) * a, i64 lo, i64 hi);
+void FN(elman_bwd_rows)(const FN(elman_bwd_step_args) * a, i64 lo, i64 hi, scalar_t* sums);
 void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const scalar_t* b0,
                     double eps, int layer_norm, i64 lo, i64 hi);
 
@@ -788,6 +790,26 @@ int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) 
     const i64 n_out[GRAD_SUMS_OUTS] = {2 * G, 0, 0};
     BACKWARD_IN_TIME(FN(gru_bwd_rows), GRU_BWD_ROWS_VALID(a, step.off, step.rows), 1,
                      a->layer_norm && s->hp_grads, outs, n_out);
+}
+
+/* The Elman step normalizes hp + gx as one: gx is given for every row (no projection x, whose
+   rows input_rows would normalize on their own). */
+int FN(elman_fwd_seq)(const FN(elman_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
+    const i64 G = a->H;
+    if (s->x || s->w_ih) return RNN_ERR_PROJECTION;
+    FN(elman_fwd_step_args) step = *a;
+    FORWARD_IN_TIME(FN(elman_fwd_step), FN(elman_fwd_rows));
+}
+
+/* Without zoneout of h the Elman step leaves dh to its GEMM to overwrite; with it the step leaves
+   the direct path zh·dh_t there, and the GEMM adds to it (as the LSTM's). */
+int FN(elman_bwd_seq)(const FN(elman_bwd_step_args) * a, const FN(rnn_seq_bwd_args) * s) {
+    const i64 G = a->H;
+    FN(elman_bwd_step_args) step = *a;
+    scalar_t* const outs[GRAD_SUMS_OUTS] = {s->hp_grads, NULL, NULL};
+    const i64 n_out[GRAD_SUMS_OUTS] = {2 * G, 0, 0};
+    BACKWARD_IN_TIME(FN(elman_bwd_rows), 1, a->zh != NULL, a->layer_norm && s->hp_grads, outs,
+                     n_out);
 }
 
 #undef FORWARD_IN_TIME

@@ -1,4 +1,4 @@
-/* The LN-LSTM and LN-GRU time-step kernels over one scalar type: included by rnn_step.c with
+/* The LN-LSTM, LN-GRU and LN-RNN (Elman) time-step kernels over one scalar type: included by rnn_step.c with
    scalar_t (float or double), SUF (f32 or f64), EXP and TANH defined; every external name ends in
    _SUF. Argument structs and prototypes come from layernorm_rnn_abi.h (from rnn_abi.py).
 
@@ -594,6 +594,128 @@ int FN(gru_bwd_step)(const FN(gru_bwd_step_args) * a) {
     }
     #pragma omp parallel for num_threads(a->threads) schedule(static)
     for (i64 i = 0; i < a->rows; ++i) FN(gru_bwd_row)(a, i, NULL);
+    return 0;
+}
+
+/* LN-RNN (Elman, Ba et al. Eq. 4) forward of row i: the pre-activation a = hp + gx replaces hp
+   (backward's layer-norm input), the cell's own h̃_t = f(LN(a; w, b)) (f = tanh, or relu), and
+   with zoneout h_t = zh·h_{t−1} + (1 − zh)·h̃_t (own keeps h̃_t; without zoneout out holds it).
+   Without layer_norm gx already carries torch's biases and h̃_t = f(a). The gain and bias are
+   always given (ones / zeros where the layer has none). */
+static inline __attribute__((always_inline)) void FN(elman_fwd_body)(
+    const FN(elman_fwd_step_args) * A, i64 i, const int masks) {
+    const i64 H = A->H, row = A->off + i, k = kept_row(A->R, A->N, row, i);
+    scalar_t* a = A->hp + k * H;
+    const scalar_t* gx = A->gx + kept_row(A->X, A->N, row, i) * H;
+    scalar_t* hs = A->h + i * H;
+    scalar_t* o = A->out + row * H;
+    scalar_t* own = A->own ? A->own + k * H : o;
+    #pragma omp simd
+    for (i64 j = 0; j < H; ++j) a[j] += gx[j];
+    if (A->layer_norm) {
+        acc_t m, r;
+        FN(moments)(a, H, A->eps, &m, &r);
+        const FN(stats) st = FN(split)(m, r);
+        A->mh[k] = st.hi;
+        A->rh[k] = st.r;
+        const scalar_t *w = A->w, *b = A->b;
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j) own[j] = ((a[j] - st.hi) - st.lo) * st.r * w[j] + b[j];
+    } else {
+        memcpy(own, a, (size_t)H * sizeof(scalar_t));
+    }
+    if (A->relu) {
+        /* v < 0, not v > 0, so that NaN passes through as torch's relu passes it */
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j) own[j] = own[j] < 0 ? (scalar_t)0 : own[j];
+    } else {
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j) own[j] = TANH(own[j]);
+    }
+    if (A->hprev) memcpy(A->hprev + k * H, hs, (size_t)H * sizeof(scalar_t));
+    if (masks & MASK_ZH) {
+        const scalar_t* zh = A->zh + row * H;
+        for (i64 j = 0; j < H; ++j) {
+            const scalar_t h = zh[j] * hs[j] + ((scalar_t)1 - zh[j]) * own[j];
+            hs[j] = h;
+            o[j] = h;
+        }
+    } else {
+        if (own != o) memcpy(o, own, (size_t)H * sizeof(scalar_t));
+        memcpy(hs, o, (size_t)H * sizeof(scalar_t));
+    }
+}
+
+static inline void FN(elman_fwd_row)(const FN(elman_fwd_step_args) * A, i64 i) {
+    if (A->zh) FN(elman_fwd_body)(A, i, MASK_ZH);
+    else FN(elman_fwd_body)(A, i, 0);
+}
+
+/* Rows [lo, hi) of a step whose rows the caller has checked (see lstm_fwd_rows). */
+void FN(elman_fwd_rows)(const FN(elman_fwd_step_args) * a, i64 lo, i64 hi) {
+    for (i64 i = lo; i < hi; ++i) FN(elman_fwd_row)(a, i);
+}
+
+int FN(elman_fwd_step)(const FN(elman_fwd_step_args) * a) {
+    if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B) ||
+        !kept_rows_valid(a->X, a->N, a->B))
+        return RNN_ERR_ROWS;
+    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
+        FN(elman_fwd_rows)(a, 0, a->rows);
+        return 0;
+    }
+    #pragma omp parallel for num_threads(a->threads) schedule(static)
+    for (i64 i = 0; i < a->rows; ++i) FN(elman_fwd_row)(a, i);
+    return 0;
+}
+
+/* LN-RNN backward of row i. In: dout (this step's output gradient), dh (of h_t from later
+   steps). Out: dhp, the gradient of a (of hp and of gx alike); with zoneout of h dh := zh·dh_t,
+   the direct path of h_{t−1}, for the caller's GEMM to add to (without, dh is left for it to
+   overwrite). With sums (NULL: none) this row's terms of LN(a)'s gain and bias gradients are
+   added: H each. */
+static inline __attribute__((always_inline)) void FN(elman_bwd_body)(
+    const FN(elman_bwd_step_args) * A, i64 i, scalar_t* sums, const int masks) {
+    const i64 H = A->H, row = A->off + i;
+    const scalar_t* dout = A->dout + row * H;
+    const scalar_t* own = A->own + row * H;
+    scalar_t* dh = A->dh + i * H;
+    scalar_t* da = A->dhp + row * H;
+    const scalar_t* zh = (masks & MASK_ZH) ? A->zh + row * H : NULL;
+    const int relu = A->relu;
+    #pragma omp simd
+    for (i64 j = 0; j < H; ++j) {
+        const scalar_t d = dh[j] + dout[j];
+        const scalar_t dt = (masks & MASK_ZH) ? ((scalar_t)1 - zh[j]) * d : d;
+        if (masks & MASK_ZH) dh[j] = zh[j] * d;
+        const scalar_t v = own[j];
+        /* a product, not a choice: NaN in dt reaches da as torch's mask product passes it */
+        da[j] = relu ? dt * (scalar_t)(v > 0) : dt * ((scalar_t)1 - v * v);
+    }
+    if (A->layer_norm) /* in place: ln_dx reads each value before it writes it */
+        FN(ln_dx)(da, A->hp + row * H, A->mh[row], A->rh[row], A->w, da, H, 0, sums,
+                  sums ? sums + H : NULL);
+}
+
+static inline void FN(elman_bwd_row)(const FN(elman_bwd_step_args) * A, i64 i, scalar_t* sums) {
+    if (A->zh) FN(elman_bwd_body)(A, i, sums, MASK_ZH);
+    else FN(elman_bwd_body)(A, i, sums, 0);
+}
+
+/* Rows [lo, hi) of a step whose rows the caller has checked (see lstm_bwd_rows); with
+   layer_norm and sums, LN(a)'s gain then bias gradient terms (H each) added to sums. */
+void FN(elman_bwd_rows)(const FN(elman_bwd_step_args) * a, i64 lo, i64 hi, scalar_t* sums) {
+    for (i64 i = lo; i < hi; ++i) FN(elman_bwd_row)(a, i, sums);
+}
+
+int FN(elman_bwd_step)(const FN(elman_bwd_step_args) * a) {
+    if (!rows_in_range(a->off, a->rows, a->N, a->B)) return RNN_ERR_ROWS;
+    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
+        FN(elman_bwd_rows)(a, 0, a->rows, NULL);
+        return 0;
+    }
+    #pragma omp parallel for num_threads(a->threads) schedule(static)
+    for (i64 i = 0; i < a->rows; ++i) FN(elman_bwd_row)(a, i, NULL);
     return 0;
 }
 

@@ -48,6 +48,22 @@
 
 #define FN(name) RNN_CAT(name, SUF)
 
+/* The rows of a step kernel's struct `a`, ROW a statement over row i: in this thread without an
+   OpenMP region where a->threads <= 1 (even a serial region costs a call per step), else split
+   over a->threads threads; then the kernel returns 0. */
+#ifndef STEP_ROWS
+#define STEP_ROWS(ROW)                                                      \
+    do {                                                                    \
+        if (a->threads <= 1) {                                              \
+            for (i64 i = 0; i < a->rows; ++i) ROW;                          \
+            return 0;                                                       \
+        }                                                                   \
+        _Pragma("omp parallel for num_threads(a->threads) schedule(static)") \
+        for (i64 i = 0; i < a->rows; ++i) ROW;                              \
+        return 0;                                                           \
+    } while (0)
+#endif
+
 /* Row sums as the norm kernels take them (norms_common.h): two vectors of partial sums in
    scalar_t, each lane adding BLOCK_TERMS (cpu_common.h) terms before the block's lanes go into
    float64 partial sums. A row of a step is short (G = 4H, H), so a sum in float64 throughout (a
@@ -314,13 +330,7 @@ int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
         return RNN_ERR_ROWS;
     if (!input_norm_valid(a->w0, a->b0 && a->mx && a->rx, a->layer_norm))
         return RNN_ERR_INPUT_NORM;
-    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
-        FN(lstm_fwd_rows)(a, 0, a->rows);
-        return 0;
-    }
-    #pragma omp parallel for num_threads(a->threads) schedule(static)
-    for (i64 i = 0; i < a->rows; ++i) FN(lstm_fwd_row)(a, i);
-    return 0;
+    STEP_ROWS(FN(lstm_fwd_row)(a, i));
 }
 
 /* LN-LSTM backward of row i. In: dout (this step's output gradient), dh (gradient of h_t from
@@ -419,13 +429,7 @@ int FN(lstm_bwd_step)(const FN(lstm_bwd_step_args) * a) {
         return RNN_ERR_ROWS;
     if (!input_norm_valid(a->w0, a->gx && a->mx && a->rx, a->layer_norm))
         return RNN_ERR_INPUT_NORM;
-    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
-        FN(lstm_bwd_rows)(a, 0, a->rows, NULL);
-        return 0;
-    }
-    #pragma omp parallel for num_threads(a->threads) schedule(static)
-    for (i64 i = 0; i < a->rows; ++i) FN(lstm_bwd_row)(a, i, NULL);
-    return 0;
+    STEP_ROWS(FN(lstm_bwd_row)(a, i, NULL));
 }
 
 /* LN(hp_n) + b_hn at column j of a GRU row (hp + b_hn without layer norms): the forward's value,
@@ -505,13 +509,7 @@ int FN(gru_fwd_step)(const FN(gru_fwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B) ||
         !kept_rows_valid(a->X, a->N, a->B))
         return RNN_ERR_ROWS;
-    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
-        FN(gru_fwd_rows)(a, 0, a->rows);
-        return 0;
-    }
-    #pragma omp parallel for num_threads(a->threads) schedule(static)
-    for (i64 i = 0; i < a->rows; ++i) FN(gru_fwd_row)(a, i);
-    return 0;
+    STEP_ROWS(FN(gru_fwd_row)(a, i));
 }
 
 /* h_{t−1} of a row when the forward kept no copy (hprev NULL; the caller asks for it only on
@@ -588,13 +586,7 @@ void FN(gru_bwd_rows)(const FN(gru_bwd_step_args) * a, i64 lo, i64 hi, scalar_t*
 int FN(gru_bwd_step)(const FN(gru_bwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B) || !GRU_BWD_ROWS_VALID(a, a->off, a->rows))
         return RNN_ERR_ROWS;
-    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
-        FN(gru_bwd_rows)(a, 0, a->rows, NULL);
-        return 0;
-    }
-    #pragma omp parallel for num_threads(a->threads) schedule(static)
-    for (i64 i = 0; i < a->rows; ++i) FN(gru_bwd_row)(a, i, NULL);
-    return 0;
+    STEP_ROWS(FN(gru_bwd_row)(a, i, NULL));
 }
 
 /* LN-RNN (Elman, Ba et al. Eq. 4) forward of row i: the pre-activation a = hp + gx replaces hp
@@ -660,13 +652,7 @@ int FN(elman_fwd_step)(const FN(elman_fwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B) || !kept_rows_valid(a->R, a->N, a->B) ||
         !kept_rows_valid(a->X, a->N, a->B))
         return RNN_ERR_ROWS;
-    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
-        FN(elman_fwd_rows)(a, 0, a->rows);
-        return 0;
-    }
-    #pragma omp parallel for num_threads(a->threads) schedule(static)
-    for (i64 i = 0; i < a->rows; ++i) FN(elman_fwd_row)(a, i);
-    return 0;
+    STEP_ROWS(FN(elman_fwd_row)(a, i));
 }
 
 /* LN-RNN backward of row i. In: dout (this step's output gradient), dh (of h_t from later
@@ -710,13 +696,7 @@ void FN(elman_bwd_rows)(const FN(elman_bwd_step_args) * a, i64 lo, i64 hi, scala
 
 int FN(elman_bwd_step)(const FN(elman_bwd_step_args) * a) {
     if (!rows_in_range(a->off, a->rows, a->N, a->B)) return RNN_ERR_ROWS;
-    if (a->threads <= 1) { /* no OpenMP region at all: even a serial one costs a call per step */
-        FN(elman_bwd_rows)(a, 0, a->rows, NULL);
-        return 0;
-    }
-    #pragma omp parallel for num_threads(a->threads) schedule(static)
-    for (i64 i = 0; i < a->rows; ++i) FN(elman_bwd_row)(a, i, NULL);
-    return 0;
+    STEP_ROWS(FN(elman_bwd_row)(a, i, NULL));
 }
 
 #undef SVL

@@ -161,12 +161,12 @@ def _lstm_fwd_projected(st: dict[str, Any], off: int, bs: int) -> None:
     h, hprev = st["h"][:bs], st["hprev"][sl]
     hprev.copy_(h)
     _step("lstm_fwd_step", st, off, bs)
-    h_new = torch.mm(st["hu"][sl], st["w_hr"].t())
-    zh = st.get("zh")
-    if zh is not None:
-        h_new = zh[sl] * hprev + (1.0 - zh[sl]) * h_new
-    st["out"][sl] = h_new
-    h.copy_(h_new)
+    out, zh = st["out"][sl], st.get("zh")
+    if zh is None:  # the product straight into the step's output rows
+        torch.mm(st["hu"][sl], st["w_hr"].t(), out=out)
+    else:
+        out.copy_(zh[sl] * hprev + (1.0 - zh[sl]) * torch.mm(st["hu"][sl], st["w_hr"].t()))
+    h.copy_(out)
 
 
 def _lstm_bwd_projected(st: dict[str, Any], off: int, bs: int) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
-from layernorm import LayerNormGRU, LayerNormLSTM
+from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.kernels.cpu import targets
 from layernorm.recurrent import _cstep, _fused, layers
 
@@ -26,7 +26,14 @@ pytestmark = pytest.mark.skipif(
     not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
     reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
 )
-LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU}
+LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU, "rnn": LayerNormRNN}
+# A parameter of the hidden side's layer norm and one of the input side's, per kind (the Elman
+# RNN has one layer norm, of the sum of both sides).
+LN_PARAMS = {
+    "lstm": ("ln_weight_hh_l0", "ln_bias_ih_l0"),
+    "gru": ("ln_weight_hh_l0", "ln_bias_ih_l0"),
+    "rnn": ("ln_weight_l0", "ln_bias_l0"),
+}
 
 
 def _model(kind: str, dtype: torch.dtype = torch.float32, **kw) -> torch.nn.Module:
@@ -78,7 +85,7 @@ def _exactly(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
     ("steps", "batch", "options"),
@@ -181,7 +188,7 @@ def test_one_step_of_a_batch_with_zoneout_by_torch_gemm(kind, monkeypatch) -> No
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 def test_results_are_new_tensors_every_call(kind) -> None:
     """A call's output and states are its own: the next call writes into none of them."""
     model = _model(kind)
@@ -199,10 +206,10 @@ def test_results_are_new_tensors_every_call(kind) -> None:
 # .data leave the version counters as they were).
 VALUE_CHANGES = ["in place", "through .data", "fused Adam", "SGD", "load_state_dict"]
 # What the plan's key holds: a new one is built.
-KEY_CHANGES = ["new parameter", "eps", "shape", "threads"]
+KEY_CHANGES = ["new parameter", "eps", "nonlinearity", "shape", "threads"]
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("change", VALUE_CHANGES + KEY_CHANGES)
 @pytest.mark.parametrize("projection", ["in the loop", "before it"])
 def test_what_a_plan_was_built_from_changes_and_the_next_call_sees_it(
@@ -214,13 +221,16 @@ def test_what_a_plan_was_built_from_changes_and_the_next_call_sees_it(
     x = torch.randn(3, 2, 6, generator=torch.Generator().manual_seed(3))
     _planned(model, x)
     _planned(model, x)  # runs the plan
+    hidden_ln, input_ln = (getattr(model, name) for name in LN_PARAMS[kind])
+    if change == "nonlinearity" and kind != "rnn":
+        pytest.skip("the Elman RNN's setting")
     if change == "in place":
         with torch.no_grad():
             model.bias_ih_l0.mul_(0.5)
-            model.ln_weight_hh_l0.mul_(0.5)
+            hidden_ln.mul_(0.5)
     elif change == "through .data":
         model.bias_hh_l0.data.add_(1.0)
-        model.ln_bias_ih_l0.data.add_(1.0)
+        input_ln.data.add_(1.0)
     elif change in ("fused Adam", "SGD"):
         out, _ = model(x)
         out.square().sum().backward()
@@ -237,6 +247,8 @@ def test_what_a_plan_was_built_from_changes_and_the_next_call_sees_it(
         model.bias_hh_l0 = torch.nn.Parameter(model.bias_hh_l0.detach() + 1.0)
     elif change == "eps":
         model.eps = 0.5
+    elif change == "nonlinearity":  # a setting the kernel structs hold
+        model.nonlinearity = "relu"
     elif change == "shape":
         x = torch.cat([x, x[:1]])  # another step
     else:
@@ -296,7 +308,7 @@ def test_a_layer_with_a_plan_copies_and_pickles_without_it() -> None:
         _exactly(_planned(other, x), want)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 def test_threads_sharing_a_layer_each_get_their_own_results(kind) -> None:
     """A plan runs one call at a time; a call that finds it busy takes the ordinary path."""
     model = _model(kind)
@@ -321,7 +333,7 @@ def test_threads_sharing_a_layer_each_get_their_own_results(kind) -> None:
     assert errors == []
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 def test_a_plan_never_writes_into_what_the_call_that_built_it_returned(kind) -> None:
     """The call that builds a plan returns its final states straight from the kernel's state
     buffers; the plan runs on copies of them."""
@@ -358,7 +370,7 @@ def _planned_calls(monkeypatch) -> list[bool]:
     return taken
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize(
     ("shape", "options", "states"),
     [
@@ -408,7 +420,7 @@ def _write(model: torch.nn.Module, change: str) -> None:
         model.double()
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize(
     "change",
     ["batch_first", "train", "normalize_cell_state", "impl", "parameter moved", "dtype"],
@@ -418,7 +430,7 @@ def test_a_setting_written_or_a_parameter_moved_ends_the_planned_call(
 ) -> None:
     """Anything the planned call's signature holds (a setting written, ``train()``, a parameter's
     address or dtype) makes the next call the full one, with its results."""
-    if change == "normalize_cell_state" and kind == "gru":
+    if change == "normalize_cell_state" and kind != "lstm":
         pytest.skip("an LSTM option")
     model = _model(kind)
     x = torch.randn(3, 3, 6, generator=torch.Generator().manual_seed(6))

@@ -661,9 +661,17 @@ class InferencePlan:
     gets ``None`` and takes the ordinary path."""
 
     def __init__(
-        self, st: dict[str, Any], source: InputProjection, in_loop: bool, results: tuple[str, ...]
+        self,
+        st: dict[str, Any],
+        source: InputProjection,
+        in_loop: bool,
+        results: tuple[str, ...],
+        kernel_bias: str | None = None,
     ) -> None:
+        # kernel_bias: the entry of st where the folded bias goes (the Elman RNN's layer-norm
+        # bias), instead of the input side's
         self.st, self.call, self.in_loop = st, st["_call"], in_loop
+        self.kernel_bias = kernel_bias
         self.source = source._replace(data=None)  # type: ignore[arg-type]
         self.results = results
         self.out_cols = st["out"].shape[1]
@@ -703,6 +711,11 @@ class InferencePlan:
                 call.run()
                 call.seq_args.x = None
             else:
+                if self.kernel_bias is not None:
+                    kept = st[self.kernel_bias]
+                    if bias is not None and kept is not bias:
+                        kept.copy_(bias)
+                    bias = None
                 gx = self.source._replace(data=data, bias=bias, torch_biases=None).compute()
                 gx = gx.contiguous()
                 call.args.gx = gx.data_ptr()
@@ -1180,19 +1193,32 @@ def _elman_state(
 
 
 def rnn_sequence(*args: Any) -> tuple[Tensor, Tensor]:
-    """One Elman direction with :class:`RNNSequence`'s arguments and results: where autograd will
-    not differentiate it and the C sequence kernels run, one call of them without an autograd
-    node, with kept buffers of the batch's rows (overwritten each step); else
+    """One Elman direction with :class:`RNNSequence`'s arguments and results (``xp`` may be an
+    :class:`InputProjection` without layer norm, computed here): where autograd will not
+    differentiate it and the C sequence kernels run, one call of them without an autograd node,
+    with kept buffers of the batch's rows (overwritten each step), kept as an
+    :class:`InferencePlan` where the caller asks (:func:`keeping_plans`); else
     :meth:`RNNSequence.apply`."""
-    xp, h0, w_hh, g, b, sched, eps, normalize, relu, *rest = args
+    source, h0, w_hh, g, b, sched, eps, normalize, relu, *rest = args
     zh = rest[0] if rest else None
-    if differentiated(xp, h0, w_hh, g, b) or torch.jit.is_tracing() or not _elman_in_c(xp):
-        return RNNSequence.apply(*args)  # type: ignore[no-any-return]
+    projected = isinstance(source, InputProjection)
+    xp = _gx(source)
+    if (
+        differentiated(xp, h0, w_hh, g, b, *(source.tensors() if projected else ()))
+        or torch.jit.is_tracing()
+        or not _elman_in_c(xp)
+    ):
+        return RNNSequence.apply(xp, *args[1:])  # type: ignore[no-any-return]
     xp = xp.contiguous()
     zh = None if zh is None else zh.contiguous()
     st = _elman_state(xp, h0, g, b, eps, normalize, relu, zh, kept_rows=h0.shape[0])
     _cstep.elman_fwd_seq(st, w_hh, sched)
-    return st["out"], st["h"]
+    result = st["out"], st["h"]
+    kept = _KEPT_PLANS.get()
+    if kept is not None and projected:
+        # with a layer norm torch's biases are folded into its bias, which the kernel reads
+        kept.append(InferencePlan(st, source, False, ("out", "h"), "b" if normalize else None))
+    return result
 
 
 class RNNSequence(torch.autograd.Function):

@@ -779,14 +779,15 @@ class _LNRNNBase(NotScriptable, nn.Module):
     ) -> tuple[Any, ...] | None:
         """What an inference call of direction ``sfx`` depends on besides the values of its input
         and initial state (the steps' batch sizes included), or ``None`` where it keeps no plan
-        (see :class:`._fused.InferencePlan`: the LSTM and the GRU without masks or projection,
-        float32 / float64 on the CPU, nothing to differentiate, every parameter contiguous in
-        the input's dtype). Each parameter enters by identity and address: the plan's kernel
-        structs point at the parameters themselves, so an update in place (an optimizer's step,
+        (see :class:`._fused.InferencePlan`: a layer without masks or projection, float32 /
+        float64 on the CPU, nothing to differentiate, every parameter contiguous in the input's
+        dtype). Each parameter enters by identity and address: the plan's kernel structs point
+        at the parameters themselves, so an update in place (an optimizer's step,
         ``load_state_dict``, a write through ``.data``, none of which need change the version
-        counter) is seen; the folded input bias, the one value computed from them, is passed
-        again on every call (:meth:`._fused.InferencePlan.run`)."""
-        if self.mode == "RNN" or self.proj_size or any(m is not None for m in masks):
+        counter) is seen; the folded bias, the one value computed from them, is passed again on
+        every call (:meth:`._fused.InferencePlan.run`). The settings enter by their version (see
+        :meth:`__setattr__`): the structs hold the layer norm's and the nonlinearity's switches."""
+        if self.proj_size or any(m is not None for m in masks):
             return None
         if data.dtype not in _FUSED_DTYPES or not data.is_cpu:
             return None
@@ -808,7 +809,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             return None  # a parametrization in a parameter's place, or a copy the kernels read
         return (
             data.dtype, data.shape, tuple(sizes), h0.shape, self.eps,
-            getattr(self, "normalize_cell_state", None),
+            self.__dict__.get("_settings_version"),
             torch.get_num_threads(), torch.is_inference_mode_enabled(), _cstep.configuration(),
             *((id(p), p.data_ptr()) for p in params),  # type: ignore[union-attr]
         )  # fmt: skip
@@ -857,15 +858,11 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 masks.candidate, g(f"weight_hr{sfx}"),
             )  # fmt: skip
             return out, h_n, c_n
-        xp = F.linear(data, w_ih)  # all time steps in one GEMM
-        bsum = None if b_ih is None else b_ih + b_hh
-        if ln:
-            b = g(f"ln_bias{sfx}")
-            b = b if bsum is None else b + bsum
-            w = g(f"ln_weight{sfx}")
-        else:
-            xp = xp if bsum is None else xp + bsum
-            w = b = None
+        # all time steps in one GEMM; torch's biases folded into the layer norm's bias, or
+        # without it added to the projection
+        folded = self._input_bias(sfx, b_ih, b_hh, g)
+        xp = _fused.InputProjection(data, w_ih, None, None if ln else folded, self.eps, False)
+        w, b = (g(f"ln_weight{sfx}"), folded) if ln else (None, None)
         out, h_n = _fused.rnn_sequence(
             xp, h0, w_hh, w, b, sched, self.eps, ln, self.nonlinearity == "relu", masks.zoneout_h
         )
@@ -876,8 +873,10 @@ class _LNRNNBase(NotScriptable, nn.Module):
     ) -> Tensor | None:
         """The bias added to the input side of the LSTM's and the GRU's gates, the layer norm's
         bias when it has one, with torch's biases folded in: ``b_ih + b_hh`` (the GRU: without
-        ``b_hn``, which the reset gate multiplies). ``g`` reads a normalization parameter."""
-        ln_bias = g(f"ln_bias_ih{sfx}") if self.norm == "layer" else None
+        ``b_hn``, which the reset gate multiplies); the Elman RNN's: its one layer norm's bias
+        with them, or without it torch's two. ``g`` reads a normalization parameter."""
+        name = f"ln_bias{sfx}" if self.mode == "RNN" else f"ln_bias_ih{sfx}"
+        ln_bias = g(name) if self.norm == "layer" else None
         if b_ih is None or b_hh is None:
             return ln_bias
         if self.mode != "GRU":

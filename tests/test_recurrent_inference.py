@@ -65,11 +65,12 @@ def _flat(result) -> list[torch.Tensor]:
     return [out.data if hasattr(out, "batch_sizes") else out, *states]
 
 
-def _forbid_training_node(monkeypatch, kind: str) -> None:
-    def refuse(*args, **kwargs):
-        raise AssertionError("the training node ran in inference")
+def _refuse(*args, **kwargs):
+    raise AssertionError("the training node ran in inference")
 
-    monkeypatch.setattr(NODES[kind], "apply", refuse)
+
+def _forbid_training_node(monkeypatch, kind: str) -> None:
+    monkeypatch.setattr(NODES[kind], "apply", _refuse)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -219,22 +220,33 @@ def test_inference_with_masks_in_eval_and_in_training(kind) -> None:
             torch.testing.assert_close(a, b, **TOL[torch.float64])
 
 
-def test_projection_falls_back_to_the_node_under_no_grad() -> None:
-    """torch.nn.LSTM's projection runs between per-step calls: no inference kernels, the same
-    result; exactly where the projection before the loop takes the norm kernels in both (above
+@pytest.mark.parametrize("zoneout", [0.0, 0.3])
+def test_projection_runs_step_by_step_without_the_node(zoneout, monkeypatch) -> None:
+    """torch.nn.LSTM's projection runs between per-step C calls; in inference they run with
+    kept buffers of the batch's rows and no training node, and give the training path's result:
+    exactly where the projection before the loop takes the norm kernels in both (above
     ``_NATIVE_BYTES`` in inference and ``TORCH_KERNEL_NUMEL`` in training), to rounding where
-    either takes torch's ``layer_norm``."""
-    model = _model("lstm", torch.float64, proj_size=4)
-    x = _inputs(torch.float64, packed=False)
+    either takes torch's ``layer_norm``. With zoneout of h at eval (its expectation) too."""
+    model = _model("lstm", torch.float64, proj_size=4, zoneout_hidden=zoneout).eval()
+    x = _inputs(torch.float64, packed=True)
+    steps: list[int] = []
+    by_steps = _cstep.projected_by_steps
+    monkeypatch.setattr(
+        _cstep,
+        "projected_by_steps",
+        lambda st, *a: steps.append(st["hp"].shape[0]) or by_steps(st, *a),
+    )
     for limit, tol in ((0, {"rtol": 0, "atol": 0}), (1 << 30, TOL[torch.float64])):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(_fused, "_NATIVE_BYTES", limit)
             mp.setattr(_fused, "TORCH_KERNEL_NUMEL", limit)
             ref = [t.detach() for t in _flat(model(x))]
+            mp.setattr(NODES["lstm"], "apply", _refuse)
             with torch.no_grad():
                 got = _flat(model(x))
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, **tol)
+    assert steps == [5, 5]  # buffers of the batch's 5 rows, not of every row
 
 
 def test_inference_state_does_not_alias_the_callers() -> None:

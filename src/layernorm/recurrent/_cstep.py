@@ -169,6 +169,26 @@ def _lstm_fwd_projected(st: dict[str, Any], off: int, bs: int) -> None:
     h.copy_(out)
 
 
+def projected_by_steps(
+    st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]
+) -> None:
+    """An LSTM direction with torch.nn.LSTM's projection in inference (kept buffers of B rows,
+    each step's overwriting the last's): per step torch's GEMM ``hp = h W_hhᵀ`` into hp's first
+    rows, the C step up to the unprojected h̃ (into ``hu``), then ``h_t = W_hr h̃`` straight into
+    the step's output rows (zoneout mixed in), the carried state. No copy of h_{t−1} is kept."""
+    h, hp, w_t, w_hr_t, zh = st["h"], st["hp"], w_hh.t(), st["w_hr"].t(), st.get("zh")
+    for _, off, bs in sched:
+        sl = slice(off, off + bs)
+        torch.mm(h[:bs], w_t, out=hp[:bs])
+        _step("lstm_fwd_step", st, off, bs)
+        out = st["out"][sl]
+        if zh is None:
+            torch.mm(st["hu"][sl], w_hr_t, out=out)
+        else:
+            out.copy_(zh[sl] * h[:bs] + (1.0 - zh[sl]) * torch.mm(st["hu"][sl], w_hr_t))
+        h[:bs].copy_(out)
+
+
 def _lstm_bwd_projected(st: dict[str, Any], off: int, bs: int) -> None:
     """Back through zoneout and the projection (``du = dh̃ W_hr``, ``dhr`` for W_hr's gradient),
     then the C step; with zoneout of h, dh := its direct path zh ⊙ dh_t (the caller's GEMM adds)."""

@@ -575,10 +575,13 @@ def _gx(source: GatesInput) -> Tensor:
 
 def _inference_kernels(gx: Tensor, st: dict[str, Any], seq: str) -> StepKernels | None:
     """The kernels that run a whole direction with kept buffers of B rows (each step overwrites
-    the last's): those with whole-sequence functions (the C kernels), without a projection (which
-    runs between per-step calls); ``None`` otherwise."""
+    the last's): those with whole-sequence functions (the C kernels), or with torch.nn.LSTM's
+    projection the per-step C kernels (the projection runs between their calls,
+    :func:`._cstep.projected_by_steps`); ``None`` otherwise."""
     kernels = _kernels(gx, st)
-    return kernels if getattr(kernels, seq) is not None and st.get("w_hr") is None else None
+    if st.get("w_hr") is not None:
+        return kernels if kernels is C_STEPS else None
+    return kernels if getattr(kernels, seq) is not None else None
 
 
 def _inference(
@@ -588,6 +591,7 @@ def _inference(
     sched: Schedule,
     state: Callable[[Tensor, int], dict[str, Any]],
     results: tuple[str, ...],
+    in_loop_ok: bool = True,
 ) -> tuple[Tensor, ...] | None:
     """A direction on the inference path, or ``None`` where it does not run: when autograd will
     not differentiate it (``torch.no_grad()``, or no input requires grad) and the kernels run
@@ -604,7 +608,8 @@ def _inference(
         return None
     if torch.jit.is_tracing():
         return None
-    in_loop = projected and _projects_in_loop(source, args[1].shape[0])
+    # in_loop_ok: whether the kernels may project the inputs (not between per-step calls)
+    in_loop = projected and in_loop_ok and _projects_in_loop(source, args[1].shape[0])
     if in_loop:
         n_rows, n_batch = source.data.shape[0], args[1].shape[0]
         gx = source.data.new_empty(n_batch, source.w_ih.shape[0])
@@ -617,7 +622,9 @@ def _inference(
         return None
     if in_loop:
         st["projection"] = source.kernel_args()
-    if kernels is C_KERNELS and not in_loop and _one_step_by_gemm(sched):
+    if st.get("w_hr") is not None:
+        _cstep.projected_by_steps(st, w_hh, sched)
+    elif kernels is C_KERNELS and not in_loop and _one_step_by_gemm(sched):
         _cstep.by_steps(seq, st, w_hh, sched)
     else:
         getattr(kernels, seq)(st, w_hh, sched)
@@ -790,7 +797,10 @@ def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
         return _lstm_state(gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry,
                            *_padded(masks, 4), kept_rows=h0.shape[0], n_rows=n_rows)  # fmt: skip
 
-    out = _inference(args, "lstm_fwd_seq", w_hh, sched, state, ("out", "h", "c"))
+    w_hr = _padded(masks, 4)[3]
+    out = _inference(
+        args, "lstm_fwd_seq", w_hh, sched, state, ("out", "h", "c"), in_loop_ok=w_hr is None
+    )
     if out is not None:
         return out  # type: ignore[return-value]
     source = args[0]

@@ -1099,7 +1099,9 @@ class LayerNormRNN(_LNRNNBase):
         _WEIGHT_DROPOUT_DOC
         + _ZONEOUT_DOC
         + _PATHS_DOC.replace(
-            "{names}", "Zoneout runs in the fused node's own time loop (torch ops, no C kernel)."
+            "{names}",
+            "Zoneout runs in the C sequence kernels (CPU float32/float64), elsewhere in the "
+            "fused node's own time loop of torch ops.",
         ),
     )
 

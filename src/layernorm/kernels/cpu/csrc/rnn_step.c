@@ -1,4 +1,4 @@
-/* The LN-LSTM and LN-GRU time-step kernels for float (suffix f32) and double (f64).
+/* The LN-LSTM, LN-GRU and LN-RNN time-step kernels for float (suffix f32) and double (f64).
    rnn_step_impl.h is written once over scalar_t, SUF, EXP and TANH and included once per type; the
    argument structs and prototypes come from layernorm_rnn_abi.h, generated from
    layernorm/kernels/cpu/rnn_abi.py. float uses the vectorizable exp/tanh of rnn_common.h. */

@@ -1,6 +1,7 @@
-/* The LN-LSTM, LN-GRU and LN-RNN (Elman) time-step kernels over one scalar type: included by rnn_step.c with
-   scalar_t (float or double), SUF (f32 or f64), EXP and TANH defined; every external name ends in
-   _SUF. Argument structs and prototypes come from layernorm_rnn_abi.h (from rnn_abi.py).
+/* The LN-LSTM, LN-GRU and LN-RNN (Elman) time-step kernels over one scalar type: included by
+   rnn_step.c with scalar_t (float or double), SUF (f32 or f64), EXP and TANH defined; every
+   external name ends in _SUF. Argument structs and prototypes come from layernorm_rnn_abi.h
+   (from rnn_abi.py).
 
    One call does a step's work after the recurrent GEMM, for every row of the step, in one pass per
    row: the layer norm of hp = W_hh h_{t−1} (statistics in float64), the gates, the state update,

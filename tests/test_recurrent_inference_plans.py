@@ -130,7 +130,7 @@ def test_few_rows_of_a_large_projection_run_it_before_the_loop(kind, monkeypatch
     assert not plan.in_loop
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_one_step_of_a_batch_runs_torch_gemm_then_the_step_kernel(kind, dtype, monkeypatch) -> None:
     """One step of more rows than the direct GEMM takes, its projection before the loop: the
@@ -164,7 +164,7 @@ def test_one_step_of_a_batch_runs_torch_gemm_then_the_step_kernel(kind, dtype, m
     assert isinstance(plan.call, _cstep.StepCall) and not plan.in_loop
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 def test_one_step_of_a_batch_with_zoneout_by_torch_gemm(kind, monkeypatch) -> None:
     """Zoneout at eval (its constant coefficients) in that one step: the step kernel takes the
     masks, the results are the step-by-step reference's (no plan is kept with masks)."""

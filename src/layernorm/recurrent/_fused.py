@@ -592,6 +592,7 @@ def _inference(
     state: Callable[[Tensor, int], dict[str, Any]],
     results: tuple[str, ...],
     in_loop_ok: bool = True,
+    kernel_bias: str | None = None,
 ) -> tuple[Tensor, ...] | None:
     """A direction on the inference path, or ``None`` where it does not run: when autograd will
     not differentiate it (``torch.no_grad()``, or no input requires grad) and the kernels run
@@ -600,7 +601,9 @@ def _inference(
     rows (``state`` builds them from ``gx`` and the rows N), overwritten each step, so they stay
     in cache. Given an :class:`InputProjection` (and float32 / float64 CPU data), ``gx`` is one
     of those buffers too, which the kernel fills each step from that step's inputs: the only
-    passes over the sequence are reading its inputs and writing its output."""
+    passes over the sequence are reading its inputs and writing its output (unless
+    ``in_loop_ok`` is false). ``kernel_bias``: the entry of ``st`` holding the bias folded from
+    parameters, where it is not the input side's (:class:`InferencePlan`)."""
     source = args[0]
     projected = isinstance(source, InputProjection)
     tensors = [a for a in args if isinstance(a, Tensor)]
@@ -631,7 +634,7 @@ def _inference(
     result = tuple(st[k] for k in results)
     kept = _KEPT_PLANS.get()
     if kept is not None and projected and "_call" in st:
-        kept.append(InferencePlan(st, source, in_loop, results))
+        kept.append(InferencePlan(st, source, in_loop, results, kernel_bias))
     return result
 
 
@@ -1169,13 +1172,6 @@ class GRUSequence(torch.autograd.Function):
         return (st["dgx"], dh, d_w_hh, dw_rz, db_rz, dw_n, db_n, d_b_hn, *(None,) * 5)
 
 
-def _elman_in_c(xp: Tensor) -> bool:
-    """Whether the C sequence kernels run an Elman direction on ``xp`` (where they run the
-    LSTM's and the GRU's whole directions; elsewhere :class:`RNNSequence` loops over the steps
-    with PyTorch ops and the layer-norm kernels)."""
-    return step_kernels(xp) is C_KERNELS
-
-
 def _elman_state(
     xp: Tensor,
     h0: Tensor,
@@ -1204,31 +1200,23 @@ def _elman_state(
 
 def rnn_sequence(*args: Any) -> tuple[Tensor, Tensor]:
     """One Elman direction with :class:`RNNSequence`'s arguments and results (``xp`` may be an
-    :class:`InputProjection` without layer norm, computed here): where autograd will not
-    differentiate it and the C sequence kernels run, one call of them without an autograd node,
-    with kept buffers of the batch's rows (overwritten each step), kept as an
-    :class:`InferencePlan` where the caller asks (:func:`keeping_plans`); else
-    :meth:`RNNSequence.apply`."""
-    source, h0, w_hh, g, b, sched, eps, normalize, relu, *rest = args
+    :class:`InputProjection` without layer norm): the inference path where it runs
+    (:func:`_inference`; the projection computed before the loop, since the kernel normalizes
+    it with the recurrent side, and torch's biases folded into the layer norm's bias, which a
+    kept plan refreshes), else :meth:`RNNSequence.apply`."""
+    (_, h0, w_hh, g, b, sched, eps, normalize, relu, *rest) = args
     zh = rest[0] if rest else None
-    projected = isinstance(source, InputProjection)
-    xp = _gx(source)
-    if (
-        differentiated(xp, h0, w_hh, g, b, *(source.tensors() if projected else ()))
-        or torch.jit.is_tracing()
-        or not _elman_in_c(xp)
-    ):
-        return RNNSequence.apply(xp, *args[1:])  # type: ignore[no-any-return]
-    xp = xp.contiguous()
-    zh = None if zh is None else zh.contiguous()
-    st = _elman_state(xp, h0, g, b, eps, normalize, relu, zh, kept_rows=h0.shape[0])
-    _cstep.elman_fwd_seq(st, w_hh, sched)
-    result = st["out"], st["h"]
-    kept = _KEPT_PLANS.get()
-    if kept is not None and projected:
-        # with a layer norm torch's biases are folded into its bias, which the kernel reads
-        kept.append(InferencePlan(st, source, False, ("out", "h"), "b" if normalize else None))
-    return result
+
+    def state(xp: Tensor, n_rows: int) -> dict[str, Any]:
+        return _elman_state(xp, h0, g, b, eps, normalize, relu, zh, kept_rows=h0.shape[0])
+
+    out = _inference(
+        args, "elman_fwd_seq", w_hh, sched, state, ("out", "h"), in_loop_ok=False,
+        kernel_bias="b" if normalize else None,
+    )  # fmt: skip
+    if out is None:
+        return RNNSequence.apply(_gx(args[0]), *args[1:])  # type: ignore[no-any-return]
+    return out  # type: ignore[return-value]
 
 
 class RNNSequence(torch.autograd.Function):
@@ -1239,7 +1227,7 @@ class RNNSequence(torch.autograd.Function):
     With zoneout coefficients ``zh (N, H)`` the output and carried state is
     ``zh ⊙ h_{t−1} + (1 − zh) ⊙ h_t``.
 
-    On the C sequence kernels (:func:`_elman_in_c`) a direction is one call forward and one
+    On kernels with Elman sequence functions (the C kernels) a direction is one call forward and one
     backward, the layer norm's gain and bias gradients summed inside it; elsewhere a loop over
     the steps.
     """
@@ -1260,16 +1248,15 @@ class RNNSequence(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         _check_untraced("RNNSequence")
         # backward runs what forward chose: the kept buffers' layout depends on it
-        ctx.c_kernels = _elman_in_c(xp)
-        if ctx.c_kernels:
+        kernels = ctx.kernels = step_kernels(xp)
+        if kernels.elman_fwd_seq is not None:
             xp = xp.contiguous()
-            zh = None if zh is None else zh.contiguous()
             st = _elman_state(xp, h0, g, b, eps, normalize, relu, zh, kept_rows=xp.shape[0])
-            if _previous_from_later_rows(_cstep.elman_fwd_seq, sched, h0.shape[0]):
+            if _previous_from_later_rows(kernels.elman_fwd_seq, sched, h0.shape[0]):
                 _previous_from_output(st, sched, h0)
             else:
                 st["hprev"] = _buffers.empty(xp, (xp.shape[0], h0.shape[1]))
-            _cstep.elman_fwd_seq(st, w_hh, sched)
+            kernels.elman_fwd_seq(st, w_hh, sched)
             if st["own"] is None:  # without zoneout the output is the cell's own h̃_t
                 st["own"] = st["out"]
             _save(ctx, st, w_hh, sched, ("w", "hp", "mh", "rh", "own", "zh", "hprev", "y", "h0"))
@@ -1307,7 +1294,7 @@ class RNNSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         _no_double_backward()
-        if ctx.c_kernels:
+        if ctx.kernels.elman_bwd_seq is not None:
             return RNNSequence._backward_in_c(ctx, dout, dh_n)
         w_hh, g, own, hprev_all, a_all, mean_all, rstd_all, zh = ctx.saved_tensors
         ln = ctx.ln
@@ -1351,10 +1338,12 @@ class RNNSequence(torch.autograd.Function):
         n_rows, hs = st["hp"].shape
         st.update(dout=_contiguous(dout), dh=dh_n.contiguous().clone(),
                   dhp=_buffers.empty(st["hp"], (n_rows, hs)))  # fmt: skip
-        need = ctx.needs_input_grad
-        _sum_ln_grads_in_kernel(st, _cstep.elman_bwd_seq, st["normalize"], need[3] or need[4], None)
-        _cstep.elman_bwd_seq(st, w_hh, ctx.sched)
-        d_w_hh = _grad_or_none(need[2], lambda: _recurrent_weight_grad(C_KERNELS, st, ctx.sched))
+        need, kernels = ctx.needs_input_grad, ctx.kernels
+        _sum_ln_grads_in_kernel(
+            st, kernels.elman_bwd_seq, st["normalize"], need[3] or need[4], None
+        )
+        kernels.elman_bwd_seq(st, w_hh, ctx.sched)
+        d_w_hh = _grad_or_none(need[2], lambda: _recurrent_weight_grad(kernels, st, ctx.sched))
         dg = db = None
         if "ln_grads" in st:
             dg, db = _split_grads(st["ln_grads"]["hp_grads"], need[3], need[4])

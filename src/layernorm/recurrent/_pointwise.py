@@ -58,6 +58,9 @@ class StepKernels:
     lstm_bwd_seq: SeqFn | None = None
     gru_fwd_seq: SeqFn | None = None
     gru_bwd_seq: SeqFn | None = None
+    # the Elman RNN has whole-sequence functions only: without them it loops over PyTorch ops
+    elman_fwd_seq: SeqFn | None = None
+    elman_bwd_seq: SeqFn | None = None
     weight_grad: Callable[[Tensor, Tensor], Tensor] | None = None
 
 
@@ -319,5 +322,7 @@ C_KERNELS = StepKernels(
     lstm_bwd_seq=_cstep.lstm_bwd_seq,
     gru_fwd_seq=_cstep.gru_fwd_seq,
     gru_bwd_seq=_cstep.gru_bwd_seq,
+    elman_fwd_seq=_cstep.elman_fwd_seq,
+    elman_bwd_seq=_cstep.elman_bwd_seq,
     weight_grad=_cstep.weight_grad,
 )

@@ -156,16 +156,21 @@ def lstm_bwd(st: dict[str, Any], off: int, bs: int) -> None:
 
 
 def _lstm_fwd_projected(st: dict[str, Any], off: int, bs: int) -> None:
-    """The C step up to the unprojected h̃ (into ``hu``), then ``h_t = W_hr h̃`` and zoneout."""
-    sl = slice(off, off + bs)
-    h, hprev = st["h"][:bs], st["hprev"][sl]
-    hprev.copy_(h)
+    """h_{t−1} kept for backward (``hprev``), then :func:`_projected_step`."""
+    st["hprev"][off : off + bs].copy_(st["h"][:bs])
+    _projected_step(st, off, bs)
+
+
+def _projected_step(st: dict[str, Any], off: int, bs: int) -> None:
+    """The C step up to the unprojected h̃ (into ``hu``), then ``h_t = W_hr h̃`` straight into
+    the step's output rows (zoneout mixing in h_{t−1}, still in ``h``), the carried state."""
+    sl, h = slice(off, off + bs), st["h"][:bs]
     _step("lstm_fwd_step", st, off, bs)
     out, zh = st["out"][sl], st.get("zh")
-    if zh is None:  # the product straight into the step's output rows
+    if zh is None:
         torch.mm(st["hu"][sl], st["w_hr"].t(), out=out)
     else:
-        out.copy_(zh[sl] * hprev + (1.0 - zh[sl]) * torch.mm(st["hu"][sl], st["w_hr"].t()))
+        out.copy_(zh[sl] * h + (1.0 - zh[sl]) * torch.mm(st["hu"][sl], st["w_hr"].t()))
     h.copy_(out)
 
 
@@ -174,19 +179,11 @@ def projected_by_steps(
 ) -> None:
     """An LSTM direction with torch.nn.LSTM's projection in inference (kept buffers of B rows,
     each step's overwriting the last's): per step torch's GEMM ``hp = h W_hhᵀ`` into hp's first
-    rows, the C step up to the unprojected h̃ (into ``hu``), then ``h_t = W_hr h̃`` straight into
-    the step's output rows (zoneout mixed in), the carried state. No copy of h_{t−1} is kept."""
-    h, hp, w_t, w_hr_t, zh = st["h"], st["hp"], w_hh.t(), st["w_hr"].t(), st.get("zh")
+    rows, then :func:`_projected_step`. No copy of h_{t−1} is kept."""
+    h, hp, w_t = st["h"], st["hp"], w_hh.t()
     for _, off, bs in sched:
-        sl = slice(off, off + bs)
         torch.mm(h[:bs], w_t, out=hp[:bs])
-        _step("lstm_fwd_step", st, off, bs)
-        out = st["out"][sl]
-        if zh is None:
-            torch.mm(st["hu"][sl], w_hr_t, out=out)
-        else:
-            out.copy_(zh[sl] * h[:bs] + (1.0 - zh[sl]) * torch.mm(st["hu"][sl], w_hr_t))
-        h[:bs].copy_(out)
+        _projected_step(st, off, bs)
 
 
 def _lstm_bwd_projected(st: dict[str, Any], off: int, bs: int) -> None:

@@ -13,10 +13,11 @@ Memory traffic of one forward+backward, the floor for every variant: read x, wri
 read dy and x, write dx (backward) = 5·M·N·s bytes (s = 4 for float32, 2 for the half types),
 plus O(N) for the gain/bias gradients.
 
-A second table times the modules on small inputs, the per-token calls of a decoder on a CPU:
+A second table times the modules on small inputs, the per-token calls of a decoder on a CPU, and
+on (512, 768), the middle of the modules' route to torch's kernel in training:
 ``layernorm.LayerNorm(N)`` against ``torch.nn.LayerNorm(N)`` and ``layernorm.RMSNorm(N)`` against
 ``torch.nn.RMSNorm(N)``, forward only under ``no_grad`` and forward+backward, at 1 and 2 threads.
-There the Python between the module call and the kernel is most of the time.
+At the small ones the Python between the module call and the kernel is most of the time.
 
     python benchmarks/bench_norms_cpu.py                  # the three default shapes
     python benchmarks/bench_norms_cpu.py --shapes 4096x768 --reps 30 --csv out.csv
@@ -49,7 +50,9 @@ from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.reference import layer_norm_reference
 
 DEFAULT_SHAPES = ((8192, 1024), (32768, 256), (64, 4096))
-SMALL_SHAPES = ((1, 768), (8, 768))
+# per-token calls of a decoder, and one in the middle of the modules' route to torch's kernel
+# when gradients are needed (layernorm.modules.normalization.SMALL_NUMEL, 2^20 elements)
+SMALL_SHAPES = ((1, 768), (8, 768), (512, 768))
 SMALL_THREADS = (1, 2)
 ANCHOR = "torch layer_norm"
 RMS_ANCHOR = "torch rms_norm"
@@ -133,15 +136,18 @@ def module_providers(m: int, n: int) -> dict[str, Callable[[], None]]:
 
 
 def small_module_table(shapes: list[tuple[int, int]], reps: int, threads: list[int]) -> None:
-    """Ours / torch for the modules at small shapes, each thread count in its own round."""
+    """Ours / torch for the modules at small and medium shapes, each thread count in its own
+    round."""
     before = torch.get_num_threads()
-    print("modules on small inputs, float32, median µs; ratio = ours / torch's module")
+    print("modules on small and medium inputs, float32, median µs; ratio = ours / torch's module")
     cols = ("module", "mode", "M x N", "threads", "ours", "torch", "ratio")
     print("{:<10} {:<8} {:>8} {:>7} {:>8} {:>8} {:>6}".format(*cols))
     for n_threads in threads:
         torch.set_num_threads(n_threads)
         for m, n in shapes:
-            times = interleaved_ms(module_providers(m, n), warmup=50, reps=reps)
+            # fewer reps for larger calls (the work of `reps` calls at (8, 768)), at least 200
+            shape_reps = max(200, reps * 8 * 768 // max(m * n, 8 * 768))
+            times = interleaved_ms(module_providers(m, n), warmup=50, reps=shape_reps)
             for name in ("LayerNorm", "RMSNorm"):
                 for mode in ("fwd", "fwd+bwd"):
                     ours, theirs = times[f"{name} {mode} ours"], times[f"{name} {mode} torch"]

@@ -661,3 +661,56 @@ def test_vmap_batches_without_a_per_example_fallback(op, monkeypatch):
     expected = torch.stack([fn(x[i], w[i], b[i]) for i in range(4)])
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(shared, fn(x, w[0], b[0]), atol=1e-12, rtol=1e-12)
+
+
+class _Wrapped(torch.Tensor):
+    """A tensor subclass that overrides torch functions (as tensor-parallel and tracing wrappers
+    do): the lean path must not call a kernel on it directly."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+_LEAN_OPS = {
+    "layer_norm": lambda x, w, b: layernorm.layer_norm(x, (x.shape[-1],), w, b),
+    "detach_norm": lambda x, w, b: layernorm.layer_norm(x, (x.shape[-1],), w, b, detach_std=True),
+    "rms_norm": lambda x, w, b: layernorm.rms_norm(x, (x.shape[-1],), w),
+    "ada_norm": lambda x, w, b: layernorm.ada_norm(x, (x.shape[-1],), 0.1, 2),
+}
+
+
+@pytest.mark.parametrize("op", list(_LEAN_OPS))
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_plain_calls_skip_the_full_checks(monkeypatch, op, grad):
+    """A plain CPU tensor with parameters of the right shape goes straight to the rows' eager path
+    (no full checks), with or without gradients, and gives the full path's values and gradients;
+    an input or a gain of a tensor subclass takes the full path."""
+    from layernorm import functional
+
+    x = make_x((3, 2, 8), torch.float32, requires_grad=grad)
+    w = make_param((8,), torch.float32, center=1.0, requires_grad=grad)
+    b = make_param((8,), torch.float32, center=0.0, requires_grad=grad)
+    calls = []
+    check_input = functional.check_input
+    monkeypatch.setattr(functional, "check_input", lambda *a: calls.append(a[2]) or check_input(*a))
+    y = _LEAN_OPS[op](x, w, b)
+    assert calls == []
+    lean_grads = torch.autograd.grad(y.sum(), (x, w, b), allow_unused=True) if grad else ()
+    full = _LEAN_OPS[op](x.as_subclass(_Wrapped), w, b)
+    assert len(calls) == 1
+    torch.testing.assert_close(full.as_subclass(torch.Tensor), y, rtol=0, atol=0)
+    if grad:
+        xs = x.detach().as_subclass(_Wrapped).requires_grad_()
+        full_grads = torch.autograd.grad(
+            _LEAN_OPS[op](xs, w, b).sum(), (xs, w, b), allow_unused=True
+        )
+        for lean, ref in zip(lean_grads, full_grads, strict=True):
+            if lean is None or ref is None:
+                assert lean is None and ref is None
+            else:
+                torch.testing.assert_close(ref.as_subclass(torch.Tensor), lean, rtol=0, atol=0)
+    if op != "ada_norm":
+        calls.clear()
+        _LEAN_OPS[op](x, w.as_subclass(_Wrapped), b)
+        assert calls == [op.replace("detach_norm", "layer_norm")]

@@ -357,6 +357,24 @@ def _spy_full_path(monkeypatch):
     return calls
 
 
+def _spy_fused_path(monkeypatch):
+    """Record the op of every call that goes to the fused kernels (the functional ops' row
+    functions, by their full path or their lean one) rather than to one of torch's kernels."""
+    from layernorm import functional
+
+    calls = []
+    for op in ("layer_norm", "rms_norm"):
+        for name in (f"{op}_rows", f"{op}_rows_eager"):
+            real = getattr(functional, name)
+
+            def spy(*args, _real=real, _op=op):
+                calls.append(_op)
+                return _real(*args)
+
+            monkeypatch.setattr(functional, name, spy)
+    return calls
+
+
 @pytest.mark.parametrize("shape", [(1, 768), (8, 768), (2, 3, 4, 6)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_lean_path_matches_full_path(monkeypatch, shape, dtype):
@@ -394,7 +412,7 @@ def test_small_layer_norm_with_grad_uses_torch_kernel_detach_norm_does_not(monke
     DetachNorm keeps the fused path, whose backward differs, and large inputs do too."""
     from layernorm.modules.normalization import SMALL_NUMEL
 
-    calls = _spy_full_path(monkeypatch)
+    calls = _spy_fused_path(monkeypatch)
     ln, dn = layernorm.LayerNorm(16), layernorm.LayerNorm(16, detach_mean=True)
     x = make_x((4, 16), requires_grad=True)
     ln(x).sum().backward()
@@ -412,7 +430,7 @@ def test_large_layer_norm_under_no_grad_runs_the_fused_kernels(monkeypatch):
     from layernorm.kernels.cpu import buffers
 
     monkeypatch.setattr(buffers, "OUTPUT_MIN_BYTES", 64 * 16 * 4)
-    calls = _spy_full_path(monkeypatch)
+    calls = _spy_fused_path(monkeypatch)
     ln = layernorm.LayerNorm(16)
     with torch.no_grad():
         ln(make_x((63, 16)))
@@ -456,8 +474,8 @@ def test_small_rms_norm_under_no_grad_runs_torch_s_kernel(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_small_half_layer_norm_with_grad_runs_the_fused_kernels(monkeypatch, dtype):
     """torch's half-precision CPU backward misses the fused kernels' tolerances: with gradients a
-    half LayerNorm takes the full path whatever its size (under no_grad torch's kernel runs)."""
-    calls = _spy_full_path(monkeypatch)
+    half LayerNorm takes the fused kernels whatever its size (under no_grad torch's kernel runs)."""
+    calls = _spy_fused_path(monkeypatch)
     ln = layernorm.LayerNorm(16).to(dtype)
     x = make_x((4, 16), dtype, requires_grad=True)
     ln(x).sum().backward()

@@ -225,7 +225,7 @@ def test_projection_runs_step_by_step_without_the_node(zoneout, monkeypatch) -> 
     """torch.nn.LSTM's projection runs between per-step C calls; in inference they run with
     kept buffers of the batch's rows and no training node, and give the training path's result:
     exactly where the projection before the loop takes the norm kernels in both (above
-    ``_NATIVE_BYTES`` in inference and ``TORCH_KERNEL_NUMEL`` in training), to rounding where
+    ``_NATIVE_BYTES`` in inference and ``TORCH_PROJECTION_NUMEL`` in training), to rounding where
     either takes torch's ``layer_norm``. With zoneout of h at eval (its expectation) too."""
     model = _model("lstm", torch.float64, proj_size=4, zoneout_hidden=zoneout).eval()
     x = _inputs(torch.float64, packed=True)
@@ -239,7 +239,7 @@ def test_projection_runs_step_by_step_without_the_node(zoneout, monkeypatch) -> 
     for limit, tol in ((0, {"rtol": 0, "atol": 0}), (1 << 30, TOL[torch.float64])):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(_fused, "_NATIVE_BYTES", limit)
-            mp.setattr(_fused, "TORCH_KERNEL_NUMEL", limit)
+            mp.setattr(_fused, "TORCH_PROJECTION_NUMEL", limit)
             ref = [t.detach() for t in _flat(model(x))]
             mp.setattr(NODES["lstm"], "apply", _refuse)
             with torch.no_grad():

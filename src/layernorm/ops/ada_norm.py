@@ -107,10 +107,16 @@ def ada_norm_rows(x: Tensor, k: float, scale: float, eps: float) -> Tensor:
     """AdaNorm of the rows of contiguous 2-D ``x``: the custom op when a tracer is active, the
     identical kernels behind a plain autograd.Function otherwise (see ``layer_norm_rows``)."""
     if plain_eager():
-        if not needs_grad(x):
-            return backend_module(x, "ada_norm").ada_norm_fwd(x, k, scale, eps)[0]
-        return _AdaNormEager.apply(x, k, scale, eps)
+        return ada_norm_rows_eager(x, k, scale, eps)
     if needs_reference():
         shape = (x.shape[1],)
         return in_stats_dtype(lambda x_: ada_norm_reference(x_, shape, k, scale, eps), x)
     return ada_norm_fwd(x, k, scale, eps)[0]
+
+
+def ada_norm_rows_eager(x: Tensor, k: float, scale: float, eps: float) -> Tensor:
+    """:func:`ada_norm_rows` where no tracer watches (the caller has made sure of it): the forward
+    kernel alone where nothing needs a gradient, else the autograd.Function."""
+    if not needs_grad(x):
+        return backend_module(x, "ada_norm").ada_norm_fwd(x, k, scale, eps)[0]
+    return _AdaNormEager.apply(x, k, scale, eps)

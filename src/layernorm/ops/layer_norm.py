@@ -173,9 +173,7 @@ def layer_norm_rows(
     and where nothing needs a gradient the forward kernel alone (nothing saved, no graph node).
     """
     if plain_eager():
-        if not needs_grad(x, weight, bias):
-            return backend_module(x, "layer_norm").layer_norm_fwd(x, weight, bias, eps)[0]
-        return _LayerNormEager.apply(x, weight, bias, eps, detach_mean, detach_std)
+        return layer_norm_rows_eager(x, weight, bias, eps, detach_mean, detach_std)
     if needs_reference():
         shape = (x.shape[1],)
         return in_stats_dtype(
@@ -183,3 +181,19 @@ def layer_norm_rows(
             x, weight, bias,
         )  # fmt: skip
     return layer_norm_fwd(x, weight, bias, eps, detach_mean, detach_std)[0]
+
+
+def layer_norm_rows_eager(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    detach_mean: bool = False,
+    detach_std: bool = False,
+) -> Tensor:
+    """:func:`layer_norm_rows` where no tracer watches (:func:`._dispatch.plain_eager`, which the
+    caller has made sure of): the forward kernel alone where nothing needs a gradient, else the
+    autograd.Function."""
+    if not needs_grad(x, weight, bias):
+        return backend_module(x, "layer_norm").layer_norm_fwd(x, weight, bias, eps)[0]
+    return _LayerNormEager.apply(x, weight, bias, eps, detach_mean, detach_std)

@@ -113,10 +113,16 @@ def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm of the rows of contiguous 2-D ``x``: the custom op when a tracer is active, the
     identical kernels behind a plain autograd.Function otherwise (see ``layer_norm_rows``)."""
     if plain_eager():
-        if not needs_grad(x, weight):
-            return backend_module(x, "rms_norm").rms_norm_fwd(x, weight, eps)[0]
-        return _RMSNormEager.apply(x, weight, eps)
+        return rms_norm_rows_eager(x, weight, eps)
     if needs_reference():
         shape = (x.shape[1],)
         return in_stats_dtype(lambda x_, w: rms_norm_reference(x_, shape, w, eps), x, weight)
     return rms_norm_fwd(x, weight, eps)[0]
+
+
+def rms_norm_rows_eager(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """:func:`rms_norm_rows` where no tracer watches (the caller has made sure of it): the forward
+    kernel alone where nothing needs a gradient, else the autograd.Function."""
+    if not needs_grad(x, weight):
+        return backend_module(x, "rms_norm").rms_norm_fwd(x, weight, eps)[0]
+    return _RMSNormEager.apply(x, weight, eps)

@@ -41,7 +41,7 @@ from ..functional import layer_norm as _layer_norm
 from ..kernels.cpu import _native
 from ..kernels.cpu import buffers as _buffers
 from ..kernels.cpu import layer_norm as cpu_layer_norm
-from ..ops._dispatch import TORCH_BACKWARD_DTYPES, TORCH_KERNEL_NUMEL
+from ..ops._dispatch import TORCH_BACKWARD_DTYPES
 from . import _cstep
 from ._pointwise import (
     C_KERNELS,
@@ -54,6 +54,14 @@ from ._pointwise import (
     needs_eager_steps,
     step_kernels,
 )
+
+# Up to this many elements of the projection, (rows, gates x hidden), a training call's input
+# projection takes torch's layer norm (see layernorm.ops._dispatch.TORCH_KERNEL_NUMEL, the
+# modules' limit, for why torch's kernel can be the faster). The modules' 2^20 was no faster here:
+# LSTM training at (T, B, I, H) = (50, 16, 128, 256), (100, 16, 64, 128) and (200, 4, 32, 256),
+# whose projections have 0.8-0.9 M elements, 1.07-1.12 / 0.88-1.11 x torch.nn.LSTM (one / two
+# threads) with this limit and 1.08-1.12 / 0.90-1.13 with 2^20 (AMD EPYC, AVX2, ab_rnn.py).
+TORCH_PROJECTION_NUMEL = 1 << 18
 
 Schedule = tuple[tuple[int, int, int], ...]  # (time index, first row, rows) in processing order
 
@@ -436,14 +444,14 @@ def normalized_projection(
 
     if differentiated(data, w_ih, weight, bias) or not data.is_cpu or torch.jit.is_tracing():
         # small float32 / float64 CPU projections: torch's layer norm, the same formula, where
-        # its native backward costs less than our autograd.Function (TORCH_KERNEL_NUMEL). Its
+        # its native backward costs less than our autograd.Function (TORCH_PROJECTION_NUMEL). Its
         # statistics lose more to a row's offset than the fused kernels' (float32, offset / spread
         # 1e3 to 1e7: about twice one rounding of the offset, relative to the spread), but a
         # projection's rows come out of a GEMM in that dtype, which rounds them that much already
         small = (
             data.is_cpu
             and data.dtype in TORCH_BACKWARD_DTYPES
-            and data.shape[0] * w_ih.shape[0] <= TORCH_KERNEL_NUMEL
+            and data.shape[0] * w_ih.shape[0] <= TORCH_PROJECTION_NUMEL
         )
         layer_norm = _torch_layer_norm if small else _layer_norm
         if len(cols) == 1:

@@ -206,13 +206,15 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
     /* per thread: float64 dw/db sums, then float32 blocks of rows (as bwd_run_f32) */
     acc_t *dwa = NULL, *dba = NULL;
     float *fwa = NULL, *fba = NULL;
+    i64 ld = 0; /* the slices' stride (grad_sums) */
     if (jb->dw || jb->db) {
-        const i64 nacc = 2 * (i64)nt * N;
-        const i64 nflt = (i64)((2 * (size_t)nt * (size_t)N * sizeof(float) + 7) / sizeof(acc_t));
-        if (!(dwa = zeroed_scratch(nacc + nflt))) return 2;
-        dba = dwa + (i64)nt * N;
-        fwa = (float*)(dwa + nacc);
-        fba = fwa + (i64)nt * N;
+        grad_sums gs;
+        if (grad_sums_alloc(&gs, nt, N, sizeof(float))) return 2;
+        dwa = gs.dwa;
+        dba = gs.dba;
+        fwa = (float*)gs.fwa;
+        fba = (float*)gs.fba;
+        ld = gs.stride;
     }
     int status = 0;
     if (nt == 1) {
@@ -223,8 +225,8 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
             const i64 t = omp_get_thread_num();
             i64 lo, hi;
             row_block(jb->M, omp_get_num_threads(), (int)t, &lo, &hi);
-            const int s = dwa ? FN(bwd_range)(jb, dwa + t * N, dba + t * N, fwa + t * N,
-                                              fba + t * N, lo, hi)
+            const int s = dwa ? FN(bwd_range)(jb, dwa + t * ld, dba + t * ld, fwa + t * ld,
+                                              fba + t * ld, lo, hi)
                               : FN(bwd_range)(jb, NULL, NULL, NULL, NULL, lo, hi);
             if (s) {
                 #pragma omp atomic write
@@ -234,11 +236,11 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
     }
     if (status) return status;
     if (jb->dw) {
-        reduce_buffers(dwa, nt, N);
+        reduce_buffers(dwa, nt, N, ld);
         for (i64 j = 0; j < N; ++j) jb->dw[j] = (float)dwa[j];
     }
     if (jb->db) {
-        reduce_buffers(dba, nt, N);
+        reduce_buffers(dba, nt, N, ld);
         for (i64 j = 0; j < N; ++j) jb->db[j] = (float)dba[j];
     }
     return 0;

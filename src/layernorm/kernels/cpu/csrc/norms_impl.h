@@ -408,13 +408,15 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
        accumulate together: one loop form, and db costs one add. */
     acc_t *dwa = NULL, *dba = NULL;
     scalar_t *fwa = NULL, *fba = NULL;
+    i64 ld = 0; /* the slices' stride (grad_sums) */
     if (jb->dw || jb->db) {
-        const i64 nacc = 2 * (i64)nt * N;
-        const i64 nflt = (i64)((2 * (size_t)nt * (size_t)N * sizeof(scalar_t) + 7) / sizeof(acc_t));
-        if (!(dwa = zeroed_scratch(nacc + nflt))) return 2;
-        dba = dwa + (i64)nt * N;
-        fwa = (scalar_t*)(dwa + nacc);
-        fba = fwa + (i64)nt * N;
+        grad_sums gs;
+        if (grad_sums_alloc(&gs, nt, N, sizeof(scalar_t))) return 2;
+        dwa = gs.dwa;
+        dba = gs.dba;
+        fwa = (scalar_t*)gs.fwa;
+        fba = (scalar_t*)gs.fba;
+        ld = gs.stride;
     }
     if (nt == 1) {
         int pending = 0;
@@ -427,18 +429,18 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
             int pending = 0;
             row_block(jb->M, omp_get_num_threads(), (int)t, &lo, &hi);
             if (dwa)
-                FN(bwd_rows)(jb, dwa + t * N, dba + t * N, fwa + t * N, fba + t * N, lo, hi,
+                FN(bwd_rows)(jb, dwa + t * ld, dba + t * ld, fwa + t * ld, fba + t * ld, lo, hi,
                              &pending, 1);
             else
                 FN(bwd_rows)(jb, NULL, NULL, NULL, NULL, lo, hi, &pending, 1);
         }
     }
     if (jb->dw) {
-        reduce_buffers(dwa, nt, N);
+        reduce_buffers(dwa, nt, N, ld);
         for (i64 j = 0; j < N; ++j) jb->dw[j] = (scalar_t)dwa[j];
     }
     if (jb->db) {
-        reduce_buffers(dba, nt, N);
+        reduce_buffers(dba, nt, N, ld);
         for (i64 j = 0; j < N; ++j) jb->db[j] = (scalar_t)dba[j];
     }
     return 0;

@@ -131,17 +131,18 @@ def lean_input(x: object, eps: object) -> bool:
 
 
 # Up to this many elements (4 MiB of float32) a plain layer norm that needs gradients runs torch's
-# native kernel in the modules (layernorm.modules.normalization) and the recurrent layers' input
-# projection: the same formula, and there our autograd.Function's Python (about 0.1 ms a forward
-# and backward more than torch's C++ node) costs more than the fused kernels save. Forward +
-# backward, fused / torch, timed in turn in one process, AMD EPYC (AVX2), one and two threads,
-# rows of 128, 768 and 4096: 2^18 elements 1.28-1.41 and 1.52-1.61, 2^19 1.14-1.27 and 1.28-1.50,
-# 2^20 1.00-1.29 and 1.17-1.50, 2^21 0.78-1.00 and 0.90-1.00 (rows of 128 with two threads: 0.60
-# by the median, 1.54 by the first quartile), 2^22 0.69-0.98 and 0.76-1.15. Timed alone, each
-# without the other between its calls, the two were even at 2^20 (and the fused kernels took no
-# page faults where torch took 40-100 a call): the gap there is the other work's effect on the
-# caches as much as the Python. From 8 MiB on torch's outputs take fresh pages on every call
-# where the fused kernels reuse theirs.
+# native kernel in the modules (layernorm.modules.normalization; the recurrent layers' input
+# projection has a limit of its own, recurrent._fused.TORCH_PROJECTION_NUMEL): the same formula,
+# and there our autograd.Function's Python (about 0.1 ms a forward and backward more than
+# torch's C++ node) costs more than the fused kernels save. Forward + backward, fused / torch,
+# timed in turn in one process, AMD EPYC (AVX2), one and two threads, rows of 128, 768 and 4096:
+# 2^18 elements 1.28-1.41 and 1.52-1.61, 2^19 1.14-1.27 and 1.28-1.50, 2^20 1.00-1.29 and
+# 1.17-1.50, 2^21 0.78-1.00 and 0.90-1.00 (rows of 128 with two threads: 0.60 by the median,
+# 1.54 by the first quartile), 2^22 0.69-0.98 and 0.76-1.15. Timed alone, each without the other
+# between its calls, the two were even at 2^20 (and the fused kernels took no page faults where
+# torch took 40-100 a call): the gap there is the other work's effect on the caches as much as
+# the Python. From 8 MiB on torch's outputs take fresh pages on every call where the fused
+# kernels reuse theirs.
 TORCH_KERNEL_NUMEL = 1 << 20
 #: The dtypes whose gradients torch's CPU layer norm gives within the fused kernels' tolerances
 #: (torch's bfloat16 and float16 backward gave dx errors 1.6x the fused kernels' bfloat16

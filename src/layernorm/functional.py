@@ -20,6 +20,7 @@ from torch import Tensor
 from ._validation import (
     FLOAT_DTYPES,
     ShapeLike,
+    _finite,
     as_shape,
     check_eps,
     check_finite_scalar,
@@ -139,7 +140,7 @@ def _rms_norm(
     x: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, eps: float | None
 ) -> Tensor:
     """:func:`rms_norm`, by the lean path (:func:`_rms_norm_lean`) where it can."""
-    if type(x) is Tensor and (weight is None or isinstance(weight, Tensor)):
+    if type(x) is Tensor:  # x.dtype for eps=None; _lean_shape checks the rest
         y = _rms_norm_lean(
             x, normalized_shape, weight, _RMS_DEFAULT_EPS.get(x.dtype, eps) if eps is None else eps
         )
@@ -201,7 +202,8 @@ _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
 def _finite_number(v: object) -> bool:
-    return (type(v) is float or type(v) is int) and -math.inf < v < math.inf  # type: ignore[operator]
+    """A plain int or float that the full path's :func:`check_finite_scalar` takes as it is."""
+    return (type(v) is float or type(v) is int) and _finite(v)  # type: ignore[arg-type]
 
 
 def ada_norm(

@@ -12,6 +12,6 @@ from . import targets
 
 def isa() -> str:
     """The instruction-set target the fused CPU kernels are built for in this process:
-    ``"avx512"``, ``"avx2"`` or ``"portable"`` (see :mod:`.targets`; ``LAYERNORM_CPU_ISA``
-    overrides the choice made from the CPU's features)."""
+    ``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or ``"portable"`` (see :mod:`.targets`;
+    ``LAYERNORM_CPU_ISA`` overrides the choice made from the CPU's features)."""
     return targets.selected().name

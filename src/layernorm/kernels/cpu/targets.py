@@ -8,10 +8,10 @@ selected; the target is part of the library's name and of its cache key.
 Selection: the best target of this machine's architecture whose features the CPU lists (the
 ``flags`` line of ``/proc/cpuinfo`` on x86, ``Features`` on Arm), so one build no longer decides
 for every machine that shares a cache, as ``-march=native`` did. ``LAYERNORM_CPU_ISA`` =
-``avx512`` / ``avx2`` / ``portable`` asks for one (e.g. to run the AVX2 kernels on an AVX-512
-machine); a name the CPU cannot run is refused with a warning and the best target it can run is
-used instead, since running it would end in an illegal-instruction crash. The variable is read
-once, on the first selection; :func:`use` switches in-process (tests, benchmarks).
+``avx512bf16`` / ``avx512`` / ``avx2`` / ``portable`` asks for one (e.g. to run the AVX2 kernels
+on an AVX-512 machine); a name the CPU cannot run is refused with a warning and the best target
+it can run is used instead, since running it would end in an illegal-instruction crash. The
+variable is read once, on the first selection; :func:`use` switches in-process (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -56,16 +56,22 @@ class Target:
 _AVX2_FLAGS = ("-march=x86-64", "-mtune=native", "-mavx", "-mavx2", "-mfma", "-mf16c")
 _AVX2_FEATURES = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
 _AVX512_EXTRA = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
+_AVX512_FLAGS = (*_AVX2_FLAGS, *(f"-m{f}" for f in _AVX512_EXTRA))
+_AVX512_FEATURES = _AVX2_FEATURES | frozenset(_AVX512_EXTRA)
 
 #: Every target, best first within each architecture. -msse4.2 is implied by -mavx.
 TARGETS: tuple[Target, ...] = (
+    # The AVX-512 kernels with the processor's bfloat16 instructions (AVX512-BF16: Cooper Lake
+    # and Sapphire Rapids Xeons, AMD Zen 4 and later): the half kernels round float32 to
+    # bfloat16 by one instruction (vcvtneps2bf16) where the others take integer arithmetic.
     Target(
-        "avx512",
+        "avx512bf16",
         _X86,
-        (*_AVX2_FLAGS, *(f"-m{f}" for f in _AVX512_EXTRA)),
-        _AVX2_FEATURES | frozenset(_AVX512_EXTRA),
+        (*_AVX512_FLAGS, "-mavx512bf16"),
+        _AVX512_FEATURES | {"avx512_bf16"},
         rnn_sequence=True,
     ),
+    Target("avx512", _X86, _AVX512_FLAGS, _AVX512_FEATURES, rnn_sequence=True),
     Target("avx2", _X86, _AVX2_FLAGS, _AVX2_FEATURES, rnn_sequence=True),
     # SSE2 and no FMA: the C GEMM ran at 0.35–0.9× torch.mm and the layers were slower than with
     # the per-step loop at 4 of 6 bench shapes (RESULTS.md), so the loop stays; Arm is unmeasured.

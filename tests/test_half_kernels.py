@@ -29,6 +29,19 @@ TARGETS = {
         ("-march=skylake-avx512",),
         ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"),
     ),
+    "avx512-bf16": (  # AVX512-BF16 vcvtneps2bf16 (which flushes subnormals: handled apart)
+        (
+            "-march=x86-64",
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512bf16",
+        ),
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    ),
 }
 
 
@@ -153,6 +166,66 @@ def test_every_build_target_within_the_error_model(dtype, target):
     may contract other products into FMAs) against float64, rows split over two threads."""
     for m, n, offset in ((5, 33, 3.0), (64, 768, 0.5), (3, 4099, 1e2), (2, 9000, -3.0)):
         _ln_case(target, dtype, m, n, offset)
+
+
+def _outputs_like(x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two zeroed tensors of x's shape and dtype, each starting `offset` elements into its own
+    storage (1: off the 32-byte boundary the streamed stores need)."""
+    out = []
+    for _ in range(2):
+        flat = torch.zeros(x.numel() + offset, dtype=x.dtype)
+        out.append(flat[offset:].view(x.shape))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned output", "output off 32 bytes"])
+def test_streamed_outputs_equal_plain_stores(dtype, target, offset):
+    """stream = 1 (non-temporal stores where the output row starts on 32 bytes, the next block's
+    rows prefetched) writes the bits stream = 0 writes, for every kernel and over several blocks
+    of rows (forward blocks of 1024 elements, backward with dw/db of 8192), rows of a multiple
+    of 16 elements and not, two threads."""
+    g = torch.Generator().manual_seed(5)
+    for m, n in ((400, 48), (300, 37), (9, 1000)):
+        x = (torch.randn(m, n, generator=g) * 3 + 1).to(dtype)
+        dy = torch.randn(m, n, generator=g).to(dtype)
+        w, b = 1 + torch.randn(n, generator=g), torch.randn(n, generator=g)
+        stats = {k: torch.empty(m) for k in ("mean", "rstd")}
+        common = {"threads": 2}
+        y = _outputs_like(x, offset)
+        for st in (0, 1):
+            _run(target, "ln_fwd", x=x, weight=w, bias=b, y=y[st], eps=1e-5, stream=st,
+                 **stats, **common)  # fmt: skip
+        assert torch.equal(_bits(y[0]), _bits(y[1])), ("ln_fwd", m, n)
+        dx, dws = _outputs_like(x, offset), [(torch.empty(n), torch.empty(n)) for _ in range(2)]
+        for st in (0, 1):
+            _run(target, "ln_bwd", dy=dy, x=x, weight=w, dx=dx[st], dweight=dws[st][0],
+                 dbias=dws[st][1], detach_mean=0, detach_std=0, stream=st, **stats,
+                 **common)  # fmt: skip
+        assert torch.equal(_bits(dx[0]), _bits(dx[1])), ("ln_bwd", m, n)
+        assert torch.equal(dws[0][0], dws[1][0]) and torch.equal(dws[0][1], dws[1][1])
+        y = _outputs_like(x, offset)
+        for st in (0, 1):
+            _run(target, "rms_fwd", x=x, weight=w, y=y[st], rstd=stats["rstd"], eps=1e-6,
+                 stream=st, **common)  # fmt: skip
+        assert torch.equal(_bits(y[0]), _bits(y[1])), ("rms_fwd", m, n)
+        dx = _outputs_like(x, offset)
+        for st in (0, 1):
+            _run(target, "rms_bwd", dy=dy, x=x, rstd=stats["rstd"], weight=w, dx=dx[st],
+                 dweight=None, stream=st, **common)  # fmt: skip
+        assert torch.equal(_bits(dx[0]), _bits(dx[1])), ("rms_bwd", m, n)
+        z = _outputs_like(x, offset)
+        for st in (0, 1):
+            _run(target, "ada_fwd", x=x, z=z[st], eps=1e-5, k=0.1, scale=2.0, stream=st, **stats,
+                 **common)  # fmt: skip
+        assert torch.equal(_bits(z[0]), _bits(z[1])), ("ada_fwd", m, n)
+        dx = _outputs_like(x, offset)
+        for st in (0, 1):
+            _run(target, "ada_bwd", dz=dy, x=x, dx=dx[st], k=0.1, scale=2.0, stream=st,
+                 **stats, **common)  # fmt: skip
+        assert torch.equal(_bits(dx[0]), _bits(dx[1])), ("ada_bwd", m, n)
+        assert bool(y[0].isfinite().all() and dx[0].isfinite().all())
 
 
 # ------------------------------------------------------------------ through the public ops

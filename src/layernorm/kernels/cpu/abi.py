@@ -149,8 +149,8 @@ _SIZES = (
 _THREADS = Arg("threads", _SC, DType.COUNT, minimum=1, doc="OpenMP threads to split rows over")
 _STREAM = Arg(
     "stream", _SC, DType.FLAG, minimum=0,
-    doc="1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: "
-    "bound by their conversions, they measured slower streaming)",
+    doc="1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' "
+    "only where the output row starts on 32 bytes)",
 )  # fmt: skip
 _EPS = Arg("eps", _SC, DType.FLOAT, minimum=0.0, doc="added to the variance")
 _K = Arg("k", _SC, DType.FLOAT, doc="AdaNorm's k in φ(y) = C·(1 − k·y)")

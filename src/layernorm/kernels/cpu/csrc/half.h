@@ -73,24 +73,54 @@ static inline uint16_t f32_to_f16(float f) {
 
 /* ------------------------------------------------------------------ rows ------------------ */
 
-static inline void bf16_row_to_f32(const uint16_t* restrict src, float* restrict dst, int64_t n) {
+/* Ask for the line of 32 half values at pf + j to be brought into L2 (none when pf is NULL): the
+   row converters take the same part of the next block's rows meanwhile, so that a block's input
+   is in cache when its turn comes instead of each block's loads waiting on memory. */
+static inline void half_prefetch(const uint16_t* pf, int64_t j) {
+    if (pf && (j & 31) == 0) __builtin_prefetch(pf + j, 0, 2);
+}
+
+static inline void bf16_row_to_f32(const uint16_t* restrict src, float* restrict dst, int64_t n,
+                                   const uint16_t* pf) {
     int64_t j = 0;
 #if defined(__AVX512F__)
     for (; j + 16 <= n; j += 16) {
+        half_prefetch(pf, j);
         const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + j)));
         _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
     }
 #elif defined(__AVX2__)
     for (; j + 8 <= n; j += 8) {
+        half_prefetch(pf, j);
         const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + j)));
         _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
     }
 #endif
-    for (; j < n; ++j) dst[j] = bf16_to_f32(src[j]);
+    for (; j < n; ++j) {
+        half_prefetch(pf, j);
+        dst[j] = bf16_to_f32(src[j]);
+    }
 }
 
-static inline void f32_row_to_bf16(const float* restrict src, uint16_t* restrict dst, int64_t n) {
+/* A 16-value (256-bit) vector of half values to dst: by a non-temporal store with `stream` (dst
+   then aligned to 32 bytes: see half_stream_ok), else a plain one. */
+#if defined(__AVX__)
+static inline void half_store16(uint16_t* dst, __m256i v, int stream) {
+    if (stream) _mm256_stream_si256((__m256i*)dst, v);
+    else _mm256_storeu_si256((__m256i*)dst, v);
+}
+#endif
+
+/* Whether a row converter can stream its stores to dst: asked for, and dst on a 32-byte
+   boundary (the rows of a block start on one when the tensor does and N is a multiple of 16). */
+static inline int half_stream_ok(const uint16_t* dst, int stream) {
+    return stream && (uintptr_t)dst % 32 == 0;
+}
+
+static inline void f32_row_to_bf16(const float* restrict src, uint16_t* restrict dst, int64_t n,
+                                   int stream) {
     int64_t j = 0;
+    stream = half_stream_ok(dst, stream);
 #if defined(__AVX512BF16__)
     /* vcvtneps2bf16 flushes float32 subnormals to zero; the few blocks holding one take the
        portable path instead. */
@@ -103,7 +133,9 @@ static inline void f32_row_to_bf16(const float* restrict src, uint16_t* restrict
             for (int l = 0; l < 16; ++l) dst[j + l] = f32_to_bf16(src[j + l]);
         } else {
             const __m256bh r = _mm512_cvtneps_pbh(v);
-            memcpy(dst + j, &r, sizeof r);
+            __m256i bits;
+            memcpy(&bits, &r, sizeof r);
+            half_store16(dst + j, bits, stream);
         }
     }
 #elif defined(__AVX2__)
@@ -126,37 +158,53 @@ static inline void f32_row_to_bf16(const float* restrict src, uint16_t* restrict
         /* values below 2^16, so no saturation; packus interleaves 128-bit lanes, permute
            restores the order */
         const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8);
-        _mm256_storeu_si256((__m256i*)(dst + j), packed);
+        half_store16(dst + j, packed, stream);
     }
+#else
+    (void)stream;
 #endif
     #pragma omp simd
     for (int64_t k = j; k < n; ++k) dst[k] = f32_to_bf16(src[k]);
 }
 
-static inline void f16_row_to_f32(const uint16_t* restrict src, float* restrict dst, int64_t n) {
+static inline void f16_row_to_f32(const uint16_t* restrict src, float* restrict dst, int64_t n,
+                                  const uint16_t* pf) {
     int64_t j = 0;
 #if defined(__AVX512F__)
-    for (; j + 16 <= n; j += 16)
+    for (; j + 16 <= n; j += 16) {
+        half_prefetch(pf, j);
         _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + j))));
+    }
 #elif defined(__F16C__)
-    for (; j + 8 <= n; j += 8)
+    for (; j + 8 <= n; j += 8) {
+        half_prefetch(pf, j);
         _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + j))));
+    }
 #endif
-    for (; j < n; ++j) dst[j] = f16_to_f32(src[j]);
+    for (; j < n; ++j) {
+        half_prefetch(pf, j);
+        dst[j] = f16_to_f32(src[j]);
+    }
 }
 
-static inline void f32_row_to_f16(const float* restrict src, uint16_t* restrict dst, int64_t n) {
+static inline void f32_row_to_f16(const float* restrict src, uint16_t* restrict dst, int64_t n,
+                                  int stream) {
     int64_t j = 0;
 #if defined(__AVX512F__)
+    stream = half_stream_ok(dst, stream);
     for (; j + 16 <= n; j += 16)
-        _mm256_storeu_si256((__m256i*)(dst + j),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(src + j),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        half_store16(dst + j,
+                     _mm512_cvtps_ph(_mm512_loadu_ps(src + j),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                     stream);
 #elif defined(__F16C__)
+    (void)stream; /* eight values a store: not streamed */
     for (; j + 8 <= n; j += 8)
         _mm_storeu_si128((__m128i*)(dst + j),
                          _mm256_cvtps_ph(_mm256_loadu_ps(src + j),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    (void)stream;
 #endif
     for (; j < n; ++j) dst[j] = f32_to_f16(src[j]);
 }

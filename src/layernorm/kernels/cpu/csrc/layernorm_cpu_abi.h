@@ -21,7 +21,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ln_fwd_args_f32;
 int ln_fwd_f32(const ln_fwd_args_f32* a);
 _Static_assert(offsetof(ln_fwd_args_f32, x) == 0, "ln_fwd_args_f32.x");
@@ -48,7 +48,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ln_fwd_args_f64;
 int ln_fwd_f64(const ln_fwd_args_f64* a);
 _Static_assert(offsetof(ln_fwd_args_f64, x) == 0, "ln_fwd_args_f64.x");
@@ -75,7 +75,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ln_fwd_args_bf16;
 int ln_fwd_bf16(const ln_fwd_args_bf16* a);
 _Static_assert(offsetof(ln_fwd_args_bf16, x) == 0, "ln_fwd_args_bf16.x");
@@ -102,7 +102,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ln_fwd_args_f16;
 int ln_fwd_f16(const ln_fwd_args_f16* a);
 _Static_assert(offsetof(ln_fwd_args_f16, x) == 0, "ln_fwd_args_f16.x");
@@ -133,7 +133,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ln_bwd_args_f32;
 int ln_bwd_f32(const ln_bwd_args_f32* a);
 _Static_assert(offsetof(ln_bwd_args_f32, dy) == 0, "ln_bwd_args_f32.dy");
@@ -166,7 +166,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ln_bwd_args_f64;
 int ln_bwd_f64(const ln_bwd_args_f64* a);
 _Static_assert(offsetof(ln_bwd_args_f64, dy) == 0, "ln_bwd_args_f64.dy");
@@ -199,7 +199,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ln_bwd_args_bf16;
 int ln_bwd_bf16(const ln_bwd_args_bf16* a);
 _Static_assert(offsetof(ln_bwd_args_bf16, dy) == 0, "ln_bwd_args_bf16.dy");
@@ -232,7 +232,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ln_bwd_args_f16;
 int ln_bwd_f16(const ln_bwd_args_f16* a);
 _Static_assert(offsetof(ln_bwd_args_f16, dy) == 0, "ln_bwd_args_f16.dy");
@@ -261,7 +261,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } rms_fwd_args_f32;
 int rms_fwd_f32(const rms_fwd_args_f32* a);
 _Static_assert(offsetof(rms_fwd_args_f32, x) == 0, "rms_fwd_args_f32.x");
@@ -284,7 +284,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } rms_fwd_args_f64;
 int rms_fwd_f64(const rms_fwd_args_f64* a);
 _Static_assert(offsetof(rms_fwd_args_f64, x) == 0, "rms_fwd_args_f64.x");
@@ -307,7 +307,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } rms_fwd_args_bf16;
 int rms_fwd_bf16(const rms_fwd_args_bf16* a);
 _Static_assert(offsetof(rms_fwd_args_bf16, x) == 0, "rms_fwd_args_bf16.x");
@@ -330,7 +330,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } rms_fwd_args_f16;
 int rms_fwd_f16(const rms_fwd_args_f16* a);
 _Static_assert(offsetof(rms_fwd_args_f16, x) == 0, "rms_fwd_args_f16.x");
@@ -355,7 +355,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } rms_bwd_args_f32;
 int rms_bwd_f32(const rms_bwd_args_f32* a);
 _Static_assert(offsetof(rms_bwd_args_f32, dy) == 0, "rms_bwd_args_f32.dy");
@@ -380,7 +380,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } rms_bwd_args_f64;
 int rms_bwd_f64(const rms_bwd_args_f64* a);
 _Static_assert(offsetof(rms_bwd_args_f64, dy) == 0, "rms_bwd_args_f64.dy");
@@ -405,7 +405,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } rms_bwd_args_bf16;
 int rms_bwd_bf16(const rms_bwd_args_bf16* a);
 _Static_assert(offsetof(rms_bwd_args_bf16, dy) == 0, "rms_bwd_args_bf16.dy");
@@ -430,7 +430,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } rms_bwd_args_f16;
 int rms_bwd_f16(const rms_bwd_args_f16* a);
 _Static_assert(offsetof(rms_bwd_args_f16, dy) == 0, "rms_bwd_args_f16.dy");
@@ -457,7 +457,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ada_fwd_args_f32;
 int ada_fwd_f32(const ada_fwd_args_f32* a);
 _Static_assert(offsetof(ada_fwd_args_f32, x) == 0, "ada_fwd_args_f32.x");
@@ -484,7 +484,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ada_fwd_args_f64;
 int ada_fwd_f64(const ada_fwd_args_f64* a);
 _Static_assert(offsetof(ada_fwd_args_f64, x) == 0, "ada_fwd_args_f64.x");
@@ -511,7 +511,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ada_fwd_args_bf16;
 int ada_fwd_bf16(const ada_fwd_args_bf16* a);
 _Static_assert(offsetof(ada_fwd_args_bf16, x) == 0, "ada_fwd_args_bf16.x");
@@ -538,7 +538,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ada_fwd_args_f16;
 int ada_fwd_f16(const ada_fwd_args_f16* a);
 _Static_assert(offsetof(ada_fwd_args_f16, x) == 0, "ada_fwd_args_f16.x");
@@ -566,7 +566,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ada_bwd_args_f32;
 int ada_bwd_f32(const ada_bwd_args_f32* a);
 _Static_assert(offsetof(ada_bwd_args_f32, dz) == 0, "ada_bwd_args_f32.dz");
@@ -593,7 +593,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ada_bwd_args_f64;
 int ada_bwd_f64(const ada_bwd_args_f64* a);
 _Static_assert(offsetof(ada_bwd_args_f64, dz) == 0, "ada_bwd_args_f64.dz");
@@ -620,7 +620,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ada_bwd_args_bf16;
 int ada_bwd_bf16(const ada_bwd_args_bf16* a);
 _Static_assert(offsetof(ada_bwd_args_bf16, dz) == 0, "ada_bwd_args_bf16.dz");
@@ -647,7 +647,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (float32/float64; the half kernels ignore it: bound by their conversions, they measured slower streaming) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
 } ada_bwd_args_f16;
 int ada_bwd_f16(const ada_bwd_args_f16* a);
 _Static_assert(offsetof(ada_bwd_args_f16, dz) == 0, "ada_bwd_args_f16.dz");

@@ -57,8 +57,8 @@ int cvt_f64(const cvt_args_f64* a) {
 #define FN(name) LN_CAT(name, SUF)
 
 int FN(cvt)(const FN(cvt_args)* a) {
-    TO_F32(a->x, a->xf, a->M * a->N);
-    FROM_F32(a->yf, a->y, a->M * a->N);
+    TO_F32(a->x, a->xf, a->M * a->N, NULL);
+    FROM_F32(a->yf, a->y, a->M * a->N, 0);
     return 0;
 }
 
@@ -66,7 +66,7 @@ int FN(cvt)(const FN(cvt_args)* a) {
    backward), in blocks: the rows of each of the n_in (1 or 2) inputs converted to float32, `run`
    on them, its output rounded back into y. */
 static int FN(half_blocks)(const void* args, const half_t* const* inputs, int n_in, half_t* y,
-                           i64 N, i64 lo, i64 hi, half_block_fn run) {
+                           i64 N, i64 lo, i64 hi, int stream, half_block_fn run) {
     const i64 R = half_block_rows(N, HALF_FWD_ELEMS);
     float* buf = half_buffers(R * N, n_in + 1);
     if (!buf) return 1;
@@ -74,10 +74,14 @@ static int FN(half_blocks)(const void* args, const half_t* const* inputs, int n_
     float* out = buf + n_in * R * N;
     for (i64 i = lo; i < hi; i += R) {
         const i64 rows = hi - i < R ? hi - i : R;
-        for (int k = 0; k < n_in; ++k) TO_F32(inputs[k] + i * N, in[k], rows * N);
+        const int ahead = i + 2 * R <= hi; /* a whole next block to prefetch (half_prefetch) */
+        for (int k = 0; k < n_in; ++k)
+            TO_F32(inputs[k] + i * N, in[k], rows * N,
+                   ahead ? inputs[k] + (i + R) * N : NULL);
         run(args, in, out, i, rows);
-        FROM_F32(out, y + i * N, rows * N);
+        FROM_F32(out, y + i * N, rows * N, stream);
     }
+    stream_fence(stream);
     return 0;
 }
 
@@ -94,7 +98,7 @@ static void FN(ln_fwd_block)(const void* p, float* const* in, float* out, i64 i,
 static int FN(ln_fwd_range)(const void* p, i64 lo, i64 hi) {
     const FN(ln_fwd_args)* a = p;
     const half_t* in[] = {a->x};
-    return FN(half_blocks)(p, in, 1, a->y, a->N, lo, hi, FN(ln_fwd_block));
+    return FN(half_blocks)(p, in, 1, a->y, a->N, lo, hi, a->stream, FN(ln_fwd_block));
 }
 
 int FN(ln_fwd)(const FN(ln_fwd_args)* a) {
@@ -111,7 +115,7 @@ static void FN(rms_fwd_block)(const void* p, float* const* in, float* out, i64 i
 static int FN(rms_fwd_range)(const void* p, i64 lo, i64 hi) {
     const FN(rms_fwd_args)* a = p;
     const half_t* in[] = {a->x};
-    return FN(half_blocks)(p, in, 1, a->y, a->N, lo, hi, FN(rms_fwd_block));
+    return FN(half_blocks)(p, in, 1, a->y, a->N, lo, hi, a->stream, FN(rms_fwd_block));
 }
 
 int FN(rms_fwd)(const FN(rms_fwd_args)* a) {
@@ -129,7 +133,7 @@ static void FN(ada_fwd_block)(const void* p, float* const* in, float* out, i64 i
 static int FN(ada_fwd_range)(const void* p, i64 lo, i64 hi) {
     const FN(ada_fwd_args)* a = p;
     const half_t* in[] = {a->x};
-    return FN(half_blocks)(p, in, 1, a->z, a->N, lo, hi, FN(ada_fwd_block));
+    return FN(half_blocks)(p, in, 1, a->z, a->N, lo, hi, a->stream, FN(ada_fwd_block));
 }
 
 int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
@@ -149,7 +153,7 @@ static void FN(ada_bwd_block)(const void* p, float* const* in, float* out, i64 i
 static int FN(ada_bwd_range)(const void* p, i64 lo, i64 hi) {
     const FN(ada_bwd_args)* a = p;
     const half_t* in[] = {a->dz, a->x};
-    return FN(half_blocks)(p, in, 2, a->dx, a->N, lo, hi, FN(ada_bwd_block));
+    return FN(half_blocks)(p, in, 2, a->dx, a->N, lo, hi, a->stream, FN(ada_bwd_block));
 }
 
 int FN(ada_bwd)(const FN(ada_bwd_args)* a) {
@@ -167,7 +171,7 @@ typedef struct {
     float* dw;
     float* db;
     i64 M, N;
-    int detach_mean, detach_std, threads;
+    int detach_mean, detach_std, threads, stream;
 } FN(bwd_job);
 
 /* Rows [lo, hi), converted a block at a time and handed to the float32 bwd_rows, which adds the
@@ -186,16 +190,19 @@ static int FN(bwd_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, float* f
     float *xf = dyf + R * N, *dxf = xf + R * N;
     for (i64 i = lo; i < hi; i += R) {
         const i64 rows = hi - i < R ? hi - i : R;
-        TO_F32(jb->dy + i * N, dyf, rows * N);
-        TO_F32(jb->x + i * N, xf, rows * N);
+        const int ahead = i + 2 * R <= hi; /* a whole next block to prefetch (half_prefetch) */
+        TO_F32(jb->dy + i * N, dyf, rows * N,
+               ahead ? jb->dy + (i + R) * N : NULL);
+        TO_F32(jb->x + i * N, xf, rows * N, ahead ? jb->x + (i + R) * N : NULL);
         const bwd_job_f32 fj = {.dy = dyf, .x = xf, .mean = jb->mean ? jb->mean + i : NULL,
                                 .rstd = jb->rstd + i, .w = jb->w, .dx = jb->dx ? dxf : NULL,
                                 .dw = NULL, .db = NULL, .M = rows, .N = N,
                                 .detach_mean = jb->detach_mean, .detach_std = jb->detach_std,
                                 .threads = 1};
         bwd_rows_f32(&fj, dwa, dba, fwa, fba, 0, rows, &pending, i + rows == hi);
-        if (jb->dx) FROM_F32(dxf, jb->dx + i * N, rows * N);
+        if (jb->dx) FROM_F32(dxf, jb->dx + i * N, rows * N, jb->stream);
     }
+    stream_fence(jb->stream);
     return 0;
 }
 
@@ -248,13 +255,13 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
 
 int FN(ln_bwd)(const FN(ln_bwd_args)* a) {
     FN(bwd_job) jb = {a->dy, a->x, a->mean, a->rstd, a->weight, a->dx, a->dweight, a->dbias,
-                      a->M, a->N, a->detach_mean, a->detach_std, a->threads};
+                      a->M, a->N, a->detach_mean, a->detach_std, a->threads, a->stream};
     return FN(bwd_run)(&jb);
 }
 
 int FN(rms_bwd)(const FN(rms_bwd_args)* a) {
     FN(bwd_job) jb = {a->dy, a->x, NULL, a->rstd, a->weight, a->dx, a->dweight, NULL,
-                      a->M, a->N, 1, 0, a->threads};
+                      a->M, a->N, 1, 0, a->threads, a->stream};
     return FN(bwd_run)(&jb);
 }
 

@@ -211,31 +211,37 @@ static inline void f32_row_to_f16(const float* restrict src, uint16_t* restrict 
 
 /* ------------------------------------------------------------------ row buffers ----------- */
 
-/* Elements of float32 per block of rows the half kernels convert at once. The forwards keep a
-   block (input and output) in the first-level cache, as do backwards without dw/db. Those with
-   dw/db take more rows per block (measured at N = 768 and 1024: blocks of 8192 elements fastest,
-   2048 up to 2.7x slower while every block flushed its float32 dw/db sums to float64; they now
-   flush every FLUSH rows across blocks, and 2048 to 8192 came out within this machine's noise). */
-#ifndef HALF_FWD_ELEMS
-#define HALF_FWD_ELEMS 1024
-#endif
-#ifndef HALF_BWD_ELEMS
-#define HALF_BWD_ELEMS 8192
+/* Elements of float32 per block of rows the half kernels convert at once: a block's inputs and
+   output stay in the first-level cache while the float32 row functions pass over them. The
+   backwards with dw/db took blocks of 8192 elements while each block flushed its float32 dw/db
+   sums to float64 (2048 was up to 2.7x slower then); they flush every FLUSH rows across blocks
+   now, and with the buffers on cache lines, 1024 took 0.73-0.85 of 8192's time (bfloat16 layer
+   norm at (8192, 1024), (32768, 256) and (4096, 768), 1 and 2 threads, AMD EPYC, AVX-512 with
+   AVX512-BF16: the builds timed in turn in one process; 512 within 5% of 1024, 2048 between). */
+#ifndef HALF_BLOCK_ELEMS
+#define HALF_BLOCK_ELEMS 1024
 #endif
 
-/* count float32 buffers of n elements each, kept per calling thread and grown on demand (NULL
-   when the allocation fails). */
+/* count float32 buffers of n elements each (bufs[0], ..., bufs[count - 1]), kept per calling
+   thread and grown on demand; 0, or 1 when the allocation fails. Each starts on a cache line (64
+   bytes), so that the vectors of a row of a multiple of 16 elements never straddle two lines:
+   from malloc (16-byte aligned) a 64-byte vector load or store touched two lines unless the
+   address happened to fall on one, and the same kernel's time moved by up to 1.6x from one build
+   (and buffer) to the next (bfloat16 forward, AVX-512, AMD EPYC). */
 static __thread float* half_buf = NULL;
 static __thread int64_t half_cap = 0;
 
-static float* half_buffers(int64_t n, int count) {
-    const int64_t need = n * count;
+static int half_buffers(int64_t n, int count, float** bufs) {
+    const int64_t stride = (n + 15) / 16 * 16, need = stride * count;
     if (need > half_cap) {
         free(half_buf);
-        half_buf = (float*)malloc((size_t)need * sizeof(float));
+        void* p = NULL;
+        half_buf = posix_memalign(&p, 64, (size_t)need * sizeof(float)) == 0 ? p : NULL;
         half_cap = half_buf ? need : 0;
     }
-    return half_buf;
+    if (!half_buf) return 1;
+    for (int k = 0; k < count; ++k) bufs[k] = half_buf + k * stride;
+    return 0;
 }
 
 /* Rows per block of rows of length N: as many as fit in elems, at least one. */

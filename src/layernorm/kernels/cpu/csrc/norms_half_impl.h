@@ -2,7 +2,7 @@
    norms_impl.h, with half_t (ln_bf16_t or ln_f16_t), SUF (bf16 or f16), TO_F32 and FROM_F32 (the
    row conversions of half.h) defined.
 
-   Each kernel converts a block of rows (see HALF_FWD_ELEMS in half.h)
+   Each kernel converts a block of rows (see HALF_BLOCK_ELEMS in half.h)
    to float32, runs the float32 kernel's own row function on it and rounds the result back to
    half_t. Statistics, gains, biases and their gradients are float32 (compute_t). So a half result
    is the float32 kernel's result on the exactly converted inputs, rounded once to nearest even:
@@ -67,11 +67,11 @@ int FN(cvt)(const FN(cvt_args)* a) {
    on them, its output rounded back into y. */
 static int FN(half_blocks)(const void* args, const half_t* const* inputs, int n_in, half_t* y,
                            i64 N, i64 lo, i64 hi, int stream, half_block_fn run) {
-    const i64 R = half_block_rows(N, HALF_FWD_ELEMS);
-    float* buf = half_buffers(R * N, n_in + 1);
-    if (!buf) return 1;
-    float* in[2] = {buf, buf + R * N};
-    float* out = buf + n_in * R * N;
+    const i64 R = half_block_rows(N, HALF_BLOCK_ELEMS);
+    float* bufs[3];
+    if (half_buffers(R * N, n_in + 1, bufs)) return 1;
+    float* in[2] = {bufs[0], bufs[1]};
+    float* out = bufs[n_in];
     for (i64 i = lo; i < hi; i += R) {
         const i64 rows = hi - i < R ? hi - i : R;
         const int ahead = i + 2 * R <= hi; /* a whole next block to prefetch (half_prefetch) */
@@ -176,18 +176,17 @@ typedef struct {
 
 /* Rows [lo, hi), converted a block at a time and handed to the float32 bwd_rows, which adds the
    block's dw/db terms to this thread's accumulators (flushed to float64 every FLUSH rows across
-   blocks, and at hi). Blocks hold an even number of rows, so the float32 code's pairs of rows
-   never straddle two blocks. */
+   blocks, and at hi). Blocks of more than one row hold an even number, so the float32 code's
+   pairs of rows never straddle two blocks (a block of one row: each row on its own). */
 static int FN(bwd_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, float* fwa, float* fba,
                          i64 lo, i64 hi) {
     const i64 N = jb->N;
-    /* without dw/db there are no sums to flush: blocks as small as the forward's */
-    i64 R = half_block_rows(N, dwa ? HALF_BWD_ELEMS : HALF_FWD_ELEMS);
+    i64 R = half_block_rows(N, HALF_BLOCK_ELEMS);
     if (R > 1) R -= R % 2;
     int pending = 0;
-    float* dyf = half_buffers(R * N, 3);
-    if (!dyf) return 1;
-    float *xf = dyf + R * N, *dxf = xf + R * N;
+    float* bufs[3];
+    if (half_buffers(R * N, 3, bufs)) return 1;
+    float *dyf = bufs[0], *xf = bufs[1], *dxf = bufs[2];
     for (i64 i = lo; i < hi; i += R) {
         const i64 rows = hi - i < R ? hi - i : R;
         const int ahead = i + 2 * R <= hi; /* a whole next block to prefetch (half_prefetch) */

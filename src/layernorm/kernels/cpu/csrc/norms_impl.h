@@ -20,14 +20,16 @@
 #define FN(name) LN_CAT(name, SUF)
 
 /* A vector of N ones, kept per calling thread: a missing gain becomes w = 1, so every backward
-   loop has a single form instead of one per combination of optional arguments. */
+   loop has a single form instead of one per combination of optional arguments. On a cache line,
+   as a tensor's gain is (see half_buffers in half.h). */
 static __thread scalar_t* FN(ones_buf) = NULL;
 static __thread i64 FN(ones_cap) = 0;
 
 static const scalar_t* FN(ones)(i64 n) {
     if (n > FN(ones_cap)) {
         free(FN(ones_buf));
-        FN(ones_buf) = (scalar_t*)malloc((size_t)n * sizeof(scalar_t));
+        void* p = NULL;
+        FN(ones_buf) = posix_memalign(&p, 64, (size_t)n * sizeof(scalar_t)) == 0 ? p : NULL;
         FN(ones_cap) = FN(ones_buf) ? n : 0;
         if (!FN(ones_buf)) return NULL;
         for (i64 j = 0; j < n; ++j) FN(ones_buf)[j] = 1;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every CPU benchmark of benchmarks/RESULTS.md in one go (`make bench`): for each instruction-set
-# target this processor can run (AVX-512, AVX2 emulated on an AVX-512 processor by the compiler's
-# target flags, portable) and with 1 and 2 threads:
+# target this processor can run (AVX-512 with and without the bfloat16 instructions, AVX2
+# emulated on an AVX-512 processor by the compiler's target flags, portable) and with 1 and 2
+# threads:
 #   - every norm variant, forward + backward, float32 and bfloat16, against torch's layer_norm,
 #     and the modules on small (per-token) inputs against torch.nn.LayerNorm / RMSNorm;
 #   - LN-LSTM and LN-GRU against torch.nn.LSTM / GRU, training and inference, at the six shapes

@@ -86,6 +86,28 @@ def test_target_the_cpu_lacks_is_refused() -> None:
         targets.target("sse9", "x86_64", AVX512_CPU)
 
 
+def test_target_the_compiler_rejects_is_not_chosen(monkeypatch) -> None:
+    """A CPU with AVX512-BF16 and a compiler without -mavx512bf16 (GCC before 10) gets the
+    AVX-512 build, not a build that would fail and leave only the eager fallback."""
+    monkeypatch.setattr(targets, "machine", lambda: "x86_64")
+    monkeypatch.setattr(targets, "cpu_features", lambda: AVX512_BF16_CPU)
+    monkeypatch.setattr(cbuild, "accepts_flags", lambda flags: "-mavx512bf16" not in flags)
+    assert targets.best().name == "avx512"
+    assert targets.available() == ("avx512", "avx2", "portable")
+    with pytest.raises(targets.UnavailableIsaError, match="does not accept the avx512bf16"):
+        targets.target("avx512bf16")
+    # made-up feature sets describe a CPU, not this machine's compiler
+    assert targets.best("x86_64", AVX512_BF16_CPU).name == "avx512bf16"
+    monkeypatch.setattr(cbuild, "accepts_flags", lambda flags: False)
+    assert targets.best().name == "portable"  # always offered: its build decides
+
+
+@pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler")
+def test_accepts_flags_asks_the_compiler() -> None:
+    assert cbuild.accepts_flags(("-O2",))
+    assert not cbuild.accepts_flags(("-mno-such-extension-layernorm",))
+
+
 @pytest.mark.parametrize(
     ("requested", "message"),
     [("avx512", "lacks avx512"), ("sse9", "unknown CPU instruction set")],

@@ -16,6 +16,7 @@ cache entry; the process must preload their runtimes, see the Makefile's ``sanit
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -77,6 +78,28 @@ def compiler() -> str | None:
         if name and shutil.which(name):
             return name
     return None
+
+
+@functools.cache
+def accepts_flags(flags: tuple[str, ...]) -> bool:
+    """Whether the C compiler accepts ``flags``: an older one may not know an instruction-set
+    extension (GCC before 10 has no ``-mavx512bf16``), and a target it cannot build must not be
+    chosen (its build would fail and leave the eager fallback). True without a compiler (nothing
+    is built then) or flags."""
+    cc = compiler()
+    if cc is None or not flags:
+        return True
+    try:
+        done = subprocess.run(
+            [cc, *flags, "-x", "c", "-fsyntax-only", "-"],
+            input=b"int layernorm_probe;\n",
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def sanitizing() -> bool:

@@ -168,7 +168,7 @@ def _stream_forward(x: Tensor) -> int:
     """The ``stream`` flag of a forward (x read, y written). The half types' forwards keep plain
     stores: streaming their output measured 3–12% slower (bfloat16 at (8192, 1024) and
     (32768, 256), 1 and 2 threads, AMD EPYC with AVX512-BF16, AVX-512 and AVX2 builds), where
-    their backwards gained 5–30% (benchmarks/RESULTS.md)."""
+    their backwards gained 5–38% (benchmarks/RESULTS.md)."""
     return 0 if x.element_size() == 2 else _stream(x, 2)
 
 

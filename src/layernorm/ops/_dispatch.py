@@ -148,6 +148,17 @@ TORCH_KERNEL_NUMEL = 1 << 20
 #: (torch's bfloat16 and float16 backward gave dx errors 1.6x the fused kernels' bfloat16
 #: tolerance at 37 rows of 7, where the fused kernels compute in float32).
 TORCH_BACKWARD_DTYPES = (torch.float32, torch.float64)
+#: Up to this many elements a bfloat16 / float16 layer norm that needs gradients runs torch's
+#: float32 kernel on the input converted exactly, its output rounded once to the input's dtype:
+#: the fused kernels' error model (float32 arithmetic, one rounding; dx rounded once from float32
+#: by the cast's backward), at torch's C++ cost. Forward + backward against torch.nn.LayerNorm in
+#: bfloat16, timed in turn, rows of 768, one thread, AMD EPYC (AVX-512): (1, 768) 1.21x, (8, 768)
+#: 1.16, (64, 768) 1.05, (128, 768) 1.01, (300, 768) 1.08, where the fused kernels took 2.52,
+#: 2.28, 1.54, 1.27, 1.21; from (341, 768) (the float32 copies 1 MiB each) 2.47-3.11, the fused
+#: kernels 0.91-1.24.
+TORCH_FLOAT32_NUMEL = 1 << 17
+#: The dtypes that take that route.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def needs_grad(x: Tensor, *params: Tensor | None) -> bool:

@@ -95,6 +95,26 @@ static int grad_sums_alloc(grad_sums* s, int nt, i64 N, size_t esize) {
     return 0;
 }
 
+/* Thread t's slices of the sums s holds (fwa/fba elements of `esize` bytes), or all NULL when it
+   holds none (a zeroed grad_sums: no dw/db asked for). */
+typedef struct {
+    acc_t* dwa;
+    acc_t* dba;
+    void* fwa;
+    void* fba;
+} grad_slice;
+
+static inline grad_slice grad_sums_slice(const grad_sums* s, i64 t, size_t esize) {
+    grad_slice g = {NULL, NULL, NULL, NULL};
+    if (!s->dwa) return g;
+    const i64 off = t * s->stride;
+    g.dwa = s->dwa + off;
+    g.dba = s->dba + off;
+    g.fwa = (char*)s->fwa + (size_t)off * esize;
+    g.fba = (char*)s->fba + (size_t)off * esize;
+    return g;
+}
+
 /* Sum per-thread float64 slices (nt of N elements, `stride` apart) into the first, in thread
    order. */
 static void reduce_buffers(acc_t* buf, int nt, i64 N, i64 stride) {

@@ -210,30 +210,20 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
     const int nt = jb->threads < 1 ? 1 : jb->threads;
     if (!jb->w && !(jb->w = ones_f32(N))) return 1;
     /* per thread: float64 dw/db sums, then float32 blocks of rows (as bwd_run_f32) */
-    acc_t *dwa = NULL, *dba = NULL;
-    float *fwa = NULL, *fba = NULL;
-    i64 ld = 0; /* the slices' stride (grad_sums) */
-    if (jb->dw || jb->db) {
-        grad_sums gs;
-        if (grad_sums_alloc(&gs, nt, N, sizeof(float))) return 2;
-        dwa = gs.dwa;
-        dba = gs.dba;
-        fwa = (float*)gs.fwa;
-        fba = (float*)gs.fba;
-        ld = gs.stride;
-    }
+    grad_sums gs = {NULL, NULL, NULL, NULL, 0};
+    if ((jb->dw || jb->db) && grad_sums_alloc(&gs, nt, N, sizeof(float))) return 2;
     int status = 0;
     if (nt == 1) {
-        status = FN(bwd_range)(jb, dwa, dba, fwa, fba, 0, jb->M);
+        const grad_slice g = grad_sums_slice(&gs, 0, sizeof(float));
+        status = FN(bwd_range)(jb, g.dwa, g.dba, g.fwa, g.fba, 0, jb->M);
     } else {
         #pragma omp parallel num_threads(nt)
         {
             const i64 t = omp_get_thread_num();
             i64 lo, hi;
             row_block(jb->M, omp_get_num_threads(), (int)t, &lo, &hi);
-            const int s = dwa ? FN(bwd_range)(jb, dwa + t * ld, dba + t * ld, fwa + t * ld,
-                                              fba + t * ld, lo, hi)
-                              : FN(bwd_range)(jb, NULL, NULL, NULL, NULL, lo, hi);
+            const grad_slice g = grad_sums_slice(&gs, t, sizeof(float));
+            const int s = FN(bwd_range)(jb, g.dwa, g.dba, g.fwa, g.fba, lo, hi);
             if (s) {
                 #pragma omp atomic write
                 status = s;
@@ -242,12 +232,12 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
     }
     if (status) return status;
     if (jb->dw) {
-        reduce_buffers(dwa, nt, N, ld);
-        for (i64 j = 0; j < N; ++j) jb->dw[j] = (float)dwa[j];
+        reduce_buffers(gs.dwa, nt, N, gs.stride);
+        for (i64 j = 0; j < N; ++j) jb->dw[j] = (float)gs.dwa[j];
     }
     if (jb->db) {
-        reduce_buffers(dba, nt, N, ld);
-        for (i64 j = 0; j < N; ++j) jb->db[j] = (float)dba[j];
+        reduce_buffers(gs.dba, nt, N, gs.stride);
+        for (i64 j = 0; j < N; ++j) jb->db[j] = (float)gs.dba[j];
     }
     return 0;
 }

@@ -408,21 +408,12 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
     if (!jb->w && !(jb->w = FN(ones)(N))) return 1;
     /* Per thread: float64 dw/db sums, then blocks of rows in the input precision. Both always
        accumulate together: one loop form, and db costs one add. */
-    acc_t *dwa = NULL, *dba = NULL;
-    scalar_t *fwa = NULL, *fba = NULL;
-    i64 ld = 0; /* the slices' stride (grad_sums) */
-    if (jb->dw || jb->db) {
-        grad_sums gs;
-        if (grad_sums_alloc(&gs, nt, N, sizeof(scalar_t))) return 2;
-        dwa = gs.dwa;
-        dba = gs.dba;
-        fwa = (scalar_t*)gs.fwa;
-        fba = (scalar_t*)gs.fba;
-        ld = gs.stride;
-    }
+    grad_sums gs = {NULL, NULL, NULL, NULL, 0};
+    if ((jb->dw || jb->db) && grad_sums_alloc(&gs, nt, N, sizeof(scalar_t))) return 2;
     if (nt == 1) {
         int pending = 0;
-        FN(bwd_rows)(jb, dwa, dba, fwa, fba, 0, jb->M, &pending, 1);
+        const grad_slice g = grad_sums_slice(&gs, 0, sizeof(scalar_t));
+        FN(bwd_rows)(jb, g.dwa, g.dba, g.fwa, g.fba, 0, jb->M, &pending, 1);
     } else {
         #pragma omp parallel num_threads(nt)
         {
@@ -430,20 +421,17 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
             i64 lo, hi;
             int pending = 0;
             row_block(jb->M, omp_get_num_threads(), (int)t, &lo, &hi);
-            if (dwa)
-                FN(bwd_rows)(jb, dwa + t * ld, dba + t * ld, fwa + t * ld, fba + t * ld, lo, hi,
-                             &pending, 1);
-            else
-                FN(bwd_rows)(jb, NULL, NULL, NULL, NULL, lo, hi, &pending, 1);
+            const grad_slice g = grad_sums_slice(&gs, t, sizeof(scalar_t));
+            FN(bwd_rows)(jb, g.dwa, g.dba, g.fwa, g.fba, lo, hi, &pending, 1);
         }
     }
     if (jb->dw) {
-        reduce_buffers(dwa, nt, N, ld);
-        for (i64 j = 0; j < N; ++j) jb->dw[j] = (scalar_t)dwa[j];
+        reduce_buffers(gs.dwa, nt, N, gs.stride);
+        for (i64 j = 0; j < N; ++j) jb->dw[j] = (scalar_t)gs.dwa[j];
     }
     if (jb->db) {
-        reduce_buffers(dba, nt, N, ld);
-        for (i64 j = 0; j < N; ++j) jb->db[j] = (scalar_t)dba[j];
+        reduce_buffers(gs.dba, nt, N, gs.stride);
+        for (i64 j = 0; j < N; ++j) jb->db[j] = (scalar_t)gs.dba[j];
     }
     return 0;
 }

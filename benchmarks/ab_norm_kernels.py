@@ -21,23 +21,21 @@ import torch
 from layernorm.kernels.cpu import _native, abi, cbuild, targets
 
 
-def _library(name: str, flags: tuple[str, ...], target: targets.Target) -> ctypes.CDLL:
+def _kernels(name: str, flags: tuple[str, ...], target: targets.Target) -> _native.KernelTable:
     path = cbuild.build_shared_library(
         _native.SOURCES, f"layernorm_cpu_ab_{name}", (*_native.EXTRA_FLAGS, *flags),
         isa_flags=target.flags,
     )  # fmt: skip
-    return ctypes.CDLL(str(path))
+    return _native.kernel_table(ctypes.CDLL(str(path)))
 
 
-def _timed(lib: ctypes.CDLL, kernel_name: str, **values: object) -> float:
-    """Seconds one call of ``kernel_name`` of ``lib`` takes on checked arguments."""
+def _timed(fns: _native.KernelTable, kernel_name: str, values: dict[str, object]) -> float:
+    """Seconds one call of ``kernel_name`` takes on ``values`` (checked and bound outside the
+    timed call)."""
     x = values["x"]
     assert isinstance(x, torch.Tensor)
-    kernel = abi.BY_NAME[kernel_name]
-    args = abi.Binder(kernel)(values)
-    fn = getattr(lib, f"{kernel_name}_{abi.INSTANCES[x.dtype].suffix}")
-    fn.restype = ctypes.c_int
-    fn.argtypes = (ctypes.POINTER(abi.structure(kernel, x.dtype)),)
+    args = abi.Binder(abi.BY_NAME[kernel_name])(values)
+    fn = fns[kernel_name, x.dtype]
     start = time.perf_counter()
     status = fn(ctypes.byref(args))
     elapsed = time.perf_counter() - start
@@ -60,7 +58,7 @@ def main() -> None:
     libs = {}
     for spec in a.variant:
         name, _, flags = spec.partition("=")
-        libs[name] = _library(name, tuple(flags.split()), target)
+        libs[name] = _kernels(name, tuple(flags.split()), target)
     dtype = getattr(torch, a.dtype)
     print(f"target {target.name}, {a.dtype}, threads {a.threads}, median ms (ratio to the first)")
     for shape in a.shapes:
@@ -76,8 +74,8 @@ def main() -> None:
         times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in libs}
         for _ in range(a.reps):
             for name, lib in libs.items():
-                times[name][0].append(_timed(lib, "ln_fwd", **fwd))
-                times[name][1].append(_timed(lib, "ln_bwd", **bwd))
+                times[name][0].append(_timed(lib, "ln_fwd", fwd))
+                times[name][1].append(_timed(lib, "ln_bwd", bwd))
         medians = {k: [statistics.median(t) * 1e3 for t in v] for k, v in times.items()}
         first = next(iter(medians.values()))
         cells = [f"{k}: fwd {f:.3f} ({f / first[0]:.2f}) bwd {bw:.3f} ({bw / first[1]:.2f})"

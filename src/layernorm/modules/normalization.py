@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from .. import functional as F
 from .._torchscript import NotScriptable
 from .._validation import (
+    HALF_DTYPES,
     ShapeLike,
     as_shape,
     check_eps,
@@ -27,7 +28,6 @@ from .._validation import (
 )
 from ..kernels.cpu import buffers
 from ..ops._dispatch import (
-    HALF_DTYPES,
     TORCH_BACKWARD_DTYPES,
     TORCH_FLOAT32_NUMEL,
     TORCH_KERNEL_NUMEL,
@@ -107,7 +107,7 @@ def _gain(weight: Tensor | None, offset: float) -> Tensor | None:
     """The gain ``offset + weight``; in float32 for half weights, as Gemma computes it."""
     if weight is None or not offset:
         return weight
-    return (weight.float() if weight.dtype in (torch.float16, torch.bfloat16) else weight) + offset
+    return (weight.float() if weight.dtype in HALF_DTYPES else weight) + offset
 
 
 def _keep_off_fused_paths(module: nn.Module, args: tuple[Any, ...]) -> None:

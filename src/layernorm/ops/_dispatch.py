@@ -157,8 +157,6 @@ TORCH_BACKWARD_DTYPES = (torch.float32, torch.float64)
 #: 2.28, 1.54, 1.27, 1.21; from (341, 768) (the float32 copies 1 MiB each) 2.47-3.11, the fused
 #: kernels 0.91-1.24.
 TORCH_FLOAT32_NUMEL = 1 << 17
-#: The dtypes that take that route.
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def needs_grad(x: Tensor, *params: Tensor | None) -> bool:

@@ -53,21 +53,26 @@ def _build(target: targets.Target | None = None) -> Path:
 KernelTable = dict[tuple[str, torch.dtype], "ctypes._CFuncPtr"]
 
 
+def kernel_table(lib: ctypes.CDLL) -> KernelTable:
+    """Every kernel of a loaded norm-kernel library, by (name, dtype), its argument struct
+    declared."""
+    fns: KernelTable = {}
+    for kernel in abi.KERNELS:
+        for dtype, inst in abi.INSTANCES.items():
+            fn = getattr(lib, f"{kernel.name}_{inst.suffix}")
+            fn.restype = ctypes.c_int
+            fn.argtypes = (ctypes.POINTER(abi.structure(kernel, dtype)),)
+            fns[kernel.name, dtype] = fn
+    return fns
+
+
 @functools.cache
 def _library_for(isa: str) -> KernelTable | None:
     """The kernels of target ``isa``'s library (built on first use), or ``None`` after a warning
     when it cannot be built or loaded."""
     try:
         # checked, and rebuilt once if damaged
-        lib = cache.load_library(lambda: _build(targets.target(isa)))
-        fns: KernelTable = {}
-        for kernel in abi.KERNELS:
-            for dtype, inst in abi.INSTANCES.items():
-                fn = getattr(lib, f"{kernel.name}_{inst.suffix}")
-                fn.restype = ctypes.c_int
-                fn.argtypes = (ctypes.POINTER(abi.structure(kernel, dtype)),)
-                fns[kernel.name, dtype] = fn
-        return fns
+        return kernel_table(cache.load_library(lambda: _build(targets.target(isa))))
     except Exception as err:  # any failure falls back to the always-correct eager path
         warnings.warn(
             f"layernorm: fused CPU kernels unavailable, using eager ATen ops ({err})",

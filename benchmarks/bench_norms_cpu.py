@@ -16,7 +16,8 @@ plus O(N) for the gain/bias gradients.
 A second table times the modules on small inputs, the per-token calls of a decoder on a CPU, and
 on (512, 768), the middle of the modules' route to torch's kernel in training:
 ``layernorm.LayerNorm(N)`` against ``torch.nn.LayerNorm(N)`` and ``layernorm.RMSNorm(N)`` against
-``torch.nn.RMSNorm(N)``, forward only under ``no_grad`` and forward+backward, at 1 and 2 threads.
+``torch.nn.RMSNorm(N)``, forward only under ``no_grad`` and forward+backward, at 1 and 2 threads,
+input and parameters in ``--dtype``.
 At the small ones the Python between the module call and the kernel is most of the time.
 
     python benchmarks/bench_norms_cpu.py                  # the three default shapes
@@ -107,15 +108,18 @@ def providers(
     return fns
 
 
-def module_providers(m: int, n: int) -> dict[str, Callable[[], None]]:
-    """Module calls on one small input: forward under no_grad, and forward+backward."""
+def module_providers(
+    m: int, n: int, dtype: torch.dtype = torch.float32
+) -> dict[str, Callable[[], None]]:
+    """Module calls on one small input (input and parameters in ``dtype``): forward under no_grad,
+    and forward+backward."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, n, generator=g) + 0.5
+    x = (torch.randn(m, n, generator=g) + 0.5).to(dtype)
     xg = x.clone().requires_grad_()
-    dy = torch.randn(m, n, generator=g)
+    dy = torch.randn(m, n, generator=g).to(dtype)
     modules = {
-        "LayerNorm": (layernorm.LayerNorm(n), torch.nn.LayerNorm(n)),
-        "RMSNorm": (layernorm.RMSNorm(n), torch.nn.RMSNorm(n)),
+        "LayerNorm": (layernorm.LayerNorm(n, dtype=dtype), torch.nn.LayerNorm(n, dtype=dtype)),
+        "RMSNorm": (layernorm.RMSNorm(n, dtype=dtype), torch.nn.RMSNorm(n, dtype=dtype)),
     }
     fns: dict[str, Callable[[], None]] = {}
     for name, pair in modules.items():
@@ -135,11 +139,13 @@ def module_providers(m: int, n: int) -> dict[str, Callable[[], None]]:
     return fns
 
 
-def small_module_table(shapes: list[tuple[int, int]], reps: int, threads: list[int]) -> None:
+def small_module_table(
+    shapes: list[tuple[int, int]], reps: int, threads: list[int], dtype: str = "float32"
+) -> None:
     """Ours / torch for the modules at small and medium shapes, each thread count in its own
     round."""
     before = torch.get_num_threads()
-    print("modules on small and medium inputs, float32, median µs; ratio = ours / torch's module")
+    print(f"modules on small and medium inputs, {dtype}, median µs; ratio = ours / torch's module")
     cols = ("module", "mode", "M x N", "threads", "ours", "torch", "ratio")
     print("{:<10} {:<8} {:>8} {:>7} {:>8} {:>8} {:>6}".format(*cols))
     for n_threads in threads:
@@ -147,7 +153,8 @@ def small_module_table(shapes: list[tuple[int, int]], reps: int, threads: list[i
         for m, n in shapes:
             # fewer reps for larger calls (the work of `reps` calls at (8, 768)), at least 200
             shape_reps = max(200, reps * 8 * 768 // max(m * n, 8 * 768))
-            times = interleaved_ms(module_providers(m, n), warmup=50, reps=shape_reps)
+            providers = module_providers(m, n, DTYPES[dtype])
+            times = interleaved_ms(providers, warmup=50, reps=shape_reps)
             for name in ("LayerNorm", "RMSNorm"):
                 for mode in ("fwd", "fwd+bwd"):
                     ours, theirs = times[f"{name} {mode} ours"], times[f"{name} {mode} torch"]
@@ -208,7 +215,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"ISA targets this CPU runs: {runs}; vector flags: {flags}; load average {load}\n")
     if args.small_shapes:
         threads = [args.threads] if args.threads else list(SMALL_THREADS)
-        small_module_table(args.small_shapes, args.small_reps, threads)
+        small_module_table(args.small_shapes, args.small_reps, threads, args.dtype)
     if not args.shapes:
         return
     print(f"forward+backward, {args.dtype}, median ms; ratio = ours / torch layer_norm (w, b)\n")

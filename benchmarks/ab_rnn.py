@@ -21,6 +21,13 @@ target are built once more with each set added, and each provider's calls run it
 
     python benchmarks/ab_rnn.py --shape 1000x4x32x128 --mode infer --cflags \
         --a="" --b="-DGEMM_PREFETCH=8"
+
+With ``--gemm`` they name the sequence kernels' float32 recurrent GEMM (``rnn.use_gemm``: ``mkl``,
+MKL's packed GEMM, or ``tile``, the library's own). ``--shape`` takes several shapes separated by
+commas, each timed on its own in turn:
+
+    python benchmarks/ab_rnn.py --gemm --a tile --b mkl --mode infer \
+        --shape 100x32x128x256,1000x4x32x128
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ def main() -> None:
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--attr", help="an attribute of layernorm.recurrent._fused")
     what.add_argument("--cflags", action="store_true", help="--a and --b are compiler flags")
+    what.add_argument("--gemm", action="store_true", help="--a and --b name rnn.use_gemm choices")
     ap.add_argument("--a", required=True, help="its value for provider A (a Python expression)")
     ap.add_argument("--b", required=True, help="its value for provider B")
     ap.add_argument("--reps", type=int, default=15)
@@ -60,44 +68,51 @@ def main() -> None:
         }
         if None in libs.values():
             ap.error("a variant's C kernels did not build (see the warning)")
-        values: dict[str, object] = {k: (lambda lib=lib: lib) for k, lib in libs.items()}
-        module, attr = rnn, "_library"
+        setters = {
+            k: (lambda lib=lib: setattr(rnn, "_library", lambda: lib)) for k, lib in libs.items()
+        }
+    elif args.gemm:
+        for v in (args.a, args.b):
+            if v not in rnn.GEMM_CHOICES:
+                ap.error(f"--gemm: --a and --b must be among {rnn.GEMM_CHOICES}, got {v!r}")
+        setters = {k: (lambda v=v: rnn.use_gemm(v)) for k, v in (("A", args.a), ("B", args.b))}
     else:
         if not hasattr(_fused, args.attr):
             ap.error(f"layernorm.recurrent._fused has no attribute {args.attr!r}")
         scope = {"_fused": _fused}
         # the command line's own expressions, evaluated as the user typed them
         values = {"A": eval(args.a, scope), "B": eval(args.b, scope)}
-        module, attr = _fused, args.attr
+        setters = {k: (lambda v=v: setattr(_fused, args.attr, v)) for k, v in values.items()}
     torch.set_num_threads(args.threads)
     use_clock(args.clock)
-    t, b, i, h = (int(v) for v in args.shape.split("x"))
-    torch.manual_seed(0)
-    tcls, ocls = KINDS[args.kind]
-    ref = tcls(i, h)
-    ours = ocls.from_torch(ref)
-    x = (torch.randn(t, b, i) + 0.5).requires_grad_(args.mode == "train")
-    run = step(ours, x, args.mode)
-
-    def with_value(value: object):
-        def fn() -> None:
-            setattr(module, attr, value)
-            run()
-
-        return fn
-
-    fns = {"torch": step(ref, x, args.mode), "A": with_value(values["A"]),
-           "B": with_value(values["B"])}  # fmt: skip
-    samples = interleaved_samples(fns, warmup=3, reps=args.reps)
-    med = {k: statistics.median(v) for k, v in samples.items()}
-    low = {k: min(v) for k, v in samples.items()}
     print(f"device: {cpu_model()} | kernels {targets.selected().name} | torch {torch.__version__} "
           f"| threads {args.threads} | clock {args.clock}")  # fmt: skip
-    setting = args.attr or "cflags"
-    print(f"{args.kind} {(t, b, i, h)} {args.mode}: torch {med['torch']:.2f} ms; {setting} "
-          f"A = {args.a}: {med['A'] / med['torch']:.2f} ({low['A'] / low['torch']:.2f}), "
-          f"B = {args.b}: {med['B'] / med['torch']:.2f} ({low['B'] / low['torch']:.2f}) "
-          f"x torch, medians (fastest rounds) of {args.reps} rounds")  # fmt: skip
+    setting = args.attr or ("cflags" if args.cflags else "gemm")
+    for shape in args.shape.split(","):
+        t, b, i, h = (int(v) for v in shape.split("x"))
+        torch.manual_seed(0)
+        tcls, ocls = KINDS[args.kind]
+        ref = tcls(i, h)
+        ours = ocls.from_torch(ref)
+        x = (torch.randn(t, b, i) + 0.5).requires_grad_(args.mode == "train")
+        run = step(ours, x, args.mode)
+
+        def with_setting(apply, run=run):
+            def fn() -> None:
+                apply()
+                run()
+
+            return fn
+
+        fns = {"torch": step(ref, x, args.mode), "A": with_setting(setters["A"]),
+               "B": with_setting(setters["B"])}  # fmt: skip
+        samples = interleaved_samples(fns, warmup=3, reps=args.reps)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        low = {k: min(v) for k, v in samples.items()}
+        print(f"{args.kind} {(t, b, i, h)} {args.mode}: torch {med['torch']:.2f} ms; {setting} "
+              f"A = {args.a}: {med['A'] / med['torch']:.2f} ({low['A'] / low['torch']:.2f}), "
+              f"B = {args.b}: {med['B'] / med['torch']:.2f} ({low['B'] / low['torch']:.2f}) "
+              f"x torch, medians (fastest rounds) of {args.reps} rounds")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import CLOCKS, cpu_model, interleaved_samples, use_clock
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.kernels.cpu import isa as kernel_isa
-from layernorm.kernels.cpu import targets
+from layernorm.kernels.cpu import rnn, targets
 from layernorm.recurrent import (
     StepKernels,
     _fused,
@@ -201,9 +201,9 @@ def main() -> None:
 
 def run(args: argparse.Namespace) -> None:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"device: {cpu_model()} | kernels {kernel_isa()} | torch {torch.__version__} | "
-          f"threads {torch.get_num_threads()} | mkldnn {torch.backends.mkldnn.is_available()} "
-          f"| {date}")  # fmt: skip
+    print(f"device: {cpu_model()} | kernels {kernel_isa()} (recurrent GEMM: "
+          f"{rnn.gemm_in_use()}) | torch {torch.__version__} | threads {torch.get_num_threads()} "
+          f"| mkldnn {torch.backends.mkldnn.is_available()} | {date}")  # fmt: skip
     what = "forward + backward" if args.mode == "train" else "forward under no_grad"
     clock = "thread CPU time" if args.clock == "thread" else "wall time"
     print(

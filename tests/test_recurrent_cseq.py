@@ -14,6 +14,7 @@ of the GEMM.
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 
 import pytest
@@ -283,3 +284,143 @@ def test_gru_backward_keeps_dgh_only_where_it_is_read_after_the_loop(
     assert seen, "the GRU backward ran no C kernel"
     for d, n, b in seen:
         assert d == {"B": b, "N": n}[dgh_rows], (d, n, b)
+
+
+# MKL's packed GEMM in the sequence kernels (kernels/cpu/rnn.py use_gemm): cblas_sgemm_compute's
+# C signature, to count its calls through a forwarder placed in the loaded library.
+_MKL_COMPUTE = ctypes.CFUNCTYPE(
+    None, *(ctypes.c_int,) * 6, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+    ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+)  # fmt: skip
+
+
+@pytest.fixture
+def mkl_calls():
+    """Choose MKL's packed GEMM and count the selected library's cblas_sgemm_compute calls: a
+    list whose one item counts. Afterwards the processor's default again, set from PyTorch's own
+    entry points (not from anything the test made)."""
+    from layernorm.kernels.cpu import rnn, targets
+
+    real = rnn.torch_packed_gemm()
+    if real is None:
+        pytest.skip("this PyTorch exports no MKL packed GEMM")
+    assert rnn._library() is not None
+    calls = [0]
+    real_compute = _MKL_COMPUTE(real[2])
+
+    def forward(*args):
+        calls[0] += 1
+        real_compute(*args)
+
+    forwarder = _MKL_COMPUTE(forward)
+    try:
+        rnn.use_gemm("mkl")
+        set_packed_gemm = rnn._LOADED[targets.selected().name, ()]
+        assert set_packed_gemm(real[0], real[1], ctypes.cast(forwarder, ctypes.c_void_p)) == 0
+        yield calls
+    finally:
+        rnn.use_gemm(None)
+
+
+def _grains_one(monkeypatch) -> None:
+    for name in ("_GEMM_GRAIN", "_GRAIN", "_SEQ_GEMM_GRAIN", "_SEQ_GRAIN"):
+        monkeypatch.setattr(_cstep, name, 1)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize(
+    ("threads", "lengths", "uses_mkl"),
+    [(1, [7] * 5, True), (2, [6] * 9, True), (2, [6, 5, 6, 4, 6, 3, 6, 6, 5], False)],
+    ids=["one thread", "threads by batch rows", "threads share ragged steps"],
+)
+def test_mkl_packed_gemm_against_float64(monkeypatch, mkl_calls, kind, threads, lengths, uses_mkl):
+    """With MKL's packed GEMM chosen, float32 outputs and gradients are as near the float64 run
+    as the tile's, and MKL runs wherever each GEMM runs on one thread: one thread, or a team whose
+    threads each carry their own rows of the batch through every step; where a team shares each
+    step's GEMM by columns (ragged batches), the tile runs."""
+    from layernorm.kernels.cpu import rnn
+
+    _grains_one(monkeypatch)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = _model(kind, 37, "layer", torch.float32)
+        gen = torch.Generator().manual_seed(2)
+        xs = [0.5 + torch.randn(n, 6, generator=gen) for n in lengths]
+        ours = _run(model, xs, packed=True)
+        called = mkl_calls[0]
+        rnn.use_gemm("tile")
+        tile = _run(model, xs, packed=True)
+        assert mkl_calls[0] == called  # the tile's run makes no MKL call
+    finally:
+        torch.set_num_threads(saved)
+    assert (called > 0) == uses_mkl, called
+    exact = _run(copy.deepcopy(model).double(), [x.double() for x in xs], packed=True)
+    assert_close_to_rounding(ours, tile, exact, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_mkl_packed_gemm_inference_projection(mkl_calls, kind) -> None:
+    """Inference (no gradient): the input projection runs in the time loop by MKL's packed GEMM
+    too (x · W_ihᵀ and h · W_hhᵀ each step); results as near float64 as the tile's."""
+    from layernorm.kernels.cpu import rnn
+
+    model = _model(kind, 24, "layer", torch.float32)
+    x = 0.5 + torch.randn(9, 6, 6, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = list(model(x)[0:1])
+        assert mkl_calls[0] >= 2 * 9, mkl_calls[0]
+        rnn.use_gemm("tile")
+        tile = list(model(x)[0:1])
+        exact = list(copy.deepcopy(model).double()(x.double())[0:1])
+    assert_close_to_rounding(ours, tile, exact, **TOL[torch.float32])
+
+
+def test_mkl_packed_gemm_not_for_float64(mkl_calls) -> None:
+    """MKL's packed GEMM is float32 only: float64 layers keep the tile."""
+    model = _model("lstm", 16, "layer", torch.float64)
+    xs = [0.5 + torch.randn(5, 6, dtype=torch.float64) for _ in range(4)]
+    _run(model, xs, packed=False)
+    assert mkl_calls[0] == 0
+
+
+def test_packed_gemm_entry_points_all_or_none() -> None:
+    """The C setter takes MKL's three entry points together or none, and changes nothing when
+    given some: the layers then run as before."""
+    from layernorm.kernels.cpu import rnn, targets
+
+    assert rnn._library() is not None
+    set_packed_gemm = rnn._LOADED[targets.selected().name, ()]
+    assert set_packed_gemm(None, None, ctypes.c_void_p(8)) == -1
+    assert set_packed_gemm(ctypes.c_void_p(8), None, None) == -1
+    model = _model("lstm", 16, "layer", torch.float32)
+    out = model(torch.randn(5, 4, 6))[0]  # would crash through address 8
+    assert torch.isfinite(out).all()
+
+
+def test_use_gemm_choices(monkeypatch) -> None:
+    """use_gemm names its choices when given another. By default MKL's packed GEMM runs where
+    PyTorch exports it, on an Intel processor with AVX-512, for a target without AVX-512 only."""
+    from layernorm.kernels.cpu import rnn, targets
+
+    with pytest.raises(ValueError, match=r"one of \('mkl', 'tile'\) or None, got 'blas'"):
+        rnn.use_gemm("blas")
+    avx512 = frozenset({"avx2", "avx512f"})
+    cases = [
+        ("GenuineIntel", avx512, "avx2", True),
+        ("GenuineIntel", avx512, "avx512", False),
+        ("GenuineIntel", avx512, "avx512bf16", False),
+        ("GenuineIntel", frozenset({"avx2"}), "avx2", False),
+        ("AuthenticAMD", avx512, "avx2", False),
+    ]
+    for vendor, features, isa, expected in cases:
+        monkeypatch.setattr(targets, "cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setattr(targets, "cpu_features", lambda f=features: f)
+        assert rnn.mkl_by_default(isa) == expected, (vendor, features, isa)
+    monkeypatch.setattr(rnn, "mkl_by_default", lambda isa: True)
+    assert rnn.gemm_in_use() == ("mkl" if rnn.torch_packed_gemm() else "tile")
+    try:
+        rnn.use_gemm("tile")
+        assert rnn.gemm_in_use() == "tile"
+    finally:
+        rnn.use_gemm(None)

@@ -36,6 +36,83 @@ EXTRA_FLAGS = ("-fno-math-errno", "-fno-trapping-math")
 
 KernelTable = dict[tuple[str, torch.dtype], Any]
 
+#: The sequence kernels' float32 recurrent GEMMs: ``"mkl"`` (the running PyTorch's MKL packed
+#: GEMM, W packed once per call, where each GEMM runs on one thread), ``"tile"`` (the library's
+#: own packed tile), or ``None``: by processor (:func:`mkl_by_default`). Set by :func:`use_gemm`.
+GEMM_CHOICES = ("mkl", "tile")
+_gemm_choice: str | None = None
+_PACKED_GEMM_SYMBOLS = ("cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute")
+# rnn_set_packed_gemm of every library loaded, by (target, variant flags)
+_LOADED: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+
+@functools.cache
+def torch_packed_gemm() -> tuple[int, int, int] | None:
+    """The addresses of MKL's ``cblas_sgemm_pack_get_size``, ``cblas_sgemm_pack`` and
+    ``cblas_sgemm_compute`` in the running PyTorch's CPU library (its MKL is linked into
+    ``libtorch_cpu``, which is already loaded: ``RTLD_NOLOAD`` opens nothing new), or ``None``
+    where there is no such library or symbol."""
+    if not torch.backends.mkl.is_available():
+        return None
+    path = Path(torch.__file__).resolve().parent / "lib" / "libtorch_cpu.so"
+    try:
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        addresses = tuple(
+            ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _PACKED_GEMM_SYMBOLS
+        )
+    except (OSError, AttributeError):
+        return None
+    return addresses if all(addresses) else None  # type: ignore[return-value]
+
+
+def mkl_by_default(isa: str) -> bool:
+    """Whether the sequence kernels built for target ``isa`` multiply by MKL's packed GEMM unless
+    told (:func:`use_gemm`): on an Intel processor with AVX-512 when the target has none (the AVX2
+    build, chosen by ``LAYERNORM_CPU_ISA`` or by a compiler without AVX-512 flags), since MKL
+    picks its own instruction set. There the LN-LSTM took 0.91-1.49x torch.nn.LSTM's time in
+    inference against 1.43-2.04x with the tile, 0.96-1.33x in training against 1.16-1.54x (Intel
+    Xeon, one thread). Not with the AVX-512 targets there (1.05-1.46x against 1.07-1.31x, the tile
+    level or faster at five of six shapes, MKL's fixed cost per call at few rows), nor on AMD
+    (1.33-2.04x against 1.02-1.25x, AMD EPYC with AVX-512), nor on AVX2-only processors (MKL's
+    packed GEMM at 0.5-0.8x the tile's rate on an AMD EPYC; Intel's unmeasured)."""
+    (features,) = {t.features for t in targets.TARGETS if t.name == isa}
+    return (
+        targets.cpu_vendor() == "GenuineIntel"
+        and "avx512f" in targets.cpu_features()
+        and "avx512f" not in features
+    )
+
+
+def _packed_gemm_wanted(isa: str) -> bool:
+    return _gemm_choice == "mkl" if _gemm_choice else mkl_by_default(isa)
+
+
+def _apply_gemm(isa: str, set_packed_gemm: Any) -> None:
+    """Give a loaded library of target ``isa`` the MKL entry points (or none) the choice says."""
+    packed = torch_packed_gemm() if _packed_gemm_wanted(isa) else None
+    if set_packed_gemm(*(packed or (None, None, None))) != 0:
+        raise RuntimeError("layernorm: rnn_set_packed_gemm refused its entry points")
+
+
+def use_gemm(choice: str | None) -> None:
+    """Choose the sequence kernels' float32 recurrent GEMM for every library loaded or loaded
+    later: one of :data:`GEMM_CHOICES`, or ``None`` for the processor's default
+    (:func:`mkl_by_default`); ``"mkl"`` where PyTorch has no MKL runs the tile. Not while a
+    kernel runs (benchmarks and tests switch between calls)."""
+    global _gemm_choice
+    if choice is not None and choice not in GEMM_CHOICES:
+        raise ValueError(f"use_gemm: choice must be one of {GEMM_CHOICES} or None, got {choice!r}")
+    _gemm_choice = choice
+    for (isa, _), set_packed_gemm in _LOADED.items():
+        _apply_gemm(isa, set_packed_gemm)
+
+
+def gemm_in_use() -> str:
+    """``"mkl"`` or ``"tile"``: what the sequence kernels' float32 GEMMs run on where each GEMM
+    runs on one thread (the tile shares the others out by columns), on the selected target."""
+    wanted = _packed_gemm_wanted(targets.selected().name)
+    return "mkl" if wanted and torch_packed_gemm() else "tile"
+
 
 def _build(target: targets.Target | None = None, variant: tuple[str, ...] = ()) -> Path:
     """Compile the kernels for ``target`` (default: the selected one) unless cached; ``variant``:
@@ -68,6 +145,10 @@ def _library_for(isa: str, variant: tuple[str, ...] = ()) -> tuple[KernelTable, 
         for name in ("rnn_vector_bytes", "rnn_direct_rows"):
             getattr(lib, name).restype = ctypes.c_int
             getattr(lib, name).argtypes = ()
+        lib.rnn_set_packed_gemm.restype = ctypes.c_int
+        lib.rnn_set_packed_gemm.argtypes = (ctypes.c_void_p,) * 3
+        _apply_gemm(isa, lib.rnn_set_packed_gemm)
+        _LOADED[isa, variant] = lib.rnn_set_packed_gemm
         return fns, lib.rnn_vector_bytes(), lib.rnn_direct_rows()
     except Exception as err:  # any failure falls back to the eager step functions
         warnings.warn(

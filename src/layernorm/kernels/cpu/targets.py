@@ -101,6 +101,21 @@ def cpu_features() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as ``/proc/cpuinfo`` names it (``GenuineIntel``, ``AuthenticAMD``; empty
+    where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip().lower() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 class UnavailableIsaError(RuntimeError):
     """The named target is unknown, or this CPU lacks features it needs."""
 

@@ -24,6 +24,12 @@
 int rnn_vector_bytes(void);
 /* Rows (all steps) up to which a forward sequence kernel reads its weights as stored. */
 int rnn_direct_rows(void);
+/* The sequence kernels' float GEMMs by MKL's packed GEMM where the caller runs each on
+   one thread (cblas_sgemm_pack_get_size, cblas_sgemm_pack, cblas_sgemm_compute of the
+   running PyTorch; rnn.py decides), by the library's own tile where all three are NULL.
+   0, or -1 (nothing set) unless all three or none are given. Set before the kernels run,
+   not while they do. */
+int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute);
 
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {

@@ -3,6 +3,7 @@
 #ifndef LAYERNORM_RNN_COMMON_H
 #define LAYERNORM_RNN_COMMON_H
 
+#include <limits.h>
 #include <math.h>
 #include <omp.h>
 #include <sched.h>

@@ -7,14 +7,42 @@
 int rnn_vector_bytes(void) { return VEC_BYTES; }
 int rnn_direct_rows(void) { return DIRECT_ROWS; }
 
+/* MKL's packed GEMM (cblas_sgemm_pack_get_size, cblas_sgemm_pack, cblas_sgemm_compute) as the
+   running PyTorch's own CPU library exports it; rnn.py looks the three up and decides where they
+   are used. All NULL: the library's own tile. float only: no packed dgemm is exported. MKL_INT is
+   int (LP64) and the CBLAS enums are ints. */
+typedef size_t (*mkl_pack_size_fn)(int identifier, int m, int n, int k);
+typedef void (*mkl_pack_fn)(int layout, int identifier, int trans, int m, int n, int k,
+                            float alpha, const float* src, int ld, float* dest);
+typedef void (*mkl_compute_fn)(int layout, int transa, int transb, int m, int n, int k,
+                               const float* a, int lda, const float* b, int ldb, float beta,
+                               float* c, int ldc);
+static mkl_pack_size_fn mkl_pack_size = NULL;
+static mkl_pack_fn mkl_pack = NULL;
+static mkl_compute_fn mkl_compute = NULL;
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112, CBLAS_PACKED = 151,
+       CBLAS_B_MATRIX = 162 };
+
+int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute) {
+    if (!pack_size != !pack || !pack != !compute) return -1; /* all three or none */
+    mkl_pack_size = (mkl_pack_size_fn)pack_size;
+    mkl_pack = (mkl_pack_fn)pack;
+    mkl_compute = (mkl_compute_fn)compute;
+    return 0;
+}
+
 #define scalar_t float
 #define SUF f32
+#define SEQ_PACKED_GEMM 1 /* the MKL path above exists for this type */
 #include "rnn_seq_impl.h"
 #undef scalar_t
 #undef SUF
+#undef SEQ_PACKED_GEMM
 
 #define scalar_t double
 #define SUF f64
+#define SEQ_PACKED_GEMM 0
 #include "rnn_seq_impl.h"
 #undef scalar_t
 #undef SUF
+#undef SEQ_PACKED_GEMM

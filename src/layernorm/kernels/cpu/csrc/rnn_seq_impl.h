@@ -462,6 +462,75 @@ static const scalar_t* FN(packed_weight)(const scalar_t* w, i64 K, i64 N, int tr
     return P;
 }
 
+/* A sequence kernel's weight as its GEMMs take it, B[K, N] of C = A · B: forward (transposed)
+   W_hhᵀ or W_ihᵀ read from W [N, K], backward W_hh [K, N] itself. Packed into the tile's panels,
+   or by MKL's packed GEMM (float, where rnn.py set it: rnn_set_packed_gemm) when the caller runs
+   each GEMM on one thread, the whole sequence or a thread's own rows of the batch: MKL's packed B
+   cannot be shared out by columns as the panels are. */
+typedef struct {
+    const scalar_t* panels; /* the tile's, or NULL */
+    const float* mkl;       /* MKL's packed B, or NULL */
+    i64 K, N;
+} FN(weight);
+
+/* Whether a sequence of batch B whose GEMMs each run on one thread may use MKL's packed GEMM. */
+static inline int FN(mkl_gemm_usable)(i64 B, i64 K, i64 N) {
+#if SEQ_PACKED_GEMM
+    return mkl_compute && B <= INT_MAX && K <= INT_MAX && N <= INT_MAX;
+#else
+    (void)B, (void)K, (void)N;
+    return 0;
+#endif
+}
+
+/* Pack W into buffer `slot` as b: for MKL (use_mkl, which mkl_gemm_usable allowed; `rows` the
+   rows of a call, which MKL's blocking may use) or into panels with nt threads. 0 when the buffer
+   cannot grow (the caller returns RNN_ERR_NOMEM). */
+static int FN(weight_init)(FN(weight) * b, const scalar_t* w, i64 K, i64 N, int transposed,
+                           int use_mkl, i64 rows, int nt, int slot) {
+    *b = (FN(weight)){NULL, NULL, K, N};
+#if SEQ_PACKED_GEMM
+    if (use_mkl) {
+        const int m = rows < 1 ? 1 : (int)rows;
+        const size_t bytes = mkl_pack_size(CBLAS_B_MATRIX, m, (int)N, (int)K);
+        float* P = FN(pack_buffer)((i64)((bytes + sizeof(float) - 1) / sizeof(float)), slot);
+        if (!P) return 0;
+        mkl_pack(CBLAS_ROW_MAJOR, CBLAS_B_MATRIX, transposed ? CBLAS_TRANS : CBLAS_NO_TRANS, m,
+                 (int)N, (int)K, 1.0f, w, (int)(transposed ? K : N), P);
+        b->mkl = P;
+        return 1;
+    }
+#else
+    (void)use_mkl, (void)rows;
+#endif
+    b->panels = FN(packed_weight)(w, K, N, transposed, nt, slot);
+    return b->panels != NULL;
+}
+
+/* Part `part` of `parts` of C[M, N] (=|+=) A[M, K] · B, A row-major with leading dimension lda:
+   a contiguous share of the panels; MKL's packed B only as one part (weight_init's callers). */
+static void FN(wgemm_part)(const FN(weight) * b, i64 M, const scalar_t* A, i64 lda, scalar_t* C,
+                           i64 ldc, int accumulate, int part, int parts) {
+#if SEQ_PACKED_GEMM
+    if (b->mkl) {
+        /* beta 0: C is not read (BLAS), so an unwritten buffer's NaN does not reach it */
+        if (M > 0)
+            mkl_compute(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_PACKED, (int)M, (int)b->N,
+                        (int)b->K, A, (int)lda, b->mkl, (int)b->N, accumulate ? 1.0f : 0.0f, C,
+                        (int)ldc);
+        return;
+    }
+#endif
+    FN(gemm_part)(M, b->N, b->K, A, lda, 1, b->panels, C, ldc, accumulate, part, parts);
+}
+
+/* C[M, N] (=|+=) A[M, K] · B: MKL's packed GEMM, or the tile's panels split across nt threads. */
+static void FN(wgemm)(const FN(weight) * b, i64 M, const scalar_t* A, i64 lda, scalar_t* C,
+                      i64 ldc, int accumulate, int nt) {
+    if (b->mkl) FN(wgemm_part)(b, M, A, lda, C, ldc, accumulate, 0, 1);
+    else FN(gemm)(M, b->N, b->K, A, lda, 1, b->panels, C, ldc, accumulate, nt);
+}
+
 /* Threads of a step's GEMM over `cols` output columns and of its step kernel. */
 static inline int FN(gemm_threads)(i64 rows, i64 cols, i64 inner, i64 grain, int nt) {
     return threads_for(rows * cols * inner, FN(panels)(cols), grain, nt);
@@ -583,13 +652,17 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                 team = TEAM_MAX(team, FN(gemm_threads)(rows, G, I, s->gemm_grain, s->threads));   \
         }                                                                                         \
         const int direct = all_rows <= DIRECT_ROWS; /* weights read as stored, not packed */      \
-        const scalar_t* w = direct ? s->w : FN(packed_weight)(s->w, H, G, 1, s->threads, 0);      \
-        const scalar_t* wx = !s->x || direct ? s->w_ih                                            \
-                                             : FN(packed_weight)(s->w_ih, I, G, 1, s->threads, 1);\
-        if (!w || (s->x && !wx)) return RNN_ERR_NOMEM;                                            \
         team = team_cap(team);                                                                    \
         const i64 packed = (H + (s->x ? I : 0)) * FN(panels)(G) * NR * (i64)sizeof(scalar_t);     \
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
+        /* MKL where each GEMM runs on one thread: alone, or on a thread's rows of the batch */   \
+        const int mkl = (team == 1 || by_rows) && FN(mkl_gemm_usable)(a->B, H + I, G);           \
+        const i64 mkl_rows = by_rows ? (a->B + team - 1) / team : a->B;                          \
+        FN(weight) wb = {0}, wxb = {0}; /* unless direct */                                       \
+        if (!direct && (!FN(weight_init)(&wb, s->w, H, G, 1, mkl, mkl_rows, s->threads, 0) ||     \
+                        (s->x && !FN(weight_init)(&wxb, s->w_ih, I, G, 1, mkl, mkl_rows,          \
+                                                  s->threads, 1))))                               \
+            return RNN_ERR_NOMEM;                                                                 \
         if (team > 1 && !direct) {                                                                \
             for (i64 k = 0; k < s->n_steps; ++k)                                                  \
                 if (!rows_in_range(s->steps[2 * k], s->steps[2 * k + 1], a->N, a->B))             \
@@ -607,13 +680,12 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     mine.rows = s->steps[2 * k + 1];                                              \
                     scalar_t* hp = a->hp + kept_row(a->R, a->N, mine.off, 0) * G;                 \
                     if (s->x)                                                                     \
-                        FN(gemm_part)(hi - lo, G, I, s->x + (mine.off + lo) * I, I, 1, wx,        \
-                                      a->gx + lo * G, G, 0, 0, 1);                                \
+                        FN(wgemm_part)(&wxb, hi - lo, s->x + (mine.off + lo) * I, I,              \
+                                       a->gx + lo * G, G, 0, 0, 1);                               \
                     else                                                                          \
                         prefetch_l2(a->gx + (mine.off + lo) * G,                                  \
                                     (hi - lo) * G * (i64)sizeof(scalar_t));                       \
-                    FN(gemm_part)(hi - lo, G, H, a->h + lo * H, H, 1, w, hp + lo * G, G, 0, 0,    \
-                                  1);                                                             \
+                    FN(wgemm_part)(&wb, hi - lo, a->h + lo * H, H, hp + lo * G, G, 0, 0, 1);      \
                     if (s->x)                                                                     \
                         FN(input_rows)(a->gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm,   \
                                        lo, hi);                                                   \
@@ -627,13 +699,13 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     if (s->x) {                                                                   \
                         const int xnt = FN(gemm_threads)(mine.rows, G, I, s->gemm_grain, nth);    \
                         if (tid < xnt)                                                            \
-                            FN(gemm_part)(mine.rows, G, I, s->x + mine.off * I, I, 1, wx, a->gx,  \
-                                          G, 0, tid, xnt);                                        \
+                            FN(wgemm_part)(&wxb, mine.rows, s->x + mine.off * I, I, a->gx, G, 0,  \
+                                           tid, xnt);                                             \
                     } else if (tid == 0) {                                                        \
                         prefetch_l2(a->gx + mine.off * G, mine.rows * G * (i64)sizeof(scalar_t)); \
                     }                                                                             \
                     if (tid < gnt)                                                                \
-                        FN(gemm_part)(mine.rows, G, H, a->h, H, 1, w, hp, G, 0, tid, gnt);        \
+                        FN(wgemm_part)(&wb, mine.rows, a->h, H, hp, G, 0, tid, gnt);              \
                     team_wait(&bar, nth);                                                         \
                     const int rnt = threads_for(mine.rows * G, mine.rows, s->grain, nth);         \
                     if (tid < rnt) {                                                              \
@@ -656,16 +728,16 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
             if (s->x) {                                                                           \
                 const scalar_t* xr = s->x + step.off * I;                                         \
                 const int xnt = FN(gemm_threads)(step.rows, G, I, s->gemm_grain, s->threads);     \
-                if (direct) FN(gemm_nt_direct)(step.rows, G, I, xr, wx, a->gx, G, xnt);           \
-                else FN(gemm)(step.rows, G, I, xr, I, 1, wx, a->gx, G, 0, xnt);                   \
+                if (direct) FN(gemm_nt_direct)(step.rows, G, I, xr, s->w_ih, a->gx, G, xnt);      \
+                else FN(wgemm)(&wxb, step.rows, xr, I, a->gx, G, 0, xnt);                         \
                 FN(input_rows)(a->gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm, 0,        \
                                step.rows);                                                        \
             } else {                                                                              \
                 prefetch_l2(a->gx + step.off * G, step.rows * G * (i64)sizeof(scalar_t));         \
             }                                                                                     \
             const int gemm_nt = FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads);     \
-            if (direct) FN(gemm_nt_direct)(step.rows, G, H, a->h, w, hp, G, gemm_nt);             \
-            else FN(gemm)(step.rows, G, H, a->h, H, 1, w, hp, G, 0, gemm_nt);                     \
+            if (direct) FN(gemm_nt_direct)(step.rows, G, H, a->h, s->w, hp, G, gemm_nt);          \
+            else FN(wgemm)(&wb, step.rows, a->h, H, hp, G, 0, gemm_nt);                           \
             step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);           \
             STEP_FN(&step);                                                                       \
         }                                                                                         \
@@ -690,14 +762,17 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
             team = TEAM_MAX(team, FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));  \
             team = TEAM_MAX(team, threads_for(step.rows * G, step.rows, s->grain, s->threads));   \
         }                                                                                         \
-        const scalar_t* w = FN(packed_weight)(s->w, G, H, 0, s->threads, 0);                     \
-        if (!w) return RNN_ERR_NOMEM;                                                             \
         team = team_cap(team);                                                                    \
+        const i64 packed = G * FN(panels)(H) * NR * (i64)sizeof(scalar_t);                         \
+        const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
+        const int mkl = (team == 1 || by_rows) && FN(mkl_gemm_usable)(a->B, G, H);               \
+        FN(weight) wb; /* W_hh itself: dh = dhp · W_hh */                                         \
+        if (!FN(weight_init)(&wb, s->w, G, H, 0, mkl, by_rows ? (a->B + team - 1) / team : a->B, \
+                             s->threads, 0))                                                      \
+            return RNN_ERR_NOMEM;                                                                 \
         FN(grad_sums) sums;                                                                       \
         if (FN(grad_sums_init)(&sums, FN(grad_sums_count)((SUMMED), (N_OUT)), team))             \
             return RNN_ERR_NOMEM;                                                                 \
-        const i64 packed = G * FN(panels)(H) * NR * (i64)sizeof(scalar_t);                         \
-        const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
         if (team > 1) {                                                                           \
             team_barrier bar;                                                                     \
             team_init(&bar);                                                                      \
@@ -713,8 +788,8 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     mine.rows = s->steps[2 * k + 1];                                              \
                     ROWS_FN(&mine, lo, hi, part);                                                 \
                     FN(grad_sums_add)(&sums, tid, hi - lo, &pending, 0);                          \
-                    FN(gemm_part)(hi - lo, H, G, a->dhp + (mine.off + lo) * G, G, 1, w,           \
-                                  a->dh + lo * H, H, (ACCUMULATE), 0, 1);                         \
+                    FN(wgemm_part)(&wb, hi - lo, a->dhp + (mine.off + lo) * G, G, a->dh + lo * H, \
+                                   H, (ACCUMULATE), 0, 1);                                        \
                 }                                                                                 \
                 for (i64 k = s->n_steps - 1; !by_rows && k >= 0; --k) {                           \
                     mine.off = s->steps[2 * k];                                                   \
@@ -728,8 +803,8 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     team_wait(&bar, nth);                                                         \
                     const int gnt = FN(gemm_threads)(mine.rows, H, G, s->gemm_grain, nth);        \
                     if (tid < gnt)                                                                \
-                        FN(gemm_part)(mine.rows, H, G, a->dhp + mine.off * G, G, 1, w, a->dh, H,  \
-                                      (ACCUMULATE), tid, gnt);                                    \
+                        FN(wgemm_part)(&wb, mine.rows, a->dhp + mine.off * G, G, a->dh, H,        \
+                                       (ACCUMULATE), tid, gnt);                                   \
                     team_wait(&bar, nth);                                                         \
                 }                                                                                 \
                 FN(grad_sums_add)(&sums, tid, 0, &pending, 1);                                    \
@@ -742,8 +817,7 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                 step.rows = s->steps[2 * k + 1];                                                  \
                 ROWS_FN(&step, 0, step.rows, part);                                               \
                 FN(grad_sums_add)(&sums, 0, step.rows, &pending, 0);                              \
-                FN(gemm)(step.rows, H, G, a->dhp + step.off * G, G, 1, w, a->dh, H, (ACCUMULATE), \
-                         1);                                                                      \
+                FN(wgemm)(&wb, step.rows, a->dhp + step.off * G, G, a->dh, H, (ACCUMULATE), 1);   \
             }                                                                                     \
             FN(grad_sums_add)(&sums, 0, 0, &pending, 1);                                          \
         }                                                                                         \

@@ -503,9 +503,13 @@ def test_large_layer_norm_under_no_grad_runs_the_fused_kernels(monkeypatch):
 
 def test_small_rms_norm_under_no_grad_runs_torch_s_kernel(monkeypatch):
     """Where nothing needs a gradient a small float32 / float64 RMSNorm runs ``torch.rms_norm``
-    (the same formula, within the fused kernels' tolerance); with a gradient, in bfloat16, from
-    the buffer cache's output size on, or with a shape torch would refuse, the fused path runs."""
+    (the same formula, within the fused kernels' tolerance); with a gradient, in bfloat16 where
+    torch's kernel would round twice, from the buffer cache's output size on, or with a shape
+    torch would refuse, the fused path runs."""
     from layernorm.kernels.cpu import buffers
+    from layernorm.modules import normalization
+
+    monkeypatch.setattr(normalization, "_torch_rms_norm_rounds_once", lambda dtype: False)
 
     real = torch.rms_norm
     torch_calls: list[tuple[int, ...]] = []
@@ -531,6 +535,65 @@ def test_small_rms_norm_under_no_grad_runs_torch_s_kernel(monkeypatch):
     m(x.requires_grad_()).sum().backward()
     assert torch_calls == [(63, 16)]
     assert m.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_rms_norm_under_no_grad_runs_torch_s_kernel_where_it_rounds_once(monkeypatch, dtype):
+    """A half RMSNorm needing no gradient runs ``torch.rms_norm`` where the probe found torch's
+    kernel rounding once, and its result then keeps the fused kernels' error model (within one
+    rounding of float64 on the same inputs); with a gradient the fused path runs."""
+    from layernorm.modules import normalization
+
+    real = torch.rms_norm
+    calls: list[torch.dtype] = []
+
+    def spy(x, *args, **kwargs):
+        calls.append(x.dtype)
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(normalization, "_torch_rms_norm_rounds_once", lambda dt: True)
+    monkeypatch.setattr(torch, "rms_norm", spy)
+    m = layernorm.RMSNorm(96, dtype=dtype)
+    _randomize(m)
+    x = make_x((5, 96)).to(dtype)
+    with torch.no_grad():
+        y = m(x)
+    assert calls == [dtype]
+    xd, wd = x.double(), m.weight.double()
+    ref = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + m_eps(m, dtype)) * wd
+    unit = torch.finfo(dtype).eps / 2
+    assert ((y.double() - ref).abs() <= 1.001 * unit * ref.abs() + 1e-30).all()
+    m(x.requires_grad_()).sum().backward()
+    assert calls == [dtype]
+
+
+def m_eps(m, dtype) -> float:
+    return m.eps if m.eps is not None else layernorm.functional._RMS_DEFAULT_EPS[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_probe_refuses_a_kernel_that_rounds_twice(monkeypatch, dtype):
+    """The probe behind the half route: a kernel that rounds x·rstd to the half type before the
+    gain's product (as a composition in x's dtype does) is refused, one that rounds once (the
+    fused kernels') accepted, one that raises refused."""
+    from layernorm.modules import normalization
+
+    probe = normalization._torch_rms_norm_rounds_once.__wrapped__
+
+    def twice(x, shape, weight, eps):
+        xf = x.float()
+        xhat = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return xhat * weight
+
+    def refuses(*args):
+        raise RuntimeError("not here")
+
+    monkeypatch.setattr(torch, "rms_norm", twice)
+    assert not probe(dtype)
+    monkeypatch.setattr(torch, "rms_norm", lambda x, s, w, e: layernorm.rms_norm(x, s, w, e))
+    assert probe(dtype)
+    monkeypatch.setattr(torch, "rms_norm", refuses)
+    assert not probe(dtype)
 
 
 @pytest.mark.parametrize("cls", [layernorm.LayerNorm, layernorm.RMSNorm])

@@ -483,6 +483,12 @@ static inline int FN(mkl_gemm_usable)(i64 B, i64 K, i64 N) {
 #endif
 }
 
+/* The rows of one GEMM call where each runs on one thread: a thread's share of the batch
+   (by_rows) or the batch; MKL's packing may block by them. */
+static inline i64 FN(mkl_rows)(i64 B, int team, int by_rows) {
+    return by_rows ? (B + team - 1) / team : B;
+}
+
 /* Pack W into buffer `slot` as b: for MKL (use_mkl, which mkl_gemm_usable allowed; `rows` the
    rows of a call, which MKL's blocking may use) or into panels with nt threads. 0 when the buffer
    cannot grow (the caller returns RNN_ERR_NOMEM). */
@@ -657,7 +663,7 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
         /* MKL where each GEMM runs on one thread: alone, or on a thread's rows of the batch */   \
         const int mkl = (team == 1 || by_rows) && FN(mkl_gemm_usable)(a->B, H + I, G);           \
-        const i64 mkl_rows = by_rows ? (a->B + team - 1) / team : a->B;                          \
+        const i64 mkl_rows = FN(mkl_rows)(a->B, team, by_rows);                                  \
         FN(weight) wb = {0}, wxb = {0}; /* unless direct */                                       \
         if (!direct && (!FN(weight_init)(&wb, s->w, H, G, 1, mkl, mkl_rows, s->threads, 0) ||     \
                         (s->x && !FN(weight_init)(&wxb, s->w_ih, I, G, 1, mkl, mkl_rows,          \
@@ -767,7 +773,7 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
         const int mkl = (team == 1 || by_rows) && FN(mkl_gemm_usable)(a->B, G, H);               \
         FN(weight) wb; /* W_hh itself: dh = dhp · W_hh */                                         \
-        if (!FN(weight_init)(&wb, s->w, G, H, 0, mkl, by_rows ? (a->B + team - 1) / team : a->B, \
+        if (!FN(weight_init)(&wb, s->w, G, H, 0, mkl, FN(mkl_rows)(a->B, team, by_rows),         \
                              s->threads, 0))                                                      \
             return RNN_ERR_NOMEM;                                                                 \
         FN(grad_sums) sums;                                                                       \

@@ -18,7 +18,8 @@
 # The host stage checks the C kernels on the GPU machine's own processor, often one with AVX-512
 # where the project's other machines may have AVX2 only: first, on the quiet machine, LN-LSTM/GRU
 # against torch per target (1 and 2 threads, training and inference, the six shapes of the
-# targets) and the recurrent GEMM's tile against MKL; then the tests of every instruction-set
+# targets), the recurrent GEMM's tile against MKL, and the layers' inference with the tile
+# against MKL's packed GEMM per target (ab_rnn.py --gemm); then the tests of every instruction-set
 # target (after the timings: a test run cut by a time limit can leave its workers running, and
 # timings beside running tests are not results). It needs a C compiler there (and uses
 # pytest-xdist where it is installed).
@@ -88,6 +89,12 @@ run_host() {
     done
     "$py" benchmarks/bench_rnn_gemm.py --reps 5 --inner 5 --rows 4,8,16,32,64 \
         --hidden 128,256,512,650 2>&1 | tee "$out/host_gemm.log"
+    # the sequence kernels' recurrent GEMM: the tile against MKL's packed GEMM, per target
+    for isa in ${HOST_ISAS:-$isas}; do
+        [[ "$isa" == portable ]] && continue
+        LAYERNORM_CPU_ISA=$isa "$py" benchmarks/ab_rnn.py --gemm --a tile --b mkl --mode infer \
+            --reps 7 --shape "$shapes" 2>&1 | tee -a "$out/host_gemm.log"
+    done
     local workers=()
     "$py" -c 'import xdist' 2>/dev/null && workers=(-n "${HOST_WORKERS:-8}")
     "$py" -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_cpu_isa.py \

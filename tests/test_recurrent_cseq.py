@@ -424,3 +424,18 @@ def test_use_gemm_choices(monkeypatch) -> None:
         assert rnn.gemm_in_use() == "tile"
     finally:
         rnn.use_gemm(None)
+
+
+def test_packed_gemm_checked_on_a_small_product() -> None:
+    """MKL's entry points are taken only where they give torch.mm's product on a small case: a
+    compute entry that writes nothing (as one with another integer width could) is refused."""
+    from layernorm.kernels.cpu import rnn
+
+    real = rnn.torch_packed_gemm()
+    if real is None:
+        pytest.skip("this PyTorch exports no MKL packed GEMM")
+    assert rnn._packed_gemm_multiplies(*real)
+    nothing = _MKL_COMPUTE(lambda *args: None)
+    assert not rnn._packed_gemm_multiplies(
+        real[0], real[1], ctypes.cast(nothing, ctypes.c_void_p).value
+    )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -51,7 +52,9 @@ def torch_packed_gemm() -> tuple[int, int, int] | None:
     """The addresses of MKL's ``cblas_sgemm_pack_get_size``, ``cblas_sgemm_pack`` and
     ``cblas_sgemm_compute`` in the running PyTorch's CPU library (its MKL is linked into
     ``libtorch_cpu``, which is already loaded: ``RTLD_NOLOAD`` opens nothing new), or ``None``
-    where there is no such library or symbol."""
+    where there is no such library or symbol, or where they do not give ``torch.mm``'s product on
+    a small case (the C side calls them with 32-bit sizes, MKL's LP64 interface, as PyTorch's
+    builds link it)."""
     if not torch.backends.mkl.is_available():
         return None
     path = Path(torch.__file__).resolve().parent / "lib" / "libtorch_cpu.so"
@@ -62,7 +65,27 @@ def torch_packed_gemm() -> tuple[int, int, int] | None:
         )
     except (OSError, AttributeError):
         return None
-    return addresses if all(addresses) else None  # type: ignore[return-value]
+    if not all(addresses) or not _packed_gemm_multiplies(*addresses):  # type: ignore[arg-type]
+        return None
+    return addresses  # type: ignore[return-value]
+
+
+def _packed_gemm_multiplies(pack_size: int, pack: int, compute: int) -> bool:
+    """Whether MKL's packed GEMM at these addresses computes ``A · Wᵀ`` as the sequence kernels
+    call it (row-major, W [N, K] packed transposed as B, beta 0) on a 3 × 5 by 5 × 4 case."""
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    get_size = ctypes.CFUNCTYPE(ctypes.c_size_t, i, i, i, i)(pack_size)
+    do_pack = ctypes.CFUNCTYPE(None, i, i, i, i, i, i, f, p, i, p)(pack)
+    do_compute = ctypes.CFUNCTYPE(None, i, i, i, i, i, i, p, i, p, i, f, p, i)(compute)
+    row_major, no_trans, trans, packed, b_matrix = 101, 111, 112, 151, 162
+    gen = torch.Generator().manual_seed(0)
+    a, w = torch.randn(3, 5, generator=gen), torch.randn(4, 5, generator=gen)
+    c = torch.full((3, 4), math.nan)
+    buf = torch.empty(get_size(b_matrix, 3, 4, 5) // 4 + 16)
+    do_pack(row_major, b_matrix, trans, 3, 4, 5, 1.0, w.data_ptr(), 5, buf.data_ptr())
+    do_compute(row_major, no_trans, packed, 3, 4, 5, a.data_ptr(), 5, buf.data_ptr(), 4, 0.0,
+               c.data_ptr(), 4)  # fmt: skip
+    return bool(torch.allclose(c, a @ w.t(), rtol=1e-5, atol=1e-6))
 
 
 def mkl_by_default(isa: str) -> bool:

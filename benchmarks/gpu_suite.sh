@@ -28,7 +28,7 @@
 # with TEST_ARGS="-n 8" 45 s; sweep with SWEEP_ARGS="--ns 1024 4096 16384 65536 262144" (five N,
 # torch.compile recompiling per shape) 95 s; tune 95 s (84 s of timings); host: about 30 s per
 # recurrent table at the six shapes, 20 s for the GEMM, then about 140 s of tests at 12 workers.
-# The machine's start adds about a minute.
+# The machine's start adds about a minute (30 s on 2026-11-27; tests with -n 8 then took 69 s).
 set -euo pipefail
 
 stage="${1:-all}"

@@ -470,6 +470,7 @@ static const scalar_t* FN(packed_weight)(const scalar_t* w, i64 K, i64 N, int tr
 typedef struct {
     const scalar_t* panels; /* the tile's, or NULL */
     const float* mkl;       /* MKL's packed B, or NULL */
+    mkl_compute_fn compute; /* taken at packing: a later rnn_set_packed_gemm does not reach it */
     i64 K, N;
 } FN(weight);
 
@@ -494,16 +495,21 @@ static inline i64 FN(mkl_rows)(i64 B, int team, int by_rows) {
    cannot grow (the caller returns RNN_ERR_NOMEM). */
 static int FN(weight_init)(FN(weight) * b, const scalar_t* w, i64 K, i64 N, int transposed,
                            int use_mkl, i64 rows, int nt, int slot) {
-    *b = (FN(weight)){NULL, NULL, K, N};
+    *b = (FN(weight)){NULL, NULL, NULL, K, N};
 #if SEQ_PACKED_GEMM
-    if (use_mkl) {
+    /* the entry points read once: a setter call since mkl_gemm_usable may have cleared them */
+    const mkl_pack_size_fn pack_size = mkl_pack_size;
+    const mkl_pack_fn pack = mkl_pack;
+    const mkl_compute_fn compute = mkl_compute;
+    if (use_mkl && pack_size && pack && compute) {
         const int m = rows < 1 ? 1 : (int)rows;
-        const size_t bytes = mkl_pack_size(CBLAS_B_MATRIX, m, (int)N, (int)K);
+        const size_t bytes = pack_size(CBLAS_B_MATRIX, m, (int)N, (int)K);
         float* P = FN(pack_buffer)((i64)((bytes + sizeof(float) - 1) / sizeof(float)), slot);
         if (!P) return 0;
-        mkl_pack(CBLAS_ROW_MAJOR, CBLAS_B_MATRIX, transposed ? CBLAS_TRANS : CBLAS_NO_TRANS, m,
-                 (int)N, (int)K, 1.0f, w, (int)(transposed ? K : N), P);
+        pack(CBLAS_ROW_MAJOR, CBLAS_B_MATRIX, transposed ? CBLAS_TRANS : CBLAS_NO_TRANS, m,
+             (int)N, (int)K, 1.0f, w, (int)(transposed ? K : N), P);
         b->mkl = P;
+        b->compute = compute;
         return 1;
     }
 #else
@@ -521,9 +527,9 @@ static void FN(wgemm_part)(const FN(weight) * b, i64 M, const scalar_t* A, i64 l
     if (b->mkl) {
         /* beta 0: C is not read (BLAS), so an unwritten buffer's NaN does not reach it */
         if (M > 0)
-            mkl_compute(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_PACKED, (int)M, (int)b->N,
-                        (int)b->K, A, (int)lda, b->mkl, (int)b->N, accumulate ? 1.0f : 0.0f, C,
-                        (int)ldc);
+            b->compute(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_PACKED, (int)M, (int)b->N,
+                       (int)b->K, A, (int)lda, b->mkl, (int)b->N, accumulate ? 1.0f : 0.0f, C,
+                       (int)ldc);
         return;
     }
 #endif

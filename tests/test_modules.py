@@ -706,3 +706,20 @@ def test_jit_trace_under_no_grad_replays_on_new_inputs(cls):
         traced = torch.jit.trace(m, make_x((2, 8)), check_trace=False)
         x = make_x((3, 8), offset=-1.0)
         torch.testing.assert_close(traced(x), m(x))
+
+
+def test_rms_norm_probe_ignores_default_device_and_dtype():
+    """The half route's probe makes its CPU float32 tensors itself: under another default device
+    (a meta-device context, as model-initialization helpers set) and default dtype it answers as
+    without them."""
+    from layernorm.modules import normalization
+
+    probe = normalization._torch_rms_norm_rounds_once.__wrapped__
+    plain = probe(torch.bfloat16)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            assert probe(torch.bfloat16) == plain
+    finally:
+        torch.set_default_dtype(saved)

@@ -439,3 +439,19 @@ def test_packed_gemm_checked_on_a_small_product() -> None:
     assert not rnn._packed_gemm_multiplies(
         real[0], real[1], ctypes.cast(nothing, ctypes.c_void_p).value
     )
+
+
+def test_packed_gemm_check_ignores_default_device_and_dtype() -> None:
+    """The small-product check makes its CPU float32 tensors itself, whatever the defaults."""
+    from layernorm.kernels.cpu import rnn
+
+    real = rnn.torch_packed_gemm()
+    if real is None:
+        pytest.skip("this PyTorch exports no MKL packed GEMM")
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            assert rnn._packed_gemm_multiplies(*real)
+    finally:
+        torch.set_default_dtype(saved)

@@ -104,10 +104,12 @@ def _torch_rms_norm_rounds_once(dtype: torch.dtype) -> bool:
     relative, with 1/1000 of it for float32's own rounding) of float64 on the same inputs. Twice
     rounded, a few per cent of such outputs land past it (a test checks the probe refuses that).
     torch 2.13 on an AMD EPYC: bfloat16 bit for bit the fused kernels' results."""
+    # CPU float32 whatever the default device and dtype are set to
+    cpu = {"device": "cpu", "dtype": torch.float32}
     gen = torch.Generator().manual_seed(0)
-    sign = torch.randint(0, 2, (8, 512), generator=gen) * 2 - 1
-    x = (sign * torch.empty(8, 512).uniform_(0.25, 4.0, generator=gen)).to(dtype)
-    g = torch.empty(512).uniform_(0.5, 2.0, generator=gen).to(dtype)
+    sign = torch.randint(0, 2, (8, 512), generator=gen, device="cpu") * 2 - 1
+    x = (sign * torch.empty(8, 512, **cpu).uniform_(0.25, 4.0, generator=gen)).to(dtype)
+    g = torch.empty(512, **cpu).uniform_(0.5, 2.0, generator=gen).to(dtype)
     eps = F._RMS_DEFAULT_EPS[dtype]
     with torch.no_grad():
         try:

@@ -78,10 +78,11 @@ def _packed_gemm_multiplies(pack_size: int, pack: int, compute: int) -> bool:
     do_pack = ctypes.CFUNCTYPE(None, i, i, i, i, i, i, f, p, i, p)(pack)
     do_compute = ctypes.CFUNCTYPE(None, i, i, i, i, i, i, p, i, p, i, f, p, i)(compute)
     row_major, no_trans, trans, packed, b_matrix = 101, 111, 112, 151, 162
+    cpu = {"device": "cpu", "dtype": torch.float32}  # whatever the defaults are set to
     gen = torch.Generator().manual_seed(0)
-    a, w = torch.randn(3, 5, generator=gen), torch.randn(4, 5, generator=gen)
-    c = torch.full((3, 4), math.nan)
-    buf = torch.empty(get_size(b_matrix, 3, 4, 5) // 4 + 16)
+    a, w = torch.randn(3, 5, generator=gen, **cpu), torch.randn(4, 5, generator=gen, **cpu)
+    c = torch.full((3, 4), math.nan, **cpu)
+    buf = torch.empty(get_size(b_matrix, 3, 4, 5) // 4 + 16, **cpu)
     do_pack(row_major, b_matrix, trans, 3, 4, 5, 1.0, w.data_ptr(), 5, buf.data_ptr())
     do_compute(row_major, no_trans, packed, 3, 4, 5, a.data_ptr(), 5, buf.data_ptr(), 4, 0.0,
                c.data_ptr(), 4)  # fmt: skip

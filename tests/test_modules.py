@@ -723,3 +723,52 @@ def test_rms_norm_probe_ignores_default_device_and_dtype():
             assert probe(torch.bfloat16) == plain
     finally:
         torch.set_default_dtype(saved)
+
+
+def test_norms_on_cpu_tensors_under_another_default_device():
+    """The norms, their functional forms and replace_norms' probe on CPU tensors give the same
+    results under ``torch.device("meta")`` (another default device) and a float64 default dtype:
+    nothing they make for the kernels takes the defaults."""
+    torch.manual_seed(0)
+    x = make_x((4, 8))
+    mods = [layernorm.LayerNorm(8), layernorm.RMSNorm(8), layernorm.AdaNorm(8),
+            layernorm.LayerNorm(8, detach_mean=True)]  # fmt: skip
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for m in mods:
+            xg = x.clone().requires_grad_()
+            y = m(xg)
+            y.sum().backward()
+            out += [y.detach(), xg.grad]
+        out.append(layernorm.rms_norm(x.bfloat16(), 8).float())
+        out.append(layernorm.layer_norm(x, 8))
+        return out
+
+    class RMSLike(torch.nn.Module):  # unregistered: replace_norms probes its form
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, h):
+            return (
+                h
+                * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+                * self.weight
+            )
+
+    plain = run()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), RMSLike())
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            moved = run()
+            replaced = layernorm.replace_norms(model, "rms", strict=True)
+    finally:
+        torch.set_default_dtype(saved)
+    for a, b in zip(plain, moved, strict=True):
+        assert b.device.type == "cpu"
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert isinstance(replaced[1], layernorm.RMSNorm)

@@ -649,3 +649,39 @@ def test_lstm_direction_is_one_node(bias: bool, frozen: str) -> None:
             assert a is None and b is None
         else:
             torch.testing.assert_close(a, b, **FUSED_TOL)
+
+
+@pytest.mark.parametrize("cls", [LayerNormLSTM, LayerNormGRU, LayerNormRNN])
+def test_cpu_layers_under_another_default_device(cls) -> None:
+    """A layer on CPU tensors gives the same outputs and gradients under ``torch.device("meta")``
+    (another default device, as model-initialization helpers set): nothing it makes for the C
+    kernels (the steps' table, a packed batch's checks) takes the default device."""
+    from torch.nn.utils.rnn import pack_sequence
+
+    from layernorm.recurrent import _cstep
+
+    torch.manual_seed(0)
+    layer = cls(6, 8, device="cpu")
+    xs = [torch.randn(n, 6) for n in (5, 3, 4)]
+    padded = torch.stack([x[:3] for x in xs], 1)
+
+    def run(packed) -> list[torch.Tensor]:
+        layer.zero_grad()
+        out = layer(packed)[0].data
+        out.sum().backward()
+        with torch.no_grad():
+            inferred = layer(padded)[0]
+        return [out.detach(), inferred, packed.data.grad, layer.weight_hh_l0.grad]
+
+    def packed_input():  # made outside: torch's pack_sequence follows the default device
+        packed = pack_sequence(xs, enforce_sorted=False)
+        return packed._replace(data=packed.data.clone().requires_grad_())
+
+    plain = run(packed_input())
+    packed = packed_input()
+    _cstep._steps.cache_clear()  # a cached table would hide the one made under the context
+    with torch.device("meta"):
+        moved = run(packed)
+    for a, b in zip(plain, moved, strict=True):
+        assert b.device.type == "cpu"
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -195,10 +195,11 @@ def _probe(module: nn.Module, eps_attr: str) -> NormSpec | None:
     w = probe.weight
     b = getattr(probe, "bias", None)
     with torch.no_grad():
-        w.copy_(torch.rand(w.shape, generator=gen) + 0.5)
+        cpu = {"device": "cpu", "dtype": torch.float32}  # whatever the defaults are set to
+        w.copy_(torch.rand(w.shape, generator=gen, **cpu) + 0.5)
         if b is not None:
-            b.copy_(torch.randn(b.shape, generator=gen))
-        x = torch.randn((2, 3, *w.shape), generator=gen) + 1.0
+            b.copy_(torch.randn(b.shape, generator=gen, **cpu))
+        x = torch.randn((2, 3, *w.shape), generator=gen, **cpu) + 1.0
         out = probe(x)
         eps = float(getattr(probe, eps_attr))
         if not isinstance(out, torch.Tensor) or out.shape != x.shape:

@@ -129,7 +129,7 @@ def check_permutation(idx: Tensor | None, n: int, name: str, owner: str) -> None
         return
     ok = idx.dim() == 1 and idx.numel() == n
     if ok:
-        ok = bool(torch.equal(torch.sort(idx.cpu()).values, torch.arange(n)))
+        ok = bool(torch.equal(torch.sort(idx.cpu()).values, torch.arange(n, device="cpu")))
     if not ok:
         raise ValueError(
             f"{owner}: PackedSequence.{name} must be a permutation of range({n}) "

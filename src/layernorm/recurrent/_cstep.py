@@ -218,7 +218,8 @@ def gru_bwd(st: dict[str, Any], off: int, bs: int) -> None:
 def _steps(sched: tuple[tuple[int, int, int], ...]) -> Tensor:
     """The (first row, rows) pairs of ``sched`` as an ``(S, 2)`` int64 tensor (cached: a layer's
     schedule is the same on every call with the same lengths, and C only reads it)."""
-    return torch.tensor([(off, bs) for _, off, bs in sched], dtype=torch.int64).reshape(-1, 2)
+    steps = [(off, bs) for _, off, bs in sched]
+    return torch.tensor(steps, dtype=torch.int64, device="cpu").reshape(-1, 2)
 
 
 def _sequence(

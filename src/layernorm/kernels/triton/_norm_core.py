@@ -667,7 +667,7 @@ def _interpreter_problem() -> str | None:
     with ``int()``, which NumPy 2.4 refuses for arrays of one dimension; every kernel looping to a
     run-time bound then fails deep in the interpreter. One tiny launch tells.
     """
-    out = torch.zeros(2, dtype=torch.int32)
+    out = torch.zeros(2, dtype=torch.int32, device="cpu")
     try:
         _range_probe_kernel[(1,)](out, 2)
     except Exception as e:  # any failure here means the kernels cannot run

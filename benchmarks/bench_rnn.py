@@ -186,6 +186,9 @@ def main() -> None:
                     help="also the peak memory of a call of torch and LN")  # fmt: skip
     ap.add_argument("--isa", choices=targets.NAMES, default=None,
                     help="the C kernels of this instruction set (default: the CPU's)")  # fmt: skip
+    ap.add_argument("--gemm", choices=rnn.GEMM_CHOICES, default=None,
+                    help="the sequence kernels' float32 recurrent GEMM (default: the processor's,"
+                         " rnn.mkl_by_default)")  # fmt: skip
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                     help="thread: CPU time of the calling thread (one thread only), for a "
                          "machine shared with other jobs")  # fmt: skip
@@ -195,6 +198,7 @@ def main() -> None:
     if args.clock == "thread" and torch.get_num_threads() != 1:
         ap.error("--clock thread counts the calling thread only: use it with --threads 1")
     use_clock(args.clock)
+    rnn.use_gemm(args.gemm)
     with targets.use(args.isa or kernel_isa()):
         run(args)
 

@@ -87,33 +87,31 @@ def machine() -> str:
     return platform.machine().lower()
 
 
-@functools.cache
-def cpu_features() -> frozenset[str]:
-    """The CPU's feature names from ``/proc/cpuinfo`` (empty where there is none)."""
+def _cpuinfo(*keys: str) -> str:
+    """The value of the first ``/proc/cpuinfo`` field named one of ``keys`` (lower case), the
+    first processor's; empty where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                key = line.split(":", 1)[0].strip().lower()
-                if key in ("flags", "features"):
-                    return frozenset(line.split(":", 1)[1].split())
+                key, _, value = line.partition(":")
+                if key.strip().lower() in keys:
+                    return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature names from ``/proc/cpuinfo`` (empty where there is none)."""
+    return frozenset(_cpuinfo("flags", "features").split())
 
 
 @functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor as ``/proc/cpuinfo`` names it (``GenuineIntel``, ``AuthenticAMD``; empty
     where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip().lower() == "vendor_id":
-                    return value.strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id")
 
 
 class UnavailableIsaError(RuntimeError):

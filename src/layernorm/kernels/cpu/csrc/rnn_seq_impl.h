@@ -474,34 +474,23 @@ typedef struct {
     i64 K, N;
 } FN(weight);
 
-/* Whether a sequence of batch B whose GEMMs each run on one thread may use MKL's packed GEMM. */
-static inline int FN(mkl_gemm_usable)(i64 B, i64 K, i64 N) {
-#if SEQ_PACKED_GEMM
-    return mkl_compute && B <= INT_MAX && K <= INT_MAX && N <= INT_MAX;
-#else
-    (void)B, (void)K, (void)N;
-    return 0;
-#endif
-}
-
-/* The rows of one GEMM call where each runs on one thread: a thread's share of the batch
-   (by_rows) or the batch; MKL's packing may block by them. */
-static inline i64 FN(mkl_rows)(i64 B, int team, int by_rows) {
-    return by_rows ? (B + team - 1) / team : B;
-}
-
-/* Pack W into buffer `slot` as b: for MKL (use_mkl, which mkl_gemm_usable allowed; `rows` the
-   rows of a call, which MKL's blocking may use) or into panels with nt threads. 0 when the buffer
-   cannot grow (the caller returns RNN_ERR_NOMEM). */
+/* Pack W into buffer `slot` as b, for the GEMMs of a sequence call of batch B whose threads
+   form a team of `team` (by_rows: each carries its own rows of the batch through every step).
+   By MKL where rnn.py set its entry points (float) and each GEMM runs on one thread (alone, or
+   by rows: MKL's packed B cannot be shared out by columns as the panels are), packed for calls
+   of a thread's rows; else into the tile's panels with nt threads. 0 when the buffer cannot grow
+   (the caller returns RNN_ERR_NOMEM). */
 static int FN(weight_init)(FN(weight) * b, const scalar_t* w, i64 K, i64 N, int transposed,
-                           int use_mkl, i64 rows, int nt, int slot) {
+                           i64 B, int team, int by_rows, int nt, int slot) {
     *b = (FN(weight)){NULL, NULL, NULL, K, N};
 #if SEQ_PACKED_GEMM
-    /* the entry points read once: a setter call since mkl_gemm_usable may have cleared them */
+    /* the entry points read once, together: a setter call may clear them at any time */
     const mkl_pack_size_fn pack_size = mkl_pack_size;
     const mkl_pack_fn pack = mkl_pack;
     const mkl_compute_fn compute = mkl_compute;
-    if (use_mkl && pack_size && pack && compute) {
+    if ((team == 1 || by_rows) && pack_size && pack && compute && B <= INT_MAX && K <= INT_MAX &&
+        N <= INT_MAX) {
+        const i64 rows = by_rows ? (B + team - 1) / team : B;
         const int m = rows < 1 ? 1 : (int)rows;
         const size_t bytes = pack_size(CBLAS_B_MATRIX, m, (int)N, (int)K);
         float* P = FN(pack_buffer)((i64)((bytes + sizeof(float) - 1) / sizeof(float)), slot);
@@ -513,7 +502,7 @@ static int FN(weight_init)(FN(weight) * b, const scalar_t* w, i64 K, i64 N, int 
         return 1;
     }
 #else
-    (void)use_mkl, (void)rows;
+    (void)B, (void)team, (void)by_rows;
 #endif
     b->panels = FN(packed_weight)(w, K, N, transposed, nt, slot);
     return b->panels != NULL;
@@ -667,13 +656,11 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
         team = team_cap(team);                                                                    \
         const i64 packed = (H + (s->x ? I : 0)) * FN(panels)(G) * NR * (i64)sizeof(scalar_t);     \
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
-        /* MKL where each GEMM runs on one thread: alone, or on a thread's rows of the batch */   \
-        const int mkl = (team == 1 || by_rows) && FN(mkl_gemm_usable)(a->B, H + I, G);           \
-        const i64 mkl_rows = FN(mkl_rows)(a->B, team, by_rows);                                  \
         FN(weight) wb = {0}, wxb = {0}; /* unless direct */                                       \
-        if (!direct && (!FN(weight_init)(&wb, s->w, H, G, 1, mkl, mkl_rows, s->threads, 0) ||     \
-                        (s->x && !FN(weight_init)(&wxb, s->w_ih, I, G, 1, mkl, mkl_rows,          \
-                                                  s->threads, 1))))                               \
+        if (!direct &&                                                                            \
+            (!FN(weight_init)(&wb, s->w, H, G, 1, a->B, team, by_rows, s->threads, 0) ||          \
+             (s->x &&                                                                             \
+              !FN(weight_init)(&wxb, s->w_ih, I, G, 1, a->B, team, by_rows, s->threads, 1))))     \
             return RNN_ERR_NOMEM;                                                                 \
         if (team > 1 && !direct) {                                                                \
             for (i64 k = 0; k < s->n_steps; ++k)                                                  \
@@ -777,10 +764,8 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
         team = team_cap(team);                                                                    \
         const i64 packed = G * FN(panels)(H) * NR * (i64)sizeof(scalar_t);                         \
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
-        const int mkl = (team == 1 || by_rows) && FN(mkl_gemm_usable)(a->B, G, H);               \
         FN(weight) wb; /* W_hh itself: dh = dhp · W_hh */                                         \
-        if (!FN(weight_init)(&wb, s->w, G, H, 0, mkl, FN(mkl_rows)(a->B, team, by_rows),         \
-                             s->threads, 0))                                                      \
+        if (!FN(weight_init)(&wb, s->w, G, H, 0, a->B, team, by_rows, s->threads, 0))             \
             return RNN_ERR_NOMEM;                                                                 \
         FN(grad_sums) sums;                                                                       \
         if (FN(grad_sums_init)(&sums, FN(grad_sums_count)((SUMMED), (N_OUT)), team))             \

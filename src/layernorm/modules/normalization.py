@@ -183,8 +183,9 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
     float64, the input has at most :data:`SMALL_NUMEL` elements and no DetachNorm flag is set,
     torch's native ``layer_norm`` runs — the same formula (DetachNorm
     changes only the backward), and at these sizes the call overhead is the cost; in bfloat16
-    and float16 with gradients, up to 2¹⁷ elements, torch's float32 kernel on the input converted
-    exactly, rounded once back (the fused kernels' error model). Otherwise the
+    and float16 with gradients, up to :data:`layernorm.ops._dispatch.TORCH_FLOAT32_NUMEL`
+    elements, torch's float32 kernel on the input converted exactly, rounded once back (the fused
+    kernels' error model). Otherwise the
     fused kernels of :mod:`layernorm.ops` do, with their analytic backward. The two differ on
     rows whose mean is far above their spread: float32 rows of 10⁴ plus noise of 10⁻³ come out of
     torch's kernel 0.04 off, of the fused kernels 10⁻⁷ off (their statistics are shifted by the

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import layernorm
+from layernorm.kernels.cpu import rnn
 from layernorm.recurrent import layers
 from tolerances import UNIT_ROUNDOFF
 
@@ -49,3 +50,96 @@ def test_half_layers_take_the_fused_path_and_match_float64(cls, dtype, monkeypat
         assert g.dtype == dtype
         err = (g.double() - gr).abs().max() / gr.abs().max()
         assert err <= 8 * u, (k, err)
+
+
+# --- bfloat16 products (AVX512-BF16 builds: rnn.half_gemm) -----------------------------------
+
+needs_half_gemm = pytest.mark.skipif(
+    not rnn.half_gemm(), reason="the selected build has no bfloat16 dot products (AVX512-BF16)"
+)
+
+
+def _bf16_case(cls, steps, batch, in_features, hidden, seed=0):
+    """A bfloat16 layer, input and initial state (bfloat16 values, so that a first step's
+    recurrent products are exact), and its float64 step-by-step reference."""
+    torch.manual_seed(seed)
+    m = cls(in_features, hidden).to(torch.bfloat16)
+    x = torch.randn(steps, batch, in_features, dtype=torch.float64).to(torch.bfloat16)
+    h0 = (0.5 * torch.randn(1, batch, hidden, dtype=torch.float64)).to(torch.bfloat16)
+    state = (h0, h0.flip(-1)) if cls is layernorm.LayerNormLSTM else h0
+    ref = copy.deepcopy(m).double()
+    ref.impl = "loop"
+    return m, x, state, ref
+
+
+def _double(state):
+    return tuple(s.double() for s in state) if isinstance(state, tuple) else state.double()
+
+
+def _grads(m, x, state, dy):
+    x = x.detach().requires_grad_()
+    out, _ = m(x, state)
+    return out, torch.autograd.grad(out, [x, *m.parameters()], dy)
+
+
+@needs_half_gemm
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("batch", "hidden"), [(9, 23), (17, 40), (30, 8)])
+@pytest.mark.parametrize("cls", [layernorm.LayerNormLSTM, layernorm.LayerNormRNN],
+                         ids=lambda c: c.__name__)  # fmt: skip
+def test_rounded_recurrent_products_of_bfloat16_values_are_exact(cls, batch, hidden, threads):
+    """One step from a bfloat16 initial state: the recurrent products under
+    bfloat16_recurrent_products take h0 as it is (no rounding), so the packed bfloat16 GEMM
+    (an odd K at H = 23, a last panel of fewer columns, tiles of 1 to 14 rows, each thread's
+    share) must give the float32 path's accuracy against float64; the backward's gates' gradient
+    is rounded once, within the gradients' bound. (One GRU step runs torch's GEMM, not the
+    sequence kernels: the GRU's products are in the two tests below.)"""
+    m, x, state, ref = _bf16_case(cls, 1, batch, 12, hidden)
+    dy = torch.randn(1, batch, hidden, dtype=torch.float64).to(torch.bfloat16)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with layernorm.recurrent.bfloat16_recurrent_products():
+            out, grads = _grads(m, x, state, dy)
+    finally:
+        torch.set_num_threads(old)
+    out_r, grads_r = _grads(ref, x.double(), _double(state), dy.double())
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    assert (out.double() - out_r).abs().max() <= 4 * u * out_r.abs().max()
+    for k, (g, gr) in enumerate(zip(grads, grads_r, strict=True)):
+        assert (g.double() - gr).abs().max() <= 8 * u * gr.abs().max(), k
+
+
+@needs_half_gemm
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_rounded_recurrent_products_hold_only_inside_their_block(cls):
+    """Over several steps the rounded products change the results (h_{t−1} is rounded), only
+    inside the block; a forward run inside it takes its backward the same way wherever the
+    backward runs."""
+    m, x, state, _ = _bf16_case(cls, 6, 12, 10, 24)
+    dy = torch.randn(6, 12, 24, dtype=torch.float64).to(torch.bfloat16)
+    out0, grads0 = _grads(m, x, state, dy)
+    with layernorm.recurrent.bfloat16_recurrent_products():
+        out1, grads1 = _grads(m, x, state, dy)
+        xr = x.detach().requires_grad_()
+        out2, _ = m(xr, state)
+    grads2 = torch.autograd.grad(out2, [xr, *m.parameters()], dy)  # outside the block
+    out3, grads3 = _grads(m, x, state, dy)
+    assert not torch.equal(out1, out0)
+    assert not torch.equal(grads1[0], grads0[0])
+    assert torch.equal(out2, out1) and all(map(torch.equal, grads2, grads1))
+    assert torch.equal(out3, out0) and all(map(torch.equal, grads3, grads0))
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_bfloat16_inference_projection_matches_float64(cls):
+    """Inference with enough rows a step that the sequence kernel projects the inputs itself:
+    on AVX512-BF16 builds by bfloat16 dot products of x and W_ih (bfloat16 values: exact
+    products, float32 sums), elsewhere in float32; either way the float32 path's accuracy.
+    I = 33: an odd count of pairs' values."""
+    m, x, state, ref = _bf16_case(cls, 7, 40, 33, 48)
+    with torch.no_grad():
+        out, _ = m(x, state)
+        out_r, _ = ref(x.double(), _double(state))
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    assert (out.double() - out_r).abs().max() <= 4 * u * out_r.abs().max()

@@ -12,7 +12,7 @@ share): :func:`set_buffer_cache_limit` bounds it (0: off), :func:`clear_buffer_c
 from ..kernels.cpu.buffers import buffer_cache_limit, clear_buffer_cache, set_buffer_cache_limit
 from ._pointwise import StepKernels, register_step_kernels
 from .cells import LayerNormGRUCell, LayerNormLSTMCell, LayerNormRNNCell
-from .layers import LayerNormGRU, LayerNormLSTM, LayerNormRNN
+from .layers import LayerNormGRU, LayerNormLSTM, LayerNormRNN, bfloat16_recurrent_products
 
 __all__ = [
     "LayerNormGRU",
@@ -22,6 +22,7 @@ __all__ = [
     "LayerNormRNN",
     "LayerNormRNNCell",
     "StepKernels",
+    "bfloat16_recurrent_products",
     "buffer_cache_limit",
     "clear_buffer_cache",
     "register_step_kernels",

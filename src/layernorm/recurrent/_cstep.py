@@ -10,8 +10,11 @@ C GEMM and ``torch.mm`` are made here.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -222,6 +225,50 @@ def _steps(sched: tuple[tuple[int, int, int], ...]) -> Tensor:
     return torch.tensor(steps, dtype=torch.int64, device="cpu").reshape(-1, 2)
 
 
+# The bfloat16 products of the sequence kernels (rnn.pack_sequence's half_gemm) for the calls in
+# this context: set by the layers for a bfloat16 call computed in float32 (bfloat16_layer), and by
+# the user's opt-in to rounded recurrent products (rounded_recurrent_products).
+_BFLOAT16_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "layernorm_bfloat16_layer", default=False
+)
+_ROUNDED_RECURRENT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "layernorm_rounded_recurrent_products", default=False
+)
+
+
+@contextlib.contextmanager
+def _set(var: contextvars.ContextVar[bool]) -> Iterator[None]:
+    token = var.set(True)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def bfloat16_layer() -> contextlib.AbstractContextManager[None]:
+    """Within it, the layers' sequence kernels run a bfloat16 layer computed in float32: its
+    weights and inputs are bfloat16 values, so the input projection of inference takes them as
+    bfloat16 products, exact, summed in float32, where the build has them (:func:`.rnn.half_gemm`;
+    twice the float FMA's multiply-adds per instruction); the recurrent GEMMs too where the user
+    opted in (:func:`rounded_recurrent_products`)."""
+    return _set(_BFLOAT16_LAYER)
+
+
+def rounded_recurrent_products() -> contextlib.AbstractContextManager[None]:
+    """Within it, a bfloat16 layer's recurrent GEMMs take ``h_{t−1}`` (forward) and the gates'
+    gradient (backward) rounded to bfloat16, products summed in float32, as ``torch.nn.LSTM`` in
+    bfloat16 does, where the build has the processor's bfloat16 dot products
+    (:func:`.rnn.half_gemm`). See :func:`layernorm.recurrent.bfloat16_recurrent_products`."""
+    return _set(_ROUNDED_RECURRENT)
+
+
+def _half_gemm() -> int:
+    """The sequence struct's ``half_gemm`` for a call in this context (:func:`bfloat16_layer`)."""
+    if not _BFLOAT16_LAYER.get():
+        return 0
+    return 2 if _ROUNDED_RECURRENT.get() else 1
+
+
 def _sequence(
     kernel: str, st: dict[str, Any], w: Tensor, sched: tuple[tuple[int, int, int], ...]
 ) -> None:
@@ -232,9 +279,11 @@ def _sequence(
     options = st.get("projection" if "_fwd" in kernel else "ln_grads")
     dtype, args, w = st["gx"].dtype, _args(st, kernel.replace("_seq", "_step")), w.contiguous()
     steps = _steps(sched)
+    # the forward records the choice: its backward, run later, makes the same one
+    half = st.setdefault("half_gemm", _half_gemm()) if dtype is torch.float32 else 0
     seq_args = rnn.pack_sequence(
         kernel, dtype, w, steps, _sizes(st, kernel), torch.get_num_threads(), _SEQ_GRAIN,
-        _SEQ_GEMM_GRAIN, options,
+        _SEQ_GEMM_GRAIN, options, half_gemm=half,
     )  # fmt: skip
     st["_call"] = SequenceCall(kernel, dtype, args, seq_args, w, steps)
     rnn.run_sequence(kernel, dtype, args, seq_args)

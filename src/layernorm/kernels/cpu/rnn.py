@@ -150,10 +150,13 @@ def _build(target: targets.Target | None = None, variant: tuple[str, ...] = ()) 
 
 
 @functools.cache
-def _library_for(isa: str, variant: tuple[str, ...] = ()) -> tuple[KernelTable, int, int] | None:
+def _library_for(
+    isa: str, variant: tuple[str, ...] = ()
+) -> tuple[KernelTable, int, int, bool] | None:
     """The kernels of target ``isa``'s library (built on first use, with the compiler flags
-    ``variant`` added), its GEMM's vector bytes and its direct rows (:func:`direct_rows`), or
-    ``None`` after a warning when it cannot be built or loaded."""
+    ``variant`` added), its GEMM's vector bytes, its direct rows (:func:`direct_rows`) and whether
+    it has the bfloat16 GEMMs (:func:`half_gemm`), or ``None`` after a warning when it cannot be
+    built or loaded."""
     try:
         # checked, and rebuilt once if damaged
         lib = cache.load_library(lambda: _build(targets.target(isa), variant))
@@ -166,14 +169,14 @@ def _library_for(isa: str, variant: tuple[str, ...] = ()) -> tuple[KernelTable, 
                     ctypes.POINTER(rnn_abi.structure(s, dtype)) for s in kernel.structs
                 )
                 fns[kernel.name, dtype] = fn
-        for name in ("rnn_vector_bytes", "rnn_direct_rows"):
+        for name in ("rnn_vector_bytes", "rnn_direct_rows", "rnn_half_gemm"):
             getattr(lib, name).restype = ctypes.c_int
             getattr(lib, name).argtypes = ()
         lib.rnn_set_packed_gemm.restype = ctypes.c_int
         lib.rnn_set_packed_gemm.argtypes = (ctypes.c_void_p,) * 3
         _apply_gemm(isa, lib.rnn_set_packed_gemm)
         _LOADED[isa, variant] = lib.rnn_set_packed_gemm
-        return fns, lib.rnn_vector_bytes(), lib.rnn_direct_rows()
+        return fns, lib.rnn_vector_bytes(), lib.rnn_direct_rows(), lib.rnn_half_gemm() == 1
     except Exception as err:  # any failure falls back to the eager step functions
         warnings.warn(
             f"layernorm: C recurrent kernels unavailable, using eager ops ({err})",
@@ -183,7 +186,7 @@ def _library_for(isa: str, variant: tuple[str, ...] = ()) -> tuple[KernelTable, 
         return None
 
 
-def _library() -> tuple[KernelTable, int, int] | None:
+def _library() -> tuple[KernelTable, int, int, bool] | None:
     """The kernels of the selected target (see :mod:`.targets`)."""
     return _library_for(targets.selected().name)
 
@@ -216,6 +219,15 @@ def direct_rows() -> int:
     stored (a decoder's token) instead of packing them; 0 when the library is not built."""
     lib = _library()
     return 0 if lib is None else lib[2]
+
+
+def half_gemm() -> bool:
+    """Whether the selected target's float sequence kernels run a bfloat16 layer's recurrent GEMMs
+    (and inference's input projection) with the processor's bfloat16 dot products, as
+    ``torch.nn.LSTM`` does in bfloat16 (see :func:`pack_sequence`'s ``half_gemm``): builds for
+    AVX512-BF16."""
+    lib = _library()
+    return lib is not None and lib[3]
 
 
 def sequence_enabled() -> bool:
@@ -280,6 +292,7 @@ def pack_sequence(
     grain: int,
     gemm_grain: int,
     options: Mapping[str, object] | None = None,
+    half_gemm: int = 0,
 ) -> ctypes.Structure:
     """The checked sequence struct of kernel ``kernel``, for :func:`run_sequence`: every step of
     ``steps`` (an ``(S, 2)`` int64 tensor of (first row, rows) pairs in the forward pass's order;
@@ -290,11 +303,18 @@ def pack_sequence(
     ``b0`` and ``split`` of :data:`.rnn_abi.SEQ_FWD`, for a kernel that computes each step's
     ``gx`` rows itself (the step struct's gx then has B rows); without them gx holds every row
     already. Backward kernels: ``hp_grads`` and ``c_grads`` of :data:`.rnn_abi.SEQ_BWD`, where
-    the kernel sums the layer norms' gain and bias gradients."""
+    the kernel sums the layer norms' gain and bias gradients.
+
+    ``half_gemm``: the struct's ``half_gemm``, for a bfloat16 layer computed in float32 (its
+    weights and inputs bfloat16 values): the kernels built with AVX512-BF16 (:func:`half_gemm`)
+    then run the input projection (1) and the recurrent GEMMs (2, ``h_{t−1}`` and ``dhp`` rounded
+    to bfloat16) with the processor's bfloat16 dot products, summed in float32; other builds
+    ignore it."""
     seq_struct = rnn_abi.BY_NAME[kernel].structs[1]
     opts = dict(options or {})
     values = {"w": w, "steps": steps, "threads": max(1, threads), "grain": grain,
-              "gemm_grain": gemm_grain, "split": sizes.get("G", 0), **opts}  # fmt: skip
+              "gemm_grain": gemm_grain, "split": sizes.get("G", 0),
+              "half_gemm": half_gemm, **opts}  # fmt: skip
     # I from whichever of x and W_ih is given (C refuses one without the other)
     given = [t for t in (opts.get("x"), opts.get("w_ih")) if isinstance(t, Tensor) and t.dim() == 2]
     in_features = given[0].shape[1] if given else 0

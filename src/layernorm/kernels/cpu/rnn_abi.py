@@ -365,6 +365,10 @@ def _seq(name: str, w_shape: str, w_doc: str, options: tuple[Field, ...] = ()) -
             Field("gemm_grain", Kind.INDEX, doc="GEMM: multiply-adds per thread at least",
                   minimum=1),
             Field("threads", Kind.COUNT, doc="OpenMP threads at most"),
+            Field("half_gemm", Kind.INDEX, doc="bfloat16 products, summed in float, where the "
+                  "build has them (rnn_half_gemm; else ignored): 1, the input projection's (x and "
+                  "W_ih bfloat16 values: exact products); 2, the recurrent GEMMs' too (h_{t-1}, "
+                  "dhp rounded to bfloat16)"),
         ),
     )  # fmt: skip
 
@@ -782,6 +786,9 @@ def c_header() -> str:
         "   0, or -1 (nothing set) unless all three or none are given. Set before the kernels run,",
         "   not while they do. */",
         "int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute);",
+        "/* 1 where the float sequence kernels honour half_gemm (AVX512-BF16 dot products), else",
+        "   0: a sequence struct's half_gemm is then ignored. */",
+        "int rnn_half_gemm(void);",
         "",
     ]
     for dtype, (scalar, suffix) in RNN_INSTANCES.items():

@@ -231,7 +231,7 @@ static inline void f32_row_to_f16(const float* restrict src, uint16_t* restrict 
 static __thread float* half_buf = NULL;
 static __thread int64_t half_cap = 0;
 
-static int half_buffers(int64_t n, int count, float** bufs) {
+static inline int half_buffers(int64_t n, int count, float** bufs) {
     const int64_t stride = (n + 15) / 16 * 16, need = stride * count;
     if (need > half_cap) {
         free(half_buf);

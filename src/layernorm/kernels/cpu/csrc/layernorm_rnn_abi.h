@@ -30,6 +30,9 @@ int rnn_direct_rows(void);
    0, or -1 (nothing set) unless all three or none are given. Set before the kernels run,
    not while they do. */
 int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute);
+/* 1 where the float sequence kernels honour half_gemm (AVX512-BF16 dot products), else
+   0: a sequence struct's half_gemm is then ignored. */
+int rnn_half_gemm(void);
 
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {
@@ -414,6 +417,7 @@ typedef struct {
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
+    int64_t half_gemm; /* index, >= 0: bfloat16 products, summed in float, where the build has them (rnn_half_gemm; else ignored): 1, the input projection's (x and W_ih bfloat16 values: exact products); 2, the recurrent GEMMs' too (h_{t-1}, dhp rounded to bfloat16) */
     int32_t threads; /* count: OpenMP threads at most */
 } rnn_seq_fwd_args_f32;
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, w) == 0, "rnn_seq_fwd_args_f32.w");
@@ -427,8 +431,9 @@ _Static_assert(offsetof(rnn_seq_fwd_args_f32, split) == 56, "rnn_seq_fwd_args_f3
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, n_steps) == 64, "rnn_seq_fwd_args_f32.n_steps");
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, grain) == 72, "rnn_seq_fwd_args_f32.grain");
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, gemm_grain) == 80, "rnn_seq_fwd_args_f32.gemm_grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, threads) == 88, "rnn_seq_fwd_args_f32.threads");
-_Static_assert(sizeof(rnn_seq_fwd_args_f32) == 96, "rnn_seq_fwd_args_f32 size");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, half_gemm) == 88, "rnn_seq_fwd_args_f32.half_gemm");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, threads) == 96, "rnn_seq_fwd_args_f32.threads");
+_Static_assert(sizeof(rnn_seq_fwd_args_f32) == 104, "rnn_seq_fwd_args_f32 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
@@ -440,6 +445,7 @@ typedef struct {
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
+    int64_t half_gemm; /* index, >= 0: bfloat16 products, summed in float, where the build has them (rnn_half_gemm; else ignored): 1, the input projection's (x and W_ih bfloat16 values: exact products); 2, the recurrent GEMMs' too (h_{t-1}, dhp rounded to bfloat16) */
     int32_t threads; /* count: OpenMP threads at most */
 } rnn_seq_bwd_args_f32;
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, w) == 0, "rnn_seq_bwd_args_f32.w");
@@ -450,8 +456,9 @@ _Static_assert(offsetof(rnn_seq_bwd_args_f32, x_grads) == 32, "rnn_seq_bwd_args_
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, n_steps) == 40, "rnn_seq_bwd_args_f32.n_steps");
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, grain) == 48, "rnn_seq_bwd_args_f32.grain");
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, gemm_grain) == 56, "rnn_seq_bwd_args_f32.gemm_grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, threads) == 64, "rnn_seq_bwd_args_f32.threads");
-_Static_assert(sizeof(rnn_seq_bwd_args_f32) == 72, "rnn_seq_bwd_args_f32 size");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, half_gemm) == 64, "rnn_seq_bwd_args_f32.half_gemm");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, threads) == 72, "rnn_seq_bwd_args_f32.threads");
+_Static_assert(sizeof(rnn_seq_bwd_args_f32) == 80, "rnn_seq_bwd_args_f32 size");
 
 /* dw = dhpᵀ · hprev: the recurrent weight's gradient summed over all rows. */
 typedef struct {
@@ -884,6 +891,7 @@ typedef struct {
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
+    int64_t half_gemm; /* index, >= 0: bfloat16 products, summed in float, where the build has them (rnn_half_gemm; else ignored): 1, the input projection's (x and W_ih bfloat16 values: exact products); 2, the recurrent GEMMs' too (h_{t-1}, dhp rounded to bfloat16) */
     int32_t threads; /* count: OpenMP threads at most */
 } rnn_seq_fwd_args_f64;
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, w) == 0, "rnn_seq_fwd_args_f64.w");
@@ -897,8 +905,9 @@ _Static_assert(offsetof(rnn_seq_fwd_args_f64, split) == 56, "rnn_seq_fwd_args_f6
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, n_steps) == 64, "rnn_seq_fwd_args_f64.n_steps");
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, grain) == 72, "rnn_seq_fwd_args_f64.grain");
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, gemm_grain) == 80, "rnn_seq_fwd_args_f64.gemm_grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, threads) == 88, "rnn_seq_fwd_args_f64.threads");
-_Static_assert(sizeof(rnn_seq_fwd_args_f64) == 96, "rnn_seq_fwd_args_f64 size");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, half_gemm) == 88, "rnn_seq_fwd_args_f64.half_gemm");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, threads) == 96, "rnn_seq_fwd_args_f64.threads");
+_Static_assert(sizeof(rnn_seq_fwd_args_f64) == 104, "rnn_seq_fwd_args_f64 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
@@ -910,6 +919,7 @@ typedef struct {
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
+    int64_t half_gemm; /* index, >= 0: bfloat16 products, summed in float, where the build has them (rnn_half_gemm; else ignored): 1, the input projection's (x and W_ih bfloat16 values: exact products); 2, the recurrent GEMMs' too (h_{t-1}, dhp rounded to bfloat16) */
     int32_t threads; /* count: OpenMP threads at most */
 } rnn_seq_bwd_args_f64;
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, w) == 0, "rnn_seq_bwd_args_f64.w");
@@ -920,8 +930,9 @@ _Static_assert(offsetof(rnn_seq_bwd_args_f64, x_grads) == 32, "rnn_seq_bwd_args_
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, n_steps) == 40, "rnn_seq_bwd_args_f64.n_steps");
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, grain) == 48, "rnn_seq_bwd_args_f64.grain");
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, gemm_grain) == 56, "rnn_seq_bwd_args_f64.gemm_grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, threads) == 64, "rnn_seq_bwd_args_f64.threads");
-_Static_assert(sizeof(rnn_seq_bwd_args_f64) == 72, "rnn_seq_bwd_args_f64 size");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, half_gemm) == 64, "rnn_seq_bwd_args_f64.half_gemm");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, threads) == 72, "rnn_seq_bwd_args_f64.threads");
+_Static_assert(sizeof(rnn_seq_bwd_args_f64) == 80, "rnn_seq_bwd_args_f64 size");
 
 /* dw = dhpᵀ · hprev: the recurrent weight's gradient summed over all rows. */
 typedef struct {

@@ -3,6 +3,7 @@
    once per type. They call the step kernels of rnn_step.c; the argument structs and prototypes
    come from layernorm_rnn_abi.h, generated from layernorm/kernels/cpu/rnn_abi.py. */
 #include "rnn_common.h"
+#include "half.h"
 
 int rnn_vector_bytes(void) { return VEC_BYTES; }
 int rnn_direct_rows(void) { return DIRECT_ROWS; }
@@ -31,6 +32,14 @@ int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute) {
     return 0;
 }
 
+/* The float kernels' bfloat16 GEMMs (half_gemm) where the target has AVX512-BF16. */
+#if defined(__AVX512BF16__)
+#define SEQ_HALF_GEMM 1
+#else
+#define SEQ_HALF_GEMM 0
+#endif
+int rnn_half_gemm(void) { return SEQ_HALF_GEMM; }
+
 #define scalar_t float
 #define SUF f32
 #define SEQ_PACKED_GEMM 1 /* the MKL path above exists for this type */
@@ -38,6 +47,8 @@ int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute) {
 #undef scalar_t
 #undef SUF
 #undef SEQ_PACKED_GEMM
+#undef SEQ_HALF_GEMM
+#define SEQ_HALF_GEMM 0
 
 #define scalar_t double
 #define SUF f64
@@ -46,3 +57,4 @@ int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute) {
 #undef scalar_t
 #undef SUF
 #undef SEQ_PACKED_GEMM
+#undef SEQ_HALF_GEMM

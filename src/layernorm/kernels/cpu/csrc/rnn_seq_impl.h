@@ -98,9 +98,10 @@ static inline __attribute__((always_inline)) void FN(prefetch_panel)(const scala
 
 /* Buffers for packed panels, kept per calling thread and grown on demand (a fresh allocation of
    megabytes per call is an mmap plus page faults every time): slot 0 for the recurrent weight,
-   slot 1 for the input weight of a forward kernel's projection. NULL when one cannot grow. */
-static __thread scalar_t* FN(pack_buf)[2] = {NULL, NULL};
-static __thread i64 FN(pack_cap)[2] = {0, 0};
+   slot 1 for the input weight of a forward kernel's projection, slots 2 and 3 for their GEMMs'
+   inputs rounded to bfloat16 (half_gemm). NULL when one cannot grow. */
+static __thread scalar_t* FN(pack_buf)[4] = {NULL, NULL, NULL, NULL};
+static __thread i64 FN(pack_cap)[4] = {0, 0, 0, 0};
 
 static scalar_t* FN(pack_buffer)(i64 n, int slot) {
     if (n > FN(pack_cap)[slot]) {
@@ -451,6 +452,125 @@ static void FN(gemm_nt_direct)(i64 M, i64 N, i64 K, const scalar_t* A, const sca
     }
 }
 
+#if SEQ_HALF_GEMM
+/* The bfloat16 GEMM of a sequence call whose struct sets half_gemm (a bfloat16 layer, computed in
+   float32): C[M, N] (=|+=) bf16(A) · B with AVX512-BF16 dot products (vdpbf16ps: products of
+   bfloat16 pairs summed into float32 lanes), at twice the float FMA's multiply-adds per
+   instruction. B is a bfloat16 layer's weight, every value a bfloat16 exactly, so only A (h_{t−1},
+   dhp, or the step's inputs, which are bfloat16 too) is rounded: to nearest even, as
+   torch.nn.LSTM's bfloat16 GEMMs take their inputs. The instruction treats subnormal inputs as
+   zero and flushes subnormal results.
+
+   B is packed into panels of NR columns as the float tile's, each panel holding K2 = ⌈K/2⌉ rows of
+   NR 32-bit lanes: B[2kk, j] in the low half of lane j of row kk, B[2kk + 1, j] in its high half
+   (zero past K and N). A row of A is rounded into ⌈K/2⌉ such pairs (bfloat16 values in order). */
+/* B[k, j] = W[j·K + k] (transposed: forward, W [N, K]) or W[k·N + j] (backward, W [K, N]) into
+   pair panels at Q. */
+static void half_pack_panels(const float* W, i64 K, i64 N, int transposed, uint32_t* Q, int nt) {
+    const i64 K2 = (K + 1) / 2;
+    #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (i64 p = 0; p < (N + NR - 1) / NR; ++p) {
+        uint32_t* dst = Q + p * K2 * NR;
+        for (i64 kk = 0; kk < K2; ++kk)
+            for (i64 jj = 0; jj < NR; ++jj) {
+                const i64 j = p * NR + jj;
+                uint32_t pair = 0;
+                for (i64 h = 0; h < 2; ++h) {
+                    const i64 k = 2 * kk + h;
+                    if (j < N && k < K)
+                        pair |= (uint32_t)f32_to_bf16(transposed ? W[j * K + k] : W[k * N + j])
+                                << (16 * h);
+                }
+                dst[kk * NR + jj] = pair;
+            }
+    }
+}
+
+/* One tile of `rows` rows (a constant per inlined copy) × the first w <= NR columns of panel Q. */
+static inline __attribute__((always_inline)) void half_tile(const uint32_t* A2, i64 K2,
+                                                            const uint32_t* Q, const int rows,
+                                                            float* C, i64 ldc, i64 w,
+                                                            int accumulate) {
+    __m512 acc[GEMM_MR][2];
+    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (i64 kk = 0; kk < K2; ++kk) {
+        FN(prefetch_panel)((const float*)Q, kk);
+        __m512i b0 = _mm512_load_si512((const void*)(Q + kk * NR));
+        __m512i b1 = _mm512_load_si512((const void*)(Q + kk * NR + VL));
+        IN_REGISTERS(b0, b1);
+        for (int r = 0; r < rows; ++r) {
+            const __m512i a = _mm512_set1_epi32((int)A2[r * K2 + kk]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)b1);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        float out[NR];
+        _mm512_storeu_ps(out, acc[r][0]);
+        _mm512_storeu_ps(out + VL, acc[r][1]);
+        float* c = C + r * ldc;
+        if (w == NR) {
+            for (i64 j = 0; j < NR; ++j) c[j] = accumulate ? c[j] + out[j] : out[j];
+        } else { /* the last panel: only its first w columns exist in C */
+            for (i64 j = 0; j < w; ++j) c[j] = accumulate ? c[j] + out[j] : out[j];
+        }
+    }
+}
+
+#define HALF_CASE(R) \
+    case R: half_tile(A2, K2, Q, R, C, ldc, w, accumulate); return;
+
+static void half_tile_rows(int rows, const uint32_t* A2, i64 K2, const uint32_t* Q, float* C,
+                           i64 ldc, i64 w, int accumulate) {
+    switch (rows) {
+        HALF_CASE(1) HALF_CASE(2) HALF_CASE(3) HALF_CASE(4) HALF_CASE(5) HALF_CASE(6)
+        HALF_CASE(7) HALF_CASE(8)
+#if GEMM_MR >= 10
+        HALF_CASE(9) HALF_CASE(10)
+#endif
+#if GEMM_MR >= 12
+        HALF_CASE(11) HALF_CASE(12)
+#endif
+#if GEMM_MR >= 14
+        HALF_CASE(13) HALF_CASE(14)
+#endif
+#if GEMM_MR >= 16
+        HALF_CASE(15) HALF_CASE(16)
+#endif
+        default: return;
+    }
+}
+#undef HALF_CASE
+
+/* Part `part` of `parts` of C[M, N] (=|+=) bf16(A) · B, B in pair panels Q (half_pack_panels), A
+   row-major with leading dimension lda: A rounded into A2 (M·⌈K/2⌉ values, the calling thread's),
+   then a contiguous share of the panels, row tiles as gemm_part's. */
+static void half_gemm_part(i64 M, i64 N, i64 K, const float* A, i64 lda, const uint32_t* Q,
+                           uint32_t* A2, float* C, i64 ldc, int accumulate, int part, int parts) {
+    if (M <= 0) return;
+    const i64 K2 = (K + 1) / 2;
+    for (i64 i = 0; i < M; ++i) {
+        A2[i * K2 + K2 - 1] = 0; /* an odd K's last pair: its high half stays zero */
+        f32_row_to_bf16(A + i * lda, (uint16_t*)(A2 + i * K2), K, 0);
+    }
+    const i64 np = (N + NR - 1) / NR, tiles = (M + GEMM_MR - 1) / GEMM_MR;
+    const int balanced = M / tiles >= GEMM_BALANCED;
+    i64 lo, hi;
+    row_block(np, parts, part, &lo, &hi);
+    for (i64 p = lo; p < hi; ++p) {
+        const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
+        i64 i0 = 0;
+        for (i64 t = 0; t < tiles; ++t) {
+            const i64 rows = balanced ? M / tiles + (t < M % tiles ? 1 : 0)
+                                      : (M - i0 < GEMM_MR ? M - i0 : GEMM_MR);
+            half_tile_rows((int)rows, A2 + i0 * K2, K2, Q + p * K2 * NR, C + i0 * ldc + j0, ldc,
+                           w, accumulate);
+            i0 += rows;
+        }
+    }
+}
+#endif
+
 /* A sequence kernel's weight B[K, N], packed into buffer `slot`: backward B = W_hh itself
    (row-major [K, N]); forward (transposed = 1) B = W_hhᵀ or W_ihᵀ, read from W [N, K]. NULL when
    the buffer cannot grow. */
@@ -471,7 +591,9 @@ typedef struct {
     const scalar_t* panels; /* the tile's, or NULL */
     const float* mkl;       /* MKL's packed B, or NULL */
     mkl_compute_fn compute; /* taken at packing: a later rnn_set_packed_gemm does not reach it */
-    i64 K, N;
+    const uint32_t* half;   /* bfloat16 pair panels (half_gemm), or NULL */
+    uint32_t* half_a;       /* with half: each thread's A rounded, half_a_rows·⌈K/2⌉ apart */
+    i64 half_a_rows, K, N;
 } FN(weight);
 
 /* Pack W into buffer `slot` as b, for the GEMMs of a sequence call of batch B whose threads
@@ -481,8 +603,23 @@ typedef struct {
    of a thread's rows; else into the tile's panels with nt threads. 0 when the buffer cannot grow
    (the caller returns RNN_ERR_NOMEM). */
 static int FN(weight_init)(FN(weight) * b, const scalar_t* w, i64 K, i64 N, int transposed,
-                           i64 B, int team, int by_rows, int nt, int slot) {
-    *b = (FN(weight)){NULL, NULL, NULL, K, N};
+                           i64 B, int team, int by_rows, int nt, int slot, int half) {
+    *b = (FN(weight)){NULL, NULL, NULL, NULL, NULL, 0, K, N};
+#if SEQ_HALF_GEMM
+    if (half) { /* every thread of a team or of a GEMM's own region (at most nt) rounds A */
+        const i64 K2 = (K + 1) / 2, threads = team > nt ? team : nt, rows = B < 1 ? 1 : B;
+        uint32_t* Q = (uint32_t*)FN(pack_buffer)(K2 * FN(panels)(N) * NR, slot);
+        uint32_t* A2 = (uint32_t*)FN(pack_buffer)(threads * rows * K2, slot + 2);
+        if (!Q || !A2) return 0;
+        half_pack_panels(w, K, N, transposed, Q, nt);
+        b->half = Q;
+        b->half_a = A2;
+        b->half_a_rows = rows;
+        return 1;
+    }
+#else
+    (void)half;
+#endif
 #if SEQ_PACKED_GEMM
     /* the entry points read once, together: a setter call may clear them at any time */
     const mkl_pack_size_fn pack_size = mkl_pack_size;
@@ -512,6 +649,13 @@ static int FN(weight_init)(FN(weight) * b, const scalar_t* w, i64 K, i64 N, int 
    a contiguous share of the panels; MKL's packed B only as one part (weight_init's callers). */
 static void FN(wgemm_part)(const FN(weight) * b, i64 M, const scalar_t* A, i64 lda, scalar_t* C,
                            i64 ldc, int accumulate, int part, int parts) {
+#if SEQ_HALF_GEMM
+    if (b->half) {
+        uint32_t* A2 = b->half_a + omp_get_thread_num() * b->half_a_rows * ((b->K + 1) / 2);
+        half_gemm_part(M, b->N, b->K, A, lda, b->half, A2, C, ldc, accumulate, part, parts);
+        return;
+    }
+#endif
 #if SEQ_PACKED_GEMM
     if (b->mkl) {
         /* beta 0: C is not read (BLAS), so an unwritten buffer's NaN does not reach it */
@@ -528,8 +672,15 @@ static void FN(wgemm_part)(const FN(weight) * b, i64 M, const scalar_t* A, i64 l
 /* C[M, N] (=|+=) A[M, K] · B: MKL's packed GEMM, or the tile's panels split across nt threads. */
 static void FN(wgemm)(const FN(weight) * b, i64 M, const scalar_t* A, i64 lda, scalar_t* C,
                       i64 ldc, int accumulate, int nt) {
-    if (b->mkl) FN(wgemm_part)(b, M, A, lda, C, ldc, accumulate, 0, 1);
-    else FN(gemm)(M, b->N, b->K, A, lda, 1, b->panels, C, ldc, accumulate, nt);
+    if (b->mkl) {
+        FN(wgemm_part)(b, M, A, lda, C, ldc, accumulate, 0, 1);
+    } else if (b->half) {
+        #pragma omp parallel num_threads(nt) if (nt > 1)
+        FN(wgemm_part)(b, M, A, lda, C, ldc, accumulate, omp_get_thread_num(),
+                       omp_get_num_threads());
+    } else {
+        FN(gemm)(M, b->N, b->K, A, lda, 1, b->panels, C, ldc, accumulate, nt);
+    }
 }
 
 /* Threads of a step's GEMM over `cols` output columns and of its step kernel. */
@@ -658,9 +809,10 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
         FN(weight) wb = {0}, wxb = {0}; /* unless direct */                                       \
         if (!direct &&                                                                            \
-            (!FN(weight_init)(&wb, s->w, H, G, 1, a->B, team, by_rows, s->threads, 0) ||          \
-             (s->x &&                                                                             \
-              !FN(weight_init)(&wxb, s->w_ih, I, G, 1, a->B, team, by_rows, s->threads, 1))))     \
+            (!FN(weight_init)(&wb, s->w, H, G, 1, a->B, team, by_rows, s->threads, 0,             \
+                              s->half_gemm >= 2) ||                                               \
+             (s->x && !FN(weight_init)(&wxb, s->w_ih, I, G, 1, a->B, team, by_rows,               \
+                                       s->threads, 1, s->half_gemm >= 1))))                       \
             return RNN_ERR_NOMEM;                                                                 \
         if (team > 1 && !direct) {                                                                \
             for (i64 k = 0; k < s->n_steps; ++k)                                                  \
@@ -765,7 +917,8 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
         const i64 packed = G * FN(panels)(H) * NR * (i64)sizeof(scalar_t);                         \
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
         FN(weight) wb; /* W_hh itself: dh = dhp · W_hh */                                         \
-        if (!FN(weight_init)(&wb, s->w, G, H, 0, a->B, team, by_rows, s->threads, 0))             \
+        if (!FN(weight_init)(&wb, s->w, G, H, 0, a->B, team, by_rows, s->threads, 0,              \
+                             s->half_gemm >= 2))                                                  \
             return RNN_ERR_NOMEM;                                                                 \
         FN(grad_sums) sums;                                                                       \
         if (FN(grad_sums_init)(&sums, FN(grad_sums_count)((SUMMED), (N_OUT)), team))             \

@@ -17,8 +17,12 @@ shared machine:
   i.e. the C kernels without their whole-sequence functions, with ``--per-step`` (adds a column)
 * ``ln-node``    — with ``--mode infer``: inference through the training node (per-row buffers
   over every row, what ran before the inference path), to show what that path gains
+* ``ln-rounded`` — with ``--dtype bfloat16``: the LN layer inside
+  ``layernorm.recurrent.bfloat16_recurrent_products()`` (recurrent GEMMs on h_{t−1} rounded to
+  bfloat16, as torch's bfloat16 layers run them; where the build has AVX512-BF16)
 
-One timed call = forward over the whole sequence + ``backward()`` of ``output.sum()``, float32.
+One timed call = forward over the whole sequence + ``backward()`` of ``output.sum()``, float32
+unless ``--dtype`` says otherwise (both layers, input and parameters in that dtype).
 ``--memory`` adds each provider's peak memory during one call: the highest sum of the bytes
 torch's CPU allocator handed out and not yet freed, from the profiler's allocation events, so
 the parameters and the input held before the call do not count and outputs do. (Buffers that a
@@ -56,11 +60,13 @@ from layernorm.recurrent import (
     StepKernels,
     _fused,
     _pointwise,
+    bfloat16_recurrent_products,
     clear_buffer_cache,
     register_step_kernels,
 )
 
 SHAPES = ((100, 32, 128, 256), (100, 64, 256, 512), (50, 8, 64, 128))  # (T, B, I, H)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KINDS = {
     "lstm": (torch.nn.LSTM, LayerNormLSTM),
     "gru": (torch.nn.GRU, LayerNormGRU),
@@ -105,6 +111,16 @@ def via_training_node(fn):
     return wrapped
 
 
+def with_rounded_products(fn):
+    """Run ``fn`` inside :func:`layernorm.recurrent.bfloat16_recurrent_products`."""
+
+    def wrapped() -> None:
+        with bfloat16_recurrent_products():
+            fn()
+
+    return wrapped
+
+
 def with_steps(fn, kernels: StepKernels):
     """Run ``fn`` with ``kernels`` registered as the step functions for CPU tensors."""
 
@@ -127,6 +143,7 @@ def bench_shape(
     per_step: bool = False,
     mode: str = "train",
     memory: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     t, b, i, h = shape
     torch.manual_seed(0)
@@ -135,8 +152,11 @@ def bench_shape(
     models = {"torch": ref, "ln": ocls.from_torch(ref), "none": ocls.from_torch(ref, norm="none")}
     if loop:
         models["ln-loop"] = ocls.from_torch(ref, impl="loop")
-    x = (torch.randn(t, b, i) + 0.5).requires_grad_(mode == "train")
+    models = {k: m.to(dtype) for k, m in models.items()}
+    x = (torch.randn(t, b, i) + 0.5).to(dtype).requires_grad_(mode == "train")
     fns = {k: step(m, x, mode) for k, m in models.items()}
+    if dtype is torch.bfloat16:
+        fns["ln-rounded"] = with_rounded_products(step(models["ln"], x, mode))
     if eager:
         fns["ln-eager"] = with_steps(step(models["ln"], x, mode), _pointwise.EAGER)
     if per_step:
@@ -189,6 +209,8 @@ def main() -> None:
     ap.add_argument("--gemm", choices=rnn.GEMM_CHOICES, default=None,
                     help="the sequence kernels' float32 recurrent GEMM (default: the processor's,"
                          " rnn.mkl_by_default)")  # fmt: skip
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                    help="the layers', input's and parameters' dtype")  # fmt: skip
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                     help="thread: CPU time of the calling thread (one thread only), for a "
                          "machine shared with other jobs")  # fmt: skip
@@ -211,12 +233,14 @@ def run(args: argparse.Namespace) -> None:
     what = "forward + backward" if args.mode == "train" else "forward under no_grad"
     clock = "thread CPU time" if args.clock == "thread" else "wall time"
     print(
-        f"{what}, float32, median ms of {clock}; ratio = ours / torch in the same run, of the "
+        f"{what}, {args.dtype}, median ms of {clock}; ratio = ours / torch in the same run, of the "
         "medians (of the fastest rounds)\n"
     )
     extra = " LN per-step C loop / torch |" if args.per_step else ""
     if args.mode == "infer":
         extra += " LN via training node / torch |"
+    if args.dtype == "bfloat16":
+        extra += " LN rounded products / torch |"
     if args.memory:
         extra += " peak MB torch | peak MB LN | peak LN / torch |"
     print("| kind | (T, B, I, H) | torch ms | LN ms | LN / torch | none / torch | loop / torch "
@@ -229,7 +253,7 @@ def run(args: argparse.Namespace) -> None:
     for kind in args.kinds.split(","):
         for shape in shapes:
             r = bench_shape(kind, shape, args.loop, args.eager_steps, args.reps, args.per_step,  # type: ignore[arg-type]
-                            args.mode, args.memory)  # fmt: skip
+                            args.mode, args.memory, DTYPES[args.dtype])  # fmt: skip
             peak = {k: r.pop(k) for k in [k for k in r if k.endswith("-peak-mb")]}
             fastest = {k[: -len("-min")]: r.pop(k) for k in [k for k in r if k.endswith("-min")]}
 
@@ -244,13 +268,15 @@ def run(args: argparse.Namespace) -> None:
                 cells.append(ratio("ln-steps"))
             if args.mode == "infer":
                 cells.append(ratio("ln-node"))
+            if args.dtype == "bfloat16":
+                cells.append(ratio("ln-rounded"))
             if peak:
                 mb_torch, mb_ln = peak["torch-peak-mb"], peak["ln-peak-mb"]
                 cells += [f"{mb_torch:.1f}", f"{mb_ln:.1f}", f"{mb_ln / mb_torch:.2f}"]
             print("| " + " | ".join(cells) + " |", flush=True)
             for provider, ms in r.items():
                 rows.append({"date": date, "device": cpu_model(), "isa": kernel_isa(),
-                             "mode": args.mode, "torch": torch.__version__,
+                             "mode": args.mode, "dtype": args.dtype, "torch": torch.__version__,
                              "threads": torch.get_num_threads(), "kind": kind,
                              "T": shape[0], "B": shape[1], "I": shape[2], "H": shape[3],
                              "provider": provider, "ms": f"{ms:.3f}",

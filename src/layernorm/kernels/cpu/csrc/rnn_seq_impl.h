@@ -464,30 +464,44 @@ static void FN(gemm_nt_direct)(i64 M, i64 N, i64 K, const scalar_t* A, const sca
    B is packed into panels of NR columns as the float tile's, each panel holding K2 = ⌈K/2⌉ rows of
    NR 32-bit lanes: B[2kk, j] in the low half of lane j of row kk, B[2kk + 1, j] in its high half
    (zero past K and N). A row of A is rounded into ⌈K/2⌉ such pairs (bfloat16 values in order). */
+/* A thread's rounded A is written as bfloat16 values and read as their pairs. */
+typedef uint32_t half_pair __attribute__((may_alias));
+
+static inline uint32_t half_pack2(float lo, float hi) {
+    return (uint32_t)f32_to_bf16(lo) | (uint32_t)f32_to_bf16(hi) << 16;
+}
+
 /* B[k, j] = W[j·K + k] (transposed: forward, W [N, K]) or W[k·N + j] (backward, W [K, N]) into
-   pair panels at Q. */
+   pair panels at Q, each read in its own order (a row of W, or two rows of B, at a time). */
 static void half_pack_panels(const float* W, i64 K, i64 N, int transposed, uint32_t* Q, int nt) {
-    const i64 K2 = (K + 1) / 2;
+    const i64 K2 = (K + 1) / 2, even = K / 2;
     #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (i64 p = 0; p < (N + NR - 1) / NR; ++p) {
+        const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
         uint32_t* dst = Q + p * K2 * NR;
-        for (i64 kk = 0; kk < K2; ++kk)
-            for (i64 jj = 0; jj < NR; ++jj) {
-                const i64 j = p * NR + jj;
-                uint32_t pair = 0;
-                for (i64 h = 0; h < 2; ++h) {
-                    const i64 k = 2 * kk + h;
-                    if (j < N && k < K)
-                        pair |= (uint32_t)f32_to_bf16(transposed ? W[j * K + k] : W[k * N + j])
-                                << (16 * h);
-                }
-                dst[kk * NR + jj] = pair;
+        if (transposed) {
+            for (i64 jj = 0; jj < w; ++jj) {
+                const float* row = W + (j0 + jj) * K;
+                for (i64 kk = 0; kk < even; ++kk)
+                    dst[kk * NR + jj] = half_pack2(row[2 * kk], row[2 * kk + 1]);
+                if (K % 2) dst[even * NR + jj] = half_pack2(row[K - 1], 0.0f);
             }
+        } else {
+            for (i64 kk = 0; kk < even; ++kk) {
+                const float *r0 = W + 2 * kk * N + j0, *r1 = r0 + N;
+                for (i64 jj = 0; jj < w; ++jj) dst[kk * NR + jj] = half_pack2(r0[jj], r1[jj]);
+            }
+            if (K % 2)
+                for (i64 jj = 0; jj < w; ++jj)
+                    dst[even * NR + jj] = half_pack2(W[(K - 1) * N + j0 + jj], 0.0f);
+        }
+        for (i64 kk = 0; kk < K2; ++kk) /* past column N: zero */
+            for (i64 jj = w; jj < NR; ++jj) dst[kk * NR + jj] = 0;
     }
 }
 
 /* One tile of `rows` rows (a constant per inlined copy) × the first w <= NR columns of panel Q. */
-static inline __attribute__((always_inline)) void half_tile(const uint32_t* A2, i64 K2,
+static inline __attribute__((always_inline)) void half_tile(const half_pair* A2, i64 K2,
                                                             const uint32_t* Q, const int rows,
                                                             float* C, i64 ldc, i64 w,
                                                             int accumulate) {
@@ -517,10 +531,58 @@ static inline __attribute__((always_inline)) void half_tile(const uint32_t* A2, 
     }
 }
 
+/* Up to GEMM_WIDE_MR rows, two adjacent full panels at once (as gemm_tile_wide): 4·rows
+   independent accumulators instead of 2·rows. */
+static inline __attribute__((always_inline)) void half_tile_wide(const half_pair* A2, i64 K2,
+                                                                 const uint32_t* Q,
+                                                                 const int rows, float* C,
+                                                                 i64 ldc, int accumulate) {
+    __m512 acc[GEMM_WIDE_MR][4];
+    const uint32_t* Q2 = Q + K2 * NR; /* the next panel */
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (i64 kk = 0; kk < K2; ++kk) {
+        FN(prefetch_panel)((const float*)Q, kk);
+        FN(prefetch_panel)((const float*)Q2, kk);
+        __m512i b0 = _mm512_load_si512((const void*)(Q + kk * NR));
+        __m512i b1 = _mm512_load_si512((const void*)(Q + kk * NR + VL));
+        __m512i b2 = _mm512_load_si512((const void*)(Q2 + kk * NR));
+        __m512i b3 = _mm512_load_si512((const void*)(Q2 + kk * NR + VL));
+        IN_REGISTERS(b0, b1);
+        IN_REGISTERS(b2, b3);
+        for (int r = 0; r < rows; ++r) {
+            const __m512i a = _mm512_set1_epi32((int)A2[r * K2 + kk]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)b1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], (__m512bh)a, (__m512bh)b2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], (__m512bh)a, (__m512bh)b3);
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < 4; ++v) {
+            float* c = C + r * ldc + v * VL;
+            const __m512 t = accumulate ? _mm512_add_ps(_mm512_loadu_ps(c), acc[r][v]) : acc[r][v];
+            _mm512_storeu_ps(c, t);
+        }
+}
+
+static void half_tile_rows_wide(int rows, const half_pair* A2, i64 K2, const uint32_t* Q,
+                                float* C, i64 ldc, int accumulate) {
+    switch (rows) {
+        case 1: half_tile_wide(A2, K2, Q, 1, C, ldc, accumulate); return;
+        case 2: half_tile_wide(A2, K2, Q, 2, C, ldc, accumulate); return;
+#if GEMM_WIDE_MR >= 4
+        case 3: half_tile_wide(A2, K2, Q, 3, C, ldc, accumulate); return;
+        case 4: half_tile_wide(A2, K2, Q, 4, C, ldc, accumulate); return;
+#endif
+        default: return;
+    }
+}
+
 #define HALF_CASE(R) \
     case R: half_tile(A2, K2, Q, R, C, ldc, w, accumulate); return;
 
-static void half_tile_rows(int rows, const uint32_t* A2, i64 K2, const uint32_t* Q, float* C,
+static void half_tile_rows(int rows, const half_pair* A2, i64 K2, const uint32_t* Q, float* C,
                            i64 ldc, i64 w, int accumulate) {
     switch (rows) {
         HALF_CASE(1) HALF_CASE(2) HALF_CASE(3) HALF_CASE(4) HALF_CASE(5) HALF_CASE(6)
@@ -543,19 +605,35 @@ static void half_tile_rows(int rows, const uint32_t* A2, i64 K2, const uint32_t*
 #undef HALF_CASE
 
 /* Part `part` of `parts` of C[M, N] (=|+=) bf16(A) · B, B in pair panels Q (half_pack_panels), A
-   row-major with leading dimension lda: A rounded into A2 (M·⌈K/2⌉ values, the calling thread's),
+   row-major with leading dimension lda: A rounded into A2 (M·⌈K/2⌉ pairs, the calling thread's),
    then a contiguous share of the panels, row tiles as gemm_part's. */
 static void half_gemm_part(i64 M, i64 N, i64 K, const float* A, i64 lda, const uint32_t* Q,
-                           uint32_t* A2, float* C, i64 ldc, int accumulate, int part, int parts) {
+                           uint16_t* A2, float* C, i64 ldc, int accumulate, int part, int parts) {
     if (M <= 0) return;
     const i64 K2 = (K + 1) / 2;
     for (i64 i = 0; i < M; ++i) {
-        A2[i * K2 + K2 - 1] = 0; /* an odd K's last pair: its high half stays zero */
-        f32_row_to_bf16(A + i * lda, (uint16_t*)(A2 + i * K2), K, 0);
+        f32_row_to_bf16(A + i * lda, A2 + 2 * i * K2, K, 0);
+        if (K % 2) A2[2 * i * K2 + K] = 0; /* an odd K's last pair: its high half */
     }
     const i64 np = (N + NR - 1) / NR, tiles = (M + GEMM_MR - 1) / GEMM_MR;
     const int balanced = M / tiles >= GEMM_BALANCED;
+    const half_pair* A2p = (const half_pair*)A2;
     i64 lo, hi;
+    if (M <= GEMM_WIDE_MR) { /* pairs of full panels by the wide tile, any rest by the narrow */
+        row_block((np + 1) / 2, parts, part, &lo, &hi);
+        for (i64 q = lo; q < hi; ++q) {
+            const i64 j0 = 2 * q * NR;
+            if (N - j0 >= 2 * NR) {
+                half_tile_rows_wide((int)M, A2p, K2, Q + 2 * q * K2 * NR, C + j0, ldc, accumulate);
+                continue;
+            }
+            for (i64 p = 2 * q; p < np; ++p) {
+                const i64 j = p * NR, w = N - j < NR ? N - j : NR;
+                half_tile_rows((int)M, A2p, K2, Q + p * K2 * NR, C + j, ldc, w, accumulate);
+            }
+        }
+        return;
+    }
     row_block(np, parts, part, &lo, &hi);
     for (i64 p = lo; p < hi; ++p) {
         const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
@@ -563,7 +641,7 @@ static void half_gemm_part(i64 M, i64 N, i64 K, const float* A, i64 lda, const u
         for (i64 t = 0; t < tiles; ++t) {
             const i64 rows = balanced ? M / tiles + (t < M % tiles ? 1 : 0)
                                       : (M - i0 < GEMM_MR ? M - i0 : GEMM_MR);
-            half_tile_rows((int)rows, A2 + i0 * K2, K2, Q + p * K2 * NR, C + i0 * ldc + j0, ldc,
+            half_tile_rows((int)rows, A2p + i0 * K2, K2, Q + p * K2 * NR, C + i0 * ldc + j0, ldc,
                            w, accumulate);
             i0 += rows;
         }
@@ -592,7 +670,7 @@ typedef struct {
     const float* mkl;       /* MKL's packed B, or NULL */
     mkl_compute_fn compute; /* taken at packing: a later rnn_set_packed_gemm does not reach it */
     const uint32_t* half;   /* bfloat16 pair panels (half_gemm), or NULL */
-    uint32_t* half_a;       /* with half: each thread's A rounded, half_a_rows·⌈K/2⌉ apart */
+    uint16_t* half_a;       /* with half: each thread's rounded A, half_a_rows·⌈K/2⌉ pairs */
     i64 half_a_rows, K, N;
 } FN(weight);
 
@@ -609,7 +687,7 @@ static int FN(weight_init)(FN(weight) * b, const scalar_t* w, i64 K, i64 N, int 
     if (half) { /* every thread of a team or of a GEMM's own region (at most nt) rounds A */
         const i64 K2 = (K + 1) / 2, threads = team > nt ? team : nt, rows = B < 1 ? 1 : B;
         uint32_t* Q = (uint32_t*)FN(pack_buffer)(K2 * FN(panels)(N) * NR, slot);
-        uint32_t* A2 = (uint32_t*)FN(pack_buffer)(threads * rows * K2, slot + 2);
+        uint16_t* A2 = (uint16_t*)FN(pack_buffer)(threads * rows * K2, slot + 2);
         if (!Q || !A2) return 0;
         half_pack_panels(w, K, N, transposed, Q, nt);
         b->half = Q;
@@ -651,7 +729,7 @@ static void FN(wgemm_part)(const FN(weight) * b, i64 M, const scalar_t* A, i64 l
                            i64 ldc, int accumulate, int part, int parts) {
 #if SEQ_HALF_GEMM
     if (b->half) {
-        uint32_t* A2 = b->half_a + omp_get_thread_num() * b->half_a_rows * ((b->K + 1) / 2);
+        uint16_t* A2 = b->half_a + 2 * omp_get_thread_num() * b->half_a_rows * ((b->K + 1) / 2);
         half_gemm_part(M, b->N, b->K, A, lda, b->half, A2, C, ldc, accumulate, part, parts);
         return;
     }

@@ -227,9 +227,12 @@ def main() -> None:
 
 def run(args: argparse.Namespace) -> None:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    half = (f", bfloat16 dot products: {'yes' if rnn.half_gemm() else 'no, rounded = LN'}"
+            if args.dtype == "bfloat16" else "")  # fmt: skip
     print(f"device: {cpu_model()} | kernels {kernel_isa()} (recurrent GEMM: "
-          f"{rnn.gemm_in_use()}) | torch {torch.__version__} | threads {torch.get_num_threads()} "
-          f"| mkldnn {torch.backends.mkldnn.is_available()} | {date}")  # fmt: skip
+          f"{rnn.gemm_in_use()}{half}) | torch {torch.__version__} | threads "
+          f"{torch.get_num_threads()} | mkldnn {torch.backends.mkldnn.is_available()} "
+          f"| {date}")  # fmt: skip
     what = "forward + backward" if args.mode == "train" else "forward under no_grad"
     clock = "thread CPU time" if args.clock == "thread" else "wall time"
     print(

@@ -87,6 +87,12 @@ run_host() {
             done
         done
     done
+    # bfloat16 layers against torch's (oneDNN's bfloat16 GEMMs, AMX where the host has it), the
+    # rounded recurrent products beside the default; one thread, the processor's own target
+    for mode in train infer; do
+        "$py" benchmarks/bench_rnn.py --threads 1 --mode "$mode" --dtype bfloat16 \
+            --kinds lstm,gru --reps 5 --shapes "$shapes" 2>&1 | tee -a "$out/host_bench.log"
+    done
     "$py" benchmarks/bench_rnn_gemm.py --reps 5 --inner 5 --rows 4,8,16,32,64 \
         --hidden 128,256,512,650 2>&1 | tee "$out/host_gemm.log"
     # the sequence kernels' recurrent GEMM: the tile against MKL's packed GEMM, per target

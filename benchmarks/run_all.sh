@@ -8,7 +8,9 @@
 #   - LN-LSTM and LN-GRU against torch.nn.LSTM / GRU, training and inference, at the six shapes
 #     of the targets; with one thread also the peak memory of a call;
 #   - the same layers in inference one step at a time (T = 1: a decoder's token), where a call
-#     costs its Python and its weights' reads more than its arithmetic.
+#     costs its Python and its weights' reads more than its arithmetic;
+#   - LN-LSTM and LN-GRU in bfloat16 against torch's bfloat16 layers at three shapes, with the
+#     rounded recurrent products beside the default (where the target has them).
 # Each table starts with its processor, kernel target, torch version and threads. Ratios are
 # ours / torch in the same process; run it on a machine with nothing else running.
 #   ISAS="avx2" THREADS="1" benchmarks/run_all.sh     # a subset
@@ -27,6 +29,7 @@ REPS=${REPS:-7}
 SHAPES=${SHAPES:-100x32x128x256,100x64x256x512,50x8x64x128,200x16x64x256,1000x4x32x128,35x20x650x650}
 STEP_SHAPES=${STEP_SHAPES:-1x1x256x256,1x8x256x256,1x32x512x512,1x16x1024x1024,1x1x1024x1024}
 STEP_REPS=${STEP_REPS:-200}
+HALF_SHAPES=${HALF_SHAPES:-100x32x128x256,50x8x64x128,1000x4x32x128}
 echo "processor: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) |" \
      "features: $(grep -o -w 'avx2\|avx512f\|avx512_bf16\|f16c' /proc/cpuinfo | sort -u | xargs) |" \
      "targets: $ISAS | $("$PY" -c 'import torch, sys; print("torch", torch.__version__, "| python", sys.version.split()[0])')"
@@ -47,5 +50,9 @@ for isa in $ISAS; do
         done
         "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode infer \
             --reps "$STEP_REPS" --shapes "$STEP_SHAPES"
+        for mode in train infer; do
+            "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode "$mode" \
+                --dtype bfloat16 --kinds lstm,gru --reps "$REPS" --shapes "$HALF_SHAPES"
+        done
     done
 done

@@ -51,6 +51,25 @@
 #if GEMM_MR < 6 || GEMM_MR > 16 || GEMM_MR % 2
 #error "GEMM_MR must be even, from 6 to 16 (tile_rows has a case for each row count up to it)"
 #endif
+/* The row counts of a tile, 1 to GEMM_MR: C(R) for each (the tiles' switches). */
+#ifndef GEMM_ROW_CASES
+#define GEMM_ROWS_6(C) C(1) C(2) C(3) C(4) C(5) C(6)
+#define GEMM_ROWS_10(C) GEMM_ROWS_6(C) C(7) C(8) C(9) C(10)
+#define GEMM_ROWS_14(C) GEMM_ROWS_10(C) C(11) C(12) C(13) C(14)
+#if GEMM_MR == 6
+#define GEMM_ROW_CASES(C) GEMM_ROWS_6(C)
+#elif GEMM_MR == 8
+#define GEMM_ROW_CASES(C) GEMM_ROWS_6(C) C(7) C(8)
+#elif GEMM_MR == 10
+#define GEMM_ROW_CASES(C) GEMM_ROWS_10(C)
+#elif GEMM_MR == 12
+#define GEMM_ROW_CASES(C) GEMM_ROWS_10(C) C(11) C(12)
+#elif GEMM_MR == 14
+#define GEMM_ROW_CASES(C) GEMM_ROWS_14(C)
+#else
+#define GEMM_ROW_CASES(C) GEMM_ROWS_14(C) C(15) C(16)
+#endif
+#endif
 #define GEMM_KC 128
 /* A tile asks for its panel's cache lines GEMM_PREFETCH values of k ahead (0: left to the
    hardware prefetchers). On an Intel Xeon (AVX-512, one thread) 16 ahead (2 KiB a panel) took the
@@ -220,13 +239,16 @@ static inline __attribute__((always_inline)) void FN(gemm_tile_wide)(
 #define WIDE_CASE(R) \
     case R: FN(gemm_tile_wide)(A, sar, sak, P, K, R, C, ldc, accumulate); return;
 
+#if GEMM_WIDE_MR >= 4
+#define GEMM_WIDE_CASES(C) C(1) C(2) C(3) C(4)
+#else
+#define GEMM_WIDE_CASES(C) C(1) C(2)
+#endif
+
 static void FN(tile_rows_wide)(int rows, const scalar_t* A, i64 sar, i64 sak, const scalar_t* P,
                                i64 K, scalar_t* C, i64 ldc, int accumulate) {
     switch (rows) {
-        WIDE_CASE(1) WIDE_CASE(2)
-#if GEMM_WIDE_MR >= 4
-        WIDE_CASE(3) WIDE_CASE(4)
-#endif
+        GEMM_WIDE_CASES(WIDE_CASE)
         default: return;
     }
 }
@@ -238,32 +260,200 @@ static void FN(tile_rows_wide)(int rows, const scalar_t* A, i64 sar, i64 sak, co
 static void FN(tile_rows)(int rows, const scalar_t* A, i64 sar, i64 sak, const scalar_t* P, i64 K,
                           scalar_t* C, i64 ldc, i64 w, int accumulate) {
     switch (rows) {
-        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
-#if GEMM_MR >= 8
-        TILE_CASE(7) TILE_CASE(8)
-#endif
-#if GEMM_MR >= 10
-        TILE_CASE(9) TILE_CASE(10)
-#endif
-#if GEMM_MR >= 12
-        TILE_CASE(11) TILE_CASE(12)
-#endif
-#if GEMM_MR >= 14
-        TILE_CASE(13) TILE_CASE(14)
-#endif
-#if GEMM_MR >= 16
-        TILE_CASE(15) TILE_CASE(16)
-#endif
+        GEMM_ROW_CASES(TILE_CASE)
         default: return;
     }
 }
 #undef TILE_CASE
 
-/* Part `part` of `parts` of C[M, N] (=|+=) A[M, K] · B with B packed by pack_panels: a
-   contiguous share of the panels (pairs of panels up to GEMM_WIDE_MR rows). */
-static void FN(gemm_part)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak,
-                          const scalar_t* P, scalar_t* C, i64 ldc, int accumulate, int part,
-                          int parts) {
+#if SEQ_HALF_GEMM
+/* The bfloat16 GEMM of a sequence call whose struct sets half_gemm (a bfloat16 layer, computed in
+   float32): C[M, N] (=|+=) bf16(A) · B with AVX512-BF16 dot products (vdpbf16ps: products of
+   bfloat16 pairs summed into float32 lanes), at twice the float FMA's multiply-adds per
+   instruction. B is a bfloat16 layer's weight, every value a bfloat16 exactly, so only A (h_{t−1},
+   dhp, or the step's inputs, which are bfloat16 too) is rounded: to nearest even, as
+   torch.nn.LSTM's bfloat16 GEMMs take their inputs. The instruction treats subnormal inputs as
+   zero and flushes subnormal results.
+
+   B is packed into panels of NR columns as the float tile's, each panel holding K2 = ⌈K/2⌉ rows of
+   NR 32-bit lanes: B[2kk, j] in the low half of lane j of row kk, B[2kk + 1, j] in its high half
+   (zero past K and N). A row of A is rounded into ⌈K/2⌉ such pairs (bfloat16 values in order). */
+/* A thread's rounded A is written as bfloat16 values and read as their pairs. */
+typedef uint32_t half_pair __attribute__((may_alias));
+
+static inline uint32_t half_pack2(float lo, float hi) {
+    return (uint32_t)f32_to_bf16(lo) | (uint32_t)f32_to_bf16(hi) << 16;
+}
+
+/* B[k, j] = W[j·K + k] (transposed: forward, W [N, K]) or W[k·N + j] (backward, W [K, N]) into
+   pair panels at Q, each read in its own order (a row of W, or two rows of B, at a time). */
+static void half_pack_panels(const float* W, i64 K, i64 N, int transposed, uint32_t* Q, int nt) {
+    const i64 K2 = (K + 1) / 2, even = K / 2;
+    #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (i64 p = 0; p < (N + NR - 1) / NR; ++p) {
+        const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
+        uint32_t* dst = Q + p * K2 * NR;
+        if (transposed) {
+            for (i64 jj = 0; jj < w; ++jj) {
+                const float* row = W + (j0 + jj) * K;
+                for (i64 kk = 0; kk < even; ++kk)
+                    dst[kk * NR + jj] = half_pack2(row[2 * kk], row[2 * kk + 1]);
+                if (K % 2) dst[even * NR + jj] = half_pack2(row[K - 1], 0.0f);
+            }
+        } else {
+            for (i64 kk = 0; kk < even; ++kk) {
+                const float *r0 = W + 2 * kk * N + j0, *r1 = r0 + N;
+                for (i64 jj = 0; jj < w; ++jj) dst[kk * NR + jj] = half_pack2(r0[jj], r1[jj]);
+            }
+            if (K % 2)
+                for (i64 jj = 0; jj < w; ++jj)
+                    dst[even * NR + jj] = half_pack2(W[(K - 1) * N + j0 + jj], 0.0f);
+        }
+        for (i64 kk = 0; kk < K2; ++kk) /* past column N: zero */
+            for (i64 jj = w; jj < NR; ++jj) dst[kk * NR + jj] = 0;
+    }
+}
+
+/* One tile of `rows` rows (a constant per inlined copy) × the first w <= NR columns of panel Q. */
+static inline __attribute__((always_inline)) void half_tile(const half_pair* A2, i64 K2,
+                                                            const uint32_t* Q, const int rows,
+                                                            float* C, i64 ldc, i64 w,
+                                                            int accumulate) {
+    __m512 acc[GEMM_MR][2];
+    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (i64 kk = 0; kk < K2; ++kk) {
+        FN(prefetch_panel)((const float*)Q, kk);
+        __m512i b0 = _mm512_load_si512((const void*)(Q + kk * NR));
+        __m512i b1 = _mm512_load_si512((const void*)(Q + kk * NR + VL));
+        IN_REGISTERS(b0, b1);
+        for (int r = 0; r < rows; ++r) {
+            const __m512i a = _mm512_set1_epi32((int)A2[r * K2 + kk]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)b1);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        float out[NR];
+        _mm512_storeu_ps(out, acc[r][0]);
+        _mm512_storeu_ps(out + VL, acc[r][1]);
+        float* c = C + r * ldc;
+        if (w == NR) {
+            for (i64 j = 0; j < NR; ++j) c[j] = accumulate ? c[j] + out[j] : out[j];
+        } else { /* the last panel: only its first w columns exist in C */
+            for (i64 j = 0; j < w; ++j) c[j] = accumulate ? c[j] + out[j] : out[j];
+        }
+    }
+}
+
+/* Up to GEMM_WIDE_MR rows, two adjacent full panels at once (as gemm_tile_wide): 4·rows
+   independent accumulators instead of 2·rows. */
+static inline __attribute__((always_inline)) void half_tile_wide(const half_pair* A2, i64 K2,
+                                                                 const uint32_t* Q,
+                                                                 const int rows, float* C,
+                                                                 i64 ldc, int accumulate) {
+    __m512 acc[GEMM_WIDE_MR][4];
+    const uint32_t* Q2 = Q + K2 * NR; /* the next panel */
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (i64 kk = 0; kk < K2; ++kk) {
+        FN(prefetch_panel)((const float*)Q, kk);
+        FN(prefetch_panel)((const float*)Q2, kk);
+        __m512i b0 = _mm512_load_si512((const void*)(Q + kk * NR));
+        __m512i b1 = _mm512_load_si512((const void*)(Q + kk * NR + VL));
+        __m512i b2 = _mm512_load_si512((const void*)(Q2 + kk * NR));
+        __m512i b3 = _mm512_load_si512((const void*)(Q2 + kk * NR + VL));
+        IN_REGISTERS(b0, b1);
+        IN_REGISTERS(b2, b3);
+        for (int r = 0; r < rows; ++r) {
+            const __m512i a = _mm512_set1_epi32((int)A2[r * K2 + kk]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)b1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], (__m512bh)a, (__m512bh)b2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], (__m512bh)a, (__m512bh)b3);
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < 4; ++v) {
+            float* c = C + r * ldc + v * VL;
+            const __m512 t = accumulate ? _mm512_add_ps(_mm512_loadu_ps(c), acc[r][v]) : acc[r][v];
+            _mm512_storeu_ps(c, t);
+        }
+}
+
+#define HALF_WIDE_CASE(R) \
+    case R: half_tile_wide(A2, K2, Q, R, C, ldc, accumulate); return;
+
+static void half_tile_rows_wide(int rows, const half_pair* A2, i64 K2, const uint32_t* Q,
+                                float* C, i64 ldc, int accumulate) {
+    switch (rows) {
+        GEMM_WIDE_CASES(HALF_WIDE_CASE)
+        default: return;
+    }
+}
+#undef HALF_WIDE_CASE
+
+#define HALF_CASE(R) \
+    case R: half_tile(A2, K2, Q, R, C, ldc, w, accumulate); return;
+
+static void half_tile_rows(int rows, const half_pair* A2, i64 K2, const uint32_t* Q, float* C,
+                           i64 ldc, i64 w, int accumulate) {
+    switch (rows) {
+        GEMM_ROW_CASES(HALF_CASE)
+        default: return;
+    }
+}
+#undef HALF_CASE
+
+/* A[M, K] (row-major, leading dimension lda) rounded to bfloat16 into A2, ⌈K/2⌉ pairs a row (an
+   odd K's last pair zero in its high half). */
+static void half_round_rows(i64 M, i64 K, const float* A, i64 lda, uint16_t* A2) {
+    const i64 K2 = (K + 1) / 2;
+    for (i64 i = 0; i < M; ++i) {
+        f32_row_to_bf16(A + i * lda, A2 + 2 * i * K2, K, 0);
+        if (K % 2) A2[2 * i * K2 + K] = 0;
+    }
+}
+#endif
+
+/* The operands of C[M, N] (=|+=) A[M, K] · B with B in panels: A[i, k] at A + i·sar + k·sak and
+   the float panels P (K rows of NR values each), or with Q (SEQ_HALF_GEMM) A rounded to bfloat16
+   pairs A2 and B in pair panels Q (K2 = ⌈K/2⌉ rows each). */
+typedef struct {
+    const scalar_t* A;
+    i64 sar, sak, K;
+    const scalar_t* P;
+#if SEQ_HALF_GEMM
+    const half_pair* A2;
+    const uint32_t* Q;
+    i64 K2;
+#endif
+    scalar_t* C;
+    i64 ldc;
+    int accumulate;
+} FN(gemm_ops);
+
+/* A tile of `rows` rows from row i0 at panel p (column j): w <= NR columns of it, or (wide) it and
+   the next panel, both full. */
+static inline void FN(tile_at)(const FN(gemm_ops) * g, int rows, i64 i0, i64 p, i64 j, i64 w,
+                               int wide) {
+    scalar_t* c = g->C + i0 * g->ldc + j;
+#if SEQ_HALF_GEMM
+    if (g->Q) {
+        const half_pair* a = g->A2 + i0 * g->K2;
+        const uint32_t* q = g->Q + p * g->K2 * NR;
+        if (wide) half_tile_rows_wide(rows, a, g->K2, q, c, g->ldc, g->accumulate);
+        else half_tile_rows(rows, a, g->K2, q, c, g->ldc, w, g->accumulate);
+        return;
+    }
+#endif
+    const scalar_t *a = g->A + i0 * g->sar, *P = g->P + p * g->K * NR;
+    if (wide) FN(tile_rows_wide)(rows, a, g->sar, g->sak, P, g->K, c, g->ldc, g->accumulate);
+    else FN(tile_rows)(rows, a, g->sar, g->sak, P, g->K, c, g->ldc, w, g->accumulate);
+}
+
+/* Part `part` of `parts` of C[M, N] (=|+=) A · B (the operands g): a contiguous share of the
+   panels (pairs of panels up to GEMM_WIDE_MR rows). */
+static void FN(gemm_part)(i64 M, i64 N, const FN(gemm_ops) * g, int part, int parts) {
     if (M <= 0) return;
     const i64 np = FN(panels)(N);
     i64 lo, hi;
@@ -272,13 +462,12 @@ static void FN(gemm_part)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 s
         for (i64 q = lo; q < hi; ++q) {
             const i64 j0 = 2 * q * NR;
             if (N - j0 >= 2 * NR) {
-                FN(tile_rows_wide)((int)M, A, sar, sak, P + 2 * q * K * NR, K, C + j0, ldc,
-                                   accumulate);
+                FN(tile_at)(g, (int)M, 0, 2 * q, j0, NR, 1);
                 continue;
             }
             for (i64 p = 2 * q; p < np; ++p) {
                 const i64 j = p * NR, w = N - j < NR ? N - j : NR;
-                FN(tile_rows)((int)M, A, sar, sak, P + p * K * NR, K, C + j, ldc, w, accumulate);
+                FN(tile_at)(g, (int)M, 0, p, j, w, 0);
             }
         }
         return;
@@ -293,8 +482,7 @@ static void FN(gemm_part)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 s
         for (i64 t = 0; t < tiles; ++t) {
             const i64 rows = balanced ? M / tiles + (t < M % tiles ? 1 : 0)
                                       : (M - i0 < GEMM_MR ? M - i0 : GEMM_MR);
-            FN(tile_rows)((int)rows, A + i0 * sar, sar, sak, P + p * K * NR, K, C + i0 * ldc + j0,
-                          ldc, w, accumulate);
+            FN(tile_at)(g, (int)rows, i0, p, j0, w, 0);
             i0 += rows;
         }
     }
@@ -303,13 +491,14 @@ static void FN(gemm_part)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 s
 /* C[M, N] (=|+=) A[M, K] · B with B packed by pack_panels; the panels split across nt threads. */
 static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, const scalar_t* P,
                      scalar_t* C, i64 ldc, int accumulate, int nt) {
-    if (nt <= 1) {
-        FN(gemm_part)(M, N, K, A, sar, sak, P, C, ldc, accumulate, 0, 1);
+    const FN(gemm_ops) g = {.A = A, .sar = sar, .sak = sak, .K = K, .P = P, .C = C, .ldc = ldc,
+                            .accumulate = accumulate};
+    if (nt <= 1) { /* no parallel region: its entry costs a step of a short sequence */
+        FN(gemm_part)(M, N, &g, 0, 1);
         return;
     }
     #pragma omp parallel num_threads(nt)
-    FN(gemm_part)(M, N, K, A, sar, sak, P, C, ldc, accumulate, omp_get_thread_num(),
-                  omp_get_num_threads());
+    FN(gemm_part)(M, N, &g, omp_get_thread_num(), omp_get_num_threads());
 }
 
 int FN(weight_grad)(const FN(weight_grad_args) * a) {
@@ -452,203 +641,6 @@ static void FN(gemm_nt_direct)(i64 M, i64 N, i64 K, const scalar_t* A, const sca
     }
 }
 
-#if SEQ_HALF_GEMM
-/* The bfloat16 GEMM of a sequence call whose struct sets half_gemm (a bfloat16 layer, computed in
-   float32): C[M, N] (=|+=) bf16(A) · B with AVX512-BF16 dot products (vdpbf16ps: products of
-   bfloat16 pairs summed into float32 lanes), at twice the float FMA's multiply-adds per
-   instruction. B is a bfloat16 layer's weight, every value a bfloat16 exactly, so only A (h_{t−1},
-   dhp, or the step's inputs, which are bfloat16 too) is rounded: to nearest even, as
-   torch.nn.LSTM's bfloat16 GEMMs take their inputs. The instruction treats subnormal inputs as
-   zero and flushes subnormal results.
-
-   B is packed into panels of NR columns as the float tile's, each panel holding K2 = ⌈K/2⌉ rows of
-   NR 32-bit lanes: B[2kk, j] in the low half of lane j of row kk, B[2kk + 1, j] in its high half
-   (zero past K and N). A row of A is rounded into ⌈K/2⌉ such pairs (bfloat16 values in order). */
-/* A thread's rounded A is written as bfloat16 values and read as their pairs. */
-typedef uint32_t half_pair __attribute__((may_alias));
-
-static inline uint32_t half_pack2(float lo, float hi) {
-    return (uint32_t)f32_to_bf16(lo) | (uint32_t)f32_to_bf16(hi) << 16;
-}
-
-/* B[k, j] = W[j·K + k] (transposed: forward, W [N, K]) or W[k·N + j] (backward, W [K, N]) into
-   pair panels at Q, each read in its own order (a row of W, or two rows of B, at a time). */
-static void half_pack_panels(const float* W, i64 K, i64 N, int transposed, uint32_t* Q, int nt) {
-    const i64 K2 = (K + 1) / 2, even = K / 2;
-    #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-    for (i64 p = 0; p < (N + NR - 1) / NR; ++p) {
-        const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
-        uint32_t* dst = Q + p * K2 * NR;
-        if (transposed) {
-            for (i64 jj = 0; jj < w; ++jj) {
-                const float* row = W + (j0 + jj) * K;
-                for (i64 kk = 0; kk < even; ++kk)
-                    dst[kk * NR + jj] = half_pack2(row[2 * kk], row[2 * kk + 1]);
-                if (K % 2) dst[even * NR + jj] = half_pack2(row[K - 1], 0.0f);
-            }
-        } else {
-            for (i64 kk = 0; kk < even; ++kk) {
-                const float *r0 = W + 2 * kk * N + j0, *r1 = r0 + N;
-                for (i64 jj = 0; jj < w; ++jj) dst[kk * NR + jj] = half_pack2(r0[jj], r1[jj]);
-            }
-            if (K % 2)
-                for (i64 jj = 0; jj < w; ++jj)
-                    dst[even * NR + jj] = half_pack2(W[(K - 1) * N + j0 + jj], 0.0f);
-        }
-        for (i64 kk = 0; kk < K2; ++kk) /* past column N: zero */
-            for (i64 jj = w; jj < NR; ++jj) dst[kk * NR + jj] = 0;
-    }
-}
-
-/* One tile of `rows` rows (a constant per inlined copy) × the first w <= NR columns of panel Q. */
-static inline __attribute__((always_inline)) void half_tile(const half_pair* A2, i64 K2,
-                                                            const uint32_t* Q, const int rows,
-                                                            float* C, i64 ldc, i64 w,
-                                                            int accumulate) {
-    __m512 acc[GEMM_MR][2];
-    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (i64 kk = 0; kk < K2; ++kk) {
-        FN(prefetch_panel)((const float*)Q, kk);
-        __m512i b0 = _mm512_load_si512((const void*)(Q + kk * NR));
-        __m512i b1 = _mm512_load_si512((const void*)(Q + kk * NR + VL));
-        IN_REGISTERS(b0, b1);
-        for (int r = 0; r < rows; ++r) {
-            const __m512i a = _mm512_set1_epi32((int)A2[r * K2 + kk]);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)b0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)b1);
-        }
-    }
-    for (int r = 0; r < rows; ++r) {
-        float out[NR];
-        _mm512_storeu_ps(out, acc[r][0]);
-        _mm512_storeu_ps(out + VL, acc[r][1]);
-        float* c = C + r * ldc;
-        if (w == NR) {
-            for (i64 j = 0; j < NR; ++j) c[j] = accumulate ? c[j] + out[j] : out[j];
-        } else { /* the last panel: only its first w columns exist in C */
-            for (i64 j = 0; j < w; ++j) c[j] = accumulate ? c[j] + out[j] : out[j];
-        }
-    }
-}
-
-/* Up to GEMM_WIDE_MR rows, two adjacent full panels at once (as gemm_tile_wide): 4·rows
-   independent accumulators instead of 2·rows. */
-static inline __attribute__((always_inline)) void half_tile_wide(const half_pair* A2, i64 K2,
-                                                                 const uint32_t* Q,
-                                                                 const int rows, float* C,
-                                                                 i64 ldc, int accumulate) {
-    __m512 acc[GEMM_WIDE_MR][4];
-    const uint32_t* Q2 = Q + K2 * NR; /* the next panel */
-    for (int r = 0; r < rows; ++r)
-        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-    for (i64 kk = 0; kk < K2; ++kk) {
-        FN(prefetch_panel)((const float*)Q, kk);
-        FN(prefetch_panel)((const float*)Q2, kk);
-        __m512i b0 = _mm512_load_si512((const void*)(Q + kk * NR));
-        __m512i b1 = _mm512_load_si512((const void*)(Q + kk * NR + VL));
-        __m512i b2 = _mm512_load_si512((const void*)(Q2 + kk * NR));
-        __m512i b3 = _mm512_load_si512((const void*)(Q2 + kk * NR + VL));
-        IN_REGISTERS(b0, b1);
-        IN_REGISTERS(b2, b3);
-        for (int r = 0; r < rows; ++r) {
-            const __m512i a = _mm512_set1_epi32((int)A2[r * K2 + kk]);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)b0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)b1);
-            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], (__m512bh)a, (__m512bh)b2);
-            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], (__m512bh)a, (__m512bh)b3);
-        }
-    }
-    for (int r = 0; r < rows; ++r)
-        for (int v = 0; v < 4; ++v) {
-            float* c = C + r * ldc + v * VL;
-            const __m512 t = accumulate ? _mm512_add_ps(_mm512_loadu_ps(c), acc[r][v]) : acc[r][v];
-            _mm512_storeu_ps(c, t);
-        }
-}
-
-static void half_tile_rows_wide(int rows, const half_pair* A2, i64 K2, const uint32_t* Q,
-                                float* C, i64 ldc, int accumulate) {
-    switch (rows) {
-        case 1: half_tile_wide(A2, K2, Q, 1, C, ldc, accumulate); return;
-        case 2: half_tile_wide(A2, K2, Q, 2, C, ldc, accumulate); return;
-#if GEMM_WIDE_MR >= 4
-        case 3: half_tile_wide(A2, K2, Q, 3, C, ldc, accumulate); return;
-        case 4: half_tile_wide(A2, K2, Q, 4, C, ldc, accumulate); return;
-#endif
-        default: return;
-    }
-}
-
-#define HALF_CASE(R) \
-    case R: half_tile(A2, K2, Q, R, C, ldc, w, accumulate); return;
-
-static void half_tile_rows(int rows, const half_pair* A2, i64 K2, const uint32_t* Q, float* C,
-                           i64 ldc, i64 w, int accumulate) {
-    switch (rows) {
-        HALF_CASE(1) HALF_CASE(2) HALF_CASE(3) HALF_CASE(4) HALF_CASE(5) HALF_CASE(6)
-        HALF_CASE(7) HALF_CASE(8)
-#if GEMM_MR >= 10
-        HALF_CASE(9) HALF_CASE(10)
-#endif
-#if GEMM_MR >= 12
-        HALF_CASE(11) HALF_CASE(12)
-#endif
-#if GEMM_MR >= 14
-        HALF_CASE(13) HALF_CASE(14)
-#endif
-#if GEMM_MR >= 16
-        HALF_CASE(15) HALF_CASE(16)
-#endif
-        default: return;
-    }
-}
-#undef HALF_CASE
-
-/* Part `part` of `parts` of C[M, N] (=|+=) bf16(A) · B, B in pair panels Q (half_pack_panels), A
-   row-major with leading dimension lda: A rounded into A2 (M·⌈K/2⌉ pairs, the calling thread's),
-   then a contiguous share of the panels, row tiles as gemm_part's. */
-static void half_gemm_part(i64 M, i64 N, i64 K, const float* A, i64 lda, const uint32_t* Q,
-                           uint16_t* A2, float* C, i64 ldc, int accumulate, int part, int parts) {
-    if (M <= 0) return;
-    const i64 K2 = (K + 1) / 2;
-    for (i64 i = 0; i < M; ++i) {
-        f32_row_to_bf16(A + i * lda, A2 + 2 * i * K2, K, 0);
-        if (K % 2) A2[2 * i * K2 + K] = 0; /* an odd K's last pair: its high half */
-    }
-    const i64 np = (N + NR - 1) / NR, tiles = (M + GEMM_MR - 1) / GEMM_MR;
-    const int balanced = M / tiles >= GEMM_BALANCED;
-    const half_pair* A2p = (const half_pair*)A2;
-    i64 lo, hi;
-    if (M <= GEMM_WIDE_MR) { /* pairs of full panels by the wide tile, any rest by the narrow */
-        row_block((np + 1) / 2, parts, part, &lo, &hi);
-        for (i64 q = lo; q < hi; ++q) {
-            const i64 j0 = 2 * q * NR;
-            if (N - j0 >= 2 * NR) {
-                half_tile_rows_wide((int)M, A2p, K2, Q + 2 * q * K2 * NR, C + j0, ldc, accumulate);
-                continue;
-            }
-            for (i64 p = 2 * q; p < np; ++p) {
-                const i64 j = p * NR, w = N - j < NR ? N - j : NR;
-                half_tile_rows((int)M, A2p, K2, Q + p * K2 * NR, C + j, ldc, w, accumulate);
-            }
-        }
-        return;
-    }
-    row_block(np, parts, part, &lo, &hi);
-    for (i64 p = lo; p < hi; ++p) {
-        const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
-        i64 i0 = 0;
-        for (i64 t = 0; t < tiles; ++t) {
-            const i64 rows = balanced ? M / tiles + (t < M % tiles ? 1 : 0)
-                                      : (M - i0 < GEMM_MR ? M - i0 : GEMM_MR);
-            half_tile_rows((int)rows, A2p + i0 * K2, K2, Q + p * K2 * NR, C + i0 * ldc + j0, ldc,
-                           w, accumulate);
-            i0 += rows;
-        }
-    }
-}
-#endif
-
 /* A sequence kernel's weight B[K, N], packed into buffer `slot`: backward B = W_hh itself
    (row-major [K, N]); forward (transposed = 1) B = W_hhᵀ or W_ihᵀ, read from W [N, K]. NULL when
    the buffer cannot grow. */
@@ -727,13 +719,6 @@ static int FN(weight_init)(FN(weight) * b, const scalar_t* w, i64 K, i64 N, int 
    a contiguous share of the panels; MKL's packed B only as one part (weight_init's callers). */
 static void FN(wgemm_part)(const FN(weight) * b, i64 M, const scalar_t* A, i64 lda, scalar_t* C,
                            i64 ldc, int accumulate, int part, int parts) {
-#if SEQ_HALF_GEMM
-    if (b->half) {
-        uint16_t* A2 = b->half_a + 2 * omp_get_thread_num() * b->half_a_rows * ((b->K + 1) / 2);
-        half_gemm_part(M, b->N, b->K, A, lda, b->half, A2, C, ldc, accumulate, part, parts);
-        return;
-    }
-#endif
 #if SEQ_PACKED_GEMM
     if (b->mkl) {
         /* beta 0: C is not read (BLAS), so an unwritten buffer's NaN does not reach it */
@@ -744,21 +729,30 @@ static void FN(wgemm_part)(const FN(weight) * b, i64 M, const scalar_t* A, i64 l
         return;
     }
 #endif
-    FN(gemm_part)(M, b->N, b->K, A, lda, 1, b->panels, C, ldc, accumulate, part, parts);
+    FN(gemm_ops) g = {.A = A, .sar = lda, .sak = 1, .K = b->K, .P = b->panels, .C = C,
+                      .ldc = ldc, .accumulate = accumulate};
+#if SEQ_HALF_GEMM
+    if (b->half) { /* A rounded into the calling thread's pairs, then the pair panels */
+        const i64 K2 = (b->K + 1) / 2;
+        uint16_t* A2 = b->half_a + 2 * omp_get_thread_num() * b->half_a_rows * K2;
+        half_round_rows(M, b->K, A, lda, A2);
+        g.A2 = (const half_pair*)A2;
+        g.Q = b->half;
+        g.K2 = K2;
+    }
+#endif
+    FN(gemm_part)(M, b->N, &g, part, parts);
 }
 
-/* C[M, N] (=|+=) A[M, K] · B: MKL's packed GEMM, or the tile's panels split across nt threads. */
+/* C[M, N] (=|+=) A[M, K] · B: MKL's packed GEMM, or the panels split across nt threads. */
 static void FN(wgemm)(const FN(weight) * b, i64 M, const scalar_t* A, i64 lda, scalar_t* C,
                       i64 ldc, int accumulate, int nt) {
-    if (b->mkl) {
+    if (b->mkl || nt <= 1) { /* MKL's packed B: one part */
         FN(wgemm_part)(b, M, A, lda, C, ldc, accumulate, 0, 1);
-    } else if (b->half) {
-        #pragma omp parallel num_threads(nt) if (nt > 1)
-        FN(wgemm_part)(b, M, A, lda, C, ldc, accumulate, omp_get_thread_num(),
-                       omp_get_num_threads());
-    } else {
-        FN(gemm)(M, b->N, b->K, A, lda, 1, b->panels, C, ldc, accumulate, nt);
+        return;
     }
+    #pragma omp parallel num_threads(nt)
+    FN(wgemm_part)(b, M, A, lda, C, ldc, accumulate, omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* Threads of a step's GEMM over `cols` output columns and of its step kernel. */
@@ -1126,5 +1120,6 @@ int FN(elman_bwd_seq)(const FN(elman_bwd_step_args) * a, const FN(rnn_seq_bwd_ar
 #undef NR
 #undef GEMM_KC
 #undef GEMM_WIDE_MR
+#undef GEMM_WIDE_CASES
 #undef IN_REGISTERS
 #undef FN

@@ -4,6 +4,7 @@ rounded inputs and parameters."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -176,3 +177,18 @@ def test_rounded_recurrent_products_match_a_reference_that_rounds_h(cls, batch, 
         out_r, _ = ref(x.double(), _double(state))
     u = UNIT_ROUNDOFF[torch.bfloat16]
     assert (out.double() - out_r).abs().max() <= 2 * u * out_r.abs().max()
+
+
+@pytest.mark.parametrize("rounded", [False, True], ids=["default", "rounded"])
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_bfloat16_nan_input_is_not_hidden(cls, rounded):
+    """A NaN in one sequence's input at step 1 makes that sequence's outputs NaN from there on and
+    leaves the others finite: through the kernel's bfloat16 projection (20 rows a step) and,
+    inside the block, the rounded recurrent products."""
+    m, x, state, _ = _bf16_case(cls, 4, 20, 6, 24)
+    x[1, 0, 2] = float("nan")
+    rounding = layernorm.recurrent.bfloat16_recurrent_products
+    with torch.no_grad(), rounding() if rounded else contextlib.nullcontext():
+        out, _ = m(x, state)
+    assert torch.isnan(out[1:, 0]).all() and not torch.isnan(out[:, 1:]).any()
+    assert not torch.isnan(out[0]).any()

@@ -225,7 +225,8 @@ def half_gemm() -> bool:
     """Whether the selected target's float sequence kernels run a bfloat16 layer's recurrent GEMMs
     (and inference's input projection) with the processor's bfloat16 dot products, as
     ``torch.nn.LSTM`` does in bfloat16 (see :func:`pack_sequence`'s ``half_gemm``): builds for
-    AVX512-BF16."""
+    AVX512-BF16. The instruction sums in float32 and treats subnormal operands (below 2⁻¹²⁶) as
+    zero; products of bfloat16 values are otherwise exact."""
     lib = _library()
     return lib is not None and lib[3]
 

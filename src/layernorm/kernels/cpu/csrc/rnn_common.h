@@ -39,8 +39,10 @@ static inline float fast_expf(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale;
-    scale.i = ((int32_t)n + 127) << 23;
+    /* 2^n from n's bits: n + 1.5·2^23 holds n in its low mantissa bits (|n| < 2^22), so n is not
+       converted to an integer (undefined in C for a NaN's n, whose p is NaN already) */
+    union { float f; uint32_t u; } t = {n + 0x1.8p23f}, scale;
+    scale.u = (t.u - 0x4B400000u + 127u) << 23;
     return p * scale.f;
 }
 

@@ -76,10 +76,12 @@ check-c:
 	done
 	@echo "check-c: every C kernel source compiles with -Wall -Wextra -Werror for every target"
 
+# --capture=sys: a sanitizer's report, written by C to file descriptor 2 just before it stops the
+# process, reaches the log instead of pytest's capture file.
 sanitize: $(STAMP)
 	@echo "sanitize: kernel tests against an ASan + UBSan build of the C kernels"
 	$(SANITIZE_ENV) $(PY) -c "from layernorm.kernels.cpu import cbuild, targets; print('flags:', *cbuild.build_flags(isa_flags=targets.selected().flags))"
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider --capture=sys $(SANITIZE_TESTS)
 
 bench: $(STAMP)
 	PY=$(PY) benchmarks/run_all.sh

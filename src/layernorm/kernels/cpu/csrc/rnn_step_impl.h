@@ -65,7 +65,7 @@
     } while (0)
 #endif
 
-/* Row sums as the norm kernels take them (row_sums.h): two vectors of partial sums in
+/* Row sums as the norm kernels take them (norms_common.h): two vectors of partial sums in
    scalar_t, each lane adding BLOCK_TERMS (cpu_common.h) terms before the block's lanes go into
    float64 partial sums. A row of a step is short (G = 4H, H), so a sum in float64 throughout (a
    conversion and a half-width add per element) was half of the step kernel's layer-norm time. */
@@ -75,14 +75,25 @@ typedef scalar_t FN(svec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(
 
 static inline FN(svec) FN(sld)(const scalar_t* p) { return *(const FN(svec)*)p; }
 
-/* The float64 partial sums of a row (FN(acc)), a block's flush into them and their fold. */
-#define ROW_SUMS_VEC FN(svec)
-#include "row_sums.h"
+/* acc[l] += lane l of p0 + p1 */
+static inline void FN(sflush)(FN(svec) p0, FN(svec) p1, acc_t* acc) {
+    const FN(svec) p = p0 + p1;
+    for (i64 l = 0; l < SVL; ++l) acc[l] += (acc_t)p[l];
+}
+
+/* Σ acc[l], folded pairwise as the norm kernels fold (norms_common.h fold_half): log2(SVL)
+   dependent vector adds where a running sum waited on SVL scalar adds (16 with AVX-512, four
+   times per LSTM row). Destroys acc. */
+static inline acc_t FN(sfold)(acc_t* acc) {
+    for (i64 w = SVL / 2; w >= 1; w /= 2)
+        for (i64 l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return acc[0];
+}
 
 /* Σ (x − c) and, with sq, Σ (x − c)² over a row, blocked as above. */
 static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
     const i64 step = 2 * SVL, nfull = N - N % step;
-    FN(acc) acc = {0};
+    acc_t acc[SVL] = {0};
     for (i64 j = 0; j < nfull;) {
         const i64 end = block_end(j, BLOCK_TERMS * step, nfull);
         FN(svec) p0 = {0}, p1 = {0};
@@ -96,14 +107,14 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
                 p1 += v;
             }
         }
-        FN(flush)(p0, p1, &acc);
+        FN(sflush)(p0, p1, acc);
     }
     acc_t t = 0;
     for (i64 j = nfull; j < N; ++j) {
         const acc_t d = (scalar_t)(x[j] - c);
         t += sq ? d * d : d;
     }
-    return t + FN(fold)(acc);
+    return t + FN(sfold)(acc);
 }
 
 /* μ and 1/sqrt(var + eps) of a row, as the norm kernels find them: the first sweep sums x − x0
@@ -157,7 +168,7 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
                              scalar_t* sw, scalar_t* sb) {
     const scalar_t mf = (scalar_t)m, rf = (scalar_t)r;
     const i64 step = 2 * SVL, nfull = N - N % step;
-    FN(acc) ag = {0}, agx = {0};
+    acc_t ag[SVL] = {0}, agx[SVL] = {0};
     for (i64 j = 0; j < nfull;) {
         const i64 end = block_end(j, BLOCK_TERMS * step, nfull);
         FN(svec) g0 = {0}, g1 = {0}, gx0 = {0}, gx1 = {0};
@@ -169,8 +180,8 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
             gx0 += u * ((FN(sld)(x + j) - mf) * rf);
             gx1 += v * ((FN(sld)(x + j + SVL) - mf) * rf);
         }
-        FN(flush)(g0, g1, &ag);
-        FN(flush)(gx0, gx1, &agx);
+        FN(sflush)(g0, g1, ag);
+        FN(sflush)(gx0, gx1, agx);
     }
     acc_t sg = 0, sgx = 0;
     for (i64 j = nfull; j < N; ++j) {
@@ -178,8 +189,8 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
         sg += g;
         sgx += (acc_t)g * ((x[j] - mf) * rf);
     }
-    const scalar_t cg = (scalar_t)((sg + FN(fold)(ag)) / N);
-    const scalar_t cgx = (scalar_t)((sgx + FN(fold)(agx)) / N);
+    const scalar_t cg = (scalar_t)((sg + FN(sfold)(ag)) / N);
+    const scalar_t cgx = (scalar_t)((sgx + FN(sfold)(agx)) / N);
     if (sw && accumulate) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, sw, sb, 1, 1);
     else if (sw) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, sw, sb, 0, 1);
     else if (accumulate) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, NULL, NULL, 1, 0);

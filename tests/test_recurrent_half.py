@@ -12,7 +12,7 @@ import torch
 
 import layernorm
 from layernorm.kernels.cpu import rnn
-from layernorm.recurrent import _steps, layers
+from layernorm.recurrent import _cstep, _fused, _steps, layers
 from tolerances import UNIT_ROUNDOFF
 
 LAYERS = (layernorm.LayerNormLSTM, layernorm.LayerNormGRU, layernorm.LayerNormRNN)
@@ -192,3 +192,17 @@ def test_bfloat16_nan_input_is_not_hidden(cls, rounded):
         out, _ = m(x, state)
     assert torch.isnan(out[1:, 0]).all() and not torch.isnan(out[:, 1:]).any()
     assert not torch.isnan(out[0]).any()
+
+
+@needs_half_gemm
+def test_bfloat16_layer_projects_in_the_loop_by_its_packed_bytes():
+    """The time loop packs W_ih for an inference projection up to _LOOP_PROJECTION_MAX_BYTES of
+    packed copy: a bfloat16 layer's products pack bfloat16 pairs, half of float32's, so a W_ih of
+    (2600, 650) (6.8 MB in float32, 3.4 MB as pairs) is projected in the loop for a bfloat16 layer
+    and before it for a float32 one."""
+    w_ih = torch.zeros(2600, 650)
+    assert w_ih.numel() * 4 > _fused._LOOP_PROJECTION_MAX_BYTES >= w_ih.numel() * 2
+    source = _fused.InputProjection(torch.zeros(700, 650), w_ih, None, None, 1e-5, True)
+    assert not _fused._projects_in_loop(source, 20)
+    with _cstep.bfloat16_layer():
+        assert _fused._projects_in_loop(source, 20)

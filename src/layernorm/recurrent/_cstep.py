@@ -262,6 +262,13 @@ def rounded_recurrent_products() -> contextlib.AbstractContextManager[None]:
     return _set(_ROUNDED_RECURRENT)
 
 
+def bfloat16_projection() -> bool:
+    """Whether the sequence kernels called in this context compute an input projection with the
+    processor's bfloat16 dot products (a bfloat16 layer, :func:`bfloat16_layer`, on a build that
+    has them): its packed W_ih then takes half the bytes of float32's."""
+    return _BFLOAT16_LAYER.get() and rnn.half_gemm()
+
+
 def _half_gemm() -> int:
     """The sequence struct's ``half_gemm`` for a call in this context (:func:`bfloat16_layer`)."""
     if not _BFLOAT16_LAYER.get():

@@ -757,6 +757,9 @@ _LOOP_PROJECTION_DTYPES = (torch.float32, torch.float64)
 # caches) that is a pass over memory per step, where one GEMM over all rows reads W_ih once per
 # block of rows: at (35, 20, 650, 650) (6.8 MB) in the loop took 1.10-1.31x torch's time, before
 # it 0.91-0.97x; at (100, 64, 256, 512) (2 MiB) in the loop 0.98-1.06x, before it 1.22-1.24x.
+# The limit is on the packed copy's bytes: a bfloat16 layer's products pack W_ih as bfloat16
+# pairs, half of float32's, and its (35, 20, 650, 650) (3.4 MB packed) took 1.47-1.49x torch's
+# bfloat16 LSTM in the loop, 1.98-2.06x before it (one and two threads, AMD EPYC, AVX512-BF16).
 _LOOP_PROJECTION_ROWS = 128
 _LOOP_PROJECTION_WEIGHT = 1 << 18
 _LOOP_PROJECTION_MAX_BYTES = 4 << 20
@@ -793,7 +796,9 @@ def _projects_in_loop(source: InputProjection, n_batch: int) -> bool:
         return False
     if data.shape[0] <= min(n_batch, _cstep.direct_rows()):
         return True
-    if w_ih.numel() * w_ih.element_size() > _LOOP_PROJECTION_MAX_BYTES:
+    # the packed W_ih's bytes: bfloat16 pairs for a bfloat16 layer's products
+    packed = w_ih.numel() * (2 if _cstep.bfloat16_projection() else w_ih.element_size())
+    if packed > _LOOP_PROJECTION_MAX_BYTES:
         return False
     return data.shape[0] >= _LOOP_PROJECTION_ROWS or w_ih.numel() <= _LOOP_PROJECTION_WEIGHT
 

@@ -141,7 +141,7 @@ def bfloat16_recurrent_products() -> contextlib.AbstractContextManager[None]:
     106 and 117 rounded: its state there grew a perturbation about 1.1x a step
     (``torch.nn.LSTM``'s shrank it, and its bfloat16 results stay within 1–2 roundings). Time
     with the rounded products (AMD EPYC with AVX512-BF16, 1 and 2 threads, five shapes from
-    (50, 8, 64, 128) to (35, 20, 650, 650)): inference 0.68–0.89 of the default's, training
+    (50, 8, 64, 128) to (35, 20, 650, 650)): inference 0.68–0.90 of the default's, training
     0.82–0.96 (``benchmarks/RESULTS.md``).
 
     Example::

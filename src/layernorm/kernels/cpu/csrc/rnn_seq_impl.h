@@ -417,7 +417,7 @@ static void half_round_rows(i64 M, i64 K, const float* A, i64 lda, uint16_t* A2)
 
 /* The operands of C[M, N] (=|+=) A[M, K] · B with B in panels: A[i, k] at A + i·sar + k·sak and
    the float panels P (K rows of NR values each), or with Q (SEQ_HALF_GEMM) A rounded to bfloat16
-   pairs A2 and B in pair panels Q (K2 = ⌈K/2⌉ rows each). */
+   pairs A2 and B in pair panels Q (⌈K/2⌉ rows each). */
 typedef struct {
     const scalar_t* A;
     i64 sar, sak, K;
@@ -425,7 +425,6 @@ typedef struct {
 #if SEQ_HALF_GEMM
     const half_pair* A2;
     const uint32_t* Q;
-    i64 K2;
 #endif
     scalar_t* C;
     i64 ldc;
@@ -439,10 +438,11 @@ static inline void FN(tile_at)(const FN(gemm_ops) * g, int rows, i64 i0, i64 p, 
     scalar_t* c = g->C + i0 * g->ldc + j;
 #if SEQ_HALF_GEMM
     if (g->Q) {
-        const half_pair* a = g->A2 + i0 * g->K2;
-        const uint32_t* q = g->Q + p * g->K2 * NR;
-        if (wide) half_tile_rows_wide(rows, a, g->K2, q, c, g->ldc, g->accumulate);
-        else half_tile_rows(rows, a, g->K2, q, c, g->ldc, w, g->accumulate);
+        const i64 K2 = (g->K + 1) / 2;
+        const half_pair* a = g->A2 + i0 * K2;
+        const uint32_t* q = g->Q + p * K2 * NR;
+        if (wide) half_tile_rows_wide(rows, a, K2, q, c, g->ldc, g->accumulate);
+        else half_tile_rows(rows, a, K2, q, c, g->ldc, w, g->accumulate);
         return;
     }
 #endif
@@ -738,7 +738,6 @@ static void FN(wgemm_part)(const FN(weight) * b, i64 M, const scalar_t* A, i64 l
         half_round_rows(M, b->K, A, lda, A2);
         g.A2 = (const half_pair*)A2;
         g.Q = b->half;
-        g.K2 = K2;
     }
 #endif
     FN(gemm_part)(M, b->N, &g, part, parts);

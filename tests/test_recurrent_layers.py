@@ -685,3 +685,51 @@ def test_cpu_layers_under_another_default_device(cls) -> None:
     for a, b in zip(plain, moved, strict=True):
         assert b.device.type == "cpu"
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("packed", "bidirectional", "dtype"),
+    [(False, False, torch.float64), (True, True, torch.float64), (False, True, torch.float32)],
+    ids=["padded", "packed-bidirectional", "float32"],
+)
+def test_training_projection_in_the_time_loop_equals_reference_loop(
+    packed, bidirectional, dtype, threads, monkeypatch
+) -> None:
+    """LN-LSTM training with the input projection inside the C time loop (forward: each step's
+    gx rows into the kept raw gx; backward: each step's dgx rows times W_ih into x's gradient):
+    the loop's outputs and gradients, and the rule consulted; below its rows the projection is
+    one GEMM before the loop, as without the rule. Two threads with the grains at 1: a team
+    splitting the batch's rows (padded) or sharing each step (packed: steps of fewer rows)."""
+    from layernorm.recurrent import _cstep, _fused
+
+    if not _cstep.sequence_gemm():
+        pytest.skip("the C sequence kernels are not built here")
+    if threads > 1:
+        monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
+        monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)
+    calls: list[int] = []
+    real = _fused._loop_projection_pays
+    monkeypatch.setattr(_fused, "_loop_projection_pays", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_TRAINING_ROWS", 0)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = LayerNormLSTM(7, 5, bidirectional=bidirectional, dtype=dtype)
+        randomize(model)
+        layers = 2 if bidirectional else 1
+        x, hx = seq(5, 4, 7, dtype=dtype), tuple(s.to(dtype) for s in states("lstm", layers, 4, 5))
+        out_f, grads_f = run(model, x, hx, packed=packed)
+        assert len(calls) == layers  # one rule per direction
+        monkeypatch.setattr(_fused, "_LOOP_PROJECTION_TRAINING_ROWS", 1 << 30)
+        out_b, grads_b = run(model, x, hx, packed=packed)
+        assert len(calls) == layers  # not consulted below its rows
+        model.impl = "loop"
+        out_l, grads_l = run(model, x, hx, packed=packed)
+    finally:
+        torch.set_num_threads(old_threads)
+    tol = FUSED_TOL if dtype == torch.float64 else F32_TOL
+    for a, b, c in zip(out_f + grads_f, out_b + grads_b, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, c, **tol)
+        torch.testing.assert_close(a, b, **tol)
+    assert all(g is not None for g in grads_f)

@@ -159,7 +159,7 @@ def test_c_refuses_kept_buffers_of_neither_n_nor_b_rows(kernel, buffer) -> None:
     args, t, sizes = _lstm_fwd_struct(**{"kept" if buffer == "kept" else "gx_rows": 3})
     before = {k: v.clone() for k, v in t.items()}
     projection = buffer == "gx" and kernel == "lstm_fwd_seq"
-    message = "gx of B rows" if projection else "rows lie outside the buffers"
+    message = "gx of B or N rows" if projection else "rows lie outside the buffers"
     with pytest.raises(ValueError, match=message):
         if kernel == "lstm_fwd_step":
             rnn.step(kernel, torch.float64, args, 0, 2, 1)
@@ -360,12 +360,14 @@ def _projection(n: int = 8, inputs: int = 5, hs: int = 3) -> dict[str, object]:
 
 
 @needs_c
+@pytest.mark.parametrize("gx_rows", [2, 8], ids=["B rows", "N rows"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layer_norm", [1, 0])
-def test_c_projection_inside_the_time_loop_equals_a_given_gx(layer_norm, threads) -> None:
-    """A forward sequence given x and W_ih computes each step's gx rows into a B-row gx itself:
-    the outputs are those of the same sequence given gx = LN(x W_ihᵀ)·w0 + b0 (without layer
-    norm x W_ihᵀ + b0) for every row, to float64 rounding (another summation order)."""
+def test_c_projection_inside_the_time_loop_equals_a_given_gx(layer_norm, threads, gx_rows) -> None:
+    """A forward sequence given x and W_ih computes each step's gx rows itself, into a B-row gx
+    (inference) or into its rows of an N-row gx (kept): the outputs are those of the same
+    sequence given gx = LN(x W_ihᵀ)·w0 + b0 (without layer norm x W_ihᵀ + b0) for every row, to
+    float64 rounding (another summation order)."""
     w = torch.linspace(-1, 1, 36, dtype=torch.float64).view(12, 3)
     steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 2]])
     proj = _projection()
@@ -376,7 +378,7 @@ def test_c_projection_inside_the_time_loop_equals_a_given_gx(layer_norm, threads
         xp = xp + proj["b0"]
     runs = []
     for given in (True, False):
-        args, t, sizes = _lstm_fwd_struct(kept=2, gx_rows=8 if given else 2)
+        args, t, sizes = _lstm_fwd_struct(kept=2, gx_rows=8 if given else gx_rows)
         args.layer_norm = layer_norm
         if given:
             t["gx"].copy_(xp)
@@ -386,19 +388,19 @@ def test_c_projection_inside_the_time_loop_equals_a_given_gx(layer_norm, threads
     assert runs[0]["out"].abs().min() > 0
     for k in ("out", "h", "c"):
         torch.testing.assert_close(runs[1][k], runs[0][k], rtol=1e-12, atol=1e-14)
-    # the B-row gx holds the last step's rows
-    torch.testing.assert_close(runs[1]["gx"], xp[6:], rtol=1e-12, atol=1e-14)
+    # a B-row gx holds the last step's rows, an N-row gx every step's
+    torch.testing.assert_close(runs[1]["gx"], xp[8 - gx_rows :], rtol=1e-12, atol=1e-14)
 
 
 @needs_c
 @pytest.mark.parametrize(
     ("change", "gx_rows"),
-    [({"w_ih": None}, 2), ({"x": None}, 2), ({"split": 0}, 2), ({"split": 13}, 2), ({}, 8)],
-    ids=["x-without-w_ih", "w_ih-without-x", "split-0", "split-past-G", "gx-of-N-rows"],
+    [({"w_ih": None}, 2), ({"x": None}, 2), ({"split": 0}, 2), ({"split": 13}, 2), ({}, 4)],
+    ids=["x-without-w_ih", "w_ih-without-x", "split-0", "split-past-G", "gx-of-other-rows"],
 )
 def test_c_refuses_an_inconsistent_projection(change, gx_rows) -> None:
-    """x and W_ih come together, the split lies in (0, G], and gx has B rows when C projects
-    into it (N otherwise): anything else is an error before any memory is touched."""
+    """x and W_ih come together, the split lies in (0, G], and gx has B or N rows when C
+    projects into it (N otherwise): anything else is an error before any memory is touched."""
     args, t, sizes = _lstm_fwd_struct(kept=2, gx_rows=gx_rows)
     proj = {**_projection(), **change}
     w, steps = torch.zeros(12, 3, dtype=torch.float64), torch.tensor([[0, 2], [2, 2]])
@@ -444,7 +446,7 @@ def test_c_elman_sequence_refuses_an_input_projection() -> None:
     proj = {"x": torch.zeros(4, 5, **f64), "w_ih": torch.zeros(3, 5, **f64), "split": 3}
     w, steps = torch.zeros(3, 3, dtype=torch.float64), torch.tensor([[0, 2], [2, 2]])
     before = {k: v.clone() for k, v in t.items()}
-    with pytest.raises(ValueError, match="the Elman kernels take none"):
+    with pytest.raises(ValueError, match="the Elman kernels take neither"):
         rnn.sequence("elman_fwd_seq", torch.float64, args, w, steps, sizes, 1, 1, 1, proj)
     for k, v in t.items():
         assert torch.equal(v, before[k]), k
@@ -518,13 +520,15 @@ def test_c_input_norm_in_the_step_equals_a_normalized_gx(threads) -> None:
 @pytest.mark.parametrize(
     ("kernel", "drop"),
     [("lstm_fwd_seq", "b0"), ("lstm_fwd_seq", "mx"), ("lstm_fwd_seq", "layer_norm"),
-     ("lstm_fwd_seq", "with-x"), ("lstm_fwd_step", "rx"), ("lstm_bwd_seq", "gx"),
+     ("lstm_fwd_seq", "with-x"), ("lstm_fwd_seq", "with-x-normalized"),
+     ("lstm_fwd_step", "rx"), ("lstm_bwd_seq", "gx"),
      ("lstm_bwd_step", "mx")],
 )  # fmt: skip
 def test_c_refuses_a_half_given_input_norm(kernel, drop) -> None:
     """w0 comes with its bias and statistics (forward), with gx and the statistics (backward),
-    with layer_norm, and not with a projection the kernel computes: else an error before any
-    memory is touched."""
+    with layer_norm, and not with a projection the kernel computes into B rows of gx or
+    normalizes itself (into N rows, the sequence struct's w0 and b0 given): else an error before
+    any memory is touched."""
     w, steps = torch.zeros(12, 3, dtype=torch.float64), torch.tensor([[0, 2], [2, 2]])
     norm = _input_norm()
     if "_fwd" in kernel:
@@ -543,7 +547,7 @@ def test_c_refuses_a_half_given_input_norm(kernel, drop) -> None:
     before = {k: v.clone() for k, v in t.items()}
     with pytest.raises(ValueError, match="the layer norm of gx needs w0"):
         if kernel.endswith("_seq"):
-            proj = _projection() if drop == "with-x" else None
+            proj = _projection() if drop.startswith("with-x") else None
             rnn.sequence(kernel, torch.float64, args, w, steps, sizes, 1, 1, 1, proj)
         else:
             rnn.step(kernel, torch.float64, args, 0, 2, 1)
@@ -694,3 +698,52 @@ def test_c_refuses_a_backward_without_the_previous_cell_state(case) -> None:
         rnn.step("lstm_bwd_step", torch.float64, args, 6, 1 if case != "no c0" else 2, 1)
     for k, v in t.items():
         assert torch.equal(v, before[k]), k
+
+
+@needs_c
+@pytest.mark.parametrize("threads", [1, 2])
+def test_c_backward_projects_x_s_gradient_in_the_time_loop(threads) -> None:
+    """A backward sequence given W_ih and dx writes each step's dx rows as dgx · W_ih (the
+    LSTM's dgates): every other output as without them, dx as torch's product of the results."""
+    w = torch.linspace(-1, 1, 36, dtype=torch.float64).view(12, 3)
+    steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 2]])
+    w_ih = torch.randn(12, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    runs = []
+    for with_dx in (False, True):
+        args, t, sizes = _lstm_bwd_struct(keep_cprev=True)
+        opts = {"w_ih": w_ih, "dx": torch.full((8, 5), float("nan"), dtype=torch.float64)}
+        rnn.sequence("lstm_bwd_seq", torch.float64, args, w, steps, sizes, threads, 1, 1,
+                     opts if with_dx else None)  # fmt: skip
+        runs.append((t, opts["dx"]))
+    (plain, _), (t, dx) = runs
+    for k in ("dgates", "dhp", "dlc", "dh", "dc"):
+        assert torch.equal(t[k], plain[k]), k
+    torch.testing.assert_close(dx, t["dgates"] @ w_ih, rtol=1e-12, atol=1e-14)
+
+
+@needs_c
+@pytest.mark.parametrize("case", ["w_ih-without-dx", "dx-without-w_ih", "elman"])
+def test_c_refuses_an_inconsistent_projection_gradient(case) -> None:
+    """W_ih and dx come together, for a kernel with dgx rows (the Elman kernels have none): else
+    an error before any memory is touched."""
+    f64 = {"dtype": torch.float64}
+    w_ih, dx = torch.zeros(12, 5, **f64), torch.zeros(8, 5, **f64)
+    if case == "elman":
+        struct, t, sizes = rnn_abi.ELMAN_BWD, {}, {"N": 8, "B": 2, "H": 3, "G": 3}
+        t = {k: torch.zeros(8, 3, **f64) for k in ("dout", "hp", "own", "dhp")}
+        t.update(dh=torch.zeros(2, 3, **f64), mh=torch.zeros(8, **f64), rh=torch.zeros(8, **f64),
+                 w=torch.ones(3, **f64))  # fmt: skip
+        args = rnn.prepare(struct, torch.float64, {**t, "off": 0, "rows": 0, "threads": 1,
+                                                   "layer_norm": 1, "relu": 0}, sizes)  # fmt: skip
+        kernel, w, opts = "elman_bwd_seq", torch.zeros(3, 3, **f64), {"w_ih": w_ih[:3], "dx": dx}
+    else:
+        args, t, sizes = _lstm_bwd_struct(keep_cprev=True)
+        kernel, w = "lstm_bwd_seq", torch.zeros(12, 3, **f64)
+        opts = {"w_ih": w_ih} if case == "w_ih-without-dx" else {"dx": dx}
+    before = {k: v.clone() for k, v in t.items()}
+    steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 2]])
+    with pytest.raises(ValueError, match="input projection"):
+        rnn.sequence(kernel, torch.float64, args, w, steps, sizes, 1, 1, 1, opts)
+    for k, v in t.items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(dx, torch.zeros_like(dx))

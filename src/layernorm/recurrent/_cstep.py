@@ -279,11 +279,15 @@ def _half_gemm() -> int:
 def _sequence(
     kernel: str, st: dict[str, Any], w: Tensor, sched: tuple[tuple[int, int, int], ...]
 ) -> None:
-    # st["projection"]: the input projection a forward kernel computes itself (inference);
-    # st["ln_grads"]: the buffers a backward kernel sums the layer norms' parameter gradients into
-    # st keeps both structs and W_hh (st["_call"]): an inference plan (see _fused.InferencePlan)
-    # runs them again with new input and output addresses
-    options = st.get("projection" if "_fwd" in kernel else "ln_grads")
+    # st["projection"]: the input projection a forward kernel computes itself; st["ln_grads"]:
+    # the buffers a backward kernel sums the layer norms' parameter gradients into, and
+    # st["projection_grad"]: W_ih and x's gradient, which it computes where the forward projected
+    # in its time loop. st keeps both structs and W_hh (st["_call"]): an inference plan (see
+    # _fused.InferencePlan) runs them again with new input and output addresses
+    if "_fwd" in kernel:
+        options = st.get("projection")
+    else:
+        options = {**(st.get("ln_grads") or {}), **(st.get("projection_grad") or {})}
     dtype, args, w = st["gx"].dtype, _args(st, kernel.replace("_seq", "_step")), w.contiguous()
     steps = _steps(sched)
     # the forward records the choice: its backward, run later, makes the same one

@@ -761,6 +761,16 @@ _LOOP_PROJECTION_DTYPES = (torch.float32, torch.float64)
 # pairs, half of float32's, and its (35, 20, 650, 650) (3.4 MB packed) took 1.47-1.49x torch's
 # bfloat16 LSTM in the loop, 1.98-2.06x before it (one and two threads, AMD EPYC, AVX512-BF16).
 _LOOP_PROJECTION_ROWS = 128
+# Training (LN-LSTM: the forward kernel projects each step's rows into gx, kept raw; the backward
+# kernel multiplies each step's dgx rows by W_ih for x's gradient) pays from more rows: the loop's
+# two GEMMs against three of torch's over all rows before and after the calls (x's gradient,
+# W_ih's, stays one GEMM), which are near the tile's speed unless the inputs are few (I = 32:
+# torch.mm at 42-57 GFLOP/s, the tile at about twice that). LN-LSTM training, AMD EPYC (Zen 4),
+# one thread, time × torch.nn.LSTM's, before / in the loop: (T, B, I, H) = (50, 8, 64, 128)
+# (400 rows) 1.19 / 1.24, (100, 8, 64, 128) 1.23 / 1.24, (200, 8, 64, 128) 1.24 / 1.22,
+# (1000, 4, 32, 128) 1.28 / 1.20, (100, 32, 128, 256) 1.01 / 0.98, (200, 16, 64, 256)
+# 0.98 / 0.94; two threads 1.03 / 0.99, 1.11 / 1.12 (400 rows), 0.96 / 0.93, 0.89 / 0.86.
+_LOOP_PROJECTION_TRAINING_ROWS = 1024
 _LOOP_PROJECTION_WEIGHT = 1 << 18
 _LOOP_PROJECTION_MAX_BYTES = 4 << 20
 
@@ -796,6 +806,15 @@ def _projects_in_loop(source: InputProjection, n_batch: int) -> bool:
         return False
     if data.shape[0] <= min(n_batch, _cstep.direct_rows()):
         return True
+    return _loop_projection_pays(data, w_ih)
+
+
+def _loop_projection_pays(data: Tensor, w_ih: Tensor) -> bool:
+    """Whether a time loop's own projection of ``data`` (one GEMM of a step's rows per step) beats
+    one GEMM over all rows before it, by the rule measured above: its packed W_ih within
+    :data:`_LOOP_PROJECTION_MAX_BYTES`, and enough rows or a small W_ih."""
+    if not data.is_cpu or data.dtype not in _LOOP_PROJECTION_DTYPES:
+        return False
     # the packed W_ih's bytes: bfloat16 pairs for a bfloat16 layer's products
     packed = w_ih.numel() * (2 if _cstep.bfloat16_projection() else w_ih.element_size())
     if packed > _LOOP_PROJECTION_MAX_BYTES:
@@ -971,7 +990,9 @@ class LSTMSequence(torch.autograd.Function):
     the gates' gradient into gx's in place and sums ``w0``'s and ``b0``'s gradients as it goes.
     With ``w_ih`` (``(4H, I)``, input_norm only) the first argument is the layer's input
     ``x (N, I)`` and the node computes ``gx = x W_ihᵀ`` itself (backward: x's and W_ih's
-    gradients from gx's); ``b_ih``, ``b_hh`` (``(4H)``, input_norm only) are torch's biases,
+    gradients from gx's), or, where :func:`_loop_projection_pays` and from
+    :data:`_LOOP_PROJECTION_TRAINING_ROWS` rows, has the kernels compute each step's rows of gx
+    in the time loop and backward's each step's rows of x's gradient; ``b_ih``, ``b_hh`` (``(4H)``, input_norm only) are torch's biases,
     added to b0 as ``(b_ih + b_hh) + b0``, each getting b0's gradient. The layers pass all of
     that, so that a direction is one autograd node, not four more for the projection and the
     folded bias.
@@ -1008,10 +1029,20 @@ class LSTMSequence(torch.autograd.Function):
             raise ValueError("LSTMSequence: w_ih, b_ih and b_hh need input_norm")
         if (b_ih is None) != (b_hh is None):
             raise ValueError("LSTMSequence: b_ih and b_hh come together or not at all")
-        x = None
-        if w_ih is not None:  # gx is the input: its projection
+        x, in_loop = None, False
+        if w_ih is not None:  # gx is the input: its projection, here or in the time loop
             x = gx.contiguous()
-            gx = _projected(x, w_ih)
+            # the kernels write each step's rows of gx (kept raw for backward) in the time loop,
+            # and backward's kernel each step's rows of x's gradient: the projection's GEMMs on
+            # rows in cache, not over (N, G) rows in memory before and after the calls
+            in_loop = (
+                input_norm
+                and normalize
+                and x.shape[0] >= _LOOP_PROJECTION_TRAINING_ROWS
+                and _loop_projection_pays(x, w_ih)
+            )
+            rows = (x.shape[0], w_ih.shape[0])
+            gx = _buffers.empty(x, rows) if in_loop else _projected(x, w_ih)
         gx = gx.contiguous()
         b0 = fold_input_bias(b0, None if b_ih is None else (b_ih, b_hh))
         st = _lstm_state(
@@ -1030,8 +1061,12 @@ class LSTMSequence(torch.autograd.Function):
             st.update(w0=gx.new_ones(g4) if w0 is None else w0.contiguous(),
                       b0=gx.new_zeros(g4) if b0 is None else b0.contiguous(),
                       **_new_bufs(gx, gx.shape[0], {"mx": 0, "rx": 0}))  # fmt: skip
+        if in_loop:
+            st["projection"] = {"x": x, "w_ih": w_ih.contiguous()}
         _keep_previous(st, kernels, sched, h0, c0)
         _forward_in_time(st, w_hh, sched, kernels.lstm_fwd, kernels.lstm_fwd_seq)
+        st.pop("projection", None)
+        st["projected_in_loop"] = in_loop
         kept = ("gx", "w0", "mx", "rx") if input_norm else ()  # what backward's LN(gx) reads
         if x is not None:
             st.update(x=x, w_ih=w_ih)
@@ -1061,6 +1096,11 @@ class LSTMSequence(torch.autograd.Function):
             st, kernels.lstm_bwd_seq, normalize, any(need[4:8]) or need[17] or need_b0, hs,
             input_norm,
         )  # fmt: skip
+        x_in_loop = st["projected_in_loop"] and need[0]
+        if x_in_loop:  # x's gradient from the time loop's own GEMM (see forward)
+            x = st["x"]
+            st["projection_grad"] = {"w_ih": st["w_ih"].contiguous(),
+                                     "dx": _buffers.empty(x, (n_rows, x.shape[1]))}  # fmt: skip
         # with zoneout of h the step leaves the direct path zh ⊙ dh_t in dh for the GEMM to add to
         _backward_in_time(
             st, w_hh, ctx.sched, kernels.lstm_bwd, kernels.lstm_bwd_seq,
@@ -1089,7 +1129,11 @@ class LSTMSequence(torch.autograd.Function):
         # dgates: with input_norm the kernels turned it into the raw gx's gradient
         d_gx, d_w_ih = st["dgates"], None
         if "x" in st:  # gx = x W_ihᵀ was projected here
-            d_gx, d_w_ih = _projection_grads(d_gx, st["x"], st["w_ih"], need[0], need[19])
+            d_gx, d_w_ih = _projection_grads(
+                d_gx, st["x"], st["w_ih"], need[0] and not x_in_loop, need[19]
+            )
+            if x_in_loop:
+                d_gx = st["projection_grad"]["dx"]
         d_b_ih, d_b_hh = (db0 if n else None for n in need[20:22])  # b0's, as they add to it
         return (d_gx, dh, st["dc"], d_w_hh, dw1, db1, dw3, db3, *(None,) * 7, d_w_hr, None, dw0,
                 db0 if need[18] else None, d_w_ih, d_b_ih, d_b_hh)  # fmt: skip

@@ -253,14 +253,15 @@ def _raise_for(status: int, kernel: str) -> None:
     if status == rnn_abi.ERR_INPUT_NORM:
         raise ValueError(
             f"layernorm recurrent CPU kernel {kernel}: the layer norm of gx needs w0 with b0, mx "
-            f"and rx (forward; gx, mx and rx backward) and layer_norm=1, and no input projection "
-            f"x; nothing was written"
+            f"and rx (forward; gx, mx and rx backward) and layer_norm=1, and with an input "
+            f"projection x, gx of N rows and no w0 or b0 of the projection's own; nothing was "
+            f"written"
         )
     if status == rnn_abi.ERR_PROJECTION:
         raise ValueError(
             f"layernorm recurrent CPU kernel {kernel}: the input projection needs x and w_ih "
-            f"together, 0 < split <= G and gx of B rows (without it, N rows), and the Elman "
-            f"kernels take none; nothing was written"
+            f"together, 0 < split <= G and gx of B or N rows (without it, N rows), its gradient "
+            f"w_ih and dx together, and the Elman kernels take neither; nothing was written"
         )
     if status != 0:
         raise ValueError(
@@ -302,9 +303,10 @@ def pack_sequence(
 
     ``options``: the sequence struct's optional fields. Forward kernels: ``x``, ``w_ih``, ``w0``,
     ``b0`` and ``split`` of :data:`.rnn_abi.SEQ_FWD`, for a kernel that computes each step's
-    ``gx`` rows itself (the step struct's gx then has B rows); without them gx holds every row
-    already. Backward kernels: ``hp_grads`` and ``c_grads`` of :data:`.rnn_abi.SEQ_BWD`, where
-    the kernel sums the layer norms' gain and bias gradients.
+    ``gx`` rows itself (the step struct's gx then has B rows, or N rows kept raw for backward);
+    without them gx holds every row already. Backward kernels: ``hp_grads``, ``c_grads`` and
+    ``x_grads`` of :data:`.rnn_abi.SEQ_BWD`, where the kernel sums the layer norms' gain and bias
+    gradients, and ``w_ih`` with ``dx``, where it computes each step's rows of x's gradient.
 
     ``half_gemm``: the struct's ``half_gemm``, for a bfloat16 layer computed in float32 (its
     weights and inputs bfloat16 values): the kernels built with AVX512-BF16 (:func:`half_gemm`)
@@ -316,8 +318,12 @@ def pack_sequence(
     values = {"w": w, "steps": steps, "threads": max(1, threads), "grain": grain,
               "gemm_grain": gemm_grain, "split": sizes.get("G", 0),
               "half_gemm": half_gemm, **opts}  # fmt: skip
-    # I from whichever of x and W_ih is given (C refuses one without the other)
-    given = [t for t in (opts.get("x"), opts.get("w_ih")) if isinstance(t, Tensor) and t.dim() == 2]
+    # I from whichever of x (dx backward) and W_ih is given (C refuses one without the other)
+    given = [
+        t
+        for t in (opts.get("x"), opts.get("dx"), opts.get("w_ih"))
+        if isinstance(t, Tensor) and t.dim() == 2
+    ]
     in_features = given[0].shape[1] if given else 0
     seq_sizes = {**sizes, "S": steps.shape[0], "I": in_features}
     return rnn_abi.pack(seq_struct, dtype, values, seq_sizes)

@@ -373,11 +373,13 @@ def _seq(name: str, w_shape: str, w_doc: str, options: tuple[Field, ...] = ()) -
     )  # fmt: skip
 
 
-# The forward sequence kernels' input projection (inference): with x and w_ih given, each step's
-# gx rows are LN(x W_ihᵀ) computed inside the time loop into gx (X = B rows), where they stay in
-# cache, instead of a (N, G) projection computed before the call and read back from memory. The
-# columns [0, split) and [split, G) are normalized separately (the GRU's (r, z) and n blocks;
-# split = G for one), with gain w0 and bias b0; without layer_norm only b0 is added.
+# The forward sequence kernels' input projection: with x and w_ih given, each step's gx rows are
+# x W_ihᵀ computed inside the time loop, where they stay in cache, instead of a (N, G) projection
+# computed before the call and read back from memory. In inference gx has B rows (X = B), which
+# the kernel finishes in place as LN(x W_ihᵀ): the columns [0, split) and [split, G) normalized
+# separately (the GRU's (r, z) and n blocks; split = G for one), with gain w0 and bias b0; without
+# layer_norm only b0 is added. In training gx keeps every row (X = N) raw, for the step's own
+# LN(gx) (the LSTM's step struct w0) and for backward; w0 and b0 here are then NULL.
 _PROJECTION = (
     Field("x", _IN, ("N", "I"), "the direction's input rows", optional=True),
     Field("w_ih", _IN, ("G", "I"), "W_ih (the kernel multiplies by its transpose)", optional=True),
@@ -402,7 +404,17 @@ _LN_GRADS = (
     Field("x_grads", _OUT, ("2G",), "LN(gx)'s gain then bias gradient (the LSTM's, with w0; "
           "NULL for the GRU)", optional=True),
 )  # fmt: skip
-SEQ_BWD = _seq("rnn_seq_bwd_args", "G H", "W_hh", _LN_GRADS)
+# The backward sequence kernels' input-projection gradient (training, where the forward kernel
+# projected the inputs in its time loop): with w_ih and dx given, each step's dx rows are
+# dgx · W_ih, computed by the time loop's GEMM while the step's dgx rows are in cache, instead of
+# a GEMM over all (N, G) rows after the call that reads them back from memory (the LSTM's).
+_PROJECTION_GRAD = (
+    Field("w_ih", _IN, ("G", "I"), "W_ih", optional=True),
+    Field("dx", _OUT, ("N", "I"), "gradient of the direction's input rows: dgx · W_ih",
+          optional=True),
+    Field("I", Kind.SIZE, doc="input features (0 without dx)"),
+)  # fmt: skip
+SEQ_BWD = _seq("rnn_seq_bwd_args", "G H", "W_hh", (*_LN_GRADS, *_PROJECTION_GRAD))
 WEIGHT_GRAD = Struct(
     "weight_grad_args",
     "dw = dhpᵀ · hprev: the recurrent weight's gradient summed over all rows.",

@@ -442,6 +442,9 @@ typedef struct {
     float* hp_grads; /* output (2G), optional: NULL = off: LN(hp)'s gain then bias gradient: Σ dy⊙x̂, Σ dy over rows (the GRU's (r, z) and n blocks side by side, as w_rz and w_n) */
     float* c_grads; /* output (2H), optional: NULL = off: LN(c_t)'s gain then bias gradient (the LSTM's; NULL for the GRU) */
     float* x_grads; /* output (2G), optional: NULL = off: LN(gx)'s gain then bias gradient (the LSTM's, with w0; NULL for the GRU) */
+    const float* w_ih; /* input (G, I), optional: NULL = off: W_ih */
+    float* dx; /* output (N, I), optional: NULL = off: gradient of the direction's input rows: dgx · W_ih */
+    int64_t I; /* size: input features (0 without dx) */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
@@ -453,12 +456,15 @@ _Static_assert(offsetof(rnn_seq_bwd_args_f32, steps) == 8, "rnn_seq_bwd_args_f32
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, hp_grads) == 16, "rnn_seq_bwd_args_f32.hp_grads");
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, c_grads) == 24, "rnn_seq_bwd_args_f32.c_grads");
 _Static_assert(offsetof(rnn_seq_bwd_args_f32, x_grads) == 32, "rnn_seq_bwd_args_f32.x_grads");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, n_steps) == 40, "rnn_seq_bwd_args_f32.n_steps");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, grain) == 48, "rnn_seq_bwd_args_f32.grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, gemm_grain) == 56, "rnn_seq_bwd_args_f32.gemm_grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, half_gemm) == 64, "rnn_seq_bwd_args_f32.half_gemm");
-_Static_assert(offsetof(rnn_seq_bwd_args_f32, threads) == 72, "rnn_seq_bwd_args_f32.threads");
-_Static_assert(sizeof(rnn_seq_bwd_args_f32) == 80, "rnn_seq_bwd_args_f32 size");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, w_ih) == 40, "rnn_seq_bwd_args_f32.w_ih");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, dx) == 48, "rnn_seq_bwd_args_f32.dx");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, I) == 56, "rnn_seq_bwd_args_f32.I");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, n_steps) == 64, "rnn_seq_bwd_args_f32.n_steps");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, grain) == 72, "rnn_seq_bwd_args_f32.grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, gemm_grain) == 80, "rnn_seq_bwd_args_f32.gemm_grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, half_gemm) == 88, "rnn_seq_bwd_args_f32.half_gemm");
+_Static_assert(offsetof(rnn_seq_bwd_args_f32, threads) == 96, "rnn_seq_bwd_args_f32.threads");
+_Static_assert(sizeof(rnn_seq_bwd_args_f32) == 104, "rnn_seq_bwd_args_f32 size");
 
 /* dw = dhpᵀ · hprev: the recurrent weight's gradient summed over all rows. */
 typedef struct {
@@ -916,6 +922,9 @@ typedef struct {
     double* hp_grads; /* output (2G), optional: NULL = off: LN(hp)'s gain then bias gradient: Σ dy⊙x̂, Σ dy over rows (the GRU's (r, z) and n blocks side by side, as w_rz and w_n) */
     double* c_grads; /* output (2H), optional: NULL = off: LN(c_t)'s gain then bias gradient (the LSTM's; NULL for the GRU) */
     double* x_grads; /* output (2G), optional: NULL = off: LN(gx)'s gain then bias gradient (the LSTM's, with w0; NULL for the GRU) */
+    const double* w_ih; /* input (G, I), optional: NULL = off: W_ih */
+    double* dx; /* output (N, I), optional: NULL = off: gradient of the direction's input rows: dgx · W_ih */
+    int64_t I; /* size: input features (0 without dx) */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
@@ -927,12 +936,15 @@ _Static_assert(offsetof(rnn_seq_bwd_args_f64, steps) == 8, "rnn_seq_bwd_args_f64
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, hp_grads) == 16, "rnn_seq_bwd_args_f64.hp_grads");
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, c_grads) == 24, "rnn_seq_bwd_args_f64.c_grads");
 _Static_assert(offsetof(rnn_seq_bwd_args_f64, x_grads) == 32, "rnn_seq_bwd_args_f64.x_grads");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, n_steps) == 40, "rnn_seq_bwd_args_f64.n_steps");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, grain) == 48, "rnn_seq_bwd_args_f64.grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, gemm_grain) == 56, "rnn_seq_bwd_args_f64.gemm_grain");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, half_gemm) == 64, "rnn_seq_bwd_args_f64.half_gemm");
-_Static_assert(offsetof(rnn_seq_bwd_args_f64, threads) == 72, "rnn_seq_bwd_args_f64.threads");
-_Static_assert(sizeof(rnn_seq_bwd_args_f64) == 80, "rnn_seq_bwd_args_f64 size");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, w_ih) == 40, "rnn_seq_bwd_args_f64.w_ih");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, dx) == 48, "rnn_seq_bwd_args_f64.dx");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, I) == 56, "rnn_seq_bwd_args_f64.I");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, n_steps) == 64, "rnn_seq_bwd_args_f64.n_steps");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, grain) == 72, "rnn_seq_bwd_args_f64.grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, gemm_grain) == 80, "rnn_seq_bwd_args_f64.gemm_grain");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, half_gemm) == 88, "rnn_seq_bwd_args_f64.half_gemm");
+_Static_assert(offsetof(rnn_seq_bwd_args_f64, threads) == 96, "rnn_seq_bwd_args_f64.threads");
+_Static_assert(sizeof(rnn_seq_bwd_args_f64) == 104, "rnn_seq_bwd_args_f64 size");
 
 /* dw = dhpᵀ · hprev: the recurrent weight's gradient summed over all rows. */
 typedef struct {

@@ -154,12 +154,19 @@ static inline int dgh_rows_valid(i64 D, i64 N, i64 B, int layer_norm) {
     (dgh_rows_valid((a)->D, (a)->N, (a)->B, (a)->layer_norm) &&            \
      carried_before_valid((a)->hprev, (a)->y ? (a)->h0 : NULL, (off), (rows), (a)->N, (a)->B))
 
-/* Whether a forward kernel's projection arguments agree (rnn_abi.py, _PROJECTION): none, or x and
-   w_ih both, a split in (0, G], and gx of B rows written each step (with x) or N rows (without). */
+/* Whether a forward kernel's projection arguments agree (rnn_abi.py, _PROJECTION): none (gx of N
+   rows given), or x and w_ih both, a split in (0, G], and gx of B rows written each step
+   (inference) or of N rows, each step's kept (training). */
 static inline int projection_valid(const void* x, const void* w_ih, i64 split, i64 G, i64 X,
                                    i64 N, i64 B) {
     if (!x) return !w_ih && X == N;
-    return w_ih && split > 0 && split <= G && X == B;
+    return w_ih && split > 0 && split <= G && (X == B || X == N);
+}
+
+/* Whether a backward kernel's projection-gradient arguments agree (rnn_abi.py, _PROJECTION_GRAD):
+   none, or w_ih and dx both, for a kernel that has dgx rows to multiply (has_dgx). */
+static inline int projection_grad_valid(const void* w_ih, const void* dx, int has_dgx) {
+    return !w_ih == !dx && (!dx || has_dgx);
 }
 
 /* Whether an LSTM kernel's input-side layer norm (rnn_abi.py, _INPUT_NORM_*) is off (no w0) or

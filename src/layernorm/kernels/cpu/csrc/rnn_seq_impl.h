@@ -858,7 +858,7 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
    team_barrier after each, instead of a fork-join per GEMM and per step kernel. All steps are
    checked before the region (nothing returns from inside it). */
 #define TEAM_MAX(u, v) ((u) > (v) ? (u) : (v))
-#define FORWARD_IN_TIME(STEP_FN, ROWS_FN)                                                         \
+#define FORWARD_IN_TIME(STEP_FN, ROWS_FN, STEP_NORMALIZES_GX)                                     \
     do {                                                                                          \
         if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;                              \
         if (!projection_valid(s->x, s->w_ih, s->split, G, a->X, a->N, a->B))                      \
@@ -901,30 +901,31 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     mine.off = s->steps[2 * k];                                                   \
                     mine.rows = s->steps[2 * k + 1];                                              \
                     scalar_t* hp = a->hp + kept_row(a->R, a->N, mine.off, 0) * G;                 \
+                    scalar_t* gx = a->gx + kept_row(a->X, a->N, mine.off, 0) * G;                 \
                     if (s->x)                                                                     \
                         FN(wgemm_part)(&wxb, hi - lo, s->x + (mine.off + lo) * I, I,              \
-                                       a->gx + lo * G, G, 0, 0, 1);                               \
+                                       gx + lo * G, G, 0, 0, 1);                                  \
                     else                                                                          \
-                        prefetch_l2(a->gx + (mine.off + lo) * G,                                  \
-                                    (hi - lo) * G * (i64)sizeof(scalar_t));                       \
+                        prefetch_l2(gx + lo * G, (hi - lo) * G * (i64)sizeof(scalar_t));          \
                     FN(wgemm_part)(&wb, hi - lo, a->h + lo * H, H, hp + lo * G, G, 0, 0, 1);      \
-                    if (s->x)                                                                     \
-                        FN(input_rows)(a->gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm,   \
-                                       lo, hi);                                                   \
+                    if (s->x && !(STEP_NORMALIZES_GX))                                            \
+                        FN(input_rows)(gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm, lo,  \
+                                       hi);                                                       \
                     ROWS_FN(&mine, lo, hi);                                                       \
                 }                                                                                 \
                 for (i64 k = 0; !by_rows && k < s->n_steps; ++k) {                                \
                     mine.off = s->steps[2 * k];                                                   \
                     mine.rows = s->steps[2 * k + 1];                                              \
                     scalar_t* hp = a->hp + kept_row(a->R, a->N, mine.off, 0) * G;                 \
+                    scalar_t* gx = a->gx + kept_row(a->X, a->N, mine.off, 0) * G;                 \
                     const int gnt = FN(gemm_threads)(mine.rows, G, H, s->gemm_grain, nth);        \
                     if (s->x) {                                                                   \
                         const int xnt = FN(gemm_threads)(mine.rows, G, I, s->gemm_grain, nth);    \
                         if (tid < xnt)                                                            \
-                            FN(wgemm_part)(&wxb, mine.rows, s->x + mine.off * I, I, a->gx, G, 0,  \
+                            FN(wgemm_part)(&wxb, mine.rows, s->x + mine.off * I, I, gx, G, 0,     \
                                            tid, xnt);                                             \
                     } else if (tid == 0) {                                                        \
-                        prefetch_l2(a->gx + mine.off * G, mine.rows * G * (i64)sizeof(scalar_t)); \
+                        prefetch_l2(gx, mine.rows * G * (i64)sizeof(scalar_t));                   \
                     }                                                                             \
                     if (tid < gnt)                                                                \
                         FN(wgemm_part)(&wb, mine.rows, a->h, H, hp, G, 0, tid, gnt);              \
@@ -932,9 +933,9 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     const int rnt = threads_for(mine.rows * G, mine.rows, s->grain, nth);         \
                     if (tid < rnt) {                                                              \
                         row_block(mine.rows, rnt, tid, &lo, &hi);                                 \
-                        if (s->x)                                                                 \
-                            FN(input_rows)(a->gx, G, s->split, s->w0, s->b0, a->eps,              \
-                                           a->layer_norm, lo, hi);                                \
+                        if (s->x && !(STEP_NORMALIZES_GX))                                        \
+                            FN(input_rows)(gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm,  \
+                                           lo, hi);                                               \
                         ROWS_FN(&mine, lo, hi);                                                   \
                     }                                                                             \
                     team_wait(&bar, nth);                                                         \
@@ -947,15 +948,17 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
             step.rows = s->steps[2 * k + 1];                                                      \
             if (!rows_in_range(step.off, step.rows, a->N, a->B)) return RNN_ERR_ROWS;             \
             scalar_t* hp = a->hp + kept_row(a->R, a->N, step.off, 0) * G;                         \
+            scalar_t* gx = a->gx + kept_row(a->X, a->N, step.off, 0) * G;                         \
             if (s->x) {                                                                           \
                 const scalar_t* xr = s->x + step.off * I;                                         \
                 const int xnt = FN(gemm_threads)(step.rows, G, I, s->gemm_grain, s->threads);     \
-                if (direct) FN(gemm_nt_direct)(step.rows, G, I, xr, s->w_ih, a->gx, G, xnt);      \
-                else FN(wgemm)(&wxb, step.rows, xr, I, a->gx, G, 0, xnt);                         \
-                FN(input_rows)(a->gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm, 0,        \
-                               step.rows);                                                        \
+                if (direct) FN(gemm_nt_direct)(step.rows, G, I, xr, s->w_ih, gx, G, xnt);         \
+                else FN(wgemm)(&wxb, step.rows, xr, I, gx, G, 0, xnt);                            \
+                if (!(STEP_NORMALIZES_GX))                                                        \
+                    FN(input_rows)(gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm, 0,       \
+                                   step.rows);                                                    \
             } else {                                                                              \
-                prefetch_l2(a->gx + step.off * G, step.rows * G * (i64)sizeof(scalar_t));         \
+                prefetch_l2(gx, step.rows * G * (i64)sizeof(scalar_t));                           \
             }                                                                                     \
             const int gemm_nt = FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads);     \
             if (direct) FN(gemm_nt_direct)(step.rows, G, H, a->h, s->w, hp, G, gemm_nt);          \
@@ -969,12 +972,15 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
 /* Backward: every step checked first (VALID, an expression over `step`: nothing is touched when
    one fails), then per step in reverse the cell's rows ROWS_FN, which leave dhp (and add to the
    thread's grad_sums partials where SUMMED), and the GEMM dh (=|+=) dhp · W_hh (ACCUMULATE: +=
-   where the step left the direct path of h_{t−1} in dh); with several threads, as one parallel
-   region as forward. The sums go to the GRAD_SUMS_OUTS outputs OUTS (scalar_t* const[]) of
-   N_OUT (i64[]) sums each, in order. */
-#define BACKWARD_IN_TIME(ROWS_FN, VALID, ACCUMULATE, SUMMED, OUTS, N_OUT)                        \
+   where the step left the direct path of h_{t−1} in dh); with s->dx, also dx = dgx · W_ih of the
+   step's rows (DGX: the kind's (N, G) gradient of gx, NULL where it has none); with several
+   threads, as one parallel region as forward. The sums go to the GRAD_SUMS_OUTS outputs OUTS
+   (scalar_t* const[]) of N_OUT (i64[]) sums each, in order. */
+#define BACKWARD_IN_TIME(ROWS_FN, VALID, ACCUMULATE, SUMMED, OUTS, N_OUT, DGX)                   \
     do {                                                                                          \
-        const i64 H = a->H;                                                                       \
+        const i64 H = a->H, I = s->I;                                                             \
+        const scalar_t* dgx = (DGX);                                                              \
+        if (!projection_grad_valid(s->w_ih, s->dx, dgx != NULL)) return RNN_ERR_PROJECTION;       \
         int team = 1;                                                                             \
         for (i64 k = 0; k < s->n_steps; ++k) {                                                    \
             step.off = s->steps[2 * k];                                                           \
@@ -983,13 +989,18 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                 return RNN_ERR_ROWS;                                                              \
             team = TEAM_MAX(team, FN(gemm_threads)(step.rows, H, G, s->gemm_grain, s->threads));  \
             team = TEAM_MAX(team, threads_for(step.rows * G, step.rows, s->grain, s->threads));   \
+            if (s->dx)                                                                            \
+                team = TEAM_MAX(team, FN(gemm_threads)(step.rows, I, G, s->gemm_grain, s->threads)); \
         }                                                                                         \
         team = team_cap(team);                                                                    \
-        const i64 packed = G * FN(panels)(H) * NR * (i64)sizeof(scalar_t);                         \
+        const i64 packed = G * (FN(panels)(H) + (s->dx ? FN(panels)(I) : 0)) * NR *               \
+                           (i64)sizeof(scalar_t);                                                 \
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
-        FN(weight) wb; /* W_hh itself: dh = dhp · W_hh */                                         \
+        FN(weight) wb, wib = {0}; /* W_hh and W_ih themselves: dh = dhp · W_hh, dx = dgx · W_ih */ \
         if (!FN(weight_init)(&wb, s->w, G, H, 0, a->B, team, by_rows, s->threads, 0,              \
-                             s->half_gemm >= 2))                                                  \
+                             s->half_gemm >= 2) ||                                                \
+            (s->dx && !FN(weight_init)(&wib, s->w_ih, G, I, 0, a->B, team, by_rows, s->threads,   \
+                                       1, s->half_gemm >= 2)))                                    \
             return RNN_ERR_NOMEM;                                                                 \
         FN(grad_sums) sums;                                                                       \
         if (FN(grad_sums_init)(&sums, FN(grad_sums_count)((SUMMED), (N_OUT)), team))             \
@@ -1011,6 +1022,9 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     FN(grad_sums_add)(&sums, tid, hi - lo, &pending, 0);                          \
                     FN(wgemm_part)(&wb, hi - lo, a->dhp + (mine.off + lo) * G, G, a->dh + lo * H, \
                                    H, (ACCUMULATE), 0, 1);                                        \
+                    if (s->dx)                                                                    \
+                        FN(wgemm_part)(&wib, hi - lo, dgx + (mine.off + lo) * G, G,               \
+                                       s->dx + (mine.off + lo) * I, I, 0, 0, 1);                  \
                 }                                                                                 \
                 for (i64 k = s->n_steps - 1; !by_rows && k >= 0; --k) {                           \
                     mine.off = s->steps[2 * k];                                                   \
@@ -1026,6 +1040,11 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                     if (tid < gnt)                                                                \
                         FN(wgemm_part)(&wb, mine.rows, a->dhp + mine.off * G, G, a->dh, H,        \
                                        (ACCUMULATE), tid, gnt);                                   \
+                    const int xnt = s->dx ? FN(gemm_threads)(mine.rows, I, G, s->gemm_grain, nth) \
+                                          : 0;                                                    \
+                    if (tid < xnt)                                                                \
+                        FN(wgemm_part)(&wib, mine.rows, dgx + mine.off * G, G,                    \
+                                       s->dx + mine.off * I, I, 0, tid, xnt);                     \
                     team_wait(&bar, nth);                                                         \
                 }                                                                                 \
                 FN(grad_sums_add)(&sums, tid, 0, &pending, 1);                                    \
@@ -1039,6 +1058,9 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                 ROWS_FN(&step, 0, step.rows, part);                                               \
                 FN(grad_sums_add)(&sums, 0, step.rows, &pending, 0);                              \
                 FN(wgemm)(&wb, step.rows, a->dhp + step.off * G, G, a->dh, H, (ACCUMULATE), 1);   \
+                if (s->dx)                                                                        \
+                    FN(wgemm)(&wib, step.rows, dgx + step.off * G, G, s->dx + step.off * I, I, 0, \
+                              1);                                                                 \
             }                                                                                     \
             FN(grad_sums_add)(&sums, 0, 0, &pending, 1);                                          \
         }                                                                                         \
@@ -1048,11 +1070,13 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
 
 int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
     const i64 G = 4 * a->H;
-    /* gx normalized here is the given raw projection, not one the kernel computes (x) */
-    if (!input_norm_valid(a->w0, a->b0 && a->mx && a->rx && !s->x, a->layer_norm))
+    /* gx normalized in the step is raw: given, or projected by the kernel into every row
+       (X = N) with no normalization of its own (the sequence struct's w0, b0 NULL) */
+    const int raw_gx = !s->x || (a->X == a->N && !s->w0 && !s->b0);
+    if (!input_norm_valid(a->w0, a->b0 && a->mx && a->rx && raw_gx, a->layer_norm))
         return RNN_ERR_INPUT_NORM;
     FN(lstm_fwd_step_args) step = *a;
-    FORWARD_IN_TIME(FN(lstm_fwd_step), FN(lstm_fwd_rows));
+    FORWARD_IN_TIME(FN(lstm_fwd_step), FN(lstm_fwd_rows), a->w0 != NULL);
 }
 
 /* Without zoneout of h the LSTM step leaves dh to its GEMM to overwrite; with it the step leaves
@@ -1068,13 +1092,13 @@ int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args
     const i64 n_out[GRAD_SUMS_OUTS] = {2 * G, 2 * a->H, a->w0 ? 2 * G : 0};
     BACKWARD_IN_TIME(FN(lstm_bwd_rows),
                      carried_before_valid(a->cprev, a->c0, step.off, step.rows, a->N, a->B),
-                     a->zh != NULL, summed, outs, n_out);
+                     a->zh != NULL, summed, outs, n_out, a->dgates);
 }
 
 int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
     const i64 G = 3 * a->H;
     FN(gru_fwd_step_args) step = *a;
-    FORWARD_IN_TIME(FN(gru_fwd_step), FN(gru_fwd_rows));
+    FORWARD_IN_TIME(FN(gru_fwd_step), FN(gru_fwd_rows), 0);
 }
 
 /* The GRU step leaves the direct path of h_{t−1} in dh, so its GEMM adds to dh. */
@@ -1084,7 +1108,7 @@ int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) 
     scalar_t* const outs[GRAD_SUMS_OUTS] = {s->hp_grads, NULL, NULL};
     const i64 n_out[GRAD_SUMS_OUTS] = {2 * G, 0, 0};
     BACKWARD_IN_TIME(FN(gru_bwd_rows), GRU_BWD_ROWS_VALID(a, step.off, step.rows), 1,
-                     a->layer_norm && s->hp_grads, outs, n_out);
+                     a->layer_norm && s->hp_grads, outs, n_out, a->dgx);
 }
 
 /* The Elman step normalizes hp + gx as one: gx is given for every row (no projection x, whose
@@ -1093,7 +1117,7 @@ int FN(elman_fwd_seq)(const FN(elman_fwd_step_args) * a, const FN(rnn_seq_fwd_ar
     const i64 G = a->H;
     if (s->x || s->w_ih) return RNN_ERR_PROJECTION;
     FN(elman_fwd_step_args) step = *a;
-    FORWARD_IN_TIME(FN(elman_fwd_step), FN(elman_fwd_rows));
+    FORWARD_IN_TIME(FN(elman_fwd_step), FN(elman_fwd_rows), 0);
 }
 
 /* Without zoneout of h the Elman step leaves dh to its GEMM to overwrite; with it the step leaves
@@ -1104,7 +1128,7 @@ int FN(elman_bwd_seq)(const FN(elman_bwd_step_args) * a, const FN(rnn_seq_bwd_ar
     scalar_t* const outs[GRAD_SUMS_OUTS] = {s->hp_grads, NULL, NULL};
     const i64 n_out[GRAD_SUMS_OUTS] = {2 * G, 0, 0};
     BACKWARD_IN_TIME(FN(elman_bwd_rows), 1, a->zh != NULL, a->layer_norm && s->hp_grads, outs,
-                     n_out);
+                     n_out, NULL);
 }
 
 #undef FORWARD_IN_TIME

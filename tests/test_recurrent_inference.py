@@ -327,3 +327,56 @@ def test_small_projections_take_torch_s_layer_norm_with_the_same_values(
     with torch.no_grad():
         got = _fused.normalized_projection(data, w_ih, weight, bias, 1e-5, blocks)
     torch.testing.assert_close(got, ref.detach(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_steps_of_few_rows_project_a_large_w_ih_before_the_loop(kind, batch, monkeypatch) -> None:
+    """Steps of one or two rows: the LSTM's time loop projects its inputs in inference only while
+    W_ih has at most ``_LOOP_PROJECTION_FEW_ROWS``' elements times B² (here made 1: a W_ih of
+    4·13·6 elements is past it), else gx is computed before the loop; the GRU's, and steps of
+    three rows, as before. The values agree either way."""
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_FEW_ROWS", {"lstm_fwd_seq": (3, 1)})
+    model = _model(kind, torch.float32)
+    x = _inputs(torch.float32, packed=False, batch=batch)
+    source = _fused.InputProjection(x.reshape(-1, 6), model.weight_ih_l0, None, None, 1e-5, True)
+    in_loop = kind == "gru" or batch >= 3
+    assert _fused._projects_in_loop(source, batch, f"{kind}_fwd_seq") == in_loop
+    ref = [t.detach() for t in _flat(model(x))]
+    calls = []
+    compute = _fused.InputProjection.compute
+    monkeypatch.setattr(_fused.InputProjection, "compute", lambda s: calls.append(1) or compute(s))
+    with torch.no_grad():
+        got = _flat(model(x))
+    assert len(calls) == (0 if in_loop else 1)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_lstm_training_with_few_rows_projects_a_large_w_ih_before_the_loop(
+    batch, monkeypatch
+) -> None:
+    """The same rule in LN-LSTM training (its in-loop projection from
+    ``_LOOP_PROJECTION_TRAINING_ROWS`` rows, here made 0): with one or two rows a step and a W_ih
+    past the limit, the node projects all rows before the loop (``_projected``); the outputs and
+    gradients are the reference loop's either way."""
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_FEW_ROWS", {"lstm_fwd_seq": (3, 1)})
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_TRAINING_ROWS", 0)
+    calls = []
+    projected = _fused._projected
+    monkeypatch.setattr(_fused, "_projected", lambda *a: calls.append(1) or projected(*a))
+    model = _model("lstm", torch.float64)
+    x = _inputs(torch.float64, packed=False, batch=batch).requires_grad_()
+    results = []
+    for impl in ("fused", "loop"):
+        model.impl = impl
+        model.zero_grad()
+        x.grad = None
+        out = _flat(model(x))
+        sum((o * o).sum() for o in out).backward()
+        results.append([o.detach() for o in out] + [x.grad, *(p.grad for p in model.parameters())])
+        if impl == "fused" and _cstep.sequence_gemm():
+            assert len(calls) == (1 if batch < 3 else 0)
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])

@@ -620,7 +620,7 @@ def _inference(
     if torch.jit.is_tracing():
         return None
     # in_loop_ok: whether the kernels may project the inputs (not between per-step calls)
-    in_loop = projected and in_loop_ok and _projects_in_loop(source, args[1].shape[0])
+    in_loop = projected and in_loop_ok and _projects_in_loop(source, args[1].shape[0], seq)
     if in_loop:
         n_rows, n_batch = source.data.shape[0], args[1].shape[0]
         gx = source.data.new_empty(n_batch, source.w_ih.shape[0])
@@ -773,6 +773,19 @@ _LOOP_PROJECTION_ROWS = 128
 _LOOP_PROJECTION_TRAINING_ROWS = 1024
 _LOOP_PROJECTION_WEIGHT = 1 << 18
 _LOOP_PROJECTION_MAX_BYTES = 4 << 20
+# Steps of one or two rows: each step's projection reads all of the packed W_ih for them, a
+# matrix-vector product bound by loading W_ih, where one GEMM over all rows before the loop runs
+# at the core's peak. For the LSTM (kernel: (fewer rows than this, W_ih elements up to this · B²
+# in the loop)) that lost from 32 K elements with one row and past 64 K with two. LN-LSTM
+# inference, one thread, AMD EPYC (Zen 4), in the loop / before it, x torch.nn.LSTM's time
+# (training too: (1100, 1, 128, 256) 1.31 / 1.08, (1000, 1, 64, 128) 1.11 / 1.11):
+# (T, B, I, H) = (1000, 1, 32, 128) 0.82 / 0.92, (100, 1, 32, 64) 0.93 / 0.95, (100, 1, 64, 128)
+# 1.05-1.08 / 1.01-1.02, (500, 1, 64, 128) 0.95 / 0.88, (300, 1, 128, 128) 1.19 / 1.00,
+# (200, 1, 128, 256) 1.05 / 0.89, (50, 1, 256, 256) 0.81 / 0.63; two rows (100, 2, 64, 128)
+# 0.97 / 1.04, (200, 2, 128, 256) 0.93 / 0.91; three and four rows (200, 3, 128, 256) 0.93 /
+# 1.13, (200, 4, 128, 256) 0.99 / 1.10. The LN-GRU's won in the loop at one row too:
+# (200, 1, 128, 256) 0.48 / 0.54, (500, 1, 64, 128) 0.24 / 0.24, (200, 2, 128, 256) 0.34 / 0.37.
+_LOOP_PROJECTION_FEW_ROWS = {"lstm_fwd_seq": (3, 1 << 14)}
 
 
 def _one_step_by_gemm(sched: Schedule) -> bool:
@@ -796,24 +809,31 @@ def _one_step_kernels(kernels: StepKernels, sched: Schedule) -> StepKernels:
     return C_STEPS if kernels is C_KERNELS and _one_step_by_gemm(sched) else kernels
 
 
-def _projects_in_loop(source: InputProjection, n_batch: int) -> bool:
-    """Whether the C time loop computes ``source`` in inference (see the measures above): always
-    for one step of at most ``direct_rows`` rows (a decoder's token), where the kernel reads W_ih
-    as stored, once, as a GEMM before the loop would (W_ih 12 MiB, one row: the GRU's call took
-    2.6 ms with the projection before the loop, against torch.nn.GRU's 2.1)."""
+def _projects_in_loop(source: InputProjection, n_batch: int, seq: str = "") -> bool:
+    """Whether the C time loop of sequence kernel ``seq`` computes ``source`` in inference (see
+    the measures above): always for one step of at most ``direct_rows`` rows (a decoder's token),
+    where the kernel reads W_ih as stored, once, as a GEMM before the loop would (W_ih 12 MiB,
+    one row: the GRU's call took 2.6 ms with the projection before the loop, against
+    torch.nn.GRU's 2.1); for steps of fewer rows than :data:`_LOOP_PROJECTION_FEW_ROWS` names,
+    up to its W_ih size."""
     data, w_ih = source.data, source.w_ih
     if not data.is_cpu or data.dtype not in _LOOP_PROJECTION_DTYPES:
         return False
     if data.shape[0] <= min(n_batch, _cstep.direct_rows()):
         return True
-    return _loop_projection_pays(data, w_ih)
+    return _loop_projection_pays(data, w_ih, n_batch, seq)
 
 
-def _loop_projection_pays(data: Tensor, w_ih: Tensor) -> bool:
-    """Whether a time loop's own projection of ``data`` (one GEMM of a step's rows per step) beats
-    one GEMM over all rows before it, by the rule measured above: its packed W_ih within
-    :data:`_LOOP_PROJECTION_MAX_BYTES`, and enough rows or a small W_ih."""
+def _loop_projection_pays(data: Tensor, w_ih: Tensor, n_batch: int, seq: str) -> bool:
+    """Whether the time loop of sequence kernel ``seq`` projecting ``data`` itself (one GEMM of a
+    step's rows per step, ``n_batch`` rows at most) beats one GEMM over all rows before it, by the
+    rules measured above: its packed W_ih within :data:`_LOOP_PROJECTION_MAX_BYTES`, a W_ih of
+    :data:`_LOOP_PROJECTION_FEW_ROWS`' size at most for steps of few rows, and enough rows or a
+    small W_ih."""
     if not data.is_cpu or data.dtype not in _LOOP_PROJECTION_DTYPES:
+        return False
+    rows, weight = _LOOP_PROJECTION_FEW_ROWS.get(seq, (0, 0))
+    if n_batch < rows and w_ih.numel() > weight * n_batch * n_batch:
         return False
     # the packed W_ih's bytes: bfloat16 pairs for a bfloat16 layer's products
     packed = w_ih.numel() * (2 if _cstep.bfloat16_projection() else w_ih.element_size())
@@ -992,10 +1012,10 @@ class LSTMSequence(torch.autograd.Function):
     ``x (N, I)`` and the node computes ``gx = x W_ihᵀ`` itself (backward: x's and W_ih's
     gradients from gx's), or, where :func:`_loop_projection_pays` and from
     :data:`_LOOP_PROJECTION_TRAINING_ROWS` rows, has the kernels compute each step's rows of gx
-    in the time loop and backward's each step's rows of x's gradient; ``b_ih``, ``b_hh`` (``(4H)``, input_norm only) are torch's biases,
-    added to b0 as ``(b_ih + b_hh) + b0``, each getting b0's gradient. The layers pass all of
-    that, so that a direction is one autograd node, not four more for the projection and the
-    folded bias.
+    in the time loop and backward's each step's rows of x's gradient; ``b_ih``, ``b_hh``
+    (``(4H)``, input_norm only) are torch's biases, added to b0 as ``(b_ih + b_hh) + b0``, each
+    getting b0's gradient. The layers pass all of that, so that a direction is one autograd
+    node, not four more for the projection and the folded bias.
     """
 
     @staticmethod
@@ -1039,7 +1059,7 @@ class LSTMSequence(torch.autograd.Function):
                 input_norm
                 and normalize
                 and x.shape[0] >= _LOOP_PROJECTION_TRAINING_ROWS
-                and _loop_projection_pays(x, w_ih)
+                and _loop_projection_pays(x, w_ih, h0.shape[0], "lstm_fwd_seq")
             )
             rows = (x.shape[0], w_ih.shape[0])
             gx = _buffers.empty(x, rows) if in_loop else _projected(x, w_ih)

@@ -630,13 +630,16 @@ def test_a_size_equal_to_a_packed_one_is_checked_again(size) -> None:
         rnn_abi.pack(rnn_abi.LSTM_FWD, torch.float32, values, {**sizes, "B": size})
 
 
-def _lstm_bwd_struct(keep_cprev: bool, reverse: int = 0, hs: int = 3, n: int = 8, b: int = 2):
+def _lstm_bwd_struct(
+    keep_cprev: bool, reverse: int = 0, hs: int = 3, n: int = 8, b: int = 2,
+    dtype: torch.dtype = torch.float64,
+):  # fmt: skip
     """A checked LSTM backward struct over seeded buffers (N = n, B = b): with the carried
     c_{t−1} kept in ``cprev`` (= c0 then cn shifted by a step), or not kept (``cprev`` NULL)."""
     gen = torch.Generator().manual_seed(0)
 
     def r(*shape: int) -> torch.Tensor:
-        return torch.rand(*shape, generator=gen, dtype=torch.float64) + 0.1
+        return (torch.rand(*shape, generator=gen, dtype=torch.float64) + 0.1).to(dtype)
 
     t = {
         k: r(n, c)
@@ -660,7 +663,7 @@ def _lstm_bwd_struct(keep_cprev: bool, reverse: int = 0, hs: int = 3, n: int = 8
     values = {**t, "cprev": t.get("cprev"), "off": 0, "rows": 0, "threads": 1,
               "layer_norm": 1, "normalize_cell_state": 0, "reverse": reverse}  # fmt: skip
     sizes = {"N": n, "B": b, "H": hs, "G": 4 * hs}
-    return rnn.prepare(rnn_abi.LSTM_BWD, torch.float64, values, sizes), t, sizes
+    return rnn.prepare(rnn_abi.LSTM_BWD, dtype, values, sizes), t, sizes
 
 
 @needs_c
@@ -747,3 +750,21 @@ def test_c_refuses_an_inconsistent_projection_gradient(case) -> None:
     for k, v in t.items():
         assert torch.equal(v, before[k]), k
     assert torch.equal(dx, torch.zeros_like(dx))
+
+
+@needs_c
+@pytest.mark.parametrize("half_gemm", [0, 1, 2])
+def test_c_backward_x_s_gradient_is_never_a_rounded_product(half_gemm) -> None:
+    """x's gradient, dgx · W_ih, is not a recurrent product: whatever ``half_gemm`` asks of the
+    recurrent GEMMs (2: rounded to bfloat16 where the build has the dot products), it stays a
+    float32 product, within float32 rounding of float64 on the same dgx (a bfloat16 rounding of
+    dgx would be 2⁻⁹ off)."""
+    w = torch.linspace(-1, 1, 36 * 16, dtype=torch.float32).view(48, 12)
+    steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 2]])
+    w_ih = torch.randn(48, 7, generator=torch.Generator().manual_seed(6))
+    args, t, sizes = _lstm_bwd_struct(keep_cprev=True, hs=12, dtype=torch.float32)
+    dx = torch.zeros(8, 7)
+    rnn.sequence("lstm_bwd_seq", torch.float32, args, w, steps, sizes, 1, 1, 1,
+                 {"w_ih": w_ih, "dx": dx}, half_gemm=half_gemm)  # fmt: skip
+    ref = t["dgates"].double() @ w_ih.double()
+    assert ((dx.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6

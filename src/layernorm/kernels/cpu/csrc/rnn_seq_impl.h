@@ -1000,7 +1000,7 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
         if (!FN(weight_init)(&wb, s->w, G, H, 0, a->B, team, by_rows, s->threads, 0,              \
                              s->half_gemm >= 2) ||                                                \
             (s->dx && !FN(weight_init)(&wib, s->w_ih, G, I, 0, a->B, team, by_rows, s->threads,   \
-                                       1, s->half_gemm >= 2)))                                    \
+                                       1, 0))) /* x's gradient: not a recurrent product */       \
             return RNN_ERR_NOMEM;                                                                 \
         FN(grad_sums) sums;                                                                       \
         if (FN(grad_sums_init)(&sums, FN(grad_sums_count)((SUMMED), (N_OUT)), team))             \

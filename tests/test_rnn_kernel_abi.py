@@ -725,10 +725,10 @@ def test_c_backward_projects_x_s_gradient_in_the_time_loop(threads) -> None:
 
 
 @needs_c
-@pytest.mark.parametrize("case", ["w_ih-without-dx", "dx-without-w_ih", "elman"])
+@pytest.mark.parametrize("case", ["w_ih-without-dx", "dx-without-w_ih", "gru", "elman"])
 def test_c_refuses_an_inconsistent_projection_gradient(case) -> None:
-    """W_ih and dx come together, for a kernel with dgx rows (the Elman kernels have none): else
-    an error before any memory is touched."""
+    """W_ih and dx come together, for the LSTM's backward kernel only (the GRU's and the
+    Elman's refuse them): else an error before any memory is touched."""
     f64 = {"dtype": torch.float64}
     w_ih, dx = torch.zeros(12, 5, **f64), torch.zeros(8, 5, **f64)
     if case == "elman":
@@ -739,6 +739,11 @@ def test_c_refuses_an_inconsistent_projection_gradient(case) -> None:
         args = rnn.prepare(struct, torch.float64, {**t, "off": 0, "rows": 0, "threads": 1,
                                                    "layer_norm": 1, "relu": 0}, sizes)  # fmt: skip
         kernel, w, opts = "elman_bwd_seq", torch.zeros(3, 3, **f64), {"w_ih": w_ih[:3], "dx": dx}
+    elif case == "gru":
+        args, t = _gru_bwd_struct(dgh_rows=8, layer_norm=1)
+        t = {k: v for k, v in t.items() if v is not None}
+        sizes = {"N": 8, "B": 2, "H": 3, "G": 9, "D": 8}
+        kernel, w, opts = "gru_bwd_seq", torch.zeros(9, 3, **f64), {"w_ih": w_ih[:9], "dx": dx}
     else:
         args, t, sizes = _lstm_bwd_struct(keep_cprev=True)
         kernel, w = "lstm_bwd_seq", torch.zeros(12, 3, **f64)

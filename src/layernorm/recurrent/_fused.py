@@ -816,22 +816,20 @@ def _projects_in_loop(source: InputProjection, n_batch: int, seq: str = "") -> b
     one row: the GRU's call took 2.6 ms with the projection before the loop, against
     torch.nn.GRU's 2.1); for steps of fewer rows than :data:`_LOOP_PROJECTION_FEW_ROWS` names,
     up to its W_ih size."""
-    data, w_ih = source.data, source.w_ih
-    if not data.is_cpu or data.dtype not in _LOOP_PROJECTION_DTYPES:
-        return False
-    if data.shape[0] <= min(n_batch, _cstep.direct_rows()):
-        return True
-    return _loop_projection_pays(data, w_ih, n_batch, seq)
+    return _loop_projection_pays(source.data, source.w_ih, n_batch, seq)
 
 
 def _loop_projection_pays(data: Tensor, w_ih: Tensor, n_batch: int, seq: str) -> bool:
     """Whether the time loop of sequence kernel ``seq`` projecting ``data`` itself (one GEMM of a
     step's rows per step, ``n_batch`` rows at most) beats one GEMM over all rows before it, by the
-    rules measured above: its packed W_ih within :data:`_LOOP_PROJECTION_MAX_BYTES`, a W_ih of
-    :data:`_LOOP_PROJECTION_FEW_ROWS`' size at most for steps of few rows, and enough rows or a
-    small W_ih."""
+    rules measured above: one step of at most ``direct_rows`` rows always (see
+    :func:`_projects_in_loop`); else its packed W_ih within :data:`_LOOP_PROJECTION_MAX_BYTES`, a
+    W_ih of :data:`_LOOP_PROJECTION_FEW_ROWS`' size at most for steps of few rows, and enough
+    rows or a small W_ih."""
     if not data.is_cpu or data.dtype not in _LOOP_PROJECTION_DTYPES:
         return False
+    if data.shape[0] <= min(n_batch, _cstep.direct_rows()):
+        return True
     rows, weight = _LOOP_PROJECTION_FEW_ROWS.get(seq, (0, 0))
     if n_batch < rows and w_ih.numel() > weight * n_batch * n_batch:
         return False
@@ -1061,8 +1059,8 @@ class LSTMSequence(torch.autograd.Function):
                 and x.shape[0] >= _LOOP_PROJECTION_TRAINING_ROWS
                 and _loop_projection_pays(x, w_ih, h0.shape[0], "lstm_fwd_seq")
             )
-            rows = (x.shape[0], w_ih.shape[0])
-            gx = _buffers.empty(x, rows) if in_loop else _projected(x, w_ih)
+            shape = (x.shape[0], w_ih.shape[0])
+            gx = _buffers.empty(x, shape) if in_loop else _projected(x, w_ih)
         gx = gx.contiguous()
         b0 = fold_input_bias(b0, None if b_ih is None else (b_ih, b_hh))
         st = _lstm_state(

@@ -261,7 +261,8 @@ def _raise_for(status: int, kernel: str) -> None:
         raise ValueError(
             f"layernorm recurrent CPU kernel {kernel}: the input projection needs x and w_ih "
             f"together, 0 < split <= G and gx of B or N rows (without it, N rows), its gradient "
-            f"w_ih and dx together, and the Elman kernels take neither; nothing was written"
+            f"w_ih and dx together (the LSTM's kernels only), and the Elman kernels take neither; "
+            f"nothing was written"
         )
     if status != 0:
         raise ValueError(

@@ -407,7 +407,8 @@ _LN_GRADS = (
 # The backward sequence kernels' input-projection gradient (training, where the forward kernel
 # projected the inputs in its time loop): with w_ih and dx given, each step's dx rows are
 # dgx · W_ih, computed by the time loop's GEMM while the step's dgx rows are in cache, instead of
-# a GEMM over all (N, G) rows after the call that reads them back from memory (the LSTM's).
+# a GEMM over all (N, G) rows after the call that reads them back from memory (the LSTM's
+# kernels only; the GRU's and the Elman's refuse them).
 _PROJECTION_GRAD = (
     Field("w_ih", _IN, ("G", "I"), "W_ih", optional=True),
     Field("dx", _OUT, ("N", "I"), "gradient of the direction's input rows: dgx · W_ih",

@@ -973,7 +973,7 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
    one fails), then per step in reverse the cell's rows ROWS_FN, which leave dhp (and add to the
    thread's grad_sums partials where SUMMED), and the GEMM dh (=|+=) dhp · W_hh (ACCUMULATE: +=
    where the step left the direct path of h_{t−1} in dh); with s->dx, also dx = dgx · W_ih of the
-   step's rows (DGX: the kind's (N, G) gradient of gx, NULL where it has none); with several
+   step's rows (DGX: the kind's (N, G) gradient of gx, NULL where it takes no dx); with several
    threads, as one parallel region as forward. The sums go to the GRAD_SUMS_OUTS outputs OUTS
    (scalar_t* const[]) of N_OUT (i64[]) sums each, in order. */
 #define BACKWARD_IN_TIME(ROWS_FN, VALID, ACCUMULATE, SUMMED, OUTS, N_OUT, DGX)                   \
@@ -1108,7 +1108,7 @@ int FN(gru_bwd_seq)(const FN(gru_bwd_step_args) * a, const FN(rnn_seq_bwd_args) 
     scalar_t* const outs[GRAD_SUMS_OUTS] = {s->hp_grads, NULL, NULL};
     const i64 n_out[GRAD_SUMS_OUTS] = {2 * G, 0, 0};
     BACKWARD_IN_TIME(FN(gru_bwd_rows), GRU_BWD_ROWS_VALID(a, step.off, step.rows), 1,
-                     a->layer_norm && s->hp_grads, outs, n_out, a->dgx);
+                     a->layer_norm && s->hp_grads, outs, n_out, NULL);
 }
 
 /* The Elman step normalizes hp + gx as one: gx is given for every row (no projection x, whose

@@ -34,25 +34,29 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
+def _ddp_grads(norm: str, rank: int, world: int) -> list[torch.Tensor]:
+    """One backward of ``norm``'s network under DDP on this process's share of the batch; the
+    wrapper (which holds the process group) is freed on return."""
+    x, y = _data()
+    model = _model(norm)
+    net = distributed.wrap(model, torch.device("cpu"))
+    assert isinstance(net, nn.parallel.DistributedDataParallel)
+    idx = distributed.shard(torch.arange(GLOBAL_BATCH), rank, world)
+    nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+    return _grads(model)
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))  # fmt: skip
     torch.set_num_threads(1)
     assert distributed.init_from_env(torch.device("cpu"))
-    try:
-        x, y = _data()
-        result = {}
-        for norm in ("layer", "batch"):
-            model = _model(norm)
-            net = distributed.wrap(model, torch.device("cpu"))
-            assert isinstance(net, nn.parallel.DistributedDataParallel)
-            idx = distributed.shard(torch.arange(GLOBAL_BATCH), rank, world)
-            nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
-            result[norm] = _grads(model)
-        if rank == 0:
-            torch.save(result, out)
-    finally:
-        dist.destroy_process_group()
+    result = {norm: _ddp_grads(norm, rank, world) for norm in ("layer", "batch")}
+    if rank == 0:
+        torch.save(result, out)
+    # the group left with no DDP wrapper holding it: one freed at the interpreter's exit aborted
+    # a worker now and then (gloo, "terminate called without an active exception")
+    distributed.close()
 
 
 def _free_port() -> int:

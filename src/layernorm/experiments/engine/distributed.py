@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["barrier", "init_from_env", "is_main", "rank_world", "shard", "wrap"]
+__all__ = ["barrier", "close", "init_from_env", "is_main", "rank_world", "shard", "wrap"]
 
 
 def rank_world() -> tuple[int, int]:
@@ -28,6 +28,10 @@ def rank_world() -> tuple[int, int]:
 
 def is_main() -> bool:
     return rank_world()[0] == 0
+
+
+# the process group init_from_env started (close() leaves only that one, not a caller's own)
+_joined: list[object] = []
 
 
 def init_from_env(device: torch.device) -> bool:
@@ -41,6 +45,7 @@ def init_from_env(device: torch.device) -> bool:
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
+        _joined.append(dist.group.WORLD)
     return True
 
 
@@ -65,3 +70,14 @@ def wrap(model: nn.Module, device: torch.device) -> nn.Module:
 def barrier() -> None:
     if rank_world()[1] > 1:
         dist.barrier()
+
+
+def close() -> None:
+    """Leave the process group :func:`init_from_env` started (after a barrier, so that no process
+    leaves while another still talks to it); nothing otherwise. Call it once the DDP wrappers are
+    freed: a group left to the interpreter's exit is torn down in no set order, and gloo aborted
+    processes there now and then ("terminate called without an active exception")."""
+    if _joined and dist.is_initialized() and dist.group.WORLD is _joined[-1]:
+        dist.barrier()
+        dist.destroy_process_group()
+    _joined.clear()

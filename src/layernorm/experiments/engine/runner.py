@@ -260,7 +260,7 @@ def run_experiments(
             with lock_folder(out / ".locks" / exp.name) if main else contextlib.nullcontext():
                 _run_one(exp, cfg, out / exp.name, dev, seed, quick, resume, restart_changed,
                          progress, label, checkpoints, command, workers)  # fmt: skip
-    distributed.barrier()
+    distributed.close()  # after a barrier: every process has finished
 
 
 def _claim_and_train(name: str, cfg: Any, ctx: RunContext, threads: int, parent: int) -> None:

@@ -762,15 +762,17 @@ _LOOP_PROJECTION_DTYPES = (torch.float32, torch.float64)
 # bfloat16 LSTM in the loop, 1.98-2.06x before it (one and two threads, AMD EPYC, AVX512-BF16).
 _LOOP_PROJECTION_ROWS = 128
 # Training (LN-LSTM: the forward kernel projects each step's rows into gx, kept raw; the backward
-# kernel multiplies each step's dgx rows by W_ih for x's gradient) pays from more rows: the loop's
-# two GEMMs against three of torch's over all rows before and after the calls (x's gradient,
-# W_ih's, stays one GEMM), which are near the tile's speed unless the inputs are few (I = 32:
-# torch.mm at 42-57 GFLOP/s, the tile at about twice that). LN-LSTM training, AMD EPYC (Zen 4),
-# one thread, time × torch.nn.LSTM's, before / in the loop: (T, B, I, H) = (50, 8, 64, 128)
-# (400 rows) 1.19 / 1.24, (100, 8, 64, 128) 1.23 / 1.24, (200, 8, 64, 128) 1.24 / 1.22,
-# (1000, 4, 32, 128) 1.28 / 1.20, (100, 32, 128, 256) 1.01 / 0.98, (200, 16, 64, 256)
-# 0.98 / 0.94; two threads 1.03 / 0.99, 1.11 / 1.12 (400 rows), 0.96 / 0.93, 0.89 / 0.86.
-_LOOP_PROJECTION_TRAINING_ROWS = 1024
+# kernel multiplies each step's dgx rows by W_ih for x's gradient) follows the same rule from this
+# many rows: the loop's two GEMMs against three of torch's over all rows before and after the
+# calls (W_ih's gradient stays one GEMM over all rows). LN-LSTM training, AMD EPYC (Zen 4), time
+# x torch.nn.LSTM's, before / in the loop, one process, 25 interleaved rounds (ab_rnn.py), one
+# thread: (T, B, I, H) = (50, 8, 64, 128) 1.29 / 1.27, (100, 4, 64, 128) 1.27 / 1.24,
+# (60, 8, 32, 64) 1.27 / 1.24, (50, 16, 128, 256) 1.21 / 1.18, (30, 16, 256, 256) 1.17 / 1.15,
+# (20, 8, 64, 128) 1.23 / 1.18, (10, 16, 64, 128) 1.26 / 1.23, (20, 16, 64, 128) 1.33 / 1.35,
+# (35, 20, 650, 650) 0.97 / 0.98 (past _LOOP_PROJECTION_MAX_BYTES: before the loop either way);
+# two threads 1.27 / 1.23, 1.04 / 1.02, 1.27 / 1.29, 1.22 / 1.18, 1.16 / 1.13, (20, 16, 64, 128)
+# 1.30 / 1.24. From 1024 rows it was in the loop before: (1000, 4, 32, 128) 1.28 / 1.20.
+_LOOP_PROJECTION_TRAINING_ROWS = 0
 _LOOP_PROJECTION_WEIGHT = 1 << 18
 _LOOP_PROJECTION_MAX_BYTES = 4 << 20
 # Steps of one or two rows: each step's projection reads all of the packed W_ih for them, a
@@ -1008,8 +1010,8 @@ class LSTMSequence(torch.autograd.Function):
     the gates' gradient into gx's in place and sums ``w0``'s and ``b0``'s gradients as it goes.
     With ``w_ih`` (``(4H, I)``, input_norm only) the first argument is the layer's input
     ``x (N, I)`` and the node computes ``gx = x W_ihᵀ`` itself (backward: x's and W_ih's
-    gradients from gx's), or, where :func:`_loop_projection_pays` and from
-    :data:`_LOOP_PROJECTION_TRAINING_ROWS` rows, has the kernels compute each step's rows of gx
+    gradients from gx's), or, where :func:`_loop_projection_pays` (from
+    :data:`_LOOP_PROJECTION_TRAINING_ROWS` rows), has the kernels compute each step's rows of gx
     in the time loop and backward's each step's rows of x's gradient; ``b_ih``, ``b_hh``
     (``(4H)``, input_norm only) are torch's biases, added to b0 as ``(b_ih + b_hh) + b0``, each
     getting b0's gradient. The layers pass all of that, so that a direction is one autograd

@@ -75,6 +75,25 @@ def interleaved_samples(
     return {name: [1e3 * t for t in s] for name, s in samples.items()}
 
 
+# What restricts torch's own kernels to a narrower instruction set than the processor's: ATen's
+# vectorized kernels, MKL's GEMMs and oneDNN's (torch.nn.LSTM's). With all three at AVX2 on an
+# AVX-512 processor torch runs as it would on an AVX2 one (benchmarks/run_all.sh's second AVX2
+# pass: the emulated AVX2 build against torch's AVX2 kernels).
+TORCH_ISA_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+def torch_isa() -> str:
+    """The instruction set of torch's ATen kernels, with the variables of :data:`TORCH_ISA_ENV`
+    that are set (for a results table's device line)."""
+    import os
+
+    import torch
+
+    caps = torch.backends.cpu.get_cpu_capability()
+    env = [f"{k}={os.environ[k]}" for k in TORCH_ISA_ENV if os.environ.get(k)]
+    return caps + (f" ({', '.join(env)})" if env else "")
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo, for the device line of a results table."""
     try:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import CLOCKS, cpu_model, interleaved_samples, use_clock
+from _timing import CLOCKS, cpu_model, interleaved_samples, torch_isa, use_clock
 from bench_rnn import KINDS, step
 from layernorm.kernels.cpu import rnn, targets
 from layernorm.recurrent import _fused
@@ -85,8 +85,10 @@ def main() -> None:
         setters = {k: (lambda v=v: setattr(_fused, args.attr, v)) for k, v in values.items()}
     torch.set_num_threads(args.threads)
     use_clock(args.clock)
-    print(f"device: {cpu_model()} | kernels {targets.selected().name} | torch {torch.__version__} "
-          f"| threads {args.threads} | clock {args.clock}")  # fmt: skip
+    print(
+        f"device: {cpu_model()} | kernels {targets.selected().name} | torch "
+        f"{torch.__version__}, {torch_isa()} | threads {args.threads} | clock {args.clock}"
+    )
     setting = args.attr or ("cflags" if args.cflags else "gemm")
     for shape in args.shape.split(","):
         t, b, i, h = (int(v) for v in shape.split("x"))

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layernorm
 import layernorm.functional as LF
-from _timing import cpu_model, interleaved_ms, interleaved_samples
+from _timing import cpu_model, interleaved_ms, interleaved_samples, torch_isa
 from layernorm.kernels.cpu import _native, targets
 from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.reference import layer_norm_reference
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> None:
     fused = _native.enabled()  # builds the kernels now, outside the timed region
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"device: {cpu_model()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
-    print(f"torch {torch.__version__}, python {platform.python_version()}, {stamp}")
+    print(f"torch {torch.__version__}, {torch_isa()}, python {platform.python_version()}, {stamp}")
     print(f"fused C kernels: {f'on, {kernel_isa()} build' if fused else 'off (eager ATen ops)'}")
     flags = " ".join(isa_flags()) or "none of " + " ".join(ISA_FLAGS)
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())

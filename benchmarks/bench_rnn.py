@@ -36,7 +36,11 @@ the layer norms add ``O(T·B·G·H)``, about 1% at these shapes.
     python benchmarks/bench_rnn.py --isa avx2 --mode infer   # the AVX2 kernels, inference
 
 ``--isa`` runs the kernels built for another instruction set this CPU can run (e.g. AVX2 on an
-AVX-512 processor); torch's own kernels are unaffected and keep the CPU's widest vectors.
+AVX-512 processor); torch's own kernels are unaffected and keep the CPU's widest vectors, unless
+the environment restricts them (``_timing.TORCH_ISA_ENV``; the device line says which ran):
+
+    ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        python benchmarks/bench_rnn.py --isa avx2    # both sides as on an AVX2 processor
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import CLOCKS, cpu_model, interleaved_samples, use_clock
+from _timing import CLOCKS, cpu_model, interleaved_samples, torch_isa, use_clock
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.kernels.cpu import rnn, targets
@@ -230,7 +234,7 @@ def run(args: argparse.Namespace) -> None:
     half = (f", bfloat16 dot products: {'yes' if rnn.half_gemm() else 'no, rounded = LN'}"
             if args.dtype == "bfloat16" else "")  # fmt: skip
     print(f"device: {cpu_model()} | kernels {kernel_isa()} (recurrent GEMM: "
-          f"{rnn.gemm_in_use()}{half}) | torch {torch.__version__} | threads "
+          f"{rnn.gemm_in_use()}{half}) | torch {torch.__version__}, {torch_isa()} | threads "
           f"{torch.get_num_threads()} | mkldnn {torch.backends.mkldnn.is_available()} "
           f"| {date}")  # fmt: skip
     what = "forward + backward" if args.mode == "train" else "forward under no_grad"

@@ -11,8 +11,11 @@
 #     costs its Python and its weights' reads more than its arithmetic;
 #   - LN-LSTM and LN-GRU in bfloat16 against torch's bfloat16 layers at three shapes, with the
 #     rounded recurrent products beside the default (where the target has them).
-# Each table starts with its processor, kernel target, torch version and threads. Ratios are
-# ours / torch in the same process; run it on a machine with nothing else running.
+# Where AVX2 is emulated (the processor has AVX-512), its recurrent and norm tables run twice:
+# against torch's kernels at the processor's width, and with torch's restricted to AVX2 too
+# (ATen, MKL, oneDNN: _timing.TORCH_ISA_ENV), which is how both sides run on an AVX2 processor.
+# Each table starts with its processor, kernel target, torch version and ISA, and threads.
+# Ratios are ours / torch in the same process; run it on a machine with nothing else running.
 #   ISAS="avx2" THREADS="1" benchmarks/run_all.sh     # a subset
 #   REPS=15 benchmarks/run_all.sh                      # more rounds per provider
 #   CLOCK=thread benchmarks/run_all.sh                 # one-thread recurrent tables in the
@@ -33,26 +36,35 @@ HALF_SHAPES=${HALF_SHAPES:-100x32x128x256,50x8x64x128,1000x4x32x128}
 echo "processor: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) |" \
      "features: $(grep -o -w 'avx2\|avx512f\|avx512_bf16\|f16c' /proc/cpuinfo | sort -u | xargs) |" \
      "targets: $ISAS | $("$PY" -c 'import torch, sys; print("torch", torch.__version__, "| python", sys.version.split()[0])')"
+AVX512=$(grep -q -w avx512f /proc/cpuinfo && echo 1 || echo 0)
+tables() {  # every table of one target ($1) and thread count ($2)
+    local isa=$1 t=$2 dtype mode opts=""
+    for dtype in float32 bfloat16; do
+        # shellcheck disable=SC2086
+        "$PY" benchmarks/bench_norms_cpu.py --isa "$isa" --threads "$t" --dtype "$dtype" \
+            ${NORM_ARGS:-}
+    done
+    [ "$t" = 1 ] && opts="--memory --clock ${CLOCK:-wall}"
+    for mode in train infer; do
+        # shellcheck disable=SC2086
+        "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode "$mode" \
+            --reps "$REPS" --shapes "$SHAPES" $opts
+    done
+    "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode infer \
+        --reps "$STEP_REPS" --shapes "$STEP_SHAPES"
+    for mode in train infer; do
+        "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode "$mode" \
+            --dtype bfloat16 --kinds lstm,gru --reps "$REPS" --shapes "$HALF_SHAPES"
+    done
+}
 for isa in $ISAS; do
     for t in $THREADS; do
         echo; echo "## target $isa, $t thread(s)"
-        for dtype in float32 bfloat16; do
-            # shellcheck disable=SC2086
-            "$PY" benchmarks/bench_norms_cpu.py --isa "$isa" --threads "$t" --dtype "$dtype" \
-                ${NORM_ARGS:-}
-        done
-        opts=""
-        [ "$t" = 1 ] && opts="--memory --clock ${CLOCK:-wall}"
-        for mode in train infer; do
-            # shellcheck disable=SC2086
-            "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode "$mode" \
-                --reps "$REPS" --shapes "$SHAPES" $opts
-        done
-        "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode infer \
-            --reps "$STEP_REPS" --shapes "$STEP_SHAPES"
-        for mode in train infer; do
-            "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode "$mode" \
-                --dtype bfloat16 --kinds lstm,gru --reps "$REPS" --shapes "$HALF_SHAPES"
-        done
+        tables "$isa" "$t"
+        if [ "$isa" = avx2 ] && [ "$AVX512" = 1 ]; then
+            echo; echo "## target avx2, $t thread(s), torch's kernels restricted to AVX2 as well"
+            ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+                tables "$isa" "$t"
+        fi
     done
 done

@@ -348,6 +348,43 @@ def test_recurrent_kernels_match_loop_float64(name, kind, batch, hidden, packed)
 @needs_kernels
 @pytest.mark.parametrize("name", ISAS)
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_gates_saturate_and_nan_passes_per_target(name, kind, grad) -> None:
+    """The float32 kernels' exp (the gates' sigmoid and tanh), vectorized (37 units: full vectors
+    and a tail), on pre-activations far outside its clamp, at its edges and near float32's
+    largest: torch's float64 layer's outputs within float32's tolerance; a NaN in one sequence
+    makes that sequence's outputs NaN from its step on, and only those (the clamp passes it)."""
+    layers = {"lstm": (LayerNormLSTM, torch.nn.LSTM), "gru": (LayerNormGRU, torch.nn.GRU),
+              "rnn": (LayerNormRNN, torch.nn.RNN)}  # fmt: skip
+    ours_cls, ref_cls = layers[kind]
+    values = [0.5, -2.0, 87.5, -87.5, 88.5, -88.5, 100.0, -100.0, 1e30, -1e30, 3e38, -3e38]
+    x = torch.tensor(values).view(-1, 1, 1).repeat(1, 2, 1)
+    x[4, 1, 0] = float("nan")  # the second sequence's fifth step
+    ours = ours_cls(1, 37, norm="none")
+    with torch.no_grad():
+        for pname, p in ours.named_parameters():
+            # gates = x·w, spread over (0.5, 1]: no two gates alike
+            p.copy_(torch.linspace(0.5, 1.0, p.numel()).view(p.shape) if "weight_ih" in pname
+                    else torch.zeros_like(p))  # fmt: skip
+    ref = ref_cls(1, 37).double()
+    ref.load_state_dict({k: v.double() for k, v in ours.state_dict().items()})
+    with targets.use(name), torch.set_grad_enabled(grad):
+        register_step_kernels("cpu", _pointwise.C_KERNELS)
+        try:
+            out = ours(x.clone().requires_grad_(grad))[0].detach()
+        finally:
+            register_step_kernels("cpu", None)
+    want = ref(x.double())[0].detach()
+    assert torch.isnan(out[4:, 1]).all() and not torch.isnan(out[:4, 1]).any()
+    assert not torch.isnan(out[:, 0]).any()
+    tol = {"rtol": 2e-5, "atol": 2e-5}
+    torch.testing.assert_close(out[:, 0].double(), want[:, 0], **tol)
+    torch.testing.assert_close(out[:4, 1].double(), want[:4, 1], **tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
 def test_recurrent_direct_gemm_per_target(name, kind, dtype, grad) -> None:

@@ -10,7 +10,9 @@
 #   - the same layers in inference one step at a time (T = 1: a decoder's token), where a call
 #     costs its Python and its weights' reads more than its arithmetic;
 #   - LN-LSTM and LN-GRU in bfloat16 against torch's bfloat16 layers at three shapes, with the
-#     rounded recurrent products beside the default (where the target has them).
+#     rounded recurrent products beside the default (where the target has them);
+# and once, on the processor's own target: the layers with torch.nn's options (several layers,
+# both directions, batch_first, packed sequences, proj_size) at other sizes.
 # Where AVX2 is emulated (the processor has AVX-512), its recurrent and norm tables run twice:
 # against torch's kernels at the processor's width, and with torch's restricted to AVX2 too
 # (ATen, MKL, oneDNN: _timing.TORCH_ISA_ENV), which is how both sides run on an AVX2 processor.
@@ -20,8 +22,9 @@
 #   REPS=15 benchmarks/run_all.sh                      # more rounds per provider
 #   CLOCK=thread benchmarks/run_all.sh                 # one-thread recurrent tables in the
 #                                                      # thread's CPU time (a shared machine)
-#   NORM_ARGS="--shapes 64x768 --small-reps 100" SHAPES=50x8x64x128 REPS=1 benchmarks/run_all.sh
-#                                                      # a quick check that every table runs
+#   NORM_ARGS="--shapes 64x768 --small-reps 100" SHAPES=50x8x64x128 REPS=1 \
+#     OPTIONS_ONLY="lstm 50x8x64x128 {}" benchmarks/run_all.sh   # a quick check that every
+#                                                                 # table runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -67,4 +70,8 @@ for isa in $ISAS; do
                 tables "$isa" "$t"
         fi
     done
+done
+for t in $THREADS; do
+    echo; echo "## the layers with torch.nn's options, $t thread(s)"
+    "$PY" benchmarks/bench_rnn_options.py --threads "$t" --reps "$REPS" --only "${OPTIONS_ONLY:-}"
 done

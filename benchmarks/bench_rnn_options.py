@@ -1,0 +1,149 @@
+"""CPU benchmark: the recurrent layers with torch.nn's options, against torch.nn.LSTM / GRU / RNN.
+
+``bench_rnn.py`` times the target shapes with one layer, one direction, time-major inputs. Users
+also run several layers, both directions, ``batch_first``, packed sequences of unequal lengths
+and torch's LSTM projection (``proj_size``), at other sizes; this script times each such case
+for training (forward + ``backward()`` of the output's sum, gradients set to ``None`` after) and
+inference (forward under ``no_grad``), ours and torch's in turn within every round
+(``_timing.interleaved_ms``), float32; or with ``--consecutive``, each in blocks of consecutive
+calls (as a training loop runs one layer call after another), the providers' blocks alternated
+(:func:`consecutive_ms`). Packed inputs get lengths drawn in [T/2, T] (the first
+sequence T), unsorted (``enforce_sorted=False``). Printed: the medians in ms and their ratio.
+
+    python benchmarks/bench_rnn_options.py --threads 1
+    python benchmarks/bench_rnn_options.py --threads 2 --only "lstm 50x8"
+    python benchmarks/bench_rnn_options.py --consecutive --only "{}"   # one layer, one direction
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import CLOCKS, cpu_model, interleaved_ms, torch_isa, use_clock
+from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
+from layernorm.kernels.cpu import targets
+
+KINDS = {
+    "lstm": (torch.nn.LSTM, LayerNormLSTM),
+    "gru": (torch.nn.GRU, LayerNormGRU),
+    "rnn": (torch.nn.RNN, LayerNormRNN),
+}
+# (kind, (T, B, I, H), constructor options; "packed": a PackedSequence input)
+CASES: tuple[tuple[str, tuple[int, int, int, int], dict[str, Any]], ...] = (
+    ("lstm", (50, 8, 64, 128), {}),
+    ("lstm", (50, 8, 64, 128), {"bidirectional": True}),
+    ("lstm", (50, 8, 64, 128), {"num_layers": 2}),
+    ("lstm", (50, 8, 64, 128), {"batch_first": True}),
+    ("lstm", (50, 8, 64, 128), {"packed": True}),
+    ("lstm", (50, 8, 64, 128), {"proj_size": 64}),
+    ("lstm", (100, 32, 128, 256), {"bidirectional": True}),
+    ("lstm", (100, 32, 128, 256), {"num_layers": 2}),
+    ("lstm", (100, 32, 128, 256), {"packed": True}),
+    ("lstm", (20, 64, 256, 256), {}),
+    ("lstm", (100, 16, 300, 100), {}),
+    ("lstm", (30, 1, 512, 512), {}),
+    ("gru", (50, 8, 64, 128), {"bidirectional": True}),
+    ("gru", (100, 32, 128, 256), {"packed": True}),
+    ("rnn", (100, 32, 128, 256), {}),
+)
+
+
+def consecutive_ms(
+    fns: dict[str, Callable[[], None]], blocks: int = 6, calls: int = 30, warmup: int = 5
+) -> dict[str, float]:
+    """Median ms per provider over ``blocks`` blocks of ``calls`` consecutive calls each (after
+    ``warmup`` calls), the providers' blocks in turn, the order reversed every other block: the
+    median of the blocks' medians. A provider then runs after itself, as in a training loop,
+    where in :func:`_timing.interleaved_ms` it runs after the others (and finds the caches and
+    the allocator as they left them)."""
+    names = list(fns)
+    medians: dict[str, list[float]] = {name: [] for name in names}
+    for block in range(blocks):
+        for name in names if block % 2 == 0 else names[::-1]:
+            fn = fns[name]
+            for _ in range(warmup):
+                fn()
+            samples = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            medians[name].append(1e3 * statistics.median(samples))
+    return {name: statistics.median(m) for name, m in medians.items()}
+
+
+def _input_maker(
+    x: torch.Tensor, lengths: torch.Tensor | None, batch_first: bool
+) -> Callable[[], Any]:
+    """Each call's input: ``x``, or packed anew from it (the packing is part of a call)."""
+    if lengths is None:
+        return lambda: x
+    return lambda: pack_padded_sequence(x, lengths, batch_first=batch_first, enforce_sorted=False)
+
+
+def _calls(
+    model: torch.nn.Module, make_input: Callable[[], Any], x: torch.Tensor
+) -> dict[str, Callable[[], None]]:
+    def train() -> None:
+        out, _ = model(make_input())
+        (out.data if isinstance(out, PackedSequence) else out).sum().backward()
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+
+    def infer() -> None:
+        with torch.no_grad():
+            model(make_input())
+
+    return {"train": train, "infer": infer}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=15, help="timed rounds per provider")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    ap.add_argument("--only", default="", help="run the cases whose label contains this")
+    ap.add_argument("--consecutive", action="store_true",
+                    help="time blocks of consecutive calls per provider (wall clock)")  # fmt: skip
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    use_clock(args.clock)
+    print(
+        f"device: {cpu_model()} | kernels {targets.selected().name} | torch "
+        f"{torch.__version__}, {torch_isa()} | threads {args.threads} | clock {args.clock}"
+    )
+    for kind, (t, b, i, h), options in CASES:
+        label = f"{kind} {t}x{b}x{i}x{h} {options}"
+        if args.only not in label:
+            continue
+        opts = dict(options)
+        packed = opts.pop("packed", False)
+        torch.manual_seed(0)
+        torch_cls, ours_cls = KINDS[kind]
+        models = {"torch": torch_cls(i, h, **opts), "ours": ours_cls(i, h, **opts)}
+        batch_first = bool(opts.get("batch_first", False))
+        x = torch.randn(*((b, t, i) if batch_first else (t, b, i)), requires_grad=True)
+        lengths = torch.randint(t // 2, t + 1, (b,))
+        lengths[0] = t
+        make_input = _input_maker(x, lengths if packed else None, batch_first)
+        calls = {name: _calls(m, make_input, x) for name, m in models.items()}
+        for mode in ("train", "infer"):
+            fns = {name: c[mode] for name, c in calls.items()}
+            ms = consecutive_ms(fns) if args.consecutive else interleaved_ms(fns, 3, args.reps)
+            print(f"{label:58s} {mode:5s} torch {ms['torch']:8.2f} ms  ours {ms['ours']:8.2f} ms"
+                  f"  ratio {ms['ours'] / ms['torch']:.2f}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -57,6 +57,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     # the group left with no DDP wrapper holding it: one freed at the interpreter's exit aborted
     # a worker now and then (gloo, "terminate called without an active exception")
     distributed.close()
+    assert not dist.is_initialized()
 
 
 def _free_port() -> int:

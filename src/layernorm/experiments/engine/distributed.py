@@ -30,8 +30,9 @@ def is_main() -> bool:
     return rank_world()[0] == 0
 
 
-# the process group init_from_env started (close() leaves only that one, not a caller's own)
-_joined: list[object] = []
+# id() of the process group init_from_env started (close() leaves only that one, not a caller's
+# own; an id, not the group: a reference kept here would hold the group to the interpreter's exit)
+_joined: list[int] = []
 
 
 def init_from_env(device: torch.device) -> bool:
@@ -45,7 +46,7 @@ def init_from_env(device: torch.device) -> bool:
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
-        _joined.append(dist.group.WORLD)
+        _joined.append(id(dist.group.WORLD))
     return True
 
 
@@ -77,7 +78,7 @@ def close() -> None:
     leaves while another still talks to it); nothing otherwise. Call it once the DDP wrappers are
     freed: a group left to the interpreter's exit is torn down in no set order, and gloo aborted
     processes there now and then ("terminate called without an active exception")."""
-    if _joined and dist.is_initialized() and dist.group.WORLD is _joined[-1]:
+    if _joined and dist.is_initialized() and id(dist.group.WORLD) == _joined[-1]:
         dist.barrier()
         dist.destroy_process_group()
     _joined.clear()

@@ -75,6 +75,31 @@ def interleaved_samples(
     return {name: [1e3 * t for t in s] for name, s in samples.items()}
 
 
+def consecutive_samples(
+    fns: Mapping[str, Callable[[], object]], blocks: int = 6, calls: int = 30, warmup: int = 5
+) -> dict[str, list[float]]:
+    """Per provider, the median milliseconds of each of ``blocks`` blocks of ``calls``
+    consecutive calls (after ``warmup`` calls), the providers' blocks in turn, the order reversed
+    every other block. A provider then runs after itself, as a training loop calls one layer
+    after another, where in :func:`interleaved_samples` it runs after the others and finds the
+    caches and the allocator as they left them (torch's LSTM takes about 10% longer so at small
+    shapes)."""
+    names = list(fns)
+    medians: dict[str, list[float]] = {name: [] for name in names}
+    for block in range(blocks):
+        for name in names if block % 2 == 0 else names[::-1]:
+            fn = fns[name]
+            for _ in range(warmup):
+                fn()
+            samples = []
+            for _ in range(calls):
+                t0 = _clock()
+                fn()
+                samples.append(_clock() - t0)
+            medians[name].append(1e3 * statistics.median(samples))
+    return medians
+
+
 # What restricts torch's own kernels to a narrower instruction set than the processor's: ATen's
 # vectorized kernels, MKL's GEMMs and oneDNN's (torch.nn.LSTM's). With all three at AVX2 on an
 # AVX-512 processor torch runs as it would on an AVX2 one (benchmarks/run_all.sh's second AVX2

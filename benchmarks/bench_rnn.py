@@ -34,6 +34,7 @@ the layer norms add ``O(T·B·G·H)``, about 1% at these shapes.
     python benchmarks/bench_rnn.py                 # the three shapes of RESULTS.md
     python benchmarks/bench_rnn.py --threads 1 --loop --csv rnn.csv
     python benchmarks/bench_rnn.py --isa avx2 --mode infer   # the AVX2 kernels, inference
+    python benchmarks/bench_rnn.py --consecutive 20   # blocks of 20 calls per provider (a loop)
 
 ``--isa`` runs the kernels built for another instruction set this CPU can run (e.g. AVX2 on an
 AVX-512 processor); torch's own kernels are unaffected and keep the CPU's widest vectors, unless
@@ -56,7 +57,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import CLOCKS, cpu_model, interleaved_samples, torch_isa, use_clock
+from _timing import (
+    CLOCKS,
+    consecutive_samples,
+    cpu_model,
+    interleaved_samples,
+    torch_isa,
+    use_clock,
+)
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.kernels.cpu import rnn, targets
@@ -148,6 +156,7 @@ def bench_shape(
     mode: str = "train",
     memory: bool = False,
     dtype: torch.dtype = torch.float32,
+    block_calls: int = 0,
 ) -> dict:
     t, b, i, h = shape
     torch.manual_seed(0)
@@ -167,10 +176,13 @@ def bench_shape(
         fns["ln-steps"] = with_steps(step(models["ln"], x, mode), _pointwise.C_STEPS)
     if mode == "infer":
         fns["ln-node"] = via_training_node(fns["ln"])
-    samples = interleaved_samples(fns, warmup=2, reps=reps)
+    if block_calls:  # each provider in blocks of consecutive calls: its samples the blocks' medians
+        samples = consecutive_samples(fns, blocks=reps, calls=block_calls, warmup=2)
+    else:
+        samples = interleaved_samples(fns, warmup=2, reps=reps)
     times = {name: statistics.median(s) for name, s in samples.items()}
-    # the fastest round of each provider: on a loaded machine the median carries the neighbours'
-    # share of the processor, the minimum little of it
+    # the fastest round (block) of each provider: on a loaded machine the median carries the
+    # neighbours' share of the processor, the minimum little of it
     times.update({f"{name}-min": min(s) for name, s in samples.items()})
     if memory:
         for name in ("torch", "ln"):
@@ -197,7 +209,11 @@ def peak_bytes(fn) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    ap.add_argument("--reps", type=int, default=7, help="timed rounds per provider")
+    ap.add_argument("--reps", type=int, default=7, help="timed rounds (blocks) per provider")
+    ap.add_argument("--consecutive", type=int, default=0, metavar="CALLS",
+                    help="time each provider in blocks of CALLS consecutive calls, the blocks "
+                         "alternated (as a training loop calls one layer after another), "
+                         "instead of one call of each in turn")  # fmt: skip
     ap.add_argument("--loop", action="store_true", help="also time the eager reference loop")
     ap.add_argument("--eager-steps", action="store_true", help="also time eager step functions")
     ap.add_argument("--per-step", action="store_true", help="also time the per-step C loop")
@@ -239,9 +255,11 @@ def run(args: argparse.Namespace) -> None:
           f"| {date}")  # fmt: skip
     what = "forward + backward" if args.mode == "train" else "forward under no_grad"
     clock = "thread CPU time" if args.clock == "thread" else "wall time"
+    order = (f"blocks of {args.consecutive} consecutive calls per provider, alternated"
+             if args.consecutive else "one call of each provider in turn")  # fmt: skip
     print(
-        f"{what}, {args.dtype}, median ms of {clock}; ratio = ours / torch in the same run, of the "
-        "medians (of the fastest rounds)\n"
+        f"{what}, {args.dtype}, median ms of {clock} ({order}); ratio = ours / torch in the same "
+        "run, of the medians (of the fastest rounds)\n"
     )
     extra = " LN per-step C loop / torch |" if args.per_step else ""
     if args.mode == "infer":
@@ -260,7 +278,8 @@ def run(args: argparse.Namespace) -> None:
     for kind in args.kinds.split(","):
         for shape in shapes:
             r = bench_shape(kind, shape, args.loop, args.eager_steps, args.reps, args.per_step,  # type: ignore[arg-type]
-                            args.mode, args.memory, DTYPES[args.dtype])  # fmt: skip
+                            args.mode, args.memory, DTYPES[args.dtype],
+                            args.consecutive)  # fmt: skip
             peak = {k: r.pop(k) for k in [k for k in r if k.endswith("-peak-mb")]}
             fastest = {k[: -len("-min")]: r.pop(k) for k in [k for k in r if k.endswith("-min")]}
 

@@ -7,8 +7,9 @@ for training (forward + ``backward()`` of the output's sum, gradients set to ``N
 inference (forward under ``no_grad``), ours and torch's in turn within every round
 (``_timing.interleaved_ms``), float32; or with ``--consecutive``, each in blocks of consecutive
 calls (as a training loop runs one layer call after another), the providers' blocks alternated
-(:func:`consecutive_ms`). Packed inputs get lengths drawn in [T/2, T] (the first
-sequence T), unsorted (``enforce_sorted=False``). Printed: the medians in ms and their ratio.
+(``_timing.consecutive_samples``: the median of the blocks' medians). Packed inputs get lengths
+drawn in [T/2, T] (the first sequence T), unsorted (``enforce_sorted=False``). Printed: the
+medians in ms and their ratio.
 
     python benchmarks/bench_rnn_options.py --threads 1
     python benchmarks/bench_rnn_options.py --threads 2 --only "lstm 50x8"
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import CLOCKS, cpu_model, interleaved_ms, torch_isa, use_clock
+from _timing import CLOCKS, consecutive_samples, cpu_model, interleaved_ms, torch_isa, use_clock
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.kernels.cpu import targets
 
@@ -56,30 +56,6 @@ CASES: tuple[tuple[str, tuple[int, int, int, int], dict[str, Any]], ...] = (
     ("gru", (100, 32, 128, 256), {"packed": True}),
     ("rnn", (100, 32, 128, 256), {}),
 )
-
-
-def consecutive_ms(
-    fns: dict[str, Callable[[], None]], blocks: int = 6, calls: int = 30, warmup: int = 5
-) -> dict[str, float]:
-    """Median ms per provider over ``blocks`` blocks of ``calls`` consecutive calls each (after
-    ``warmup`` calls), the providers' blocks in turn, the order reversed every other block: the
-    median of the blocks' medians. A provider then runs after itself, as in a training loop,
-    where in :func:`_timing.interleaved_ms` it runs after the others (and finds the caches and
-    the allocator as they left them)."""
-    names = list(fns)
-    medians: dict[str, list[float]] = {name: [] for name in names}
-    for block in range(blocks):
-        for name in names if block % 2 == 0 else names[::-1]:
-            fn = fns[name]
-            for _ in range(warmup):
-                fn()
-            samples = []
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
-            medians[name].append(1e3 * statistics.median(samples))
-    return {name: statistics.median(m) for name, m in medians.items()}
 
 
 def _input_maker(
@@ -115,7 +91,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     ap.add_argument("--only", default="", help="run the cases whose label contains this")
     ap.add_argument("--consecutive", action="store_true",
-                    help="time blocks of consecutive calls per provider (wall clock)")  # fmt: skip
+                    help="time blocks of consecutive calls per provider")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     use_clock(args.clock)
@@ -140,7 +116,10 @@ def main() -> None:
         calls = {name: _calls(m, make_input, x) for name, m in models.items()}
         for mode in ("train", "infer"):
             fns = {name: c[mode] for name, c in calls.items()}
-            ms = consecutive_ms(fns) if args.consecutive else interleaved_ms(fns, 3, args.reps)
+            if args.consecutive:
+                ms = {k: statistics.median(v) for k, v in consecutive_samples(fns).items()}
+            else:
+                ms = interleaved_ms(fns, 3, args.reps)
             print(f"{label:58s} {mode:5s} torch {ms['torch']:8.2f} ms  ours {ms['ours']:8.2f} ms"
                   f"  ratio {ms['ours'] / ms['torch']:.2f}", flush=True)  # fmt: skip
 

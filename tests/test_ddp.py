@@ -96,3 +96,18 @@ def test_shard_needs_an_even_split():
     assert distributed.shard(torch.arange(8), 1, 2).tolist() == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="divisible"):
         distributed.shard(torch.arange(7), 0, 2)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")
+def test_close_leaves_a_callers_own_group_alone(tmp_path):
+    """``close`` leaves only the group ``init_from_env`` started: one the caller made stays up."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        distributed.close()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+    distributed.close()  # nothing up: nothing to do
+    assert not dist.is_initialized()

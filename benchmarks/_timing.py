@@ -88,15 +88,7 @@ def consecutive_samples(
     medians: dict[str, list[float]] = {name: [] for name in names}
     for block in range(blocks):
         for name in names if block % 2 == 0 else names[::-1]:
-            fn = fns[name]
-            for _ in range(warmup):
-                fn()
-            samples = []
-            for _ in range(calls):
-                t0 = _clock()
-                fn()
-                samples.append(_clock() - t0)
-            medians[name].append(1e3 * statistics.median(samples))
+            medians[name].append(median_ms(fns[name], warmup, calls))
     return medians
 
 

@@ -354,9 +354,7 @@ def test_gates_saturate_and_nan_passes_per_target(name, kind, grad) -> None:
     and a tail), on pre-activations far outside its clamp, at its edges and near float32's
     largest: torch's float64 layer's outputs within float32's tolerance; a NaN in one sequence
     makes that sequence's outputs NaN from its step on, and only those (the clamp passes it)."""
-    layers = {"lstm": (LayerNormLSTM, torch.nn.LSTM), "gru": (LayerNormGRU, torch.nn.GRU),
-              "rnn": (LayerNormRNN, torch.nn.RNN)}  # fmt: skip
-    ours_cls, ref_cls = layers[kind]
+    ours_cls, ref_cls = LAYERS[kind], getattr(torch.nn, kind.upper())
     values = [0.5, -2.0, 87.5, -87.5, 88.5, -88.5, 100.0, -100.0, 1e30, -1e30, 3e38, -3e38]
     x = torch.tensor(values).view(-1, 1, 1).repeat(1, 2, 1)
     x[4, 1, 0] = float("nan")  # the second sequence's fifth step

@@ -13,6 +13,7 @@ the caches and to memory bandwidth.
 
 from __future__ import annotations
 
+import os
 import platform
 import random
 import statistics
@@ -102,9 +103,7 @@ TORCH_ISA_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_C
 def torch_isa() -> str:
     """The instruction set of torch's ATen kernels, with the variables of :data:`TORCH_ISA_ENV`
     that are set (for a results table's device line)."""
-    import os
-
-    import torch
+    import torch  # here, not at the top: the timing helpers do without it
 
     caps = torch.backends.cpu.get_cpu_capability()
     env = [f"{k}={os.environ[k]}" for k in TORCH_ISA_ENV if os.environ.get(k)]

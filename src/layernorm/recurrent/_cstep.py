@@ -40,6 +40,10 @@ _SEQ_GEMM_GRAIN = 1 << 17
 # one thread): 0.97-1.01x up to 12.5 M, 1.04-1.15x beyond ((800, 256, 64), (50, 1024, 256),
 # (400, 512, 128)). Other targets: torch.mm.
 _WEIGHT_GRAD_MAX = {64: 1 << 26, 32: 1 << 23}
+# Nor past this size of the (N, G) gradient, which the C GEMM reads G apart: AVX-512, one thread,
+# its time / transposed_product's at (N, G, J) = (3000, 512, 32) 0.83, (1250, 1024, 64) 0.89,
+# (8000, 256, 32) 0.87, then (4000, 512, 32) 1.59, (1600, 1024, 64) 1.25 (AMD EPYC).
+_WEIGHT_GRAD_MAX_BYTES = 6 << 20
 # The argument struct of each step kernel, and the gains / biases (with their sizes in units of
 # H) that become ones / zeros when the layer has none: the kernels load them unconditionally.
 _STRUCTS = {
@@ -383,17 +387,28 @@ def elman_bwd_seq(
 
 
 def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
-    """``dhpᵀ · hprev``, the recurrent weight's gradient summed over all rows: with the C GEMM for
-    small sequences (where it beats ``torch.mm``), else :func:`transposed_product`."""
+    """``dhpᵀ · hprev``, a weight's gradient summed over all rows (W_hh's; W_ih's with the
+    inputs for ``hprev``): with the C GEMM for small sequences (where it beats ``torch.mm``), else
+    :func:`transposed_product`.
+
+    The C GEMM shares hprev's panels of columns (two vectors wide) among its threads, so with
+    fewer panels than threads it runs on fewer than ``torch.mm`` would: two threads, AMD EPYC
+    (AVX-512), its time / transposed_product's at (N, G, J) = (1000, 512, 32) 1.24, one panel;
+    (400, 512, 64) 0.77, two."""
     n_rows, gates = dhp.shape
     hs = hprev.shape[1]
+    vector = rnn.vector_bytes()
+    panel = max(1, 2 * vector // dhp.element_size())
+    threads = torch.get_num_threads()
     if (
-        n_rows * gates * hs > _WEIGHT_GRAD_MAX.get(rnn.vector_bytes(), 0)
+        n_rows * gates * hs > _WEIGHT_GRAD_MAX.get(vector, 0)
+        or dhp.numel() * dhp.element_size() > _WEIGHT_GRAD_MAX_BYTES
+        or -(-hs // panel) < threads
         or hprev.dtype != dhp.dtype
         or not (dhp.is_contiguous() and hprev.is_contiguous())
     ):
         return transposed_product(dhp, hprev)
-    return rnn.weight_grad(dhp, hprev, torch.get_num_threads(), _GEMM_GRAIN)
+    return rnn.weight_grad(dhp, hprev, threads, _GEMM_GRAIN)
 
 
 def transposed_product(d: Tensor, x: Tensor) -> Tensor:

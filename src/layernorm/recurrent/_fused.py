@@ -268,28 +268,38 @@ def _previous_from_later_rows(seq: SeqFn | None, sched: Schedule, batch: int) ->
     return seq is not None and all(bs == batch for _, _, bs in sched)
 
 
-def _previous_from_output(st: dict[str, Any], sched: Schedule, h0: Tensor) -> None:
+def _output_and_previous(like: Tensor, h0: Tensor, sched: Schedule) -> tuple[Tensor, Tensor]:
+    """The output buffer ``out (N, P)`` of a direction whose backward takes ``h_{t−1}`` from the
+    step before's output (:func:`_previous_from_later_rows`), and ``previous``, every row's
+    ``h_{t−1}`` as one ``(N, P)`` slice of the same memory: the output's buffer has B more
+    rows, a copy of ``h0``, before its rows (after them in reverse, where the first step's rows
+    are the last). The recurrent weight's gradient is then one GEMM over N rows, where it took
+    one over N − B rows and another of B rows for h0's term. ``out`` is a tensor of its own, not
+    a view (the caller may write an output in place where nothing needs it)."""
+    (batch, cols), n_rows = h0.shape, like.shape[0]
+    reverse = sched[0][1] != 0
+    full = _buffers.empty(like, (n_rows + batch, cols))
+    offset = 0 if reverse else batch * cols
+    out = like.new_empty((0,)).set_(full.untyped_storage(), offset, (n_rows, cols))
+    (full[n_rows:] if reverse else full[:batch]).copy_(h0)
+    return out, (full[batch:] if reverse else full[:n_rows])
+
+
+def _previous_from_output(
+    st: dict[str, Any], sched: Schedule, h0: Tensor, previous: Tensor
+) -> None:
     """Point a direction's backward at the step before's output for ``h_{t−1}``
-    (:func:`_previous_from_later_rows`): ``y``, ``h0`` for the first step's rows, and whether the
-    steps run backward in time (the first step's rows then start at N − B, not 0)."""
-    st.update(y=st["out"], h0=h0.contiguous(), reverse=int(sched[0][1] != 0))
+    (:func:`_previous_from_later_rows`, :func:`_output_and_previous`): ``y``, ``h0`` for the
+    first step's rows, ``previous``, and whether the steps run backward in time (the first
+    step's rows then start at N − B, not 0)."""
+    st.update(y=st["out"], h0=h0.contiguous(), previous=previous, reverse=int(sched[0][1] != 0))
 
 
-def _recurrent_weight_grad(kernels: StepKernels, st: dict[str, Any], sched: Schedule) -> Tensor:
+def _recurrent_weight_grad(kernels: StepKernels, st: dict[str, Any]) -> Tensor:
     """``Σ_t dhp_tᵀ h_{t−1}``: from the kept ``hprev``, or (:func:`_previous_from_later_rows`)
-    from the output ``y`` shifted by a step, the first step's ``h_{t−1}`` being ``h0``."""
-    dhp = st["dhp"]
-    if st["hprev"] is not None:
-        return _weight_grad(kernels, dhp, st["hprev"])
-    y, h0 = st["y"], st["h0"]
-    rows, batch = dhp.shape[0], h0.shape[0]
-    first = sched[0][1]  # the first step's rows: 0 forward in time, N − B in reverse
-    if first == 0:  # step t's h_{t−1} is y of step t − 1, B rows earlier
-        later, before = dhp[batch:], y[: rows - batch]
-    else:  # in reverse, of step t + 1, B rows later
-        later, before = dhp[: rows - batch], y[batch:]
-    dw = _weight_grad(kernels, later, before)
-    return dw.addmm_(dhp[first : first + batch].t(), h0)
+    from ``previous``, the output shifted by a step with ``h0`` for the first step's rows."""
+    previous = st["hprev"] if st["hprev"] is not None else st["previous"]
+    return _weight_grad(kernels, st["dhp"], previous)
 
 
 def _lstm_state(
@@ -309,11 +319,12 @@ def _lstm_state(
     w_hr: Tensor | None,
     kept_rows: int,
     n_rows: int | None = None,
+    out: Tensor | None = None,
 ) -> dict[str, Any]:
     """An LSTM direction's ``st``: the state copied from ``h0, c0``, the output buffer (``n_rows``
-    rows, default gx's) and the kept buffers with ``kept_rows`` rows (N: for backward; B:
-    inference, see :func:`lstm_sequence`), but not yet the previous states' copies ``hprev``,
-    ``cprev`` (``None``: :func:`_keep_previous` adds those backward will read)."""
+    rows, default gx's; ``out`` where given) and the kept buffers with ``kept_rows`` rows (N: for
+    backward; B: inference, see :func:`lstm_sequence`), but not yet the previous states' copies
+    ``hprev``, ``cprev`` (``None``: :func:`_keep_previous` adds those backward will read)."""
     n_rows = gx.shape[0] if n_rows is None else n_rows
     hs, ps = c0.shape[1], h0.shape[1]
     return {
@@ -321,25 +332,31 @@ def _lstm_state(
         "carry_normalized": carry_normalized, "gx": gx, "w1": w1, "b1": b1, "w3": w3,
         "b3": b3, "zh": zh, "zc": zc, "cm": cm,
         "w_hr": w_hr, "h": h0.contiguous().clone(), "c": c0.contiguous().clone(),
-        "out": _buffers.empty(gx, (n_rows, ps)),
+        "out": _buffers.empty(gx, (n_rows, ps)) if out is None else out,
         **_new_bufs(gx, kept_rows, {"hp": 4 * hs, "acts": 4 * hs, "cn": hs, "tc": hs, "mh": 0,
                                     "rh": 0, "mc": 0, "rc": 0}),
         "hprev": None, "cprev": None,
         "hu": None if w_hr is None else gx.new_empty(n_rows, hs), "y": None, "h0": None,
+        "previous": None,
         "c0": None, "reverse": 0,
     }  # fmt: skip
 
 
 def _keep_previous(
-    st: dict[str, Any], kernels: StepKernels, sched: Schedule, h0: Tensor, c0: Tensor
+    st: dict[str, Any],
+    from_output: tuple[Tensor, Tensor] | None,
+    sched: Schedule,
+    h0: Tensor,
+    c0: Tensor,
 ) -> None:
     """The copies of ``h_{t−1}``, ``c_{t−1}`` a training direction keeps for backward: none where
-    the step before holds them (:func:`_previous_from_later_rows`), else ``(N, ·)`` buffers."""
+    the step before holds them (``from_output``: the output and ``previous`` of
+    :func:`_output_and_previous`, which ``st`` has as its output), else ``(N, ·)`` buffers."""
     n_rows, hs = st["gx"].shape[0], st["H"]
-    if not _previous_from_later_rows(kernels.lstm_fwd_seq, sched, h0.shape[0]):
+    if from_output is None:
         st.update(_new_bufs(st["gx"], n_rows, {"hprev": h0.shape[1], "cprev": hs}))
         return
-    _previous_from_output(st, sched, h0)
+    _previous_from_output(st, sched, h0, from_output[1])
     if st["zc"] is None and not st["carry_normalized"]:  # the carried c_t is cn, kept anyway
         st["c0"] = c0.contiguous()
     else:
@@ -360,6 +377,7 @@ def _gru_state(
     cm: Tensor | None,
     kept_rows: int,
     n_rows: int | None = None,
+    out: Tensor | None = None,
 ) -> dict[str, Any]:
     """A GRU direction's ``st``, as :func:`_lstm_state`."""
     n_rows = gx.shape[0] if n_rows is None else n_rows
@@ -367,12 +385,12 @@ def _gru_state(
     return {
         "N": n_rows, "H": hs, "eps": eps, "normalize": normalize, "gx": gx, "w_rz": w_rz,
         "b_rz": b_rz, "w_n": w_n, "b_n": b_n, "b_hn": b_hn, "h": h0.contiguous().clone(),
-        "zh": zh, "cm": cm, "out": _buffers.empty(gx, (n_rows, hs)),
+        "zh": zh, "cm": cm, "out": _buffers.empty(gx, (n_rows, hs)) if out is None else out,
         **_new_bufs(gx, kept_rows, {"hp": 3 * hs, "rz": 2 * hs, "n": hs, "mh": 0, "rh": 0,
                                     "mn": 0, "rn": 0}),
         # the C kernels keep no h_{t−1} or LN(hp_n) + b_hn where they can do without (see
         # GRUSequence.forward); the step functions in Python need both
-        "hprev": None, "ghn": None, "y": None, "h0": None, "reverse": 0,
+        "hprev": None, "ghn": None, "y": None, "h0": None, "previous": None, "reverse": 0,
     }  # fmt: skip
 
 
@@ -897,16 +915,22 @@ def _projected(data: Tensor, w_ih: Tensor) -> Tensor:
 
 
 def _projection_grads(
-    grad: Tensor, data: Tensor, w_ih: Tensor, need_data: bool, need_w: bool
+    kernels: StepKernels, grad: Tensor, data: Tensor, w_ih: Tensor, need_data: bool, need_w: bool
 ) -> tuple[Tensor | None, Tensor | None]:
-    """The gradients of ``data`` and ``W_ih`` from that of ``data W_ihᵀ``: into buffers of the
-    cache where :func:`_projected` took one (a weight's gradient as in :func:`_weight_grad`)."""
-    if _projection_bytes(data, w_ih) < _PROJECTION_NODE_BYTES:
-        return (grad.mm(w_ih) if need_data else None), (grad.t().mm(data) if need_w else None)
+    """The gradients of ``data`` and ``W_ih`` from that of ``data W_ihᵀ``: data's into a buffer
+    of the cache where :func:`_projected` took one; W_ih's as the recurrent weight's
+    (:func:`_weight_grad`: the C GEMM where ``kernels`` have it and it is the faster).
+
+    One thread, AMD EPYC (AVX-512), µs of ``gradᵀ.mm(data)`` / the C GEMM, (N, G, I) =
+    (400, 512, 64) 359 / 266, (240, 512, 64) 223 / 160, (800, 512, 64) 713 / 529."""
     d_data = None
     if need_data:
-        d_data = torch.mm(grad, w_ih, out=_buffers.empty(grad, (grad.shape[0], w_ih.shape[1])))
-    return d_data, (_cstep.transposed_product(grad, data) if need_w else None)
+        if _projection_bytes(data, w_ih) < _PROJECTION_NODE_BYTES:
+            d_data = grad.mm(w_ih)
+        else:
+            out = _buffers.empty(grad, (grad.shape[0], w_ih.shape[1]))
+            d_data = torch.mm(grad, w_ih, out=out)
+    return d_data, (_weight_grad(kernels, grad, data) if need_w else None)
 
 
 def _projection_bytes(data: Tensor, w_ih: Tensor) -> int:
@@ -930,7 +954,7 @@ class _Projection(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
         data, w_ih = ctx.saved_tensors
         need = ctx.needs_input_grad
-        return _projection_grads(grad, data, w_ih, need[0], need[1])
+        return _projection_grads(step_kernels(grad), grad, data, w_ih, need[0], need[1])
 
 
 def _normalizes_in_kernel(source: GatesInput, w_hr: Tensor | None) -> bool:
@@ -1065,12 +1089,15 @@ class LSTMSequence(torch.autograd.Function):
             gx = _buffers.empty(x, shape) if in_loop else _projected(x, w_ih)
         gx = gx.contiguous()
         b0 = fold_input_bias(b0, None if b_ih is None else (b_ih, b_hh))
+        # backward runs what forward chose: the kept buffers' layout depends on it
+        kernels = ctx.kernels = _kernels(gx, {"zh": zh, "zc": zc, "cm": cm, "w_hr": w_hr})
+        from_output = None
+        if _previous_from_later_rows(kernels.lstm_fwd_seq, sched, h0.shape[0]):
+            from_output = _output_and_previous(gx, h0, sched)
         st = _lstm_state(
             gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry_normalized, zh, zc, cm, w_hr,
-            kept_rows=gx.shape[0],
+            kept_rows=gx.shape[0], out=None if from_output is None else from_output[0],
         )  # fmt: skip
-        # backward runs what forward chose: the kept buffers' layout depends on it
-        kernels = ctx.kernels = _kernels(gx, st)
         if input_norm:
             if kernels is not C_KERNELS or not normalize:
                 raise ValueError(
@@ -1083,7 +1110,7 @@ class LSTMSequence(torch.autograd.Function):
                       **_new_bufs(gx, gx.shape[0], {"mx": 0, "rx": 0}))  # fmt: skip
         if in_loop:
             st["projection"] = {"x": x, "w_ih": w_ih.contiguous()}
-        _keep_previous(st, kernels, sched, h0, c0)
+        _keep_previous(st, from_output, sched, h0, c0)
         _forward_in_time(st, w_hh, sched, kernels.lstm_fwd, kernels.lstm_fwd_seq)
         st.pop("projection", None)
         st["projected_in_loop"] = in_loop
@@ -1093,7 +1120,8 @@ class LSTMSequence(torch.autograd.Function):
             kept += ("x", "w_ih")  # the projection's backward
         _save(ctx, st, w_hh, sched, ("w1", "b1", "w3", "b3", "hp", "hprev", "cprev", "acts",
                                      "cn", "tc", "mh", "rh", "mc", "rc", "zh", "zc", "cm",
-                                     "w_hr", "hu", "y", "h0", "c0", *kept))  # fmt: skip
+                                     "w_hr", "hu", "y", "h0", "c0", "previous",
+                                     *kept))  # fmt: skip
         return st["out"], st["h"], st["c"]
 
     @staticmethod
@@ -1127,7 +1155,7 @@ class LSTMSequence(torch.autograd.Function):
             accumulate=st["zh"] is not None,
         )  # fmt: skip
         dh = st["dh"]
-        d_w_hh = _grad_or_none(need[3], lambda: _recurrent_weight_grad(kernels, st, ctx.sched))
+        d_w_hh = _grad_or_none(need[3], lambda: _recurrent_weight_grad(kernels, st))
         dw1 = db1 = dw3 = db3 = None
         if "ln_grads" in st:
             dw1, db1 = _split_grads(st["ln_grads"]["hp_grads"], need[4], need[5])
@@ -1150,7 +1178,7 @@ class LSTMSequence(torch.autograd.Function):
         d_gx, d_w_ih = st["dgates"], None
         if "x" in st:  # gx = x W_ihᵀ was projected here
             d_gx, d_w_ih = _projection_grads(
-                d_gx, st["x"], st["w_ih"], need[0] and not x_in_loop, need[19]
+                kernels, d_gx, st["x"], st["w_ih"], need[0] and not x_in_loop, need[19]
             )
             if x_in_loop:
                 d_gx = st["projection_grad"]["dx"]
@@ -1187,13 +1215,28 @@ class GRUSequence(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         _check_untraced("GRUSequence")
         gx = gx.contiguous()
-        st = _gru_state(
-            gx, h0, w_rz, b_rz, w_n, b_n, b_hn, eps, normalize, zh, cm, kept_rows=gx.shape[0]
-        )
         # backward runs what forward chose: the kept buffers' layout depends on it
-        kernels = ctx.kernels = _one_step_kernels(_kernels(gx, st), sched)
+        kernels = ctx.kernels = _one_step_kernels(_kernels(gx, {"zh": zh, "cm": cm}), sched)
+        from_output = None
         if _previous_from_later_rows(kernels.gru_fwd_seq, sched, h0.shape[0]):
-            _previous_from_output(st, sched, h0)
+            from_output = _output_and_previous(gx, h0, sched)
+        st = _gru_state(
+            gx,
+            h0,
+            w_rz,
+            b_rz,
+            w_n,
+            b_n,
+            b_hn,
+            eps,
+            normalize,
+            zh,
+            cm,
+            kept_rows=gx.shape[0],
+            out=None if from_output is None else from_output[0],
+        )
+        if from_output is not None:
+            _previous_from_output(st, sched, h0, from_output[1])
         else:
             st["hprev"] = _buffers.empty(gx, (gx.shape[0], h0.shape[1]))
         if kernels.gru_fwd_seq is None:  # the C backward recomputes LN(hp_n) + b_hn from hp
@@ -1201,7 +1244,7 @@ class GRUSequence(torch.autograd.Function):
         _forward_in_time(st, w_hh, sched, kernels.gru_fwd, kernels.gru_fwd_seq)
         _save(ctx, st, w_hh, sched, ("w_rz", "b_rz", "w_n", "b_n", "b_hn", "hp", "hprev",
                                      "rz", "n", "ghn", "mh", "rh", "mn", "rn",
-                                     "zh", "cm", "y", "h0"))  # fmt: skip
+                                     "zh", "cm", "y", "h0", "previous"))  # fmt: skip
         return st["out"], st["h"]
 
     @staticmethod
@@ -1226,7 +1269,7 @@ class GRUSequence(torch.autograd.Function):
             st, w_hh, ctx.sched, kernels.gru_bwd, kernels.gru_bwd_seq, accumulate=True
         )
         dh = st["dh"]
-        d_w_hh = _grad_or_none(need[2], lambda: _recurrent_weight_grad(kernels, st, ctx.sched))
+        d_w_hh = _grad_or_none(need[2], lambda: _recurrent_weight_grad(kernels, st))
         dgh, hp = st["dgh"], st["hp"]
         dw_rz = db_rz = dw_n = db_n = None
         d_b_hn = None
@@ -1259,19 +1302,21 @@ def _elman_state(
     relu: bool,
     zh: Tensor | None,
     kept_rows: int,
+    out: Tensor | None = None,
 ) -> dict[str, Any]:
     """An Elman direction's ``st`` for the C kernels (``rnn_abi.ELMAN_FWD``): the state copied
-    from ``h0``, the output of every row, and the kept buffers of ``kept_rows`` rows (N for
-    backward, B in inference): ``hp`` (the GEMM's product, then the pre-activation), its row
-    statistics, and with zoneout the cell's own ``h̃_t`` (else the output is it)."""
+    from ``h0``, the output of every row (``out`` where given), and the kept buffers of
+    ``kept_rows`` rows (N for backward, B in inference): ``hp`` (the GEMM's product, then the
+    pre-activation), its row statistics, and with zoneout the cell's own ``h̃_t`` (else the
+    output is it)."""
     n_rows, hs = xp.shape[0], h0.shape[1]
     return {
         "N": n_rows, "H": hs, "eps": eps, "normalize": normalize, "relu": relu, "gx": xp,
         "w": g, "b": b, "zh": zh, "h": h0.contiguous().clone(),
-        "out": _buffers.empty(xp, (n_rows, hs)),
+        "out": _buffers.empty(xp, (n_rows, hs)) if out is None else out,
         **_new_bufs(xp, kept_rows, {"hp": hs, "mh": 0, "rh": 0}),
         "own": None if zh is None else _buffers.empty(xp, (kept_rows, hs)),
-        "hprev": None, "y": None, "h0": None, "reverse": 0,
+        "hprev": None, "y": None, "h0": None, "previous": None, "reverse": 0,
     }  # fmt: skip
 
 
@@ -1328,15 +1373,27 @@ class RNNSequence(torch.autograd.Function):
         kernels = ctx.kernels = step_kernels(xp)
         if kernels.elman_fwd_seq is not None:
             xp = xp.contiguous()
-            st = _elman_state(xp, h0, g, b, eps, normalize, relu, zh, kept_rows=xp.shape[0])
+            from_output = None
             if _previous_from_later_rows(kernels.elman_fwd_seq, sched, h0.shape[0]):
-                _previous_from_output(st, sched, h0)
+                from_output = _output_and_previous(xp, h0, sched)
+            st = _elman_state(
+                xp, h0, g, b, eps, normalize, relu, zh, kept_rows=xp.shape[0],
+                out=None if from_output is None else from_output[0],
+            )  # fmt: skip
+            if from_output is not None:
+                _previous_from_output(st, sched, h0, from_output[1])
             else:
                 st["hprev"] = _buffers.empty(xp, (xp.shape[0], h0.shape[1]))
             kernels.elman_fwd_seq(st, w_hh, sched)
             if st["own"] is None:  # without zoneout the output is the cell's own h̃_t
                 st["own"] = st["out"]
-            _save(ctx, st, w_hh, sched, ("w", "hp", "mh", "rh", "own", "zh", "hprev", "y", "h0"))
+            _save(
+                ctx,
+                st,
+                w_hh,
+                sched,
+                ("w", "hp", "mh", "rh", "own", "zh", "hprev", "y", "h0", "previous"),
+            )
             return st["out"], st["h"]
         n_rows, hs = xp.shape[0], h0.shape[1]
         ln = ln_kernels(xp)
@@ -1420,7 +1477,7 @@ class RNNSequence(torch.autograd.Function):
             st, kernels.elman_bwd_seq, st["normalize"], need[3] or need[4], None
         )
         kernels.elman_bwd_seq(st, w_hh, ctx.sched)
-        d_w_hh = _grad_or_none(need[2], lambda: _recurrent_weight_grad(kernels, st, ctx.sched))
+        d_w_hh = _grad_or_none(need[2], lambda: _recurrent_weight_grad(kernels, st))
         dg = db = None
         if "ln_grads" in st:
             dg, db = _split_grads(st["ln_grads"]["hp_grads"], need[3], need[4])

@@ -183,8 +183,10 @@ def test_lstm_keeps_neither_previous_state_copy() -> None:
     """What a padded LSTM sequence keeps for backward is two (N, H) buffers smaller than what the
     per-step path keeps (its copies of h_{t−1} and of the carried c_{t−1}), counting distinct
     storages other than the input state's and the output's, which both paths hold anyway; and
-    one (4H) vector: the per-step path's input-side layer norm (an autograd node before the
-    steps) keeps its bias, which the sequence kernels' (inside the step) do not read back."""
+    three vectors that the sequence kernels' backward does not read back: the biases of the
+    layer norms of gx (4H: the per-step path's is an autograd node before the steps, which keeps
+    it), of hp (4H) and of c_t (H), which the fused node keeps where a training call has no plan
+    (layernorm.recurrent._planned)."""
     model = _model("lstm", 7, "layer", torch.float64)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 3, 6, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -204,7 +206,7 @@ def test_lstm_keeps_neither_previous_state_copy() -> None:
         per_step = kept_bytes()
     finally:
         register_step_kernels("cpu", None)
-    assert per_step - ours == 2 * 5 * 3 * 7 * 8 + 4 * 7 * 8
+    assert per_step - ours == 2 * 5 * 3 * 7 * 8 + (4 * 7 + 4 * 7 + 7) * 8
 
 
 @pytest.mark.parametrize("per_cpu", [False, True], ids=["2 threads", "3 per CPU"])

@@ -22,7 +22,7 @@ import torch
 from torch.nn.utils.rnn import pack_sequence
 
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
-from layernorm.recurrent import _cstep, _fused
+from layernorm.recurrent import _cstep, _fused, _planned
 from tolerances import assert_close_to_rounding
 
 pytestmark = pytest.mark.skipif(
@@ -30,7 +30,12 @@ pytestmark = pytest.mark.skipif(
     reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
 )
 LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU, "rnn": LayerNormRNN}
-NODES = {"lstm": _fused.LSTMSequence, "gru": _fused.GRUSequence, "rnn": _fused.RNNSequence}
+# the training nodes of each kind (the LSTM's: the fused path's, and its planned calls')
+NODES = {
+    "lstm": (_fused.LSTMSequence, _planned.PlannedLSTMSequence),
+    "gru": (_fused.GRUSequence,),
+    "rnn": (_fused.RNNSequence,),
+}
 # Both paths' input sides round differently (another summation order, a few ulp of the compute
 # dtype), carried through up to 53 steps; bfloat16 layers compute in float32 and round their
 # results to bfloat16, where such a difference can move a value by one bfloat16 ulp (2^-8..2^-7).
@@ -70,7 +75,8 @@ def _refuse(*args, **kwargs):
 
 
 def _forbid_training_node(monkeypatch, kind: str) -> None:
-    monkeypatch.setattr(NODES[kind], "apply", _refuse)
+    for node in NODES[kind]:
+        monkeypatch.setattr(node, "apply", _refuse)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -241,7 +247,8 @@ def test_projection_runs_step_by_step_without_the_node(zoneout, monkeypatch) -> 
             mp.setattr(_fused, "_NATIVE_BYTES", limit)
             mp.setattr(_fused, "TORCH_PROJECTION_NUMEL", limit)
             ref = [t.detach() for t in _flat(model(x))]
-            mp.setattr(NODES["lstm"], "apply", _refuse)
+            for node in NODES["lstm"]:
+                mp.setattr(node, "apply", _refuse)
             with torch.no_grad():
                 got = _flat(model(x))
         for a, b in zip(got, ref, strict=True):

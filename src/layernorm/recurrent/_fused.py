@@ -860,6 +860,15 @@ def _loop_projection_pays(data: Tensor, w_ih: Tensor, n_batch: int, seq: str) ->
     return data.shape[0] >= _LOOP_PROJECTION_ROWS or w_ih.numel() <= _LOOP_PROJECTION_WEIGHT
 
 
+def projects_in_training_loop(x: Tensor, w_ih: Tensor, n_batch: int) -> bool:
+    """Whether an LSTM training direction has the C time loop project its inputs ``x``
+    (:class:`LSTMSequence`'s ``w_ih``): from :data:`_LOOP_PROJECTION_TRAINING_ROWS` rows, where
+    :func:`_loop_projection_pays`."""
+    return x.shape[0] >= _LOOP_PROJECTION_TRAINING_ROWS and _loop_projection_pays(
+        x, w_ih, n_batch, "lstm_fwd_seq"
+    )
+
+
 def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
     """One LSTM direction with :class:`LSTMSequence`'s arguments and results (``gx`` may be an
     :class:`InputProjection`): the inference path where it runs (:func:`_inference`), else
@@ -1079,12 +1088,7 @@ class LSTMSequence(torch.autograd.Function):
             # the kernels write each step's rows of gx (kept raw for backward) in the time loop,
             # and backward's kernel each step's rows of x's gradient: the projection's GEMMs on
             # rows in cache, not over (N, G) rows in memory before and after the calls
-            in_loop = (
-                input_norm
-                and normalize
-                and x.shape[0] >= _LOOP_PROJECTION_TRAINING_ROWS
-                and _loop_projection_pays(x, w_ih, h0.shape[0], "lstm_fwd_seq")
-            )
+            in_loop = input_norm and normalize and projects_in_training_loop(x, w_ih, h0.shape[0])
             shape = (x.shape[0], w_ih.shape[0])
             gx = _buffers.empty(x, shape) if in_loop else _projected(x, w_ih)
         gx = gx.contiguous()

@@ -54,7 +54,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .._torchscript import NotScriptable
 from .._validation import as_int, check_flag, check_float_tensor, sizes_of
 from ..ops._dispatch import plain_eager
-from . import _cstep, _fused, _options, _steps
+from . import _cstep, _fused, _options, _planned, _steps
 from ._batchnorm import make_step_bn
 from ._checks import (
     check_batch_sizes,
@@ -861,8 +861,6 @@ class _LNRNNBase(NotScriptable, nn.Module):
         weights: _steps.Weights,
         masks: _options.Masks,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        sched = _fused.make_schedule(sizes, reverse)
-
         def g(name: str) -> Tensor | None:
             # A normalization parameter in the compute dtype and contiguous, as the C kernels
             # read it (a no-op when it already is; autograd takes the gradient back through it).
@@ -877,25 +875,36 @@ class _LNRNNBase(NotScriptable, nn.Module):
         )
         ln = self.norm == "layer"
         if self.mode == "GRU":
+            sched = _fused.make_schedule(sizes, reverse)
             return self._fused_gru(data, sched, sfx, h0, w_ih, w_hh, b_ih, b_hh, masks, g)
         if self.mode == "LSTM":
-            # all time steps in one GEMM, or in inference step by step inside the C time loop
-            # (_fused.InputProjection); torch's biases folded into the input side's there
             w2 = g(f"ln_weight_ih{sfx}") if ln else None
             b2 = g(f"ln_bias_ih{sfx}") if ln else None
+            w1, b1 = g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}")
+            w3, b3 = g(f"ln_weight_c{sfx}"), g(f"ln_bias_c{sfx}")
+            # a training call of the usual kind: by the plan of its signature
+            planned = _planned.lstm_training(
+                data, sizes, reverse, h0, c0, w_ih, w_hh, b_ih, b_hh, (w1, b1, w3, b3, w2, b2),
+                self.eps, ln, self.normalize_cell_state and ln, masks, g(f"weight_hr{sfx}"),
+            )  # fmt: skip
+            if planned is not None:
+                return planned
+            # all time steps in one GEMM, or in inference step by step inside the C time loop
+            # (_fused.InputProjection); torch's biases folded into the input side's there
+            sched = _fused.make_schedule(sizes, reverse)
             both = b_ih is not None and b_hh is not None
             gx = _fused.InputProjection(
                 data, w_ih, w2, b2, self.eps, ln, torch_biases=(b_ih, b_hh) if both else None
             )
             out, h_n, c_n = _fused.lstm_sequence(
-                gx, h0, c0, w_hh, g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"),
-                g(f"ln_weight_c{sfx}"), g(f"ln_bias_c{sfx}"), sched, self.eps, ln,
+                gx, h0, c0, w_hh, w1, b1, w3, b3, sched, self.eps, ln,
                 self.normalize_cell_state and ln, masks.zoneout_h, masks.zoneout_c,
                 masks.candidate, g(f"weight_hr{sfx}"),
             )  # fmt: skip
             return out, h_n, c_n
         # all time steps in one GEMM; torch's biases folded into the layer norm's bias, or
         # without it added to the projection
+        sched = _fused.make_schedule(sizes, reverse)
         folded = self._input_bias(sfx, b_ih, b_hh, g)
         xp = _fused.InputProjection(data, w_ih, None, None if ln else folded, self.eps, False)
         w, b = (g(f"ln_weight{sfx}"), folded) if ln else (None, None)

@@ -1,0 +1,287 @@
+"""The LN-LSTM's training call with its decisions made once per signature.
+
+The fused path (:class:`._fused.LSTMSequence`) works out on every call which kernels run, which
+buffers a direction keeps for backward and where its input projection is computed, gathers a
+dozen buffers into a dict and packs the kernels' argument structs from it, forward and backward:
+a few hundred microseconds of Python, a tenth of a small training call ((T, B, I, H) =
+(50, 8, 64, 128), one thread: the kernels take about 3 ms, as long as all of ``torch.nn.LSTM``'s
+call). In the layers' usual configuration (layer norms, every step a full batch, no mask or
+projection, the C sequence kernels) all of that depends only on the call's signature, so
+:class:`TrainingPlan` keeps it per signature: a call then takes the kept buffers as views of
+one buffer of the cache, packs the structs from dicts whose constant fields are filled in, and
+its backward follows one straight path. The kernels, their arguments and so the results are the
+fused path's, bit for bit (``tests/test_recurrent_planned.py`` compares them).
+
+A plan holds no tensor of a call (the schedule's steps and the default gains aside): each call
+allocates its own buffers, so calls whose graphs are alive together (two forwards before one
+backward) never share memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..kernels.cpu import buffers as _buffers
+from ..kernels.cpu import rnn, rnn_abi
+from . import _cstep, _fused
+from ._options import Masks
+from ._pointwise import C_KERNELS, step_kernels
+
+# (name, shape in units of (N, G, H): rows first) of the per-row buffers a planned call keeps
+# for backward, in the order they sit in one buffer: what rnn_abi.LSTM_FWD writes and
+# LSTM_BWD reads (the LSTM's _fused._lstm_state, with the input-side layer norm's statistics).
+_KEPT = (("hp", "G"), ("acts", "G"), ("cn", "H"), ("tc", "H"),
+         ("mh", ""), ("rh", ""), ("mc", ""), ("rc", ""), ("mx", ""), ("rx", ""))  # fmt: skip
+# ... and those its backward writes and reads back (dgates: the raw projection's gradient).
+_SCRATCH = (("dgates", "G"), ("dhp", "G"), ("dlc", "H"))
+# Most signatures kept (a plan is a few dicts; sequences of many lengths make many).
+_MAX_PLANS = 256
+
+
+class TrainingPlan(NamedTuple):
+    """What a training call of one signature decides: where the input projection runs, the
+    buffers' layout, the structs' constant fields and sizes, the schedule's steps."""
+
+    in_loop: bool  # the forward kernel projects the inputs in its time loop (see _fused)
+    schedule: _fused.Schedule
+    kept: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, offset, shape) in one buffer
+    kept_numel: int
+    scratch: tuple[tuple[str, int, tuple[int, ...]], ...]
+    scratch_numel: int
+    forward: dict[str, Any]  # LSTM_FWD's fields that do not change from call to call
+    backward: dict[str, Any]  # LSTM_BWD's
+    sequence: dict[str, Any]  # SEQ_FWD's and SEQ_BWD's (threads and grains: the call's)
+    sizes: dict[str, int]  # the step structs' sizes
+    defaults: dict[str, Tensor]  # ones and zeros for the gains and biases a layer lacks
+
+
+_PLANS: dict[tuple[Any, ...], TrainingPlan] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def _layout(
+    spec: tuple[tuple[str, str], ...], sizes: dict[str, int]
+) -> tuple[tuple[tuple[str, int, tuple[int, ...]], ...], int]:
+    """Offsets and shapes of ``spec``'s buffers side by side in one buffer of N-row blocks."""
+    n_rows, out, offset = sizes["N"], [], 0
+    for name, cols in spec:
+        shape = (n_rows, sizes[cols]) if cols else (n_rows,)
+        out.append((name, offset, shape))
+        offset += n_rows * (sizes[cols] if cols else 1)
+    return tuple(out), offset
+
+
+def _views(
+    like: Tensor, layout: tuple[tuple[str, int, tuple[int, ...]], ...], numel: int
+) -> dict[str, Tensor]:
+    """The buffers of ``layout`` as views of one buffer of the cache."""
+    flat = _buffers.empty(like, (numel,))
+    return {
+        name: flat.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), offset)
+        for name, offset, shape in layout
+    }
+
+
+def _team() -> dict[str, int]:
+    """The sequence structs' threads and grains, as :func:`._cstep._sequence` sets them."""
+    return {"threads": torch.get_num_threads(), "grain": _cstep._SEQ_GRAIN,
+            "gemm_grain": _cstep._SEQ_GEMM_GRAIN}  # fmt: skip
+
+
+def _build(
+    x: Tensor, h0: Tensor, w_hh: Tensor, n_steps: int, reverse: bool, eps: float, in_loop: bool,
+    half: int,
+) -> TrainingPlan:  # fmt: skip
+    """The plan of a signature (see :func:`lstm_training` for what it is keyed on)."""
+    n_rows, (batch, hs), gates = x.shape[0], h0.shape, w_hh.shape[0]
+    sizes = {"N": n_rows, "B": batch, "H": hs, "G": gates, "R": n_rows, "X": n_rows, "D": n_rows}
+    sched = _fused.make_schedule([batch] * n_steps, reverse)
+    kept_spec = _KEPT + ((("gx", "G"),) if in_loop else ())
+    kept, kept_numel = _layout(kept_spec, sizes)
+    scratch, scratch_numel = _layout(_SCRATCH, sizes)
+    step = {**sizes, "eps": eps, "layer_norm": 1, "normalize_cell_state": 0, "off": 0,
+            "rows": 0, "threads": 1, "zh": None, "zc": None, "cm": None}  # fmt: skip
+    # the C backward takes c_{t−1} from cn of the step before, c0 for the first (every step a
+    # full batch, the carried state c_t itself: _fused._keep_previous)
+    forward = {**step, "hprev": None, "cprev": None}
+    backward = {**step, "cprev": None, "reverse": int(reverse)}
+    sequence = {"steps": _cstep._steps(sched), "split": gates, "half_gemm": half, "S": n_steps}
+    like = x.new_empty(0)
+    defaults = {
+        "w1": like.new_ones(gates), "b1": like.new_zeros(gates), "w3": like.new_ones(hs),
+        "b3": like.new_zeros(hs), "w0": like.new_ones(gates), "b0": like.new_zeros(gates),
+    }  # fmt: skip
+    return TrainingPlan(in_loop, sched, kept, kept_numel, scratch, scratch_numel,
+                        forward, backward, sequence, sizes, defaults)  # fmt: skip
+
+
+def lstm_training(
+    data: Tensor,
+    sizes: list[int],
+    reverse: bool,
+    h0: Tensor,
+    c0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    params: tuple[Tensor | None, ...],
+    eps: float,
+    layer_norm: bool,
+    normalize_cell_state: bool,
+    masks: Masks,
+    w_hr: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """One LSTM direction's training call by its plan, or ``None`` where the call is not of the
+    planned kind (then :func:`._fused.lstm_sequence` runs it): autograd records it, layer norms
+    without normalized carry, no mask or projection, every step a full batch (``sizes``, the
+    steps' rows, all equal), float32 / float64 on the C sequence kernels, both or none of
+    torch's biases. ``params``: the layer norms' gains and biases ``(w1, b1, w3, b3, w0, b0)``
+    (LN(hp), LN(c_t), LN(gx)), each ``None`` where the layer has none; the caller passes them
+    in the data's dtype, contiguous."""
+    if (
+        not layer_norm
+        or normalize_cell_state
+        or w_hr is not None
+        or any(m is not None for m in masks)
+        or sizes[0] != sizes[-1]
+        or (b_ih is None) != (b_hh is None)
+        or not _fused.differentiated(data, h0, c0, w_ih, w_hh, b_ih, b_hh, *params)
+        or step_kernels(data) is not C_KERNELS
+    ):
+        return None
+    n_batch = h0.shape[0]
+    in_loop = _fused.projects_in_training_loop(data, w_ih, n_batch)
+    half = _cstep._half_gemm() if data.dtype is torch.float32 else 0
+    key = (data.shape, data.dtype, h0.shape, w_hh.shape, len(sizes), reverse, eps, in_loop, half)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _build(data, h0, w_hh, len(sizes), reverse, eps, in_loop, half)
+        with _PLANS_LOCK:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return PlannedLSTMSequence.apply(  # type: ignore[no-any-return]
+        data, h0, c0, w_hh, *params, w_ih, b_ih, b_hh, plan
+    )
+
+
+class PlannedLSTMSequence(torch.autograd.Function):
+    """:class:`._fused.LSTMSequence` with ``input_norm`` and ``w_ih`` (the layers' call) by a
+    :class:`TrainingPlan`. Inputs: ``x (N, I)``, ``h0, c0 (B, H)``, ``w_hh (4H, H)``, the layer
+    norms' ``w1, b1 (4H)``, ``w3, b3 (H)``, ``w0, b0 (4H)`` (``None``: ones, zeros), ``w_ih
+    (4H, I)``, torch's ``b_ih, b_hh (4H)`` (or ``None``), the plan. Outputs ``out (N, H)``,
+    ``h_n, c_n (B, H)``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        h0: Tensor,
+        c0: Tensor,
+        w_hh: Tensor,
+        w1: Tensor | None,
+        b1: Tensor | None,
+        w3: Tensor | None,
+        b3: Tensor | None,
+        w0: Tensor | None,
+        b0: Tensor | None,
+        w_ih: Tensor,
+        b_ih: Tensor | None,
+        b_hh: Tensor | None,
+        plan: TrainingPlan,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        _fused._check_untraced("PlannedLSTMSequence")
+        x, w_hh, w_ih = x.contiguous(), w_hh.contiguous(), w_ih.contiguous()
+        dtype, defaults = x.dtype, plan.defaults
+        kept = _views(x, plan.kept, plan.kept_numel)
+        gx = kept["gx"] if plan.in_loop else _fused._projected(x, w_ih).contiguous()
+        b0 = _fused.fold_input_bias(b0, None if b_ih is None else (b_ih, b_hh))
+        h0, c0 = h0.contiguous(), c0.contiguous()
+        out, previous = _fused._output_and_previous(gx, h0, plan.schedule)
+        h, c = h0.clone(), c0.clone()
+        params = {
+            "w1": defaults["w1"] if w1 is None else w1, "b1": defaults["b1"] if b1 is None else b1,
+            "w3": defaults["w3"] if w3 is None else w3, "b3": defaults["b3"] if b3 is None else b3,
+            "w0": defaults["w0"] if w0 is None else w0,
+            "b0": defaults["b0"] if b0 is None else b0.contiguous(),
+        }  # fmt: skip
+        args = rnn_abi.pack(
+            rnn_abi.LSTM_FWD, dtype,
+            {**plan.forward, **kept, **params, "gx": gx, "h": h, "c": c, "out": out},
+            plan.sizes,
+        )  # fmt: skip
+        seq_sizes = {**plan.sizes, "S": plan.sequence["S"], "I": x.shape[1] if plan.in_loop else 0}
+        seq_args = rnn_abi.pack(
+            rnn_abi.SEQ_FWD, dtype,
+            {**plan.sequence, **_team(), "w": w_hh,
+             "x": x if plan.in_loop else None, "w_ih": w_ih if plan.in_loop else None,
+             "w0": None, "b0": None},
+            seq_sizes,
+        )  # fmt: skip
+        rnn.run_sequence("lstm_fwd_seq", dtype, args, seq_args)
+        ctx.plan = plan
+        ctx.save_for_backward(
+            x, c0, w_hh, w_ih, params["w1"], params["w3"], params["w0"], out, previous, gx,
+            *(kept[name] for name, _ in _KEPT),
+        )  # fmt: skip
+        return out, h, c
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, dh_n: Tensor, dc_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        _fused._no_double_backward()
+        plan: TrainingPlan = ctx.plan
+        # the output is saved for autograd's check that nothing wrote it since (previous is its
+        # memory, read here)
+        x, c0, w_hh, w_ih, w1, w3, w0, _out, previous, gx, *kept_list = ctx.saved_tensors
+        kept = dict(zip((name for name, _ in _KEPT), kept_list, strict=True))
+        need = ctx.needs_input_grad
+        dtype, (n_rows, inputs), gates, hs = x.dtype, x.shape, w_hh.shape[0], w_hh.shape[1]
+        scratch = _views(x, plan.scratch, plan.scratch_numel)
+        # every tensor the structs point at is held by a local until the kernel returns
+        dout, dh, dc = (
+            _fused._contiguous(dout),
+            dh_n.contiguous().clone(),
+            dc_n.contiguous().clone(),
+        )
+        need_b0 = need[9] or need[11] or need[12]  # b0's gradient is also b_ih's and b_hh's
+        sums = None
+        if any(need[4:9]) or need_b0:  # the layer norms' gains and biases, summed by the kernel
+            sums = x.new_empty(4 * gates + 2 * hs).split((2 * gates, 2 * hs, 2 * gates))
+        x_in_loop = plan.in_loop and need[0]
+        dx = _buffers.empty(x, (n_rows, inputs)) if x_in_loop else None
+        args = rnn_abi.pack(
+            rnn_abi.LSTM_BWD, dtype,
+            {**plan.backward, **kept, **scratch, "dout": dout, "dh": dh,
+             "dc": dc, "w1": w1, "w3": w3, "c0": c0, "gx": gx, "w0": w0},
+            plan.sizes,
+        )  # fmt: skip
+        seq_sizes = {**plan.sizes, "S": plan.sequence["S"], "I": inputs if x_in_loop else 0}
+        seq_args = rnn_abi.pack(
+            rnn_abi.SEQ_BWD, dtype,
+            {**plan.sequence, **_team(), "w": w_hh,
+             "hp_grads": None if sums is None else sums[0],
+             "c_grads": None if sums is None else sums[1],
+             "x_grads": None if sums is None else sums[2],
+             "w_ih": w_ih if x_in_loop else None, "dx": dx},
+            seq_sizes,
+        )  # fmt: skip
+        rnn.run_sequence("lstm_bwd_seq", dtype, args, seq_args)
+        d_w_hh = _fused._weight_grad(C_KERNELS, scratch["dhp"], previous) if need[3] else None
+        dw1 = db1 = dw3 = db3 = dw0 = db0 = None
+        if sums is not None:
+            dw1, db1 = _fused._split_grads(sums[0], need[4], need[5])
+            dw3, db3 = _fused._split_grads(sums[1], need[6], need[7])
+            dw0, db0 = _fused._split_grads(sums[2], need[8], need_b0)
+        # dgates: the kernel turned it into the raw projection's gradient
+        d_x, d_w_ih = _fused._projection_grads(
+            C_KERNELS, scratch["dgates"], x, w_ih, need[0] and not x_in_loop, need[10]
+        )
+        if x_in_loop:
+            d_x = dx
+        return (d_x, dh, dc, d_w_hh, dw1, db1, dw3, db3, dw0, db0 if need[9] else None, d_w_ih,
+                db0 if need[11] else None, db0 if need[12] else None, None)  # fmt: skip

@@ -1,0 +1,170 @@
+"""The LN-LSTM's planned training calls (layernorm.recurrent._planned) against the fused path.
+
+A planned call runs the same kernels on the same arguments as the fused path's node, so the two
+must agree bit for bit: outputs, final states and every gradient. Each case runs the layer twice
+on the same inputs, once with plans and once without, over the options a plan takes (dtypes,
+directions, layers, frozen parameters, the projection inside the time loop or before it, the
+thread teams) and checks which node ran; the cases a plan does not take run without one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+
+from layernorm import LayerNormLSTM
+from layernorm.recurrent import _cstep, _fused, _planned
+from test_recurrent_layers import _graph_nodes
+
+pytestmark = pytest.mark.skipif(
+    not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
+    reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
+)
+PLANNED, FUSED = "PlannedLSTMSequenceBackward", "LSTMSequenceBackward"
+
+
+def _model(dtype: torch.dtype, **kw) -> LayerNormLSTM:
+    torch.manual_seed(0)
+    model = LayerNormLSTM(6, 9, dtype=dtype, **kw)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = 0.3 * torch.randn_like(p)
+            p.copy_(1.0 + noise if "ln_weight" in name else noise)
+    return model
+
+
+def _run(model, x, hx, planned: bool, monkeypatch) -> tuple[list[str], list[torch.Tensor | None]]:
+    """The nodes of the output and the call's results: output, final states, the gradients of
+    the input, the initial states and every parameter (``None`` where not required)."""
+    with monkeypatch.context() as mp:
+        if not planned:
+            mp.setattr(_planned, "lstm_training", lambda *args: None)
+        model.zero_grad(set_to_none=True)
+        x = x.detach().clone().requires_grad_()
+        hx = None if hx is None else tuple(s.detach().clone().requires_grad_() for s in hx)
+        out, (h_n, c_n) = model(x, hx)
+        weights = torch.linspace(-1, 2, out.numel(), dtype=out.dtype).view_as(out)
+        ((out * weights).sum() + (h_n * h_n).sum() + c_n.sum()).backward()
+        grads = [x.grad, *(() if hx is None else (s.grad for s in hx))]
+        grads += [p.grad for p in model.parameters()]
+        return _graph_nodes(out), [out.detach(), h_n.detach(), c_n.detach(), *grads]
+
+
+def _assert_same(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> None:
+    assert len(a) == len(b)
+    for u, v in zip(a, b, strict=True):
+        assert (u is None) == (v is None)
+        if u is not None:
+            assert torch.equal(u, v)
+
+
+CASES = {
+    "float64": ({"dtype": torch.float64}, (5, 4)),
+    "float32": ({"dtype": torch.float32}, (5, 4)),
+    "bidirectional, two layers": (
+        {"dtype": torch.float64, "bidirectional": True, "num_layers": 2},
+        (5, 4),
+    ),
+    "batch_first": ({"dtype": torch.float32, "batch_first": True}, (4, 5)),
+    "no torch biases": ({"dtype": torch.float64, "bias": False}, (5, 4)),
+    "one step": ({"dtype": torch.float64}, (1, 3)),
+    "long": ({"dtype": torch.float32}, (60, 3)),
+}
+
+
+@pytest.mark.parametrize("in_loop", [True, False], ids=["projection in the loop", "before it"])
+@pytest.mark.parametrize("given_state", [True, False], ids=["h0 given", "zero h0"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_planned_call_equals_the_fused_path(case, given_state, in_loop, monkeypatch) -> None:
+    kw, (t, b) = CASES[case]
+    if not in_loop:  # the projection one GEMM before the time loop
+        monkeypatch.setattr(_fused, "_LOOP_PROJECTION_TRAINING_ROWS", 1 << 30)
+    model = _model(**kw)
+    dtype, layers = kw["dtype"], model.num_layers * model.num_directions
+    gen = torch.Generator().manual_seed(1)
+    x = 0.5 + torch.randn(t, b, 6, generator=gen, dtype=dtype)
+    hx = tuple(torch.randn(layers, x.shape[1 - model.batch_first], 9, generator=gen,
+                           dtype=dtype) for _ in range(2)) if given_state else None  # fmt: skip
+    for _ in range(2):  # a plan made, then kept
+        nodes, planned = _run(model, x, hx, True, monkeypatch)
+        assert nodes.count(PLANNED) == layers and FUSED not in nodes
+    nodes, fused = _run(model, x, hx, False, monkeypatch)
+    assert nodes.count(FUSED) == layers and PLANNED not in nodes
+    _assert_same(planned, fused)
+
+
+@pytest.mark.parametrize(
+    "frozen", ["weight_ih", "ln_", "bias", "weight_hh", "ln_bias"], ids=lambda s: s + " frozen"
+)
+def test_planned_call_with_frozen_parameters(frozen, monkeypatch) -> None:
+    """Gradients only where they are required: a plan is keyed on none of that."""
+    model = _model(torch.float64, bidirectional=True)
+    for name, p in model.named_parameters():
+        p.requires_grad_(frozen not in name)
+    x = torch.randn(4, 3, 6, dtype=torch.float64)
+    nodes, planned = _run(model, x, None, True, monkeypatch)
+    assert PLANNED in nodes
+    _, fused = _run(model, x, None, False, monkeypatch)
+    _assert_same(planned, fused)
+    frozen_grads = planned[4:]  # output, h_n, c_n, x's gradient, then the parameters'
+    assert any(g is None for g in frozen_grads) and any(g is not None for g in frozen_grads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_planned_call_on_a_team_of_threads(threads, monkeypatch) -> None:
+    """With the grains at 1 the kernels split the batch's rows over a team (two threads)."""
+    monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = _model(torch.float32, bidirectional=True)
+        x = torch.randn(7, 6, 6)
+        _, planned = _run(model, x, None, True, monkeypatch)
+        _, fused = _run(model, x, None, False, monkeypatch)
+    finally:
+        torch.set_num_threads(old)
+    _assert_same(planned, fused)
+
+
+def test_graphs_alive_together_keep_their_own_buffers(monkeypatch) -> None:
+    """Two forward calls before one backward (a loss over both): each call's kept buffers are
+    its own, so both gradients are those of calls made one at a time."""
+    model = _model(torch.float64)
+    x1, x2 = torch.randn(5, 4, 6, dtype=torch.float64), torch.randn(5, 4, 6, dtype=torch.float64)
+    (model(x1)[0].sum() + 2 * model(x2)[0].square().sum()).backward()
+    together = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with monkeypatch.context() as mp:
+        mp.setattr(_planned, "lstm_training", lambda *args: None)
+        model(x1)[0].sum().backward()
+        (2 * model(x2)[0].square().sum()).backward()
+    for a, p in zip(together, model.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"zoneout_hidden": 0.2}, {"recurrent_dropout": 0.3}, {"proj_size": 4},
+     {"normalize_cell_state": True}, {"norm": "none"}],
+    ids=["zoneout", "recurrent dropout", "proj_size", "normalized carry", "no layer norm"],
+)  # fmt: skip
+def test_calls_a_plan_does_not_take_run_on_the_fused_path(kw) -> None:
+    model = LayerNormLSTM(6, 9, **kw)
+    out, _ = model(torch.randn(4, 3, 6))
+    assert PLANNED not in _graph_nodes(out)
+    # nor a packed batch of sequences of different lengths, nor a call autograd does not record
+    packed = pack_padded_sequence(torch.randn(4, 3, 6), torch.tensor([4, 2, 1]))
+    assert PLANNED not in _graph_nodes(LayerNormLSTM(6, 9)(packed)[0].data)
+    with torch.no_grad():
+        assert LayerNormLSTM(6, 9)(torch.randn(4, 3, 6))[0].grad_fn is None
+
+
+def test_planned_call_refuses_double_backward() -> None:
+    """As the fused path's node: a gradient of its gradients would miss terms (impl='loop')."""
+    model = _model(torch.float64)
+    out, _ = model(torch.randn(3, 2, 6, dtype=torch.float64))
+    assert PLANNED in _graph_nodes(out)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(out.square().sum(), [model.weight_hh_l0], create_graph=True)

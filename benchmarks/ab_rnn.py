@@ -14,6 +14,11 @@ forward under ``no_grad`` (``infer``).
 
 ``--a`` and ``--b`` are Python expressions, evaluated with ``_fused`` in scope (``--b
 _fused._one_step_kernels`` keeps a function as it is, ``--a "lambda k, s: k"`` replaces it).
+``--attr MODULE.NAME`` sets an attribute of another module of :mod:`layernorm.recurrent` (in
+scope under its name); the LN-LSTM's training calls without and with their plans:
+
+    python benchmarks/ab_rnn.py --shape 50x8x64x128 --attr _planned.lstm_training \
+        --a "lambda *args: None" --b _planned.lstm_training
 
 With ``--cflags`` instead of ``--attr`` they are compiler flags: the C kernels of the selected
 target are built once more with each set added, and each provider's calls run its own library
@@ -33,6 +38,7 @@ commas, each timed on its own in turn:
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import sys
 from pathlib import Path
@@ -53,7 +59,10 @@ def main() -> None:
     ap.add_argument("--mode", choices=("train", "infer"), default="train")
     ap.add_argument("--threads", type=int, default=1)
     what = ap.add_mutually_exclusive_group(required=True)
-    what.add_argument("--attr", help="an attribute of layernorm.recurrent._fused")
+    what.add_argument(
+        "--attr",
+        help="an attribute of layernorm.recurrent._fused, or MODULE.NAME of another module there",
+    )
     what.add_argument("--cflags", action="store_true", help="--a and --b are compiler flags")
     what.add_argument("--gemm", action="store_true", help="--a and --b name rnn.use_gemm choices")
     ap.add_argument("--a", required=True, help="its value for provider A (a Python expression)")
@@ -77,12 +86,17 @@ def main() -> None:
                 ap.error(f"--gemm: --a and --b must be among {rnn.GEMM_CHOICES}, got {v!r}")
         setters = {k: (lambda v=v: rnn.use_gemm(v)) for k, v in (("A", args.a), ("B", args.b))}
     else:
-        if not hasattr(_fused, args.attr):
-            ap.error(f"layernorm.recurrent._fused has no attribute {args.attr!r}")
-        scope = {"_fused": _fused}
+        module_name, _, name = args.attr.rpartition(".")
+        try:
+            owner = importlib.import_module(f"layernorm.recurrent.{module_name or '_fused'}")
+        except ImportError:
+            ap.error(f"--attr {args.attr!r}: no module layernorm.recurrent.{module_name}")
+        if not hasattr(owner, name):
+            ap.error(f"{owner.__name__} has no attribute {name!r}")
+        scope = {"_fused": _fused, owner.__name__.rpartition(".")[2]: owner}
         # the command line's own expressions, evaluated as the user typed them
         values = {"A": eval(args.a, scope), "B": eval(args.b, scope)}
-        setters = {k: (lambda v=v: setattr(_fused, args.attr, v)) for k, v in values.items()}
+        setters = {k: (lambda v=v: setattr(owner, name, v)) for k, v in values.items()}
     torch.set_num_threads(args.threads)
     use_clock(args.clock)
     print(

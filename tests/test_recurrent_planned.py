@@ -94,6 +94,19 @@ def test_planned_call_equals_the_fused_path(case, given_state, in_loop, monkeypa
     _assert_same(planned, fused)
 
 
+@pytest.mark.parametrize("one_buffer", [True, False], ids=["one kept buffer", "buffers apart"])
+def test_planned_call_with_its_buffers_apart(one_buffer, monkeypatch) -> None:
+    """Kept buffers past _ONE_BUFFER_BYTES are buffers of their own: the same results."""
+    if not one_buffer:
+        monkeypatch.setattr(_planned, "_ONE_BUFFER_BYTES", 0)
+    model = _model(torch.float64, bidirectional=True)
+    x = torch.randn(6, 3, 6, dtype=torch.float64)
+    nodes, planned = _run(model, x, None, True, monkeypatch)
+    assert PLANNED in nodes
+    _, fused = _run(model, x, None, False, monkeypatch)
+    _assert_same(planned, fused)
+
+
 @pytest.mark.parametrize(
     "frozen", ["weight_ih", "ln_", "bias", "weight_hh", "ln_bias"], ids=lambda s: s + " frozen"
 )

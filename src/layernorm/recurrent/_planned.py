@@ -31,9 +31,10 @@ from . import _cstep, _fused
 from ._options import Masks
 from ._pointwise import C_KERNELS, step_kernels
 
-# (name, shape in units of (N, G, H): rows first) of the per-row buffers a planned call keeps
-# for backward, in the order they sit in one buffer: what rnn_abi.LSTM_FWD writes and
-# LSTM_BWD reads (the LSTM's _fused._lstm_state, with the input-side layer norm's statistics).
+# (name, columns: the size G or H, "" for a row statistic) of the (N, ·) buffers a planned call
+# keeps for backward, in the order they sit in one buffer: what rnn_abi.LSTM_FWD writes and
+# LSTM_BWD reads (the LSTM's _fused._lstm_state, with the input-side layer norm's statistics;
+# the raw projection gx after them where the time loop computes it).
 _KEPT = (("hp", "G"), ("acts", "G"), ("cn", "H"), ("tc", "H"),
          ("mh", ""), ("rh", ""), ("mc", ""), ("rc", ""), ("mx", ""), ("rx", ""))  # fmt: skip
 # ... and those its backward writes and reads back (dgates: the raw projection's gradient).

@@ -181,3 +181,32 @@ def test_planned_call_refuses_double_backward() -> None:
     assert PLANNED in _graph_nodes(out)
     with pytest.raises(RuntimeError, match="no double backward"):
         torch.autograd.grad(out.square().sum(), [model.weight_hh_l0], create_graph=True)
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "save_on_cpu"])
+def test_planned_call_under_saved_tensor_hooks(how, monkeypatch) -> None:
+    """Activation checkpointing (the forward run again in backward) and hooks that move what a
+    node saves (``save_on_cpu`` copies it): the gradients of a plain call."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _model(torch.float64, bidirectional=True)
+    x = torch.randn(5, 3, 6, dtype=torch.float64)
+    _, plain = _run(model, x, None, True, monkeypatch)
+    model.zero_grad(set_to_none=True)
+    xg = x.clone().requires_grad_()
+    if how == "checkpoint":
+        out, (h_n, c_n) = checkpoint(model, xg, use_reentrant=False)
+    else:
+        with torch.autograd.graph.save_on_cpu():
+            out, (h_n, c_n) = model(xg)
+    assert PLANNED in _graph_nodes(out)
+    weights = torch.linspace(-1, 2, out.numel(), dtype=out.dtype).view_as(out)
+    ((out * weights).sum() + (h_n * h_n).sum() + c_n.sum()).backward()
+    hooked = [
+        out.detach(),
+        h_n.detach(),
+        c_n.detach(),
+        xg.grad,
+        *(p.grad for p in model.parameters()),
+    ]
+    _assert_same(hooked, plain)

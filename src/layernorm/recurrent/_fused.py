@@ -268,16 +268,15 @@ def _previous_from_later_rows(seq: SeqFn | None, sched: Schedule, batch: int) ->
     return seq is not None and all(bs == batch for _, _, bs in sched)
 
 
-def _output_and_previous(like: Tensor, h0: Tensor, sched: Schedule) -> tuple[Tensor, Tensor]:
+def _output_and_previous(like: Tensor, h0: Tensor, reverse: bool) -> tuple[Tensor, Tensor]:
     """The output buffer ``out (N, P)`` of a direction whose backward takes ``h_{t−1}`` from the
     step before's output (:func:`_previous_from_later_rows`), and ``previous``, every row's
     ``h_{t−1}`` as one ``(N, P)`` slice of the same memory: the output's buffer has B more
-    rows, a copy of ``h0``, before its rows (after them in reverse, where the first step's rows
-    are the last). The recurrent weight's gradient is then one GEMM over N rows, where it took
+    rows, a copy of ``h0``, before its rows (after them in ``reverse``, where the first step's
+    rows are the last). The recurrent weight's gradient is then one GEMM over N rows, where it took
     one over N − B rows and another of B rows for h0's term. ``out`` is a tensor of its own, not
     a view (the caller may write an output in place where nothing needs it)."""
     (batch, cols), n_rows = h0.shape, like.shape[0]
-    reverse = sched[0][1] != 0
     full = _buffers.empty(like, (n_rows + batch, cols))
     offset = 0 if reverse else batch * cols
     out = like.new_empty((0,)).set_(full.untyped_storage(), offset, (n_rows, cols))
@@ -1097,7 +1096,7 @@ class LSTMSequence(torch.autograd.Function):
         kernels = ctx.kernels = _kernels(gx, {"zh": zh, "zc": zc, "cm": cm, "w_hr": w_hr})
         from_output = None
         if _previous_from_later_rows(kernels.lstm_fwd_seq, sched, h0.shape[0]):
-            from_output = _output_and_previous(gx, h0, sched)
+            from_output = _output_and_previous(gx, h0, sched[0][1] != 0)
         st = _lstm_state(
             gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry_normalized, zh, zc, cm, w_hr,
             kept_rows=gx.shape[0], out=None if from_output is None else from_output[0],
@@ -1223,7 +1222,7 @@ class GRUSequence(torch.autograd.Function):
         kernels = ctx.kernels = _one_step_kernels(_kernels(gx, {"zh": zh, "cm": cm}), sched)
         from_output = None
         if _previous_from_later_rows(kernels.gru_fwd_seq, sched, h0.shape[0]):
-            from_output = _output_and_previous(gx, h0, sched)
+            from_output = _output_and_previous(gx, h0, sched[0][1] != 0)
         st = _gru_state(
             gx,
             h0,
@@ -1379,7 +1378,7 @@ class RNNSequence(torch.autograd.Function):
             xp = xp.contiguous()
             from_output = None
             if _previous_from_later_rows(kernels.elman_fwd_seq, sched, h0.shape[0]):
-                from_output = _output_and_previous(xp, h0, sched)
+                from_output = _output_and_previous(xp, h0, sched[0][1] != 0)
             st = _elman_state(
                 xp, h0, g, b, eps, normalize, relu, zh, kept_rows=xp.shape[0],
                 out=None if from_output is None else from_output[0],

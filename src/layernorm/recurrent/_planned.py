@@ -57,7 +57,7 @@ class TrainingPlan(NamedTuple):
     buffers' layout, the structs' constant fields and sizes, the schedule's steps."""
 
     in_loop: bool  # the forward kernel projects the inputs in its time loop (see _fused)
-    schedule: _fused.Schedule
+    reverse: bool  # the direction runs backward in time
     kept: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, offset, shape) in one buffer
     kept_numel: int
     scratch: tuple[tuple[str, int, tuple[int, ...]], ...]
@@ -128,7 +128,7 @@ def _build(
         "w1": like.new_ones(gates), "b1": like.new_zeros(gates), "w3": like.new_ones(hs),
         "b3": like.new_zeros(hs), "w0": like.new_ones(gates), "b0": like.new_zeros(gates),
     }  # fmt: skip
-    return TrainingPlan(in_loop, sched, kept, kept_numel, scratch, scratch_numel,
+    return TrainingPlan(in_loop, reverse, kept, kept_numel, scratch, scratch_numel,
                         forward, backward, sequence, sizes, defaults)  # fmt: skip
 
 
@@ -215,7 +215,7 @@ class PlannedLSTMSequence(torch.autograd.Function):
         gx = kept["gx"] if plan.in_loop else _fused._projected(x, w_ih).contiguous()
         b0 = _fused.fold_input_bias(b0, None if b_ih is None else (b_ih, b_hh))
         h0, c0 = h0.contiguous(), c0.contiguous()
-        out, previous = _fused._output_and_previous(gx, h0, plan.schedule)
+        out, previous = _fused._output_and_previous(gx, h0, plan.reverse)
         h, c = h0.clone(), c0.clone()
         params = {
             "w1": defaults["w1"] if w1 is None else w1, "b1": defaults["b1"] if b1 is None else b1,

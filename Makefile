@@ -33,7 +33,8 @@ SANITIZE_TESTS := tests/test_cpu_fast_paths.py tests/test_raw_ops.py tests/test_
 	tests/test_recurrent_cmasks.py::test_elman_zoneout_on_the_sequence_kernels \
 	tests/test_recurrent_layers.py::test_fused_equals_reference_loop \
 	tests/test_recurrent_layers.py::test_training_projection_in_the_time_loop_equals_reference_loop \
-	tests/test_recurrent_layers.py::test_nan_input_is_not_hidden
+	tests/test_recurrent_layers.py::test_nan_input_is_not_hidden \
+	tests/test_recurrent_planned.py
 SANITIZE_ENV := LAYERNORM_CPU_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so):$$($(CC) -print-file-name=libubsan.so)"
 

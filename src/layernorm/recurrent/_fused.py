@@ -20,6 +20,10 @@ steps of ``B`` rows. A step of ``bs`` rows updates rows ``[:bs]`` of the ``(B, H
 sequences that ended (forward direction) or have not yet begun (reverse) keep their state and
 padded positions never enter any statistic.
 
+The layers' usual LSTM training call (layer norms, full-batch steps, no mask or projection) runs
+:class:`LSTMSequence`'s kernels on the same arguments by a plan kept per signature
+(:mod:`._planned`), which makes this module's per-call decisions once.
+
 The reference for these functions is the step-by-step loop over :mod:`._steps`; the tests compare
 both in float64, forward and every gradient. The hand-written backward is not itself differentiable
 (double backward raises, see :func:`_no_double_backward`); ``impl="loop"`` supports it.

@@ -12,7 +12,8 @@
 #   - LN-LSTM and LN-GRU in bfloat16 against torch's bfloat16 layers at three shapes, with the
 #     rounded recurrent products beside the default (where the target has them);
 # and once, on the processor's own target: the layers with torch.nn's options (several layers,
-# both directions, batch_first, packed sequences, proj_size) at other sizes.
+# both directions, batch_first, packed sequences, proj_size) at other sizes, and what an LN-LSTM
+# training call costs besides its kernels (rnn_call_overhead.py).
 # Where AVX2 is emulated (the processor has AVX-512), its recurrent and norm tables run twice:
 # against torch's kernels at the processor's width, and with torch's restricted to AVX2 too
 # (ATen, MKL, oneDNN: _timing.TORCH_ISA_ENV), which is how both sides run on an AVX2 processor.
@@ -75,3 +76,5 @@ for t in $THREADS; do
     echo; echo "## the layers with torch.nn's options, $t thread(s)"
     "$PY" benchmarks/bench_rnn_options.py --threads "$t" --reps "$REPS" --only "${OPTIONS_ONLY:-}"
 done
+echo; echo "## an LN-LSTM training call besides its kernels (planned, fused, a node doing nothing)"
+"$PY" benchmarks/rnn_call_overhead.py --threads 1

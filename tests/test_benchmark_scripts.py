@@ -1,0 +1,46 @@
+"""The CPU benchmark scripts that patch the library run end to end (in their own processes: they
+replace module functions for the rest of the process), on tiny settings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from layernorm.recurrent import _cstep
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+pytestmark = pytest.mark.skipif(
+    not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
+    reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
+)
+
+
+def _run(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_call_overhead_prints_the_three_providers() -> None:
+    out = _run(str(BENCH / "rnn_call_overhead.py"), "--shape", "3x2x4x8", "--rounds", "1",
+               "--calls", "2")  # fmt: skip
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["planned", "fused", "floor"]
+
+
+def test_ab_rnn_sets_an_attribute_of_another_module() -> None:
+    out = _run(str(BENCH / "ab_rnn.py"), "--shape", "3x2x4x8", "--reps", "1", "--attr",
+               "_planned.lstm_training", "--a", "lambda *args: None", "--b",
+               "_planned.lstm_training")  # fmt: skip
+    assert "_planned.lstm_training A = lambda *args: None" in out
+    bad = subprocess.run(
+        [sys.executable, str(BENCH / "ab_rnn.py"), "--attr", "_nowhere.x", "--a", "1", "--b", "2"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "no module layernorm.recurrent._nowhere" in bad.stderr

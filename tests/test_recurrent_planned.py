@@ -210,3 +210,18 @@ def test_planned_call_under_saved_tensor_hooks(how, monkeypatch) -> None:
         *(p.grad for p in model.parameters()),
     ]
     _assert_same(hooked, plain)
+
+
+def test_planned_backward_twice_with_retained_graph() -> None:
+    """A retained graph's second backward reads the kept buffers as the first left them (the
+    kernels write only the call's scratch): twice the gradients of one."""
+    model = _model(torch.float64, bidirectional=True)
+    x = torch.randn(5, 3, 6, dtype=torch.float64, requires_grad=True)
+    out, _ = model(x)
+    assert PLANNED in _graph_nodes(out)
+    loss = out.square().sum()
+    loss.backward(retain_graph=True)
+    once = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    loss.backward()
+    for a, b in zip(once, [*(p.grad for p in model.parameters()), x.grad], strict=True):
+        torch.testing.assert_close(2 * a, b, rtol=1e-12, atol=1e-12)

@@ -282,7 +282,7 @@ def _output_and_previous(like: Tensor, h0: Tensor, reverse: bool) -> tuple[Tenso
     a view (the caller may write an output in place where nothing needs it)."""
     (batch, cols), n_rows = h0.shape, like.shape[0]
     full = _buffers.empty(like, (n_rows + batch, cols))
-    offset = 0 if reverse else batch * cols
+    offset = full.storage_offset() + (0 if reverse else batch * cols)
     out = like.new_empty((0,)).set_(full.untyped_storage(), offset, (n_rows, cols))
     (full[n_rows:] if reverse else full[:batch]).copy_(h0)
     return out, (full[batch:] if reverse else full[:n_rows])

@@ -55,6 +55,8 @@ _STRUCTS = {
     "elman_bwd_step": rnn_abi.ELMAN_BWD,
 }
 _GATES = {"lstm": 4, "gru": 3, "elman": 1}
+# A step struct's step fields as packed, before a step call (or the sequence kernel) sets them.
+UNSET_STEP = {"off": 0, "rows": 0, "threads": 1}
 # The optional masks each kernel takes (None = off; see layernorm.recurrent._options).
 _MASKS = {"lstm": ("zh", "zc", "cm"), "gru": ("zh", "cm"), "elman": ("zh",)}
 _DEFAULTS = {
@@ -101,6 +103,12 @@ def _sizes(st: dict[str, Any], kernel: str) -> dict[str, int]:
             "D": dgh.shape[0] if dgh is not None else gx_rows}  # fmt: skip
 
 
+def default_params(cell: str, like: Tensor, hs: int) -> dict[str, Tensor]:
+    """The ones and zeros that stand in for the gains and biases a layer of ``cell`` lacks
+    (``_DEFAULTS``), in ``like``'s dtype and device."""
+    return {name: like.new_full((units * hs,), fill) for name, units, fill in _DEFAULTS[cell]}
+
+
 def _args(st: dict[str, Any], kernel: str) -> Any:
     """The checked argument struct of ``kernel`` for this sequence (packed once, kept in st)."""
     key = "_args_" + kernel
@@ -117,7 +125,7 @@ def _args(st: dict[str, Any], kernel: str) -> Any:
             mask = st.get(name)
             if mask is not None and not mask.is_contiguous():
                 st[name] = mask.contiguous()
-        values = {**st, "layer_norm": int(st["normalize"]), "off": 0, "rows": 0, "threads": 1}
+        values = {**st, "layer_norm": int(st["normalize"]), **UNSET_STEP}
         if st.get("w_hr") is not None:
             values.update(_projection_buffers(st, kernel))
         if cell == "lstm":

@@ -64,7 +64,8 @@ class TrainingPlan(NamedTuple):
     scratch_numel: int
     forward: dict[str, Any]  # LSTM_FWD's fields that do not change from call to call
     backward: dict[str, Any]  # LSTM_BWD's
-    sequence: dict[str, Any]  # SEQ_FWD's and SEQ_BWD's (threads and grains: the call's)
+    steps: Tensor  # the sequence structs' (first row, rows) of each step
+    half_gemm: int  # and their bfloat16 products (_cstep._half_gemm)
     sizes: dict[str, int]  # the step structs' sizes
     defaults: dict[str, Tensor]  # ones and zeros for the gains and biases a layer lacks
 
@@ -99,10 +100,15 @@ def _views(
     }
 
 
-def _team() -> dict[str, int]:
-    """The sequence structs' threads and grains, as :func:`._cstep._sequence` sets them."""
-    return {"threads": torch.get_num_threads(), "grain": _cstep._SEQ_GRAIN,
-            "gemm_grain": _cstep._SEQ_GEMM_GRAIN}  # fmt: skip
+def _sequence_struct(
+    kernel: str, plan: TrainingPlan, w_hh: Tensor, options: dict[str, Tensor | None] | None
+) -> Any:
+    """The checked sequence struct of ``kernel`` (:func:`.rnn.pack_sequence`, as
+    :func:`._cstep._sequence` packs it) with the plan's steps and this call's threads."""
+    return rnn.pack_sequence(
+        kernel, w_hh.dtype, w_hh, plan.steps, plan.sizes, torch.get_num_threads(),
+        _cstep._SEQ_GRAIN, _cstep._SEQ_GEMM_GRAIN, options, half_gemm=plan.half_gemm,
+    )  # fmt: skip
 
 
 def _build(
@@ -116,20 +122,17 @@ def _build(
     kept_spec = _KEPT + ((("gx", "G"),) if in_loop else ())
     kept, kept_numel = _layout(kept_spec, sizes)
     scratch, scratch_numel = _layout(_SCRATCH, sizes)
-    step = {**sizes, "eps": eps, "layer_norm": 1, "normalize_cell_state": 0, "off": 0,
-            "rows": 0, "threads": 1, "zh": None, "zc": None, "cm": None}  # fmt: skip
+    step = {**sizes, **_cstep.UNSET_STEP, "eps": eps, "layer_norm": 1, "normalize_cell_state": 0,
+            "zh": None, "zc": None, "cm": None}  # fmt: skip
     # the C backward takes c_{t−1} from cn of the step before, c0 for the first (every step a
     # full batch, the carried state c_t itself: _fused._keep_previous)
     forward = {**step, "hprev": None, "cprev": None}
     backward = {**step, "cprev": None, "reverse": int(reverse)}
-    sequence = {"steps": _cstep._steps(sched), "split": gates, "half_gemm": half, "S": n_steps}
-    like = x.new_empty(0)
-    defaults = {
-        "w1": like.new_ones(gates), "b1": like.new_zeros(gates), "w3": like.new_ones(hs),
-        "b3": like.new_zeros(hs), "w0": like.new_ones(gates), "b0": like.new_zeros(gates),
-    }  # fmt: skip
-    return TrainingPlan(in_loop, reverse, kept, kept_numel, scratch, scratch_numel,
-                        forward, backward, sequence, sizes, defaults)  # fmt: skip
+    # the step kernels' (w1, b1, w3, b3) and, as LSTMSequence has them, LN(gx)'s
+    defaults = {**_cstep.default_params("lstm", x, hs), "w0": x.new_ones(gates),
+                "b0": x.new_zeros(gates)}  # fmt: skip
+    return TrainingPlan(in_loop, reverse, kept, kept_numel, scratch, scratch_numel, forward,
+                        backward, _cstep._steps(sched), half, sizes, defaults)  # fmt: skip
 
 
 def lstm_training(
@@ -217,25 +220,15 @@ class PlannedLSTMSequence(torch.autograd.Function):
         h0, c0 = h0.contiguous(), c0.contiguous()
         out, previous = _fused._output_and_previous(gx, h0, plan.reverse)
         h, c = h0.clone(), c0.clone()
-        params = {
-            "w1": defaults["w1"] if w1 is None else w1, "b1": defaults["b1"] if b1 is None else b1,
-            "w3": defaults["w3"] if w3 is None else w3, "b3": defaults["b3"] if b3 is None else b3,
-            "w0": defaults["w0"] if w0 is None else w0,
-            "b0": defaults["b0"] if b0 is None else b0.contiguous(),
-        }  # fmt: skip
-        args = rnn_abi.pack(
+        given = {"w1": w1, "b1": b1, "w3": w3, "b3": b3, "w0": w0, "b0": b0}
+        params = {name: defaults[name] if t is None else t for name, t in given.items()}
+        args = rnn.prepare(
             rnn_abi.LSTM_FWD, dtype,
             {**plan.forward, **kept, **params, "gx": gx, "h": h, "c": c, "out": out},
             plan.sizes,
         )  # fmt: skip
-        seq_sizes = {**plan.sizes, "S": plan.sequence["S"], "I": x.shape[1] if plan.in_loop else 0}
-        seq_args = rnn_abi.pack(
-            rnn_abi.SEQ_FWD, dtype,
-            {**plan.sequence, **_team(), "w": w_hh,
-             "x": x if plan.in_loop else None, "w_ih": w_ih if plan.in_loop else None,
-             "w0": None, "b0": None},
-            seq_sizes,
-        )  # fmt: skip
+        projection = {"x": x, "w_ih": w_ih} if plan.in_loop else None
+        seq_args = _sequence_struct("lstm_fwd_seq", plan, w_hh, projection)
         rnn.run_sequence("lstm_fwd_seq", dtype, args, seq_args)
         ctx.plan = plan
         ctx.save_for_backward(
@@ -267,22 +260,16 @@ class PlannedLSTMSequence(torch.autograd.Function):
             sums = x.new_empty(4 * gates + 2 * hs).split((2 * gates, 2 * hs, 2 * gates))
         x_in_loop = plan.in_loop and need[0]
         dx = _buffers.empty(x, (n_rows, inputs)) if x_in_loop else None
-        args = rnn_abi.pack(
+        args = rnn.prepare(
             rnn_abi.LSTM_BWD, dtype,
             {**plan.backward, **kept, **scratch, "dout": dout, "dh": dh,
              "dc": dc, "w1": w1, "w3": w3, "c0": c0, "gx": gx, "w0": w0},
             plan.sizes,
         )  # fmt: skip
-        seq_sizes = {**plan.sizes, "S": plan.sequence["S"], "I": inputs if x_in_loop else 0}
-        seq_args = rnn_abi.pack(
-            rnn_abi.SEQ_BWD, dtype,
-            {**plan.sequence, **_team(), "w": w_hh,
-             "hp_grads": None if sums is None else sums[0],
-             "c_grads": None if sums is None else sums[1],
-             "x_grads": None if sums is None else sums[2],
-             "w_ih": w_ih if x_in_loop else None, "dx": dx},
-            seq_sizes,
-        )  # fmt: skip
+        options: dict[str, Tensor | None] = {"w_ih": w_ih, "dx": dx} if x_in_loop else {}
+        if sums is not None:
+            options.update(hp_grads=sums[0], c_grads=sums[1], x_grads=sums[2])
+        seq_args = _sequence_struct("lstm_bwd_seq", plan, w_hh, options)
         rnn.run_sequence("lstm_bwd_seq", dtype, args, seq_args)
         d_w_hh = _fused._weight_grad(C_KERNELS, scratch["dhp"], previous) if need[3] else None
         dw1 = db1 = dw3 = db3 = dw0 = db0 = None

@@ -882,10 +882,11 @@ class _LNRNNBase(NotScriptable, nn.Module):
             b2 = g(f"ln_bias_ih{sfx}") if ln else None
             w1, b1 = g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}")
             w3, b3 = g(f"ln_weight_c{sfx}"), g(f"ln_bias_c{sfx}")
+            w_hr = g(f"weight_hr{sfx}")
             # a training call of the usual kind: by the plan of its signature
             planned = _planned.lstm_training(
                 data, sizes, reverse, h0, c0, w_ih, w_hh, b_ih, b_hh, (w1, b1, w3, b3, w2, b2),
-                self.eps, ln, self.normalize_cell_state and ln, masks, g(f"weight_hr{sfx}"),
+                self.eps, ln, self.normalize_cell_state and ln, masks, w_hr,
             )  # fmt: skip
             if planned is not None:
                 return planned
@@ -899,7 +900,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             out, h_n, c_n = _fused.lstm_sequence(
                 gx, h0, c0, w_hh, w1, b1, w3, b3, sched, self.eps, ln,
                 self.normalize_cell_state and ln, masks.zoneout_h, masks.zoneout_c,
-                masks.candidate, g(f"weight_hr{sfx}"),
+                masks.candidate, w_hr,
             )  # fmt: skip
             return out, h_n, c_n
         # all time steps in one GEMM; torch's biases folded into the layer norm's bias, or

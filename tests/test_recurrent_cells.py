@@ -261,3 +261,54 @@ def test_cell_from_torch_of_another_kind_fails() -> None:
 def test_cell_from_torch_refuses_weights_it_would_drop() -> None:
     with pytest.raises(ValueError, match=r"GRUCell.from_torch: unexpected keys \['bias_ih'"):
         LayerNormGRUCell.from_torch(torch.nn.GRUCell(3, 5), bias=False)
+
+
+def _cell_step(cell: torch.nn.Module, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """One step's new hidden state (an LSTM cell's ``h'`` and ``c'`` summed into one tensor)."""
+    if isinstance(cell, LayerNormLSTMCell):
+        h_new, c_new = cell(x, (h, 0.5 * h))
+        return h_new + c_new
+    return cell(x, h)
+
+
+@pytest.mark.parametrize("cls", [LayerNormRNNCell, LayerNormLSTMCell, LayerNormGRUCell])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True])
+def test_cell_layer_norms_run_torchs_kernel_on_plain_calls(
+    cls: type, dtype: torch.dtype, grad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain CPU call's layer norms run torch's kernel (``torch_layer_norm``: a custom op's
+    Python costs more than a step's arithmetic), a forced backend the fused kernels; the two
+    agree, forward and gradients."""
+    from layernorm.backend import force_backend
+    from layernorm.recurrent import _steps
+
+    fused_calls = []
+    fused = _steps.layer_norm
+
+    def counted(*args, **kwargs):
+        fused_calls.append(1)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(_steps, "layer_norm", counted)
+    cell = cls(5, 8, dtype=dtype)
+    randomize(cell)
+    x0, h0 = inputs(3, 5).to(dtype), inputs(3, 8, seed=2).to(dtype)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        x, h = x0.clone().requires_grad_(grad), h0.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            y = _cell_step(cell, x, h)
+            if not grad:
+                return (y,)
+            dy = torch.linspace(-1.0, 1.0, y.numel(), dtype=dtype).view_as(y)
+            params = [x, h, *cell.parameters()]
+            return (y, *torch.autograd.grad(y, params, dy))
+
+    lean = run()
+    assert not fused_calls
+    with force_backend("cpu"):
+        by_fused = run()
+    assert fused_calls
+    for a, b in zip(lean, by_fused, strict=True):
+        torch.testing.assert_close(a, b)

@@ -28,62 +28,11 @@ from .._validation import (
     check_flag,
 )
 from ..kernels.cpu import buffers
-from ..ops._dispatch import (
-    TORCH_BACKWARD_DTYPES,
-    TORCH_FLOAT32_NUMEL,
-    TORCH_KERNEL_NUMEL,
-    aten_input,
-    needs_grad,
-    transformed,
-)
+from ..ops._dispatch import TORCH_KERNEL_NUMEL, aten_input, needs_grad, torch_layer_norm
 
 # Up to this many elements a LayerNorm that needs gradients runs torch's native kernel (see
-# _torch_layer_norm_route and the measures at layernorm.ops._dispatch.TORCH_KERNEL_NUMEL).
+# layernorm.ops._dispatch.torch_layer_norm and the measures at TORCH_KERNEL_NUMEL there).
 SMALL_NUMEL = TORCH_KERNEL_NUMEL
-
-
-def _torch_layer_norm_route(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, detaching: bool
-) -> str | None:
-    """How :class:`LayerNorm` runs torch's kernel on a lean input ``x``, or ``None`` for the fused
-    kernels. ``"native"``, ``torch.layer_norm`` itself: where nothing needs a gradient (the same
-    forward formula), below the buffer cache's output size
-    (:data:`layernorm.kernels.cpu.buffers.OUTPUT_MIN_BYTES`); with gradients, up to
-    :data:`SMALL_NUMEL` elements, without a DetachNorm flag (which changes the backward), in
-    float32 or float64 (torch's bfloat16 and float16 CPU backward gave dx errors 1.6x the fused
-    kernels' bfloat16 tolerance at 37 rows of 7, where the fused kernels compute in float32).
-    ``"float32"``, with gradients in bfloat16 / float16 up to
-    :data:`layernorm.ops._dispatch.TORCH_FLOAT32_NUMEL` elements (parameters in x's dtype or
-    float32): torch's float32 kernel on x converted exactly, rounded once back
-    (:func:`_layer_norm_in_float32`)."""
-    if detaching and transformed():
-        return None  # a derivative may be taken without autograd's graph: DetachNorm's own
-    if not needs_grad(x, weight, bias):
-        # from the buffer cache's size on, the fused kernels write into reused memory where
-        # torch's output takes fresh pages on every call (3x torch's time at 32 MiB)
-        return "native" if x.nbytes < buffers.OUTPUT_MIN_BYTES else None
-    if detaching:
-        return None
-    if x.dtype in TORCH_BACKWARD_DTYPES:
-        return "native" if x.numel() <= SMALL_NUMEL else None
-    if x.dtype in HALF_DTYPES and x.numel() <= TORCH_FLOAT32_NUMEL:
-        params = [p.dtype for p in (weight, bias) if p is not None]
-        if all(dt is x.dtype or dt is torch.float32 for dt in params):
-            return "float32"
-    return None
-
-
-def _layer_norm_in_float32(
-    x: Tensor, shape: tuple[int, ...], weight: Tensor | None, bias: Tensor | None, eps: float
-) -> Tensor:
-    """``torch.layer_norm`` in float32 on half ``x`` (converted exactly), the result rounded once
-    to x's dtype: float32 statistics and arithmetic and one rounding, as the fused kernels; the
-    casts' backward rounds dx once from float32 and dγ/dβ (summed in float32) to the
-    parameters' dtype."""
-    f32 = torch.float32
-    w = None if weight is None else weight.to(f32)
-    b = None if bias is None else bias.to(f32)
-    return torch.layer_norm(x.to(f32), shape, w, b, eps).to(x.dtype)
 
 
 # The dtypes in which RMSNorm's calls that need no gradient may run torch's rms_norm: it computes
@@ -257,18 +206,9 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
         shape, eps, weight, bias = self.normalized_shape, self.eps, self.weight, self.bias
         if self.gain_offset:
             weight = _gain(weight, self.gain_offset)
-        route = (
-            _torch_layer_norm_route(x, weight, bias, self.detach_mean or self.detach_std)
-            if aten_input(x, eps)
-            else None
-        )
-        if route is not None:
-            try:
-                if route == "float32":
-                    return _layer_norm_in_float32(x, shape, weight, bias, eps)
-                return torch.layer_norm(x, shape, weight, bias, eps)
-            except RuntimeError:
-                pass  # a shape or parameter torch refuses: the full path names it (or runs it)
+        y = torch_layer_norm(x, shape, weight, bias, eps, self.detach_mean or self.detach_std)
+        if y is not None:
+            return y
         return F.layer_norm(
             x, shape, weight, bias, eps,  # type: ignore[arg-type]
             detach_mean=self.detach_mean, detach_std=self.detach_std,

@@ -12,9 +12,10 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
-from .._validation import FLOAT_DTYPES, stats_dtype
+from .._validation import FLOAT_DTYPES, HALF_DTYPES, stats_dtype
 from ..backend import _forced as _forced_backend
 from ..backend import select_backend
+from ..kernels.cpu import buffers
 
 _MODULES: dict[tuple[str, str], ModuleType] = {}
 
@@ -157,6 +158,62 @@ TORCH_BACKWARD_DTYPES = (torch.float32, torch.float64)
 #: 2.28, 1.54, 1.27, 1.21; from (341, 768) (the float32 copies 1 MiB each) 2.47-3.11, the fused
 #: kernels 0.91-1.24.
 TORCH_FLOAT32_NUMEL = 1 << 17
+
+
+def torch_layer_norm(
+    x: Tensor,
+    shape: tuple[int, ...],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: object,
+    detaching: bool = False,
+) -> Tensor | None:
+    """Layer norm by torch's own kernel where its formula and error are the fused kernels', or
+    ``None`` where the caller runs the fused path (which also names what is wrong with a
+    shape or parameter torch refuses). What :class:`layernorm.LayerNorm` and the recurrent
+    cells' layer norms do first on a per-token call, where torch's C++ node costs less than a
+    custom op's Python.
+
+    On an :func:`aten_input` ``x``: where nothing needs a gradient, ``torch.layer_norm`` itself
+    (the same forward formula) below the buffer cache's output size
+    (:data:`layernorm.kernels.cpu.buffers.OUTPUT_MIN_BYTES`: from there the fused kernels write
+    into reused memory where torch's output takes fresh pages on every call, 3x torch's time at
+    32 MiB); with gradients, up to :data:`TORCH_KERNEL_NUMEL` elements in
+    :data:`TORCH_BACKWARD_DTYPES`, and in bfloat16 / float16 up to :data:`TORCH_FLOAT32_NUMEL`
+    with parameters in x's dtype or float32, torch's float32 kernel on x converted exactly, the
+    result rounded once back (the casts' backward rounds dx once from float32 and dγ/dβ, summed
+    in float32, to the parameters' dtype). ``detaching`` (a DetachNorm flag, which changes the
+    backward) leaves gradients to the fused path, and under a transform that may take a
+    derivative without autograd's graph the forward too."""
+    if not aten_input(x, eps):
+        return None
+    if detaching and transformed():
+        return None  # a derivative may be taken without autograd's graph: DetachNorm's own
+    in_float32 = False
+    if not needs_grad(x, weight, bias):
+        if x.nbytes >= buffers.OUTPUT_MIN_BYTES:
+            return None
+    elif detaching:
+        return None
+    elif x.dtype in TORCH_BACKWARD_DTYPES:
+        if x.numel() > TORCH_KERNEL_NUMEL:
+            return None
+    elif x.dtype in HALF_DTYPES and x.numel() <= TORCH_FLOAT32_NUMEL:
+        params = [p.dtype for p in (weight, bias) if p is not None]
+        if not all(dt is x.dtype or dt is torch.float32 for dt in params):
+            return None
+        in_float32 = True
+    else:
+        return None
+    try:
+        if in_float32:
+            f32 = torch.float32
+            w = None if weight is None else weight.to(f32)
+            b = None if bias is None else bias.to(f32)
+            return torch.layer_norm(x.to(f32), shape, w, b, eps).to(x.dtype)  # type: ignore[arg-type]
+        return torch.layer_norm(x, shape, weight, bias, eps)  # type: ignore[arg-type]
+    except RuntimeError:
+        return None  # a shape or parameter torch refuses: the full path names it (or runs it)
 
 
 def needs_grad(x: Tensor, *params: Tensor | None) -> bool:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import layer_norm
+from ..ops._dispatch import torch_layer_norm
 
 Norm = Callable[[Tensor], Tensor]
 
@@ -50,26 +51,37 @@ class Weights(NamedTuple):
     b_hh: Tensor | None
 
 
-def make_ln(weight: Tensor | None, bias: Tensor | None, eps: float) -> Norm:
-    """``LN(z; weight, bias)`` over the last dimension of ``z``."""
-    return lambda z: layer_norm(z, z.shape[-1], weight, bias, eps)
+def _ln(z: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, lean: bool) -> Tensor:
+    """``LN(z; weight, bias)`` over the last dimension; with ``lean`` torch's kernel first where
+    it computes the same (:func:`..ops._dispatch.torch_layer_norm`), else the fused kernels."""
+    if lean:
+        y = torch_layer_norm(z, (z.shape[-1],), weight, bias, eps)
+        if y is not None:
+            return y
+    return layer_norm(z, z.shape[-1], weight, bias, eps)
+
+
+def make_ln(weight: Tensor | None, bias: Tensor | None, eps: float, lean: bool = False) -> Norm:
+    """``LN(z; weight, bias)`` over the last dimension of ``z``. ``lean``: torch's kernel where
+    :class:`layernorm.LayerNorm` takes it (the cells: a step's call is mostly Python, and a
+    custom op's costs more than torch's C++ node); the sequence layers' reference loop, the
+    fused path's oracle in the tests, runs the fused kernels."""
+    return lambda z: _ln(z, weight, bias, eps, lean)
 
 
 def make_grouped_ln(
-    weight: Tensor | None, bias: Tensor | None, eps: float, hidden_size: int
+    weight: Tensor | None, bias: Tensor | None, eps: float, hidden_size: int, lean: bool = False
 ) -> Norm:
     """GRU layer norm on a ``(*, 3H)`` pre-activation: the ``(r, z)`` block (2H units) and the
-    candidate block ``n`` (H units) are normalized separately, as in the paper's LN-GRU."""
+    candidate block ``n`` (H units) are normalized separately, as in the paper's LN-GRU.
+    ``lean`` as :func:`make_ln`'s."""
     h2 = 2 * hidden_size
 
     def norm(z: Tensor) -> Tensor:
         w_rz, w_n = (None, None) if weight is None else (weight[:h2], weight[h2:])
         b_rz, b_n = (None, None) if bias is None else (bias[:h2], bias[h2:])
         return torch.cat(
-            (
-                layer_norm(z[..., :h2], h2, w_rz, b_rz, eps),
-                layer_norm(z[..., h2:], hidden_size, w_n, b_n, eps),
-            ),
+            (_ln(z[..., :h2], w_rz, b_rz, eps, lean), _ln(z[..., h2:], w_n, b_n, eps, lean)),
             dim=-1,
         )
 

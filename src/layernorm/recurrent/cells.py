@@ -17,6 +17,12 @@ Drive a cell over time::
         h, c = state = cell(x_t, state)
         outputs.append(h)
 
+A call is one step of a few rows, so what it costs is mostly the calls of its ops: the layer
+norms run torch's own kernel where :class:`layernorm.LayerNorm` does (a plain float CPU tensor;
+with gradients up to 2^20 elements in float32 / float64, bfloat16 and float16 by torch's
+float32 kernel; :func:`layernorm.ops._dispatch.torch_layer_norm`), the fused kernels otherwise.
+For whole sequences the layers (:mod:`.layers`) run the time loop in C.
+
 .. code-block:: bibtex
 
     @article{ba2016layer,
@@ -273,7 +279,7 @@ class LayerNormRNNCell(_LNCellBase):
         h_prev = self._hidden(hx, x, batched)
         h = _steps.rnn_step(
             x, h_prev, self._weights(),
-            _steps.make_ln(self.ln_weight, self.ln_bias, self.eps), self.nonlinearity,
+            _steps.make_ln(self.ln_weight, self.ln_bias, self.eps, lean=True), self.nonlinearity,
         )  # fmt: skip
         h = self._zone(self.zoneout_hidden, h_prev, h)
         return h if batched else h.squeeze(0)
@@ -377,9 +383,9 @@ class LayerNormLSTMCell(_LNCellBase):
             c = self._state(hx[1], "hx[1]", x, batched)
         h_new, c_new = _steps.lstm_step(
             x, h, c, self._weights(),
-            _steps.make_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps),
-            _steps.make_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps),
-            _steps.make_ln(self.ln_weight_c, self.ln_bias_c, self.eps),
+            _steps.make_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps, lean=True),
+            _steps.make_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps, lean=True),
+            _steps.make_ln(self.ln_weight_c, self.ln_bias_c, self.eps, lean=True),
             self.normalize_cell_state,
         )  # fmt: skip
         h, c = self._zone(self.zoneout_hidden, h, h_new), self._zone(self.zoneout_cell, c, c_new)
@@ -438,8 +444,8 @@ class LayerNormGRUCell(_LNCellBase):
         h_prev = self._hidden(hx, x, batched)
         h = _steps.gru_step(
             x, h_prev, self._weights(),
-            _steps.make_grouped_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps, hs),
-            _steps.make_grouped_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps, hs),
+            _steps.make_grouped_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps, hs, lean=True),
+            _steps.make_grouped_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps, hs, lean=True),
         )  # fmt: skip
         h = self._zone(self.zoneout_hidden, h_prev, h)
         return h if batched else h.squeeze(0)

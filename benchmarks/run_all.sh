@@ -12,8 +12,9 @@
 #   - LN-LSTM and LN-GRU in bfloat16 against torch's bfloat16 layers at three shapes, with the
 #     rounded recurrent products beside the default (where the target has them);
 # and once, on the processor's own target: the layers with torch.nn's options (several layers,
-# both directions, batch_first, packed sequences, proj_size) at other sizes, and what an LN-LSTM
-# training call costs besides its kernels (rnn_call_overhead.py).
+# both directions, batch_first, packed sequences, proj_size) at other sizes, the cells against
+# torch.nn's cells one step per call (bench_cells.py), and what an LN-LSTM training call costs
+# besides its kernels (rnn_call_overhead.py).
 # Where AVX2 is emulated (the processor has AVX-512), its recurrent and norm tables run twice:
 # against torch's kernels at the processor's width, and with torch's restricted to AVX2 too
 # (ATen, MKL, oneDNN: _timing.TORCH_ISA_ENV), which is how both sides run on an AVX2 processor.
@@ -24,8 +25,8 @@
 #   CLOCK=thread benchmarks/run_all.sh                 # one-thread recurrent tables in the
 #                                                      # thread's CPU time (a shared machine)
 #   NORM_ARGS="--shapes 64x768 --small-reps 100" SHAPES=50x8x64x128 REPS=1 \
-#     OPTIONS_ONLY="lstm 50x8x64x128 {}" benchmarks/run_all.sh   # a quick check that every
-#                                                                 # table runs
+#     OPTIONS_ONLY="lstm 50x8x64x128 {}" CELL_ARGS="--shapes 1x64x128" \
+#     benchmarks/run_all.sh                                   # a quick check that every table runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -75,6 +76,11 @@ done
 for t in $THREADS; do
     echo; echo "## the layers with torch.nn's options, $t thread(s)"
     "$PY" benchmarks/bench_rnn_options.py --threads "$t" --reps "$REPS" --only "${OPTIONS_ONLY:-}"
+done
+for t in $THREADS; do
+    echo; echo "## the cells, one step per call, $t thread(s)"
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/bench_cells.py --threads "$t" --reps "$REPS" ${CELL_ARGS:-}
 done
 echo; echo "## an LN-LSTM training call besides its kernels (planned, fused, a node doing nothing)"
 "$PY" benchmarks/rnn_call_overhead.py --threads 1

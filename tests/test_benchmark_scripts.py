@@ -44,3 +44,11 @@ def test_ab_rnn_sets_an_attribute_of_another_module() -> None:
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert bad.returncode != 0 and "no module layernorm.recurrent._nowhere" in bad.stderr
+
+
+def test_bench_cells_prints_each_cell_and_mode() -> None:
+    out = _run(str(BENCH / "bench_cells.py"), "--shapes", "2x4x8", "--reps", "1", "--calls", "2",
+               "--steps", "2")  # fmt: skip
+    rows = [[c.strip() for c in line.split("|")[1:4]] for line in out.splitlines()
+            if line.startswith("| ") and "(2, 4, 8)" in line]  # fmt: skip
+    assert rows == [[k, "(2, 4, 8)", m] for k in ("lstm", "gru", "rnn") for m in ("infer", "train")]

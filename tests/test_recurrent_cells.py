@@ -272,8 +272,11 @@ def _cell_step(cell: torch.nn.Module, x: torch.Tensor, h: torch.Tensor) -> torch
 
 
 @pytest.mark.parametrize("cls", [LayerNormRNNCell, LayerNormLSTMCell, LayerNormGRUCell])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "grad"),
+    [(torch.float32, True), (torch.float64, True), (torch.bfloat16, True),
+     (torch.bfloat16, False)],  # float32 / float64 without gradients: the step plans, below
+)  # fmt: skip
 def test_cell_layer_norms_run_torchs_kernel_on_plain_calls(
     cls: type, dtype: torch.dtype, grad: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -312,3 +315,125 @@ def test_cell_layer_norms_run_torchs_kernel_on_plain_calls(
     assert fused_calls
     for a, b in zip(lean, by_fused, strict=True):
         torch.testing.assert_close(a, b)
+
+
+PLANNED_CELLS = [LayerNormLSTMCell, LayerNormGRUCell]  # the Elman cell's step is few ops
+
+
+def _by_ops(cell: torch.nn.Module, x: torch.Tensor, hx):
+    """The cell's step by the ops of ``_steps`` (gradients on: no step plan), detached."""
+    with torch.enable_grad():
+        out = cell(x, hx)
+    return tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
+
+
+def _assert_same(a, b) -> None:
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    assert len(a) == len(b)
+    for s, t in zip(a, b, strict=True):
+        torch.testing.assert_close(s, t)
+
+
+@pytest.mark.parametrize("cls", PLANNED_CELLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cell_inference_steps_by_a_kept_plan(
+    cls: type, dtype: torch.dtype, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without gradients a float32 / float64 step runs the one-step layer's kept plan: the ops'
+    results, from the second call on without them; a state given or not, the plan kept across
+    both."""
+    from layernorm.recurrent import _steps, cells
+
+    cell = cls(5, 8, bias=bias, dtype=dtype)
+    randomize(cell)
+    x, h = inputs(3, 5).to(dtype), inputs(3, 8, seed=2).to(dtype)
+    hx = (h, 0.5 * h) if cls is LayerNormLSTMCell else h
+    expected = {key: _by_ops(cell, x, state) for key, state in (("given", hx), ("none", None))}
+    with torch.no_grad():
+        _assert_same(cell(x, hx), expected["given"])
+    assert cells._STEP_PLANS.get(cell) is not None
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a kept step ran the ops")
+
+    for name in ("rnn_step", "lstm_step", "gru_step"):
+        monkeypatch.setattr(_steps, name, refused)
+    with torch.no_grad():
+        for _ in range(2):
+            _assert_same(cell(x, hx), expected["given"])
+            _assert_same(cell(x, None), expected["none"])
+    with torch.inference_mode():
+        _assert_same(cell(x, hx), expected["given"])
+
+
+@pytest.mark.parametrize("cls", PLANNED_CELLS)
+def test_cell_step_plan_follows_the_parameters_and_settings(cls: type) -> None:
+    """A kept step reads the parameters where they are (an update in place shows in the next
+    call), and a parameter replaced, a setting changed, a dtype or a batch size changed each
+    give the step of the new cell."""
+    cell = cls(5, 8)
+    randomize(cell)
+    x, h = inputs(3, 5).float(), inputs(3, 8, seed=2).float()
+    hx = (h, 0.5 * h) if cls is LayerNormLSTMCell else h
+
+    def check(x, hx):
+        expected = _by_ops(cell, x, hx)
+        with torch.no_grad():
+            _assert_same(cell(x, hx), expected)
+
+    check(x, hx)
+    with torch.no_grad():
+        cell.weight_hh.mul_(0.5)  # in place: the version counter aside, nothing the key reads
+        cell.bias_hh.add_(0.25)  # folded into the input side's bias on every call
+    check(x, hx)
+    cell.bias_ih = torch.nn.Parameter(cell.bias_ih.detach() + 1.0)
+    check(x, hx)
+    cell.eps = 1e-2
+    check(x, hx)
+    if cls is LayerNormLSTMCell:
+        cell.normalize_cell_state = True
+        check(x, hx)
+    check(x[:2], tuple(t[:2] for t in hx) if isinstance(hx, tuple) else hx[:2])
+    cell.double()
+    check(x.double(), tuple(t.double() for t in hx) if isinstance(hx, tuple) else hx.double())
+
+
+def test_cell_step_plan_keeps_the_checks() -> None:
+    """A call that is not the kept signature's is checked as any step is."""
+    cell = LayerNormLSTMCell(4, 6)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        cell(x, (torch.zeros(2, 6), torch.zeros(2, 6)))
+        with pytest.raises(ValueError, match=r"hx\[0\] must have shape \(2, 6\), got \(3, 6\)"):
+            cell(x, (torch.zeros(3, 6), torch.zeros(2, 6)))
+        with pytest.raises(ValueError, match=r"expects input of shape \(batch, 4\)"):
+            cell(torch.randn(2, 5), (torch.zeros(2, 6), torch.zeros(2, 6)))
+        with pytest.raises(TypeError, match="hx must be a tuple"):
+            cell(x, torch.zeros(2, 6))
+
+
+def test_cell_steps_keep_no_plan_in_a_copy() -> None:
+    """The kept step lives beside the cell: a deep copy and a pickle of a cell that ran one
+    carry none, and the copy computes the same steps."""
+    import copy
+    import pickle
+
+    cell = LayerNormGRUCell(5, 8)
+    x = torch.randn(3, 5)
+    with torch.no_grad():
+        y = cell(x)
+        twin = copy.deepcopy(cell)
+        again = pickle.loads(pickle.dumps(cell))
+        _assert_same(twin(x), y)
+        _assert_same(again(x), y)
+
+
+def test_elman_cell_steps_by_its_ops_without_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Elman cell keeps no step plan (its step is fewer ops than a plan's call costs)."""
+    from layernorm.recurrent import cells
+
+    cell = LayerNormRNNCell(5, 8)
+    with torch.no_grad():
+        cell(torch.randn(3, 5))
+    assert cells._STEP_PLANS.get(cell) is None

@@ -69,7 +69,7 @@ from ._checks import (
     check_state,
     describe,
 )
-from .cells import _build_from_torch, _require_torch_kind
+from ._from_torch import build_from_torch, require_torch_kind
 
 __all__ = ["LayerNormGRU", "LayerNormLSTM", "LayerNormRNN"]
 
@@ -489,7 +489,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         ``kwargs`` go to the constructor (e.g. ``norm="layer"``, ``gain_init``); the normalization
         parameters keep their initial values. Everything of ``module``'s state_dict must be used.
         """
-        _require_torch_kind(cls, module, _TORCH_LAYERS[cls.mode])
+        require_torch_kind(cls, module, _TORCH_LAYERS[cls.mode])
         cfg: dict[str, Any] = {
             "num_layers": module.num_layers, "bias": module.bias, "batch_first": module.batch_first,
             "dropout": module.dropout, "bidirectional": module.bidirectional,
@@ -500,7 +500,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             cfg["proj_size"] = module.proj_size
         p0 = module.weight_ih_l0
         cfg.update(device=p0.device, dtype=p0.dtype)
-        return _build_from_torch(cls, module, cfg, kwargs)
+        return build_from_torch(cls, module, cfg, kwargs)
 
     # -- forward -----------------------------------------------------------------------------
 

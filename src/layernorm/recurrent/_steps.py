@@ -140,15 +140,13 @@ def lstm_step(
     w_ih, w_hh, b_ih, b_hh = weights
     gates = _apply(norm_ih, F.linear(x, w_ih)) + _apply(norm_hh, F.linear(h, w_hh))
     gates = _add_bias(gates, b_ih, b_hh)
-    # σ over all four blocks (g's too, unused) and one multiply-add: fewer ops, each of which a
-    # cell's call pays for in dispatch (and in an autograd node with gradients)
-    sig_i, sig_f, _, sig_o = torch.sigmoid(gates).chunk(4, dim=-1)
-    candidate = torch.tanh(gates.chunk(4, dim=-1)[2])
+    i, f, g, o = gates.chunk(4, dim=-1)
+    candidate = torch.tanh(g)
     if candidate_mask is not None:
         candidate = candidate * candidate_mask
-    c_new = torch.addcmul(sig_f * c, sig_i, candidate)
+    c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * candidate
     c_norm = _apply(norm_c, c_new)
-    h_new = sig_o * torch.tanh(c_norm)
+    h_new = torch.sigmoid(o) * torch.tanh(c_norm)
     if w_hr is not None:
         h_new = F.linear(h_new, w_hr)
     return h_new, (c_norm if carry_normalized else c_new)
@@ -185,7 +183,8 @@ def gru_step(
         gx = gx + b_ih
     if b_hh is not None:
         gh = gh + b_hh
-    # blocks by split and chunk, the update as one lerp: fewer ops (see lstm_step)
+    # blocks by split and chunk, the update as one lerp: fewer ops, each of which a cell's call
+    # pays for in dispatch (and in an autograd node with gradients)
     gx_rz, gx_n = gx.split((2 * hs, hs), dim=-1)
     gh_rz, gh_n = gh.split((2 * hs, hs), dim=-1)
     r, z = torch.sigmoid(gx_rz + gh_rz).chunk(2, dim=-1)

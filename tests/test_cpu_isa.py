@@ -385,12 +385,14 @@ def test_gates_saturate_and_nan_passes_per_target(name, kind, grad) -> None:
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
-def test_recurrent_direct_gemm_per_target(name, kind, dtype, grad) -> None:
-    """A decoder's call (one step of 3 rows: the GEMMs read W as stored, dot products whose
-    lanes are summed four vectors at a time) on each target's whole-sequence kernels (also where
-    the target leaves them off by default), with hidden sizes ending in part of a vector and in
-    a block of fewer than four rows of W, against the float64 loop."""
-    xs = [x[:1] for x in _inputs(3, packed=False)]
+@pytest.mark.parametrize("rows", [3, 8])
+def test_recurrent_direct_gemm_per_target(name, kind, dtype, grad, rows) -> None:
+    """A decoder's call (one step of 3 or 8 rows: the GEMMs read W as stored, dot products whose
+    lanes are summed four vectors at a time, or a 4 × 4 block's sixteen in one vector) on each
+    target's whole-sequence kernels (also where the target leaves them off by default), with
+    hidden sizes ending in part of a vector and in a block of fewer than four rows of W,
+    against the float64 loop."""
+    xs = [x[:1] for x in _inputs(rows, packed=False)]
     tol = {"rtol": 1e-9, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
     for hidden in (5, 37):
         fused = _model(kind, hidden, torch.float64, "fused").to(dtype)

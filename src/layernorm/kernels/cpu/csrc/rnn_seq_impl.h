@@ -91,10 +91,13 @@
    and gives back the values in vector registers makes the loaded values the operands. */
 #if defined(__x86_64__) && defined(__AVX512F__)
 #define IN_REGISTERS(u, v) __asm__("" : "+v"(u), "+v"(v))
+#define IN_REGISTER(u) __asm__("" : "+v"(u))
 #elif defined(__x86_64__)
 #define IN_REGISTERS(u, v) __asm__("" : "+x"(u), "+x"(v))
+#define IN_REGISTER(u) __asm__("" : "+x"(u))
 #else
 #define IN_REGISTERS(u, v) ((void)0)
+#define IN_REGISTER(u) ((void)0)
 #endif
 
 typedef scalar_t FN(vec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(scalar_t)),
@@ -547,17 +550,9 @@ typedef __typeof__(_Generic((scalar_t)0, float: (int32_t)0, default: (int64_t)0)
 typedef FN(lane_t) FN(ivec) __attribute__((vector_size(VEC_BYTES)));
 #define QUARTER (VL >= 4 ? VL / 4 : 1)
 
-static inline void FN(sum4)(FN(vec) v0, FN(vec) v1, FN(vec) v2, FN(vec) v3, scalar_t* out) {
-    const FN(vec) v[4] = {v0, v1, v2, v3};
-    if (VL < 4) { /* two lanes (portable float64): nothing to fold */
-        for (int q = 0; q < 4; ++q) {
-            scalar_t t[VL];
-            memcpy(t, &v[q], sizeof t);
-            out[q] = 0;
-            for (i64 l = 0; l < VL; ++l) out[q] += t[l];
-        }
-        return;
-    }
+/* The two rounds of shuffles of sum4 (at least four lanes): quarter q of the result holds
+   vector q's QUARTER partial sums. */
+static inline FN(vec) FN(fold4)(FN(vec) v0, FN(vec) v1, FN(vec) v2, FN(vec) v3) {
     FN(ivec) lo, hi, qa, qb;
     for (i64 l = 0; l < VL; ++l) {
         /* round 1: halves of each pair's vectors added, the first's into the lower half */
@@ -568,9 +563,23 @@ static inline void FN(sum4)(FN(vec) v0, FN(vec) v1, FN(vec) v2, FN(vec) v3, scal
         qa[l] = (FN(lane_t))((q >= 2 ? VL : 0) + (q % 2) * (VL / 2) + j);
         qb[l] = (FN(lane_t))(qa[l] + QUARTER);
     }
-    const FN(vec) x01 = __builtin_shuffle(v[0], v[1], lo) + __builtin_shuffle(v[0], v[1], hi);
-    const FN(vec) x23 = __builtin_shuffle(v[2], v[3], lo) + __builtin_shuffle(v[2], v[3], hi);
-    const FN(vec) y = __builtin_shuffle(x01, x23, qa) + __builtin_shuffle(x01, x23, qb);
+    const FN(vec) x01 = __builtin_shuffle(v0, v1, lo) + __builtin_shuffle(v0, v1, hi);
+    const FN(vec) x23 = __builtin_shuffle(v2, v3, lo) + __builtin_shuffle(v2, v3, hi);
+    return __builtin_shuffle(x01, x23, qa) + __builtin_shuffle(x01, x23, qb);
+}
+
+static inline void FN(sum4)(FN(vec) v0, FN(vec) v1, FN(vec) v2, FN(vec) v3, scalar_t* out) {
+    if (VL < 4) { /* two lanes (portable float64): nothing to fold */
+        const FN(vec) v[4] = {v0, v1, v2, v3};
+        for (int q = 0; q < 4; ++q) {
+            scalar_t t[VL];
+            memcpy(t, &v[q], sizeof t);
+            out[q] = 0;
+            for (i64 l = 0; l < VL; ++l) out[q] += t[l];
+        }
+        return;
+    }
+    const FN(vec) y = FN(fold4)(v0, v1, v2, v3);
     scalar_t t[VL];
     memcpy(t, &y, sizeof t);
     for (int q = 0; q < 4; ++q) {
@@ -580,22 +589,73 @@ static inline void FN(sum4)(FN(vec) v0, FN(vec) v1, FN(vec) v2, FN(vec) v3, scal
     }
 }
 
+/* The sixteen sums of a 4 × 4 block's accumulators, acc[r·4 + c] into out[r·4 + c], where a
+   vector has sixteen lanes (AVX-512 float32; other widths take sum4): fold4 of each column's
+   four accumulators (quarter r of y_c: acc[r·4 + c]'s four partial sums), then two more
+   rounds of shuffles within the quarters give one vector of the sixteen sums. Four sum4 had
+   finished with sixteen scalar sums of four lanes, as many instructions as a block's
+   multiply-adds at K = 128. */
+static inline void FN(sum4x4)(const FN(vec) * acc, scalar_t* out) {
+    FN(vec) y[4];
+    for (int c = 0; c < 4; ++c) y[c] = FN(fold4)(acc[c], acc[4 + c], acc[8 + c], acc[12 + c]);
+    FN(ivec) a3, b3, a4, b4;
+    for (i64 l = 0; l < VL; ++l) {
+        const i64 q = l / 4, p = l % 4, other = p < 2 ? 0 : VL;
+        /* round 3: lanes 0, 1 of quarter q fold the first vector's quarter (lanes j, j + 2),
+           lanes 2, 3 the second's */
+        a3[l] = (FN(lane_t))(other + q * 4 + p % 2);
+        b3[l] = (FN(lane_t))(a3[l] + 2);
+        /* round 4: lane p of quarter q is column p's sum, from the first result (p < 2) or the
+           second, its lanes (p % 2)·2 and the next */
+        a4[l] = (FN(lane_t))(other + q * 4 + (p % 2) * 2);
+        b4[l] = (FN(lane_t))(a4[l] + 1);
+    }
+    const FN(vec) u01 = __builtin_shuffle(y[0], y[1], a3) + __builtin_shuffle(y[0], y[1], b3);
+    const FN(vec) u23 = __builtin_shuffle(y[2], y[3], a3) + __builtin_shuffle(y[2], y[3], b3);
+    const FN(vec) z = __builtin_shuffle(u01, u23, a4) + __builtin_shuffle(u01, u23, b4);
+    memcpy(out, &z, sizeof z);
+}
+
+/* One k-block of dot_block: each loaded vector an operand of rm (rn) FMAs from a register
+   (folded into every FMA as a memory operand, what GCC does otherwise, a 4 × 4 block issued 32
+   loads per 16 FMAs, two a cycle's worth where the FMAs take one); the first block (`first`, a
+   constant in each inlined copy) sets the accumulators instead of adding to them. */
+static inline __attribute__((always_inline)) void FN(dot_step)(
+    FN(vec) * acc, const scalar_t* A, const scalar_t* W, i64 K, i64 k, const int rm,
+    const int rn, const int first) {
+    FN(vec) w[DOT_ACC];
+    for (int c = 0; c < rn; ++c) {
+        w[c] = *(const FN(vec)*)(W + c * K + k);
+        IN_REGISTER(w[c]);
+    }
+    for (int r = 0; r < rm; ++r) {
+        FN(vec) a = *(const FN(vec)*)(A + r * K + k);
+        IN_REGISTER(a);
+        for (int c = 0; c < rn; ++c) acc[r * rn + c] = first ? a * w[c] : acc[r * rn + c] + a * w[c];
+    }
+}
+
 static inline __attribute__((always_inline)) void FN(dot_block)(
     const scalar_t* A, const scalar_t* W, i64 K, const int rm, const int rn, scalar_t* C,
     i64 ldc) {
+    /* The accumulators start as the first k-block's products rather than zeros: the array
+       (too large for GCC to keep in registers as a whole) was cleared by a memset call per
+       block, 8.9% of a one-step LN-LSTM cell call at (B, I, H) = (8, 64, 128). The ones past
+       rm·rn that sum4 reads (to a multiple of four) are zeros. */
     FN(vec) acc[DOT_ACC + 3];
-    for (int i = 0; i < DOT_ACC + 3; ++i) acc[i] = (FN(vec)){0};
+    for (int i = rm * rn; i < ((rm * rn + 3) & ~3); ++i) acc[i] = (FN(vec)){0};
     const i64 kv = K - K % VL;
-    for (i64 k = 0; k < kv; k += VL) {
-        FN(vec) w[DOT_ACC];
-        for (int c = 0; c < rn; ++c) w[c] = *(const FN(vec)*)(W + c * K + k);
-        for (int r = 0; r < rm; ++r) {
-            const FN(vec) a = *(const FN(vec)*)(A + r * K + k);
-            for (int c = 0; c < rn; ++c) acc[r * rn + c] += a * w[c];
-        }
+    if (kv > 0) {
+        FN(dot_step)(acc, A, W, K, 0, rm, rn, 1);
+        for (i64 k = VL; k < kv; k += VL) FN(dot_step)(acc, A, W, K, k, rm, rn, 0);
+    } else {
+        for (int i = 0; i < rm * rn; ++i) acc[i] = (FN(vec)){0};
     }
     scalar_t sums[DOT_ACC + 3];
-    for (int i = 0; i < rm * rn; i += 4) FN(sum4)(acc[i], acc[i + 1], acc[i + 2], acc[i + 3], sums + i);
+    if (VL == 16 && rm == 4 && rn == 4)
+        FN(sum4x4)(acc, sums);
+    else
+        for (int i = 0; i < rm * rn; i += 4) FN(sum4)(acc[i], acc[i + 1], acc[i + 2], acc[i + 3], sums + i);
     for (int r = 0; r < rm; ++r)
         for (int c = 0; c < rn; ++c) {
             scalar_t sum = sums[r * rn + c];

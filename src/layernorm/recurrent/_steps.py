@@ -191,4 +191,6 @@ def gru_step(
     n = torch.tanh(gx_n + r * gh_n)
     if candidate_mask is not None:
         n = n * candidate_mask
+    if n.dtype is not h.dtype or z.dtype is not h.dtype:
+        return n + z * (h - n)  # dtypes mixed by autocast, which lerp does not promote
     return torch.lerp(n, h, z)  # n + z ⊙ (h − n) = (1 − z) ⊙ n + z ⊙ h_{t−1}

@@ -168,11 +168,12 @@ def torch_layer_norm(
     eps: object,
     detaching: bool = False,
 ) -> Tensor | None:
-    """Layer norm by torch's own kernel where its formula and error are the fused kernels', or
-    ``None`` where the caller runs the fused path (which also names what is wrong with a
-    shape or parameter torch refuses). What :class:`layernorm.LayerNorm` and the recurrent
-    cells' layer norms do first on a per-token call, where torch's C++ node costs less than a
-    custom op's Python.
+    """Layer norm by torch's own kernel where it computes the fused kernels' formula (to their
+    tolerance, but for rows whose mean is far above their spread: see
+    :class:`layernorm.LayerNorm`), or ``None`` where the caller runs the fused path (which also
+    names what is wrong with a shape or parameter torch refuses). What
+    :class:`layernorm.LayerNorm` and the recurrent cells' layer norms do first on a per-token
+    call, where torch's C++ node costs less than a custom op's Python.
 
     On an :func:`aten_input` ``x``: where nothing needs a gradient, ``torch.layer_norm`` itself
     (the same forward formula) below the buffer cache's output size

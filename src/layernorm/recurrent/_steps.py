@@ -75,9 +75,7 @@ def make_grouped_ln(
     """GRU layer norm on a ``(*, 3H)`` pre-activation: the ``(r, z)`` block (2H units) and the
     candidate block ``n`` (H units) are normalized separately, as in the paper's LN-GRU.
     ``lean`` as :func:`make_ln`'s."""
-    h2 = 2 * hidden_size
-
-    sizes = (h2, hidden_size)
+    sizes = (2 * hidden_size, hidden_size)
 
     def norm(z: Tensor) -> Tensor:
         # by split, one op (and one backward node) for both blocks where slices took two

@@ -21,6 +21,9 @@ A call is one step of a few rows, so what it costs is mostly the calls of its op
 norms run torch's own kernel where :class:`layernorm.LayerNorm` does (a plain float CPU tensor;
 with gradients up to 2^20 elements in float32 / float64, bfloat16 and float16 by torch's
 float32 kernel; :func:`layernorm.ops._dispatch.torch_layer_norm`), the fused kernels otherwise.
+Where nothing is differentiated (``torch.no_grad()``, inference mode) the LSTM and GRU cells run
+a float32 / float64 CPU step as the one-step call of a sequence layer over the cell's own
+parameters, by a plan kept per cell and signature (``_StepPlan``): one call of the C kernel.
 For whole sequences the layers (:mod:`.layers`) run the time loop in C.
 
 .. code-block:: bibtex

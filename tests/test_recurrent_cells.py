@@ -437,3 +437,33 @@ def test_elman_cell_steps_by_its_ops_without_gradients(monkeypatch: pytest.Monke
     with torch.no_grad():
         cell(torch.randn(3, 5))
     assert cells._STEP_PLANS.get(cell) is None
+
+
+@pytest.mark.parametrize(
+    ("inputs_", "hidden", "threads", "in_loop"),
+    [(16, 32, 1, True), (128, 256, 1, False), (128, 256, 2, True)],
+)
+def test_lstm_cell_step_of_a_batch_keeps_its_plan_either_way(
+    inputs_: int, hidden: int, threads: int, in_loop: bool
+) -> None:
+    """One LSTM step of more rows than the direct GEMM's projects its inputs in the kernel's loop
+    with a small W_ih or several threads, by torch's GEMM before it from 2^17 elements on one
+    thread (``_fused``'s ``_ONE_STEP_LOOP_PROJECTION_WEIGHT``); a plan is kept either way, with
+    the ops' results."""
+    from layernorm.recurrent import cells
+
+    cell = LayerNormLSTMCell(inputs_, hidden)
+    randomize(cell)
+    x, h = inputs(12, inputs_).float(), inputs(12, hidden, seed=2).float()
+    hx = (h, 0.5 * h)
+    expected = _by_ops(cell, x, hx)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            _assert_same(cell(x, hx), expected)
+            _assert_same(cell(x, hx), expected)
+    finally:
+        torch.set_num_threads(before)
+    kept = cells._STEP_PLANS.get(cell)
+    assert kept is not None and kept.plan.in_loop is in_loop

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -832,14 +833,39 @@ def _one_step_kernels(kernels: StepKernels, sched: Schedule) -> StepKernels:
     return C_STEPS if kernels is C_KERNELS and _one_step_by_gemm(sched) else kernels
 
 
+# One LSTM step of a batch past the direct GEMM's rows (a decoder's token for a batch of 9 or
+# more, a cell's call) packs W_ih and W_hh inside the kernel for a single use of each; on one
+# thread, from this many W_ih elements, torch's GEMMs and the step kernel take less
+# (_one_step_by_gemm). LSTM cell inference by its kept plan, AMD EPYC (Zen 4), x
+# torch.nn.LSTMCell's time, in the loop / before it, one thread: (B, I, H) = (9, 128, 256)
+# 1.42 / 1.24, (16, 128, 256) 1.36 / 1.17, (32, 128, 256) 1.19 / 1.10, (9, 256, 256) 1.42 /
+# 1.28, (16, 256, 256) 1.42 / 1.10, (32, 256, 256) 1.31 / 1.05; below it the loop wins:
+# (9, 64, 128) 1.28 / 1.55, (16, 128, 128) 1.23 / 1.44, (32, 128, 128) 1.11 / 1.28. Two threads
+# (the kernel's packing shared by both) keep the loop: (9, 128, 256) 1.19-1.20 / 1.34-1.38,
+# (32, 128, 256) 1.03-1.06 / 1.20-1.27, (32, 256, 256) 1.10 / 1.20. The GRU's step before the
+# loop (a GEMM and a layer norm per block) lost or tied at these shapes on one thread, and keeps
+# the loop.
+_ONE_STEP_LOOP_PROJECTION_WEIGHT = {"lstm_fwd_seq": 1 << 17}
+
+
 def _projects_in_loop(source: InputProjection, n_batch: int, seq: str = "") -> bool:
     """Whether the C time loop of sequence kernel ``seq`` computes ``source`` in inference (see
     the measures above): always for one step of at most ``direct_rows`` rows (a decoder's token),
     where the kernel reads W_ih as stored, once, as a GEMM before the loop would (W_ih 12 MiB,
     one row: the GRU's call took 2.6 ms with the projection before the loop, against
-    torch.nn.GRU's 2.1); for steps of fewer rows than :data:`_LOOP_PROJECTION_FEW_ROWS` names,
-    up to its W_ih size."""
-    return _loop_projection_pays(source.data, source.w_ih, n_batch, seq)
+    torch.nn.GRU's 2.1); not for one LSTM step of more rows on one thread with a W_ih of
+    :data:`_ONE_STEP_LOOP_PROJECTION_WEIGHT` elements or more; for steps of fewer rows than
+    :data:`_LOOP_PROJECTION_FEW_ROWS` names, up to its W_ih size."""
+    data, w_ih = source.data, source.w_ih
+    if (
+        n_batch < data.shape[0]
+        or data.shape[0] <= _cstep.direct_rows()
+        or torch.get_num_threads() > 1
+    ):
+        return _loop_projection_pays(data, w_ih, n_batch, seq)
+    return w_ih.numel() < _ONE_STEP_LOOP_PROJECTION_WEIGHT.get(seq, math.inf) and (
+        _loop_projection_pays(data, w_ih, n_batch, seq)
+    )
 
 
 def _loop_projection_pays(data: Tensor, w_ih: Tensor, n_batch: int, seq: str) -> bool:

@@ -857,15 +857,14 @@ def _projects_in_loop(source: InputProjection, n_batch: int, seq: str = "") -> b
     :data:`_ONE_STEP_LOOP_PROJECTION_WEIGHT` elements or more; for steps of fewer rows than
     :data:`_LOOP_PROJECTION_FEW_ROWS` names, up to its W_ih size."""
     data, w_ih = source.data, source.w_ih
+    one_step_of_a_batch = _cstep.direct_rows() < data.shape[0] <= n_batch
     if (
-        n_batch < data.shape[0]
-        or data.shape[0] <= _cstep.direct_rows()
-        or torch.get_num_threads() > 1
+        one_step_of_a_batch
+        and torch.get_num_threads() == 1
+        and w_ih.numel() >= _ONE_STEP_LOOP_PROJECTION_WEIGHT.get(seq, math.inf)
     ):
-        return _loop_projection_pays(data, w_ih, n_batch, seq)
-    return w_ih.numel() < _ONE_STEP_LOOP_PROJECTION_WEIGHT.get(seq, math.inf) and (
-        _loop_projection_pays(data, w_ih, n_batch, seq)
-    )
+        return False
+    return _loop_projection_pays(data, w_ih, n_batch, seq)
 
 
 def _loop_projection_pays(data: Tensor, w_ih: Tensor, n_batch: int, seq: str) -> bool:

@@ -211,6 +211,11 @@ class _LNCellBase(NotScriptable, nn.Module):
             return x.new_zeros(x.shape[0], self.hidden_size)
         return self._state(hx, "hx", x, batched)
 
+    def _states(self, hx: Any, x: Tensor, batched: bool) -> tuple[Tensor, Tensor | None]:
+        """The checked ``(h, c)`` of ``hx``: the RNN's and GRU's ``h`` (:meth:`_hidden`) and
+        no ``c`` (the LSTM cell's own carries one)."""
+        return self._hidden(hx, x, batched), None
+
     def _settings(self) -> tuple[Any, ...]:
         """What the one-step layer is built with (:meth:`_step_layer`)."""
         carried = getattr(self, "normalize_cell_state", False)
@@ -270,16 +275,7 @@ class _LNCellBase(NotScriptable, nn.Module):
         """A step of a new signature: the checks a step makes, then the one-step layer's call,
         whose inference plan is kept where the layer kept one."""
         x, batched = self._prepare(input)
-        if self.mode == "LSTM":
-            if hx is None:
-                h = c = x.new_zeros(x.shape[0], self.hidden_size)
-            else:
-                if not isinstance(hx, tuple) or len(hx) != 2:
-                    return None  # the step's own checks name it
-                h = self._state(hx[0], "hx[0]", x, batched)
-                c = self._state(hx[1], "hx[1]", x, batched)
-        else:
-            h, c = self._hidden(hx, x, batched), None
+        h, c = self._states(hx, x, batched)
         layer = self._step_layer()
         out, _, c_n = layer._direction(x, [x.shape[0]], _SFX, False, h, c)
         kept = _INFERENCE_PLANS.get(layer, {}).get(_SFX)
@@ -478,6 +474,15 @@ class LayerNormLSTMCell(_LNCellBase):
             with torch.no_grad():
                 self.bias_ih[hs : 2 * hs] = self.forget_bias
 
+    def _states(self, hx: Any, x: Tensor, batched: bool) -> tuple[Tensor, Tensor | None]:
+        """The checked ``(h, c)`` of ``hx`` (zeros when ``None``)."""
+        if hx is None:
+            h = x.new_zeros(x.shape[0], self.hidden_size)
+            return h, h
+        if not isinstance(hx, tuple | list) or len(hx) != 2:
+            raise TypeError(f"LayerNormLSTMCell: hx must be a tuple (h, c), got {describe(hx)}")
+        return self._state(hx[0], "hx[0]", x, batched), self._state(hx[1], "hx[1]", x, batched)
+
     def forward(
         self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor, Tensor]:
@@ -488,13 +493,7 @@ class LayerNormLSTMCell(_LNCellBase):
         if planned is not None:
             return planned  # type: ignore[no-any-return]
         x, batched = self._prepare(input)
-        if hx is None:
-            h = c = x.new_zeros(x.shape[0], self.hidden_size)
-        else:
-            if not isinstance(hx, tuple | list) or len(hx) != 2:
-                raise TypeError(f"LayerNormLSTMCell: hx must be a tuple (h, c), got {describe(hx)}")
-            h = self._state(hx[0], "hx[0]", x, batched)
-            c = self._state(hx[1], "hx[1]", x, batched)
+        h, c = self._states(hx, x, batched)
         h_new, c_new = _steps.lstm_step(
             x, h, c, self._weights(),
             _steps.make_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps, lean=True),

@@ -24,7 +24,7 @@ from torch.nn.utils.rnn import pack_sequence
 import layernorm.functional as LF
 from conftest import make_param, make_x, upcast
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
-from layernorm.kernels.cpu import _native, cbuild, isa, rnn, targets
+from layernorm.kernels.cpu import _native, cbuild, isa, rnn, rnn_abi, targets
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
 from tolerances import assert_close_to_rounding
@@ -479,3 +479,66 @@ def test_recurrent_kernels_threaded_match_loop(name, monkeypatch) -> None:
                 torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
     finally:
         torch.set_num_threads(threads)
+
+
+def _lstm_step_buffers(hs: int, rows: int, dtype: torch.dtype, input_norm: bool):
+    """An LSTM forward step's buffers for ``rows`` rows (N = B = rows): hp and gx of rows spread
+    around offsets far from zero, states and gains at random, the outputs zeroed."""
+    gen = torch.Generator().manual_seed(hs * 100 + rows)
+
+    def rand(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        return (shift + scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+    g = 4 * hs
+    t = {
+        "hp": rand(rows, g, scale=2.0, shift=30.0),
+        "gx": rand(rows, g, shift=-7.0),
+        "h": rand(rows, hs),
+        "c": rand(rows, hs),
+        "w1": rand(g, scale=0.3, shift=1.0),
+        "b1": rand(g, scale=0.3),
+        "w3": rand(hs, scale=0.3, shift=1.0),
+        "b3": rand(hs, scale=0.3),
+    }
+    t.update({k: torch.zeros(rows, c, dtype=dtype)
+              for k, c in (("out", hs), ("hprev", hs), ("cprev", hs), ("acts", g), ("cn", hs),
+                           ("tc", hs))})  # fmt: skip
+    stats = ("mh", "rh", "mc", "rc") + (("mx", "rx") if input_norm else ())
+    t.update({k: torch.zeros(rows, dtype=dtype) for k in stats})
+    if input_norm:
+        t.update(w0=rand(g, scale=0.3, shift=1.0), b0=rand(g, scale=0.3))
+    return t
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("input_norm", [False, True], ids=["gx normalized", "gx raw"])
+def test_lstm_step_rows_in_groups_equal_rows_one_by_one(name, dtype, input_norm) -> None:
+    """The LSTM forward step finds the layer norms' statistics of a group of rows in one pass
+    over the group (rnn_step_impl.h moments_rows): a step of 9 rows (groups of 4, 4, 1) gives
+    the same bits as the 9 rows each in a call of its own, at hidden sizes whose rows end in part
+    of a vector (5, 37) and span several of the row sums' blocks (160: 4H = 640)."""
+    rows = 9
+    for hs in (5, 37, 160):
+        runs = []
+        for one_by_one in (False, True):
+            t = _lstm_step_buffers(hs, rows, dtype, input_norm)
+            values = {**t, "eps": 1e-5, "off": 0, "rows": 0, "threads": 1, "layer_norm": 1,
+                      "normalize_cell_state": 0}  # fmt: skip
+            sizes = {"N": rows, "B": rows, "H": hs, "G": 4 * hs, "R": rows, "X": rows}
+            with targets.use(name):
+                if not one_by_one:
+                    args = rnn.prepare(rnn_abi.LSTM_FWD, dtype, values, sizes)
+                    rnn.step("lstm_fwd_step", dtype, args, 0, rows, 1)
+                for i in range(rows if one_by_one else 0):
+                    # row i alone: a step of one row whose state is row i of h and c
+                    state = {"h": t["h"][i : i + 1], "c": t["c"][i : i + 1]}
+                    args = rnn.prepare(rnn_abi.LSTM_FWD, dtype, {**values, **state},
+                                       {**sizes, "B": 1})  # fmt: skip
+                    rnn.step("lstm_fwd_step", dtype, args, i, 1, 1)
+            runs.append(t)
+        grouped, alone = runs
+        assert grouped["mh"].abs().sum() > 0 and grouped["rc"].abs().sum() > 0
+        for key, value in grouped.items():
+            assert torch.equal(value, alone[key]), (hs, key)

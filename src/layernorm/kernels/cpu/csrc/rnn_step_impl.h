@@ -118,7 +118,7 @@ static inline acc_t FN(sfold)(FN(lanes) acc) {
 
 /* Σ (x − c) and, with sq, Σ (x − c)² over a row, blocked as above. A row of one block (up to
    BLOCK_TERMS · 2·SVL elements: every LN-LSTM row up to H = 128 with AVX-512) skips the blocks'
-   bookkeeping, and a row of whole vectors the scalar tail. */
+   bookkeeping, and a row of whole vector pairs the scalar tail. */
 static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
     const i64 step = 2 * SVL, nfull = N - N % step;
     FN(lanes) acc = {{0}, {0}};
@@ -322,6 +322,7 @@ static inline scalar_t FN(sigm)(scalar_t v) { return (scalar_t)1 / ((scalar_t)1 
 #ifndef FWD_GROUP
 #define FWD_GROUP 4
 #endif
+_Static_assert(2 * FWD_GROUP <= MOMENT_ROWS, "a group's hp and gx rows are one moments_rows call");
 
 /* LN(hp)'s statistics of rows [i0, i0 + n) (and LN(gx)'s with w0), kept for backward, into
    sh / sx: the rows' moments in one group. */

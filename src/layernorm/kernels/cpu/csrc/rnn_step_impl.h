@@ -116,6 +116,25 @@ static inline acc_t FN(sfold)(FN(lanes) acc) {
     return a[0];
 }
 
+/* acc += the sums of (x − c) (with sq, (x − c)²) over [j, end), a multiple of 2·SVL elements
+   of at most one block, each lane adding in scalar_t. */
+static inline __attribute__((always_inline)) void FN(block_sums)(const scalar_t* x, i64 j, i64 end,
+                                                                 scalar_t c, int sq,
+                                                                 FN(lanes) * acc) {
+    FN(svec) p0 = {0}, p1 = {0};
+    for (; j < end; j += 2 * SVL) {
+        const FN(svec) u = FN(sld)(x + j) - c, v = FN(sld)(x + j + SVL) - c;
+        if (sq) {
+            p0 += u * u;
+            p1 += v * v;
+        } else {
+            p0 += u;
+            p1 += v;
+        }
+    }
+    FN(sflush)(p0, p1, acc);
+}
+
 /* Σ (x − c) and, with sq, Σ (x − c)² over a row, blocked as above. A row of one block (up to
    BLOCK_TERMS · 2·SVL elements: every LN-LSTM row up to H = 128 with AVX-512) skips the blocks'
    bookkeeping, and a row of whole vector pairs the scalar tail. */
@@ -123,35 +142,11 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
     const i64 step = 2 * SVL, nfull = N - N % step;
     FN(lanes) acc = {{0}, {0}};
     if (N <= BLOCK_TERMS * step) {
-        FN(svec) p0 = {0}, p1 = {0};
-        for (i64 j = 0; j < nfull; j += step) {
-            const FN(svec) u = FN(sld)(x + j) - c, v = FN(sld)(x + j + SVL) - c;
-            if (sq) {
-                p0 += u * u;
-                p1 += v * v;
-            } else {
-                p0 += u;
-                p1 += v;
-            }
-        }
-        FN(sflush)(p0, p1, &acc);
+        FN(block_sums)(x, 0, nfull, c, sq, &acc);
         if (nfull == N) return FN(sfold)(acc);
     } else {
-        for (i64 j = 0; j < nfull;) {
-            const i64 end = block_end(j, BLOCK_TERMS * step, nfull);
-            FN(svec) p0 = {0}, p1 = {0};
-            for (; j < end; j += step) {
-                const FN(svec) u = FN(sld)(x + j) - c, v = FN(sld)(x + j + SVL) - c;
-                if (sq) {
-                    p0 += u * u;
-                    p1 += v * v;
-                } else {
-                    p0 += u;
-                    p1 += v;
-                }
-            }
-            FN(sflush)(p0, p1, &acc);
-        }
+        for (i64 j = 0; j < nfull; j += BLOCK_TERMS * step)
+            FN(block_sums)(x, j, block_end(j, BLOCK_TERMS * step, nfull), c, sq, &acc);
     }
     acc_t t = 0;
     for (i64 j = nfull; j < N; ++j) {

@@ -328,7 +328,8 @@ static inline void FN(lstm_fwd_stats)(const FN(lstm_fwd_step_args) * A, i64 i0, 
     acc_t m[2 * FWD_GROUP], r[2 * FWD_GROUP];
     for (i64 q = 0; q < n; ++q) {
         rows[q] = A->hp + kept_row(A->R, A->N, A->off + i0 + q, i0 + q) * G;
-        rows[n + q] = A->gx + kept_row(A->X, A->N, A->off + i0 + q, i0 + q) * G; /* w0: gx raw */
+        if (A->w0) /* gx raw: its rows' statistics after hp's */
+            rows[n + q] = A->gx + kept_row(A->X, A->N, A->off + i0 + q, i0 + q) * G;
     }
     FN(moments_rows)(rows, A->w0 ? (int)(2 * n) : (int)n, G, A->eps, m, r);
     for (i64 q = 0; q < n; ++q) {

@@ -52,3 +52,14 @@ def test_bench_cells_prints_each_cell_and_mode() -> None:
     rows = [[c.strip() for c in line.split("|")[1:4]] for line in out.splitlines()
             if line.startswith("| ") and "(2, 4, 8)" in line]  # fmt: skip
     assert rows == [[k, "(2, 4, 8)", m] for k in ("lstm", "gru", "rnn") for m in ("infer", "train")]
+
+
+def test_bench_rnn_step_times_two_trees_and_compares_their_outputs() -> None:
+    """The package's own csrc as the other tree: two builds of the same sources, so every
+    output agrees to the bit and no difference is noted."""
+    from layernorm.kernels.cpu import rnn_abi
+
+    out = _run(str(BENCH / "bench_rnn_step.py"), "--hidden", "5,37", "--reps", "1", "--inner",
+               "1", "--input-rows", "--other", str(rnn_abi.CSRC_DIR))  # fmt: skip
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert rows[2:] == ["5", "37"] and "differs" not in out, out

@@ -518,7 +518,8 @@ def test_lstm_step_rows_in_groups_equal_rows_one_by_one(name, dtype, input_norm)
     """The LSTM forward step finds the layer norms' statistics of a group of rows in one pass
     over the group (rnn_step_impl.h moments_rows): a step of 9 rows (groups of 4, 4, 1) gives
     the same bits as the 9 rows each in a call of its own, at hidden sizes whose rows end in part
-    of a vector (5, 37) and span several of the row sums' blocks (160: 4H = 640)."""
+    of a vector (5, 37) and span several of the row sums' blocks (160: 4H = 640, taken one row
+    at a time)."""
     rows = 9
     for hs in (5, 37, 160):
         runs = []

@@ -77,9 +77,8 @@ static inline FN(svec) FN(sld)(const scalar_t* p) { return *(const FN(svec)*)p; 
 
 /* A row's float64 partial sums, lane l of a block's p0 + p1 into lane l of them: two vectors of
    acc_t (lanes [0, SVL/2) and [SVL/2, SVL)) held in registers. As one array of SVL scalars GCC
-   kept them on the stack: each row sum stored its lanes and loaded them back before the fold (a
-   loop of moments calls on rows of 32 to 512 floats, AMD EPYC Zen 4, AVX-512: 1.15-1.45x the
-   time). The same sums in the same order as the array's: the same bits. */
+   kept them on the stack: each row sum stored its lanes and loaded them back before the fold.
+   The same sums in the same order as the array's: the same bits. */
 typedef scalar_t FN(hvec) __attribute__((vector_size(VEC_BYTES / 2), aligned(sizeof(scalar_t)),
                                          may_alias));
 #define AVL (SVL / 2)
@@ -163,11 +162,11 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
    a square root; the rows' sweeps run one after another in straight-line code, so that their
    chains overlap, and the divisions and square roots of all rows are one vector each (the
    unused lanes take neutral values). The same bits as one row at a time. With the registers
-   above, a step's rows in cache (64 rows, one thread, AMD EPYC Zen 4), LN-LSTM forward with
-   the input's layer norms by input_rows, AVX-512 H = 32: 213 -> 205 ns a row, H = 128:
-   537 -> 500, H = 256: 1019 -> 977; the AVX2 build H = 32: 242 -> 209, H = 128: 648 -> 604. */
+   above, a step's 64 rows in cache, ns a row, before / after (benchmarks/bench_rnn_step.py, one
+   thread, AMD EPYC Zen 4; RESULTS.md 2026-11-27): raw gx normalized in the step, AVX-512
+   H = 32 217 / 196, H = 128 522 / 501; the AVX2 build H = 32 243 / 208, H = 128 656 / 644. */
 #define MOMENT_ROWS 8
-static inline __attribute__((always_inline)) void FN(moments_rows)(
+static inline __attribute__((always_inline)) void FN(moments_group)(
     const scalar_t* const* x, int n, i64 N, double eps, acc_t* mu, acc_t* r) {
     const int lanes = n == 1 ? 1 : MOMENT_ROWS; /* one row (a constant n): scalars */
     acc_t s[MOMENT_ROWS], v[MOMENT_ROWS], lo[MOMENT_ROWS];
@@ -196,7 +195,19 @@ static inline __attribute__((always_inline)) void FN(moments_rows)(
 
 /* The same for one row. */
 static inline void FN(moments)(const scalar_t* x, i64 N, double eps, acc_t* mu, acc_t* r) {
-    FN(moments_rows)(&x, 1, N, eps, mu, r);
+    FN(moments_group)(&x, 1, N, eps, mu, r);
+}
+
+/* The moments of n <= MOMENT_ROWS rows: as a group where a row is one block of the row sums,
+   else one row at a time (rows of several blocks in groups: the AVX2 build's steps at H = 128
+   and 256 took 1.04x as long as one row at a time, benchmarks/bench_rnn_step.py). */
+static inline void FN(moments_rows)(const scalar_t* const* x, int n, i64 N, double eps, acc_t* mu,
+                                    acc_t* r) {
+    if (N <= BLOCK_TERMS * 2 * SVL) {
+        FN(moments_group)(x, n, N, eps, mu, r);
+        return;
+    }
+    for (int k = 0; k < n; ++k) FN(moments)(x[k], N, eps, &mu[k], &r[k]);
 }
 
 /* μ split as hi + lo in scalar_t, and rstd in scalar_t: the normalized value is then

@@ -478,3 +478,28 @@ def test_no_planned_call_with_gradients_a_list_state_or_a_trace(kind, monkeypatc
         assert layers._CALL_PLANS.get(model) is None  # a list of states is never planned
     else:
         assert taken == [True, False, False]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_a_kept_plan_can_leave_out_the_final_hidden_state(kind) -> None:
+    """A cell's step asks its plan for no copy of ``h_n`` (the step's output is ``h_n``): the plan
+    then returns ``None`` in its place, and the output and ``c_n`` it returns with it."""
+    model = _model(kind)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 3, 6, generator=gen)
+    _planned(model, x)  # builds the plan of a one-step call of 3 rows
+    ((sfx, (_, plan)),) = _plans(model).items()
+    rows = torch.randn(3, 6, generator=gen)
+    h0 = torch.randn(3, 13, generator=gen)
+    c0 = torch.randn(3, 13, generator=gen) if kind == "lstm" else None
+    with torch.no_grad():
+        full = model._run_kept(plan, sfx, rows, h0, c0)
+        lean = model._run_kept(plan, sfx, rows, h0, c0, final_hidden=False)
+    assert full is not None and lean is not None
+    assert lean[1] is None
+    torch.testing.assert_close(full[1], full[0], rtol=0, atol=0)  # one step: h_n is the output
+    _exactly([lean[0]], [full[0]])
+    if kind == "lstm":
+        _exactly([lean[2]], [full[2]])
+    else:
+        assert lean[2] is None and full[2] is None

@@ -728,11 +728,18 @@ class InferencePlan:
             st["gx"] = None
 
     def run(
-        self, data: Tensor, h0: Tensor, c0: Tensor | None, bias: Tensor | None
-    ) -> tuple[Tensor, ...] | None:
+        self,
+        data: Tensor,
+        h0: Tensor,
+        c0: Tensor | None,
+        bias: Tensor | None,
+        final_hidden: bool = True,
+    ) -> tuple[Tensor | None, ...] | None:
         """``(out, h_n[, c_n])`` for ``data`` (N rows, as when built) from ``h0`` (``c0``), with
         the input side's bias ``bias`` as the caller computes it now (``None`` where the plan was
-        built without one): the parameters it is folded from may have changed in place."""
+        built without one): the parameters it is folded from may have changed in place. Without
+        ``final_hidden``, ``h_n`` comes back as ``None`` instead of a copy of the plan's state
+        (a cell's step: its output is ``h_n``)."""
         if not self.lock.acquire(blocking=False):
             return None
         try:
@@ -762,7 +769,8 @@ class InferencePlan:
                 call.run()
                 call.args.gx = None
             call.args.out = None  # no address of this call's tensors stays in the structs
-            return (out, *(st[k].clone() for k in self.results[1:]))
+            return (out, *(st[k].clone() if final_hidden or k != "h" else None
+                           for k in self.results[1:]))  # fmt: skip
         finally:
             self.lock.release()
 

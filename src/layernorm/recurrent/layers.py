@@ -672,13 +672,20 @@ class _LNRNNBase(NotScriptable, nn.Module):
         )  # fmt: skip
 
     def _run_kept(
-        self, plan: _fused.InferencePlan, sfx: str, data: Tensor, h0: Tensor, c0: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        self,
+        plan: _fused.InferencePlan,
+        sfx: str,
+        data: Tensor,
+        h0: Tensor,
+        c0: Tensor | None,
+        final_hidden: bool = True,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
         """Direction ``sfx`` by its kept inference plan, with the input side's bias folded from
-        the parameters as they are now; ``None`` where the plan is busy (another thread)."""
+        the parameters as they are now; ``None`` where the plan is busy (another thread).
+        ``final_hidden``: as :meth:`._fused.InferencePlan.run`'s."""
         get = self._get
         bias = self._input_bias(sfx, get(f"bias_ih{sfx}"), get(f"bias_hh{sfx}"), get)
-        result = plan.run(data, h0, c0, bias)
+        result = plan.run(data, h0, c0, bias, final_hidden)
         if result is None:
             return None
         return result if len(result) == 3 else (result[0], result[1], None)

@@ -9,6 +9,7 @@ once over all steps instead of per step), so they agree to a few ulps times the 
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -17,6 +18,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_s
 
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import StepKernels, _pointwise, register_step_kernels
+from layernorm.recurrent import layers as recurrent_layers
 from layernorm.recurrent.cells import LayerNormGRUCell, LayerNormLSTMCell, LayerNormRNNCell
 
 DT = torch.float64
@@ -565,6 +567,9 @@ def test_raw_projection_either_way_equals_reference_loop(node_bytes, monkeypatch
     from layernorm.recurrent import _cstep, _fused
 
     monkeypatch.setattr(_fused, "_PROJECTION_NODE_BYTES", node_bytes)
+    # the fused node at one step, which a training call of one step otherwise leaves to the
+    # step ops (layers._LEAN_TRAINING_STEPS)
+    monkeypatch.setattr(recurrent_layers, "_LEAN_TRAINING_STEPS", 0)
     nodes = []
     real = _fused._Projection.apply
     monkeypatch.setattr(_fused._Projection, "apply", lambda *a: nodes.append(1) or real(*a))
@@ -734,3 +739,35 @@ def test_training_projection_in_the_time_loop_equals_reference_loop(
         torch.testing.assert_close(a, c, **tol)
         torch.testing.assert_close(a, b, **tol)
     assert all(g is not None for g in grads_f)
+
+
+_NODES = ("LSTMSequenceBackward", "PlannedLSTMSequenceBackward", "GRUSequenceBackward",
+          "RNNSequenceBackward")  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("options", [{}, {"num_layers": 2, "bidirectional": True}],
+                         ids=["one layer", "two layers, both directions"])  # fmt: skip
+def test_one_step_training_runs_the_step_ops(kind: str, options: dict) -> None:
+    """A training call of one step (``layers._LEAN_TRAINING_STEPS``) runs the step ops with
+    torch's layer-norm kernel, no fused node, with the loop's values and gradients; from two
+    steps, and with ``impl="fused"`` asked for, the fused node runs."""
+    cls, _ = LAYERS[kind]
+    torch.manual_seed(0)
+    model = cls(16, 5, dtype=DT, **options)
+    randomize(model)
+    loop = copy.deepcopy(model)
+    loop.impl = "loop"
+    layers = model.num_layers * model.num_directions
+    x, hx = seq(1, 3, 16), states(kind, layers, 3, 5)
+    out, grads = run(model, x, hx, packed=False)
+    out_l, grads_l = run(loop, x, hx, packed=False)
+    for a, b in zip(out + grads, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **FUSED_TOL)
+    nodes = _graph_nodes(model(x.requires_grad_(), hx if kind == "lstm" else hx[0])[0])
+    assert not set(nodes) & set(_NODES)
+    two_steps = _graph_nodes(model(seq(2, 3, 16).requires_grad_())[0])
+    assert set(two_steps) & set(_NODES)
+    fused = copy.deepcopy(model)
+    fused.impl = "fused"
+    assert set(_graph_nodes(fused(x)[0])) & set(_NODES)

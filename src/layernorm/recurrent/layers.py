@@ -29,10 +29,13 @@ autograd node per direction with an analytic backward in time). When nothing wil
 differentiated (``torch.no_grad()``, or no input or parameter requires grad) the CPU C kernels run
 each direction as inference: no autograd node, nothing kept for backward, the per-row buffers
 only as large as the batch, and the input projection computed step by step inside the time loop
-(:func:`._fused.lstm_sequence`, :class:`._fused.InputProjection`). ``impl="loop"`` runs the readable
-per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare against; batch
-norm, torch.compile, torch.jit.trace, ``torch.func`` transforms, forward-mode AD and autocast always
-use it.
+(:func:`._fused.lstm_sequence`, :class:`._fused.InputProjection`). A training call of one time
+step on the CPU (``_LEAN_TRAINING_STEPS``, with layer norms and no mask or projection) runs the
+step's ops instead, the layer norms by torch's kernel where :class:`layernorm.LayerNorm` takes it:
+one step has no recurrence to fuse, and the node costs more than the ops. ``impl="loop"`` runs the
+readable per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare
+against; batch norm, torch.compile, torch.jit.trace, ``torch.func`` transforms, forward-mode AD and
+autocast always use it.
 """
 
 from __future__ import annotations
@@ -93,6 +96,14 @@ _FUSED_DTYPES = (torch.float32, torch.float64)
 # On the CPU, half inputs take the fused path too, computed in float32 (as the norm kernels do)
 # and returned in their own dtype: the step-by-step loop is many times slower.
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
+# A training call of at most this many time steps runs each step's ops with torch's layer-norm
+# kernel (the cells' lean ops), not the fused node: one step has no recurrence to fuse, and the
+# node's fixed cost (argument structs, buffers, a Python backward) exceeds the step's ops. 0:
+# never. Training, one thread, AMD EPYC, x torch.nn's time, node / ops (ab_rnn.py, RESULTS.md
+# 2026-11-27): one step LN-GRU (B, I, H) = (4, 128, 128) 2.22 / 1.61, (1, 64, 128) 2.27 / 1.68,
+# (32, 256, 256) 1.52 / 1.19; LN-LSTM 1.39 / 1.06, 1.39 / 1.05, 0.54 / 0.53; from two steps on
+# the node: (2, 8, 64, 128) GRU 1.61 / 1.93, LSTM 1.42 / 1.58.
+_LEAN_TRAINING_STEPS = 1
 # Each layer's inference plans, per direction (suffix) with their keys (see _plan_key): outside
 # the module, so that copying or pickling a layer never copies C structs holding addresses.
 _INFERENCE_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[Any, Any]]] = (
@@ -782,6 +793,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
         weights = self._weights(sfx)
         if masks.w_hh is not None:
             weights = weights._replace(w_hh=weights.w_hh * masks.w_hh)
+        if fused and self._lean_training(data, sizes, h0, c0, masks):
+            return self._loop(data, sizes, sfx, reverse, h0, c0, weights, masks, lean=True)
         if fused:
             if data.dtype in _HALF_DTYPES:
                 # computed in float32: the parameters are cast (differentiably) inside _fused
@@ -808,6 +821,31 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 _INFERENCE_PLANS.setdefault(self, {})[sfx] = (key, new[0])
             return result
         return self._loop(data, sizes, sfx, reverse, h0, c0, weights, masks)
+
+    def _lean_training(
+        self,
+        data: Tensor,
+        sizes: list[int],
+        h0: Tensor,
+        c0: Tensor | None,
+        masks: _options.Masks,
+    ) -> bool:
+        """Whether a direction runs the step loop with torch's layer-norm kernel instead of the
+        fused node (:data:`_LEAN_TRAINING_STEPS`): a training call (something to differentiate)
+        of few steps, float32 / float64 on the CPU, layer norms, no mask or projection, where
+        the fused path would run and was not asked for by name (``impl="fused"``)."""
+        if len(sizes) > _LEAN_TRAINING_STEPS or self.norm != "layer" or self.proj_size:
+            return False
+        if self.impl != "auto" or data.dtype not in _FUSED_DTYPES or not data.is_cpu:
+            return False
+        if not torch.is_grad_enabled() or any(m is not None for m in masks):
+            return False
+        return (
+            data.requires_grad
+            or h0.requires_grad
+            or (c0 is not None and c0.requires_grad)
+            or any(p.requires_grad for p in self._parameters.values() if p is not None)
+        )
 
     # -- fused path --------------------------------------------------------------------------
 
@@ -979,8 +1017,10 @@ class _LNRNNBase(NotScriptable, nn.Module):
 
     # -- reference loop ----------------------------------------------------------------------
 
-    def _step_norms(self, sfx: str, t: int) -> tuple[Any, ...]:
-        """The normalization callables of time step ``t`` (``None`` = identity)."""
+    def _step_norms(self, sfx: str, t: int, lean: bool = False) -> tuple[Any, ...]:
+        """The normalization callables of time step ``t`` (``None`` = identity); ``lean``: the
+        layer norms take torch's kernel where :class:`layernorm.LayerNorm` does (see
+        :func:`._steps.make_ln`)."""
         g, eps, hs = self._get, self.eps, self.hidden_size
         if self.norm == "none":
             return (None, None, None)
@@ -995,15 +1035,20 @@ class _LNRNNBase(NotScriptable, nn.Module):
 
             return (bn("_ih", False), bn("_hh", False), bn("_c", True))
         if self.mode == "RNN":
-            return (_steps.make_ln(g(f"ln_weight{sfx}"), g(f"ln_bias{sfx}"), eps), None, None)
+            ln = _steps.make_ln(g(f"ln_weight{sfx}"), g(f"ln_bias{sfx}"), eps, lean)
+            return (ln, None, None)
         if self.mode == "GRU":
             return (
-                _steps.make_grouped_ln(g(f"ln_weight_ih{sfx}"), g(f"ln_bias_ih{sfx}"), eps, hs),
-                _steps.make_grouped_ln(g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"), eps, hs),
+                _steps.make_grouped_ln(
+                    g(f"ln_weight_ih{sfx}"), g(f"ln_bias_ih{sfx}"), eps, hs, lean
+                ),
+                _steps.make_grouped_ln(
+                    g(f"ln_weight_hh{sfx}"), g(f"ln_bias_hh{sfx}"), eps, hs, lean
+                ),
                 None,
             )
         return tuple(
-            _steps.make_ln(g(f"ln_weight{part}{sfx}"), g(f"ln_bias{part}{sfx}"), eps)
+            _steps.make_ln(g(f"ln_weight{part}{sfx}"), g(f"ln_bias{part}{sfx}"), eps, lean)
             for part in ("_ih", "_hh", "_c")
         )
 
@@ -1017,6 +1062,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         c0: Tensor | None,
         weights: _steps.Weights,
         masks: _options.Masks,
+        lean: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         h, c = h0, c0
         n_rows = sizes_of(h0)[0]  # every sequence's row, the ended ones included
@@ -1026,7 +1072,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         for t, off, bs in _fused.make_schedule(sizes, reverse):
             rows = slice(off, off + bs)
             x_t = data[rows]
-            n_ih, n_hh, n_c = self._step_norms(sfx, t)
+            n_ih, n_hh, n_c = self._step_norms(sfx, t, lean)
             cand = None if masks.candidate is None else masks.candidate[:bs]
             if self.mode == "LSTM":
                 assert c is not None

@@ -793,7 +793,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         weights = self._weights(sfx)
         if masks.w_hh is not None:
             weights = weights._replace(w_hh=weights.w_hh * masks.w_hh)
-        if fused and self._lean_training(data, sizes, h0, c0, masks):
+        if fused and self._lean_training(data, sizes, sfx, h0, c0, weights, masks):
             return self._loop(data, sizes, sfx, reverse, h0, c0, weights, masks, lean=True)
         if fused:
             if data.dtype in _HALF_DTYPES:
@@ -826,8 +826,10 @@ class _LNRNNBase(NotScriptable, nn.Module):
         self,
         data: Tensor,
         sizes: list[int],
+        sfx: str,
         h0: Tensor,
         c0: Tensor | None,
+        weights: _steps.Weights,
         masks: _options.Masks,
     ) -> bool:
         """Whether a direction runs the step loop with torch's layer-norm kernel instead of the
@@ -838,16 +840,20 @@ class _LNRNNBase(NotScriptable, nn.Module):
             return False
         if self.impl != "auto" or data.dtype not in _FUSED_DTYPES or not data.is_cpu:
             return False
-        if not torch.is_grad_enabled() or any(m is not None for m in masks):
+        if any(m is not None for m in masks):
             return False
-        return (
-            data.requires_grad
-            or h0.requires_grad
-            or (c0 is not None and c0.requires_grad)
-            or any(p.requires_grad for p in self._parameters.values() if p is not None)
-        )
+        return _fused.differentiated(data, h0, c0, *weights, *self._direction_params(sfx))
 
     # -- fused path --------------------------------------------------------------------------
+
+    def _direction_params(self, sfx: str) -> list[Tensor | None]:
+        """The parameters of direction ``sfx`` (``None`` where one is a parametrization's
+        output, not a parameter); their names found once per direction."""
+        by_sfx = self.__dict__.setdefault("_plan_names", {})  # names of sfx's parameters
+        names = by_sfx.get(sfx)
+        if names is None:
+            names = by_sfx[sfx] = tuple(n for n in self._param_shapes if n.endswith(sfx))
+        return [self._parameters.get(n) for n in names]
 
     def _plan_key(
         self,
@@ -872,11 +878,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             return None
         if data.dtype not in _FUSED_DTYPES or not data.is_cpu:
             return None
-        by_sfx = self.__dict__.setdefault("_plan_names", {})  # names of sfx's parameters
-        names = by_sfx.get(sfx)
-        if names is None:
-            names = by_sfx[sfx] = tuple(n for n in self._param_shapes if n.endswith(sfx))
-        params = [self._parameters.get(n) for n in names]
+        params = self._direction_params(sfx)
         # first what a training call fails on, so that it pays for one test
         if torch.is_grad_enabled() and (
             data.requires_grad

@@ -63,3 +63,20 @@ def test_bench_rnn_step_times_two_trees_and_compares_their_outputs() -> None:
                "1", "--input-rows", "--other", str(rnn_abi.CSRC_DIR))  # fmt: skip
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
     assert rows[2:] == ["5", "37"] and "differs" not in out, out
+
+
+def test_bench_rnn_gemm_checks_a_build_setting_against_torch_mm() -> None:
+    """The recurrent GEMM built with A copied k-major per row tile (``-DGEMM_PACK_A=1``, a build
+    setting of rnn_seq_impl.h) beside the default build: the script checks every build's product
+    against ``torch.mm`` before timing it, at row counts of the two-panel tile (1, 3), of one
+    row tile (5), of balanced and of full-first tiles (15, 29), and at column counts with a
+    partial last panel (N = 20, 132)."""
+    from layernorm.kernels.cpu import targets
+
+    target = targets.selected().name
+    out = _run(str(BENCH / "bench_rnn_gemm.py"), "--targets", target, "--variant",
+               "packa=-DGEMM_PACK_A=1", "--rows", "1,3,5,15,29", "--hidden", "5,33", "--reps",
+               "1", "--inner", "1")  # fmt: skip
+    rows = [line.split("|")[1:4] for line in out.splitlines() if line.startswith("| f")
+            or line.startswith("| b")]  # fmt: skip
+    assert len(rows) == 2 * 2 * 5 and f"{target}+packa" in out, out

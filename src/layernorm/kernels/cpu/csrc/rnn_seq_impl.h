@@ -36,8 +36,9 @@
    rounding differs from torch.mm. */
 
 #define FN(name) RNN_CAT(name, SUF)
-/* A build may set GEMM_MR, GEMM_BALANCED and GEMM_PREFETCH with -D, as bench_rnn_gemm.py --variant
-   does to compare tiles on one processor; both instantiations (f32, f64) use the same. */
+/* A build may set GEMM_MR, GEMM_BALANCED, GEMM_PREFETCH and GEMM_PACK_A with -D, as
+   bench_rnn_gemm.py --variant does to compare tiles on one processor; both instantiations (f32,
+   f64) use the same. */
 #ifndef GEMM_MR
 #if VEC_BYTES >= 64
 #define GEMM_MR 14
@@ -122,8 +123,8 @@ static inline __attribute__((always_inline)) void FN(prefetch_panel)(const scala
    megabytes per call is an mmap plus page faults every time): slot 0 for the recurrent weight,
    slot 1 for the input weight of a forward kernel's projection, slots 2 and 3 for their GEMMs'
    inputs rounded to bfloat16 (half_gemm). NULL when one cannot grow. */
-static __thread scalar_t* FN(pack_buf)[4] = {NULL, NULL, NULL, NULL};
-static __thread i64 FN(pack_cap)[4] = {0, 0, 0, 0};
+static __thread scalar_t* FN(pack_buf)[5] = {NULL, NULL, NULL, NULL, NULL};
+static __thread i64 FN(pack_cap)[5] = {0, 0, 0, 0, 0};
 
 static scalar_t* FN(pack_buffer)(i64 n, int slot) {
     if (n > FN(pack_cap)[slot]) {
@@ -168,6 +169,26 @@ static void FN(pack_panels_t)(const scalar_t* W, i64 K, i64 N, scalar_t* P, int 
     }
 }
 
+/* GEMM_PACK_A=1 (a build setting, off by default): gemm_part first copies each row tile's rows
+   of A k-major into a buffer of its thread (A[k·rows + r]), so that a tile broadcasts its A values
+   from one pointer at constant offsets. With A read in place (A + r·sar + k·sak) GCC keeps a
+   pointer per row: the 14-row AVX-512 tile has more than the 16 general registers hold and
+   reloads four of them from the stack on every k (22 loads per 28 FMAs instead of 16). The copy
+   costs M·K values a call. AMD EPYC (one 512-bit FMA a cycle), bench_rnn_gemm.py --variant
+   packa=-DGEMM_PACK_A=1: 0.93–1.04 of the default's GFLOP/s at H = 128 and 256 forward,
+   0.81–1.09 backward, 1.0–1.18 at H = 650; the layers (ab_rnn.py --cflags) level (±0.04) at
+   three shapes (RESULTS.md). On a processor with two 512-bit FMA units a cycle (Intel Xeon) the
+   loads are twice the share of the loop's time; not measured there yet. */
+#ifndef GEMM_PACK_A
+#define GEMM_PACK_A 0
+#endif
+#if GEMM_PACK_A /* sar = 0: A as packed (the loops are unswitched on it) */
+#define TILE_A(A, sar, sak, rows, r, k) \
+    ((sar) ? (A)[(r) * (sar) + (k) * (sak)] : (A)[(k) * (rows) + (r)])
+#else
+#define TILE_A(A, sar, sak, rows, r, k) ((A)[(r) * (sar) + (k) * (sak)])
+#endif
+
 /* One tile: `rows` rows of C (a constant in each call of tile_rows, so the loops over rows and
    vectors unroll and the accumulators stay in registers), the first w <= NR columns of a panel. */
 static inline __attribute__((always_inline)) void FN(gemm_tile)(
@@ -180,7 +201,7 @@ static inline __attribute__((always_inline)) void FN(gemm_tile)(
         FN(vec) b0 = *(const FN(vec)*)(P + k * NR), b1 = *(const FN(vec)*)(P + k * NR + VL);
         IN_REGISTERS(b0, b1);
         for (int r = 0; r < rows; ++r) {
-            const scalar_t a = A[r * sar + k * sak];
+            const scalar_t a = TILE_A(A, sar, sak, rows, r, k);
             acc[r][0] += a * b0;
             acc[r][1] += a * b1;
         }
@@ -224,7 +245,7 @@ static inline __attribute__((always_inline)) void FN(gemm_tile_wide)(
         IN_REGISTERS(b0, b1);
         IN_REGISTERS(b2, b3);
         for (int r = 0; r < rows; ++r) {
-            const scalar_t a = A[r * sar + k * sak];
+            const scalar_t a = TILE_A(A, sar, sak, rows, r, k);
             acc[r][0] += a * b0;
             acc[r][1] += a * b1;
             acc[r][2] += a * b2;
@@ -432,6 +453,9 @@ typedef struct {
     scalar_t* C;
     i64 ldc;
     int accumulate;
+#if GEMM_PACK_A
+    int packed; /* A copied by gemm_part: a tile's rows from A + i0·K, A[k·rows + r] */
+#endif
 } FN(gemm_ops);
 
 /* A tile of `rows` rows from row i0 at panel p (column j): w <= NR columns of it, or (wide) it and
@@ -449,9 +473,16 @@ static inline void FN(tile_at)(const FN(gemm_ops) * g, int rows, i64 i0, i64 p, 
         return;
     }
 #endif
-    const scalar_t *a = g->A + i0 * g->sar, *P = g->P + p * g->K * NR;
-    if (wide) FN(tile_rows_wide)(rows, a, g->sar, g->sak, P, g->K, c, g->ldc, g->accumulate);
-    else FN(tile_rows)(rows, a, g->sar, g->sak, P, g->K, c, g->ldc, w, g->accumulate);
+#if GEMM_PACK_A
+    const i64 sar = g->packed ? 0 : g->sar; /* 0: TILE_A's packed layout */
+    const scalar_t* a = g->A + i0 * (g->packed ? g->K : g->sar);
+#else
+    const i64 sar = g->sar;
+    const scalar_t* a = g->A + i0 * sar;
+#endif
+    const scalar_t* P = g->P + p * g->K * NR;
+    if (wide) FN(tile_rows_wide)(rows, a, sar, g->sak, P, g->K, c, g->ldc, g->accumulate);
+    else FN(tile_rows)(rows, a, sar, g->sak, P, g->K, c, g->ldc, w, g->accumulate);
 }
 
 /* Part `part` of `parts` of C[M, N] (=|+=) A · B (the operands g): a contiguous share of the
@@ -460,6 +491,33 @@ static void FN(gemm_part)(i64 M, i64 N, const FN(gemm_ops) * g, int part, int pa
     if (M <= 0) return;
     const i64 np = FN(panels)(N);
     i64 lo, hi;
+#if GEMM_PACK_A
+    FN(gemm_ops) gp = *g;
+#if SEQ_HALF_GEMM
+    if (!g->Q)
+#endif
+    {
+        scalar_t* Ap = FN(pack_buffer)(M * g->K, 4); /* NULL: A read in place */
+        const i64 tiles = M <= GEMM_WIDE_MR ? 1 : (M + GEMM_MR - 1) / GEMM_MR;
+        const int balanced = M <= GEMM_WIDE_MR || M / tiles >= GEMM_BALANCED;
+        i64 i0 = 0;
+        for (i64 t = 0; Ap && t < tiles; ++t) {
+            const i64 rows = balanced ? M / tiles + (t < M % tiles ? 1 : 0)
+                                      : (M - i0 < GEMM_MR ? M - i0 : GEMM_MR);
+            scalar_t* dst = Ap + i0 * g->K;
+            for (i64 r = 0; r < rows; ++r) {
+                const scalar_t* src = g->A + (i0 + r) * g->sar;
+                for (i64 k = 0; k < g->K; ++k) dst[k * rows + r] = src[k * g->sak];
+            }
+            i0 += rows;
+        }
+        if (Ap) {
+            gp.A = Ap;
+            gp.packed = 1;
+            g = &gp;
+        }
+    }
+#endif
     if (M <= GEMM_WIDE_MR) { /* pairs of full panels by the wide tile, any rest by the narrow */
         row_block((np + 1) / 2, parts, part, &lo, &hi);
         for (i64 q = lo; q < hi; ++q) {

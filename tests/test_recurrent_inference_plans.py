@@ -346,9 +346,12 @@ def test_a_plan_never_writes_into_what_the_call_that_built_it_returned(kind) -> 
         first = model._direction(data, [2] * 4, "_l0", False, h0, c0)
     returned = [t.clone() for t in first if t is not None]
     ((_, plan),) = _plans(model).values()
-    bias = model._input_bias("_l0", model.bias_ih_l0, model.bias_hh_l0, model._get)
+
+    def fold(out):
+        return model._input_bias("_l0", model.bias_ih_l0, model.bias_hh_l0, model._get, out)
+
     with torch.no_grad():
-        again = plan.run(data2, h0 + 1.0, None if c0 is None else c0 - 1.0, bias)
+        again = plan.run(data2, h0 + 1.0, None if c0 is None else c0 - 1.0, fold)
     _exactly([t for t in first if t is not None], returned)
     assert not torch.equal(again[1], first[1])
 

@@ -539,13 +539,14 @@ def normalized_projection(
 
 
 def fold_input_bias(
-    bias: Tensor | None, torch_biases: tuple[Tensor, Tensor] | None
+    bias: Tensor | None, torch_biases: tuple[Tensor, Tensor] | None, out: Tensor | None = None
 ) -> Tensor | None:
     """The input side's bias with torch's ``(b_ih, b_hh)`` folded in: ``(b_ih + b_hh) + bias``
-    (differentiable; ``bias`` itself where there is nothing to fold)."""
+    (differentiable; ``bias`` itself where there is nothing to fold), written into ``out`` where
+    given (an inference plan's buffer: no allocation, no copy after)."""
     if torch_biases is None:
         return bias
-    folded = torch_biases[0] + torch_biases[1]
+    folded = torch.add(*torch_biases, out=out) if out is not None else torch.add(*torch_biases)
     return folded if bias is None else folded.add_(bias)
 
 
@@ -697,8 +698,9 @@ class InferencePlan:
     Valid only while everything it was built from holds (the caller's key: shapes, dtype,
     steps, which parameters at which addresses, threads, kernel target); the structs read the
     parameters where they are, and the one value folded from them, the input side's bias, is
-    passed again on every call. One call at a time: a call that finds it busy (another thread)
-    gets ``None`` and takes the ordinary path."""
+    folded again on every call (by the caller's function, into the buffer the kernel reads where
+    there is one). One call at a time: a call that finds it busy (another thread) gets ``None``
+    and takes the ordinary path."""
 
     def __init__(
         self,
@@ -715,6 +717,8 @@ class InferencePlan:
         self.source = source._replace(data=None)  # type: ignore[arg-type]
         self.results = results
         self.out_cols = st["out"].shape[1]
+        # an output under the buffer cache's minimum: torch's allocator directly (a cell's step)
+        self.small_out = st["out"].numel() * st["out"].element_size() < _buffers.MIN_BYTES
         self.lock = threading.Lock()
         # what belonged to the call that built it: its output, input, projection, and the final
         # states it returned (the plan's state buffers must not be those)
@@ -732,12 +736,14 @@ class InferencePlan:
         data: Tensor,
         h0: Tensor,
         c0: Tensor | None,
-        bias: Tensor | None,
+        fold_bias: Callable[[Tensor | None], Tensor | None],
         final_hidden: bool = True,
     ) -> tuple[Tensor | None, ...] | None:
         """``(out, h_n[, c_n])`` for ``data`` (N rows, as when built) from ``h0`` (``c0``), with
-        the input side's bias ``bias`` as the caller computes it now (``None`` where the plan was
-        built without one): the parameters it is folded from may have changed in place. Without
+        the input side's bias as ``fold_bias(buffer)`` folds it now from the parameters (which
+        may have changed in place): written into ``buffer``, the one the kernel reads, where it
+        can, else returned (``None`` where the plan was built without one; ``buffer`` is
+        ``None`` where the bias goes to the projection before the loop). Without
         ``final_hidden``, ``h_n`` comes back as ``None`` instead of a copy of the plan's state
         (a cell's step: its output is ``h_n``)."""
         if not self.lock.acquire(blocking=False):
@@ -748,21 +754,20 @@ class InferencePlan:
             st["h"].copy_(h0)
             if c0 is not None:
                 st["c"].copy_(c0)
-            out = _buffers.empty(data, (data.shape[0], self.out_cols))
+            shape = (data.shape[0], self.out_cols)
+            out = data.new_empty(shape) if self.small_out else _buffers.empty(data, shape)
             call.args.out = out.data_ptr()
             if self.in_loop:
-                b0 = st["projection"]["b0"]
-                if b0 is not None and b0 is not bias:
-                    b0.copy_(bias)
+                _fold_into(st["projection"]["b0"], fold_bias)
                 call.seq_args.x = data.data_ptr()
                 call.run()
                 call.seq_args.x = None
             else:
                 if self.kernel_bias is not None:
-                    kept = st[self.kernel_bias]
-                    if bias is not None and kept is not bias:
-                        kept.copy_(bias)
+                    _fold_into(st[self.kernel_bias], fold_bias)
                     bias = None
+                else:
+                    bias = fold_bias(None)
                 gx = self.source._replace(data=data, bias=bias, torch_biases=None).compute()
                 gx = gx.contiguous()
                 call.args.gx = gx.data_ptr()
@@ -773,6 +778,15 @@ class InferencePlan:
                            for k in self.results[1:]))  # fmt: skip
         finally:
             self.lock.release()
+
+
+def _fold_into(kept: Tensor | None, fold_bias: Callable[[Tensor | None], Tensor | None]) -> None:
+    """The input side's bias folded into ``kept``, the buffer a kept kernel struct reads it from
+    (no bias where ``kept`` is ``None``)."""
+    if kept is not None:
+        folded = fold_bias(kept)
+        if folded is not kept:
+            kept.copy_(folded)  # type: ignore[arg-type]
 
 
 # The dtypes whose inference projection the C sequence kernels compute (their instances).

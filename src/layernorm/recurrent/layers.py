@@ -695,8 +695,10 @@ class _LNRNNBase(NotScriptable, nn.Module):
         the parameters as they are now; ``None`` where the plan is busy (another thread).
         ``final_hidden``: as :meth:`._fused.InferencePlan.run`'s."""
         get = self._get
-        bias = self._input_bias(sfx, get(f"bias_ih{sfx}"), get(f"bias_hh{sfx}"), get)
-        result = plan.run(data, h0, c0, bias, final_hidden)
+        b_ih, b_hh = get(f"bias_ih{sfx}"), get(f"bias_hh{sfx}")
+        result = plan.run(
+            data, h0, c0, lambda out: self._input_bias(sfx, b_ih, b_hh, get, out), final_hidden
+        )
         if result is None:
             return None
         return result if len(result) == 3 else (result[0], result[1], None)
@@ -962,21 +964,30 @@ class _LNRNNBase(NotScriptable, nn.Module):
         return out, h_n, None
 
     def _input_bias(
-        self, sfx: str, b_ih: Tensor | None, b_hh: Tensor | None, g: Any
+        self,
+        sfx: str,
+        b_ih: Tensor | None,
+        b_hh: Tensor | None,
+        g: Any,
+        out: Tensor | None = None,
     ) -> Tensor | None:
         """The bias added to the input side of the LSTM's and the GRU's gates, the layer norm's
         bias when it has one, with torch's biases folded in: ``b_ih + b_hh`` (the GRU: without
         ``b_hn``, which the reset gate multiplies); the Elman RNN's: its one layer norm's bias
-        with them, or without it torch's two. ``g`` reads a normalization parameter."""
+        with them, or without it torch's two. ``g`` reads a normalization parameter. A fold is
+        written into ``out`` where given (an inference plan's buffer; not a parameter)."""
         name = f"ln_bias{sfx}" if self.mode == "RNN" else f"ln_bias_ih{sfx}"
         ln_bias = g(name) if self.norm == "layer" else None
         if b_ih is None or b_hh is None:
             return ln_bias
         if self.mode != "GRU":
-            return _fused.fold_input_bias(ln_bias, (b_ih, b_hh))
+            return _fused.fold_input_bias(ln_bias, (b_ih, b_hh), out)
         # b_ih + b_hh ⊙ (1 on r, z; 0 on n): one op where a clone and a sliced add took three
         # (a decoder step's call pays it every time)
-        folded = torch.addcmul(b_ih, b_hh, _gru_fold_mask(self.hidden_size, b_hh))
+        mask = _gru_fold_mask(self.hidden_size, b_hh)
+        folded = torch.addcmul(b_ih, b_hh, mask, out=out) if out is not None else (
+            torch.addcmul(b_ih, b_hh, mask)
+        )  # fmt: skip
         return folded if ln_bias is None else folded.add_(ln_bias)
 
     def _fused_gru(

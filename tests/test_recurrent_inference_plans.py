@@ -491,13 +491,13 @@ def test_a_kept_plan_can_leave_out_the_final_hidden_state(kind) -> None:
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(1, 3, 6, generator=gen)
     _planned(model, x)  # builds the plan of a one-step call of 3 rows
-    ((sfx, (_, plan)),) = _plans(model).items()
+    ((_, (_, plan)),) = _plans(model).items()
     rows = torch.randn(3, 6, generator=gen)
     h0 = torch.randn(3, 13, generator=gen)
     c0 = torch.randn(3, 13, generator=gen) if kind == "lstm" else None
     with torch.no_grad():
-        full = model._run_kept(plan, sfx, rows, h0, c0)
-        lean = model._run_kept(plan, sfx, rows, h0, c0, final_hidden=False)
+        full = model._run_kept(plan, rows, h0, c0)
+        lean = model._run_kept(plan, rows, h0, c0, final_hidden=False)
     assert full is not None and lean is not None
     assert lean[1] is None
     torch.testing.assert_close(full[1], full[0], rtol=0, atol=0)  # one step: h_n is the output

@@ -714,6 +714,9 @@ class InferencePlan:
         # bias), instead of the input side's
         self.st, self.call, self.in_loop = st, st["_call"], in_loop
         self.kernel_bias = kernel_bias
+        # the input side's bias as a function of the buffer it goes to (see run): set by the
+        # plan's owner, which knows the parameters it is folded from
+        self.fold_bias: Callable[[Tensor | None], Tensor | None] = _fold_unset
         self.source = source._replace(data=None)  # type: ignore[arg-type]
         self.results = results
         self.out_cols = st["out"].shape[1]
@@ -778,6 +781,10 @@ class InferencePlan:
                            for k in self.results[1:]))  # fmt: skip
         finally:
             self.lock.release()
+
+
+def _fold_unset(out: Tensor | None) -> Tensor | None:
+    raise RuntimeError("an InferencePlan's owner sets its fold_bias before running it")
 
 
 def _fold_into(kept: Tensor | None, fold_bias: Callable[[Tensor | None], Tensor | None]) -> None:

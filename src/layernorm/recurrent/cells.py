@@ -110,7 +110,7 @@ class _StepPlan(NamedTuple):
         else:
             h0, c0 = hx, None
         # one step: the output is h_n, whose copy the plan can skip
-        result = self.layer._run_kept(self.plan, _SFX, input, h0, c0, final_hidden=False)
+        result = self.layer._run_kept(self.plan, input, h0, c0, final_hidden=False)
         if result is None:
             return None
         out, _, c_n = result

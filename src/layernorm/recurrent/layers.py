@@ -207,7 +207,7 @@ class _CallPlan(NamedTuple):
             h0, c0 = given[0], (given[1] if len(given) == 2 else None)
 
         def kept(j: int, sfx: str, _: bool, rows: Tensor, h: Tensor, c: Tensor | None) -> Any:
-            return layer._run_kept(self.plans[j], sfx, rows, h, c)
+            return layer._run_kept(self.plans[j], rows, h, c)
 
         ran = layer._run_layers(layer_in, h0, c0, kept)
         return None if ran is None else layer._outputs(*ran, seq_len, n_batch, batched)
@@ -682,23 +682,18 @@ class _LNRNNBase(NotScriptable, nn.Module):
               for p in self._parameters.values() if p is not None],
         )  # fmt: skip
 
+    @staticmethod
     def _run_kept(
-        self,
         plan: _fused.InferencePlan,
-        sfx: str,
         data: Tensor,
         h0: Tensor,
         c0: Tensor | None,
         final_hidden: bool = True,
     ) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
-        """Direction ``sfx`` by its kept inference plan, with the input side's bias folded from
-        the parameters as they are now; ``None`` where the plan is busy (another thread).
-        ``final_hidden``: as :meth:`._fused.InferencePlan.run`'s."""
-        get = self._get
-        b_ih, b_hh = get(f"bias_ih{sfx}"), get(f"bias_hh{sfx}")
-        result = plan.run(
-            data, h0, c0, lambda out: self._input_bias(sfx, b_ih, b_hh, get, out), final_hidden
-        )
+        """A direction by its kept inference plan, with the input side's bias folded from the
+        parameters as they are now (:meth:`_bias_folder`); ``None`` where the plan is busy
+        (another thread). ``final_hidden``: as :meth:`._fused.InferencePlan.run`'s."""
+        result = plan.run(data, h0, c0, plan.fold_bias, final_hidden)
         if result is None:
             return None
         return result if len(result) == 3 else (result[0], result[1], None)
@@ -787,7 +782,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if key is not None:
             kept = _INFERENCE_PLANS.get(self, {}).get(sfx)
             if kept is not None and kept[0] == key:
-                result = self._run_kept(kept[1], sfx, data, h0, c0)
+                result = self._run_kept(kept[1], data, h0, c0)
                 if result is not None:
                     if used is not None:
                         used.append(kept[1])
@@ -820,6 +815,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             with _fused.keeping_plans() as new:
                 result = self._fused(data, sizes, sfx, reverse, h0, c0, weights, masks)
             if len(new) == 1:
+                new[0].fold_bias = self._bias_folder(sfx)
                 _INFERENCE_PLANS.setdefault(self, {})[sfx] = (key, new[0])
             return result
         return self._loop(data, sizes, sfx, reverse, h0, c0, weights, masks)
@@ -977,7 +973,21 @@ class _LNRNNBase(NotScriptable, nn.Module):
         with them, or without it torch's two. ``g`` reads a normalization parameter. A fold is
         written into ``out`` where given (an inference plan's buffer; not a parameter)."""
         name = f"ln_bias{sfx}" if self.mode == "RNN" else f"ln_bias_ih{sfx}"
-        ln_bias = g(name) if self.norm == "layer" else None
+        return self._fold_input_bias(g(name) if self.norm == "layer" else None, b_ih, b_hh, out)
+
+    def _bias_folder(self, sfx: str) -> Callable[[Tensor | None], Tensor | None]:
+        """:meth:`_input_bias` of direction ``sfx`` as a function of ``out`` alone, its
+        parameters looked up now: for an inference plan, whose key holds their identities (each
+        call folds their values as they are then)."""
+        name = f"ln_bias{sfx}" if self.mode == "RNN" else f"ln_bias_ih{sfx}"
+        ln_bias = self._get(name) if self.norm == "layer" else None
+        b_ih, b_hh = self._get(f"bias_ih{sfx}"), self._get(f"bias_hh{sfx}")
+        return functools.partial(self._fold_input_bias, ln_bias, b_ih, b_hh)
+
+    def _fold_input_bias(
+        self, ln_bias: Tensor | None, b_ih: Tensor | None, b_hh: Tensor | None, out: Tensor | None
+    ) -> Tensor | None:
+        """:meth:`_input_bias`'s fold of the layer norm's bias ``ln_bias`` and torch's two."""
         if b_ih is None or b_hh is None:
             return ln_bias
         if self.mode != "GRU":

@@ -19,7 +19,8 @@
 # where the project's other machines may have AVX2 only: first, on the quiet machine, LN-LSTM/GRU
 # against torch per target (1 and 2 threads, training and inference, the six shapes of the
 # targets), the recurrent GEMM's tile against MKL, and the layers' inference with the tile
-# against MKL's packed GEMM per target (ab_rnn.py --gemm); then the tests of every instruction-set
+# against MKL's packed GEMM per target (ab_rnn.py --gemm) and the tile with A copied per row tile
+# (GEMM_PACK_A, bench_rnn_gemm.py and ab_rnn.py --cflags); then the tests of every instruction-set
 # target (after the timings: a test run cut by a time limit can leave its workers running, and
 # timings beside running tests are not results). It needs a C compiler there (and uses
 # pytest-xdist where it is installed).
@@ -27,7 +28,8 @@
 # Wall times seen on an H200 machine (16 cores, 2026-11-26), for planning a short lease: tests
 # with TEST_ARGS="-n 8" 45 s; sweep with SWEEP_ARGS="--ns 1024 4096 16384 65536 262144" (five N,
 # torch.compile recompiling per shape) 95 s; tune 95 s (84 s of timings); host: about 30 s per
-# recurrent table at the six shapes, 20 s for the GEMM, then about 140 s of tests at 12 workers.
+# recurrent table at the six shapes, 20 s for the GEMM (before the packed-A builds were added
+# beside it), then about 140 s of tests at 12 workers.
 # The machine's start adds about a minute (30 s on 2026-11-27; tests with -n 8 then took 69 s).
 set -euo pipefail
 
@@ -93,8 +95,13 @@ run_host() {
         "$py" benchmarks/bench_rnn.py --threads 1 --mode "$mode" --dtype bfloat16 \
             --kinds lstm,gru --reps 5 --shapes "$shapes" 2>&1 | tee -a "$out/host_bench.log"
     done
+    # beside each target's default build, its build with A copied per row tile (GEMM_PACK_A in
+    # rnn_seq_impl.h: off by default, level on the AMD EPYC; for processors with two 512-bit FMA
+    # units, where the default tile's reloads of row pointers are a larger share of the loop)
     "$py" benchmarks/bench_rnn_gemm.py --reps 5 --inner 5 --rows 4,8,16,32,64 \
-        --hidden 128,256,512,650 2>&1 | tee "$out/host_gemm.log"
+        --hidden 128,256,512,650 --variant packa=-DGEMM_PACK_A=1 2>&1 | tee "$out/host_gemm.log"
+    "$py" benchmarks/ab_rnn.py --cflags --a="" --b="-DGEMM_PACK_A=1" --mode infer --reps 7 \
+        --shape "$shapes" 2>&1 | tee -a "$out/host_gemm.log"
     # the sequence kernels' recurrent GEMM: the tile against MKL's packed GEMM, per target
     for isa in ${HOST_ISAS:-$isas}; do
         [[ "$isa" == portable ]] && continue

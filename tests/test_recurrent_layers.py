@@ -746,12 +746,16 @@ _NODES = ("LSTMSequenceBackward", "PlannedLSTMSequenceBackward", "GRUSequenceBac
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
-@pytest.mark.parametrize("options", [{}, {"num_layers": 2, "bidirectional": True}],
-                         ids=["one layer", "two layers, both directions"])  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"num_layers": 2, "bidirectional": True}, {"norm": "none"}],
+    ids=["one layer", "two layers, both directions", "no layer norms"],
+)
 def test_one_step_training_runs_the_step_ops(kind: str, options: dict) -> None:
-    """A training call of one step (``layers._LEAN_TRAINING_STEPS``) runs the step ops with
-    torch's layer-norm kernel, no fused node, with the loop's values and gradients; from two
-    steps, and with ``impl="fused"`` asked for, the fused node runs."""
+    """A training call of one step (``layers._LEAN_TRAINING_STEPS``) runs the step ops (with
+    torch's layer-norm kernel, or none with ``norm="none"``), no fused node, with the loop's
+    values and gradients; from two steps, and with ``impl="fused"`` asked for, the fused node
+    runs."""
     cls, _ = LAYERS[kind]
     torch.manual_seed(0)
     model = cls(16, 5, dtype=DT, **options)

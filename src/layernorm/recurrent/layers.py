@@ -30,10 +30,10 @@ differentiated (``torch.no_grad()``, or no input or parameter requires grad) the
 each direction as inference: no autograd node, nothing kept for backward, the per-row buffers
 only as large as the batch, and the input projection computed step by step inside the time loop
 (:func:`._fused.lstm_sequence`, :class:`._fused.InputProjection`). A training call of one time
-step on the CPU (``_LEAN_TRAINING_STEPS``, with layer norms and no mask or projection) runs the
-step's ops instead, the layer norms by torch's kernel where :class:`layernorm.LayerNorm` takes it:
-one step has no recurrence to fuse, and the node costs more than the ops. ``impl="loop"`` runs the
-readable per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare
+step on the CPU (``_LEAN_TRAINING_STEPS``, with layer norms or none, no mask or projection) runs
+the step's ops instead, the layer norms by torch's kernel where :class:`layernorm.LayerNorm` takes
+it: one step has no recurrence to fuse, and the node costs more than the ops. ``impl="loop"``
+runs the readable per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare
 against; batch norm, torch.compile, torch.jit.trace, ``torch.func`` transforms, forward-mode AD and
 autocast always use it.
 """
@@ -102,8 +102,11 @@ _HALF_DTYPES = (torch.bfloat16, torch.float16)
 # never. Training, one thread, AMD EPYC, x torch.nn's time, node / ops (ab_rnn.py, RESULTS.md
 # 2026-11-27): one step LN-GRU (B, I, H) = (4, 128, 128) 2.22 / 1.61, (1, 64, 128) 2.27 / 1.68,
 # (32, 256, 256) 1.52 / 1.19; LN-LSTM 1.39 / 1.06, 1.39 / 1.05, 0.54 / 0.53; from two steps on
-# the node: (2, 8, 64, 128) GRU 1.61 / 1.93, LSTM 1.42 / 1.58.
+# the node: (2, 8, 64, 128) GRU 1.61 / 1.93, LSTM 1.42 / 1.58. norm="none" too: one step at
+# (1, 64, 128), (8, 64, 128), (1, 256, 256) LSTM 1.44, 1.43, 0.32 / 0.87, 0.93, 0.25; GRU 1.94,
+# 1.85, 1.48 / 1.17, 1.18, 1.09; Elman 2.26, 2.16, 2.21 / 1.26, 1.24, 1.25.
 _LEAN_TRAINING_STEPS = 1
+_LEAN_NORMS = ("layer", "none")
 # Each layer's inference plans, per direction (suffix) with their keys (see _plan_key): outside
 # the module, so that copying or pickling a layer never copies C structs holding addresses.
 _INFERENCE_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[Any, Any]]] = (
@@ -832,9 +835,9 @@ class _LNRNNBase(NotScriptable, nn.Module):
     ) -> bool:
         """Whether a direction runs the step loop with torch's layer-norm kernel instead of the
         fused node (:data:`_LEAN_TRAINING_STEPS`): a training call (something to differentiate)
-        of few steps, float32 / float64 on the CPU, layer norms, no mask or projection, where
-        the fused path would run and was not asked for by name (``impl="fused"``)."""
-        if len(sizes) > _LEAN_TRAINING_STEPS or self.norm != "layer" or self.proj_size:
+        of few steps, float32 / float64 on the CPU, layer norms or none, no mask or projection,
+        where the fused path would run and was not asked for by name (``impl="fused"``)."""
+        if len(sizes) > _LEAN_TRAINING_STEPS or self.proj_size or self.norm not in _LEAN_NORMS:
             return False
         if self.impl != "auto" or data.dtype not in _FUSED_DTYPES or not data.is_cpu:
             return False

@@ -12,6 +12,7 @@ forward under ``no_grad`` (``infer``).
     python benchmarks/ab_rnn.py --kind lstm --shape 35x20x650x650 --mode infer --threads 2 \\
         --attr _PROJECTION_BYTES --a "1 << 20" --b "8 << 20"
 
+``--norm none`` times the layers without layer norms (``--norm layer``, the default, with them).
 ``--a`` and ``--b`` are Python expressions, evaluated with ``_fused`` in scope (``--b
 _fused._one_step_kernels`` keeps a function as it is, ``--a "lambda k, s: k"`` replaces it).
 ``--attr MODULE.NAME`` sets an attribute of another module of :mod:`layernorm.recurrent` (in
@@ -57,6 +58,8 @@ def main() -> None:
     ap.add_argument("--kind", choices=sorted(KINDS), default="lstm")
     ap.add_argument("--shape", default="50x8x64x128", help="T x B x I x H")
     ap.add_argument("--mode", choices=("train", "infer"), default="train")
+    ap.add_argument("--norm", choices=("layer", "none"), default="layer",
+                    help="the layers' norm (none: the recurrence without layer norms)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1)
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument(
@@ -109,7 +112,7 @@ def main() -> None:
         torch.manual_seed(0)
         tcls, ocls = KINDS[args.kind]
         ref = tcls(i, h)
-        ours = ocls.from_torch(ref)
+        ours = ocls.from_torch(ref, norm=args.norm)
         x = (torch.randn(t, b, i) + 0.5).requires_grad_(args.mode == "train")
         run = step(ours, x, args.mode)
 

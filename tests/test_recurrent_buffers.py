@@ -270,7 +270,7 @@ def test_weight_gradients_come_from_the_cache_and_kept_ones_stay(cls, steps, mon
     never written by a later step."""
     # the fused node at one step, which a training call of one step otherwise leaves to the
     # step ops (layers._LEAN_TRAINING_STEPS)
-    monkeypatch.setattr(recurrent_layers, "_LEAN_TRAINING_STEPS", 0)
+    monkeypatch.setattr(recurrent_layers, "_LEAN_TRAINING_STEPS", {})
     torch.manual_seed(0)
     model = cls(16, 160)  # W_hh (G, 160): above the cache's smallest buffer
     x = torch.randn(steps, 16, 16)

@@ -151,7 +151,7 @@ def test_lstm_keeps_no_previous_state_on_padded_sequences(steps, monkeypatch) ->
     either direction, and every gradient equals the per-step path's, which keeps that copy."""
     # the fused node at one step, which a training call of one step otherwise leaves to the
     # step ops (layers._LEAN_TRAINING_STEPS)
-    monkeypatch.setattr(recurrent_layers, "_LEAN_TRAINING_STEPS", 0)
+    monkeypatch.setattr(recurrent_layers, "_LEAN_TRAINING_STEPS", {})
     model = _model("lstm", 7, "layer", torch.float64, bidirectional=True)
     gen = torch.Generator().manual_seed(2)
     xs = [torch.randn(steps, 6, generator=gen, dtype=torch.float64) for _ in range(3)]

@@ -569,7 +569,7 @@ def test_raw_projection_either_way_equals_reference_loop(node_bytes, monkeypatch
     monkeypatch.setattr(_fused, "_PROJECTION_NODE_BYTES", node_bytes)
     # the fused node at one step, which a training call of one step otherwise leaves to the
     # step ops (layers._LEAN_TRAINING_STEPS)
-    monkeypatch.setattr(recurrent_layers, "_LEAN_TRAINING_STEPS", 0)
+    monkeypatch.setattr(recurrent_layers, "_LEAN_TRAINING_STEPS", {})
     nodes = []
     real = _fused._Projection.apply
     monkeypatch.setattr(_fused._Projection, "apply", lambda *a: nodes.append(1) or real(*a))
@@ -752,10 +752,10 @@ _NODES = ("LSTMSequenceBackward", "PlannedLSTMSequenceBackward", "GRUSequenceBac
     ids=["one layer", "two layers, both directions", "no layer norms"],
 )
 def test_one_step_training_runs_the_step_ops(kind: str, options: dict) -> None:
-    """A training call of one step (``layers._LEAN_TRAINING_STEPS``) runs the step ops (with
-    torch's layer-norm kernel, or none with ``norm="none"``), no fused node, with the loop's
-    values and gradients; from two steps, and with ``impl="fused"`` asked for, the fused node
-    runs."""
+    """A training call of up to ``layers._LEAN_TRAINING_STEPS[norm]`` steps (one with layer
+    norms, two without) runs the step ops (with torch's layer-norm kernel, or none with
+    ``norm="none"``), no fused node, with the loop's values and gradients; from one step more,
+    and with ``impl="fused"`` asked for, the fused node runs."""
     cls, _ = LAYERS[kind]
     torch.manual_seed(0)
     model = cls(16, 5, dtype=DT, **options)
@@ -763,15 +763,17 @@ def test_one_step_training_runs_the_step_ops(kind: str, options: dict) -> None:
     loop = copy.deepcopy(model)
     loop.impl = "loop"
     layers = model.num_layers * model.num_directions
-    x, hx = seq(1, 3, 16), states(kind, layers, 3, 5)
+    steps = {"layer": 1, "none": 2}[model.norm]
+    assert recurrent_layers._LEAN_TRAINING_STEPS[model.norm] == steps
+    x, hx = seq(steps, 3, 16), states(kind, layers, 3, 5)
     out, grads = run(model, x, hx, packed=False)
     out_l, grads_l = run(loop, x, hx, packed=False)
     for a, b in zip(out + grads, out_l + grads_l, strict=True):
         torch.testing.assert_close(a, b, **FUSED_TOL)
     nodes = _graph_nodes(model(x.requires_grad_(), hx if kind == "lstm" else hx[0])[0])
     assert not set(nodes) & set(_NODES)
-    two_steps = _graph_nodes(model(seq(2, 3, 16).requires_grad_())[0])
-    assert set(two_steps) & set(_NODES)
+    more_steps = _graph_nodes(model(seq(steps + 1, 3, 16).requires_grad_())[0])
+    assert set(more_steps) & set(_NODES)
     fused = copy.deepcopy(model)
     fused.impl = "fused"
     assert set(_graph_nodes(fused(x)[0])) & set(_NODES)

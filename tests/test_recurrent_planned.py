@@ -81,7 +81,7 @@ def test_planned_call_equals_the_fused_path(case, given_state, in_loop, monkeypa
     kw, (t, b) = CASES[case]
     # the fused node at one step, which a training call of one step otherwise leaves to the
     # step ops (layers._LEAN_TRAINING_STEPS)
-    monkeypatch.setattr(recurrent_layers, "_LEAN_TRAINING_STEPS", 0)
+    monkeypatch.setattr(recurrent_layers, "_LEAN_TRAINING_STEPS", {})
     if not in_loop:  # the projection one GEMM before the time loop
         monkeypatch.setattr(_fused, "_LOOP_PROJECTION_TRAINING_ROWS", 1 << 30)
     model = _model(**kw)

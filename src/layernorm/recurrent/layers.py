@@ -30,7 +30,7 @@ differentiated (``torch.no_grad()``, or no input or parameter requires grad) the
 each direction as inference: no autograd node, nothing kept for backward, the per-row buffers
 only as large as the batch, and the input projection computed step by step inside the time loop
 (:func:`._fused.lstm_sequence`, :class:`._fused.InputProjection`). A training call of one time
-step on the CPU (``_LEAN_TRAINING_STEPS``, with layer norms or none, no mask or projection) runs
+step on the CPU (two without layer norms: ``_LEAN_TRAINING_STEPS``; no mask or projection) runs
 the step's ops instead, the layer norms by torch's kernel where :class:`layernorm.LayerNorm` takes
 it: one step has no recurrence to fuse, and the node costs more than the ops. ``impl="loop"``
 runs the readable per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare
@@ -96,17 +96,18 @@ _FUSED_DTYPES = (torch.float32, torch.float64)
 # On the CPU, half inputs take the fused path too, computed in float32 (as the norm kernels do)
 # and returned in their own dtype: the step-by-step loop is many times slower.
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
-# A training call of at most this many time steps runs each step's ops with torch's layer-norm
-# kernel (the cells' lean ops), not the fused node: one step has no recurrence to fuse, and the
-# node's fixed cost (argument structs, buffers, a Python backward) exceeds the step's ops. 0:
-# never. Training, one thread, AMD EPYC, x torch.nn's time, node / ops (ab_rnn.py, RESULTS.md
+# A training call of at most this many time steps (per norm) runs each step's ops with torch's
+# layer-norm kernel (the cells' lean ops), not the fused node: one step has no recurrence to fuse,
+# and the node's fixed cost (argument structs, buffers, a Python backward) exceeds the step's
+# ops. Training, one thread, AMD EPYC, x torch.nn's time, node / ops (ab_rnn.py, RESULTS.md
 # 2026-11-27): one step LN-GRU (B, I, H) = (4, 128, 128) 2.22 / 1.61, (1, 64, 128) 2.27 / 1.68,
 # (32, 256, 256) 1.52 / 1.19; LN-LSTM 1.39 / 1.06, 1.39 / 1.05, 0.54 / 0.53; from two steps on
 # the node: (2, 8, 64, 128) GRU 1.61 / 1.93, LSTM 1.42 / 1.58. norm="none" too: one step at
 # (1, 64, 128), (8, 64, 128), (1, 256, 256) LSTM 1.44, 1.43, 0.32 / 0.87, 0.93, 0.25; GRU 1.94,
-# 1.85, 1.48 / 1.17, 1.18, 1.09; Elman 2.26, 2.16, 2.21 / 1.26, 1.24, 1.25.
-_LEAN_TRAINING_STEPS = 1
-_LEAN_NORMS = ("layer", "none")
+# 1.85, 1.48 / 1.17, 1.18, 1.09; Elman 2.26, 2.16, 2.21 / 1.26, 1.24, 1.25; and two steps of 8
+# rows (64, 128) LSTM 1.31 / 1.24, GRU 1.39 / 1.30, Elman 1.75 / 1.35; three LSTM 1.43 / 1.42,
+# GRU 1.21 / 1.34, Elman 1.54 / 1.45. Per norm; other norms never.
+_LEAN_TRAINING_STEPS: dict[str, int] = {"layer": 1, "none": 2}
 # Each layer's inference plans, per direction (suffix) with their keys (see _plan_key): outside
 # the module, so that copying or pickling a layer never copies C structs holding addresses.
 _INFERENCE_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[Any, Any]]] = (
@@ -837,7 +838,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         fused node (:data:`_LEAN_TRAINING_STEPS`): a training call (something to differentiate)
         of few steps, float32 / float64 on the CPU, layer norms or none, no mask or projection,
         where the fused path would run and was not asked for by name (``impl="fused"``)."""
-        if len(sizes) > _LEAN_TRAINING_STEPS or self.proj_size or self.norm not in _LEAN_NORMS:
+        if len(sizes) > _LEAN_TRAINING_STEPS.get(self.norm, 0) or self.proj_size:
             return False
         if self.impl != "auto" or data.dtype not in _FUSED_DTYPES or not data.is_cpu:
             return False

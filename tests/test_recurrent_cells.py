@@ -38,23 +38,35 @@ def inputs(b: int, n: int, seed: int = 1) -> torch.Tensor:
     return 2.0 + 1.5 * torch.randn(b, n, generator=gen, dtype=DT)
 
 
-def test_rnn_cell_is_eq4() -> None:
+# the Elman step records its ops where a gradient may be taken, else updates its own
+# pre-activation in place: both must be Eq. 4
+GRAD_MODES = [pytest.param(True, id="recorded"), pytest.param(False, id="no_grad")]
+
+
+@pytest.mark.parametrize("grad", GRAD_MODES)
+def test_rnn_cell_is_eq4(grad: bool) -> None:
     cell = LayerNormRNNCell(5, 7, dtype=DT)
     randomize(cell)
     x, h = inputs(3, 5), inputs(3, 7, seed=2)
     a = h @ cell.weight_hh.T + x @ cell.weight_ih.T  # a_t = W_hh h_{t−1} + W_xh x_t
     b = cell.ln_bias + cell.bias_ih + cell.bias_hh
     expected = torch.tanh(ln_by_hand(a, cell.ln_weight, b))
-    torch.testing.assert_close(cell(x, h), expected, rtol=1e-12, atol=1e-12)
+    with torch.set_grad_enabled(grad):
+        out = cell(x, h)
+    assert out.requires_grad == grad
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_rnn_cell_relu() -> None:
+@pytest.mark.parametrize("grad", GRAD_MODES)
+def test_rnn_cell_relu(grad: bool) -> None:
     cell = LayerNormRNNCell(5, 7, nonlinearity="relu", dtype=DT)
     randomize(cell)
     x, h = inputs(3, 5), inputs(3, 7, seed=2)
     a = h @ cell.weight_hh.T + x @ cell.weight_ih.T
     b = cell.ln_bias + cell.bias_ih + cell.bias_hh
-    torch.testing.assert_close(cell(x, h), torch.relu(ln_by_hand(a, cell.ln_weight, b)))
+    with torch.set_grad_enabled(grad):
+        out = cell(x, h)
+    torch.testing.assert_close(out, torch.relu(ln_by_hand(a, cell.ln_weight, b)))
 
 
 @pytest.mark.parametrize("normalize_cell_state", [False, True])
@@ -467,3 +479,31 @@ def test_lstm_cell_step_of_a_batch_keeps_its_plan_either_way(
         torch.set_num_threads(before)
     kept = cells._STEP_PLANS.get(cell)
     assert kept is not None and kept.plan.in_loop is in_loop
+
+
+@pytest.mark.parametrize("cls", [LayerNormRNNCell, LayerNormLSTMCell, LayerNormGRUCell])
+def test_a_parametrized_or_replaced_weight_steps_by_the_ops(cls: type) -> None:
+    """A weight that is not a registered parameter (``parametrizations.weight_norm``'s output,
+    or a plain tensor put in its place) cannot back a kept step plan (its structs point at
+    registered parameters): without gradients the cell then steps by its ops, with the results
+    of a step with gradients."""
+    from torch.nn.utils import parametrizations
+
+    from layernorm.recurrent import cells
+
+    for replace in ("weight_norm", "plain tensor"):
+        cell = cls(5, 8, dtype=DT)
+        randomize(cell)
+        if replace == "weight_norm":
+            parametrizations.weight_norm(cell, "weight_hh")
+        else:
+            w = cell.weight_hh.detach().clone()
+            del cell.weight_hh
+            cell.weight_hh = w
+        x, h = inputs(3, 5), inputs(3, 8, seed=2)
+        hx = (h, 0.5 * h) if cls is LayerNormLSTMCell else h
+        expected = _by_ops(cell, x, hx)
+        with torch.no_grad():
+            for _ in range(2):
+                _assert_same(cell(x, hx), expected)
+        assert cells._STEP_PLANS.get(cell) is None

@@ -777,3 +777,33 @@ def test_one_step_training_runs_the_step_ops(kind: str, options: dict) -> None:
     fused = copy.deepcopy(model)
     fused.impl = "fused"
     assert set(_graph_nodes(fused(x)[0])) & set(_NODES)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("steps", [1, 5], ids=["one step", "sequence"])
+def test_a_parametrized_weight_runs_on_every_path(kind: str, steps: int) -> None:
+    """Weight normalization as torch applies it (``parametrizations.weight_norm``): the weight
+    is then a parametrization's output, not a registered parameter. Training (the fused path and
+    the step ops) gives the reference loop's outputs and gradients (those of the
+    parametrization's own parameters included), and inference, where no plan may point at a
+    computed weight, the same outputs on every call."""
+    from torch.nn.utils import parametrizations
+
+    cls, _ = LAYERS[kind]
+    torch.manual_seed(0)
+    model = cls(16, 5, dtype=DT, num_layers=2)
+    randomize(model)
+    parametrizations.weight_norm(model, "weight_hh_l0")
+    parametrizations.weight_norm(model, "weight_ih_l1")
+    loop = copy.deepcopy(model)
+    loop.impl = "loop"
+    x, hx = seq(steps, 3, 16), states(kind, 2, 3, 5)
+    out, grads = run(model, x, hx, packed=False)
+    out_l, grads_l = run(loop, x, hx, packed=False)
+    assert all(g is not None for g in grads)
+    for a, b in zip(out + grads, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **FUSED_TOL)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(x, hx if kind == "lstm" else hx[0])[0], out[0],
+                                       **FUSED_TOL)  # fmt: skip

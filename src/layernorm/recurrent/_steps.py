@@ -106,8 +106,14 @@ def rnn_step(
     :math:`h_t = f(\frac{g}{\sigma_t}\odot(a_t-\mu_t) + b)` with ``b = β + b_ih + b_hh``."""
     w_ih, w_hh, b_ih, b_hh = weights
     a = _apply(norm, F.linear(x, w_ih) + F.linear(h, w_hh))
-    a = _add_bias(a, b_ih, b_hh)
-    return torch.tanh(a) if nonlinearity == "tanh" else torch.relu(a)
+    if a.requires_grad:
+        a = _add_bias(a, b_ih, b_hh)
+        return torch.tanh(a) if nonlinearity == "tanh" else torch.relu(a)
+    # nothing recorded: a is this step's own tensor, updated in place (no allocation an op)
+    for b in (b_ih, b_hh):
+        if b is not None:
+            a.add_(b)
+    return a.tanh_() if nonlinearity == "tanh" else a.relu_()
 
 
 def lstm_step(

@@ -253,9 +253,12 @@ class _LNCellBase(NotScriptable, nn.Module):
         """The step by its kept plan (:class:`_StepPlan`), building it on the first call of a
         signature; ``None`` where the call is not of the planned kind (gradients on, a tracer,
         autocast, zoneout, an unbatched or non-float32/float64 CPU input, a state that is not a
-        plain tensor or tuple of them): then the ops of :mod:`._steps` run it."""
+        plain tensor or tuple of them, a parameter that is not a registered parameter: a
+        parametrization's output, say): then the ops of :mod:`._steps` run it."""
         if torch.is_grad_enabled() or type(input) is not Tensor or input.dim() != 2:
             return None
+        if self._modules.get("parametrizations") is not None:
+            return None  # computed weights: the one-step layer takes registered parameters only
         if input.dtype not in _FUSED_DTYPES or not input.is_cpu:
             return None
         if self.zoneout_hidden or getattr(self, "zoneout_cell", 0.0):
@@ -278,6 +281,8 @@ class _LNCellBase(NotScriptable, nn.Module):
         x, batched = self._prepare(input)
         h, c = self._states(hx, x, batched)
         layer = self._step_layer()
+        if any(p is not None and p.is_meta for p in layer._parameters.values()):
+            return None  # a parameter the cell does not hold as one (a plain tensor in its place)
         out, _, c_n = layer._direction(x, [x.shape[0]], _SFX, False, h, c)
         kept = _INFERENCE_PLANS.get(layer, {}).get(_SFX)
         if kept is not None:
@@ -285,8 +290,26 @@ class _LNCellBase(NotScriptable, nn.Module):
             _STEP_PLANS[self] = _StepPlan(signature, layer, kept[1], zeros)
         return out if c_n is None else (out, c_n)
 
+    def _get(self, name: str) -> Tensor | None:
+        # a registered parameter straight from the dict (nn.Module.__getattr__ is the slow path
+        # of every attribute lookup: half a microsecond each, a dozen a step); anything else
+        # (what a parametrization puts in a parameter's place) as an attribute
+        p = self._parameters.get(name)
+        return p if p is not None else getattr(self, name, None)
+
     def _weights(self) -> _steps.Weights:
-        return _steps.Weights(self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        get = self._get
+        w_ih, w_hh = get("weight_ih"), get("weight_hh")
+        assert w_ih is not None and w_hh is not None
+        return _steps.Weights(w_ih, w_hh, get("bias_ih"), get("bias_hh"))
+
+    def _norm(self, suffix: str, grouped: bool = False) -> _steps.Norm:
+        """The step's layer norm ``suffix`` (``""``, ``"_ih"``, ``"_hh"``, ``"_c"``) with torch's
+        kernel (lean); ``grouped``: the GRU's two groups."""
+        w, b = self._get(f"ln_weight{suffix}"), self._get(f"ln_bias{suffix}")
+        if grouped:
+            return _steps.make_grouped_ln(w, b, self.eps, self.hidden_size, lean=True)
+        return _steps.make_ln(w, b, self.eps, lean=True)
 
     def _zoneout_rate(self, value: object, name: str) -> float:
         return check_probability(value, name, type(self).__name__, allow_one=True)
@@ -303,7 +326,9 @@ class _LNCellBase(NotScriptable, nn.Module):
     def _prepare(self, x: object) -> tuple[Tensor, bool]:
         owner = type(self).__name__
         x_, batched = check_cell_input(x, self.input_size, owner)
-        check_params_match(x_, self.weight_ih, owner)
+        weight = self._get("weight_ih")
+        assert weight is not None
+        check_params_match(x_, weight, owner)
         return (x_ if batched else x_.unsqueeze(0)), batched
 
     def _state(self, t: object, name: str, x: Tensor, batched: bool) -> Tensor:
@@ -387,7 +412,7 @@ class LayerNormRNNCell(_LNCellBase):
         h_prev = self._hidden(hx, x, batched)
         h = _steps.rnn_step(
             x, h_prev, self._weights(),
-            _steps.make_ln(self.ln_weight, self.ln_bias, self.eps, lean=True), self.nonlinearity,
+            self._norm(""), self.nonlinearity,
         )  # fmt: skip
         h = self._zone(self.zoneout_hidden, h_prev, h)
         return h if batched else h.squeeze(0)
@@ -497,9 +522,7 @@ class LayerNormLSTMCell(_LNCellBase):
         h, c = self._states(hx, x, batched)
         h_new, c_new = _steps.lstm_step(
             x, h, c, self._weights(),
-            _steps.make_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps, lean=True),
-            _steps.make_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps, lean=True),
-            _steps.make_ln(self.ln_weight_c, self.ln_bias_c, self.eps, lean=True),
+            self._norm("_ih"), self._norm("_hh"), self._norm("_c"),
             self.normalize_cell_state,
         )  # fmt: skip
         h, c = self._zone(self.zoneout_hidden, h, h_new), self._zone(self.zoneout_cell, c, c_new)
@@ -557,12 +580,10 @@ class LayerNormGRUCell(_LNCellBase):
         if planned is not None:
             return planned  # type: ignore[no-any-return]
         x, batched = self._prepare(input)
-        hs = self.hidden_size
         h_prev = self._hidden(hx, x, batched)
         h = _steps.gru_step(
             x, h_prev, self._weights(),
-            _steps.make_grouped_ln(self.ln_weight_ih, self.ln_bias_ih, self.eps, hs, lean=True),
-            _steps.make_grouped_ln(self.ln_weight_hh, self.ln_bias_hh, self.eps, hs, lean=True),
+            self._norm("_ih", grouped=True), self._norm("_hh", grouped=True),
         )  # fmt: skip
         h = self._zone(self.zoneout_hidden, h_prev, h)
         return h if batched else h.squeeze(0)

@@ -404,6 +404,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
         cpu, plain = data.is_cpu, torch._C._get_tracing_state() is None
         for name, shape in self._param_shapes.items():
             p = params.get(name)
+            if p is None:  # a parametrization's output (weight_norm, say) in the parameter's place
+                p = getattr(self, name, None)
             # the usual case in few attribute reads (a call of a small layer is microseconds);
             # anything else gets the full check, which names what is wrong
             if (

@@ -507,3 +507,14 @@ def test_a_parametrized_or_replaced_weight_steps_by_the_ops(cls: type) -> None:
             for _ in range(2):
                 _assert_same(cell(x, hx), expected)
         assert cells._STEP_PLANS.get(cell) is None
+
+
+@pytest.mark.parametrize("cls", [LayerNormRNNCell, LayerNormLSTMCell, LayerNormGRUCell])
+@pytest.mark.parametrize("name", ["weight_ih", "weight_hh"])
+def test_a_missing_weight_is_named(cls: type, name: str) -> None:
+    cell = cls(5, 7)
+    delattr(cell, name)
+    with pytest.raises(AttributeError, match=f"{cls.__name__}: it has no {name}"):
+        cell(torch.randn(2, 5))
+    with torch.no_grad(), pytest.raises(AttributeError, match=f"it has no {name}"):
+        cell(torch.randn(2, 5))

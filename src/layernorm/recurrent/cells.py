@@ -297,11 +297,17 @@ class _LNCellBase(NotScriptable, nn.Module):
         p = self._parameters.get(name)
         return p if p is not None else getattr(self, name, None)
 
+    def _weight(self, name: str) -> Tensor:
+        """A weight the step cannot do without (``weight_ih``, ``weight_hh``)."""
+        w = self._get(name)
+        if w is None:
+            raise AttributeError(f"{type(self).__name__}: it has no {name}, a weight it needs")
+        return w
+
     def _weights(self) -> _steps.Weights:
         get = self._get
-        w_ih, w_hh = get("weight_ih"), get("weight_hh")
-        assert w_ih is not None and w_hh is not None
-        return _steps.Weights(w_ih, w_hh, get("bias_ih"), get("bias_hh"))
+        return _steps.Weights(self._weight("weight_ih"), self._weight("weight_hh"),
+                              get("bias_ih"), get("bias_hh"))  # fmt: skip
 
     def _norm(self, suffix: str, grouped: bool = False) -> _steps.Norm:
         """The step's layer norm ``suffix`` (``""``, ``"_ih"``, ``"_hh"``, ``"_c"``) with torch's
@@ -326,9 +332,7 @@ class _LNCellBase(NotScriptable, nn.Module):
     def _prepare(self, x: object) -> tuple[Tensor, bool]:
         owner = type(self).__name__
         x_, batched = check_cell_input(x, self.input_size, owner)
-        weight = self._get("weight_ih")
-        assert weight is not None
-        check_params_match(x_, weight, owner)
+        check_params_match(x_, self._weight("weight_ih"), owner)
         return (x_ if batched else x_.unsqueeze(0)), batched
 
     def _state(self, t: object, name: str, x: Tensor, batched: bool) -> Tensor:

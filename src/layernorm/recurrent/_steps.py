@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import layer_norm
-from ..ops._dispatch import torch_layer_norm
+from ..ops._dispatch import plain_eager, torch_layer_norm
 
 Norm = Callable[[Tensor], Tensor]
 
@@ -106,10 +106,11 @@ def rnn_step(
     :math:`h_t = f(\frac{g}{\sigma_t}\odot(a_t-\mu_t) + b)` with ``b = β + b_ih + b_hh``."""
     w_ih, w_hh, b_ih, b_hh = weights
     a = _apply(norm, F.linear(x, w_ih) + F.linear(h, w_hh))
-    if a.requires_grad:
+    if a.requires_grad or not plain_eager():
         a = _add_bias(a, b_ih, b_hh)
         return torch.tanh(a) if nonlinearity == "tanh" else torch.relu(a)
-    # nothing recorded: a is this step's own tensor, updated in place (no allocation an op)
+    # nothing recorded (no gradient, no tracer or transform: a trace's graph may not depend on
+    # whether gradients are on): a is this step's own tensor, updated in place (no allocation)
     for b in (b_ih, b_hh):
         if b is not None:
             a.add_(b)

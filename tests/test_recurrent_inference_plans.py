@@ -506,3 +506,43 @@ def test_a_kept_plan_can_leave_out_the_final_hidden_state(kind) -> None:
         _exactly([lean[2]], [full[2]])
     else:
         assert lean[2] is None and full[2] is None
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_a_layer_with_kept_plans_is_freed_when_dropped(kind) -> None:
+    """The plans are kept beside the layer by a weak reference to it: nothing a plan holds (its
+    bias fold included) may refer back to the layer, or a dropped layer, its plans and their
+    buffers would live as long as the process."""
+    import gc
+    import weakref
+
+    model = _model(kind)
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.randn(3, 2, 6))
+    assert _plans(model)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_cell_with_a_kept_step_is_freed_when_dropped(kind) -> None:
+    """As the layers: a cell's kept step (and the one-step layer behind it) keeps no reference
+    back to the cell."""
+    import gc
+    import weakref
+
+    from layernorm import LayerNormGRUCell, LayerNormLSTMCell
+    from layernorm.recurrent import cells
+
+    cell = {"lstm": LayerNormLSTMCell, "gru": LayerNormGRUCell}[kind](6, 13)
+    with torch.no_grad():
+        for _ in range(2):
+            cell(torch.randn(2, 6))
+    assert cells._STEP_PLANS.get(cell) is not None
+    ref = weakref.ref(cell)
+    del cell
+    gc.collect()
+    assert ref() is None

@@ -92,6 +92,29 @@ def _gru_fold_mask(hidden: int, like: Tensor) -> Tensor:
     return _gru_fold_mask_of(hidden, like.dtype, like.device)
 
 
+def _fold_input_bias(
+    mode: str,
+    hidden: int,
+    ln_bias: Tensor | None,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    out: Tensor | None,
+) -> Tensor | None:
+    """The input side's bias of a ``mode`` layer (:meth:`_LNRNNBase._input_bias`): the layer
+    norm's bias ``ln_bias`` with torch's two folded in, written into ``out`` where given."""
+    if b_ih is None or b_hh is None:
+        return ln_bias
+    if mode != "GRU":
+        return _fused.fold_input_bias(ln_bias, (b_ih, b_hh), out)
+    # b_ih + b_hh ⊙ (1 on r, z; 0 on n): one op where a clone and a sliced add took three
+    # (a decoder step's call pays it every time)
+    mask = _gru_fold_mask(hidden, b_hh)
+    folded = torch.addcmul(b_ih, b_hh, mask, out=out) if out is not None else (
+        torch.addcmul(b_ih, b_hh, mask)
+    )  # fmt: skip
+    return folded if ln_bias is None else folded.add_(ln_bias)
+
+
 _FUSED_DTYPES = (torch.float32, torch.float64)
 # On the CPU, half inputs take the fused path too, computed in float32 (as the norm kernels do)
 # and returned in their own dtype: the step-by-step loop is many times slower.
@@ -979,32 +1002,18 @@ class _LNRNNBase(NotScriptable, nn.Module):
         with them, or without it torch's two. ``g`` reads a normalization parameter. A fold is
         written into ``out`` where given (an inference plan's buffer; not a parameter)."""
         name = f"ln_bias{sfx}" if self.mode == "RNN" else f"ln_bias_ih{sfx}"
-        return self._fold_input_bias(g(name) if self.norm == "layer" else None, b_ih, b_hh, out)
+        ln_bias = g(name) if self.norm == "layer" else None
+        return _fold_input_bias(self.mode, self.hidden_size, ln_bias, b_ih, b_hh, out)
 
     def _bias_folder(self, sfx: str) -> Callable[[Tensor | None], Tensor | None]:
         """:meth:`_input_bias` of direction ``sfx`` as a function of ``out`` alone, its
         parameters looked up now: for an inference plan, whose key holds their identities (each
-        call folds their values as they are then)."""
+        call folds their values as they are then). It holds the parameters, not the layer: the
+        plans are kept by a weak reference to the layer, which a reference back would defeat."""
         name = f"ln_bias{sfx}" if self.mode == "RNN" else f"ln_bias_ih{sfx}"
         ln_bias = self._get(name) if self.norm == "layer" else None
         b_ih, b_hh = self._get(f"bias_ih{sfx}"), self._get(f"bias_hh{sfx}")
-        return functools.partial(self._fold_input_bias, ln_bias, b_ih, b_hh)
-
-    def _fold_input_bias(
-        self, ln_bias: Tensor | None, b_ih: Tensor | None, b_hh: Tensor | None, out: Tensor | None
-    ) -> Tensor | None:
-        """:meth:`_input_bias`'s fold of the layer norm's bias ``ln_bias`` and torch's two."""
-        if b_ih is None or b_hh is None:
-            return ln_bias
-        if self.mode != "GRU":
-            return _fused.fold_input_bias(ln_bias, (b_ih, b_hh), out)
-        # b_ih + b_hh ⊙ (1 on r, z; 0 on n): one op where a clone and a sliced add took three
-        # (a decoder step's call pays it every time)
-        mask = _gru_fold_mask(self.hidden_size, b_hh)
-        folded = torch.addcmul(b_ih, b_hh, mask, out=out) if out is not None else (
-            torch.addcmul(b_ih, b_hh, mask)
-        )  # fmt: skip
-        return folded if ln_bias is None else folded.add_(ln_bias)
+        return functools.partial(_fold_input_bias, self.mode, self.hidden_size, ln_bias, b_ih, b_hh)
 
     def _fused_gru(
         self,

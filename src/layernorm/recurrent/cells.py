@@ -290,12 +290,8 @@ class _LNCellBase(NotScriptable, nn.Module):
             _STEP_PLANS[self] = _StepPlan(signature, layer, kept[1], zeros)
         return out if c_n is None else (out, c_n)
 
-    def _get(self, name: str) -> Tensor | None:
-        # a registered parameter straight from the dict (nn.Module.__getattr__ is the slow path
-        # of every attribute lookup: half a microsecond each, a dozen a step); anything else
-        # (what a parametrization puts in a parameter's place) as an attribute
-        p = self._parameters.get(name)
-        return p if p is not None else getattr(self, name, None)
+    # a parameter from the module's dict, else an attribute: the layers' lookup
+    _get = _LNRNNBase._get
 
     def _weight(self, name: str) -> Tensor:
         """A weight the step cannot do without (``weight_ih``, ``weight_hh``)."""

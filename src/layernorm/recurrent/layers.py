@@ -1001,17 +1001,19 @@ class _LNRNNBase(NotScriptable, nn.Module):
         ``b_hn``, which the reset gate multiplies); the Elman RNN's: its one layer norm's bias
         with them, or without it torch's two. ``g`` reads a normalization parameter. A fold is
         written into ``out`` where given (an inference plan's buffer; not a parameter)."""
-        name = f"ln_bias{sfx}" if self.mode == "RNN" else f"ln_bias_ih{sfx}"
-        ln_bias = g(name) if self.norm == "layer" else None
+        ln_bias = g(self._input_ln_bias_name(sfx)) if self.norm == "layer" else None
         return _fold_input_bias(self.mode, self.hidden_size, ln_bias, b_ih, b_hh, out)
+
+    def _input_ln_bias_name(self, sfx: str) -> str:
+        """The layer norm's bias on the input side of direction ``sfx`` (the Elman RNN's one)."""
+        return f"ln_bias{sfx}" if self.mode == "RNN" else f"ln_bias_ih{sfx}"
 
     def _bias_folder(self, sfx: str) -> Callable[[Tensor | None], Tensor | None]:
         """:meth:`_input_bias` of direction ``sfx`` as a function of ``out`` alone, its
         parameters looked up now: for an inference plan, whose key holds their identities (each
         call folds their values as they are then). It holds the parameters, not the layer: the
         plans are kept by a weak reference to the layer, which a reference back would defeat."""
-        name = f"ln_bias{sfx}" if self.mode == "RNN" else f"ln_bias_ih{sfx}"
-        ln_bias = self._get(name) if self.norm == "layer" else None
+        ln_bias = self._get(self._input_ln_bias_name(sfx)) if self.norm == "layer" else None
         b_ih, b_hh = self._get(f"bias_ih{sfx}"), self._get(f"bias_hh{sfx}")
         return functools.partial(_fold_input_bias, self.mode, self.hidden_size, ln_bias, b_ih, b_hh)
 

@@ -439,6 +439,61 @@ def test_use_gemm_choices(monkeypatch) -> None:
         rnn.use_gemm(None)
 
 
+def test_tile_outpaces_torch_gemm_on_wide_amd_avx512(monkeypatch) -> None:
+    """The C GEMM takes torch.mm's products on AMD processors from family 26 (Zen 5, AVX-512 units
+    512 bits wide, where MKL runs its AVX2 code) with a target that has AVX-512; not on Zen 4
+    (family 25), nor on Intel, nor with the AVX2 or portable targets."""
+    from layernorm.kernels.cpu import rnn, targets
+
+    cases = [
+        ("AuthenticAMD", 26, "avx512bf16", True),
+        ("AuthenticAMD", 26, "avx512", True),
+        ("AuthenticAMD", 27, "avx512", True),
+        ("AuthenticAMD", 26, "avx2", False),
+        ("AuthenticAMD", 26, "portable", False),
+        ("AuthenticAMD", 25, "avx512bf16", False),
+        ("GenuineIntel", 26, "avx512", False),
+        ("GenuineIntel", 6, "avx512bf16", False),
+        ("", 0, "avx512", False),
+    ]
+    for vendor, family, isa, expected in cases:
+        monkeypatch.setattr(targets, "cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setattr(targets, "cpu_family", lambda f=family: f)
+        assert rnn.tile_outpaces_torch_gemm(isa) == expected, (vendor, family, isa)
+
+
+@pytest.mark.parametrize("outpaced", [False, True], ids=["torch.mm at its rate", "outpaced"])
+def test_weight_grad_takes_the_c_gemm_at_every_size_where_it_outpaces_torch(
+    outpaced, monkeypatch
+) -> None:
+    """Past the limits measured where both GEMMs run at one rate (many multiply-adds, a large
+    gradient, fewer column panels than threads) a weight's gradient is torch.mm's, unless the C
+    GEMM outpaces it; either way the product is dᵀ · x."""
+    if _cstep.rnn.vector_bytes() < 64:
+        pytest.skip("the limits apply to the AVX-512 targets' C GEMM")
+    calls = []
+    c_gemm = _cstep.rnn.weight_grad
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: outpaced)
+    monkeypatch.setattr(
+        _cstep.rnn,
+        "weight_grad",
+        lambda *a: calls.append("C") or c_gemm(*a),  # type: ignore
+    )
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(300, 2048, 160), (3000, 600, 32), (64, 128, 24)]  # MACs, bytes, panels past
+    for rows, gates, hidden in shapes:
+        d = torch.randn(rows, gates, generator=gen)
+        x = torch.randn(rows, hidden, generator=gen)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2 if hidden == 24 else threads)
+        try:
+            got = _cstep.weight_grad(d, x)
+        finally:
+            torch.set_num_threads(threads)
+        torch.testing.assert_close(got.double(), d.double().t() @ x.double(), rtol=1e-5, atol=1e-3)
+    assert calls == (["C"] * len(shapes) if outpaced else [])
+
+
 def test_packed_gemm_checked_on_a_small_product() -> None:
     """MKL's entry points are taken only where they give torch.mm's product on a small case: a
     compute entry that writes nothing (as one with another integer width could) is refused."""

@@ -196,13 +196,15 @@ def test_bfloat16_nan_input_is_not_hidden(cls, rounded):
 
 @needs_half_gemm
 def test_bfloat16_layer_projects_in_the_loop_by_its_packed_bytes():
-    """The time loop packs W_ih for an inference projection up to _LOOP_PROJECTION_MAX_BYTES of
+    """The time loop packs W_ih for an inference projection up to loop_projection_max_bytes() of
     packed copy: a bfloat16 layer's products pack bfloat16 pairs, half of float32's, so a W_ih of
-    (2600, 650) (6.8 MB in float32, 3.4 MB as pairs) is projected in the loop for a bfloat16 layer
-    and before it for a float32 one."""
-    w_ih = torch.zeros(2600, 650)
-    assert w_ih.numel() * 4 > _fused._LOOP_PROJECTION_MAX_BYTES >= w_ih.numel() * 2
-    source = _fused.InputProjection(torch.zeros(700, 650), w_ih, None, None, 1e-5, True)
+    2600 rows whose float32 copy is past the limit and whose pairs are within it (the limit's
+    1.5 times, 6.3 MB where the limit is 4 MiB) is projected in the loop for a bfloat16 layer and
+    before it for a float32 one."""
+    limit = _fused.loop_projection_max_bytes()
+    w_ih = torch.zeros(2600, 3 * limit // (8 * 2600))
+    assert w_ih.numel() * 4 > limit >= w_ih.numel() * 2
+    source = _fused.InputProjection(torch.zeros(700, w_ih.shape[1]), w_ih, None, None, 1e-5, True)
     assert not _fused._projects_in_loop(source, 20)
     with _cstep.bfloat16_layer():
         assert _fused._projects_in_loop(source, 20)

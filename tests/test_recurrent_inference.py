@@ -189,6 +189,24 @@ def test_few_rows_of_a_large_projection_compute_gx_before_the_loop(kind, monkeyp
     assert calls == [x.shape[0] * 5]
 
 
+@pytest.mark.parametrize("outpaced", [False, True], ids=["torch.mm at its rate", "outpaced"])
+def test_loop_projects_a_larger_w_ih_where_the_c_gemm_outpaces_torch(outpaced, monkeypatch) -> None:
+    """The packed W_ih the time loop projects with is limited to _LOOP_PROJECTION_MAX_BYTES, and
+    to _LOOP_PROJECTION_OUTPACED_SCALE times that where the C GEMM outpaces torch.mm: a W_ih
+    between the two is projected in the loop only there; one past both, before it."""
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: outpaced)
+    limit = _fused._LOOP_PROJECTION_MAX_BYTES
+    scale = _fused._LOOP_PROJECTION_OUTPACED_SCALE
+    assert scale > 1
+    assert _fused.loop_projection_max_bytes() == limit * (scale if outpaced else 1)
+    rows = _fused._LOOP_PROJECTION_ROWS * 2
+    for w_bytes, in_loop in ((limit * 3 // 2, outpaced), (limit * scale * 5 // 4, False)):
+        w_ih = torch.empty(512, w_bytes // (4 * 512))
+        source = _fused.InputProjection(torch.empty(rows, w_ih.shape[1]), w_ih, None, None,
+                                        1e-5, True)  # fmt: skip
+        assert _fused._projects_in_loop(source, 32) == in_loop, w_bytes
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 def test_nothing_requiring_grad_takes_the_inference_path(kind, monkeypatch) -> None:
     """Grad mode on, but neither the parameters nor the input require grad (a frozen model)."""

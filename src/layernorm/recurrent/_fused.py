@@ -826,6 +826,13 @@ _LOOP_PROJECTION_ROWS = 128
 _LOOP_PROJECTION_TRAINING_ROWS = 0
 _LOOP_PROJECTION_WEIGHT = 1 << 18
 _LOOP_PROJECTION_MAX_BYTES = 4 << 20
+# Where the C GEMM outpaces torch.mm (rnn.tile_outpaces_torch_gemm) the loop pays for this many
+# times the limit: AMD EPYC family 26, one thread, before / in the loop, ms: inference (T, B, I, H)
+# = (35, 20, 650, 650) 34.2 / 22.8, (100, 4, 650, 650) 21.4 / 16.7, (100, 12, 650, 650) 58.1 /
+# 36.6, (200, 32, 650, 650) 322 / 193; training (35, 20, 650, 650) 1.27 / 1.03x torch.nn.LSTM's
+# time. Not at 16 MiB (a W_ih of 1024 x 4096), whose packed copy and W_hh's fill the shared cache:
+# (50, 8, 1024, 1024) 49.7 / 56.4, (50, 12, 1024, 1024) 74.5 / 78.7 (at 20 rows 84.3 / 71.3).
+_LOOP_PROJECTION_OUTPACED_SCALE = 2
 # Steps of one or two rows: each step's projection reads all of the packed W_ih for them, a
 # matrix-vector product bound by loading W_ih, where one GEMM over all rows before the loop runs
 # at the core's peak. For the LSTM (kernel: (fewer rows than this, W_ih elements up to this · B²
@@ -900,7 +907,7 @@ def _loop_projection_pays(data: Tensor, w_ih: Tensor, n_batch: int, seq: str) ->
     """Whether the time loop of sequence kernel ``seq`` projecting ``data`` itself (one GEMM of a
     step's rows per step, ``n_batch`` rows at most) beats one GEMM over all rows before it, by the
     rules measured above: one step of at most ``direct_rows`` rows always (see
-    :func:`_projects_in_loop`); else its packed W_ih within :data:`_LOOP_PROJECTION_MAX_BYTES`, a
+    :func:`_projects_in_loop`); else its packed W_ih within :func:`loop_projection_max_bytes`, a
     W_ih of :data:`_LOOP_PROJECTION_FEW_ROWS`' size at most for steps of few rows, and enough
     rows or a small W_ih."""
     if not data.is_cpu or data.dtype not in _LOOP_PROJECTION_DTYPES:
@@ -912,9 +919,17 @@ def _loop_projection_pays(data: Tensor, w_ih: Tensor, n_batch: int, seq: str) ->
         return False
     # the packed W_ih's bytes: bfloat16 pairs for a bfloat16 layer's products
     packed = w_ih.numel() * (2 if _cstep.bfloat16_projection() else w_ih.element_size())
-    if packed > _LOOP_PROJECTION_MAX_BYTES:
+    if packed > loop_projection_max_bytes():
         return False
     return data.shape[0] >= _LOOP_PROJECTION_ROWS or w_ih.numel() <= _LOOP_PROJECTION_WEIGHT
+
+
+def loop_projection_max_bytes() -> int:
+    """The most bytes of packed W_ih the time loop projects with:
+    :data:`_LOOP_PROJECTION_MAX_BYTES`, :data:`_LOOP_PROJECTION_OUTPACED_SCALE` times it where the
+    C GEMM outpaces torch.mm (:func:`._cstep.tile_outpaces_torch_gemm`)."""
+    scale = _LOOP_PROJECTION_OUTPACED_SCALE if _cstep.tile_outpaces_torch_gemm() else 1
+    return _LOOP_PROJECTION_MAX_BYTES * scale
 
 
 def projects_in_training_loop(x: Tensor, w_ih: Tensor, n_batch: int) -> bool:

@@ -107,6 +107,33 @@ def mkl_by_default(isa: str) -> bool:
     )
 
 
+# From this x86 family on AMD's AVX-512 units are 512 bits wide (Zen 5; Zen 4, family 25, splits
+# a 512-bit operation into two 256-bit halves, the rate of AVX2 code).
+_AMD_FULL_WIDTH_AVX512_FAMILY = 26
+
+
+def tile_outpaces_torch_gemm(isa: str) -> bool:
+    """Whether the C GEMM of target ``isa`` multiplies at about twice ``torch.mm``'s float32 rate
+    on this processor, so that the recurrent layers give it the products they would otherwise
+    leave to ``torch.mm`` (the weights' gradients at every size, the input projection inside the
+    time loop for a larger W_ih: :mod:`layernorm.recurrent._cstep`, :mod:`._fused`).
+
+    True on AMD processors from family 26 (Zen 5), whose AVX-512 units are 512 bits wide, for a
+    target with AVX-512: PyTorch's MKL runs its AVX2 code on every AMD processor (it takes its
+    AVX-512 code on Intel's only), at half of what the AVX-512 tile reaches there. One thread, AMD
+    EPYC family 26 (AVX-512): ``benchmarks/bench_rnn_gemm.py`` 242-269 GFLOP/s against torch.mm's
+    47-107; a weight's gradient (N, G, H) = (3200, 512, 128), (700, 2600, 650), (6400, 2048, 512)
+    in 0.44, 0.51, 0.51x torch.mm's time (two threads 0.46, 0.45, 0.52). On Zen 4 both run at the
+    rate of 256-bit units, where the thresholds of those modules were measured. An AMD Zen 5
+    with 256-bit AVX-512 units (some laptop parts) is taken for a wide one: there the C GEMM
+    is at about torch.mm's rate, as on Zen 4, and the larger limits cost what they cost there."""
+    return (
+        targets.cpu_vendor() == "AuthenticAMD"
+        and targets.cpu_family() >= _AMD_FULL_WIDTH_AVX512_FAMILY
+        and any("avx512f" in t.features for t in targets.TARGETS if t.name == isa)
+    )
+
+
 def _packed_gemm_wanted(isa: str) -> bool:
     return _gemm_choice == "mkl" if _gemm_choice else mkl_by_default(isa)
 

@@ -114,6 +114,14 @@ def cpu_vendor() -> str:
     return _cpuinfo("vendor_id")
 
 
+@functools.cache
+def cpu_family() -> int:
+    """The x86 CPU family number as ``/proc/cpuinfo`` gives it (AMD Zen 4: 25, Zen 5: 26; 0
+    where there is none)."""
+    value = _cpuinfo("cpu family")
+    return int(value) if value.isdigit() else 0
+
+
 class UnavailableIsaError(RuntimeError):
     """The named target is unknown, or this CPU lacks features it needs."""
 

@@ -165,7 +165,9 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
    above, a step's 64 rows in cache, ns a row, before / after (benchmarks/bench_rnn_step.py, one
    thread, AMD EPYC Zen 4; RESULTS.md 2026-11-27): raw gx normalized in the step, AVX-512
    H = 32 217 / 196, H = 128 522 / 501; the AVX2 build H = 32 243 / 208, H = 128 656 / 644. */
+#ifndef MOMENT_ROWS /* a build setting, with FWD_GROUP below (at most half of it) */
 #define MOMENT_ROWS 8
+#endif
 static inline __attribute__((always_inline)) void FN(moments_group)(
     const scalar_t* const* x, int n, i64 N, double eps, acc_t* mu, acc_t* r) {
     const int lanes = n == 1 ? 1 : MOMENT_ROWS; /* one row (a constant n): scalars */

@@ -70,6 +70,7 @@ from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.kernels.cpu import rnn, targets
 from layernorm.recurrent import (
     StepKernels,
+    _cstep,
     _fused,
     _pointwise,
     bfloat16_recurrent_products,
@@ -249,9 +250,10 @@ def run(args: argparse.Namespace) -> None:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     half = (f", bfloat16 dot products: {'yes' if rnn.half_gemm() else 'no, rounded = LN'}"
             if args.dtype == "bfloat16" else "")  # fmt: skip
+    outpaced = ", also torch.mm's products" if _cstep.tile_outpaces_torch_gemm() else ""
     print(f"device: {cpu_model()} | kernels {kernel_isa()} (recurrent GEMM: "
-          f"{rnn.gemm_in_use()}{half}) | torch {torch.__version__}, {torch_isa()} | threads "
-          f"{torch.get_num_threads()} | mkldnn {torch.backends.mkldnn.is_available()} "
+          f"{rnn.gemm_in_use()}{outpaced}{half}) | torch {torch.__version__}, {torch_isa()} "
+          f"| threads {torch.get_num_threads()} | mkldnn {torch.backends.mkldnn.is_available()} "
           f"| {date}")  # fmt: skip
     what = "forward + backward" if args.mode == "train" else "forward under no_grad"
     clock = "thread CPU time" if args.clock == "thread" else "wall time"

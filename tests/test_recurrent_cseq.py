@@ -468,7 +468,8 @@ def test_weight_grad_takes_the_c_gemm_at_every_size_where_it_outpaces_torch(
 ) -> None:
     """Past the limits measured where both GEMMs run at one rate (many multiply-adds, a large
     gradient, fewer column panels than threads) a weight's gradient is torch.mm's, unless the C
-    GEMM outpaces it; either way the product is dᵀ · x."""
+    GEMM outpaces it, which then needs a panel for every other thread only (one panel: two
+    threads, not four); either way the product is dᵀ · x."""
     if _cstep.rnn.vector_bytes() < 64:
         pytest.skip("the limits apply to the AVX-512 targets' C GEMM")
     calls = []
@@ -480,18 +481,22 @@ def test_weight_grad_takes_the_c_gemm_at_every_size_where_it_outpaces_torch(
         lambda *a: calls.append("C") or c_gemm(*a),  # type: ignore
     )
     gen = torch.Generator().manual_seed(6)
-    shapes = [(300, 2048, 160), (3000, 600, 32), (64, 128, 24)]  # MACs, bytes, panels past
-    for rows, gates, hidden in shapes:
+    # (rows, gates, hidden, threads): past the multiply-adds, the bytes, the panels; then past
+    # the panels for the outpacing GEMM too
+    cases = [(300, 2048, 160, 1), (3000, 600, 32, 1), (64, 128, 24, 2), (64, 128, 24, 4)]
+    threads = torch.get_num_threads()
+    taken = []
+    for rows, gates, hidden, use_threads in cases:
         d = torch.randn(rows, gates, generator=gen)
         x = torch.randn(rows, hidden, generator=gen)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2 if hidden == 24 else threads)
+        torch.set_num_threads(use_threads)
         try:
             got = _cstep.weight_grad(d, x)
         finally:
             torch.set_num_threads(threads)
+        taken.append(calls.pop() if calls else "torch.mm")
         torch.testing.assert_close(got.double(), d.double().t() @ x.double(), rtol=1e-5, atol=1e-3)
-    assert calls == (["C"] * len(shapes) if outpaced else [])
+    assert taken == (["C", "C", "C", "torch.mm"] if outpaced else ["torch.mm"] * 4)
 
 
 def test_packed_gemm_checked_on_a_small_product() -> None:

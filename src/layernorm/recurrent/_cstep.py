@@ -44,12 +44,12 @@ _WEIGHT_GRAD_MAX = {64: 1 << 26, 32: 1 << 23}
 # its time / transposed_product's at (N, G, J) = (3000, 512, 32) 0.83, (1250, 1024, 64) 0.89,
 # (8000, 256, 32) 0.87, then (4000, 512, 32) 1.59, (1600, 1024, 64) 1.25 (AMD EPYC).
 _WEIGHT_GRAD_MAX_BYTES = 6 << 20
-# These limits (and the panels' per thread) were measured where MKL and the C GEMM run at the rate
-# of 256-bit units (Zen 4). Where the C GEMM outpaces torch.mm (rnn.tile_outpaces_torch_gemm) it
-# takes every size: AMD EPYC family 26, its time / transposed_product's, one thread, (N, G, H) =
-# (400, 512, 128) 0.45, (4000, 512, 32) 0.40, (1600, 1024, 64) 0.43, (700, 2600, 650) 0.51,
-# (6400, 2048, 512) 0.51; two threads 0.41-0.55, (4000, 512, 32) (one panel of columns) 0.55,
-# (8000, 256, 32) 0.68.
+# These limits (and a panel of columns per thread) were measured where MKL and the C GEMM run at
+# the rate of 256-bit units (Zen 4). Where the C GEMM outpaces torch.mm
+# (rnn.tile_outpaces_torch_gemm) it takes every size with at least a panel for every other thread:
+# AMD EPYC family 26, its time / transposed_product's, one thread, (N, G, H) = (400, 512, 128)
+# 0.45, (4000, 512, 32) 0.40, (1600, 1024, 64) 0.43, (700, 2600, 650) 0.51, (6400, 2048, 512)
+# 0.51; two threads 0.41-0.55, (4000, 512, 32) (one panel for both) 0.55, (8000, 256, 32) 0.68.
 # The argument struct of each step kernel, and the gains / biases (with their sizes in units of
 # H) that become ones / zeros when the layer has none: the kernels load them unconditionally.
 _STRUCTS = {
@@ -420,12 +420,17 @@ def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
     vector = rnn.vector_bytes()
     panel = max(1, 2 * vector // dhp.element_size())
     threads = torch.get_num_threads()
+    panels = -(-hs // panel)
     if hprev.dtype != dhp.dtype or not (dhp.is_contiguous() and hprev.is_contiguous()):
         return transposed_product(dhp, hprev)
-    if not tile_outpaces_torch_gemm() and (
+    if tile_outpaces_torch_gemm():
+        # at twice torch.mm's rate a thread, as long as it runs on half as many threads
+        if 2 * panels < threads:
+            return transposed_product(dhp, hprev)
+    elif (
         n_rows * gates * hs > _WEIGHT_GRAD_MAX.get(vector, 0)
         or dhp.numel() * dhp.element_size() > _WEIGHT_GRAD_MAX_BYTES
-        or -(-hs // panel) < threads
+        or panels < threads
     ):
         return transposed_product(dhp, hprev)
     return rnn.weight_grad(dhp, hprev, threads, _GEMM_GRAIN)

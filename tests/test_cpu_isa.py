@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -514,13 +515,22 @@ def _lstm_step_buffers(hs: int, rows: int, dtype: torch.dtype, input_norm: bool)
 @pytest.mark.parametrize("name", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("input_norm", [False, True], ids=["gx normalized", "gx raw"])
-def test_lstm_step_rows_in_groups_equal_rows_one_by_one(name, dtype, input_norm) -> None:
+@pytest.mark.parametrize("group", [4, 8], ids=["groups of 4", "groups of 8"])
+def test_lstm_step_rows_in_groups_equal_rows_one_by_one(name, dtype, input_norm, group) -> None:
     """The LSTM forward step finds the layer norms' statistics of a group of rows in one pass
-    over the group (rnn_step_impl.h moments_rows): a step of 9 rows (groups of 4, 4, 1) gives
-    the same bits as the 9 rows each in a call of its own, at hidden sizes whose rows end in part
-    of a vector (5, 37) and span several of the row sums' blocks (160: 4H = 640, taken one row
-    at a time)."""
+    over the group (rnn_step_impl.h moments_rows): a step of 9 rows (groups of 4, 4, 1, or of 8
+    and 1: ``rnn.use_forward_group``) gives the same bits as the 9 rows each in a call of its
+    own, at hidden sizes whose rows end in part of a vector (5, 37) and span several of the row
+    sums' blocks (160: 4H = 640, taken one row at a time)."""
     rows = 9
+    rnn.use_forward_group(group)
+    try:
+        _compare_grouped_with_one_by_one(name, dtype, input_norm, rows)
+    finally:
+        rnn.use_forward_group(None)
+
+
+def _compare_grouped_with_one_by_one(name, dtype, input_norm, rows) -> None:
     for hs in (5, 37, 160):
         runs = []
         for one_by_one in (False, True):
@@ -543,3 +553,20 @@ def test_lstm_step_rows_in_groups_equal_rows_one_by_one(name, dtype, input_norm)
         assert grouped["mh"].abs().sum() > 0 and grouped["rc"].abs().sum() > 0
         for key, value in grouped.items():
             assert torch.equal(value, alone[key]), (hs, key)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+def test_gate_math_is_inlined(name) -> None:
+    """The recurrent library of each target has no out-of-line copy of the gate math or of the
+    row sums' helpers (fast_expf, fast_tanhf, sigm, sld, sflush, sfold: always inlined): called
+    out of line, GCC's inliner having given up on a large caller, a gate loop becomes a call per
+    element instead of vector code (an LN-LSTM forward step with groups of eight rows took 1.35x
+    as long so)."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm to list the library's symbols")
+    symbols = subprocess.run([nm, str(rnn._build(targets.target(name)))], capture_output=True,
+                             text=True, check=True).stdout.split()  # fmt: skip
+    helpers = ("fast_expf", "fast_tanhf", "sigm_", "sld_", "sflush_", "sfold_")
+    assert not [s for s in symbols if s.startswith(helpers)]

@@ -405,3 +405,60 @@ def test_lstm_training_with_few_rows_projects_a_large_w_ih_before_the_loop(
             assert len(calls) == (1 if batch < 3 else 0)
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, **TOL[torch.float64])
+
+
+def _lstm_results(model: torch.nn.Module, x: torch.Tensor, train: bool) -> list[torch.Tensor]:
+    """The outputs and final states, with ``train`` the gradients of x and every parameter."""
+    if not train:
+        with torch.no_grad():
+            return _flat(model(x))
+    x = x.detach().requires_grad_()
+    results = _flat(model(x))
+    weights = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i), dtype=t.dtype)
+               for i, t in enumerate(results)]  # fmt: skip
+    grads = torch.autograd.grad(
+        sum((w * t).sum() for w, t in zip(weights, results, strict=True)),
+        [x, *model.parameters()],
+    )
+    return [t.detach() for t in (*results, *grads)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("options", [{}, {"bidirectional": True, "zoneout_hidden": 0.3}],
+                         ids=["plain", "both directions, zoneout"])  # fmt: skip
+def test_lstm_forward_group_changes_no_bit(dtype, train, options) -> None:
+    """The LN-LSTM forward step runs its rows in groups whose statistics overlap
+    (``rnn.use_forward_group``, by processor by default): every group size gives the same bits,
+    outputs, states and gradients, with a last group cut short (19 rows)."""
+    from layernorm.kernels.cpu import rnn
+
+    torch.manual_seed(0)
+    model = LayerNormLSTM(9, 32, dtype=dtype, **options).eval()
+    x = 0.5 + torch.randn(7, 19, 9, dtype=dtype)
+    try:
+        rnn.use_forward_group(4)
+        ref = _lstm_results(model, x, train)
+        for rows in (1, 3, 8):
+            rnn.use_forward_group(rows)
+            got = _lstm_results(model, x, train)
+            for a, b in zip(got, ref, strict=True):
+                assert torch.equal(a, b), rows
+    finally:
+        rnn.use_forward_group(None)
+
+
+def test_forward_group_choices(monkeypatch) -> None:
+    """Groups of eight rows on AMD processors from family 26 with an AVX-512 target, four
+    elsewhere; use_forward_group takes 1 to 8 or None and names anything else."""
+    from layernorm.kernels.cpu import rnn, targets
+
+    cases = [("AuthenticAMD", 26, "avx512bf16", 8), ("AuthenticAMD", 25, "avx512bf16", 4),
+             ("AuthenticAMD", 26, "avx2", 4), ("GenuineIntel", 6, "avx512", 4)]  # fmt: skip
+    for vendor, family, isa, rows in cases:
+        monkeypatch.setattr(targets, "cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setattr(targets, "cpu_family", lambda f=family: f)
+        assert rnn.forward_group_by_default(isa) == rows, (vendor, family, isa)
+    for bad in (0, 9, 2.0, "4", True):
+        with pytest.raises(ValueError, match=r"rows must be an int in 1-8 or None, got"):
+            rnn.use_forward_group(bad)  # type: ignore[arg-type]

@@ -45,6 +45,11 @@ _gemm_choice: str | None = None
 _PACKED_GEMM_SYMBOLS = ("cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute")
 # rnn_set_packed_gemm of every library loaded, by (target, variant flags)
 _LOADED: dict[tuple[str, tuple[str, ...]], Any] = {}
+# ... and rnn_set_forward_group, with the choice use_forward_group made (None: by processor)
+_GROUP_SETTERS: dict[tuple[str, tuple[str, ...]], Any] = {}
+_forward_group_choice: int | None = None
+#: The LN-LSTM forward step's rows a group: the C kernels' range (rnn_step.c FWD_GROUP_MAX).
+FORWARD_GROUPS = range(1, 9)
 
 
 @functools.cache
@@ -112,6 +117,46 @@ def mkl_by_default(isa: str) -> bool:
 _AMD_FULL_WIDTH_AVX512_FAMILY = 26
 
 
+def _amd_full_width_avx512(isa: str) -> bool:
+    """An AMD processor from family 26 (see :func:`tile_outpaces_torch_gemm`) and a target with
+    AVX-512."""
+    return (
+        targets.cpu_vendor() == "AuthenticAMD"
+        and targets.cpu_family() >= _AMD_FULL_WIDTH_AVX512_FAMILY
+        and any("avx512f" in t.features for t in targets.TARGETS if t.name == isa)
+    )
+
+
+def forward_group_by_default(isa: str) -> int:
+    """The LN-LSTM forward step's rows a group (their statistics' dependency chains overlap;
+    ``csrc/rnn_step_impl.h``) for target ``isa`` on this processor: eight on AMD processors from
+    family 26 with an AVX-512 target, four elsewhere. The same results at any size. LN-LSTM
+    inference, one thread, AMD EPYC family 26, four / eight rows a group, x torch.nn.LSTM's time:
+    (T, B, I, H) = (20, 256, 32, 32) 1.73 / 1.56, (50, 64, 32, 32) 1.61 / 1.48, (100, 128, 64,
+    64) 1.27 / 1.22, level from H = 128 and in training; on the Zen 4 a step's rows in cache at
+    H = 64 took 320 ns a row in groups of four, 338 in groups of eight."""
+    return 8 if _amd_full_width_avx512(isa) else 4
+
+
+def _apply_forward_group(isa: str, set_forward_group: Any) -> None:
+    rows = _forward_group_choice or forward_group_by_default(isa)
+    if set_forward_group(rows) != 0:
+        raise RuntimeError(f"layernorm: rnn_set_forward_group refused {rows} rows")
+
+
+def use_forward_group(rows: int | None) -> None:
+    """Set the LN-LSTM forward step's rows a group for every library loaded or loaded later: one
+    of :data:`FORWARD_GROUPS`, or ``None`` for the processor's default
+    (:func:`forward_group_by_default`). Not while a kernel runs (tests and benchmarks switch
+    between calls)."""
+    global _forward_group_choice
+    if rows is not None and (type(rows) is not int or rows not in FORWARD_GROUPS):
+        raise ValueError(f"use_forward_group: rows must be an int in 1-8 or None, got {rows!r}")
+    _forward_group_choice = rows
+    for (isa, _), set_forward_group in _GROUP_SETTERS.items():
+        _apply_forward_group(isa, set_forward_group)
+
+
 def tile_outpaces_torch_gemm(isa: str) -> bool:
     """Whether the C GEMM of target ``isa`` multiplies at about twice ``torch.mm``'s float32 rate
     on this processor, so that the recurrent layers give it the products they would otherwise
@@ -127,11 +172,7 @@ def tile_outpaces_torch_gemm(isa: str) -> bool:
     rate of 256-bit units, where the thresholds of those modules were measured. An AMD Zen 5
     with 256-bit AVX-512 units (some laptop parts) is taken for a wide one: there the C GEMM
     is at about torch.mm's rate, as on Zen 4, and the larger limits cost what they cost there."""
-    return (
-        targets.cpu_vendor() == "AuthenticAMD"
-        and targets.cpu_family() >= _AMD_FULL_WIDTH_AVX512_FAMILY
-        and any("avx512f" in t.features for t in targets.TARGETS if t.name == isa)
-    )
+    return _amd_full_width_avx512(isa)
 
 
 def _packed_gemm_wanted(isa: str) -> bool:
@@ -203,6 +244,10 @@ def _library_for(
         lib.rnn_set_packed_gemm.argtypes = (ctypes.c_void_p,) * 3
         _apply_gemm(isa, lib.rnn_set_packed_gemm)
         _LOADED[isa, variant] = lib.rnn_set_packed_gemm
+        lib.rnn_set_forward_group.restype = ctypes.c_int
+        lib.rnn_set_forward_group.argtypes = (ctypes.c_int,)
+        _apply_forward_group(isa, lib.rnn_set_forward_group)
+        _GROUP_SETTERS[isa, variant] = lib.rnn_set_forward_group
         return fns, lib.rnn_vector_bytes(), lib.rnn_direct_rows(), lib.rnn_half_gemm() == 1
     except Exception as err:  # any failure falls back to the eager step functions
         warnings.warn(

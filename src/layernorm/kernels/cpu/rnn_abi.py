@@ -802,6 +802,10 @@ def c_header() -> str:
         "/* 1 where the float sequence kernels honour half_gemm (AVX512-BF16 dot products), else",
         "   0: a sequence struct's half_gemm is then ignored. */",
         "int rnn_half_gemm(void);",
+        "/* The LN-LSTM forward step's rows a group (1 to 8; 4 unless set): rows whose statistics",
+        "   run together, the same results at any size. 0, or -1 (nothing set) outside 1-8. Set",
+        "   before the kernels run, not while they do. */",
+        "int rnn_set_forward_group(int rows);",
         "",
     ]
     for dtype, (scalar, suffix) in RNN_INSTANCES.items():

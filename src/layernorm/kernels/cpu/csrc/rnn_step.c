@@ -4,6 +4,20 @@
    layernorm/kernels/cpu/rnn_abi.py. float uses the vectorizable exp/tanh of rnn_common.h. */
 #include "rnn_common.h"
 
+/* The LN-LSTM forward step's rows a group (rnn_step_impl.h FWD_GROUP_MAX; rnn.py decides by
+   processor). */
+#ifndef FWD_GROUP
+#define FWD_GROUP 4
+#endif
+#define FWD_GROUP_MAX 8
+static int forward_group = FWD_GROUP;
+
+int rnn_set_forward_group(int rows) {
+    if (rows < 1 || rows > FWD_GROUP_MAX) return -1;
+    forward_group = rows;
+    return 0;
+}
+
 #define scalar_t float
 #define SUF f32
 #define EXP fast_expf

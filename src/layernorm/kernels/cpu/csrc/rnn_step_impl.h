@@ -73,7 +73,7 @@ typedef scalar_t FN(svec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(
                                          may_alias));
 #define SVL ((i64)(VEC_BYTES / sizeof(scalar_t)))
 
-static inline FN(svec) FN(sld)(const scalar_t* p) { return *(const FN(svec)*)p; }
+static inline __attribute__((always_inline)) FN(svec) FN(sld)(const scalar_t* p) { return *(const FN(svec)*)p; }
 
 /* A row's float64 partial sums, lane l of a block's p0 + p1 into lane l of them: two vectors of
    acc_t (lanes [0, SVL/2) and [SVL/2, SVL)) held in registers. As one array of SVL scalars GCC
@@ -88,7 +88,8 @@ typedef struct {
 } FN(lanes);
 
 /* lanes += lane l of p0 + p1, added in scalar_t, then widened */
-static inline void FN(sflush)(FN(svec) p0, FN(svec) p1, FN(lanes) * acc) {
+static inline __attribute__((always_inline)) void FN(sflush)(FN(svec) p0, FN(svec) p1,
+                                                           FN(lanes) * acc) {
     const FN(svec) p = p0 + p1;
     FN(hvec) lo, hi;
     memcpy(&lo, &p, sizeof lo);
@@ -103,7 +104,7 @@ static inline void FN(sflush)(FN(svec) p0, FN(svec) p1, FN(lanes) * acc) {
    row). Each level's loop has a constant trip count, so that the compiler makes it one vector
    add: as one loop over a varying width it stayed scalar adds through memory (an LN-LSTM row's
    layer norms, in cache: forward 620 -> 557 ns, backward 425 -> 361 ns, the same bits). */
-static inline acc_t FN(sfold)(FN(lanes) acc) {
+static inline __attribute__((always_inline)) acc_t FN(sfold)(FN(lanes) acc) {
     const FN(avec) v = acc.lo + acc.hi;
     acc_t a[AVL];
     memcpy(a, &v, sizeof a);
@@ -165,12 +166,13 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
    above, a step's 64 rows in cache, ns a row, before / after (benchmarks/bench_rnn_step.py, one
    thread, AMD EPYC Zen 4; RESULTS.md 2026-11-27): raw gx normalized in the step, AVX-512
    H = 32 217 / 196, H = 128 522 / 501; the AVX2 build H = 32 243 / 208, H = 128 656 / 644. */
-#ifndef MOMENT_ROWS /* a build setting, with FWD_GROUP below (at most half of it) */
-#define MOMENT_ROWS 8
+#ifndef MOMENT_ROWS
+#define MOMENT_ROWS 16 /* twice FWD_GROUP_MAX: a forward group's hp and gx rows in one call */
 #endif
+#define MOMENT_LANES 8 /* the lanes of a group of up to this many rows (more: MOMENT_ROWS) */
 static inline __attribute__((always_inline)) void FN(moments_group)(
-    const scalar_t* const* x, int n, i64 N, double eps, acc_t* mu, acc_t* r) {
-    const int lanes = n == 1 ? 1 : MOMENT_ROWS; /* one row (a constant n): scalars */
+    const scalar_t* const* x, int n, i64 N, double eps, acc_t* mu, acc_t* r, const int width) {
+    const int lanes = n == 1 ? 1 : width; /* one row (a constant n): scalars */
     acc_t s[MOMENT_ROWS], v[MOMENT_ROWS], lo[MOMENT_ROWS];
     scalar_t x0[MOMENT_ROWS], hi[MOMENT_ROWS];
     for (int k = 0; k < lanes; ++k) s[k] = 0, v[k] = 0, x0[k] = 0;
@@ -197,7 +199,7 @@ static inline __attribute__((always_inline)) void FN(moments_group)(
 
 /* The same for one row. */
 static inline void FN(moments)(const scalar_t* x, i64 N, double eps, acc_t* mu, acc_t* r) {
-    FN(moments_group)(&x, 1, N, eps, mu, r);
+    FN(moments_group)(&x, 1, N, eps, mu, r, 1);
 }
 
 /* The moments of n <= MOMENT_ROWS rows: as a group where a row is one block of the row sums,
@@ -206,7 +208,10 @@ static inline void FN(moments)(const scalar_t* x, i64 N, double eps, acc_t* mu, 
 static inline void FN(moments_rows)(const scalar_t* const* x, int n, i64 N, double eps, acc_t* mu,
                                     acc_t* r) {
     if (N <= BLOCK_TERMS * 2 * SVL) {
-        FN(moments_group)(x, n, N, eps, mu, r);
+        if (n <= MOMENT_LANES)
+            FN(moments_group)(x, n, N, eps, mu, r, MOMENT_LANES);
+        else
+            FN(moments_group)(x, n, N, eps, mu, r, MOMENT_ROWS);
         return;
     }
     for (int k = 0; k < n; ++k) FN(moments)(x[k], N, eps, &mu[k], &r[k]);
@@ -292,11 +297,11 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
         }
         return;
     }
-    for (i64 i0 = lo; i0 < hi; i0 += MOMENT_ROWS) { /* the rows' statistics in groups */
-        const int n = hi - i0 < MOMENT_ROWS ? (int)(hi - i0) : MOMENT_ROWS;
+    for (i64 i0 = lo; i0 < hi; i0 += MOMENT_LANES) { /* the rows' statistics in groups */
+        const int n = hi - i0 < MOMENT_LANES ? (int)(hi - i0) : MOMENT_LANES;
         for (i64 j0 = 0, j1 = split; j0 < G; j0 = j1, j1 = G) {
-            const scalar_t* rows[MOMENT_ROWS];
-            acc_t m[MOMENT_ROWS], r[MOMENT_ROWS];
+            const scalar_t* rows[MOMENT_LANES];
+            acc_t m[MOMENT_LANES], r[MOMENT_LANES];
             for (int q = 0; q < n; ++q) rows[q] = gx + (i0 + q) * G + j0;
             FN(moments_rows)(rows, n, j1 - j0, eps, m, r);
             for (int q = 0; q < n; ++q) {
@@ -317,28 +322,31 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
     }
 }
 
-static inline scalar_t FN(sigm)(scalar_t v) { return (scalar_t)1 / ((scalar_t)1 + EXP(-v)); }
+/* Always inlined, as fast_expf (rnn_common.h): out of line, a gate loop calls it per element. */
+static inline __attribute__((always_inline)) scalar_t FN(sigm)(scalar_t v) {
+    return (scalar_t)1 / ((scalar_t)1 + EXP(-v));
+}
 
-/* The LN-LSTM forward runs a step's rows in groups of up to FWD_GROUP, each group in four phases:
+/* The LN-LSTM forward runs a step's rows in groups of up to forward_group (rnn_step.c: FWD_GROUP
+   unless rnn_set_forward_group says otherwise, at most FWD_GROUP_MAX), each group in four phases:
    the row statistics of hp (and of gx with w0) of every row, then each row's gates and c_t, the
    statistics of every row's c_t, then each row's output. A row's statistics are a chain of
    dependent adds, divisions and a square root (some 160 cycles for a row of 256 or 512 floats,
    more than their arithmetic); one row after another they ran back to back, where the rows of a
    group, independent, overlap. The same results; a row in cache, AMD EPYC (Zen 4), H = 64:
    360 -> 320 ns (groups of 2: 323, of 8: 338), H = 128: 582 -> 541 ns. (The backward's rows in
-   such phases measured no faster: 221 -> 225 ns at H = 64.) */
-#ifndef FWD_GROUP
-#define FWD_GROUP 4
-#endif
-_Static_assert(2 * FWD_GROUP <= MOMENT_ROWS, "a group's hp and gx rows are one moments_rows call");
+   such phases measured no faster: 221 -> 225 ns at H = 64.) On an AMD Zen 5 groups of eight took
+   less in the layers at H <= 64 (RESULTS.md, 2026-11-27 23:30 UTC), hence the setting. */
+_Static_assert(2 * FWD_GROUP_MAX <= MOMENT_ROWS, "a group's hp and gx rows are one moments_rows call");
+_Static_assert(FWD_GROUP >= 1 && FWD_GROUP <= FWD_GROUP_MAX, "the default group within the most");
 
 /* LN(hp)'s statistics of rows [i0, i0 + n) (and LN(gx)'s with w0), kept for backward, into
    sh / sx: the rows' moments in one group. */
 static inline void FN(lstm_fwd_stats)(const FN(lstm_fwd_step_args) * A, i64 i0, i64 n, FN(stats) * sh,
                                       FN(stats) * sx) {
     const i64 G = 4 * A->H;
-    const scalar_t* rows[2 * FWD_GROUP];
-    acc_t m[2 * FWD_GROUP], r[2 * FWD_GROUP];
+    const scalar_t* rows[2 * FWD_GROUP_MAX];
+    acc_t m[2 * FWD_GROUP_MAX], r[2 * FWD_GROUP_MAX];
     for (i64 q = 0; q < n; ++q) {
         rows[q] = A->hp + kept_row(A->R, A->N, A->off + i0 + q, i0 + q) * G;
         if (A->w0) /* gx raw: its rows' statistics after hp's */
@@ -400,8 +408,8 @@ static inline __attribute__((always_inline)) void FN(lstm_fwd_cell)(
 /* LN(c_t)'s statistics of rows [i0, i0 + n), kept for backward, into sc. */
 static inline void FN(lstm_fwd_cell_stats)(const FN(lstm_fwd_step_args) * A, i64 i0, i64 n,
                                            FN(stats) * sc) {
-    const scalar_t* rows[FWD_GROUP];
-    acc_t m[FWD_GROUP], r[FWD_GROUP];
+    const scalar_t* rows[FWD_GROUP_MAX];
+    acc_t m[FWD_GROUP_MAX], r[FWD_GROUP_MAX];
     for (i64 q = 0; q < n; ++q)
         rows[q] = A->cn + kept_row(A->R, A->N, A->off + i0 + q, i0 + q) * A->H;
     FN(moments_rows)(rows, (int)n, A->H, A->eps, m, r);
@@ -451,11 +459,11 @@ static inline __attribute__((always_inline)) void FN(lstm_fwd_out)(
     }
 }
 
-/* Rows [i0, i0 + n) (n <= FWD_GROUP) by the phases above. */
+/* Rows [i0, i0 + n) (n <= FWD_GROUP_MAX) by the phases above. */
 static inline __attribute__((always_inline)) void FN(lstm_fwd_body)(
     const FN(lstm_fwd_step_args) * A, i64 i0, i64 n, const int masks) {
     const FN(stats) none = {0, 0, 1};
-    FN(stats) sh[FWD_GROUP], sx[FWD_GROUP], sc[FWD_GROUP];
+    FN(stats) sh[FWD_GROUP_MAX], sx[FWD_GROUP_MAX], sc[FWD_GROUP_MAX];
     for (i64 r = 0; r < n; ++r) sh[r] = sx[r] = sc[r] = none;
     if (A->layer_norm) FN(lstm_fwd_stats)(A, i0, n, sh, sx);
     for (i64 r = 0; r < n; ++r) FN(lstm_fwd_cell)(A, i0 + r, sh[r], sx[r], masks);
@@ -470,8 +478,8 @@ static inline void FN(lstm_fwd_group)(const FN(lstm_fwd_step_args) * A, i64 i0, 
 /* Rows [lo, hi) of a step whose rows the caller has checked (the sequence kernels' threads,
    each running its share of a step; see rnn_seq_impl.h). */
 void FN(lstm_fwd_rows)(const FN(lstm_fwd_step_args) * a, i64 lo, i64 hi) {
-    for (i64 i = lo; i < hi; i += FWD_GROUP)
-        FN(lstm_fwd_group)(a, i, hi - i < FWD_GROUP ? hi - i : FWD_GROUP);
+    const i64 group = forward_group;
+    for (i64 i = lo; i < hi; i += group) FN(lstm_fwd_group)(a, i, hi - i < group ? hi - i : group);
 }
 
 int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {

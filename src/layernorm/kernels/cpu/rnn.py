@@ -48,8 +48,8 @@ _LOADED: dict[tuple[str, tuple[str, ...]], Any] = {}
 # ... and rnn_set_forward_group, with the choice use_forward_group made (None: by processor)
 _GROUP_SETTERS: dict[tuple[str, tuple[str, ...]], Any] = {}
 _forward_group_choice: int | None = None
-#: The LN-LSTM forward step's rows a group: the C kernels' range (rnn_step.c FWD_GROUP_MAX).
-FORWARD_GROUPS = range(1, 9)
+#: The LN-LSTM forward step's rows a group, the C kernels' range.
+FORWARD_GROUPS = range(1, rnn_abi.FORWARD_GROUP_MAX + 1)
 
 
 @functools.cache
@@ -151,7 +151,10 @@ def use_forward_group(rows: int | None) -> None:
     between calls)."""
     global _forward_group_choice
     if rows is not None and (type(rows) is not int or rows not in FORWARD_GROUPS):
-        raise ValueError(f"use_forward_group: rows must be an int in 1-8 or None, got {rows!r}")
+        raise ValueError(
+            f"use_forward_group: rows must be an int in 1-{FORWARD_GROUPS[-1]} or None, got "
+            f"{rows!r}"
+        )
     _forward_group_choice = rows
     for (isa, _), set_forward_group in _GROUP_SETTERS.items():
         _apply_forward_group(isa, set_forward_group)

@@ -9,7 +9,7 @@
 #ifndef FWD_GROUP
 #define FWD_GROUP 4
 #endif
-#define FWD_GROUP_MAX 8
+#define FWD_GROUP_MAX RNN_FORWARD_GROUP_MAX
 static int forward_group = FWD_GROUP;
 
 int rnn_set_forward_group(int rows) {

@@ -169,7 +169,9 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
 #ifndef MOMENT_ROWS
 #define MOMENT_ROWS 16 /* twice FWD_GROUP_MAX: a forward group's hp and gx rows in one call */
 #endif
+#ifndef MOMENT_LANES /* a build setting */
 #define MOMENT_LANES 8 /* the lanes of a group of up to this many rows (more: MOMENT_ROWS) */
+#endif
 static inline __attribute__((always_inline)) void FN(moments_group)(
     const scalar_t* const* x, int n, i64 N, double eps, acc_t* mu, acc_t* r, const int width) {
     const int lanes = n == 1 ? 1 : width; /* one row (a constant n): scalars */
@@ -336,7 +338,8 @@ static inline __attribute__((always_inline)) scalar_t FN(sigm)(scalar_t v) {
    group, independent, overlap. The same results; a row in cache, AMD EPYC (Zen 4), H = 64:
    360 -> 320 ns (groups of 2: 323, of 8: 338), H = 128: 582 -> 541 ns. (The backward's rows in
    such phases measured no faster: 221 -> 225 ns at H = 64.) On an AMD Zen 5 groups of eight took
-   less in the layers at H <= 64 (RESULTS.md, 2026-11-27 23:30 UTC), hence the setting. */
+   2-5% less in inference at H <= 64, level in training (RESULTS.md, 2026-11-27 22:20-00:20 UTC),
+   hence the setting. */
 _Static_assert(2 * FWD_GROUP_MAX <= MOMENT_ROWS, "a group's hp and gx rows are one moments_rows call");
 _Static_assert(FWD_GROUP >= 1 && FWD_GROUP <= FWD_GROUP_MAX, "the default group within the most");
 

@@ -137,7 +137,7 @@ def forward_group_by_default(isa: str) -> int:
     256) 1.07 / 1.08; training level (1.20 / 1.23, 1.30 / 1.29, (100, 32, 64, 128) 1.26 / 1.25).
     On the Zen 4 a step's rows in cache at H = 64 took 320 ns a row in groups of four, 338 in
     groups of eight."""
-    return 8 if _amd_full_width_avx512(isa) else 4
+    return 8 if _amd_full_width_avx512(isa) else rnn_abi.FORWARD_GROUP_DEFAULT
 
 
 def _apply_forward_group(isa: str, set_forward_group: Any) -> None:

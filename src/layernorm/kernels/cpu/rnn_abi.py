@@ -47,7 +47,9 @@ ERR_NOMEM = 2
 #: What an LSTM kernel returns when its input-side layer norm is half given (rnn_abi's
 #: ``_INPUT_NORM``: w0 without its bias, statistics or gx rows, or without layer_norm).
 ERR_INPUT_NORM = 4
-#: The most rows a group of the LN-LSTM forward step (``rnn_set_forward_group``).
+#: The rows a group of the LN-LSTM forward step unless set, and the most
+#: (``rnn_set_forward_group``).
+FORWARD_GROUP_DEFAULT = 4
 FORWARD_GROUP_MAX = 8
 #: What a sequence kernel returns when its optional input projection is half given (x without
 #: w_ih or the reverse), its split is outside (0, G], or gx has the wrong rows for it; the Elman
@@ -804,9 +806,11 @@ def c_header() -> str:
         "/* 1 where the float sequence kernels honour half_gemm (AVX512-BF16 dot products), else",
         "   0: a sequence struct's half_gemm is then ignored. */",
         "int rnn_half_gemm(void);",
-        "/* The LN-LSTM forward step's rows a group (1 to RNN_FORWARD_GROUP_MAX; 4 unless set):",
-        "   rows whose statistics run together, the same results at any size. 0, or -1 (nothing",
-        "   set) outside that range. Set before the kernels run, not while they do. */",
+        "/* The LN-LSTM forward step's rows a group (1 to RNN_FORWARD_GROUP_MAX,",
+        "   RNN_FORWARD_GROUP_DEFAULT unless set): rows whose statistics run together, the same",
+        "   results at any size. 0, or -1 (nothing set) outside that range. Set before the",
+        "   kernels run, not while they do. */",
+        f"#define RNN_FORWARD_GROUP_DEFAULT {FORWARD_GROUP_DEFAULT}",
         f"#define RNN_FORWARD_GROUP_MAX {FORWARD_GROUP_MAX}",
         "int rnn_set_forward_group(int rows);",
         "",

@@ -33,9 +33,11 @@ int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute);
 /* 1 where the float sequence kernels honour half_gemm (AVX512-BF16 dot products), else
    0: a sequence struct's half_gemm is then ignored. */
 int rnn_half_gemm(void);
-/* The LN-LSTM forward step's rows a group (1 to RNN_FORWARD_GROUP_MAX; 4 unless set):
-   rows whose statistics run together, the same results at any size. 0, or -1 (nothing
-   set) outside that range. Set before the kernels run, not while they do. */
+/* The LN-LSTM forward step's rows a group (1 to RNN_FORWARD_GROUP_MAX,
+   RNN_FORWARD_GROUP_DEFAULT unless set): rows whose statistics run together, the same
+   results at any size. 0, or -1 (nothing set) outside that range. Set before the
+   kernels run, not while they do. */
+#define RNN_FORWARD_GROUP_DEFAULT 4
 #define RNN_FORWARD_GROUP_MAX 8
 int rnn_set_forward_group(int rows);
 

@@ -7,7 +7,7 @@
 /* The LN-LSTM forward step's rows a group (rnn_step_impl.h FWD_GROUP_MAX; rnn.py decides by
    processor). */
 #ifndef FWD_GROUP
-#define FWD_GROUP 4
+#define FWD_GROUP RNN_FORWARD_GROUP_DEFAULT
 #endif
 #define FWD_GROUP_MAX RNN_FORWARD_GROUP_MAX
 static int forward_group = FWD_GROUP;

@@ -73,7 +73,9 @@ typedef scalar_t FN(svec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(
                                          may_alias));
 #define SVL ((i64)(VEC_BYTES / sizeof(scalar_t)))
 
-static inline __attribute__((always_inline)) FN(svec) FN(sld)(const scalar_t* p) { return *(const FN(svec)*)p; }
+static inline __attribute__((always_inline)) FN(svec) FN(sld)(const scalar_t* p) {
+    return *(const FN(svec)*)p;
+}
 
 /* A row's float64 partial sums, lane l of a block's p0 + p1 into lane l of them: two vectors of
    acc_t (lanes [0, SVL/2) and [SVL/2, SVL)) held in registers. As one array of SVL scalars GCC
@@ -340,7 +342,7 @@ static inline __attribute__((always_inline)) scalar_t FN(sigm)(scalar_t v) {
    such phases measured no faster: 221 -> 225 ns at H = 64.) On an AMD Zen 5 groups of eight took
    2-5% less in inference at H <= 64, level in training (RESULTS.md, 2026-11-27 22:20-00:20 UTC),
    hence the setting. */
-_Static_assert(2 * FWD_GROUP_MAX <= MOMENT_ROWS, "a group's hp and gx rows are one moments_rows call");
+_Static_assert(2 * FWD_GROUP_MAX <= MOMENT_ROWS, "a group's hp and gx rows: one moments_rows call");
 _Static_assert(FWD_GROUP >= 1 && FWD_GROUP <= FWD_GROUP_MAX, "the default group within the most");
 
 /* LN(hp)'s statistics of rows [i0, i0 + n) (and LN(gx)'s with w0), kept for backward, into

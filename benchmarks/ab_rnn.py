@@ -34,6 +34,10 @@ commas, each timed on its own in turn:
 
     python benchmarks/ab_rnn.py --gemm --a tile --b mkl --mode infer \
         --shape 100x32x128x256,1000x4x32x128
+
+With ``--group`` they are the LN-LSTM forward step's rows a group (``rnn.use_forward_group``):
+
+    python benchmarks/ab_rnn.py --group --a 4 --b 8 --mode infer --shape 20x256x32x32
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ def main() -> None:
     )
     what.add_argument("--cflags", action="store_true", help="--a and --b are compiler flags")
     what.add_argument("--gemm", action="store_true", help="--a and --b name rnn.use_gemm choices")
+    what.add_argument("--group", action="store_true",
+                      help="--a and --b are rnn.use_forward_group rows")  # fmt: skip
     ap.add_argument("--a", required=True, help="its value for provider A (a Python expression)")
     ap.add_argument("--b", required=True, help="its value for provider B")
     ap.add_argument("--reps", type=int, default=15)
@@ -88,6 +94,13 @@ def main() -> None:
             if v not in rnn.GEMM_CHOICES:
                 ap.error(f"--gemm: --a and --b must be among {rnn.GEMM_CHOICES}, got {v!r}")
         setters = {k: (lambda v=v: rnn.use_gemm(v)) for k, v in (("A", args.a), ("B", args.b))}
+    elif args.group:
+        rows = {}
+        for k, v in (("A", args.a), ("B", args.b)):
+            if not v.isdigit() or int(v) not in rnn.FORWARD_GROUPS:
+                ap.error(f"--group: --a and --b must be rows in {rnn.FORWARD_GROUPS}, got {v!r}")
+            rows[k] = int(v)
+        setters = {k: (lambda v=v: rnn.use_forward_group(v)) for k, v in rows.items()}
     else:
         module_name, _, name = args.attr.rpartition(".")
         try:
@@ -106,7 +119,7 @@ def main() -> None:
         f"device: {cpu_model()} | kernels {targets.selected().name} | torch "
         f"{torch.__version__}, {torch_isa()} | threads {args.threads} | clock {args.clock}"
     )
-    setting = args.attr or ("cflags" if args.cflags else "gemm")
+    setting = args.attr or ("cflags" if args.cflags else "gemm" if args.gemm else "group")
     for shape in args.shape.split(","):
         t, b, i, h = (int(v) for v in shape.split("x"))
         torch.manual_seed(0)

@@ -131,12 +131,12 @@ def forward_group_by_default(isa: str) -> int:
     """The LN-LSTM forward step's rows a group (their statistics' dependency chains overlap;
     ``csrc/rnn_step_impl.h``) for target ``isa`` on this processor: eight on AMD processors from
     family 26 with an AVX-512 target, four elsewhere. The same results at any size. LN-LSTM,
-    one thread, AMD EPYC family 26, builds of four / eight rows a group in one process
-    (``ab_rnn.py --cflags``), x torch.nn.LSTM's time, inference: (T, B, I, H) = (20, 256, 32, 32)
-    1.67 / 1.62, (50, 64, 32, 32) 1.60 / 1.52, (100, 128, 64, 64) 1.28 / 1.25, (100, 32, 128,
-    256) 1.07 / 1.08; training level (1.20 / 1.23, 1.30 / 1.29, (100, 32, 64, 128) 1.26 / 1.25).
-    On the Zen 4 a step's rows in cache at H = 64 took 320 ns a row in groups of four, 338 in
-    groups of eight."""
+    one thread, AMD EPYC family 26, four / eight rows a group (``ab_rnn.py --group``, both
+    orders), x torch.nn.LSTM's time, inference: (T, B, I, H) = (20, 256, 32, 32) 1.64 / 1.51 and
+    1.70 / 1.56, (50, 64, 32, 32) 1.51 / 1.42 and 1.64 / 1.49, (100, 128, 64, 64) 1.27 / 1.24 and
+    1.27 / 1.22, level at (100, 32, 128, 256); training level (either setting ahead by up to 0.13,
+    as the order of the two went). On the Zen 4 a step's rows in cache at H = 64 took 320 ns a
+    row in groups of four, 338 in groups of eight."""
     return 8 if _amd_full_width_avx512(isa) else rnn_abi.FORWARD_GROUP_DEFAULT
 
 

@@ -340,7 +340,7 @@ static inline __attribute__((always_inline)) scalar_t FN(sigm)(scalar_t v) {
    group, independent, overlap. The same results; a row in cache, AMD EPYC (Zen 4), H = 64:
    360 -> 320 ns (groups of 2: 323, of 8: 338), H = 128: 582 -> 541 ns. (The backward's rows in
    such phases measured no faster: 221 -> 225 ns at H = 64.) On an AMD Zen 5 groups of eight took
-   2-5% less in inference at H <= 64, level in training (RESULTS.md, 2026-11-27 22:20-00:20 UTC),
+   4-9% less in inference at H <= 64, level in training (RESULTS.md, 2026-11-27 22:20-00:40 UTC),
    hence the setting. */
 _Static_assert(2 * FWD_GROUP_MAX <= MOMENT_ROWS, "a group's hp and gx rows: one moments_rows call");
 _Static_assert(FWD_GROUP >= 1 && FWD_GROUP <= FWD_GROUP_MAX, "the default group within the most");

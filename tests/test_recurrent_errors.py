@@ -212,3 +212,39 @@ def test_dropout_kind_and_value() -> None:
         LayerNormRNN(3, 4, 2, dropout=float("nan"))
     np = pytest.importorskip("numpy")
     assert LayerNormLSTM(3, 4, 2, dropout=np.float32(0.5)).dropout == 0.5
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("w_ih with layer norms, none on gx", "w_ih without input_norm needs normalize=False"),
+        ("biases without w_ih", "b_ih and b_hh need input_norm or w_ih"),
+        ("a gain of LN(gx) without input_norm", r"w0 \(a gain of LN\(gx\)\) needs input_norm"),
+        ("one of torch's biases", "b_ih and b_hh come together or not at all"),
+    ],
+)
+def test_lstm_sequence_refuses_input_arguments_that_do_not_fit(case: str, message: str) -> None:
+    """:class:`LSTMSequence` takes the raw inputs and W_ih (``w_ih``) with LN(gx) in the kernels
+    (``input_norm``) or with no layer norm at all; torch's biases with either; anything else is
+    refused by name before a kernel runs."""
+    from layernorm.recurrent import _fused
+
+    n_steps, batch, inputs, hidden = 3, 2, 4, 5
+    x = torch.randn(n_steps * batch, inputs)
+    w_ih, bias = torch.randn(4 * hidden, inputs), torch.randn(4 * hidden)
+    h0, c0 = torch.zeros(batch, hidden), torch.zeros(batch, hidden)
+    w_hh = torch.randn(4 * hidden, hidden)
+    sched = _fused.make_schedule([batch] * n_steps, False)
+    normalize = case == "w_ih with layer norms, none on gx"
+    extra = {
+        "w_ih with layer norms, none on gx": (False, None, None, w_ih, None, None),
+        "biases without w_ih": (False, None, None, None, bias, bias),
+        "a gain of LN(gx) without input_norm": (False, bias, None, w_ih, None, None),
+        "one of torch's biases": (False, None, None, w_ih, bias, None),
+    }[case]
+    gx = x if extra[3] is not None else torch.randn(n_steps * batch, 4 * hidden)
+    with pytest.raises(ValueError, match=message):
+        _fused.LSTMSequence.apply(
+            gx, h0, c0, w_hh, None, None, None, None, sched, 1e-5, normalize, False,
+            None, None, None, None, *extra,
+        )  # fmt: skip

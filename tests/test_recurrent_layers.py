@@ -599,6 +599,36 @@ def _graph_nodes(t: torch.Tensor) -> list[str]:
     return names
 
 
+@pytest.mark.parametrize("rows", ["in the loop", "before the loop"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_norm_none_lstm_training_projects_in_its_node(bias: bool, rows: str, monkeypatch) -> None:
+    """``norm="none"`` LSTM training hands the raw inputs to the sequence node, which projects
+    them in the C time loop (or, below the loop's rule, before it) and adds torch's biases: no
+    ``F.linear`` node, torch.nn.LSTM's outputs and gradients (with and without biases)."""
+    from layernorm.recurrent import _cstep, _fused
+
+    if not _cstep.sequence_gemm():
+        pytest.skip("the C sequence kernels are not built here")
+    if rows == "before the loop":
+        monkeypatch.setattr(_fused, "_LOOP_PROJECTION_TRAINING_ROWS", 1 << 30)
+    ref = torch.nn.LSTM(3, 5, num_layers=2, bidirectional=True, bias=bias).double()
+    ours = LayerNormLSTM(3, 5, num_layers=2, bidirectional=True, bias=bias, norm="none", dtype=DT)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = seq(6, 4, 3)
+    results = []
+    for model in (ref, ours):
+        xg = x.clone().requires_grad_()
+        out, (h_n, c_n) = model(xg)
+        loss = (out * torch.linspace(-1, 1, out.shape[-1], dtype=DT)).sum() + h_n.sum() + c_n.sum()
+        results.append([out, h_n, c_n, *torch.autograd.grad(loss, [xg, *model.parameters()])])
+        if model is ours:
+            nodes = _graph_nodes(out)
+            assert nodes.count("LSTMSequenceBackward") == 4, nodes
+            assert not any(n.startswith(("Addmm", "Mm", "Linear")) for n in nodes), nodes
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(b, a, **TORCH_TOL)
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_backward_runs_the_kernels_forward_chose(kind: str, monkeypatch) -> None:
     """The C kernels switched off between a training forward and its backward: the backward
@@ -693,6 +723,7 @@ def test_cpu_layers_under_another_default_device(cls) -> None:
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("norm", ["layer", "none"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     ("packed", "bidirectional", "dtype"),
@@ -700,13 +731,14 @@ def test_cpu_layers_under_another_default_device(cls) -> None:
     ids=["padded", "packed-bidirectional", "float32"],
 )
 def test_training_projection_in_the_time_loop_equals_reference_loop(
-    packed, bidirectional, dtype, threads, monkeypatch
+    packed, bidirectional, dtype, threads, norm, monkeypatch
 ) -> None:
     """LN-LSTM training with the input projection inside the C time loop (forward: each step's
-    gx rows into the kept raw gx; backward: each step's dgx rows times W_ih into x's gradient):
-    the loop's outputs and gradients, and the rule consulted; below its rows the projection is
-    one GEMM before the loop, as without the rule. Two threads with the grains at 1: a team
-    splitting the batch's rows (padded) or sharing each step (packed: steps of fewer rows)."""
+    gx rows into the kept raw gx, with ``norm="none"`` the biases added; backward: each step's dgx
+    rows times W_ih into x's gradient): the loop's outputs and gradients, and the rule
+    consulted; below its rows the projection is one GEMM in the node before the loop, as
+    without the rule. Two threads with the grains at 1: a team splitting the batch's rows
+    (padded) or sharing each step (packed: steps of fewer rows)."""
     from layernorm.recurrent import _cstep, _fused
 
     if not _cstep.sequence_gemm():
@@ -721,7 +753,7 @@ def test_training_projection_in_the_time_loop_equals_reference_loop(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = LayerNormLSTM(7, 5, bidirectional=bidirectional, dtype=dtype)
+        model = LayerNormLSTM(7, 5, bidirectional=bidirectional, dtype=dtype, norm=norm)
         randomize(model)
         layers = 2 if bidirectional else 1
         x, hx = seq(5, 4, 7, dtype=dtype), tuple(s.to(dtype) for s in states("lstm", layers, 4, 5))

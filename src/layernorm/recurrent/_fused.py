@@ -958,13 +958,14 @@ def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
     if out is not None:
         return out  # type: ignore[return-value]
     source = args[0]
-    if _normalizes_in_kernel(source, _padded(masks, 4)[3]):
-        # the node projects the inputs and the kernels add its layer norm, torch's biases folded
-        # into its bias there: one autograd node for the layer's direction
+    if _normalizes_in_kernel(source, w_hr) or _projects_in_node(source, w_hr, normalize):
+        # the node projects the inputs (with a layer norm the kernels add it, without one the
+        # time loop projects), torch's biases folded into its bias there: one autograd node for
+        # the layer's direction
         b_ih, b_hh = source.torch_biases or (None, None)
         return LSTMSequence.apply(  # type: ignore[no-any-return]
-            source.data, *args[1:12], *_padded(masks, 4), True, source.weight, source.bias,
-            source.w_ih, b_ih, b_hh,
+            source.data, *args[1:12], *_padded(masks, 4), source.layer_norm, source.weight,
+            source.bias, source.w_ih, b_ih, b_hh,
         )  # fmt: skip
     return LSTMSequence.apply(_gx(source), *args[1:])  # type: ignore[no-any-return]
 
@@ -1053,6 +1054,26 @@ def _normalizes_in_kernel(source: GatesInput, w_hr: Tensor | None) -> bool:
     )
 
 
+def _projects_in_node(source: GatesInput, w_hr: Tensor | None, normalize: bool) -> bool:
+    """Whether the LSTM's training path without layer norms passes the raw inputs to its node
+    (:class:`LSTMSequence`'s ``w_ih`` without ``input_norm``), as with them: where
+    :func:`projects_in_training_loop` says the loop pays, its C time loop projects each step's
+    rows and its backward loop multiplies each step's gradient rows by W_ih for x's; elsewhere
+    the node's own GEMMs over all rows (the bias added in place, W_ih's gradient by
+    :func:`_weight_grad`), one autograd node where ``F.linear`` made one more. ``F.linear``'s
+    GEMMs run at torch.mm's rate, half the C GEMM's where that outpaces it
+    (:func:`._cstep.tile_outpaces_torch_gemm`)."""
+    return (
+        isinstance(source, InputProjection)
+        and not source.layer_norm
+        and not normalize
+        and source.blocks is None
+        and w_hr is None
+        and not torch.jit.is_tracing()
+        and step_kernels(source.data) is C_KERNELS
+    )
+
+
 def gru_sequence(*args: Any) -> tuple[Tensor, Tensor]:
     """One GRU direction with :class:`GRUSequence`'s arguments and results (``gx`` may be an
     :class:`InputProjection`): the inference path where it runs (:func:`_inference`), else
@@ -1118,9 +1139,11 @@ class LSTMSequence(torch.autograd.Function):
     gradients from gx's), or, where :func:`_loop_projection_pays` (from
     :data:`_LOOP_PROJECTION_TRAINING_ROWS` rows), has the kernels compute each step's rows of gx
     in the time loop and backward's each step's rows of x's gradient; ``b_ih``, ``b_hh``
-    (``(4H)``, input_norm only) are torch's biases, added to b0 as ``(b_ih + b_hh) + b0``, each
-    getting b0's gradient. The layers pass all of that, so that a direction is one autograd
-    node, not four more for the projection and the folded bias.
+    (``(4H)``) are torch's biases, added to b0 as ``(b_ih + b_hh) + b0``, each getting b0's
+    gradient. The layers pass all of that, so that a direction is one autograd node, not four
+    more for the projection and the folded bias. Without layer norms (``normalize`` false) ``w_ih``
+    comes without ``input_norm`` (:func:`_projects_in_node`): ``gx = x W_ihᵀ + b0``, projected
+    in the time loop or before it by the same rule, b0 added by the kernels or in place.
     """
 
     @staticmethod
@@ -1150,23 +1173,34 @@ class LSTMSequence(torch.autograd.Function):
         b_hh: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         _check_untraced("LSTMSequence")
-        if not input_norm and (w_ih is not None or b_ih is not None or b_hh is not None):
-            raise ValueError("LSTMSequence: w_ih, b_ih and b_hh need input_norm")
+        plain = w_ih is not None and not input_norm  # x W_ihᵀ + b0, no layer norm on either side
+        if plain and normalize:
+            raise ValueError("LSTMSequence: w_ih without input_norm needs normalize=False")
+        if not input_norm and not plain and (b_ih is not None or b_hh is not None):
+            raise ValueError("LSTMSequence: b_ih and b_hh need input_norm or w_ih")
+        if plain and w0 is not None:
+            raise ValueError("LSTMSequence: w0 (a gain of LN(gx)) needs input_norm")
         if (b_ih is None) != (b_hh is None):
             raise ValueError("LSTMSequence: b_ih and b_hh come together or not at all")
+        # backward runs what forward chose: the kept buffers' layout depends on it
+        kernels = ctx.kernels = _kernels(gx, {"zh": zh, "zc": zc, "cm": cm, "w_hr": w_hr})
+        b0 = fold_input_bias(b0, None if b_ih is None else (b_ih, b_hh))
         x, in_loop = None, False
         if w_ih is not None:  # gx is the input: its projection, here or in the time loop
             x = gx.contiguous()
             # the kernels write each step's rows of gx (kept raw for backward) in the time loop,
             # and backward's kernel each step's rows of x's gradient: the projection's GEMMs on
             # rows in cache, not over (N, G) rows in memory before and after the calls
-            in_loop = input_norm and normalize and projects_in_training_loop(x, w_ih, h0.shape[0])
+            in_loop = (
+                kernels is C_KERNELS
+                and input_norm == normalize
+                and projects_in_training_loop(x, w_ih, h0.shape[0])
+            )
             shape = (x.shape[0], w_ih.shape[0])
             gx = _buffers.empty(x, shape) if in_loop else _projected(x, w_ih)
+            if plain and not in_loop and b0 is not None:
+                gx.add_(b0)  # in the loop the kernels add it to each step's rows
         gx = gx.contiguous()
-        b0 = fold_input_bias(b0, None if b_ih is None else (b_ih, b_hh))
-        # backward runs what forward chose: the kept buffers' layout depends on it
-        kernels = ctx.kernels = _kernels(gx, {"zh": zh, "zc": zc, "cm": cm, "w_hr": w_hr})
         from_output = None
         if _previous_from_later_rows(kernels.lstm_fwd_seq, sched, h0.shape[0]):
             from_output = _output_and_previous(gx, h0, sched[0][1] != 0)
@@ -1186,6 +1220,8 @@ class LSTMSequence(torch.autograd.Function):
                       **_new_bufs(gx, gx.shape[0], {"mx": 0, "rx": 0}))  # fmt: skip
         if in_loop:
             st["projection"] = {"x": x, "w_ih": w_ih.contiguous()}
+            if plain and b0 is not None:
+                st["projection"]["b0"] = b0.contiguous()
         _keep_previous(st, from_output, sched, h0, c0)
         _forward_in_time(st, w_hh, sched, kernels.lstm_fwd, kernels.lstm_fwd_seq)
         st.pop("projection", None)
@@ -1250,6 +1286,8 @@ class LSTMSequence(torch.autograd.Function):
         dw0 = db0 = None
         if input_norm and "ln_grads" in st:
             dw0, db0 = _split_grads(st["ln_grads"]["x_grads"], need[17], need_b0)
+        elif "x" in st and not input_norm and need_b0:  # b0 added to x W_ihᵀ: dgates summed
+            db0 = st["dgates"].sum(0)
         # dgates: with input_norm the kernels turned it into the raw gx's gradient
         d_gx, d_w_ih = st["dgates"], None
         if "x" in st:  # gx = x W_ihᵀ was projected here

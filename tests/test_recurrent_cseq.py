@@ -499,6 +499,113 @@ def test_weight_grad_takes_the_c_gemm_at_every_size_where_it_outpaces_torch(
     assert taken == (["C", "C", "C", "torch.mm"] if outpaced else ["torch.mm"] * 4)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("transposed", [True, False], ids=["x·Wᵀ", "x·W"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("rows", "inner", "cols"), [(300, 70, 130), (37, 5, 11), (1, 1, 1), (5, 0, 3), (0, 4, 3)]
+)
+def test_matmul_equals_mm(rows, inner, cols, dtype, transposed, threads) -> None:
+    """The C GEMM of the input projection (``rnn.matmul``): x · Wᵀ with W as a layer stores it,
+    or x · W, equal to torch.mm's product to the dtype's rounding, over row tiles, column tails,
+    an empty inner size (zeros) or no rows, on one thread or with the panels shared by two."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, inner, generator=gen, dtype=torch.float64)
+    w = torch.randn(*((cols, inner) if transposed else (inner, cols)), generator=gen,
+                    dtype=torch.float64)  # fmt: skip
+    out = torch.full((rows, cols), float("nan"), dtype=dtype)
+    got = _cstep.rnn.matmul(x.to(dtype), w.to(dtype), transposed, out, threads, 1)
+    assert got is out
+    want = x @ (w.t() if transposed else w)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_matmul_refuses_a_w_of_the_other_orientation() -> None:
+    """W's shape must be that of the ``transposed`` flag (the struct's check cannot see it):
+    (N, K) for x · Wᵀ, (K, N) for x · W; nothing is written otherwise."""
+    x, out = torch.randn(4, 3), torch.zeros(4, 5)
+    with pytest.raises(ValueError, match=r"w must be \(N, K\) with transposed=1"):
+        _cstep.rnn.matmul(x, torch.randn(3, 5), True, out, 1, 1)
+    with pytest.raises(ValueError, match=r"w must be \(N, K\) with transposed=1"):
+        _cstep.rnn.matmul(x, torch.randn(5, 3), False, out, 1, 1)
+    with pytest.raises(ValueError, match=r"w must be \(N, K\) with transposed=1"):
+        _cstep.rnn.matmul(x, torch.randn(5, 3), True, torch.zeros(4, 6), 1, 1)  # N = 6
+    assert not out.any()
+    with pytest.raises(ValueError, match=r"y must have shape \(M, N\)"):  # the struct's check
+        _cstep.rnn.matmul(x, torch.randn(5, 3), True, torch.zeros(20), 1, 1)
+
+
+@pytest.mark.parametrize("outpaced", [False, True], ids=["torch.mm at its rate", "outpaced"])
+def test_input_products_take_the_c_gemm_where_it_outpaces_torch(outpaced, monkeypatch) -> None:
+    """An input product (the projection of all rows, x · W_ihᵀ, and its input gradient, d · W_ih)
+    is the C GEMM's where it outpaces torch.mm, from ``_INPUT_PRODUCT_MIN`` multiply-adds and
+    with a panel of output columns for every other thread; torch.mm's otherwise. Either way the
+    product is torch.mm's to rounding."""
+    calls = []
+    c_gemm = _cstep.rnn.matmul
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: outpaced)
+    monkeypatch.setattr(_cstep.rnn, "matmul", lambda *a: calls.append("C") or c_gemm(*a))
+    monkeypatch.setattr(_cstep, "_INPUT_PRODUCT_MIN", 64 * 32 * 48)
+    panel = 2 * _cstep.rnn.vector_bytes() // 4
+    gen = torch.Generator().manual_seed(8)
+    # (rows, inner, cols, threads): at the minimum, below it, one panel for four threads
+    cases = [(64, 32, 48, 1), (63, 32, 48, 1), (64, 64, panel, 4), (64, 64, panel, 2)]
+    threads = torch.get_num_threads()
+    taken = []
+    for rows, inner, cols, use_threads in cases:
+        x = torch.randn(rows, inner, generator=gen)
+        for transposed in (True, False):
+            w = torch.randn(*((cols, inner) if transposed else (inner, cols)), generator=gen)
+            torch.set_num_threads(use_threads)
+            try:
+                got = _cstep.input_product(x, w, transposed, torch.empty(rows, cols))
+            finally:
+                torch.set_num_threads(threads)
+            taken.append(calls.pop() if calls else "torch.mm")
+            want = x.double() @ (w.t() if transposed else w).double()
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    expected = ["C", "C", "torch.mm", "torch.mm", "torch.mm", "torch.mm", "C", "C"]
+    assert taken == (expected if outpaced else ["torch.mm"] * 8)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_layers_with_the_c_input_products_equal_the_reference_loop(kind, mode, monkeypatch) -> None:
+    """With every input product the C GEMM's (as where it outpaces torch.mm), the projection
+    before the time loop (W_ih past the loop's limit) and the GRU's blocks projected by their own
+    node (at any size), the layers' outputs and gradients are the reference loop's (float64),
+    and the C GEMM ran."""
+    from layernorm.recurrent import _fused
+
+    calls = []
+    c_gemm = _cstep.rnn.matmul
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: True)
+    monkeypatch.setattr(_cstep.rnn, "matmul", lambda *a: calls.append(1) or c_gemm(*a))
+    monkeypatch.setattr(_cstep, "_INPUT_PRODUCT_MIN", 0)
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_MAX_BYTES", 0)
+    monkeypatch.setattr(_fused, "_PROJECTION_NODE_BYTES", 0)  # the GRU's blocks: raw_projection
+    torch.manual_seed(0)
+    model = LAYERS[kind](6, 8, num_layers=2, bidirectional=True, dtype=torch.float64)
+    x = 0.5 + torch.randn(5, 40, 6, dtype=torch.float64)
+    results = []
+    for impl in ("fused", "loop"):
+        model.impl = impl
+        model.zero_grad()
+        xg = x.clone().requires_grad_(mode == "training")
+        with torch.set_grad_enabled(mode == "training"):
+            out, state = model(xg)
+        flat = [out, *(state if isinstance(state, tuple) else (state,))]
+        if mode == "training":
+            sum((t * t).sum() for t in flat).backward()
+            flat += [xg.grad, *(p.grad for p in model.parameters())]
+        results.append([t.detach() for t in flat])
+        if impl == "fused":
+            assert calls, "the C GEMM did not run"
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])
+
+
 def test_packed_gemm_checked_on_a_small_product() -> None:
     """MKL's entry points are taken only where they give torch.mm's product on a small case: a
     compute entry that writes nothing (as one with another integer width could) is refused."""

@@ -436,6 +436,40 @@ def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
     return rnn.weight_grad(dhp, hprev, threads, _GEMM_GRAIN)
 
 
+# From this many multiply-adds an input product (:func:`input_product`) takes the C GEMM where it
+# outpaces torch.mm: below, its call (a checked argument struct, W packed) costs more. One
+# thread, AMD EPYC family 26, µs of the C GEMM / torch.mm, x · W_ihᵀ at (M, K, N) = (32, 32, 128)
+# 7.0 / 4.3, (64, 64, 256) 17.3 / 21.2, (128, 64, 256) 25.8 / 39.6, (512, 64, 256) 76 / 150,
+# (160, 128, 512) 105 / 190; GFLOP/s at (2048, 128, 512) 253 / 116, (640, 1024, 4096) 208 / 114
+# (x · W 227), (20000, 64, 256) 228 / 95; two threads (2048, 128, 512) 454 / 220.
+_INPUT_PRODUCT_MIN = 1 << 19
+
+
+def input_product(a: Tensor, w: Tensor, transposed: bool, out: Tensor) -> Tensor:
+    """``a · wᵀ`` (``transposed``: ``w`` as a layer stores W_ih, ``(N, K)``) or ``a · w`` into
+    ``out``: the input projection of all rows before a time loop, and its input gradient after
+    one. The C GEMM where it outpaces ``torch.mm`` (:func:`tile_outpaces_torch_gemm`: MKL runs
+    its AVX2 code there, at half the rate of the processor's AVX-512 units), from
+    :data:`_INPUT_PRODUCT_MIN` multiply-adds and with a panel of output columns for every other
+    thread (as :func:`weight_grad`); ``torch.mm`` elsewhere."""
+    rows, inner = a.shape
+    cols = w.shape[0] if transposed else w.shape[1]
+    if (
+        rows * inner * cols >= _INPUT_PRODUCT_MIN
+        and a.dtype is w.dtype
+        and a.is_contiguous()
+        and w.is_contiguous()
+        and out.is_contiguous()
+        and available(a)
+        and tile_outpaces_torch_gemm()
+    ):
+        threads = torch.get_num_threads()
+        panels = -(-cols // max(1, 2 * rnn.vector_bytes() // a.element_size()))
+        if 2 * panels >= threads:
+            return rnn.matmul(a, w, transposed, out, threads, _GEMM_GRAIN)
+    return torch.mm(a, w.t() if transposed else w, out=out)
+
+
 def transposed_product(d: Tensor, x: Tensor) -> Tensor:
     """``dᵀ · x`` (``(N, G)``, ``(N, J)`` → ``(G, J)``, a weight's gradient over N rows) with
     ``torch.mm``, in the operand order MKL runs faster for the shape: ``(xᵀ · d)ᵀ`` copied to

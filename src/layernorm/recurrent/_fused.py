@@ -495,13 +495,13 @@ def normalized_projection(
                 for n, xb, g, b in zip(sizes, xp.split(sizes, dim=1), g_parts, b_parts,
                                        strict=True)
             ], dim=1)  # fmt: skip
-        w_parts = w_ih.split(sizes)
+        w_parts = w_ih.split(sizes)  # each block's GEMM as raw_projection's (the buffer cache)
         return torch.cat([
-            layer_norm(F.linear(data, w), n, g, b, eps)
+            layer_norm(raw_projection(data, w), n, g, b, eps)
             for n, w, g, b in zip(sizes, w_parts, g_parts, b_parts, strict=True)
         ], dim=1)  # fmt: skip
     if data.shape[0] * w_ih.shape[0] * data.element_size() <= _NATIVE_BYTES:
-        xp = F.linear(data, w_ih)
+        xp = _cstep.input_product(data, w_ih, True, data.new_empty(data.shape[0], w_ih.shape[0]))
         if len(cols) == 1:
             return F.layer_norm(xp, (xp.shape[1],), weight, bias, eps)
         return torch.cat([
@@ -513,7 +513,6 @@ def normalized_projection(
     out = data.new_empty(data.shape[0], w_ih.shape[0])
     chunk_bytes = _PROJECTION_BYTES if len(cols) == 1 else _PROJECTION_BLOCKS_BYTES
     chunk = max(_PROJECTION_MIN_ROWS, chunk_bytes // (w_ih.shape[0] * data.element_size()))
-    w_t = w_ih.t()
     # per block: its columns, gain, bias, and whether the native kernel takes them, asked once of
     # `out` (contiguous, in data's dtype and device, as every chunk's projection is)
     params = [(weight, bias) if len(cols) == 1 else (part(weight, c), part(bias, c)) for c in cols]
@@ -525,7 +524,8 @@ def normalized_projection(
         # took 1.05, the GEMMs alone (B = 32, I = H = 512, two threads, AMD EPYC)
         part_rows = data[rows]
         # from the buffer cache: a fresh chunk of a few MiB faults its pages on every call
-        xp = torch.mm(part_rows, w_t, out=_buffers.empty(data, (part_rows.shape[0], w_t.shape[1])))
+        shape = (part_rows.shape[0], w_ih.shape[0])
+        xp = _cstep.input_product(part_rows, w_ih, True, _buffers.empty(data, shape))
         for c, wc, bc, whole in blocks:
             xc = xp if len(cols) == 1 else xp[:, c].contiguous()
             if whole:
@@ -991,9 +991,10 @@ def raw_projection(data: Tensor, w_ih: Tensor) -> Tensor:
 def _projected(data: Tensor, w_ih: Tensor) -> Tensor:
     """``data W_ihᵀ``, into a buffer of the cache from :data:`_PROJECTION_NODE_BYTES` of result
     or weight (see :func:`raw_projection`)."""
+    shape = (data.shape[0], w_ih.shape[0])
     if _projection_bytes(data, w_ih) < _PROJECTION_NODE_BYTES:
-        return torch.mm(data, w_ih.t())
-    return torch.mm(data, w_ih.t(), out=_buffers.empty(data, (data.shape[0], w_ih.shape[0])))
+        return _cstep.input_product(data, w_ih, True, data.new_empty(shape))
+    return _cstep.input_product(data, w_ih, True, _buffers.empty(data, shape))
 
 
 def _projection_grads(
@@ -1007,11 +1008,10 @@ def _projection_grads(
     (400, 512, 64) 359 / 266, (240, 512, 64) 223 / 160, (800, 512, 64) 713 / 529."""
     d_data = None
     if need_data:
-        if _projection_bytes(data, w_ih) < _PROJECTION_NODE_BYTES:
-            d_data = grad.mm(w_ih)
-        else:
-            out = _buffers.empty(grad, (grad.shape[0], w_ih.shape[1]))
-            d_data = torch.mm(grad, w_ih, out=out)
+        shape = (grad.shape[0], w_ih.shape[1])
+        small = _projection_bytes(data, w_ih) < _PROJECTION_NODE_BYTES
+        out = grad.new_empty(shape) if small else _buffers.empty(grad, shape)
+        d_data = _cstep.input_product(grad.contiguous(), w_ih, False, out)
     return d_data, (_weight_grad(kernels, grad, data) if need_w else None)
 
 

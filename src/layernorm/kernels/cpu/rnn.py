@@ -334,6 +334,11 @@ def _raise_for(status: int, kernel: str) -> None:
             f"projection x, gx of N rows and no w0 or b0 of the projection's own; nothing was "
             f"written"
         )
+    if status == rnn_abi.ERR_PROJECTION and kernel == "matmul":
+        raise ValueError(
+            f"layernorm recurrent CPU kernel {kernel}: w must be (N, K) with transposed=1 and "
+            f"(K, N) with transposed=0 for x (M, K) and y (M, N); nothing was written"
+        )
     if status == rnn_abi.ERR_PROJECTION:
         raise ValueError(
             f"layernorm recurrent CPU kernel {kernel}: the input projection needs x and w_ih "
@@ -411,6 +416,21 @@ def run_sequence(kernel: str, dtype: torch.dtype, args: Any, seq_args: Any) -> N
     """Run sequence kernel ``kernel`` on a step struct from :func:`prepare` and a sequence struct
     from :func:`pack_sequence` (on the selected target)."""
     _raise_for(_fn(kernel, dtype)(ctypes.byref(args), ctypes.byref(seq_args)), kernel)
+
+
+def matmul(
+    x: Tensor, w: Tensor, transposed: bool, out: Tensor, threads: int, gemm_grain: int
+) -> Tensor:
+    """``x · wᵀ`` (``transposed``: ``w`` ``(N, K)``, as a layer stores W_ih) or ``x · w``
+    (``w`` ``(K, N)``) into ``out`` ``(M, N)``, with the C GEMM."""
+    rows, inner = x.shape
+    cols = out.shape[-1] if out.dim() else 0  # W's orientation is checked by the kernel
+    values = {"x": x, "w": w, "y": out, "threads": max(1, threads), "gemm_grain": gemm_grain,
+              "transposed": int(transposed)}  # fmt: skip
+    sizes = {"M": rows, "K": inner, "N": cols, "R": w.shape[0], "C": w.shape[1]}
+    args = rnn_abi.pack(rnn_abi.MATMUL, x.dtype, values, sizes)
+    _raise_for(_fn("matmul", x.dtype)(ctypes.byref(args)), "matmul")
+    return out
 
 
 def weight_grad(dhp: Tensor, hprev: Tensor, threads: int, gemm_grain: int) -> Tensor:

@@ -53,7 +53,8 @@ FORWARD_GROUP_DEFAULT = 4
 FORWARD_GROUP_MAX = 8
 #: What a sequence kernel returns when its optional input projection is half given (x without
 #: w_ih or the reverse), its split is outside (0, G], or gx has the wrong rows for it; the Elman
-#: kernels, which normalize hp + gx as one, when it is given at all.
+#: kernels, which normalize hp + gx as one, when it is given at all; ``matmul`` when its W's
+#: shape is not that of its ``transposed`` flag.
 ERR_PROJECTION = 3
 
 
@@ -435,8 +436,29 @@ WEIGHT_GRAD = Struct(
     ),
 )
 
+# The input projection over all rows, where it runs before the time loop (or its input gradient
+# after it), by the sequence kernels' GEMM: W packed once, as a time loop packs W_ih.
+MATMUL = Struct(
+    "matmul_args",
+    "y = x · Wᵀ (transposed: W as a layer stores it, (N, K)) or y = x · W (W (K, N)).",
+    (
+        _t("x", _IN, "M K"),
+        _t("w", _IN, "R C", "(N, K) with transposed, else (K, N)"),
+        _t("y", _OUT, "M N"),
+        Field("M", Kind.SIZE, doc="rows"),
+        Field("K", Kind.SIZE, doc="inner size"),
+        Field("N", Kind.SIZE, doc="output columns"),
+        Field("R", Kind.SIZE, doc="rows of w"),
+        Field("C", Kind.SIZE, doc="columns of w"),
+        Field("gemm_grain", Kind.INDEX, doc="multiply-adds per thread at least", minimum=1),
+        Field("threads", Kind.COUNT, doc="OpenMP threads at most"),
+        Field("transposed", Kind.FLAG, doc="1: y = x · Wᵀ"),
+    ),
+)
+
 STRUCTS: tuple[Struct, ...] = (
     LSTM_FWD, LSTM_BWD, GRU_FWD, GRU_BWD, ELMAN_FWD, ELMAN_BWD, SEQ_FWD, SEQ_BWD, WEIGHT_GRAD,
+    MATMUL,
 )  # fmt: skip
 KERNELS: tuple[Kernel, ...] = (
     Kernel("lstm_fwd_step", "LN-LSTM step forward.", (LSTM_FWD,)),
@@ -453,6 +475,7 @@ KERNELS: tuple[Kernel, ...] = (
            (ELMAN_FWD, SEQ_FWD)),
     Kernel("elman_bwd_seq", "LN-RNN direction backward, steps in reverse.", (ELMAN_BWD, SEQ_BWD)),
     Kernel("weight_grad", "The recurrent weight's gradient.", (WEIGHT_GRAD,)),
+    Kernel("matmul", "The input projection (or its input gradient) over all rows.", (MATMUL,)),
 )  # fmt: skip
 BY_NAME: dict[str, Kernel] = {k.name: k for k in KERNELS}
 

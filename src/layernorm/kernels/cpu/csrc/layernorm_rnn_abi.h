@@ -494,6 +494,33 @@ _Static_assert(offsetof(weight_grad_args_f32, gemm_grain) == 48, "weight_grad_ar
 _Static_assert(offsetof(weight_grad_args_f32, threads) == 56, "weight_grad_args_f32.threads");
 _Static_assert(sizeof(weight_grad_args_f32) == 64, "weight_grad_args_f32 size");
 
+/* y = x · Wᵀ (transposed: W as a layer stores it, (N, K)) or y = x · W (W (K, N)). */
+typedef struct {
+    const float* x; /* input (M, K) */
+    const float* w; /* input (R, C): (N, K) with transposed, else (K, N) */
+    float* y; /* output (M, N) */
+    int64_t M; /* size: rows */
+    int64_t K; /* size: inner size */
+    int64_t N; /* size: output columns */
+    int64_t R; /* size: rows of w */
+    int64_t C; /* size: columns of w */
+    int64_t gemm_grain; /* index, >= 1: multiply-adds per thread at least */
+    int32_t threads; /* count: OpenMP threads at most */
+    int32_t transposed; /* flag: 1: y = x · Wᵀ */
+} matmul_args_f32;
+_Static_assert(offsetof(matmul_args_f32, x) == 0, "matmul_args_f32.x");
+_Static_assert(offsetof(matmul_args_f32, w) == 8, "matmul_args_f32.w");
+_Static_assert(offsetof(matmul_args_f32, y) == 16, "matmul_args_f32.y");
+_Static_assert(offsetof(matmul_args_f32, M) == 24, "matmul_args_f32.M");
+_Static_assert(offsetof(matmul_args_f32, K) == 32, "matmul_args_f32.K");
+_Static_assert(offsetof(matmul_args_f32, N) == 40, "matmul_args_f32.N");
+_Static_assert(offsetof(matmul_args_f32, R) == 48, "matmul_args_f32.R");
+_Static_assert(offsetof(matmul_args_f32, C) == 56, "matmul_args_f32.C");
+_Static_assert(offsetof(matmul_args_f32, gemm_grain) == 64, "matmul_args_f32.gemm_grain");
+_Static_assert(offsetof(matmul_args_f32, threads) == 72, "matmul_args_f32.threads");
+_Static_assert(offsetof(matmul_args_f32, transposed) == 76, "matmul_args_f32.transposed");
+_Static_assert(sizeof(matmul_args_f32) == 80, "matmul_args_f32 size");
+
 /* LN-LSTM step forward. */
 int lstm_fwd_step_f32(const lstm_fwd_step_args_f32* a);
 /* LN-LSTM step backward. */
@@ -520,6 +547,8 @@ int elman_fwd_seq_f32(const elman_fwd_step_args_f32* a, const rnn_seq_fwd_args_f
 int elman_bwd_seq_f32(const elman_bwd_step_args_f32* a, const rnn_seq_bwd_args_f32* s);
 /* The recurrent weight's gradient. */
 int weight_grad_f32(const weight_grad_args_f32* a);
+/* The input projection (or its input gradient) over all rows. */
+int matmul_f32(const matmul_args_f32* a);
 
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {
@@ -974,6 +1003,33 @@ _Static_assert(offsetof(weight_grad_args_f64, gemm_grain) == 48, "weight_grad_ar
 _Static_assert(offsetof(weight_grad_args_f64, threads) == 56, "weight_grad_args_f64.threads");
 _Static_assert(sizeof(weight_grad_args_f64) == 64, "weight_grad_args_f64 size");
 
+/* y = x · Wᵀ (transposed: W as a layer stores it, (N, K)) or y = x · W (W (K, N)). */
+typedef struct {
+    const double* x; /* input (M, K) */
+    const double* w; /* input (R, C): (N, K) with transposed, else (K, N) */
+    double* y; /* output (M, N) */
+    int64_t M; /* size: rows */
+    int64_t K; /* size: inner size */
+    int64_t N; /* size: output columns */
+    int64_t R; /* size: rows of w */
+    int64_t C; /* size: columns of w */
+    int64_t gemm_grain; /* index, >= 1: multiply-adds per thread at least */
+    int32_t threads; /* count: OpenMP threads at most */
+    int32_t transposed; /* flag: 1: y = x · Wᵀ */
+} matmul_args_f64;
+_Static_assert(offsetof(matmul_args_f64, x) == 0, "matmul_args_f64.x");
+_Static_assert(offsetof(matmul_args_f64, w) == 8, "matmul_args_f64.w");
+_Static_assert(offsetof(matmul_args_f64, y) == 16, "matmul_args_f64.y");
+_Static_assert(offsetof(matmul_args_f64, M) == 24, "matmul_args_f64.M");
+_Static_assert(offsetof(matmul_args_f64, K) == 32, "matmul_args_f64.K");
+_Static_assert(offsetof(matmul_args_f64, N) == 40, "matmul_args_f64.N");
+_Static_assert(offsetof(matmul_args_f64, R) == 48, "matmul_args_f64.R");
+_Static_assert(offsetof(matmul_args_f64, C) == 56, "matmul_args_f64.C");
+_Static_assert(offsetof(matmul_args_f64, gemm_grain) == 64, "matmul_args_f64.gemm_grain");
+_Static_assert(offsetof(matmul_args_f64, threads) == 72, "matmul_args_f64.threads");
+_Static_assert(offsetof(matmul_args_f64, transposed) == 76, "matmul_args_f64.transposed");
+_Static_assert(sizeof(matmul_args_f64) == 80, "matmul_args_f64 size");
+
 /* LN-LSTM step forward. */
 int lstm_fwd_step_f64(const lstm_fwd_step_args_f64* a);
 /* LN-LSTM step backward. */
@@ -1000,5 +1056,7 @@ int elman_fwd_seq_f64(const elman_fwd_step_args_f64* a, const rnn_seq_fwd_args_f
 int elman_bwd_seq_f64(const elman_bwd_step_args_f64* a, const rnn_seq_bwd_args_f64* s);
 /* The recurrent weight's gradient. */
 int weight_grad_f64(const weight_grad_args_f64* a);
+/* The input projection (or its input gradient) over all rows. */
+int matmul_f64(const matmul_args_f64* a);
 
 #endif

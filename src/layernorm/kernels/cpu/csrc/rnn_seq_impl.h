@@ -877,6 +877,26 @@ static inline int FN(gemm_threads)(i64 rows, i64 cols, i64 inner, i64 grain, int
     return threads_for(rows * cols * inner, FN(panels)(cols), grain, nt);
 }
 
+/* y[M, N] = x[M, K] · Wᵀ (transposed: W [N, K] as stored) or x · W (W [K, N]): the input
+   projection of all rows where it runs before a time loop, or its input gradient after one. W is
+   packed once into the tile's panels (slot 0: no sequence kernel runs meanwhile on this thread),
+   as a time loop packs W_ih, and the panels are shared out among the threads. */
+int FN(matmul)(const FN(matmul_args) * a) {
+    const i64 M = a->M, K = a->K, N = a->N;
+    if (a->transposed ? (a->R != N || a->C != K) : (a->R != K || a->C != N))
+        return RNN_ERR_PROJECTION;
+    if (M == 0 || N == 0) return 0;
+    if (K == 0) {
+        for (i64 i = 0; i < M * N; ++i) a->y[i] = 0;
+        return 0;
+    }
+    const int nt = FN(gemm_threads)(M, N, K, a->gemm_grain, a->threads);
+    FN(weight) wb;
+    if (!FN(weight_init)(&wb, a->w, K, N, a->transposed, M, nt, 0, nt, 0, 0)) return RNN_ERR_NOMEM;
+    FN(wgemm)(&wb, M, a->x, K, a->y, N, 0, nt);
+    return 0;
+}
+
 /* The step kernels' rows (rnn_step_impl.h), for the threads of a sequence call. */
 void FN(lstm_fwd_rows)(const FN(lstm_fwd_step_args) * a, i64 lo, i64 hi);
 void FN(lstm_bwd_rows)(const FN(lstm_bwd_step_args) * a, i64 lo, i64 hi, scalar_t* sums);

@@ -322,6 +322,27 @@ def test_recurrent_gemm_every_row_count(name, dtype) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("transposed", [True, False], ids=["x·Wᵀ", "x·W"])
+@pytest.mark.parametrize(("rows", "inner", "cols"), [(9, 37, 70), (20, 64, 96), (3, 16, 33)])
+def test_matmul_per_target_equals_mm(name, dtype, transposed, rows, inner, cols) -> None:
+    """Each target's input-product GEMM (``rnn.matmul``), whose packing of W as stored transposes
+    whole blocks of the vector's lanes in registers and the rest element by element: full and
+    partial panels, inner sizes with and without a tail, torch.mm's product to rounding."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, inner, generator=gen, dtype=torch.float64)
+    w = torch.randn(*((cols, inner) if transposed else (inner, cols)), generator=gen,
+                    dtype=torch.float64)  # fmt: skip
+    with targets.use(name):
+        got = rnn.matmul(x.to(dtype), w.to(dtype), transposed, torch.empty(rows, cols, dtype=dtype),
+                         1, 1)  # fmt: skip
+    want = x @ (w.t() if transposed else w)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize(("batch", "hidden"), RNN_SHAPES, ids=str)
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])

@@ -540,8 +540,8 @@ def test_matmul_refuses_a_w_of_the_other_orientation() -> None:
 def test_input_products_take_the_c_gemm_where_it_outpaces_torch(outpaced, monkeypatch) -> None:
     """An input product (the projection of all rows, x · W_ihᵀ, and its input gradient, d · W_ih)
     is the C GEMM's where it outpaces torch.mm, from ``_INPUT_PRODUCT_MIN`` multiply-adds and
-    with a panel of output columns for every other thread; torch.mm's otherwise. Either way the
-    product is torch.mm's to rounding."""
+    ``_INPUT_PRODUCT_MIN_ROWS`` rows, with a panel of output columns for every other thread;
+    torch.mm's otherwise. Either way the product is torch.mm's to rounding."""
     calls = []
     c_gemm = _cstep.rnn.matmul
     monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: outpaced)
@@ -549,8 +549,11 @@ def test_input_products_take_the_c_gemm_where_it_outpaces_torch(outpaced, monkey
     monkeypatch.setattr(_cstep, "_INPUT_PRODUCT_MIN", 64 * 32 * 48)
     panel = 2 * _cstep.rnn.vector_bytes() // 4
     gen = torch.Generator().manual_seed(8)
-    # (rows, inner, cols, threads): at the minimum, below it, one panel for four threads
-    cases = [(64, 32, 48, 1), (63, 32, 48, 1), (64, 64, panel, 4), (64, 64, panel, 2)]
+    # (rows, inner, cols, threads): at the minimum, below it, one panel for four threads and for
+    # two, past the minimum in fewer rows than _INPUT_PRODUCT_MIN_ROWS
+    rows_min = _cstep._INPUT_PRODUCT_MIN_ROWS
+    cases = [(64, 32, 48, 1), (63, 32, 48, 1), (64, 64, panel, 4), (64, 64, panel, 2),
+             (rows_min - 1, 64, 64, 1)]  # fmt: skip
     threads = torch.get_num_threads()
     taken = []
     for rows, inner, cols, use_threads in cases:
@@ -565,8 +568,9 @@ def test_input_products_take_the_c_gemm_where_it_outpaces_torch(outpaced, monkey
             taken.append(calls.pop() if calls else "torch.mm")
             want = x.double() @ (w.t() if transposed else w).double()
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-    expected = ["C", "C", "torch.mm", "torch.mm", "torch.mm", "torch.mm", "C", "C"]
-    assert taken == (expected if outpaced else ["torch.mm"] * 8)
+    expected = ["C", "C", "torch.mm", "torch.mm", "torch.mm", "torch.mm", "C", "C", "torch.mm",
+                "torch.mm"]  # fmt: skip
+    assert taken == (expected if outpaced else ["torch.mm"] * 10)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])

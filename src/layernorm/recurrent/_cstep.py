@@ -443,6 +443,13 @@ def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
 # (160, 128, 512) 105 / 190; GFLOP/s at (2048, 128, 512) 253 / 116, (640, 1024, 4096) 208 / 114
 # (x · W 227), (20000, 64, 256) 228 / 95; two threads (2048, 128, 512) 454 / 220.
 _INPUT_PRODUCT_MIN = 1 << 19
+# Nor below this many rows: W is packed on every call, a pass over W and its copy (x · W_ihᵀ at
+# (M, 1024, 3072): 2.3 ms), which the rows' products must repay. C / torch.mm's time, one thread,
+# M = 16, 32, 64, 128 rows: (M, 1024, 3072) 2.46, 1.63, 1.09, 0.79; (M, 512, 1536) 1.74, 1.22,
+# 0.84, 0.66; (M, 256, 1024) 1.15, 0.85, 0.65, 0.55; (M, 128, 512) 1.25, 0.92, 0.69, 0.58 (a
+# one-step LN-GRU call of 16 rows at (1024, 1024) took 1.54x torch.nn.GRU's time with the C GEMM,
+# 1.02 with torch.mm).
+_INPUT_PRODUCT_MIN_ROWS = 64
 
 
 def input_product(a: Tensor, w: Tensor, transposed: bool, out: Tensor) -> Tensor:
@@ -451,11 +458,13 @@ def input_product(a: Tensor, w: Tensor, transposed: bool, out: Tensor) -> Tensor
     one. The C GEMM where it outpaces ``torch.mm`` (:func:`tile_outpaces_torch_gemm`: MKL runs
     its AVX2 code there, at half the rate of the processor's AVX-512 units), from
     :data:`_INPUT_PRODUCT_MIN` multiply-adds and with a panel of output columns for every other
-    thread (as :func:`weight_grad`); ``torch.mm`` elsewhere."""
+    thread (as :func:`weight_grad`), for :data:`_INPUT_PRODUCT_MIN_ROWS` rows at least;
+    ``torch.mm`` elsewhere."""
     rows, inner = a.shape
     cols = w.shape[0] if transposed else w.shape[1]
     if (
-        rows * inner * cols >= _INPUT_PRODUCT_MIN
+        rows >= _INPUT_PRODUCT_MIN_ROWS
+        and rows * inner * cols >= _INPUT_PRODUCT_MIN
         and a.dtype is w.dtype
         and a.is_contiguous()
         and w.is_contiguous()

@@ -42,19 +42,23 @@ int rnn_half_gemm(void) { return SEQ_HALF_GEMM; }
 
 #define scalar_t float
 #define SUF f32
+#define SEQ_LANES (VEC_BYTES / 4) /* scalar_t's lanes a vector, for the preprocessor */
 #define SEQ_PACKED_GEMM 1 /* the MKL path above exists for this type */
 #include "rnn_seq_impl.h"
 #undef scalar_t
 #undef SUF
+#undef SEQ_LANES
 #undef SEQ_PACKED_GEMM
 #undef SEQ_HALF_GEMM
 #define SEQ_HALF_GEMM 0
 
 #define scalar_t double
 #define SUF f64
+#define SEQ_LANES (VEC_BYTES / 8)
 #define SEQ_PACKED_GEMM 0
 #include "rnn_seq_impl.h"
 #undef scalar_t
 #undef SUF
+#undef SEQ_LANES
 #undef SEQ_PACKED_GEMM
 #undef SEQ_HALF_GEMM

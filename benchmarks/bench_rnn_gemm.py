@@ -12,6 +12,12 @@ ratios hold on a shared machine. Results are checked against ``torch.mm`` first.
 
 ``--variant NAME=FLAGS`` adds a build of each chosen target with extra compiler flags (e.g. another
 row tile, ``-DGEMM_MR=12``, see rnn_seq_impl.h), timed beside the others as ``TARGET+NAME``.
+
+``--products MxKxN,...`` times instead the input products over all rows (``rnn.matmul`` on the
+selected target, W packed in every call as the layers do: ``x · Wᵀ`` with W as stored, and
+``x · W``) against ``torch.mm``, µs and GFLOP/s (what ``_cstep.input_product`` chooses between):
+
+    python benchmarks/bench_rnn_gemm.py --products 8x1024x3072,64x1024x3072,2048x128x512
 """
 
 from __future__ import annotations
@@ -71,6 +77,42 @@ def bench_shape(libs: dict[str, ctypes.CDLL], m: int, k: int, n: int, args) -> d
     return {p: 2 * m * k * n * args.inner / (v * 1e-3) / 1e9 for p, v in ms.items()}
 
 
+def bench_products(shapes: list[tuple[int, int, int]], args) -> None:
+    """µs and GFLOP/s of ``rnn.matmul`` (``x · Wᵀ``, ``x · W``) and ``torch.mm`` per shape."""
+    print(f"device: {cpu_model()} | target {targets.selected().name} | torch {torch.__version__} "
+          f"| threads {args.threads} | float32 | median of {args.reps} rounds\n")  # fmt: skip
+    print("| (M, K, N) | x·Wᵀ µs | x·W µs | torch.mm µs | x·Wᵀ GFLOP/s | x·W GFLOP/s | "
+          "torch.mm GFLOP/s | x·Wᵀ / mm time |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    grain = 1 << 17
+    for m, k, n in shapes:
+        x, w = torch.randn(m, k), torch.randn(n, k) / k**0.5
+        wt = w.t().contiguous()
+        out = torch.empty(m, n)
+        ref = x @ w.t()
+        for got in (rnn.matmul(x, w, True, torch.empty(m, n), args.threads, grain),
+                    rnn.matmul(x, wt, False, torch.empty(m, n), args.threads, grain)):  # fmt: skip
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * k)
+
+        def repeat(fn, *fn_args, **fn_kwargs):
+            def run() -> None:
+                for _ in range(args.inner):
+                    fn(*fn_args, **fn_kwargs)
+
+            return run
+
+        fns = {
+            "t": repeat(rnn.matmul, x, w, True, out, args.threads, grain),
+            "n": repeat(rnn.matmul, x, wt, False, out, args.threads, grain),
+            "mm": repeat(torch.mm, x, w.t(), out=out),
+        }
+        us = {p: 1e3 * v / args.inner for p, v in interleaved_ms(fns, 2, args.reps).items()}
+        flops = 2 * m * k * n / 1e3
+        print(f"| ({m}, {k}, {n}) | {us['t']:.1f} | {us['n']:.1f} | {us['mm']:.1f} | "
+              f"{flops / us['t']:.0f} | {flops / us['n']:.0f} | {flops / us['mm']:.0f} | "
+              f"{us['t'] / us['mm']:.2f} |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -86,8 +128,19 @@ def main() -> None:
         metavar="NAME=FLAGS",
         help="also build each target with these compiler flags (repeatable)",
     )
+    ap.add_argument("--products", default="", metavar="MxKxN,...",
+                    help="time rnn.matmul's input products against torch.mm instead")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.products:
+        try:
+            shapes = [tuple(int(v) for v in s.split("x")) for s in args.products.split(",")]
+        except ValueError:
+            ap.error(f"--products takes MxKxN,..., got {args.products!r}")
+        if any(len(s) != 3 or min(s) < 1 for s in shapes):
+            ap.error(f"--products takes positive MxKxN,..., got {args.products!r}")
+        bench_products(shapes, args)  # type: ignore[arg-type]
+        return
     names = args.targets.split(",") if args.targets else list(targets.available())
     libs = {t: load(targets.target(t)) for t in names}
     for spec in args.variant:

@@ -553,7 +553,7 @@ def test_input_products_take_the_c_gemm_where_it_outpaces_torch(outpaced, monkey
     # two, past the minimum in fewer rows than _INPUT_PRODUCT_MIN_ROWS
     rows_min = _cstep._INPUT_PRODUCT_MIN_ROWS
     cases = [(64, 32, 48, 1), (63, 32, 48, 1), (64, 64, panel, 4), (64, 64, panel, 2),
-             (rows_min - 1, 64, 64, 1)]  # fmt: skip
+             (rows_min - 1, 128, 128, 1)]  # fmt: skip
     threads = torch.get_num_threads()
     taken = []
     for rows, inner, cols, use_threads in cases:

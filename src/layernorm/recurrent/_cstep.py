@@ -437,19 +437,21 @@ def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
 
 
 # From this many multiply-adds an input product (:func:`input_product`) takes the C GEMM where it
-# outpaces torch.mm: below, its call (a checked argument struct, W packed) costs more. One
-# thread, AMD EPYC family 26, µs of the C GEMM / torch.mm, x · W_ihᵀ at (M, K, N) = (32, 32, 128)
-# 7.0 / 4.3, (64, 64, 256) 17.3 / 21.2, (128, 64, 256) 25.8 / 39.6, (512, 64, 256) 76 / 150,
-# (160, 128, 512) 105 / 190; GFLOP/s at (2048, 128, 512) 253 / 116, (640, 1024, 4096) 208 / 114
-# (x · W 227), (20000, 64, 256) 228 / 95; two threads (2048, 128, 512) 454 / 220.
+# outpaces torch.mm, W packed on every call (a pass over W and its copy): below, the call and the
+# packing cost more than the products save. One thread, AMD EPYC family 26, µs of the C GEMM
+# (x · W_ihᵀ) / torch.mm (benchmarks/bench_rnn_gemm.py --products): (M, K, N) = (32, 32, 128)
+# 6.2 / 3.3, (64, 64, 256) 14.0 / 19.3, (128, 64, 256) 22.0 / 37.1, (512, 64, 256) 72 / 145,
+# (160, 128, 512) 89 / 180; GFLOP/s at (2048, 128, 512) 252 / 114, (640, 1024, 4096) 231 / 113,
+# (20000, 64, 256) 237 / 102; two threads (2048, 128, 512) 483 / 224.
 _INPUT_PRODUCT_MIN = 1 << 19
-# Nor below this many rows: W is packed on every call, a pass over W and its copy (x · W_ihᵀ at
-# (M, 1024, 3072): 2.3 ms), which the rows' products must repay. C / torch.mm's time, one thread,
-# M = 16, 32, 64, 128 rows: (M, 1024, 3072) 2.46, 1.63, 1.09, 0.79; (M, 512, 1536) 1.74, 1.22,
-# 0.84, 0.66; (M, 256, 1024) 1.15, 0.85, 0.65, 0.55; (M, 128, 512) 1.25, 0.92, 0.69, 0.58 (a
-# one-step LN-GRU call of 16 rows at (1024, 1024) took 1.54x torch.nn.GRU's time with the C GEMM,
-# 1.02 with torch.mm).
-_INPUT_PRODUCT_MIN_ROWS = 64
+# Nor below this many rows, which must repay the packing of W: C / torch.mm's time at M = 8, 16,
+# 24, 32 rows (the same command): (M, 1024, 3072) 1.16, 0.90, 0.94, 0.75; (M, 128, 512) 1.06,
+# 0.79; (16, 512, 1536) 0.62; (16, 256, 1024) 0.71. In a one-step LN-GRU inference call at
+# (1024, 1024) (W_ih 12 MiB, its packed copy beside it) 16 rows took 1.09x torch.nn.GRU's time
+# with the C GEMM, 0.98 with torch.mm; 32 rows at (512, 512) 0.75 against 0.93 (ab_rnn.py, one
+# thread). With the packing one element at a time (before transpose_block) the 16-row call took
+# 1.54x.
+_INPUT_PRODUCT_MIN_ROWS = 32
 
 
 def input_product(a: Tensor, w: Tensor, transposed: bool, out: Tensor) -> Tensor:

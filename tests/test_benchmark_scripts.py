@@ -65,6 +65,21 @@ def test_bench_rnn_step_times_two_trees_and_compares_their_outputs() -> None:
     assert rows[2:] == ["5", "37"] and "differs" not in out, out
 
 
+def test_bench_rnn_gemm_times_the_input_products_after_checking_them() -> None:
+    """``--products``: the input products (``rnn.matmul``, both orientations of W) checked
+    against ``torch.mm`` and timed beside it, one table row per shape; a malformed shape is
+    refused by name."""
+    out = _run(str(BENCH / "bench_rnn_gemm.py"), "--products", "3x5x7,40x33x20", "--reps", "1",
+               "--inner", "1")  # fmt: skip
+    rows = [line for line in out.splitlines() if line.startswith("| (") and "M, K, N" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["(3, 5, 7)", "(40, 33, 20)"], out
+    bad = subprocess.run(
+        [sys.executable, str(BENCH / "bench_rnn_gemm.py"), "--products", "3x5"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--products takes positive MxKxN" in bad.stderr
+
+
 def test_bench_rnn_gemm_checks_a_build_setting_against_torch_mm() -> None:
     """The recurrent GEMM built with A copied k-major per row tile (``-DGEMM_PACK_A=1``, a build
     setting of rnn_seq_impl.h) beside the default build: the script checks every build's product

@@ -610,6 +610,47 @@ def test_layers_with_the_c_input_products_equal_the_reference_loop(kind, mode, m
         torch.testing.assert_close(a, b, **TOL[torch.float64])
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_unnormalized_projection_without_gradients_takes_the_input_product(
+    bias, monkeypatch
+) -> None:
+    """``InputProjection.compute`` without layer norm (the Elman layers' input side, and every
+    layer's with ``norm="none"``): where nothing is differentiated, ``input_product`` (the C GEMM
+    where it outpaces torch.mm) and the folded bias added in place; with gradients ``F.linear``,
+    differentiable. The same values either way; the Elman layer's inference the reference loop's."""
+    from layernorm.recurrent import _fused
+
+    calls = []
+    product = _cstep.input_product
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: True)
+    monkeypatch.setattr(_cstep, "_INPUT_PRODUCT_MIN", 0)
+    monkeypatch.setattr(_cstep, "_INPUT_PRODUCT_MIN_ROWS", 0)
+    monkeypatch.setattr(_cstep, "input_product", lambda *a: calls.append(1) or product(*a))
+    gen = torch.Generator().manual_seed(9)
+    data = torch.randn(40, 6, generator=gen, dtype=torch.float64)
+    w_ih = torch.randn(12, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    b_ih, b_hh = (torch.randn(12, generator=gen, dtype=torch.float64) for _ in range(2))
+    source = _fused.InputProjection(data, w_ih, None, None, 1e-5, False,
+                                    torch_biases=(b_ih, b_hh) if bias else None)  # fmt: skip
+    want = data @ w_ih.detach().t() + ((b_ih + b_hh) if bias else 0)
+    with torch.no_grad():
+        got = source.compute()
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    trained = source.compute()
+    assert calls == [1] and trained.grad_fn is not None
+    torch.testing.assert_close(trained.detach(), want, rtol=1e-12, atol=1e-12)
+    torch.manual_seed(0)
+    model = LayerNormRNN(6, 8, num_layers=2, bias=bias, dtype=torch.float64).eval()
+    x = torch.randn(5, 40, 6, dtype=torch.float64)
+    with torch.no_grad():
+        fused = model(x)
+        model.impl = "loop"
+        loop = model(x)
+    for a, b in zip(fused, loop, strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])
+
+
 def test_packed_gemm_checked_on_a_small_product() -> None:
     """MKL's entry points are taken only where they give torch.mm's product on a small case: a
     compute entry that writes nothing (as one with another integer width could) is refused."""

@@ -579,12 +579,24 @@ class InputProjection(NamedTuple):
         return fold_input_bias(self.bias, self.torch_biases)
 
     def compute(self) -> Tensor:
-        """``gx`` for every row (differentiable)."""
+        """``gx`` for every row (differentiable); without layer norm and where nothing will be
+        differentiated, the product by :func:`._cstep.input_product` (the C GEMM where it
+        outpaces torch.mm) and the bias added in place."""
         if self.layer_norm:
             return normalized_projection(
                 self.data, self.w_ih, self.weight, self.input_bias(), self.eps, self.blocks
             )
-        return F.linear(self.data, self.w_ih, self.input_bias())
+        bias = self.input_bias()
+        if (
+            self.data.is_cpu
+            and self.data.dim() == 2
+            and not differentiated(self.data, self.w_ih, bias)
+            and not torch.jit.is_tracing()
+        ):
+            shape = (self.data.shape[0], self.w_ih.shape[0])
+            gx = _cstep.input_product(self.data, self.w_ih, True, self.data.new_empty(shape))
+            return gx if bias is None else gx.add_(bias)
+        return F.linear(self.data, self.w_ih, bias)
 
     def kernel_args(self) -> dict[str, Any]:
         """The C sequence kernels' projection arguments (``rnn_abi.SEQ_FWD``)."""

@@ -617,7 +617,8 @@ def test_an_unnormalized_projection_without_gradients_takes_the_input_product(
     """``InputProjection.compute`` without layer norm (the Elman layers' input side, and every
     layer's with ``norm="none"``): where nothing is differentiated, ``input_product`` (the C GEMM
     where it outpaces torch.mm) and the folded bias added in place; with gradients ``F.linear``,
-    differentiable. The same values either way; the Elman layer's inference the reference loop's."""
+    differentiable, and where the C GEMM would not be taken. The same values either way; the
+    Elman layer's inference the reference loop's."""
     from layernorm.recurrent import _fused
 
     calls = []
@@ -640,6 +641,11 @@ def test_an_unnormalized_projection_without_gradients_takes_the_input_product(
     trained = source.compute()
     assert calls == [1] and trained.grad_fn is not None
     torch.testing.assert_close(trained.detach(), want, rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: False)
+    with torch.no_grad():  # torch.mm's rate: F.linear, one op (a one-row call's µs)
+        torch.testing.assert_close(source.compute(), want, rtol=1e-12, atol=1e-12)
+    assert calls == [1]
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: True)
     torch.manual_seed(0)
     model = LayerNormRNN(6, 8, num_layers=2, bias=bias, dtype=torch.float64).eval()
     x = torch.randn(5, 40, 6, dtype=torch.float64)

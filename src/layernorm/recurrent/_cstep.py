@@ -454,30 +454,34 @@ _INPUT_PRODUCT_MIN = 1 << 19
 _INPUT_PRODUCT_MIN_ROWS = 32
 
 
-def input_product(a: Tensor, w: Tensor, transposed: bool, out: Tensor) -> Tensor:
-    """``a · wᵀ`` (``transposed``: ``w`` as a layer stores W_ih, ``(N, K)``) or ``a · w`` into
-    ``out``: the input projection of all rows before a time loop, and its input gradient after
-    one. The C GEMM where it outpaces ``torch.mm`` (:func:`tile_outpaces_torch_gemm`: MKL runs
-    its AVX2 code there, at half the rate of the processor's AVX-512 units), from
-    :data:`_INPUT_PRODUCT_MIN` multiply-adds and with a panel of output columns for every other
-    thread (as :func:`weight_grad`), for :data:`_INPUT_PRODUCT_MIN_ROWS` rows at least;
-    ``torch.mm`` elsewhere."""
+def input_product_by_c(a: Tensor, w: Tensor, transposed: bool) -> bool:
+    """Whether :func:`input_product` takes the C GEMM for ``a · wᵀ`` (``transposed``) or
+    ``a · w``: where it outpaces ``torch.mm`` (:func:`tile_outpaces_torch_gemm`: MKL runs its
+    AVX2 code there, at half the rate of the processor's AVX-512 units), from
+    :data:`_INPUT_PRODUCT_MIN` multiply-adds and :data:`_INPUT_PRODUCT_MIN_ROWS` rows, with a
+    panel of output columns for every other thread (as :func:`weight_grad`)."""
     rows, inner = a.shape
     cols = w.shape[0] if transposed else w.shape[1]
-    if (
+    if not (
         rows >= _INPUT_PRODUCT_MIN_ROWS
         and rows * inner * cols >= _INPUT_PRODUCT_MIN
         and a.dtype is w.dtype
         and a.is_contiguous()
         and w.is_contiguous()
-        and out.is_contiguous()
         and available(a)
         and tile_outpaces_torch_gemm()
     ):
-        threads = torch.get_num_threads()
-        panels = -(-cols // max(1, 2 * rnn.vector_bytes() // a.element_size()))
-        if 2 * panels >= threads:
-            return rnn.matmul(a, w, transposed, out, threads, _GEMM_GRAIN)
+        return False
+    panels = -(-cols // max(1, 2 * rnn.vector_bytes() // a.element_size()))
+    return 2 * panels >= torch.get_num_threads()
+
+
+def input_product(a: Tensor, w: Tensor, transposed: bool, out: Tensor) -> Tensor:
+    """``a · wᵀ`` (``transposed``: ``w`` as a layer stores W_ih, ``(N, K)``) or ``a · w`` into
+    ``out``: the input projection of all rows before a time loop, and its input gradient after
+    one. The C GEMM where :func:`input_product_by_c` says so, ``torch.mm`` elsewhere."""
+    if out.is_contiguous() and input_product_by_c(a, w, transposed):
+        return rnn.matmul(a, w, transposed, out, torch.get_num_threads(), _GEMM_GRAIN)
     return torch.mm(a, w.t() if transposed else w, out=out)
 
 

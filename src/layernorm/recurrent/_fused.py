@@ -580,16 +580,17 @@ class InputProjection(NamedTuple):
 
     def compute(self) -> Tensor:
         """``gx`` for every row (differentiable); without layer norm and where nothing will be
-        differentiated, the product by :func:`._cstep.input_product` (the C GEMM where it
-        outpaces torch.mm) and the bias added in place."""
+        differentiated, the C GEMM's product where :func:`._cstep.input_product_by_c` says so,
+        the bias added in place (elsewhere ``F.linear``, one op)."""
         if self.layer_norm:
             return normalized_projection(
                 self.data, self.w_ih, self.weight, self.input_bias(), self.eps, self.blocks
             )
         bias = self.input_bias()
-        if (
-            self.data.is_cpu
-            and self.data.dim() == 2
+        if (  # the rule first: a one-row call's few rows end it at its first test
+            self.data.dim() == 2
+            and _cstep.input_product_by_c(self.data, self.w_ih, True)
+            and self.data.is_cpu
             and not differentiated(self.data, self.w_ih, bias)
             and not torch.jit.is_tracing()
         ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -503,13 +504,15 @@ def test_large_layer_norm_under_no_grad_runs_the_fused_kernels(monkeypatch):
 
 def test_small_rms_norm_under_no_grad_runs_torch_s_kernel(monkeypatch):
     """Where nothing needs a gradient a small float32 / float64 RMSNorm runs ``torch.rms_norm``
-    (the same formula, within the fused kernels' tolerance); with a gradient, in bfloat16 where
-    torch's kernel would round twice, from the buffer cache's output size on, or with a shape
-    torch would refuse, the fused path runs."""
+    (the same formula, within the fused kernels' tolerance); with a gradient past
+    ``_TORCH_RMS_GRAD_NUMEL`` elements (here made 1000), in bfloat16 where torch's kernel would
+    round twice, from the buffer cache's output size on, or with a shape torch would refuse, the
+    fused path runs."""
     from layernorm.kernels.cpu import buffers
     from layernorm.modules import normalization
 
     monkeypatch.setattr(normalization, "_torch_rms_norm_rounds_once", lambda dtype: False)
+    monkeypatch.setattr(normalization, "_TORCH_RMS_GRAD_NUMEL", 1000)
 
     real = torch.rms_norm
     torch_calls: list[tuple[int, ...]] = []
@@ -535,6 +538,57 @@ def test_small_rms_norm_under_no_grad_runs_torch_s_kernel(monkeypatch):
     m(x.requires_grad_()).sum().backward()
     assert torch_calls == [(63, 16)]
     assert m.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    ("m", "n", "scale", "offset", "eps", "kind"),
+    [(1, 768, 1.0, 0.0, 1e-6, "random"), (8, 768, 1e4, 1e4, 1e-12, "random"),
+     (37, 7, 1e-3, -3.0, 1e-3, "random"), (2, 4096, 1.0, 1e4, 1e-5, "constant"),
+     (3, 1, 1.0, 1.0, 1e-5, "random"), (5, 768, 1.0, 1.0, 1e-5, "nearly constant")],
+)  # fmt: skip
+def test_small_rms_norm_with_grad_runs_torch_s_kernel_within_the_fused_error_model(
+    monkeypatch, dtype, m, n, scale, offset, eps, kind
+):
+    """With gradients, a float32 / float64 RMSNorm of up to ``_TORCH_RMS_GRAD_NUMEL`` elements
+    runs ``torch.rms_norm`` (not the fused kernels): output, dx and dγ within the fused kernels'
+    error model against float64 on hostile rows (large offsets, tiny eps, constant and nearly
+    constant rows, rows of one element); one element more takes the fused path."""
+    from layernorm.modules import normalization
+    from layernorm.reference import rms_norm_reference
+    from tolerances import assert_within, row_stats
+
+    calls = _spy_fused_path(monkeypatch)
+    g = torch.Generator().manual_seed(m * n)
+    x64 = torch.randn(m, n, generator=g, dtype=torch.float64) * scale + offset
+    if kind == "constant":
+        x64[:] = x64[:, :1]
+    elif kind == "nearly constant":
+        x64 = x64[:, :1].expand(m, n).to(dtype).double().clone()
+        up = torch.nextafter(x64.to(dtype), torch.tensor(math.inf, dtype=dtype)).double()
+        x64 = torch.where(torch.rand(m, n, generator=g) < 0.1, up, x64)
+    rms = layernorm.RMSNorm(n, eps=eps, dtype=dtype)
+    with torch.no_grad():
+        rms.weight.copy_(1 + 0.5 * torch.randn(n, generator=g, dtype=torch.float64))
+    x = x64.to(dtype).requires_grad_()
+    dy = torch.randn(m, n, generator=g, dtype=torch.float64).to(dtype)
+    y = rms(x)
+    dx, dw = torch.autograd.grad(y, (x, rms.weight), dy)
+    assert calls == [], "the fused kernels ran"
+    xr, wr = x.detach().double().requires_grad_(), rms.weight.detach().double().requires_grad_()
+    yr = rms_norm_reference(xr, (n,), wr, eps)
+    dxr, dwr = torch.autograd.grad(yr, (xr, wr), dy.double())
+    xhat, rs, kappa = row_stats(x.detach().double(), eps, centred=False)
+    xmax, w64, dy64 = xhat.abs().amax(-1, keepdim=True), wr.detach(), dy.double()
+    what = f"{dtype} ({m}, {n}) {kind}"
+    assert_within(y, yr, "y", dtype, w64.abs().max() * (xmax + kappa), what, fused=True)
+    dx_scale = rs * (dy64 * w64).abs().amax(-1, keepdim=True) * (1 + xmax) * kappa
+    assert_within(dx, dxr, "dx", dtype, dx_scale, what + " dx", fused=True)
+    dw_scale = (dy64.abs() * (xhat.abs() + kappa)).sum(0)
+    assert_within(dw, dwr, "dparam", dtype, dw_scale, what + " dweight", fused=True)
+    monkeypatch.setattr(normalization, "_TORCH_RMS_GRAD_NUMEL", m * n - 1)
+    rms(x)
+    assert calls == ["rms_norm"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

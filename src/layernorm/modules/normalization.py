@@ -40,6 +40,16 @@ SMALL_NUMEL = TORCH_KERNEL_NUMEL
 # 2.6-3.0e-7 from float64, ours 1.8-2.1e-7); a call of per-token size is mostly its Python.
 # bfloat16 and float16 where torch's kernel rounds once (_torch_rms_norm_rounds_once).
 _TORCH_RMS_DTYPES = (torch.float32, torch.float64)
+# Up to this many elements a float32 / float64 RMSNorm that needs gradients takes torch.rms_norm
+# too: torch's composition of ATen ops, whose autograd costs less than the fused path's
+# autograd.Function there and more from here on. Forward + backward, module call, one thread,
+# AMD EPYC Zen 5, fused / torch.rms_norm µs: (1, 768) 60.1 / 47.8, (8, 768) 60.6 / 56.8,
+# (2, 4096) 64.0 / 60.5, (64, 128) 60.8 / 60.2, (12, 768) 61.7 / 63.0, (16, 768) 62.9 / 68.0,
+# (32, 768) 67.5 / 85.7 (at (512, 768) 191 / 1964). Its outputs and gradients were within the
+# fused kernels' bounds against float64 on 1188 float32 cases of up to 16384 elements (rows of
+# 1 to 4096, scales 1e-3 to 1e4, offsets to 1e4, eps 1e-12 to 1e-3, constant and nearly
+# constant rows; tests/test_modules.py checks a set of them).
+_TORCH_RMS_GRAD_NUMEL = 1 << 13
 
 
 @functools.cache
@@ -76,7 +86,8 @@ def _takes_torch_rms_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | No
     nothing needs a gradient, in float32 or float64, or in bfloat16 / float16 where torch's kernel
     rounds once (:func:`_torch_rms_norm_rounds_once`), with a gain of x's dtype (torch's kernel
     then computes as the fused kernels do), x's trailing sizes ``shape``, below the buffer cache's
-    output size (where the fused kernels write into reused memory)."""
+    output size (where the fused kernels write into reused memory); with gradients, in float32
+    or float64 up to :data:`_TORCH_RMS_GRAD_NUMEL` elements."""
     dtype = x.dtype
     if weight is not None and weight.dtype is not dtype:
         return False
@@ -88,7 +99,9 @@ def _takes_torch_rms_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | No
     if not (x.dim() >= 1 and x.shape[-1] == shape[0] if k == 1 else
             x.dim() >= k and x.shape[x.dim() - k :] == shape):  # fmt: skip
         return False  # the full path names the mismatch
-    return not needs_grad(x, weight) and x.nbytes < buffers.OUTPUT_MIN_BYTES
+    if not needs_grad(x, weight):
+        return x.nbytes < buffers.OUTPUT_MIN_BYTES
+    return dtype in _TORCH_RMS_DTYPES and x.numel() <= _TORCH_RMS_GRAD_NUMEL
 
 
 def _gain(weight: Tensor | None, offset: float) -> Tensor | None:
@@ -239,7 +252,9 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
     on the CPU, a float32 or float64 input below 32 MiB with a gain of its dtype takes torch's own
     ``rms_norm`` (the same formula, within the same tolerance; what is left to save on a per-token
     call is Python), a larger or half one the fused forward kernel directly, with nothing saved
-    for backward (see :func:`layernorm.functional._rms_norm_lean`).
+    for backward (see :func:`layernorm.functional._rms_norm_lean`). With gradients, a float32 or
+    float64 input of at most 8192 elements takes ``torch.rms_norm`` too (its autograd costs less
+    than the fused path's there; outputs and gradients within the fused kernels' tolerance).
 
     Args:
         normalized_shape: trailing shape normalized together.

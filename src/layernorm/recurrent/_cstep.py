@@ -406,6 +406,12 @@ def elman_bwd_seq(
     _sequence("elman_bwd_seq", st, w_hh, sched)
 
 
+def _column_panels(cols: int, like: Tensor) -> int:
+    """The C GEMM's panels of output columns (two vectors of ``like``'s dtype wide) for ``cols``
+    columns: the unit its threads share out."""
+    return -(-cols // max(1, 2 * rnn.vector_bytes() // like.element_size()))
+
+
 def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
     """``dhpᵀ · hprev``, a weight's gradient summed over all rows (W_hh's; W_ih's with the
     inputs for ``hprev``): with the C GEMM for small sequences (where it beats ``torch.mm``), else
@@ -418,9 +424,8 @@ def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
     n_rows, gates = dhp.shape
     hs = hprev.shape[1]
     vector = rnn.vector_bytes()
-    panel = max(1, 2 * vector // dhp.element_size())
     threads = torch.get_num_threads()
-    panels = -(-hs // panel)
+    panels = _column_panels(hs, dhp)
     if hprev.dtype != dhp.dtype or not (dhp.is_contiguous() and hprev.is_contiguous()):
         return transposed_product(dhp, hprev)
     if tile_outpaces_torch_gemm():
@@ -472,8 +477,7 @@ def input_product_by_c(a: Tensor, w: Tensor, transposed: bool) -> bool:
         and tile_outpaces_torch_gemm()
     ):
         return False
-    panels = -(-cols // max(1, 2 * rnn.vector_bytes() // a.element_size()))
-    return 2 * panels >= torch.get_num_threads()
+    return 2 * _column_panels(cols, a) >= torch.get_num_threads()
 
 
 def input_product(a: Tensor, w: Tensor, transposed: bool, out: Tensor) -> Tensor:

@@ -85,6 +85,14 @@ def bench_products(shapes: list[tuple[int, int, int]], args) -> None:
           "torch.mm GFLOP/s | x·Wᵀ / mm time |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     grain = 1 << 17
+
+    def repeat(fn, *fn_args, **fn_kwargs):
+        def run() -> None:
+            for _ in range(args.inner):
+                fn(*fn_args, **fn_kwargs)
+
+        return run
+
     for m, k, n in shapes:
         x, w = torch.randn(m, k), torch.randn(n, k) / k**0.5
         wt = w.t().contiguous()
@@ -93,13 +101,6 @@ def bench_products(shapes: list[tuple[int, int, int]], args) -> None:
         for got in (rnn.matmul(x, w, True, torch.empty(m, n), args.threads, grain),
                     rnn.matmul(x, wt, False, torch.empty(m, n), args.threads, grain)):  # fmt: skip
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * k)
-
-        def repeat(fn, *fn_args, **fn_kwargs):
-            def run() -> None:
-                for _ in range(args.inner):
-                    fn(*fn_args, **fn_kwargs)
-
-            return run
 
         fns = {
             "t": repeat(rnn.matmul, x, w, True, out, args.threads, grain),

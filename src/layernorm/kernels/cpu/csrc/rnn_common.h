@@ -136,6 +136,12 @@ static inline void prefetch_l2(const void* p, i64 bytes) {
     for (i64 i = 0; i < bytes; i += 64) __builtin_prefetch((const char*)p + i, 0, 2);
 }
 
+/* Ask for `bytes` bytes at p to be brought into L1 (prefetcht0, one per 64-byte line): the
+   backward rows functions' reads of a row a few rows ahead (BWD_PREFETCH_ROWS). */
+static inline void prefetch_l1(const void* p, i64 bytes) {
+    for (i64 i = 0; i < bytes; i += 64) __builtin_prefetch((const char*)p + i, 0, 3);
+}
+
 /* A forward step's kept buffers (rnn_abi.py: R rows) hold every row of the sequence (R = N, for
    backward) or only the step's (R = B, inference: state row i, overwritten each step). */
 /* Whether an LSTM backward step finds c_{t−1}: kept (cprev), or taken from the step before,

@@ -2,8 +2,10 @@
 
 A threshold of :mod:`layernorm.recurrent._fused` (a module attribute: a byte or element limit, a
 chunk size, a function choosing kernels) is set to value A before one provider's calls and to
-value B before the other's; both run the same layer on the same input, round after round in
-shuffled order with ``torch.nn.LSTM`` / ``GRU`` beside them (:func:`_timing.interleaved_samples`),
+value B before the other's; both run the same layer (each setting its own copy of it: a layer
+keeps the plans its calls build, under the setting of the call that built them) on the same
+input, round after round in shuffled order with ``torch.nn.LSTM`` / ``GRU`` beside them
+(:func:`_timing.interleaved_samples`),
 so the two settings see the same machine. Printed: each setting's time as a ratio to torch's, of
 the medians (of the fastest rounds). One timed call is that of ``bench_rnn.py``: forward and
 ``backward()`` of ``output.sum()`` with the gradients set to ``None`` after it (``train``), or the
@@ -43,6 +45,7 @@ With ``--group`` they are the LN-LSTM forward step's rows a group (``rnn.use_for
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import statistics
 import sys
@@ -127,17 +130,21 @@ def main() -> None:
         ref = tcls(i, h)
         ours = ocls.from_torch(ref, norm=args.norm)
         x = (torch.randn(t, b, i) + 0.5).requires_grad_(args.mode == "train")
-        run = step(ours, x, args.mode)
+        # a layer for each setting: a layer keeps the plans of its calls (inference, training),
+        # built under the setting of the call that built them, which one layer would then run
+        # under both settings
+        layers = {"A": ours, "B": copy.deepcopy(ours)}
 
-        def with_setting(apply, run=run):
+        def with_setting(key, layers=layers, x=x):
+            apply, run = setters[key], step(layers[key], x, args.mode)
+
             def fn() -> None:
                 apply()
                 run()
 
             return fn
 
-        fns = {"torch": step(ref, x, args.mode), "A": with_setting(setters["A"]),
-               "B": with_setting(setters["B"])}  # fmt: skip
+        fns = {"torch": step(ref, x, args.mode), "A": with_setting("A"), "B": with_setting("B")}
         samples = interleaved_samples(fns, warmup=3, reps=args.reps)
         med = {k: statistics.median(v) for k, v in samples.items()}
         low = {k: min(v) for k, v in samples.items()}

@@ -393,6 +393,39 @@ def test_c_projection_inside_the_time_loop_equals_a_given_gx(layer_norm, threads
 
 
 @needs_c
+@pytest.mark.parametrize("threads", [1, 2])
+def test_c_projection_into_b_rows_normalized_in_the_step(threads) -> None:
+    """Inference with the input side's layer norm in the step: the sequence kernel projects each
+    step's raw rows into a B-row gx (the sequence struct without w0, b0) and the step adds
+    LN(gx)·w0 + b0, its statistics in mx, rx of B rows: the outputs are those of the sequence
+    given gx = LN(x W_ihᵀ)·w0 + b0 for every row, and mx, rx are the last step's rows'."""
+    w = torch.linspace(-1, 1, 36, dtype=torch.float64).view(12, 3)
+    steps = torch.tensor([[0, 2], [2, 2], [4, 2], [6, 2]])
+    proj = _projection()
+    raw = proj["x"] @ proj["w_ih"].t()
+    normalized = F.layer_norm(raw, (12,), proj["w0"], proj["b0"], 1e-5)
+    args, given, sizes = _lstm_fwd_struct(kept=2)
+    given["gx"].copy_(normalized)
+    rnn.sequence("lstm_fwd_seq", torch.float64, args, w, steps, sizes, threads, 1, 1)
+    _, t, sizes = _lstm_fwd_struct(kept=2, gx_rows=2)
+    stats = torch.zeros(2, dtype=torch.float64)
+    t.update(w0=proj["w0"], b0=proj["b0"], mx=stats, rx=stats.clone())
+    args = rnn.prepare(rnn_abi.LSTM_FWD, torch.float64, {
+        **t, "eps": 1e-5, "off": 0, "rows": 0, "threads": 1, "layer_norm": 1,
+        "normalize_cell_state": 0}, sizes)  # fmt: skip
+    raw_projection = {**proj, "w0": None, "b0": None}
+    rnn.sequence("lstm_fwd_seq", torch.float64, args, w, steps, sizes, threads, 1, 1,
+                 raw_projection)  # fmt: skip
+    assert given["out"].abs().min() > 0
+    for k in ("out", "h", "c", "acts", "mh", "rh"):
+        torch.testing.assert_close(t[k], given[k], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(t["gx"], raw[6:], rtol=1e-12, atol=1e-14)  # raw, as projected
+    torch.testing.assert_close(t["mx"], raw[6:].mean(1), rtol=1e-12, atol=1e-14)
+    rstd = (raw[6:].var(1, unbiased=False) + 1e-5).rsqrt()
+    torch.testing.assert_close(t["rx"], rstd, rtol=1e-12, atol=1e-14)
+
+
+@needs_c
 @pytest.mark.parametrize(
     ("change", "gx_rows"),
     [({"w_ih": None}, 2), ({"x": None}, 2), ({"split": 0}, 2), ({"split": 13}, 2), ({}, 4)],
@@ -526,9 +559,9 @@ def test_c_input_norm_in_the_step_equals_a_normalized_gx(threads) -> None:
 )  # fmt: skip
 def test_c_refuses_a_half_given_input_norm(kernel, drop) -> None:
     """w0 comes with its bias and statistics (forward), with gx and the statistics (backward),
-    with layer_norm, and not with a projection the kernel computes into B rows of gx or
-    normalizes itself (into N rows, the sequence struct's w0 and b0 given): else an error before
-    any memory is touched."""
+    with layer_norm, and not with a projection the kernel normalizes itself (the sequence
+    struct's w0 and b0 given, into B or N rows of gx): else an error before any memory is
+    touched."""
     w, steps = torch.zeros(12, 3, dtype=torch.float64), torch.tensor([[0, 2], [2, 2]])
     norm = _input_norm()
     if "_fwd" in kernel:

@@ -669,6 +669,8 @@ def _inference(
         return None
     if in_loop:
         st["projection"] = source.kernel_args()
+        if seq == "lstm_fwd_seq" and source.layer_norm and _STEP_NORMALIZES_INPUT:
+            _input_norm_in_step(st, n_batch)
     if st.get("w_hr") is not None:
         _cstep.projected_by_steps(st, w_hh, sched)
     elif kernels is C_KERNELS and not in_loop and _one_step_by_gemm(sched):
@@ -680,6 +682,27 @@ def _inference(
     if kept is not None and projected and "_call" in st:
         kept.append(InferencePlan(st, source, in_loop, results, kernel_bias))
     return result
+
+
+# The LN-LSTM's inference loop normalizes each step's projected rows inside the step kernel (as
+# training does), where input_rows wrote a normalized copy for the step to read back: the step's
+# rows in cache, one thread, AMD EPYC Zen 5, ns a row (bench_rnn_step.py --input-norm /
+# --input-rows) H = 32 119 / 166, 64 162 / 215, 128 267 / 344, 256 572 / 921.
+_STEP_NORMALIZES_INPUT = True
+
+
+def _input_norm_in_step(st: dict[str, Any], n_batch: int) -> None:
+    """Move the LSTM's input-side layer norm (gain ``w0``, bias ``b0``) from the sequence
+    kernel's projection to its step kernel, with the step's statistics buffers of ``n_batch``
+    rows: the projection then writes raw rows. ``st["input_bias_in_step"]``: whether ``b0`` is
+    the folded input bias (an :class:`InferencePlan` folds into it) or zeros standing in."""
+    projection, like = st["projection"], st["gx"]
+    w0, b0 = projection["w0"], projection["b0"]
+    g = like.shape[1]
+    st.update(w0=like.new_ones(g) if w0 is None else w0,
+              b0=like.new_zeros(g) if b0 is None else b0, input_bias_in_step=b0 is not None,
+              **_new_bufs(like, n_batch, {"mx": 0, "rx": 0}))  # fmt: skip
+    st["projection"] = {**projection, "w0": None, "b0": None}
 
 
 # Where a caller asked for it (keeping_plans), the inference path's plans of this call.
@@ -774,7 +797,8 @@ class InferencePlan:
             out = data.new_empty(shape) if self.small_out else _buffers.empty(data, shape)
             call.args.out = out.data_ptr()
             if self.in_loop:
-                _fold_into(st["projection"]["b0"], fold_bias)
+                in_step = st.get("input_bias_in_step", False)
+                _fold_into(st["b0"] if in_step else st["projection"]["b0"], fold_bias)
                 call.seq_args.x = data.data_ptr()
                 call.run()
                 call.seq_args.x = None

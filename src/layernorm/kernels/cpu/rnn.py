@@ -331,8 +331,7 @@ def _raise_for(status: int, kernel: str) -> None:
         raise ValueError(
             f"layernorm recurrent CPU kernel {kernel}: the layer norm of gx needs w0 with b0, mx "
             f"and rx (forward; gx, mx and rx backward) and layer_norm=1, and with an input "
-            f"projection x, gx of N rows and no w0 or b0 of the projection's own; nothing was "
-            f"written"
+            f"projection x, no w0 or b0 of the projection's own; nothing was written"
         )
     if status == rnn_abi.ERR_PROJECTION and kernel == "matmul":
         raise ValueError(

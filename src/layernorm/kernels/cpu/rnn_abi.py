@@ -172,12 +172,13 @@ _CM = _mask("cm", "B H", "recurrent dropout on the candidate, one row per sequen
 _LSTM_MASKS = (_ZH, _mask("zc", "N H", "zoneout of the carried c, as zh"), _CM)
 _GRU_MASKS = (_ZH, _CM)
 
-# The LN-LSTM's input-side layer norm inside the step (training): with w0 given, gx holds the
-# raw projection W_ih x of every row, and the step adds LN(gx; w0, b0) to the gates, keeping its
-# row statistics mx, rx, where a layer-norm pass before the call would write a normalized copy
-# of gx for the step to read back. Backward then turns the gates' gradient into gx's in place
-# (dgates), where a pass after the call would read both back. NULL: gx already holds the input
-# side (normalized before the call, or without layer norms).
+# The LN-LSTM's input-side layer norm inside the step: with w0 given, gx holds the raw
+# projection W_ih x of every row (training), or of a step's rows where the sequence kernel
+# projects them (inference), and the step adds LN(gx; w0, b0) to the gates, keeping its row
+# statistics mx, rx, where a layer-norm pass before (or in inference inside) the call would
+# write a normalized copy of gx for the step to read back. Backward then turns the gates'
+# gradient into gx's in place (dgates), where a pass after the call would read both back.
+# NULL: gx already holds the input side (normalized before the call, or without layer norms).
 _INPUT_NORM_FWD = (
     Field("w0", _IN, ("4H",), "gain of LN(gx), normalized here (NULL: gx is the input side)",
           optional=True),

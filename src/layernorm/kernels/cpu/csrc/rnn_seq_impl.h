@@ -1274,9 +1274,10 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
 
 int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
     const i64 G = 4 * a->H;
-    /* gx normalized in the step is raw: given, or projected by the kernel into every row
-       (X = N) with no normalization of its own (the sequence struct's w0, b0 NULL) */
-    const int raw_gx = !s->x || (a->X == a->N && !s->w0 && !s->b0);
+    /* gx normalized in the step is raw: given, or projected by the kernel (into every row,
+       X = N, kept for backward; or into a step's B rows, inference) with no normalization or
+       bias of its own (the sequence struct's w0, b0 NULL) */
+    const int raw_gx = !s->x || (!s->w0 && !s->b0);
     if (!input_norm_valid(a->w0, a->b0 && a->mx && a->rx && raw_gx, a->layer_norm))
         return RNN_ERR_INPUT_NORM;
     FN(lstm_fwd_step_args) step = *a;

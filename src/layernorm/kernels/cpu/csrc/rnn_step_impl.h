@@ -502,11 +502,11 @@ int FN(lstm_fwd_step)(const FN(lstm_fwd_step_args) * a) {
 
 /* The backward rows functions read each row's kept buffers (written by the forward pass, a whole
    sequence of them: out of cache at most shapes) as the row begins, and the hardware
-   prefetchers did not have them ready: at (T, B, I, H) = (100, 64, 64, 64) a third of the
-   LN-LSTM backward rows' time waited on the first load of a row's gate activations (perf, AMD
+   prefetchers did not have them ready: at (T, B, I, H) = (100, 64, 64, 64) nearly half of the
+   LN-LSTM backward rows' samples sat on the first load of a row's gate activations (perf, AMD
    EPYC Zen 5). Each row now asks for the row BWD_PREFETCH_ROWS ahead's reads (prefetch_l1):
-   that call's training 1.32-1.40 -> 1.22-1.25x torch.nn.LSTM's time, one thread (ab_rnn.py
-   --cflags; 1, 2 and 4 rows ahead alike; prefetching the next step's rows into L2 before the
+   that call's training 1.34-1.40 -> 1.26-1.27x torch.nn.LSTM's time with one thread, 1.37 ->
+   1.20 with two (ab_rnn.py --cflags, both orders; 1, 2 and 4 rows ahead alike; prefetching the next step's rows into L2 before the
    GEMM, or the forward's written rows, gained nothing; the GRU's and Elman's backward rows
    neither gained nor lost by it, and go without). */
 #ifndef BWD_PREFETCH_ROWS /* a build setting; 0: none */

@@ -518,3 +518,122 @@ def test_a_missing_weight_is_named(cls: type, name: str) -> None:
         cell(torch.randn(2, 5))
     with torch.no_grad(), pytest.raises(AttributeError, match=f"it has no {name}"):
         cell(torch.randn(2, 5))
+
+
+def _lstm_cell_node(monkeypatch: pytest.MonkeyPatch, taken: list[bool]) -> None:
+    """Every LSTM cell training step of at least two rows by the planned node (the rule's limits
+    at their least, the processor's GEMM taken as outpacing torch's), each step it ran counted."""
+    from layernorm.recurrent import _cstep, _planned, cells
+
+    monkeypatch.setattr(cells, "_NODE_STEP_MIN_ROWS", 2)
+    monkeypatch.setattr(cells, "_NODE_STEP_MIN_MACS", 0)
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: True)
+    node = _planned.lstm_training
+
+    def counted(*args, **kwargs):
+        result = node(*args, **kwargs)
+        if result is not None:  # (the one-step layer of an inference plan asks it too)
+            taken.append(True)
+        return result
+
+    monkeypatch.setattr(_planned, "lstm_training", counted)
+
+
+def _steps_and_grads(cell: torch.nn.Module, xs: torch.Tensor, hx: object) -> list[torch.Tensor]:
+    """Outputs of three steps from ``hx`` and the gradients of a loss on all of them (the input,
+    the initial state and every parameter)."""
+    xs = xs.detach().requires_grad_(True)
+    leaves = [xs] + ([] if hx is None else [t.detach().requires_grad_(True) for t in hx])
+    state = None if hx is None else tuple(leaves[1:])
+    outs, loss = [], xs.new_zeros(())
+    for x in xs:
+        state = cell(x, state)
+        outs += list(state)
+        loss = loss + (state[0] * torch.linspace(-1, 1, state[0].shape[1], dtype=x.dtype)).sum()
+        loss = loss + 0.5 * state[1].square().sum()
+    params = [p for p in cell.parameters()]
+    grads = torch.autograd.grad(loss, leaves + params)
+    return [o.detach() for o in outs] + list(grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("given_state", [True, False], ids=["hx", "no hx"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lstm_cell_training_by_the_node_equals_its_ops(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, bias: bool, given_state: bool,
+    threads: int,
+) -> None:  # fmt: skip
+    """Training steps of many rows by the planned node of one step give the step's ops' outputs
+    and gradients (input, state, every parameter), three steps in a row, the graph of all
+    alive together."""
+    from layernorm.recurrent import _cstep
+
+    cell = LayerNormLSTMCell(6, 8, bias=bias, dtype=dtype)
+    randomize(cell)
+    xs = inputs(3 * 5, 6).view(3, 5, 6).to(dtype)
+    hx = None
+    if given_state:
+        hx = (inputs(5, 8, seed=2).to(dtype), inputs(5, 8, seed=3).to(dtype))
+    expected = _steps_and_grads(cell, xs, hx)
+    taken: list[bool] = []
+    _lstm_cell_node(monkeypatch, taken)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _steps_and_grads(cell, xs, hx)
+    finally:
+        torch.set_num_threads(before)
+    assert taken == [True] * 3 if _cstep.available(xs) else not taken
+    tol = {"rtol": 1e-10, "atol": 1e-10} if dtype is torch.float64 else {"rtol": 2e-4, "atol": 2e-4}
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize(
+    "case", ["zoneout", "normalized carry", "unbatched", "no grad", "parametrized", "few rows",
+             "small step", "slower GEMM", "float16", "traced"],
+)  # fmt: skip
+def test_lstm_cell_training_node_is_taken_where_the_rule_says(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """The node runs a training step of at least ``_NODE_STEP_MIN_ROWS`` rows and
+    ``_NODE_STEP_MIN_MACS`` multiply-adds where the C GEMM outpaces torch's, and not with zoneout,
+    a normalized carry, an unbatched input, gradients off, a parametrized weight, a dtype
+    without C kernels or under a tracer: the step's ops (or the inference plan) run those."""
+    from layernorm.recurrent import _cstep, cells
+
+    taken: list[bool] = []
+    _lstm_cell_node(monkeypatch, taken)
+    monkeypatch.setattr(cells, "_NODE_STEP_MIN_ROWS", 4)
+    monkeypatch.setattr(cells, "_NODE_STEP_MIN_MACS", 4 * 4 * 8 * (6 + 8))
+    options = {"zoneout_cell": 0.2} if case == "zoneout" else {}
+    if case == "normalized carry":
+        options["normalize_cell_state"] = True
+    cell = LayerNormLSTMCell(6, 8, **options)
+    if case == "parametrized":
+        torch.nn.utils.parametrizations.weight_norm(cell, "weight_hh")
+    rows = {"few rows": 3, "small step": 4}.get(case, 5)
+    if case == "small step":
+        monkeypatch.setattr(cells, "_NODE_STEP_MIN_MACS", rows * 4 * 8 * (6 + 8) + 1)
+    if case == "slower GEMM":
+        monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: False)
+    dtype = torch.float16 if case == "float16" else torch.float32
+    cell = cell.to(dtype)
+    x = torch.randn(rows, 6, dtype=dtype)
+    if case == "unbatched":
+        x = x[0]
+    with torch.set_grad_enabled(case != "no grad"):
+        if case == "traced":  # a tracer's sizes are tensors: the rule is not even asked
+            torch.jit.trace(cell, (x,), check_trace=False)
+        else:
+            cell(x)
+    assert taken == []
+    # and the same cell's step of the rule's kind does take it (the setup is not what stops it)
+    if case in ("few rows", "small step", "slower GEMM", "unbatched", "no grad") and (
+        _cstep.available(x)
+    ):
+        monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: True)
+        monkeypatch.setattr(cells, "_NODE_STEP_MIN_MACS", 0)
+        cell(torch.randn(5, 6))
+        assert taken == [True]

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from .._torchscript import NotScriptable
 from .._validation import check_flag
 from ..ops._dispatch import plain_eager
-from . import _cstep, _fused, _options, _steps
+from . import _cstep, _fused, _options, _planned, _steps
 from ._checks import (
     check_cell_input,
     check_eps,
@@ -77,6 +77,29 @@ _TORCH_CELLS: dict[str, type[nn.RNNCellBase]] = {
 # The suffix of the one-step layer's parameters (layer 0, forward): the cell's names with it.
 _SFX = "_l0"
 _LAYERS: dict[str, type[_LNRNNBase]] = {"LSTM": LayerNormLSTM, "GRU": LayerNormGRU}
+
+
+# An LSTM cell's training step runs the layers' planned node of one step (the C sequence
+# kernels forward and backward, one autograd node) where the processor's C GEMM outpaces
+# torch.mm (_cstep.tile_outpaces_torch_gemm) and the step has at least this many rows and
+# multiply-adds in its two products (B·4H·(I + H)). Below either, the node's fixed cost and its
+# packing of the weights on every call exceed what its kernels save over the step's ops. AMD
+# EPYC Zen 5, µs a step with backward(), ops / node, one thread (two): (B, I, H) =
+# (64, 128, 128) 676 / 526 (653 / 582), (32, 128, 256) 904 / 706 (620 / 531), (32, 256, 256)
+# 1231 / 848 (1040 / 959), (32, 512, 512) 4677 / 3714 (3673 / 2148), (128, 256, 256) 3734 / 2192
+# (2176 / 1766); not (32, 128, 128) (4 M) 433 / 408 (346 / 373), (32, 64, 64) 237 / 262,
+# (16, 512, 512) 2583 / 3034, (1, 64, 128) 160 / 230 (RESULTS.md, 2026-11-28).
+_NODE_STEP_MIN_ROWS = 32
+_NODE_STEP_MIN_MACS = 1 << 23
+_NO_MASKS = _options.Masks(*(None,) * len(_options.Masks._fields))
+
+
+def _node_step_pays(x: Tensor, hidden: int) -> bool:
+    """Whether an LSTM cell's training step of ``x`` runs the planned node (see above)."""
+    rows, inputs = x.shape
+    if rows < _NODE_STEP_MIN_ROWS or rows * 4 * hidden * (inputs + hidden) < _NODE_STEP_MIN_MACS:
+        return False
+    return x.dtype in _FUSED_DTYPES and x.is_cpu and _cstep.tile_outpaces_torch_gemm()
 
 
 class _StepPlan(NamedTuple):
@@ -520,6 +543,9 @@ class LayerNormLSTMCell(_LNCellBase):
             return planned  # type: ignore[no-any-return]
         x, batched = self._prepare(input)
         h, c = self._states(hx, x, batched)
+        trained = self._node_step(x, h, c) if batched else None
+        if trained is not None:
+            return trained
         h_new, c_new = _steps.lstm_step(
             x, h, c, self._weights(),
             self._norm("_ih"), self._norm("_hh"), self._norm("_c"),
@@ -527,6 +553,37 @@ class LayerNormLSTMCell(_LNCellBase):
         )  # fmt: skip
         h, c = self._zone(self.zoneout_hidden, h, h_new), self._zone(self.zoneout_cell, c, c_new)
         return (h, c) if batched else (h.squeeze(0), c.squeeze(0))
+
+    def _node_step(self, x: Tensor, h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """A training step of many rows by the layers' planned node of one step
+        (:func:`._planned.lstm_training`: the C sequence kernels forward and backward, one
+        autograd node), where :func:`_node_step_pays`; ``None`` elsewhere (the step's ops run
+        it): gradients on, plain eager, no autocast, no zoneout or normalized carry, every
+        parameter a registered one in the input's dtype and contiguous."""
+        if not torch.is_grad_enabled() or not plain_eager() or torch.is_autocast_enabled("cpu"):
+            return None  # (a tracer's sizes are tensors: the rule's arithmetic comes after)
+        if not _node_step_pays(x, self.hidden_size):
+            return None
+        if self.zoneout_hidden or self.zoneout_cell or self.normalize_cell_state:
+            return None
+        if self._modules.get("parametrizations") is not None:
+            return None
+        params, dtype = self._parameters, x.dtype
+        if any(p is not None and (p.dtype is not dtype or not p.is_contiguous())
+               for p in params.values()):  # fmt: skip
+            return None
+        get = params.get
+        ln = (get("ln_weight_hh"), get("ln_bias_hh"), get("ln_weight_c"), get("ln_bias_c"),
+              get("ln_weight_ih"), get("ln_bias_ih"))  # fmt: skip
+        result = _planned.lstm_training(
+            x.contiguous(), [x.shape[0]], False, h.contiguous(), c.contiguous(),
+            params["weight_ih"], params["weight_hh"], get("bias_ih"), get("bias_hh"), ln,
+            self.eps, True, False, _NO_MASKS, None,
+        )  # fmt: skip
+        if result is None:
+            return None
+        out, _, c_new = result
+        return out, c_new
 
     def extra_repr(self) -> str:
         s = super().extra_repr()

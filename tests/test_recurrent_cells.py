@@ -592,15 +592,17 @@ def test_lstm_cell_training_by_the_node_equals_its_ops(
 
 @pytest.mark.parametrize(
     "case", ["zoneout", "normalized carry", "unbatched", "no grad", "parametrized", "few rows",
-             "small step", "slower GEMM", "float16", "traced"],
+             "small step", "slower GEMM", "float16", "traced", "replaced weight",
+             "replaced gain"],
 )  # fmt: skip
 def test_lstm_cell_training_node_is_taken_where_the_rule_says(
     monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     """The node runs a training step of at least ``_NODE_STEP_MIN_ROWS`` rows and
     ``_NODE_STEP_MIN_MACS`` multiply-adds where the C GEMM outpaces torch's, and not with zoneout,
-    a normalized carry, an unbatched input, gradients off, a parametrized weight, a dtype
-    without C kernels or under a tracer: the step's ops (or the inference plan) run those."""
+    a normalized carry, an unbatched input, gradients off, a parametrized weight or a plain
+    tensor in a parameter's place, a dtype without C kernels or under a tracer: the step's ops
+    (or the inference plan) run those."""
     from layernorm.recurrent import _cstep, cells
 
     taken: list[bool] = []
@@ -613,6 +615,11 @@ def test_lstm_cell_training_node_is_taken_where_the_rule_says(
     cell = LayerNormLSTMCell(6, 8, **options)
     if case == "parametrized":
         torch.nn.utils.parametrizations.weight_norm(cell, "weight_hh")
+    if case.startswith("replaced"):  # a plain tensor in a parameter's place
+        name = "weight_hh" if case == "replaced weight" else "ln_weight_c"
+        t = getattr(cell, name).detach().clone()
+        delattr(cell, name)
+        setattr(cell, name, t)
     rows = {"few rows": 3, "small step": 4}.get(case, 5)
     if case == "small step":
         monkeypatch.setattr(cells, "_NODE_STEP_MIN_MACS", rows * 4 * 8 * (6 + 8) + 1)

@@ -91,7 +91,10 @@ _LAYERS: dict[str, type[_LNRNNBase]] = {"LSTM": LayerNormLSTM, "GRU": LayerNormG
 # (16, 512, 512) 2583 / 3034, (1, 64, 128) 160 / 230 (RESULTS.md, 2026-11-28).
 _NODE_STEP_MIN_ROWS = 32
 _NODE_STEP_MIN_MACS = 1 << 23
-_NO_MASKS = _options.Masks(*(None,) * len(_options.Masks._fields))
+# the planned node's arguments in its order: torch's weights and biases, then the layer norms'
+# (LN(hp), LN(c_t), LN(gx)) gains and biases
+_NODE_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_weight_hh", "ln_bias_hh",
+                "ln_weight_c", "ln_bias_c", "ln_weight_ih", "ln_bias_ih")  # fmt: skip
 
 
 def _node_step_pays(x: Tensor, hidden: int) -> bool:
@@ -559,7 +562,8 @@ class LayerNormLSTMCell(_LNCellBase):
         (:func:`._planned.lstm_training`: the C sequence kernels forward and backward, one
         autograd node), where :func:`_node_step_pays`; ``None`` elsewhere (the step's ops run
         it): gradients on, plain eager, no autocast, no zoneout or normalized carry, every
-        parameter a registered one in the input's dtype and contiguous."""
+        parameter a registered one (no parametrization or plain tensor in its place) in the
+        input's dtype and contiguous."""
         if not torch.is_grad_enabled() or not plain_eager() or torch.is_autocast_enabled("cpu"):
             return None  # (a tracer's sizes are tensors: the rule's arithmetic comes after)
         if not _node_step_pays(x, self.hidden_size):
@@ -568,17 +572,18 @@ class LayerNormLSTMCell(_LNCellBase):
             return None
         if self._modules.get("parametrizations") is not None:
             return None
-        params, dtype = self._parameters, x.dtype
-        if any(p is not None and (p.dtype is not dtype or not p.is_contiguous())
-               for p in params.values()):  # fmt: skip
-            return None
-        get = params.get
-        ln = (get("ln_weight_hh"), get("ln_bias_hh"), get("ln_weight_c"), get("ln_bias_c"),
-              get("ln_weight_ih"), get("ln_bias_ih"))  # fmt: skip
+        params, dtype = [self._parameters.get(n) for n in _NODE_PARAMS], x.dtype
+        for name, p in zip(_NODE_PARAMS, params, strict=True):
+            if p is None and self._get(name) is not None:
+                return None  # a plain tensor in a parameter's place (the ops read it)
+            if p is not None and (p.dtype is not dtype or not p.is_contiguous()):
+                return None
+        w_ih, w_hh, b_ih, b_hh, *ln = params
+        if w_ih is None or w_hh is None:
+            return None  # the ops name the missing weight
         result = _planned.lstm_training(
-            x.contiguous(), [x.shape[0]], False, h.contiguous(), c.contiguous(),
-            params["weight_ih"], params["weight_hh"], get("bias_ih"), get("bias_hh"), ln,
-            self.eps, True, False, _NO_MASKS, None,
+            x.contiguous(), [x.shape[0]], False, h.contiguous(), c.contiguous(), w_ih, w_hh,
+            b_ih, b_hh, tuple(ln), self.eps, True, False, _options.Masks(), None,
         )  # fmt: skip
         if result is None:
             return None

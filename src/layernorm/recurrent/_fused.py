@@ -696,13 +696,22 @@ def _input_norm_in_step(st: dict[str, Any], n_batch: int) -> None:
     kernel's projection to its step kernel, with the step's statistics buffers of ``n_batch``
     rows: the projection then writes raw rows. ``st["input_bias_in_step"]``: whether ``b0`` is
     the folded input bias (an :class:`InferencePlan` folds into it) or zeros standing in."""
-    projection, like = st["projection"], st["gx"]
-    w0, b0 = projection["w0"], projection["b0"]
-    g = like.shape[1]
-    st.update(w0=like.new_ones(g) if w0 is None else w0,
-              b0=like.new_zeros(g) if b0 is None else b0, input_bias_in_step=b0 is not None,
-              **_new_bufs(like, n_batch, {"mx": 0, "rx": 0}))  # fmt: skip
+    projection = st["projection"]
+    st.update(_input_norm_fields(st["gx"], projection["w0"], projection["b0"], n_batch),
+              input_bias_in_step=projection["b0"] is not None)  # fmt: skip
     st["projection"] = {**projection, "w0": None, "b0": None}
+
+
+def _input_norm_fields(
+    like: Tensor, w0: Tensor | None, b0: Tensor | None, rows: int
+) -> dict[str, Tensor]:
+    """The LSTM step's input-side layer norm (``rnn_abi``'s ``_INPUT_NORM_FWD``): its gain and
+    bias, ones and zeros where the layer has none (the kernel reads both), and its statistics
+    buffers of ``rows`` rows."""
+    g = like.shape[1]
+    return {"w0": like.new_ones(g) if w0 is None else w0.contiguous(),
+            "b0": like.new_zeros(g) if b0 is None else b0.contiguous(),
+            **_new_bufs(like, rows, {"mx": 0, "rx": 0})}  # fmt: skip
 
 
 # Where a caller asked for it (keeping_plans), the inference path's plans of this call.
@@ -1251,10 +1260,7 @@ class LSTMSequence(torch.autograd.Function):
                     "LSTMSequence: input_norm needs layer norms and the C sequence kernels, got "
                     f"normalize={normalize} and {kernels}"
                 )
-            g4 = gx.shape[1]
-            st.update(w0=gx.new_ones(g4) if w0 is None else w0.contiguous(),
-                      b0=gx.new_zeros(g4) if b0 is None else b0.contiguous(),
-                      **_new_bufs(gx, gx.shape[0], {"mx": 0, "rx": 0}))  # fmt: skip
+            st.update(_input_norm_fields(gx, w0, b0, gx.shape[0]))
         if in_loop:
             st["projection"] = {"x": x, "w_ih": w_ih.contiguous()}
             if plain and b0 is not None:

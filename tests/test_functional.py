@@ -432,6 +432,37 @@ def test_gradcheck_rms_norm(use_w):
     assert gradgradcheck(f, args)
 
 
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_double_backward_of_two_norms_sharing_their_parameters(kind):
+    """The second norm's input was made with the same gain (and bias). Under
+    ``create_graph=True`` the backward differentiates the reference at aliases of its inputs, so
+    the first norm's share of the gain's gradient is counted once (taken at the inputs
+    themselves, it was counted twice): first and second derivatives are torch's."""
+    x, w, b, ns = _gc_inputs((4, 6), (6,))  # a row's parameters taken as they are, unflattened
+    F = torch.nn.functional
+
+    def ours(x, w, b):
+        if kind == "rms_norm":
+            return layernorm.rms_norm(layernorm.rms_norm(x, ns, w) + b, ns, w)
+        return layernorm.layer_norm(layernorm.layer_norm(x, ns, w, b), ns, w, b)
+
+    def torchs(x, w, b):
+        if kind == "rms_norm":
+            return F.rms_norm(F.rms_norm(x, ns, w) + b, ns, w)
+        return F.layer_norm(F.layer_norm(x, ns, w, b), ns, w, b)
+
+    def derivatives(f):
+        y = f(x, w, b)
+        weights = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)
+        first = torch.autograd.grad((y * weights).sum(), (x, w, b), create_graph=True)
+        mix = sum((g * torch.cos(torch.arange(g.numel(), dtype=g.dtype)).view_as(g)).sum()
+                  for g in first)  # fmt: skip
+        return [*first, *torch.autograd.grad(mix, (x, w, b))]
+
+    for a, e in zip(derivatives(ours), derivatives(torchs), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
+
+
 def test_gradcheck_ada_norm_frozen_phi():
     """AdaNorm's gradient is, by design, not the derivative of its forward: φ(y) is a constant.
 

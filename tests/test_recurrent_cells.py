@@ -567,7 +567,7 @@ def test_lstm_cell_training_by_the_node_equals_its_ops(
     """Training steps of many rows by the planned node of one step give the step's ops' outputs
     and gradients (input, state, every parameter), three steps in a row, the graph of all
     alive together."""
-    from layernorm.recurrent import _cstep
+    from layernorm.recurrent import _cstep, cells
 
     cell = LayerNormLSTMCell(6, 8, bias=bias, dtype=dtype)
     randomize(cell)
@@ -575,7 +575,9 @@ def test_lstm_cell_training_by_the_node_equals_its_ops(
     hx = None
     if given_state:
         hx = (inputs(5, 8, seed=2).to(dtype), inputs(5, 8, seed=3).to(dtype))
+    monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 0)  # the ops (not the cell kernels)
     expected = _steps_and_grads(cell, xs, hx)
+    monkeypatch.undo()
     taken: list[bool] = []
     _lstm_cell_node(monkeypatch, taken)
     before = torch.get_num_threads()
@@ -644,3 +646,197 @@ def test_lstm_cell_training_node_is_taken_where_the_rule_says(
         monkeypatch.setattr(cells, "_NODE_STEP_MIN_MACS", 0)
         cell(torch.randn(5, 6))
         assert taken == [True]
+
+
+KERNEL_CELLS = [LayerNormLSTMCell, LayerNormGRUCell]  # training steps by the C cell kernels
+
+
+def _cell_kernels(monkeypatch: pytest.MonkeyPatch, taken: list[bool]) -> None:
+    """Each cell training step by the C cell kernels' node counted (and the LSTM's planned node
+    of many rows kept out of it)."""
+    from layernorm.recurrent import _cellstep, cells
+
+    monkeypatch.setattr(cells, "_NODE_STEP_MIN_ROWS", 1 << 30)
+    for node in (_cellstep.GRUCellStep, _cellstep.LSTMCellStep):
+        monkeypatch.setattr(node, "apply", _counted(node.apply, taken))
+
+
+def _counted(apply, taken: list[bool]):
+    def counted(*args):
+        taken.append(True)
+        return apply(*args)
+
+    return counted
+
+
+def _kernel_steps_and_grads(
+    cell: torch.nn.Module, xs: torch.Tensor, hx: tuple[torch.Tensor, ...] | None,
+    create_graph: bool = False,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Outputs of steps from ``hx`` (``(h,)`` or ``(h, c)``) and the gradients of a loss on all
+    of them (the input, the initial state and every parameter); with ``create_graph`` also the
+    gradient of the first gradients' weighted sum (second derivatives)."""
+    xs = xs.detach().requires_grad_(True)
+    leaves = [xs] + ([] if hx is None else [t.detach().requires_grad_(True) for t in hx])
+    state = None if hx is None else (leaves[1] if len(hx) == 1 else tuple(leaves[1:]))
+    outs, loss = [], xs.new_zeros(())
+    for x in xs:
+        state = cell(x, state)
+        for t in state if isinstance(state, tuple) else (state,):
+            outs.append(t)
+            weights = torch.linspace(-1, 1, t.shape[-1], dtype=x.dtype)
+            loss = loss + (t * weights).sum() + 0.5 * t.square().sum()
+    wrt = leaves + [p for p in cell.parameters()]
+    grads = torch.autograd.grad(loss, wrt, create_graph=create_graph)
+    if create_graph:
+        second = sum((g * torch.cos(torch.arange(g.numel(), dtype=g.dtype)).view_as(g)).sum()
+                     for g in grads)  # fmt: skip
+        grads = grads + torch.autograd.grad(second, wrt, allow_unused=True, materialize_grads=True)
+    return [o.detach() for o in outs] + [g.detach() for g in grads]
+
+
+def _cell_tolerance(dtype: torch.dtype) -> dict[str, float]:
+    tight = dtype is torch.float64
+    return {"rtol": 1e-10, "atol": 1e-10} if tight else {"rtol": 2e-4, "atol": 2e-4}
+
+
+def _initial_state(cls: type, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    shape = (rows, 8) if rows else (8,)
+    h = inputs(max(rows, 1), 8, seed=2).view(shape).to(dtype)
+    if cls is LayerNormLSTMCell:
+        return h, inputs(max(rows, 1), 8, seed=3).view(shape).to(dtype)
+    return (h,)
+
+
+@pytest.mark.parametrize("cls", KERNEL_CELLS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("given_state", [True, False], ids=["hx", "no hx"])
+@pytest.mark.parametrize("rows", [1, 5, 0], ids=["one row", "five rows", "unbatched"])
+def test_cell_training_by_the_kernels_equals_its_ops(
+    monkeypatch: pytest.MonkeyPatch, cls: type, dtype: torch.dtype, bias: bool,
+    given_state: bool, rows: int,
+) -> None:  # fmt: skip
+    """Training steps by the C cell kernels' node give the step's ops' outputs and gradients
+    (input, state, every parameter), three steps in a row, the graph of all alive together."""
+    from layernorm.recurrent import _cstep, cells
+
+    cell = cls(6, 8, bias=bias, dtype=dtype)
+    randomize(cell)
+    shape = (3, rows, 6) if rows else (3, 6)
+    xs = inputs(3 * max(rows, 1), 6).view(shape).to(dtype)
+    hx = _initial_state(cls, rows, dtype) if given_state else None
+    monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 0)  # the ops
+    expected = _kernel_steps_and_grads(cell, xs, hx)
+    monkeypatch.undo()
+    taken: list[bool] = []
+    _cell_kernels(monkeypatch, taken)
+    got = _kernel_steps_and_grads(cell, xs, hx)
+    assert taken == [True] * 3 if _cstep.available(xs) else not taken
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **_cell_tolerance(dtype))
+
+
+@pytest.mark.parametrize("cls", KERNEL_CELLS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cell_kernels_keep_second_derivatives(
+    monkeypatch: pytest.MonkeyPatch, cls: type, dtype: torch.dtype
+) -> None:
+    """With ``create_graph=True`` the node's backward differentiates the step's ops: the
+    gradients of the gradients are the ops' own, over two steps (the second step's weights also
+    made its state)."""
+    from layernorm.recurrent import _cstep, cells
+
+    cell = cls(5, 8, dtype=dtype)
+    randomize(cell)
+    xs, hx = inputs(2 * 3, 5).view(2, 3, 5).to(dtype), _initial_state(cls, 3, dtype)
+    monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 0)
+    expected = _kernel_steps_and_grads(cell, xs, hx, create_graph=True)
+    monkeypatch.undo()
+    taken: list[bool] = []
+    _cell_kernels(monkeypatch, taken)
+    got = _kernel_steps_and_grads(cell, xs, hx, create_graph=True)
+    assert taken == [True] * 2 if _cstep.available(xs) else not taken
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **_cell_tolerance(dtype))
+
+
+@pytest.mark.parametrize("cls", KERNEL_CELLS)
+@pytest.mark.parametrize(
+    "case", ["zoneout", "normalized carry", "no grad", "parametrized", "replaced weight",
+             "replaced gain", "float16", "traced", "autocast", "forced backend", "large step"],
+)  # fmt: skip
+def test_cell_kernels_are_taken_where_the_rule_says(
+    monkeypatch: pytest.MonkeyPatch, cls: type, case: str
+) -> None:
+    """The node runs a cell's training step of up to ``_KERNEL_STEP_MAX_NUMEL`` elements of a
+    projection, and not with zoneout, the LSTM's normalized carry, gradients off, a
+    parametrized weight or a plain tensor in a parameter's place, a dtype without C kernels,
+    under a tracer, autocast or a forced backend: the step's ops (or the inference plan) run
+    those."""
+    from layernorm.recurrent import _cstep, cells
+
+    lstm = cls is LayerNormLSTMCell
+    if case == "normalized carry" and not lstm:
+        pytest.skip("an LSTM option")
+    taken: list[bool] = []
+    _cell_kernels(monkeypatch, taken)
+    options = {"zoneout_hidden": 0.2} if case == "zoneout" else {}
+    if case == "normalized carry":
+        options["normalize_cell_state"] = True
+    cell = cls(6, 8, **options)
+    if case == "parametrized":
+        torch.nn.utils.parametrizations.weight_norm(cell, "weight_hh")
+    if case.startswith("replaced"):  # a plain tensor in a parameter's place
+        name = (
+            "weight_hh"
+            if case == "replaced weight"
+            else ("ln_weight_c" if lstm else "ln_weight_hh")
+        )
+        t = getattr(cell, name).detach().clone()
+        delattr(cell, name)
+        setattr(cell, name, t)
+    if case == "large step":
+        monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 4 * cell.gate_count * 8)
+    dtype = torch.float16 if case == "float16" else torch.float32
+    cell = cell.to(dtype)
+    x = torch.randn(5, 6, dtype=dtype)
+    with torch.set_grad_enabled(case != "no grad"):
+        if case == "traced":
+            torch.jit.trace(cell, (x,), check_trace=False)
+        elif case == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                cell(x)
+        elif case == "forced backend":  # the ops' layer norms honour it
+            from layernorm.backend import force_backend
+
+            with force_backend("cpu"):
+                cell(x)
+        else:
+            cell(x)
+    assert taken == []
+    # and the same cell's step of the rule's kind does take it (the setup is not what stops it)
+    if case in ("large step", "no grad") and _cstep.available(x):
+        cell(torch.randn(4, 6))
+        assert taken == [True]
+
+
+@pytest.mark.parametrize("cls", KERNEL_CELLS)
+def test_cell_kernels_refuse_buffers_of_the_wrong_shape(cls: type) -> None:
+    """The node's structs are checked before C sees a pointer: an input of other rows than the
+    state's is named."""
+    from layernorm.recurrent import _cellstep, _cstep
+
+    cell = cls(6, 8)
+    x = torch.randn(5, 6)
+    if not _cstep.available(x):
+        pytest.skip("C kernels not built")
+    lstm = cls is LayerNormLSTMCell
+    node = _cellstep.LSTMCellStep if lstm else _cellstep.GRUCellStep
+    params = [getattr(cell, n) for n in (_cellstep.LSTM_PARAMS if lstm else _cellstep.GRU_PARAMS)]
+    state = (torch.zeros(4, 8),) * (2 if lstm else 1)
+    g = 4 if lstm else 3
+    message = (rf"{'lstm' if lstm else 'gru'}_cell_fwd_args\): gx must have shape \(B, {g}H\) "
+               rf"= \(4, {g * 8}\), got \(5, {g * 8}\)")  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        node.apply(x, *state, *params, cell.eps)

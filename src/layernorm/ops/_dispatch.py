@@ -85,6 +85,15 @@ def in_stats_dtype(fn: Callable[..., Tensor], x: Tensor, *params: Tensor | None)
     return fn(x.to(cdt), *cast).to(x.dtype)
 
 
+def aliases(*tensors: Tensor | None) -> list[Tensor | None]:
+    """A view of each tensor (``None`` stays ``None``), made under grad mode. A node whose backward
+    differentiates its reference (``create_graph=True``) runs the reference on these and takes the
+    gradients at them: taken at the inputs themselves, a path from one input to another (``x``
+    made by an earlier op from the same weight) would add that path's share there as well as
+    where autograd sends it."""
+    return [None if t is None else t.view_as(t) for t in tensors]
+
+
 def empty_like_none(t: Tensor | None, like: Tensor) -> Tensor:
     """custom ops cannot return None: an empty tensor stands for 'no gradient'."""
     return like.new_empty(0) if t is None else t
@@ -96,6 +105,12 @@ def none_if_empty(t: Tensor) -> Tensor | None:
 
 # LAYERNORM_BACKEND, read once at import for lean_input (the full path reads it on every call)
 _ENV_BACKEND = bool(os.environ.get("LAYERNORM_BACKEND"))
+
+
+def backend_forced() -> bool:
+    """True where a backend is forced (``LAYERNORM_BACKEND``, read once at import, or
+    :func:`layernorm.backend.force_backend`): then the ops' full path runs, which honours it."""
+    return _ENV_BACKEND or _forced_backend.get() is not None
 
 
 def aten_input(x: object, eps: object) -> bool:
@@ -115,10 +130,9 @@ def aten_input(x: object, eps: object) -> bool:
         and 0.0 < eps < math.inf
         and x.is_cpu
         and x.dtype in FLOAT_DTYPES
-        and not _ENV_BACKEND
         and not torch.compiler.is_compiling()  # before the ContextVar: False under Dynamo
         and torch._C._get_tracing_state() is None
-        and _forced_backend.get() is None
+        and not backend_forced()
     )
 
 

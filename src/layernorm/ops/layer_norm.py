@@ -18,6 +18,7 @@ from .._validation import stats_dtype
 from ..reference import layer_norm_reference
 from . import _checks
 from ._dispatch import (
+    aliases,
     backend_module,
     empty_like_none,
     in_stats_dtype,
@@ -129,8 +130,9 @@ def _backward(ctx: Any, dy: Tensor, _dmean: Tensor, _drstd: Tensor):
 
 def _reference_backward(ctx: Any, dy: Tensor, x: Tensor, weight, bias) -> tuple:
     needs = ctx.needs_input_grad[:3]
-    wanted = [t for t, need in zip((x, weight, bias), needs, strict=True) if need]
     with torch.enable_grad():
+        x, weight, bias = aliases(x, weight, bias)
+        wanted = [t for t, need in zip((x, weight, bias), needs, strict=True) if need]
         y = layer_norm_reference(
             x, (x.shape[1],), weight, bias, ctx.eps, ctx.detach_mean, ctx.detach_std
         )

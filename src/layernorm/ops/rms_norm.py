@@ -14,6 +14,7 @@ from .._validation import stats_dtype
 from ..reference import rms_norm_reference
 from . import _checks
 from ._dispatch import (
+    aliases,
     backend_module,
     empty_like_none,
     in_stats_dtype,
@@ -75,8 +76,9 @@ def _backward(ctx: Any, dy: Tensor, _drstd: Tensor):
     x, weight, rstd = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
     if torch.is_grad_enabled():  # create_graph=True: a differentiable composite
-        wanted = [t for t, need in zip((x, weight), (need_dx, need_dw), strict=True) if need]
         with torch.enable_grad():
+            x, weight = aliases(x, weight)
+            wanted = [t for t, need in zip((x, weight), (need_dx, need_dw), strict=True) if need]
             y = rms_norm_reference(x, (x.shape[1],), weight, ctx.eps)
             grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
         return (next(grads) if need_dx else None), (next(grads) if need_dw else None), None

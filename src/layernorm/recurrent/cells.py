@@ -24,7 +24,12 @@ float32 kernel; :func:`layernorm.ops._dispatch.torch_layer_norm`), the fused ker
 Where nothing is differentiated (``torch.no_grad()``, inference mode) the LSTM and GRU cells run
 a float32 / float64 CPU step as the one-step call of a sequence layer over the cell's own
 parameters, by a plan kept per cell and signature (``_StepPlan``): one call of the C kernel.
-For whole sequences the layers (:mod:`.layers`) run the time loop in C.
+With gradients, their float32 / float64 CPU steps run as one autograd node on the C cell
+kernels (:mod:`._cellstep`: the two products, one kernel forward and one backward) where the
+ops take some 20 to 27 nodes; an LSTM step of many rows runs the layers' planned node
+(:func:`_node_step_pays`). Zoneout, the LSTM's normalized carry, tracers, autocast, a forced
+backend and parametrized weights keep the ops. For whole sequences the layers (:mod:`.layers`)
+run the time loop in C.
 
 .. code-block:: bibtex
 
@@ -45,8 +50,8 @@ from torch import Tensor, nn
 
 from .._torchscript import NotScriptable
 from .._validation import check_flag
-from ..ops._dispatch import plain_eager
-from . import _cstep, _fused, _options, _planned, _steps
+from ..ops._dispatch import backend_forced, plain_eager
+from . import _cellstep, _cstep, _fused, _options, _planned, _steps
 from ._checks import (
     check_cell_input,
     check_eps,
@@ -103,6 +108,35 @@ def _node_step_pays(x: Tensor, hidden: int) -> bool:
     if rows < _NODE_STEP_MIN_ROWS or rows * 4 * hidden * (inputs + hidden) < _NODE_STEP_MIN_MACS:
         return False
     return x.dtype in _FUSED_DTYPES and x.is_cpu and _cstep.tile_outpaces_torch_gemm()
+
+
+def _node_context() -> bool:
+    """Whether a cell's step may run as one node of the C kernels: gradients on, plain eager (no
+    tracer or transform, which would not see inside the node), no autocast (whose casts the ops
+    make), no forced backend (which the ops' layer norms honour)."""
+    return (
+        torch.is_grad_enabled()
+        and plain_eager()
+        and not torch.is_autocast_enabled("cpu")
+        and not backend_forced()
+    )
+
+
+# A GRU cell's training step runs the C cell kernels' node (_cellstep.GRUCellStep) up to this
+# many elements of a projection (B·3H), the range measured: the kernels run on one thread, and
+# a step's ops thread their pointwise work. AMD EPYC Zen 5, ten steps with backward(), µs a
+# step, torch.nn.GRUCell / the ops / the node, one thread: (B, I, H) = (1, 64, 128) 103 / 201 /
+# 108, (1, 256, 256) 207 / 304 / 224, (64, 128, 128) 460 / 661 / 468, (128, 256, 256) 2682 /
+# 3159 / 2675, (256, 128, 512) 14008 / 15823 / 14220; two threads (64, 128, 128) 401 / 661 /
+# 396, (256, 128, 512) 7451 / 8754 / 7816 (RESULTS.md, 2026-11-28).
+_KERNEL_STEP_MAX_NUMEL = 1 << 19
+
+
+def _kernel_step_fits(x: Tensor, hidden: int, gates: int) -> bool:
+    """Whether a cell's training step of ``x`` may run the C cell kernels' node."""
+    if x.shape[0] * gates * hidden > _KERNEL_STEP_MAX_NUMEL:
+        return False
+    return x.dtype in _FUSED_DTYPES and x.is_cpu and _cstep.available(x)
 
 
 class _StepPlan(NamedTuple):
@@ -339,6 +373,21 @@ class _LNCellBase(NotScriptable, nn.Module):
             return _steps.make_grouped_ln(w, b, self.eps, self.hidden_size, lean=True)
         return _steps.make_ln(w, b, self.eps, lean=True)
 
+    def _node_params(self, names: tuple[str, ...], dtype: torch.dtype) -> list[Any] | None:
+        """The parameters ``names`` (the two weights first) for a training node of the C
+        kernels, or ``None`` where the step's ops must run: a parametrization, a plain tensor in
+        a parameter's place (the ops read it), a parameter not of ``dtype`` or not contiguous, a
+        missing weight (the ops name it)."""
+        if self._modules.get("parametrizations") is not None:
+            return None
+        params = [self._parameters.get(n) for n in names]
+        for name, p in zip(names, params, strict=True):
+            if p is None and self._get(name) is not None:
+                return None
+            if p is not None and (p.dtype is not dtype or not p.is_contiguous()):
+                return None
+        return None if params[0] is None or params[1] is None else params
+
     def _zoneout_rate(self, value: object, name: str) -> float:
         return check_probability(value, name, type(self).__name__, allow_one=True)
 
@@ -547,8 +596,11 @@ class LayerNormLSTMCell(_LNCellBase):
         x, batched = self._prepare(input)
         h, c = self._states(hx, x, batched)
         trained = self._node_step(x, h, c) if batched else None
+        if trained is None:
+            trained = self._kernel_step(x, h, c)
         if trained is not None:
-            return trained
+            h, c = trained
+            return (h, c) if batched else (h.squeeze(0), c.squeeze(0))
         h_new, c_new = _steps.lstm_step(
             x, h, c, self._weights(),
             self._norm("_ih"), self._norm("_hh"), self._norm("_c"),
@@ -564,23 +616,16 @@ class LayerNormLSTMCell(_LNCellBase):
         it): gradients on, plain eager, no autocast, no zoneout or normalized carry, every
         parameter a registered one (no parametrization or plain tensor in its place) in the
         input's dtype and contiguous."""
-        if not torch.is_grad_enabled() or not plain_eager() or torch.is_autocast_enabled("cpu"):
+        if not _node_context():
             return None  # (a tracer's sizes are tensors: the rule's arithmetic comes after)
         if not _node_step_pays(x, self.hidden_size):
             return None
         if self.zoneout_hidden or self.zoneout_cell or self.normalize_cell_state:
             return None
-        if self._modules.get("parametrizations") is not None:
+        params = self._node_params(_NODE_PARAMS, x.dtype)
+        if params is None:
             return None
-        params, dtype = [self._parameters.get(n) for n in _NODE_PARAMS], x.dtype
-        for name, p in zip(_NODE_PARAMS, params, strict=True):
-            if p is None and self._get(name) is not None:
-                return None  # a plain tensor in a parameter's place (the ops read it)
-            if p is not None and (p.dtype is not dtype or not p.is_contiguous()):
-                return None
         w_ih, w_hh, b_ih, b_hh, *ln = params
-        if w_ih is None or w_hh is None:
-            return None  # the ops name the missing weight
         result = _planned.lstm_training(
             x.contiguous(), [x.shape[0]], False, h.contiguous(), c.contiguous(), w_ih, w_hh,
             b_ih, b_hh, tuple(ln), self.eps, True, False, _options.Masks(), None,
@@ -589,6 +634,21 @@ class LayerNormLSTMCell(_LNCellBase):
             return None
         out, _, c_new = result
         return out, c_new
+
+    def _kernel_step(self, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor] | None:
+        """A training step by the C cell kernels' node (:class:`._cellstep.LSTMCellStep`: the two
+        products, one kernel forward and one backward), where :func:`_kernel_step_fits`;
+        ``None`` elsewhere (the step's ops run it): gradients on, plain eager, no autocast, no
+        zoneout or normalized carry, every parameter a registered one in the input's dtype and
+        contiguous."""
+        if not _node_context() or self.zoneout_hidden or self.zoneout_cell:
+            return None
+        if self.normalize_cell_state or not _kernel_step_fits(x, self.hidden_size, 4):
+            return None
+        params = self._node_params(_cellstep.LSTM_PARAMS, x.dtype)
+        if params is None:
+            return None
+        return _cellstep.LSTMCellStep.apply(x, h, c, *params, self.eps)  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         s = super().extra_repr()
@@ -643,9 +703,26 @@ class LayerNormGRUCell(_LNCellBase):
             return planned  # type: ignore[no-any-return]
         x, batched = self._prepare(input)
         h_prev = self._hidden(hx, x, batched)
+        h = self._kernel_step(x, h_prev)
+        if h is not None:
+            return h if batched else h.squeeze(0)
         h = _steps.gru_step(
             x, h_prev, self._weights(),
             self._norm("_ih", grouped=True), self._norm("_hh", grouped=True),
         )  # fmt: skip
         h = self._zone(self.zoneout_hidden, h_prev, h)
         return h if batched else h.squeeze(0)
+
+    def _kernel_step(self, x: Tensor, h: Tensor) -> Tensor | None:
+        """A training step by the C cell kernels' node (:class:`._cellstep.GRUCellStep`: the two
+        products, one kernel forward and one backward), where :func:`_kernel_step_fits`;
+        ``None`` elsewhere (the step's ops run it): gradients on, plain eager, no autocast, no
+        zoneout, every parameter a registered one in the input's dtype and contiguous."""
+        if not _node_context() or self.zoneout_hidden:
+            return None
+        if not _kernel_step_fits(x, self.hidden_size, 3):
+            return None
+        params = self._node_params(_cellstep.GRU_PARAMS, x.dtype)
+        if params is None:
+            return None
+        return _cellstep.GRUCellStep.apply(x, h, *params, self.eps)  # type: ignore[no-any-return]

@@ -359,6 +359,12 @@ def step(kernel: str, dtype: torch.dtype, args: Any, off: int, rows: int, thread
     _raise_for(_fn(kernel, dtype)(ctypes.byref(args)), kernel)
 
 
+def call(kernel: str, dtype: torch.dtype, args: Any) -> None:
+    """Run ``kernel`` whose whole call is the one struct from :func:`prepare` (the cells'
+    kernels, ``"gru_cell_fwd"``, ...)."""
+    _raise_for(_fn(kernel, dtype)(ctypes.byref(args)), kernel)
+
+
 def sequence(kernel: str, dtype: torch.dtype, args: Any, *pack_args: Any, **pack_kw: Any) -> None:
     """Run sequence kernel ``kernel`` (``"lstm_fwd_seq"``, ...) on the step struct ``args`` from
     :func:`prepare` and a sequence struct packed from the rest (:func:`pack_sequence`'s

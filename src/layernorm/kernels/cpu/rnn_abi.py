@@ -437,6 +437,103 @@ WEIGHT_GRAD = Struct(
     ),
 )
 
+# A cell's call (layernorm.LayerNormGRUCell, LayerNormLSTMCell, with gradients): one step of B
+# rows whose two raw projections both get their layer norms here, and whose backward returns
+# the projections' gradients and sums the gains' and biases' over the rows, so that one autograd
+# node (two products and one kernel each way) replaces the dozens of ops a step takes otherwise.
+# Written for the few rows of a per-token call: one thread.
+_CELL_SIZES = (Field("B", Kind.SIZE, doc="rows"), Field("H", Kind.SIZE, doc="hidden units"))
+#: The row statistics a GRU cell call keeps: mean and 1/std of gx's (r, z) block, gx's n block,
+#: hp's (r, z) block and hp's n block, in that order.
+GRU_CELL_STATS = 8
+GRU_CELL_FWD = Struct(
+    "gru_cell_fwd_args",
+    "One LN-GRU cell call forward on B rows: the layer norms of both projections and the gates.",
+    (
+        _t("gx", _IN, "B 3H", "W_ih x, raw"),
+        _t("hp", _IN, "B 3H", "W_hh h_{t-1}, raw"),
+        _t("h", _IN, "B H", "h_{t-1}"),
+        _t("w_ih", _IN, "3H", "gains of LN(gx): the (r, z) block's, then the n block's"),
+        _t("b_ih", _IN, "3H", "biases of LN(gx), torch's b_ih added"),
+        _t("w_hh", _IN, "3H", "gains of LN(hp)"),
+        _t("b_hh", _IN, "3H", "biases of LN(hp), torch's b_hh added"),
+        _t("out", _OUT, "B H", "h_t"),
+        _t("rz", _OUT, "B 2H", "r and z"),
+        _t("n", _OUT, "B H", "candidate"),
+        _t("ghn", _OUT, "B H", "LN(hp_n) + b_hh's n block"),
+        _t("stats", _OUT, f"B {GRU_CELL_STATS}", "each row's means and 1/std (GRU_CELL_STATS)"),
+        *_CELL_SIZES, _EPS,
+    ),
+)  # fmt: skip
+GRU_CELL_BWD = Struct(
+    "gru_cell_bwd_args",
+    "One LN-GRU cell call backward on B rows (the forward's kept buffers).",
+    (
+        _t("dout", _IN, "B H", "gradient of h_t"),
+        _t("gx", _IN, "B 3H"),
+        _t("hp", _IN, "B 3H"),
+        _t("h", _IN, "B H"),
+        _t("w_ih", _IN, "3H"),
+        _t("w_hh", _IN, "3H"),
+        _t("rz", _IN, "B 2H"),
+        _t("n", _IN, "B H"),
+        _t("ghn", _IN, "B H"),
+        _t("stats", _IN, f"B {GRU_CELL_STATS}"),
+        _t("dgx", _OUT, "B 3H", "gradient of the raw gx"),
+        _t("dhp", _OUT, "B 3H", "gradient of the raw hp"),
+        _t("dh", _OUT, "B H", "the part of h_{t-1}'s gradient that bypasses W_hh"),
+        _t("dparams", _OUT, "4 3H", "gradients of w_ih, b_ih, w_hh, b_hh, summed over the rows"),
+        *_CELL_SIZES, _EPS,
+    ),
+)  # fmt: skip
+#: The row statistics an LSTM cell call keeps: mean and 1/std of gx, of hp and of c_t.
+LSTM_CELL_STATS = 6
+LSTM_CELL_FWD = Struct(
+    "lstm_cell_fwd_args",
+    "One LN-LSTM cell call forward on B rows: the layer norms of both projections and of c_t, "
+    "the gates, c_t and h_t (c_t carried).",
+    (
+        _t("gx", _IN, "B 4H", "W_ih x, raw"),
+        _t("hp", _IN, "B 4H", "W_hh h_{t-1}, raw"),
+        _t("c", _IN, "B H", "c_{t-1}"),
+        _t("w_ih", _IN, "4H", "gain of LN(gx)"),
+        _t("b_ih", _IN, "4H", "bias of LN(gx), torch's b_ih added"),
+        _t("w_hh", _IN, "4H", "gain of LN(hp)"),
+        _t("b_hh", _IN, "4H", "bias of LN(hp), torch's b_hh added"),
+        _t("w_c", _IN, "H", "gain of LN(c_t)"),
+        _t("b_c", _IN, "H", "bias of LN(c_t)"),
+        _t("h_out", _OUT, "B H", "h_t"),
+        _t("c_out", _OUT, "B H", "c_t"),
+        _t("gates", _OUT, "B 4H", "σ(i), σ(f), tanh(g), σ(o)"),
+        _t("tc", _OUT, "B H", "tanh(LN(c_t))"),
+        _t("stats", _OUT, f"B {LSTM_CELL_STATS}", "each row's means and 1/std (LSTM_CELL_STATS)"),
+        *_CELL_SIZES, _EPS,
+    ),
+)  # fmt: skip
+LSTM_CELL_BWD = Struct(
+    "lstm_cell_bwd_args",
+    "One LN-LSTM cell call backward on B rows (the forward's kept buffers).",
+    (
+        _t("dh", _IN, "B H", "gradient of h_t"),
+        _t("dc", _IN, "B H", "gradient of the carried c_t"),
+        _t("gx", _IN, "B 4H"),
+        _t("hp", _IN, "B 4H"),
+        _t("c", _IN, "B H"),
+        _t("c_out", _IN, "B H"),
+        _t("w_ih", _IN, "4H"),
+        _t("w_hh", _IN, "4H"),
+        _t("w_c", _IN, "H"),
+        _t("gates", _IN, "B 4H"),
+        _t("tc", _IN, "B H"),
+        _t("stats", _IN, f"B {LSTM_CELL_STATS}"),
+        _t("dgx", _OUT, "B 4H", "gradient of the raw gx"),
+        _t("dhp", _OUT, "B 4H", "gradient of the raw hp"),
+        _t("dc_prev", _OUT, "B H", "gradient of c_{t-1}"),
+        _t("dparams", _OUT, "4 4H", "gradients of w_ih, b_ih, w_hh, b_hh, summed over the rows"),
+        _t("dcparams", _OUT, "2 H", "gradients of w_c, b_c, summed over the rows"),
+        *_CELL_SIZES, _EPS,
+    ),
+)  # fmt: skip
 # The input projection over all rows, where it runs before the time loop (or its input gradient
 # after it), by the sequence kernels' GEMM: W packed once, as a time loop packs W_ih.
 MATMUL = Struct(
@@ -459,7 +556,7 @@ MATMUL = Struct(
 
 STRUCTS: tuple[Struct, ...] = (
     LSTM_FWD, LSTM_BWD, GRU_FWD, GRU_BWD, ELMAN_FWD, ELMAN_BWD, SEQ_FWD, SEQ_BWD, WEIGHT_GRAD,
-    MATMUL,
+    MATMUL, GRU_CELL_FWD, GRU_CELL_BWD, LSTM_CELL_FWD, LSTM_CELL_BWD,
 )  # fmt: skip
 KERNELS: tuple[Kernel, ...] = (
     Kernel("lstm_fwd_step", "LN-LSTM step forward.", (LSTM_FWD,)),
@@ -477,6 +574,10 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("elman_bwd_seq", "LN-RNN direction backward, steps in reverse.", (ELMAN_BWD, SEQ_BWD)),
     Kernel("weight_grad", "The recurrent weight's gradient.", (WEIGHT_GRAD,)),
     Kernel("matmul", "The input projection (or its input gradient) over all rows.", (MATMUL,)),
+    Kernel("gru_cell_fwd", "LN-GRU cell call forward.", (GRU_CELL_FWD,)),
+    Kernel("gru_cell_bwd", "LN-GRU cell call backward.", (GRU_CELL_BWD,)),
+    Kernel("lstm_cell_fwd", "LN-LSTM cell call forward.", (LSTM_CELL_FWD,)),
+    Kernel("lstm_cell_bwd", "LN-LSTM cell call backward.", (LSTM_CELL_BWD,)),
 )  # fmt: skip
 BY_NAME: dict[str, Kernel] = {k.name: k for k in KERNELS}
 
@@ -837,6 +938,10 @@ def c_header() -> str:
         f"#define RNN_FORWARD_GROUP_DEFAULT {FORWARD_GROUP_DEFAULT}",
         f"#define RNN_FORWARD_GROUP_MAX {FORWARD_GROUP_MAX}",
         "int rnn_set_forward_group(int rows);",
+        "/* The row statistics a GRU cell call keeps (gru_cell_fwd_args.stats). */",
+        f"#define RNN_GRU_CELL_STATS {GRU_CELL_STATS}",
+        "/* The row statistics an LSTM cell call keeps (lstm_cell_fwd_args.stats). */",
+        f"#define RNN_LSTM_CELL_STATS {LSTM_CELL_STATS}",
         "",
     ]
     for dtype, (scalar, suffix) in RNN_INSTANCES.items():

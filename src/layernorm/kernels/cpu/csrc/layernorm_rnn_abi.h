@@ -40,6 +40,10 @@ int rnn_half_gemm(void);
 #define RNN_FORWARD_GROUP_DEFAULT 4
 #define RNN_FORWARD_GROUP_MAX 8
 int rnn_set_forward_group(int rows);
+/* The row statistics a GRU cell call keeps (gru_cell_fwd_args.stats). */
+#define RNN_GRU_CELL_STATS 8
+/* The row statistics an LSTM cell call keeps (lstm_cell_fwd_args.stats). */
+#define RNN_LSTM_CELL_STATS 6
 
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {
@@ -521,6 +525,164 @@ _Static_assert(offsetof(matmul_args_f32, threads) == 72, "matmul_args_f32.thread
 _Static_assert(offsetof(matmul_args_f32, transposed) == 76, "matmul_args_f32.transposed");
 _Static_assert(sizeof(matmul_args_f32) == 80, "matmul_args_f32 size");
 
+/* One LN-GRU cell call forward on B rows: the layer norms of both projections and the gates. */
+typedef struct {
+    const float* gx; /* input (B, 3H): W_ih x, raw */
+    const float* hp; /* input (B, 3H): W_hh h_{t-1}, raw */
+    const float* h; /* input (B, H): h_{t-1} */
+    const float* w_ih; /* input (3H): gains of LN(gx): the (r, z) block's, then the n block's */
+    const float* b_ih; /* input (3H): biases of LN(gx), torch's b_ih added */
+    const float* w_hh; /* input (3H): gains of LN(hp) */
+    const float* b_hh; /* input (3H): biases of LN(hp), torch's b_hh added */
+    float* out; /* output (B, H): h_t */
+    float* rz; /* output (B, 2H): r and z */
+    float* n; /* output (B, H): candidate */
+    float* ghn; /* output (B, H): LN(hp_n) + b_hh's n block */
+    float* stats; /* output (B, 8): each row's means and 1/std (GRU_CELL_STATS) */
+    int64_t B; /* size: rows */
+    int64_t H; /* size: hidden units */
+    double eps; /* float, >= 0: added to the variance */
+} gru_cell_fwd_args_f32;
+_Static_assert(offsetof(gru_cell_fwd_args_f32, gx) == 0, "gru_cell_fwd_args_f32.gx");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, hp) == 8, "gru_cell_fwd_args_f32.hp");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, h) == 16, "gru_cell_fwd_args_f32.h");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, w_ih) == 24, "gru_cell_fwd_args_f32.w_ih");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, b_ih) == 32, "gru_cell_fwd_args_f32.b_ih");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, w_hh) == 40, "gru_cell_fwd_args_f32.w_hh");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, b_hh) == 48, "gru_cell_fwd_args_f32.b_hh");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, out) == 56, "gru_cell_fwd_args_f32.out");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, rz) == 64, "gru_cell_fwd_args_f32.rz");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, n) == 72, "gru_cell_fwd_args_f32.n");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, ghn) == 80, "gru_cell_fwd_args_f32.ghn");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, stats) == 88, "gru_cell_fwd_args_f32.stats");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, B) == 96, "gru_cell_fwd_args_f32.B");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, H) == 104, "gru_cell_fwd_args_f32.H");
+_Static_assert(offsetof(gru_cell_fwd_args_f32, eps) == 112, "gru_cell_fwd_args_f32.eps");
+_Static_assert(sizeof(gru_cell_fwd_args_f32) == 120, "gru_cell_fwd_args_f32 size");
+
+/* One LN-GRU cell call backward on B rows (the forward's kept buffers). */
+typedef struct {
+    const float* dout; /* input (B, H): gradient of h_t */
+    const float* gx; /* input (B, 3H) */
+    const float* hp; /* input (B, 3H) */
+    const float* h; /* input (B, H) */
+    const float* w_ih; /* input (3H) */
+    const float* w_hh; /* input (3H) */
+    const float* rz; /* input (B, 2H) */
+    const float* n; /* input (B, H) */
+    const float* ghn; /* input (B, H) */
+    const float* stats; /* input (B, 8) */
+    float* dgx; /* output (B, 3H): gradient of the raw gx */
+    float* dhp; /* output (B, 3H): gradient of the raw hp */
+    float* dh; /* output (B, H): the part of h_{t-1}'s gradient that bypasses W_hh */
+    float* dparams; /* output (4, 3H): gradients of w_ih, b_ih, w_hh, b_hh, summed over the rows */
+    int64_t B; /* size: rows */
+    int64_t H; /* size: hidden units */
+    double eps; /* float, >= 0: added to the variance */
+} gru_cell_bwd_args_f32;
+_Static_assert(offsetof(gru_cell_bwd_args_f32, dout) == 0, "gru_cell_bwd_args_f32.dout");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, gx) == 8, "gru_cell_bwd_args_f32.gx");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, hp) == 16, "gru_cell_bwd_args_f32.hp");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, h) == 24, "gru_cell_bwd_args_f32.h");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, w_ih) == 32, "gru_cell_bwd_args_f32.w_ih");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, w_hh) == 40, "gru_cell_bwd_args_f32.w_hh");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, rz) == 48, "gru_cell_bwd_args_f32.rz");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, n) == 56, "gru_cell_bwd_args_f32.n");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, ghn) == 64, "gru_cell_bwd_args_f32.ghn");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, stats) == 72, "gru_cell_bwd_args_f32.stats");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, dgx) == 80, "gru_cell_bwd_args_f32.dgx");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, dhp) == 88, "gru_cell_bwd_args_f32.dhp");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, dh) == 96, "gru_cell_bwd_args_f32.dh");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, dparams) == 104, "gru_cell_bwd_args_f32.dparams");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, B) == 112, "gru_cell_bwd_args_f32.B");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, H) == 120, "gru_cell_bwd_args_f32.H");
+_Static_assert(offsetof(gru_cell_bwd_args_f32, eps) == 128, "gru_cell_bwd_args_f32.eps");
+_Static_assert(sizeof(gru_cell_bwd_args_f32) == 136, "gru_cell_bwd_args_f32 size");
+
+/* One LN-LSTM cell call forward on B rows: the layer norms of both projections and of c_t, the gates, c_t and h_t (c_t carried). */
+typedef struct {
+    const float* gx; /* input (B, 4H): W_ih x, raw */
+    const float* hp; /* input (B, 4H): W_hh h_{t-1}, raw */
+    const float* c; /* input (B, H): c_{t-1} */
+    const float* w_ih; /* input (4H): gain of LN(gx) */
+    const float* b_ih; /* input (4H): bias of LN(gx), torch's b_ih added */
+    const float* w_hh; /* input (4H): gain of LN(hp) */
+    const float* b_hh; /* input (4H): bias of LN(hp), torch's b_hh added */
+    const float* w_c; /* input (H): gain of LN(c_t) */
+    const float* b_c; /* input (H): bias of LN(c_t) */
+    float* h_out; /* output (B, H): h_t */
+    float* c_out; /* output (B, H): c_t */
+    float* gates; /* output (B, 4H): σ(i), σ(f), tanh(g), σ(o) */
+    float* tc; /* output (B, H): tanh(LN(c_t)) */
+    float* stats; /* output (B, 6): each row's means and 1/std (LSTM_CELL_STATS) */
+    int64_t B; /* size: rows */
+    int64_t H; /* size: hidden units */
+    double eps; /* float, >= 0: added to the variance */
+} lstm_cell_fwd_args_f32;
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, gx) == 0, "lstm_cell_fwd_args_f32.gx");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, hp) == 8, "lstm_cell_fwd_args_f32.hp");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, c) == 16, "lstm_cell_fwd_args_f32.c");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, w_ih) == 24, "lstm_cell_fwd_args_f32.w_ih");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, b_ih) == 32, "lstm_cell_fwd_args_f32.b_ih");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, w_hh) == 40, "lstm_cell_fwd_args_f32.w_hh");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, b_hh) == 48, "lstm_cell_fwd_args_f32.b_hh");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, w_c) == 56, "lstm_cell_fwd_args_f32.w_c");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, b_c) == 64, "lstm_cell_fwd_args_f32.b_c");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, h_out) == 72, "lstm_cell_fwd_args_f32.h_out");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, c_out) == 80, "lstm_cell_fwd_args_f32.c_out");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, gates) == 88, "lstm_cell_fwd_args_f32.gates");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, tc) == 96, "lstm_cell_fwd_args_f32.tc");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, stats) == 104, "lstm_cell_fwd_args_f32.stats");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, B) == 112, "lstm_cell_fwd_args_f32.B");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, H) == 120, "lstm_cell_fwd_args_f32.H");
+_Static_assert(offsetof(lstm_cell_fwd_args_f32, eps) == 128, "lstm_cell_fwd_args_f32.eps");
+_Static_assert(sizeof(lstm_cell_fwd_args_f32) == 136, "lstm_cell_fwd_args_f32 size");
+
+/* One LN-LSTM cell call backward on B rows (the forward's kept buffers). */
+typedef struct {
+    const float* dh; /* input (B, H): gradient of h_t */
+    const float* dc; /* input (B, H): gradient of the carried c_t */
+    const float* gx; /* input (B, 4H) */
+    const float* hp; /* input (B, 4H) */
+    const float* c; /* input (B, H) */
+    const float* c_out; /* input (B, H) */
+    const float* w_ih; /* input (4H) */
+    const float* w_hh; /* input (4H) */
+    const float* w_c; /* input (H) */
+    const float* gates; /* input (B, 4H) */
+    const float* tc; /* input (B, H) */
+    const float* stats; /* input (B, 6) */
+    float* dgx; /* output (B, 4H): gradient of the raw gx */
+    float* dhp; /* output (B, 4H): gradient of the raw hp */
+    float* dc_prev; /* output (B, H): gradient of c_{t-1} */
+    float* dparams; /* output (4, 4H): gradients of w_ih, b_ih, w_hh, b_hh, summed over the rows */
+    float* dcparams; /* output (2, H): gradients of w_c, b_c, summed over the rows */
+    int64_t B; /* size: rows */
+    int64_t H; /* size: hidden units */
+    double eps; /* float, >= 0: added to the variance */
+} lstm_cell_bwd_args_f32;
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, dh) == 0, "lstm_cell_bwd_args_f32.dh");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, dc) == 8, "lstm_cell_bwd_args_f32.dc");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, gx) == 16, "lstm_cell_bwd_args_f32.gx");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, hp) == 24, "lstm_cell_bwd_args_f32.hp");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, c) == 32, "lstm_cell_bwd_args_f32.c");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, c_out) == 40, "lstm_cell_bwd_args_f32.c_out");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, w_ih) == 48, "lstm_cell_bwd_args_f32.w_ih");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, w_hh) == 56, "lstm_cell_bwd_args_f32.w_hh");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, w_c) == 64, "lstm_cell_bwd_args_f32.w_c");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, gates) == 72, "lstm_cell_bwd_args_f32.gates");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, tc) == 80, "lstm_cell_bwd_args_f32.tc");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, stats) == 88, "lstm_cell_bwd_args_f32.stats");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, dgx) == 96, "lstm_cell_bwd_args_f32.dgx");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, dhp) == 104, "lstm_cell_bwd_args_f32.dhp");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, dc_prev) == 112, "lstm_cell_bwd_args_f32.dc_prev");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, dparams) == 120, "lstm_cell_bwd_args_f32.dparams");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, dcparams) == 128, "lstm_cell_bwd_args_f32.dcparams");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, B) == 136, "lstm_cell_bwd_args_f32.B");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, H) == 144, "lstm_cell_bwd_args_f32.H");
+_Static_assert(offsetof(lstm_cell_bwd_args_f32, eps) == 152, "lstm_cell_bwd_args_f32.eps");
+_Static_assert(sizeof(lstm_cell_bwd_args_f32) == 160, "lstm_cell_bwd_args_f32 size");
+
 /* LN-LSTM step forward. */
 int lstm_fwd_step_f32(const lstm_fwd_step_args_f32* a);
 /* LN-LSTM step backward. */
@@ -549,6 +711,14 @@ int elman_bwd_seq_f32(const elman_bwd_step_args_f32* a, const rnn_seq_bwd_args_f
 int weight_grad_f32(const weight_grad_args_f32* a);
 /* The input projection (or its input gradient) over all rows. */
 int matmul_f32(const matmul_args_f32* a);
+/* LN-GRU cell call forward. */
+int gru_cell_fwd_f32(const gru_cell_fwd_args_f32* a);
+/* LN-GRU cell call backward. */
+int gru_cell_bwd_f32(const gru_cell_bwd_args_f32* a);
+/* LN-LSTM cell call forward. */
+int lstm_cell_fwd_f32(const lstm_cell_fwd_args_f32* a);
+/* LN-LSTM cell call backward. */
+int lstm_cell_bwd_f32(const lstm_cell_bwd_args_f32* a);
 
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {
@@ -1030,6 +1200,164 @@ _Static_assert(offsetof(matmul_args_f64, threads) == 72, "matmul_args_f64.thread
 _Static_assert(offsetof(matmul_args_f64, transposed) == 76, "matmul_args_f64.transposed");
 _Static_assert(sizeof(matmul_args_f64) == 80, "matmul_args_f64 size");
 
+/* One LN-GRU cell call forward on B rows: the layer norms of both projections and the gates. */
+typedef struct {
+    const double* gx; /* input (B, 3H): W_ih x, raw */
+    const double* hp; /* input (B, 3H): W_hh h_{t-1}, raw */
+    const double* h; /* input (B, H): h_{t-1} */
+    const double* w_ih; /* input (3H): gains of LN(gx): the (r, z) block's, then the n block's */
+    const double* b_ih; /* input (3H): biases of LN(gx), torch's b_ih added */
+    const double* w_hh; /* input (3H): gains of LN(hp) */
+    const double* b_hh; /* input (3H): biases of LN(hp), torch's b_hh added */
+    double* out; /* output (B, H): h_t */
+    double* rz; /* output (B, 2H): r and z */
+    double* n; /* output (B, H): candidate */
+    double* ghn; /* output (B, H): LN(hp_n) + b_hh's n block */
+    double* stats; /* output (B, 8): each row's means and 1/std (GRU_CELL_STATS) */
+    int64_t B; /* size: rows */
+    int64_t H; /* size: hidden units */
+    double eps; /* float, >= 0: added to the variance */
+} gru_cell_fwd_args_f64;
+_Static_assert(offsetof(gru_cell_fwd_args_f64, gx) == 0, "gru_cell_fwd_args_f64.gx");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, hp) == 8, "gru_cell_fwd_args_f64.hp");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, h) == 16, "gru_cell_fwd_args_f64.h");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, w_ih) == 24, "gru_cell_fwd_args_f64.w_ih");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, b_ih) == 32, "gru_cell_fwd_args_f64.b_ih");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, w_hh) == 40, "gru_cell_fwd_args_f64.w_hh");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, b_hh) == 48, "gru_cell_fwd_args_f64.b_hh");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, out) == 56, "gru_cell_fwd_args_f64.out");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, rz) == 64, "gru_cell_fwd_args_f64.rz");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, n) == 72, "gru_cell_fwd_args_f64.n");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, ghn) == 80, "gru_cell_fwd_args_f64.ghn");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, stats) == 88, "gru_cell_fwd_args_f64.stats");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, B) == 96, "gru_cell_fwd_args_f64.B");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, H) == 104, "gru_cell_fwd_args_f64.H");
+_Static_assert(offsetof(gru_cell_fwd_args_f64, eps) == 112, "gru_cell_fwd_args_f64.eps");
+_Static_assert(sizeof(gru_cell_fwd_args_f64) == 120, "gru_cell_fwd_args_f64 size");
+
+/* One LN-GRU cell call backward on B rows (the forward's kept buffers). */
+typedef struct {
+    const double* dout; /* input (B, H): gradient of h_t */
+    const double* gx; /* input (B, 3H) */
+    const double* hp; /* input (B, 3H) */
+    const double* h; /* input (B, H) */
+    const double* w_ih; /* input (3H) */
+    const double* w_hh; /* input (3H) */
+    const double* rz; /* input (B, 2H) */
+    const double* n; /* input (B, H) */
+    const double* ghn; /* input (B, H) */
+    const double* stats; /* input (B, 8) */
+    double* dgx; /* output (B, 3H): gradient of the raw gx */
+    double* dhp; /* output (B, 3H): gradient of the raw hp */
+    double* dh; /* output (B, H): the part of h_{t-1}'s gradient that bypasses W_hh */
+    double* dparams; /* output (4, 3H): gradients of w_ih, b_ih, w_hh, b_hh, summed over the rows */
+    int64_t B; /* size: rows */
+    int64_t H; /* size: hidden units */
+    double eps; /* float, >= 0: added to the variance */
+} gru_cell_bwd_args_f64;
+_Static_assert(offsetof(gru_cell_bwd_args_f64, dout) == 0, "gru_cell_bwd_args_f64.dout");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, gx) == 8, "gru_cell_bwd_args_f64.gx");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, hp) == 16, "gru_cell_bwd_args_f64.hp");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, h) == 24, "gru_cell_bwd_args_f64.h");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, w_ih) == 32, "gru_cell_bwd_args_f64.w_ih");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, w_hh) == 40, "gru_cell_bwd_args_f64.w_hh");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, rz) == 48, "gru_cell_bwd_args_f64.rz");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, n) == 56, "gru_cell_bwd_args_f64.n");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, ghn) == 64, "gru_cell_bwd_args_f64.ghn");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, stats) == 72, "gru_cell_bwd_args_f64.stats");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, dgx) == 80, "gru_cell_bwd_args_f64.dgx");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, dhp) == 88, "gru_cell_bwd_args_f64.dhp");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, dh) == 96, "gru_cell_bwd_args_f64.dh");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, dparams) == 104, "gru_cell_bwd_args_f64.dparams");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, B) == 112, "gru_cell_bwd_args_f64.B");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, H) == 120, "gru_cell_bwd_args_f64.H");
+_Static_assert(offsetof(gru_cell_bwd_args_f64, eps) == 128, "gru_cell_bwd_args_f64.eps");
+_Static_assert(sizeof(gru_cell_bwd_args_f64) == 136, "gru_cell_bwd_args_f64 size");
+
+/* One LN-LSTM cell call forward on B rows: the layer norms of both projections and of c_t, the gates, c_t and h_t (c_t carried). */
+typedef struct {
+    const double* gx; /* input (B, 4H): W_ih x, raw */
+    const double* hp; /* input (B, 4H): W_hh h_{t-1}, raw */
+    const double* c; /* input (B, H): c_{t-1} */
+    const double* w_ih; /* input (4H): gain of LN(gx) */
+    const double* b_ih; /* input (4H): bias of LN(gx), torch's b_ih added */
+    const double* w_hh; /* input (4H): gain of LN(hp) */
+    const double* b_hh; /* input (4H): bias of LN(hp), torch's b_hh added */
+    const double* w_c; /* input (H): gain of LN(c_t) */
+    const double* b_c; /* input (H): bias of LN(c_t) */
+    double* h_out; /* output (B, H): h_t */
+    double* c_out; /* output (B, H): c_t */
+    double* gates; /* output (B, 4H): σ(i), σ(f), tanh(g), σ(o) */
+    double* tc; /* output (B, H): tanh(LN(c_t)) */
+    double* stats; /* output (B, 6): each row's means and 1/std (LSTM_CELL_STATS) */
+    int64_t B; /* size: rows */
+    int64_t H; /* size: hidden units */
+    double eps; /* float, >= 0: added to the variance */
+} lstm_cell_fwd_args_f64;
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, gx) == 0, "lstm_cell_fwd_args_f64.gx");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, hp) == 8, "lstm_cell_fwd_args_f64.hp");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, c) == 16, "lstm_cell_fwd_args_f64.c");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, w_ih) == 24, "lstm_cell_fwd_args_f64.w_ih");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, b_ih) == 32, "lstm_cell_fwd_args_f64.b_ih");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, w_hh) == 40, "lstm_cell_fwd_args_f64.w_hh");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, b_hh) == 48, "lstm_cell_fwd_args_f64.b_hh");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, w_c) == 56, "lstm_cell_fwd_args_f64.w_c");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, b_c) == 64, "lstm_cell_fwd_args_f64.b_c");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, h_out) == 72, "lstm_cell_fwd_args_f64.h_out");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, c_out) == 80, "lstm_cell_fwd_args_f64.c_out");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, gates) == 88, "lstm_cell_fwd_args_f64.gates");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, tc) == 96, "lstm_cell_fwd_args_f64.tc");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, stats) == 104, "lstm_cell_fwd_args_f64.stats");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, B) == 112, "lstm_cell_fwd_args_f64.B");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, H) == 120, "lstm_cell_fwd_args_f64.H");
+_Static_assert(offsetof(lstm_cell_fwd_args_f64, eps) == 128, "lstm_cell_fwd_args_f64.eps");
+_Static_assert(sizeof(lstm_cell_fwd_args_f64) == 136, "lstm_cell_fwd_args_f64 size");
+
+/* One LN-LSTM cell call backward on B rows (the forward's kept buffers). */
+typedef struct {
+    const double* dh; /* input (B, H): gradient of h_t */
+    const double* dc; /* input (B, H): gradient of the carried c_t */
+    const double* gx; /* input (B, 4H) */
+    const double* hp; /* input (B, 4H) */
+    const double* c; /* input (B, H) */
+    const double* c_out; /* input (B, H) */
+    const double* w_ih; /* input (4H) */
+    const double* w_hh; /* input (4H) */
+    const double* w_c; /* input (H) */
+    const double* gates; /* input (B, 4H) */
+    const double* tc; /* input (B, H) */
+    const double* stats; /* input (B, 6) */
+    double* dgx; /* output (B, 4H): gradient of the raw gx */
+    double* dhp; /* output (B, 4H): gradient of the raw hp */
+    double* dc_prev; /* output (B, H): gradient of c_{t-1} */
+    double* dparams; /* output (4, 4H): gradients of w_ih, b_ih, w_hh, b_hh, summed over the rows */
+    double* dcparams; /* output (2, H): gradients of w_c, b_c, summed over the rows */
+    int64_t B; /* size: rows */
+    int64_t H; /* size: hidden units */
+    double eps; /* float, >= 0: added to the variance */
+} lstm_cell_bwd_args_f64;
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, dh) == 0, "lstm_cell_bwd_args_f64.dh");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, dc) == 8, "lstm_cell_bwd_args_f64.dc");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, gx) == 16, "lstm_cell_bwd_args_f64.gx");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, hp) == 24, "lstm_cell_bwd_args_f64.hp");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, c) == 32, "lstm_cell_bwd_args_f64.c");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, c_out) == 40, "lstm_cell_bwd_args_f64.c_out");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, w_ih) == 48, "lstm_cell_bwd_args_f64.w_ih");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, w_hh) == 56, "lstm_cell_bwd_args_f64.w_hh");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, w_c) == 64, "lstm_cell_bwd_args_f64.w_c");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, gates) == 72, "lstm_cell_bwd_args_f64.gates");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, tc) == 80, "lstm_cell_bwd_args_f64.tc");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, stats) == 88, "lstm_cell_bwd_args_f64.stats");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, dgx) == 96, "lstm_cell_bwd_args_f64.dgx");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, dhp) == 104, "lstm_cell_bwd_args_f64.dhp");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, dc_prev) == 112, "lstm_cell_bwd_args_f64.dc_prev");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, dparams) == 120, "lstm_cell_bwd_args_f64.dparams");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, dcparams) == 128, "lstm_cell_bwd_args_f64.dcparams");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, B) == 136, "lstm_cell_bwd_args_f64.B");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, H) == 144, "lstm_cell_bwd_args_f64.H");
+_Static_assert(offsetof(lstm_cell_bwd_args_f64, eps) == 152, "lstm_cell_bwd_args_f64.eps");
+_Static_assert(sizeof(lstm_cell_bwd_args_f64) == 160, "lstm_cell_bwd_args_f64 size");
+
 /* LN-LSTM step forward. */
 int lstm_fwd_step_f64(const lstm_fwd_step_args_f64* a);
 /* LN-LSTM step backward. */
@@ -1058,5 +1386,13 @@ int elman_bwd_seq_f64(const elman_bwd_step_args_f64* a, const rnn_seq_bwd_args_f
 int weight_grad_f64(const weight_grad_args_f64* a);
 /* The input projection (or its input gradient) over all rows. */
 int matmul_f64(const matmul_args_f64* a);
+/* LN-GRU cell call forward. */
+int gru_cell_fwd_f64(const gru_cell_fwd_args_f64* a);
+/* LN-GRU cell call backward. */
+int gru_cell_bwd_f64(const gru_cell_bwd_args_f64* a);
+/* LN-LSTM cell call forward. */
+int lstm_cell_fwd_f64(const lstm_cell_fwd_args_f64* a);
+/* LN-LSTM cell call backward. */
+int lstm_cell_bwd_f64(const lstm_cell_bwd_args_f64* a);
 
 #endif

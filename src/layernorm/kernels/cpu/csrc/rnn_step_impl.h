@@ -892,6 +892,192 @@ int FN(elman_bwd_step)(const FN(elman_bwd_step_args) * a) {
     STEP_ROWS(FN(elman_bwd_row)(a, i, NULL));
 }
 
+/* A GRU cell's call with gradients (layernorm.LayerNormGRUCell): B rows of one step, both raw
+   projections gx = W_ih x and hp = W_hh h_{t−1} normalized here, each as the layers normalize it
+   (the (r, z) block and the n block apart, statistics as moments finds them: the blocks of gx
+   and hp two rows of one group, their chains overlapped), then the gates as gru_fwd_body computes
+   them. stats keeps each row's means (scalar_t, as the step kernels keep them) and 1/std:
+   gx (r, z), gx n, hp (r, z), hp n. One thread: a cell's call is a few rows. */
+int FN(gru_cell_fwd)(const FN(gru_cell_fwd_args) * A) {
+    const i64 H = A->H, G = 3 * H;
+    const scalar_t *w_ih = A->w_ih, *b_ih = A->b_ih, *w_hh = A->w_hh, *b_hh = A->b_hh;
+    for (i64 i = 0; i < A->B; ++i) {
+        const scalar_t* gx = A->gx + i * G;
+        const scalar_t* hp = A->hp + i * G;
+        const scalar_t* h = A->h + i * H;
+        scalar_t* rz = A->rz + i * 2 * H;
+        scalar_t* n = A->n + i * H;
+        scalar_t* ghn = A->ghn + i * H;
+        scalar_t* out = A->out + i * H;
+        scalar_t* st = A->stats + i * RNN_GRU_CELL_STATS;
+        const scalar_t* blocks_rz[2] = {gx, hp};
+        const scalar_t* blocks_n[2] = {gx + 2 * H, hp + 2 * H};
+        acc_t m[4], r[4]; /* gx (r, z), hp (r, z), gx n, hp n */
+        FN(moments_rows)(blocks_rz, 2, 2 * H, A->eps, m, r);
+        FN(moments_rows)(blocks_n, 2, H, A->eps, m + 2, r + 2);
+        const FN(stats) sx = FN(split)(m[0], r[0]), sh = FN(split)(m[1], r[1]);
+        const FN(stats) sxn = FN(split)(m[2], r[2]), shn = FN(split)(m[3], r[3]);
+        st[0] = sx.hi, st[1] = sx.r, st[2] = sxn.hi, st[3] = sxn.r;
+        st[4] = sh.hi, st[5] = sh.r, st[6] = shn.hi, st[7] = shn.r;
+        #pragma omp simd
+        for (i64 j = 0; j < 2 * H; ++j) {
+            const scalar_t a = ((gx[j] - sx.hi) - sx.lo) * sx.r * w_ih[j] + b_ih[j];
+            const scalar_t b = ((hp[j] - sh.hi) - sh.lo) * sh.r * w_hh[j] + b_hh[j];
+            rz[j] = FN(sigm)(a + b);
+        }
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j) {
+            const i64 k = 2 * H + j;
+            const scalar_t a = ((gx[k] - sxn.hi) - sxn.lo) * sxn.r * w_ih[k] + b_ih[k];
+            const scalar_t g = ((hp[k] - shn.hi) - shn.lo) * shn.r * w_hh[k] + b_hh[k];
+            ghn[j] = g;
+            const scalar_t nv = TANH(a + rz[j] * g);
+            n[j] = nv;
+            out[j] = nv + rz[H + j] * (h[j] - nv);
+        }
+    }
+    return 0;
+}
+
+/* Its backward: the gates' gradients as gru_bwd_body finds them (no masks), turned into the raw
+   projections' by the four layer norms' backward in place, each row adding its terms of the
+   gains' and biases' gradients to dparams (zeroed first; rows in order, so the same sums on
+   every call). dh gets z ⊙ dout, the part of h_{t−1}'s gradient that bypasses W_hh. */
+int FN(gru_cell_bwd)(const FN(gru_cell_bwd_args) * A) {
+    const i64 H = A->H, G = 3 * H;
+    scalar_t* sums = A->dparams; /* dw_ih, db_ih, dw_hh, db_hh: G each */
+    memset(sums, 0, (size_t)(4 * G) * sizeof(scalar_t));
+    for (i64 i = 0; i < A->B; ++i) {
+        const scalar_t* dout = A->dout + i * H;
+        const scalar_t* h = A->h + i * H;
+        const scalar_t* rz = A->rz + i * 2 * H;
+        const scalar_t* n = A->n + i * H;
+        const scalar_t* ghn = A->ghn + i * H;
+        const scalar_t* gx = A->gx + i * G;
+        const scalar_t* hp = A->hp + i * G;
+        const scalar_t* st = A->stats + i * RNN_GRU_CELL_STATS;
+        scalar_t* dgx = A->dgx + i * G;
+        scalar_t* dhp = A->dhp + i * G;
+        scalar_t* dh = A->dh + i * H;
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j) {
+            const scalar_t d = dout[j], r = rz[j], z = rz[H + j], nv = n[j];
+            const scalar_t dn = d * ((scalar_t)1 - z) * ((scalar_t)1 - nv * nv);
+            const scalar_t dr = dn * ghn[j] * r * ((scalar_t)1 - r);
+            const scalar_t dz = d * (h[j] - nv) * z * ((scalar_t)1 - z);
+            dgx[j] = dr;
+            dgx[H + j] = dz;
+            dgx[2 * H + j] = dn;
+            dhp[j] = dr;
+            dhp[H + j] = dz;
+            dhp[2 * H + j] = dn * r;
+            dh[j] = d * z;
+        }
+        /* in place: ln_dx reads each value before it writes it */
+        FN(ln_dx)(dgx, gx, st[0], st[1], A->w_ih, dgx, 2 * H, 0, sums, sums + G);
+        FN(ln_dx)(dgx + 2 * H, gx + 2 * H, st[2], st[3], A->w_ih + 2 * H, dgx + 2 * H, H, 0,
+                  sums + 2 * H, sums + G + 2 * H);
+        FN(ln_dx)(dhp, hp, st[4], st[5], A->w_hh, dhp, 2 * H, 0, sums + 2 * G, sums + 3 * G);
+        FN(ln_dx)(dhp + 2 * H, hp + 2 * H, st[6], st[7], A->w_hh + 2 * H, dhp + 2 * H, H, 0,
+                  sums + 2 * G + 2 * H, sums + 3 * G + 2 * H);
+    }
+    return 0;
+}
+
+/* An LSTM cell's call with gradients (layernorm.LayerNormLSTMCell, carrying c_t): B rows of one
+   step, both raw projections normalized here (their statistics as two rows of one group), the
+   gates, c_t, LN(c_t) and h_t = σ(o) ⊙ tanh(LN(c_t)). gates keeps the activations, tc
+   tanh(LN(c_t)), stats each row's means and 1/std: gx, hp, c_t. One thread. */
+int FN(lstm_cell_fwd)(const FN(lstm_cell_fwd_args) * A) {
+    const i64 H = A->H, G = 4 * H;
+    const scalar_t *w_ih = A->w_ih, *b_ih = A->b_ih, *w_hh = A->w_hh, *b_hh = A->b_hh;
+    for (i64 i = 0; i < A->B; ++i) {
+        const scalar_t* gx = A->gx + i * G;
+        const scalar_t* hp = A->hp + i * G;
+        const scalar_t* c = A->c + i * H;
+        scalar_t* gates = A->gates + i * G;
+        scalar_t* c_out = A->c_out + i * H;
+        scalar_t* tc = A->tc + i * H;
+        scalar_t* h_out = A->h_out + i * H;
+        scalar_t* st = A->stats + i * RNN_LSTM_CELL_STATS;
+        const scalar_t* rows[2] = {gx, hp};
+        acc_t m[2], r[2];
+        FN(moments_rows)(rows, 2, G, A->eps, m, r);
+        const FN(stats) sx = FN(split)(m[0], r[0]), sh = FN(split)(m[1], r[1]);
+        st[0] = sx.hi, st[1] = sx.r, st[2] = sh.hi, st[3] = sh.r;
+        #pragma omp simd
+        for (i64 j = 0; j < G; ++j) {
+            const scalar_t a = ((gx[j] - sx.hi) - sx.lo) * sx.r * w_ih[j] + b_ih[j];
+            const scalar_t b = ((hp[j] - sh.hi) - sh.lo) * sh.r * w_hh[j] + b_hh[j];
+            gates[j] = a + b;
+        }
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j) {
+            const scalar_t ig = FN(sigm)(gates[j]), fg = FN(sigm)(gates[H + j]);
+            const scalar_t gg = TANH(gates[2 * H + j]), og = FN(sigm)(gates[3 * H + j]);
+            gates[j] = ig, gates[H + j] = fg, gates[2 * H + j] = gg, gates[3 * H + j] = og;
+            c_out[j] = fg * c[j] + ig * gg;
+        }
+        acc_t mc, rc;
+        FN(moments)(c_out, H, A->eps, &mc, &rc);
+        const FN(stats) sc = FN(split)(mc, rc);
+        st[4] = sc.hi, st[5] = sc.r;
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j) {
+            const scalar_t t = TANH(((c_out[j] - sc.hi) - sc.lo) * sc.r * A->w_c[j] + A->b_c[j]);
+            tc[j] = t;
+            h_out[j] = gates[3 * H + j] * t;
+        }
+    }
+    return 0;
+}
+
+/* Its backward: LN(c_t)'s gradient from h_t's, c_t's (the carried gradient added), the gates'
+   and c_{t−1}'s, then the projections' by their layer norms' backward in place, each row adding
+   its terms of the gains' and biases' gradients to dparams and dcparams (zeroed first; rows in
+   order). LN(c_t)'s gradient waits in dgx's first H columns until the gates' overwrite them. */
+int FN(lstm_cell_bwd)(const FN(lstm_cell_bwd_args) * A) {
+    const i64 H = A->H, G = 4 * H;
+    scalar_t* sums = A->dparams; /* dw_ih, db_ih, dw_hh, db_hh: G each */
+    scalar_t* csums = A->dcparams; /* dw_c, db_c: H each */
+    memset(sums, 0, (size_t)(4 * G) * sizeof(scalar_t));
+    memset(csums, 0, (size_t)(2 * H) * sizeof(scalar_t));
+    for (i64 i = 0; i < A->B; ++i) {
+        const scalar_t* dh = A->dh + i * H;
+        const scalar_t* dc = A->dc + i * H;
+        const scalar_t* c = A->c + i * H;
+        const scalar_t* gates = A->gates + i * G;
+        const scalar_t* tc = A->tc + i * H;
+        const scalar_t* st = A->stats + i * RNN_LSTM_CELL_STATS;
+        scalar_t* dgx = A->dgx + i * G;
+        scalar_t* dhp = A->dhp + i * G;
+        scalar_t* dct = A->dc_prev + i * H; /* c_t's gradient, then c_{t−1}'s in place */
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j) {
+            dgx[j] = dh[j] * gates[3 * H + j] * ((scalar_t)1 - tc[j] * tc[j]);
+            dct[j] = dc[j];
+        }
+        FN(ln_dx)(dgx, A->c_out + i * H, st[4], st[5], A->w_c, dct, H, 1, csums, csums + H);
+        #pragma omp simd
+        for (i64 j = 0; j < H; ++j) {
+            const scalar_t ig = gates[j], fg = gates[H + j], gg = gates[2 * H + j];
+            const scalar_t og = gates[3 * H + j], d = dct[j];
+            const scalar_t di = d * gg * ig * ((scalar_t)1 - ig);
+            const scalar_t df = d * c[j] * fg * ((scalar_t)1 - fg);
+            const scalar_t dg = d * ig * ((scalar_t)1 - gg * gg);
+            const scalar_t d_o = dh[j] * tc[j] * og * ((scalar_t)1 - og);
+            dgx[j] = di, dgx[H + j] = df, dgx[2 * H + j] = dg, dgx[3 * H + j] = d_o;
+            dhp[j] = di, dhp[H + j] = df, dhp[2 * H + j] = dg, dhp[3 * H + j] = d_o;
+            dct[j] = d * fg;
+        }
+        /* in place: ln_dx reads each value before it writes it */
+        FN(ln_dx)(dgx, A->gx + i * G, st[0], st[1], A->w_ih, dgx, G, 0, sums, sums + G);
+        FN(ln_dx)(dhp, A->hp + i * G, st[2], st[3], A->w_hh, dhp, G, 0, sums + 2 * G,
+                  sums + 3 * G);
+    }
+    return 0;
+}
+
 #undef SVL
 #undef AVL
 #undef FN

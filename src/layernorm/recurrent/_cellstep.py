@@ -1,0 +1,233 @@
+"""A cell's training step as one autograd node on the C cell kernels (``gru_cell_fwd`` /
+``gru_cell_bwd``, ``lstm_cell_fwd`` / ``lstm_cell_bwd`` of :mod:`layernorm.kernels.cpu.rnn_abi`).
+
+A cell's call with gradients is one step of a few rows: by the ops of :mod:`._steps` the LN-GRU's
+takes some 27 autograd nodes (the two products, four layer norms with the splits and joins of
+their groups, the biases and the gates), the LN-LSTM's some 20, each of which costs microseconds
+of dispatch forward and backward, more than its arithmetic. Here the two products run inside the
+node, one kernel normalizes them and computes the gates (and the LSTM's ``LN(c_t)``), and the
+backward is one kernel (the projections' gradients and the gains' and biases' sums) and the
+products' gradients.
+
+Numerics: the kernels compute in the input's dtype with each row's statistics as the sequence
+kernels find them (float64 sums), the same formulas as :func:`._steps.gru_step` and
+:func:`._steps.lstm_step` (the tests hold them together). With ``create_graph=True`` the backward
+differentiates those step functions themselves, so second derivatives stay available.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..kernels.cpu import rnn, rnn_abi
+from ..ops._dispatch import aliases
+from . import _steps
+
+#: A GRU cell's parameters in its node's order (after ``x`` and ``h``): torch's weights and
+#: biases, then the layer norms' gains and biases of W_ih x and of W_hh h.
+GRU_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh",
+              "ln_weight_ih", "ln_bias_ih", "ln_weight_hh", "ln_bias_hh")  # fmt: skip
+#: An LSTM cell's (after ``x``, ``h`` and ``c``): the GRU's, then LN(c_t)'s gain and bias.
+LSTM_PARAMS = (*GRU_PARAMS, "ln_weight_c", "ln_bias_c")
+
+
+def _bias_sum(ln_bias: Tensor | None, bias: Tensor | None, like: Tensor) -> Tensor:
+    """The layer norm's bias with torch's bias added (they meet in every gate), or zeros."""
+    if ln_bias is None:
+        return like.new_zeros(like.shape) if bias is None else bias
+    return ln_bias if bias is None else ln_bias + bias
+
+
+class GRUCellStep(torch.autograd.Function):
+    """``h_t`` of :func:`._steps.gru_step` with grouped layer norms on both projections, for
+    ``x (B, I)``, ``h (B, H)`` and the parameters of :data:`GRU_PARAMS` (biases may be
+    ``None``), in one node. The caller checks shapes, dtypes and devices (a struct's check
+    refuses anything else before C sees it)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        h: Tensor,
+        w_ih: Tensor,
+        w_hh: Tensor,
+        b_ih: Tensor | None,
+        b_hh: Tensor | None,
+        lw_ih: Tensor,
+        lb_ih: Tensor | None,
+        lw_hh: Tensor,
+        lb_hh: Tensor | None,
+        eps: float,
+    ) -> Tensor:
+        rows, hs = h.shape
+        h = h.contiguous()
+        gx, hp = torch.mm(x, w_ih.t()), torch.mm(h, w_hh.t())
+        out, n, ghn = (h.new_empty(rows, hs) for _ in range(3))
+        rz, stats = h.new_empty(rows, 2 * hs), h.new_empty(rows, rnn_abi.GRU_CELL_STATS)
+        values = {
+            "gx": gx, "hp": hp, "h": h, "w_ih": lw_ih, "b_ih": _bias_sum(lb_ih, b_ih, lw_ih),
+            "w_hh": lw_hh, "b_hh": _bias_sum(lb_hh, b_hh, lw_hh), "out": out, "rz": rz, "n": n,
+            "ghn": ghn, "stats": stats, "eps": eps,
+        }  # fmt: skip
+        args = rnn.prepare(rnn_abi.GRU_CELL_FWD, h.dtype, values, {"B": rows, "H": hs})
+        rnn.call("gru_cell_fwd", h.dtype, args)
+        ctx.eps = eps
+        ctx.save_for_backward(x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh,
+                              gx, hp, rz, n, ghn, stats)  # fmt: skip
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        saved = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the ops' own derivative, differentiable
+            return (*_reference_grads(ctx, (dout,), saved[:10], _gru_reference), None)
+        x, h, w_ih, w_hh, *_, lw_ih, _, lw_hh, _, gx, hp, rz, n, ghn, stats = saved
+        rows, hs = h.shape
+        dgx, dhp = gx.new_empty(rows, 3 * hs), gx.new_empty(rows, 3 * hs)
+        dh, dparams = h.new_empty(rows, hs), h.new_empty(4, 3 * hs)
+        values = {
+            "dout": dout.contiguous(), "gx": gx, "hp": hp, "h": h, "w_ih": lw_ih, "w_hh": lw_hh,
+            "rz": rz, "n": n, "ghn": ghn, "stats": stats, "dgx": dgx, "dhp": dhp, "dh": dh,
+            "dparams": dparams, "eps": ctx.eps,
+        }  # fmt: skip
+        args = rnn.prepare(rnn_abi.GRU_CELL_BWD, h.dtype, values, {"B": rows, "H": hs})
+        rnn.call("gru_cell_bwd", h.dtype, args)
+        need = ctx.needs_input_grad
+        d_lw_ih, d_lb_ih, d_lw_hh, d_lb_hh = dparams.unbind(0)
+        return (
+            torch.mm(dgx, w_ih) if need[0] else None,
+            torch.addmm(dh, dhp, w_hh) if need[1] else None,
+            torch.mm(dgx.t(), x) if need[2] else None,
+            torch.mm(dhp.t(), h) if need[3] else None,
+            d_lb_ih.clone() if need[4] else None,  # the same sums as the LN biases', apart
+            d_lb_hh.clone() if need[5] else None,
+            d_lw_ih if need[6] else None,
+            d_lb_ih if need[7] else None,
+            d_lw_hh if need[8] else None,
+            d_lb_hh if need[9] else None,
+            None,
+        )
+
+
+class LSTMCellStep(torch.autograd.Function):
+    """``(h_t, c_t)`` of :func:`._steps.lstm_step` (layer norms on both projections and on
+    ``c_t``, ``c_t`` carried) for ``x (B, I)``, ``h, c (B, H)`` and the parameters of
+    :data:`LSTM_PARAMS` (biases may be ``None``), in one node. The caller checks shapes, dtypes
+    and devices (a struct's check refuses anything else before C sees it)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        h: Tensor,
+        c: Tensor,
+        w_ih: Tensor,
+        w_hh: Tensor,
+        b_ih: Tensor | None,
+        b_hh: Tensor | None,
+        lw_ih: Tensor,
+        lb_ih: Tensor | None,
+        lw_hh: Tensor,
+        lb_hh: Tensor | None,
+        lw_c: Tensor,
+        lb_c: Tensor | None,
+        eps: float,
+    ) -> tuple[Tensor, Tensor]:
+        rows, hs = h.shape
+        c = c.contiguous()
+        gx, hp = torch.mm(x, w_ih.t()), torch.mm(h, w_hh.t())
+        h_out, c_out, tc = (c.new_empty(rows, hs) for _ in range(3))
+        gates, stats = c.new_empty(rows, 4 * hs), c.new_empty(rows, rnn_abi.LSTM_CELL_STATS)
+        values = {
+            "gx": gx, "hp": hp, "c": c, "w_ih": lw_ih, "b_ih": _bias_sum(lb_ih, b_ih, lw_ih),
+            "w_hh": lw_hh, "b_hh": _bias_sum(lb_hh, b_hh, lw_hh), "w_c": lw_c,
+            "b_c": _bias_sum(lb_c, None, lw_c), "h_out": h_out, "c_out": c_out, "gates": gates,
+            "tc": tc, "stats": stats, "eps": eps,
+        }  # fmt: skip
+        args = rnn.prepare(rnn_abi.LSTM_CELL_FWD, c.dtype, values, {"B": rows, "H": hs})
+        rnn.call("lstm_cell_fwd", c.dtype, args)
+        ctx.eps = eps
+        ctx.save_for_backward(x, h, c, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh, lw_c,
+                              lb_c, gx, hp, c_out, gates, tc, stats)  # fmt: skip
+        return h_out, c_out
+
+    @staticmethod
+    def backward(ctx: Any, dh: Tensor, dc: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        saved = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the ops' own derivative, differentiable
+            return (*_reference_grads(ctx, (dh, dc), saved[:13], _lstm_reference), None)
+        x, h, c, w_ih, w_hh, *_, lw_ih, _, lw_hh, _, lw_c, _, gx, hp, c_out, gates, tc, stats = (
+            saved
+        )
+        rows, hs = c.shape
+        dgx, dhp = gx.new_empty(rows, 4 * hs), gx.new_empty(rows, 4 * hs)
+        dc_prev, dparams, dcparams = (
+            c.new_empty(rows, hs),
+            c.new_empty(4, 4 * hs),
+            c.new_empty(2, hs),
+        )
+        values = {
+            "dh": dh.contiguous(), "dc": dc.contiguous(), "gx": gx, "hp": hp, "c": c,
+            "c_out": c_out, "w_ih": lw_ih, "w_hh": lw_hh, "w_c": lw_c, "gates": gates, "tc": tc,
+            "stats": stats, "dgx": dgx, "dhp": dhp, "dc_prev": dc_prev, "dparams": dparams,
+            "dcparams": dcparams, "eps": ctx.eps,
+        }  # fmt: skip
+        args = rnn.prepare(rnn_abi.LSTM_CELL_BWD, c.dtype, values, {"B": rows, "H": hs})
+        rnn.call("lstm_cell_bwd", c.dtype, args)
+        need = ctx.needs_input_grad
+        d_lw_ih, d_lb_ih, d_lw_hh, d_lb_hh = dparams.unbind(0)
+        d_lw_c, d_lb_c = dcparams.unbind(0)
+        return (
+            torch.mm(dgx, w_ih) if need[0] else None,
+            torch.mm(dhp, w_hh) if need[1] else None,
+            dc_prev if need[2] else None,
+            torch.mm(dgx.t(), x) if need[3] else None,
+            torch.mm(dhp.t(), h) if need[4] else None,
+            d_lb_ih.clone() if need[5] else None,  # the same sums as the LN biases', apart
+            d_lb_hh.clone() if need[6] else None,
+            d_lw_ih if need[7] else None,
+            d_lb_ih if need[8] else None,
+            d_lw_hh if need[9] else None,
+            d_lb_hh if need[10] else None,
+            d_lw_c if need[11] else None,
+            d_lb_c if need[12] else None,
+            None,
+        )
+
+
+def _gru_reference(eps: float, x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh):
+    hs = h.shape[1]
+    return _steps.gru_step(
+        x, h, _steps.Weights(w_ih, w_hh, b_ih, b_hh),
+        _steps.make_grouped_ln(lw_ih, lb_ih, eps, hs, lean=True),
+        _steps.make_grouped_ln(lw_hh, lb_hh, eps, hs, lean=True),
+    )  # fmt: skip
+
+
+def _lstm_reference(
+    eps: float, x, h, c, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh, lw_c, lb_c
+):
+    return _steps.lstm_step(
+        x, h, c, _steps.Weights(w_ih, w_hh, b_ih, b_hh),
+        _steps.make_ln(lw_ih, lb_ih, eps, lean=True), _steps.make_ln(lw_hh, lb_hh, eps, lean=True),
+        _steps.make_ln(lw_c, lb_c, eps, lean=True),
+    )  # fmt: skip
+
+
+def _reference_grads(
+    ctx: Any, douts: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], step: Any
+) -> tuple:
+    """The gradients of ``step`` (the step function of :mod:`._steps` the node computes) on the
+    saved inputs, with a graph of their own, taken at aliases of the inputs (a weight also made
+    ``h``, the step before's output: :func:`..ops._dispatch.aliases`)."""
+    need = ctx.needs_input_grad[: len(inputs)]
+    with torch.enable_grad():
+        viewed = aliases(*inputs)
+        wanted = [t for t, want in zip(viewed, need, strict=True) if want]
+        out = step(ctx.eps, *viewed)
+        outs = out if isinstance(out, tuple) else (out,)
+        grads = iter(torch.autograd.grad(outs, wanted, douts, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if want else None for want in need)

@@ -591,3 +591,42 @@ def test_gate_math_is_inlined(name) -> None:
                              text=True, check=True).stdout.split()  # fmt: skip
     helpers = ("fast_expf", "fast_tanhf", "sigm_", "sld_", "sflush_", "sfold_")
     assert not [s for s in symbols if s.startswith(helpers)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_cell_training_kernels_per_target(name, kind, dtype, monkeypatch) -> None:
+    """A cell's training step by the C cell kernels (hidden sizes ending in part of a vector) on
+    each target, against the step's ops in float64: the outputs and every gradient."""
+    from layernorm import LayerNormGRUCell, LayerNormLSTMCell
+    from layernorm.recurrent import _cellstep, cells
+
+    monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 0)  # the cell's own call: the ops
+
+    cls = LayerNormLSTMCell if kind == "lstm" else LayerNormGRUCell
+    node = _cellstep.LSTMCellStep if kind == "lstm" else _cellstep.GRUCellStep
+    params = _cellstep.LSTM_PARAMS if kind == "lstm" else _cellstep.GRU_PARAMS
+    gen = torch.Generator().manual_seed(3)
+    tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    for hidden in (5, 37):
+        cell = cls(7, hidden, dtype=torch.float64)
+        with torch.no_grad():
+            for p in cell.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        x = torch.randn(3, 7, generator=gen, dtype=torch.float64).requires_grad_()
+        state = [torch.randn(3, hidden, generator=gen, dtype=torch.float64).requires_grad_()
+                 for _ in range(2 if kind == "lstm" else 1)]  # fmt: skip
+        leaves = [x, *state, *(getattr(cell, n) for n in params)]
+        out = cell(x, tuple(state) if kind == "lstm" else state[0])  # the ops (float64 model)
+        outs = out if isinstance(out, tuple) else (out,)
+        weights = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
+        want = [*outs, *torch.autograd.grad(outs, leaves, weights)]
+        with targets.use(name):
+            low = [t.detach().to(dtype).requires_grad_() for t in leaves]
+            got_out = node.apply(*low, cell.eps)
+            got_outs = got_out if isinstance(got_out, tuple) else (got_out,)
+            got = [*got_outs, *torch.autograd.grad(got_outs, low, [w.to(dtype) for w in weights])]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.double(), w.detach(), **tol)

@@ -604,10 +604,10 @@ def test_cell_training_kernels_per_target(name, kind, dtype, monkeypatch) -> Non
     from layernorm.recurrent import _cellstep, cells
 
     monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 0)  # the cell's own call: the ops
-
-    cls = LayerNormLSTMCell if kind == "lstm" else LayerNormGRUCell
-    node = _cellstep.LSTMCellStep if kind == "lstm" else _cellstep.GRUCellStep
-    params = _cellstep.LSTM_PARAMS if kind == "lstm" else _cellstep.GRU_PARAMS
+    cls, node, params = {
+        "lstm": (LayerNormLSTMCell, _cellstep.LSTMCellStep, _cellstep.LSTM_PARAMS),
+        "gru": (LayerNormGRUCell, _cellstep.GRUCellStep, _cellstep.GRU_PARAMS),
+    }[kind]
     gen = torch.Generator().manual_seed(3)
     tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
     for hidden in (5, 37):

@@ -648,7 +648,13 @@ def test_lstm_cell_training_node_is_taken_where_the_rule_says(
         assert taken == [True]
 
 
-KERNEL_CELLS = [LayerNormLSTMCell, LayerNormGRUCell]  # training steps by the C cell kernels
+# training steps by the C cell kernels (the Elman cell's step is few ops: it keeps them)
+KERNEL_CELLS = {"lstm": (LayerNormLSTMCell, {}), "gru": (LayerNormGRUCell, {})}
+
+
+def _kernel_cell(kind: str, *args, **kwargs) -> torch.nn.Module:
+    cls, options = KERNEL_CELLS[kind]
+    return cls(*args, **options, **kwargs)
 
 
 def _cell_kernels(monkeypatch: pytest.MonkeyPatch, taken: list[bool]) -> None:
@@ -708,20 +714,21 @@ def _initial_state(cls: type, rows: int, dtype: torch.dtype) -> tuple[torch.Tens
     return (h,)
 
 
-@pytest.mark.parametrize("cls", KERNEL_CELLS)
+@pytest.mark.parametrize("kind", KERNEL_CELLS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("given_state", [True, False], ids=["hx", "no hx"])
 @pytest.mark.parametrize("rows", [1, 5, 0], ids=["one row", "five rows", "unbatched"])
 def test_cell_training_by_the_kernels_equals_its_ops(
-    monkeypatch: pytest.MonkeyPatch, cls: type, dtype: torch.dtype, bias: bool,
+    monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype, bias: bool,
     given_state: bool, rows: int,
 ) -> None:  # fmt: skip
     """Training steps by the C cell kernels' node give the step's ops' outputs and gradients
     (input, state, every parameter), three steps in a row, the graph of all alive together."""
     from layernorm.recurrent import _cstep, cells
 
-    cell = cls(6, 8, bias=bias, dtype=dtype)
+    cell = _kernel_cell(kind, 6, 8, bias=bias, dtype=dtype)
+    cls = type(cell)
     randomize(cell)
     shape = (3, rows, 6) if rows else (3, 6)
     xs = inputs(3 * max(rows, 1), 6).view(shape).to(dtype)
@@ -737,19 +744,19 @@ def test_cell_training_by_the_kernels_equals_its_ops(
         torch.testing.assert_close(a, b, **_cell_tolerance(dtype))
 
 
-@pytest.mark.parametrize("cls", KERNEL_CELLS)
+@pytest.mark.parametrize("kind", KERNEL_CELLS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_cell_kernels_keep_second_derivatives(
-    monkeypatch: pytest.MonkeyPatch, cls: type, dtype: torch.dtype
+    monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype
 ) -> None:
     """With ``create_graph=True`` the node's backward differentiates the step's ops: the
     gradients of the gradients are the ops' own, over two steps (the second step's weights also
     made its state)."""
     from layernorm.recurrent import _cstep, cells
 
-    cell = cls(5, 8, dtype=dtype)
+    cell = _kernel_cell(kind, 5, 8, dtype=dtype)
     randomize(cell)
-    xs, hx = inputs(2 * 3, 5).view(2, 3, 5).to(dtype), _initial_state(cls, 3, dtype)
+    xs, hx = inputs(2 * 3, 5).view(2, 3, 5).to(dtype), _initial_state(type(cell), 3, dtype)
     monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 0)
     expected = _kernel_steps_and_grads(cell, xs, hx, create_graph=True)
     monkeypatch.undo()
@@ -761,13 +768,13 @@ def test_cell_kernels_keep_second_derivatives(
         torch.testing.assert_close(a, b, **_cell_tolerance(dtype))
 
 
-@pytest.mark.parametrize("cls", KERNEL_CELLS)
+@pytest.mark.parametrize("kind", KERNEL_CELLS)
 @pytest.mark.parametrize(
     "case", ["zoneout", "normalized carry", "no grad", "parametrized", "replaced weight",
              "replaced gain", "float16", "traced", "autocast", "forced backend", "large step"],
 )  # fmt: skip
 def test_cell_kernels_are_taken_where_the_rule_says(
-    monkeypatch: pytest.MonkeyPatch, cls: type, case: str
+    monkeypatch: pytest.MonkeyPatch, kind: str, case: str
 ) -> None:
     """The node runs a cell's training step of up to ``_KERNEL_STEP_MAX_NUMEL`` elements of a
     projection, and not with zoneout, the LSTM's normalized carry, gradients off, a
@@ -776,23 +783,19 @@ def test_cell_kernels_are_taken_where_the_rule_says(
     those."""
     from layernorm.recurrent import _cstep, cells
 
-    lstm = cls is LayerNormLSTMCell
-    if case == "normalized carry" and not lstm:
+    if case == "normalized carry" and kind != "lstm":
         pytest.skip("an LSTM option")
     taken: list[bool] = []
     _cell_kernels(monkeypatch, taken)
-    options = {"zoneout_hidden": 0.2} if case == "zoneout" else {}
+    options: dict[str, object] = {"zoneout_hidden": 0.2} if case == "zoneout" else {}
     if case == "normalized carry":
         options["normalize_cell_state"] = True
-    cell = cls(6, 8, **options)
+    cell = _kernel_cell(kind, 6, 8, **options)
     if case == "parametrized":
         torch.nn.utils.parametrizations.weight_norm(cell, "weight_hh")
     if case.startswith("replaced"):  # a plain tensor in a parameter's place
-        name = (
-            "weight_hh"
-            if case == "replaced weight"
-            else ("ln_weight_c" if lstm else "ln_weight_hh")
-        )
+        gains = {"lstm": "ln_weight_c", "gru": "ln_weight_hh"}
+        name = "weight_hh" if case == "replaced weight" else gains[kind]
         t = getattr(cell, name).detach().clone()
         delattr(cell, name)
         setattr(cell, name, t)
@@ -821,22 +824,24 @@ def test_cell_kernels_are_taken_where_the_rule_says(
         assert taken == [True]
 
 
-@pytest.mark.parametrize("cls", KERNEL_CELLS)
-def test_cell_kernels_refuse_buffers_of_the_wrong_shape(cls: type) -> None:
-    """The node's structs are checked before C sees a pointer: an input of other rows than the
-    state's is named."""
+@pytest.mark.parametrize("kind", KERNEL_CELLS)
+def test_cell_kernels_refuse_buffers_of_the_wrong_shape(kind: str) -> None:
+    """The node's structs are checked before C sees a pointer: a gain of the wrong size is
+    named, with its shape rule."""
     from layernorm.recurrent import _cellstep, _cstep
 
-    cell = cls(6, 8)
+    cell = _kernel_cell(kind, 6, 8)
     x = torch.randn(5, 6)
     if not _cstep.available(x):
         pytest.skip("C kernels not built")
-    lstm = cls is LayerNormLSTMCell
-    node = _cellstep.LSTMCellStep if lstm else _cellstep.GRUCellStep
-    params = [getattr(cell, n) for n in (_cellstep.LSTM_PARAMS if lstm else _cellstep.GRU_PARAMS)]
-    state = (torch.zeros(4, 8),) * (2 if lstm else 1)
-    g = 4 if lstm else 3
-    message = (rf"{'lstm' if lstm else 'gru'}_cell_fwd_args\): gx must have shape \(B, {g}H\) "
-               rf"= \(4, {g * 8}\), got \(5, {g * 8}\)")  # fmt: skip
+    node, names, units = {
+        "lstm": (_cellstep.LSTMCellStep, _cellstep.LSTM_PARAMS, 4),
+        "gru": (_cellstep.GRUCellStep, _cellstep.GRU_PARAMS, 3),
+    }[kind]
+    params = [getattr(cell, n) for n in names]
+    gain = names.index("ln_weight_ih")
+    params[gain] = params[gain][1:]
+    state = (torch.zeros(5, 8),) * (2 if kind == "lstm" else 1)
+    message = rf"cell_fwd_args\): w_ih must have shape \({units}H\) = \({units * 8},\)"
     with pytest.raises(ValueError, match=message):
         node.apply(x, *state, *params, cell.eps)

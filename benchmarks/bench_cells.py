@@ -11,6 +11,13 @@ turn (order shuffled every round, :func:`_timing.interleaved_samples`) in one pr
 
 ``LayerNorm*Cell.from_torch`` copies torch's weights, so both compute from the same parameters
 (ours adds the layer norms). Ratio = ours / torch, of the medians (and of the fastest rounds).
+``--ops`` adds a third provider in training: ours with the cells' node of C cell kernels off
+(``layernorm.recurrent._cellstep.KERNEL_STEP_MAX_NUMEL = 0``), i.e. the step's ops.
+
+Large steps (weight gradients of MiBs) are sensitive to glibc's dynamic mmap threshold: whether
+those buffers come back from the heap or as fresh pages depends on the order of earlier
+allocations, and it can change a provider's time by 2x from one process to the next. Fix it for
+comparisons (``MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=1073741824``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import cpu_model, interleaved_samples, torch_isa
 from layernorm import LayerNormGRUCell, LayerNormLSTMCell, LayerNormRNNCell
 from layernorm.kernels.cpu import targets
+from layernorm.recurrent import _cellstep
 
 CELLS = {
     "lstm": (torch.nn.LSTMCell, LayerNormLSTMCell),
@@ -47,15 +55,20 @@ def _inference(
     return run
 
 
-def _training(cell: torch.nn.Module, xs: torch.Tensor, lstm: bool) -> Callable[[], None]:
+def _training(
+    cell: torch.nn.Module, xs: torch.Tensor, lstm: bool, node: bool = True
+) -> Callable[[], None]:
     params = list(cell.parameters())
+    limit = _cellstep.KERNEL_STEP_MAX_NUMEL
 
     def run() -> None:
+        _cellstep.KERNEL_STEP_MAX_NUMEL = limit if node else 0
         state, loss = None, xs.new_zeros(())
         for x in xs:
             state = cell(x, state)
             loss = loss + (state[0] if lstm else state).sum()
         loss.backward()
+        _cellstep.KERNEL_STEP_MAX_NUMEL = limit
         for p in params:
             p.grad = None
         xs.grad = None
@@ -72,6 +85,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15, help="rounds")
     ap.add_argument("--calls", type=int, default=50, help="inference calls per timed block")
     ap.add_argument("--steps", type=int, default=10, help="training steps per timed loop")
+    ap.add_argument("--ops", action="store_true", help="also ours by the step's ops (training)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(
@@ -82,8 +96,9 @@ def main() -> None:
         "µs per call (infer) or per step (train, forward and backward), median of rounds; "
         "ratio = ours / torch of the medians (of the fastest rounds)\n"
     )
-    print("| cell | (B, I, H) | mode | torch µs | ours µs | ours / torch |")
-    print("| --- | --- | --- | ---: | ---: | ---: |")
+    ops_cols = (" ops µs | ops / torch |", " ---: | ---: |") if args.ops else ("", "")
+    print(f"| cell | (B, I, H) | mode | torch µs | ours µs | ours / torch |{ops_cols[0]}")
+    print(f"| --- | --- | --- | ---: | ---: | ---: |{ops_cols[1]}")
     torch.manual_seed(0)
     for kind in args.kinds.split(","):
         theirs_cls, ours_cls = CELLS[kind]
@@ -113,13 +128,21 @@ def main() -> None:
                             "ours": _training(ours, xs, lstm),
                         },
                     )
+                    if args.ops:
+                        fns["ops"] = _training(ours, xs, lstm, node=False)
                 samples = interleaved_samples(fns, warmup=3, reps=args.reps)
                 med = {k: 1e3 * statistics.median(s) / per for k, s in samples.items()}
                 fast = {k: min(s) for k, s in samples.items()}
+                ops = ""
+                if args.ops:
+                    ops = " - | - |"
+                    if "ops" in med:
+                        ops = (f" {med['ops']:.1f} | {med['ops'] / med['torch']:.2f} "
+                               f"({fast['ops'] / fast['torch']:.2f}) |")  # fmt: skip
                 print(
                     f"| {kind} | ({b}, {i}, {h}) | {mode} | {med['torch']:.1f} | "
                     f"{med['ours']:.1f} | {med['ours'] / med['torch']:.2f} "
-                    f"({fast['ours'] / fast['torch']:.2f}) |"
+                    f"({fast['ours'] / fast['torch']:.2f}) |{ops}"
                 )
 
 

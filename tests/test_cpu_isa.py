@@ -601,9 +601,9 @@ def test_cell_training_kernels_per_target(name, kind, dtype, monkeypatch) -> Non
     """A cell's training step by the C cell kernels (hidden sizes ending in part of a vector) on
     each target, against the step's ops in float64: the outputs and every gradient."""
     from layernorm import LayerNormGRUCell, LayerNormLSTMCell
-    from layernorm.recurrent import _cellstep, cells
+    from layernorm.recurrent import _cellstep
 
-    monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 0)  # the cell's own call: the ops
+    monkeypatch.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 0)  # the cell's own call: the ops
     cls, node, params = {
         "lstm": (LayerNormLSTMCell, _cellstep.LSTMCellStep, _cellstep.LSTM_PARAMS),
         "gru": (LayerNormGRUCell, _cellstep.GRUCellStep, _cellstep.GRU_PARAMS),

@@ -567,7 +567,7 @@ def test_lstm_cell_training_by_the_node_equals_its_ops(
     """Training steps of many rows by the planned node of one step give the step's ops' outputs
     and gradients (input, state, every parameter), three steps in a row, the graph of all
     alive together."""
-    from layernorm.recurrent import _cstep, cells
+    from layernorm.recurrent import _cellstep, _cstep
 
     cell = LayerNormLSTMCell(6, 8, bias=bias, dtype=dtype)
     randomize(cell)
@@ -575,7 +575,7 @@ def test_lstm_cell_training_by_the_node_equals_its_ops(
     hx = None
     if given_state:
         hx = (inputs(5, 8, seed=2).to(dtype), inputs(5, 8, seed=3).to(dtype))
-    monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 0)  # the ops (not the cell kernels)
+    monkeypatch.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 0)  # the ops (not the cell kernels)
     expected = _steps_and_grads(cell, xs, hx)
     monkeypatch.undo()
     taken: list[bool] = []
@@ -725,7 +725,7 @@ def test_cell_training_by_the_kernels_equals_its_ops(
 ) -> None:  # fmt: skip
     """Training steps by the C cell kernels' node give the step's ops' outputs and gradients
     (input, state, every parameter), three steps in a row, the graph of all alive together."""
-    from layernorm.recurrent import _cstep, cells
+    from layernorm.recurrent import _cellstep, _cstep
 
     cell = _kernel_cell(kind, 6, 8, bias=bias, dtype=dtype)
     cls = type(cell)
@@ -733,7 +733,7 @@ def test_cell_training_by_the_kernels_equals_its_ops(
     shape = (3, rows, 6) if rows else (3, 6)
     xs = inputs(3 * max(rows, 1), 6).view(shape).to(dtype)
     hx = _initial_state(cls, rows, dtype) if given_state else None
-    monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 0)  # the ops
+    monkeypatch.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 0)  # the ops
     expected = _kernel_steps_and_grads(cell, xs, hx)
     monkeypatch.undo()
     taken: list[bool] = []
@@ -752,12 +752,12 @@ def test_cell_kernels_keep_second_derivatives(
     """With ``create_graph=True`` the node's backward differentiates the step's ops: the
     gradients of the gradients are the ops' own, over two steps (the second step's weights also
     made its state)."""
-    from layernorm.recurrent import _cstep, cells
+    from layernorm.recurrent import _cellstep, _cstep
 
     cell = _kernel_cell(kind, 5, 8, dtype=dtype)
     randomize(cell)
     xs, hx = inputs(2 * 3, 5).view(2, 3, 5).to(dtype), _initial_state(type(cell), 3, dtype)
-    monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 0)
+    monkeypatch.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 0)
     expected = _kernel_steps_and_grads(cell, xs, hx, create_graph=True)
     monkeypatch.undo()
     taken: list[bool] = []
@@ -776,12 +776,12 @@ def test_cell_kernels_keep_second_derivatives(
 def test_cell_kernels_are_taken_where_the_rule_says(
     monkeypatch: pytest.MonkeyPatch, kind: str, case: str
 ) -> None:
-    """The node runs a cell's training step of up to ``_KERNEL_STEP_MAX_NUMEL`` elements of a
+    """The node runs a cell's training step of up to ``KERNEL_STEP_MAX_NUMEL`` elements of a
     projection, and not with zoneout, the LSTM's normalized carry, gradients off, a
     parametrized weight or a plain tensor in a parameter's place, a dtype without C kernels,
     under a tracer, autocast or a forced backend: the step's ops (or the inference plan) run
     those."""
-    from layernorm.recurrent import _cstep, cells
+    from layernorm.recurrent import _cellstep, _cstep
 
     if case == "normalized carry" and kind != "lstm":
         pytest.skip("an LSTM option")
@@ -800,7 +800,7 @@ def test_cell_kernels_are_taken_where_the_rule_says(
         delattr(cell, name)
         setattr(cell, name, t)
     if case == "large step":
-        monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 4 * cell.gate_count * 8)
+        monkeypatch.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 4 * cell.gate_count * 8)
     dtype = torch.float16 if case == "float16" else torch.float32
     cell = cell.to(dtype)
     x = torch.randn(5, 6, dtype=dtype)

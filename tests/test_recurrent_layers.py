@@ -786,8 +786,9 @@ _NODES = ("LSTMSequenceBackward", "PlannedLSTMSequenceBackward", "GRUSequenceBac
 def test_one_step_training_runs_the_step_ops(kind: str, options: dict) -> None:
     """A training call of up to ``layers._LEAN_TRAINING_STEPS[norm]`` steps (one with layer
     norms, two without) runs the step ops (with torch's layer-norm kernel, or none with
-    ``norm="none"``), no fused node, with the loop's values and gradients; from one step more,
-    and with ``impl="fused"`` asked for, the fused node runs."""
+    ``norm="none"``; the LN-LSTM's and LN-GRU's step by the cells' node, tested below), no
+    fused node, with the loop's values and gradients; from one step more, and with
+    ``impl="fused"`` asked for, the fused node runs."""
     cls, _ = LAYERS[kind]
     torch.manual_seed(0)
     model = cls(16, 5, dtype=DT, **options)
@@ -809,6 +810,46 @@ def test_one_step_training_runs_the_step_ops(kind: str, options: dict) -> None:
     fused = copy.deepcopy(model)
     fused.impl = "fused"
     assert set(_graph_nodes(fused(x)[0])) & set(_NODES)
+
+
+_CELL_NODES = ("LSTMCellStepBackward", "GRUCellStepBackward")
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"num_layers": 2, "bidirectional": True}, {"bias": False},
+     {"normalize_cell_state": True}, {"norm": "none"}],
+    ids=["one layer", "two layers, both directions", "no biases", "normalized carry",
+         "no layer norms"],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_one_step_training_of_ln_lstm_and_gru_by_the_cells_node(
+    kind: str, options: dict, dtype: torch.dtype
+) -> None:
+    """An LN-LSTM's or LN-GRU's training call of one step runs each direction as the cells'
+    node of C cell kernels (one autograd node each), with the loop's outputs and gradients; not
+    with the LSTM's normalized carry or without layer norms (the step ops run those)."""
+    from layernorm.recurrent import _cstep
+
+    if options.get("normalize_cell_state") and kind != "lstm":
+        pytest.skip("an LSTM option")
+    cls, _ = LAYERS[kind]
+    model = cls(16, 5, dtype=dtype, **options)
+    randomize(model)
+    loop = copy.deepcopy(model)
+    loop.impl = "loop"
+    layers = model.num_layers * model.num_directions
+    x, hx = seq(1, 3, 16, dtype=dtype), tuple(s.to(dtype) for s in states(kind, layers, 3, 5))
+    out, grads = run(model, x, hx, packed=False)
+    out_l, grads_l = run(loop, x, hx, packed=False)
+    tol = FUSED_TOL if dtype == torch.float64 else F32_TOL
+    for a, b in zip(out + grads, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    nodes = _graph_nodes(model(x.requires_grad_(), hx if kind == "lstm" else hx[0])[0])
+    taken = model.norm == "layer" and not options.get("normalize_cell_state")
+    assert bool(set(nodes) & set(_CELL_NODES)) == (taken and _cstep.available(x))
+    assert not set(nodes) & set(_NODES)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])

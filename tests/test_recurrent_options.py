@@ -674,11 +674,11 @@ def _cell_states(kind: str, out) -> tuple[torch.Tensor, ...]:
 def test_cell_zoneout_eval_is_the_expectation_and_training_picks_old_or_new(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from layernorm.recurrent import cells
+    from layernorm.recurrent import _cellstep
 
     # the plain cell's new state by the step's ops, as a cell with zoneout computes it (to the
     # bit: the C cell kernels' training step agrees to rounding)
-    monkeypatch.setattr(cells, "_KERNEL_STEP_MAX_NUMEL", 0)
+    monkeypatch.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 0)
     ph, pc = 0.3, 0.7
     cell = CELLS[kind](3, 64, dtype=DT, **_cell_opts(kind, ph, pc))
     plain = CELLS[kind](3, 64, dtype=DT)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.cpu import rnn, rnn_abi
-from ..ops._dispatch import aliases
+from ..ops._dispatch import aliases, backend_forced, plain_eager
 from . import _steps
 
 #: A GRU cell's parameters in its node's order (after ``x`` and ``h``): torch's weights and
@@ -32,6 +32,63 @@ GRU_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh",
               "ln_weight_ih", "ln_bias_ih", "ln_weight_hh", "ln_bias_hh")  # fmt: skip
 #: An LSTM cell's (after ``x``, ``h`` and ``c``): the GRU's, then LN(c_t)'s gain and bias.
 LSTM_PARAMS = (*GRU_PARAMS, "ln_weight_c", "ln_bias_c")
+
+
+# A cell's training step (and a layer's training call of one step) runs the C cell kernels' node
+# up to this many elements of a projection (B·GH), the range measured: the kernels run on one
+# thread, and a step's ops thread their pointwise work. AMD EPYC Zen 5, ten GRU steps with
+# backward(), µs a step, torch.nn.GRUCell / the ops / the node, one thread: (B, I, H) =
+# (1, 64, 128) 103 / 201 / 108, (1, 256, 256) 207 / 304 / 224, (64, 128, 128) 460 / 661 / 468,
+# (128, 256, 256) 2682 / 3159 / 2675, (256, 128, 512) 14008 / 15823 / 14220; two threads
+# (64, 128, 128) 401 / 661 / 396, (256, 128, 512) 7451 / 8754 / 7816 (RESULTS.md, 2026-11-28).
+KERNEL_STEP_MAX_NUMEL = 1 << 19
+
+
+def node_context() -> bool:
+    """Whether a step may run as one node of the C kernels: gradients on, plain eager (no tracer
+    or transform, which would not see inside the node), no autocast (whose casts the ops make),
+    no forced backend (which the ops' layer norms honour)."""
+    return (
+        torch.is_grad_enabled()
+        and plain_eager()
+        and not torch.is_autocast_enabled("cpu")
+        and not backend_forced()
+    )
+
+
+def registered_params(
+    module: Any, names: tuple[str, ...], suffix: str, dtype: torch.dtype
+) -> list[Any] | None:
+    """``module``'s parameters ``names`` (each with ``suffix``; the two weights first) for a node
+    of the C kernels, or ``None`` where the step's ops must run: a parametrization, a plain
+    tensor in a parameter's place (the ops read it), a parameter not of ``dtype`` or not
+    contiguous, a missing weight (the ops name it)."""
+    if module._modules.get("parametrizations") is not None:
+        return None
+    params = [module._parameters.get(n + suffix) for n in names]
+    for name, p in zip(names, params, strict=True):
+        if p is None and module._get(name + suffix) is not None:
+            return None
+        if p is not None and (p.dtype is not dtype or not p.is_contiguous()):
+            return None
+    return None if params[0] is None or params[1] is None else params
+
+
+def node_params(
+    module: Any, names: tuple[str, ...], suffix: str, x: Tensor, hidden: int
+) -> list[Any] | None:
+    """The parameters ``names`` (:data:`GRU_PARAMS` or :data:`LSTM_PARAMS`, each with
+    ``suffix``) for a step of ``x`` by this module's node, or ``None`` where the step's ops run
+    it: outside :func:`node_context`, past :data:`KERNEL_STEP_MAX_NUMEL`, an input the kernels
+    do not take (float32 / float64 on the CPU, kernels built), or :func:`registered_params`."""
+    if not node_context():
+        return None  # (a tracer's sizes are tensors: the arithmetic comes after)
+    gates = 4 if names is LSTM_PARAMS else 3
+    if x.shape[0] * gates * hidden > KERNEL_STEP_MAX_NUMEL:
+        return None
+    if x.dtype not in rnn_abi.RNN_INSTANCES or not rnn.available(x):
+        return None
+    return registered_params(module, names, suffix, x.dtype)
 
 
 def _bias_sum(ln_bias: Tensor | None, bias: Tensor | None, like: Tensor) -> Tensor:

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from .._torchscript import NotScriptable
 from .._validation import check_flag
-from ..ops._dispatch import backend_forced, plain_eager
+from ..ops._dispatch import plain_eager
 from . import _cellstep, _cstep, _fused, _options, _planned, _steps
 from ._checks import (
     check_cell_input,
@@ -108,35 +108,6 @@ def _node_step_pays(x: Tensor, hidden: int) -> bool:
     if rows < _NODE_STEP_MIN_ROWS or rows * 4 * hidden * (inputs + hidden) < _NODE_STEP_MIN_MACS:
         return False
     return x.dtype in _FUSED_DTYPES and x.is_cpu and _cstep.tile_outpaces_torch_gemm()
-
-
-def _node_context() -> bool:
-    """Whether a cell's step may run as one node of the C kernels: gradients on, plain eager (no
-    tracer or transform, which would not see inside the node), no autocast (whose casts the ops
-    make), no forced backend (which the ops' layer norms honour)."""
-    return (
-        torch.is_grad_enabled()
-        and plain_eager()
-        and not torch.is_autocast_enabled("cpu")
-        and not backend_forced()
-    )
-
-
-# A GRU cell's training step runs the C cell kernels' node (_cellstep.GRUCellStep) up to this
-# many elements of a projection (B·3H), the range measured: the kernels run on one thread, and
-# a step's ops thread their pointwise work. AMD EPYC Zen 5, ten steps with backward(), µs a
-# step, torch.nn.GRUCell / the ops / the node, one thread: (B, I, H) = (1, 64, 128) 103 / 201 /
-# 108, (1, 256, 256) 207 / 304 / 224, (64, 128, 128) 460 / 661 / 468, (128, 256, 256) 2682 /
-# 3159 / 2675, (256, 128, 512) 14008 / 15823 / 14220; two threads (64, 128, 128) 401 / 661 /
-# 396, (256, 128, 512) 7451 / 8754 / 7816 (RESULTS.md, 2026-11-28).
-_KERNEL_STEP_MAX_NUMEL = 1 << 19
-
-
-def _kernel_step_fits(x: Tensor, hidden: int, gates: int) -> bool:
-    """Whether a cell's training step of ``x`` may run the C cell kernels' node."""
-    if x.shape[0] * gates * hidden > _KERNEL_STEP_MAX_NUMEL:
-        return False
-    return x.dtype in _FUSED_DTYPES and x.is_cpu and _cstep.available(x)
 
 
 class _StepPlan(NamedTuple):
@@ -373,21 +344,6 @@ class _LNCellBase(NotScriptable, nn.Module):
             return _steps.make_grouped_ln(w, b, self.eps, self.hidden_size, lean=True)
         return _steps.make_ln(w, b, self.eps, lean=True)
 
-    def _node_params(self, names: tuple[str, ...], dtype: torch.dtype) -> list[Any] | None:
-        """The parameters ``names`` (the two weights first) for a training node of the C
-        kernels, or ``None`` where the step's ops must run: a parametrization, a plain tensor in
-        a parameter's place (the ops read it), a parameter not of ``dtype`` or not contiguous, a
-        missing weight (the ops name it)."""
-        if self._modules.get("parametrizations") is not None:
-            return None
-        params = [self._parameters.get(n) for n in names]
-        for name, p in zip(names, params, strict=True):
-            if p is None and self._get(name) is not None:
-                return None
-            if p is not None and (p.dtype is not dtype or not p.is_contiguous()):
-                return None
-        return None if params[0] is None or params[1] is None else params
-
     def _zoneout_rate(self, value: object, name: str) -> float:
         return check_probability(value, name, type(self).__name__, allow_one=True)
 
@@ -616,13 +572,13 @@ class LayerNormLSTMCell(_LNCellBase):
         it): gradients on, plain eager, no autocast, no zoneout or normalized carry, every
         parameter a registered one (no parametrization or plain tensor in its place) in the
         input's dtype and contiguous."""
-        if not _node_context():
+        if not _cellstep.node_context():
             return None  # (a tracer's sizes are tensors: the rule's arithmetic comes after)
         if not _node_step_pays(x, self.hidden_size):
             return None
         if self.zoneout_hidden or self.zoneout_cell or self.normalize_cell_state:
             return None
-        params = self._node_params(_NODE_PARAMS, x.dtype)
+        params = _cellstep.registered_params(self, _NODE_PARAMS, "", x.dtype)
         if params is None:
             return None
         w_ih, w_hh, b_ih, b_hh, *ln = params
@@ -637,15 +593,13 @@ class LayerNormLSTMCell(_LNCellBase):
 
     def _kernel_step(self, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor] | None:
         """A training step by the C cell kernels' node (:class:`._cellstep.LSTMCellStep`: the two
-        products, one kernel forward and one backward), where :func:`_kernel_step_fits`;
+        products, one kernel forward and one backward), where :func:`._cellstep.node_params`
         ``None`` elsewhere (the step's ops run it): gradients on, plain eager, no autocast, no
         zoneout or normalized carry, every parameter a registered one in the input's dtype and
         contiguous."""
-        if not _node_context() or self.zoneout_hidden or self.zoneout_cell:
+        if self.zoneout_hidden or self.zoneout_cell or self.normalize_cell_state:
             return None
-        if self.normalize_cell_state or not _kernel_step_fits(x, self.hidden_size, 4):
-            return None
-        params = self._node_params(_cellstep.LSTM_PARAMS, x.dtype)
+        params = _cellstep.node_params(self, _cellstep.LSTM_PARAMS, "", x, self.hidden_size)
         if params is None:
             return None
         return _cellstep.LSTMCellStep.apply(x, h, c, *params, self.eps)  # type: ignore[no-any-return]
@@ -715,14 +669,12 @@ class LayerNormGRUCell(_LNCellBase):
 
     def _kernel_step(self, x: Tensor, h: Tensor) -> Tensor | None:
         """A training step by the C cell kernels' node (:class:`._cellstep.GRUCellStep`: the two
-        products, one kernel forward and one backward), where :func:`_kernel_step_fits`;
+        products, one kernel forward and one backward), where :func:`._cellstep.node_params`
         ``None`` elsewhere (the step's ops run it): gradients on, plain eager, no autocast, no
         zoneout, every parameter a registered one in the input's dtype and contiguous."""
-        if not _node_context() or self.zoneout_hidden:
+        if self.zoneout_hidden:
             return None
-        if not _kernel_step_fits(x, self.hidden_size, 3):
-            return None
-        params = self._node_params(_cellstep.GRU_PARAMS, x.dtype)
+        params = _cellstep.node_params(self, _cellstep.GRU_PARAMS, "", x, self.hidden_size)
         if params is None:
             return None
         return _cellstep.GRUCellStep.apply(x, h, *params, self.eps)  # type: ignore[no-any-return]

@@ -32,7 +32,8 @@ only as large as the batch, and the input projection computed step by step insid
 (:func:`._fused.lstm_sequence`, :class:`._fused.InputProjection`). A training call of one time
 step on the CPU (two without layer norms: ``_LEAN_TRAINING_STEPS``; no mask or projection) runs
 the step's ops instead, the layer norms by torch's kernel where :class:`layernorm.LayerNorm` takes
-it: one step has no recurrence to fuse, and the node costs more than the ops. ``impl="loop"``
+it, or for LN-LSTM and LN-GRU the cells' node of C cell kernels (:mod:`._cellstep`): one step has
+no recurrence to fuse, and the sequence node costs more than the ops. ``impl="loop"``
 runs the readable per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare
 against; batch norm, torch.compile, torch.jit.trace, ``torch.func`` transforms, forward-mode AD and
 autocast always use it.
@@ -57,7 +58,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .._torchscript import NotScriptable
 from .._validation import as_int, check_flag, check_float_tensor, sizes_of
 from ..ops._dispatch import plain_eager
-from . import _cstep, _fused, _options, _planned, _steps
+from . import _cellstep, _cstep, _fused, _options, _planned, _steps
 from ._batchnorm import make_step_bn
 from ._checks import (
     check_batch_sizes,
@@ -820,6 +821,9 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if masks.w_hh is not None:
             weights = weights._replace(w_hh=weights.w_hh * masks.w_hh)
         if fused and self._lean_training(data, sizes, sfx, h0, c0, weights, masks):
+            stepped = self._node_step(data, sizes, sfx, h0, c0)
+            if stepped is not None:
+                return stepped
             return self._loop(data, sizes, sfx, reverse, h0, c0, weights, masks, lean=True)
         if fused:
             if data.dtype in _HALF_DTYPES:
@@ -870,6 +874,29 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if any(m is not None for m in masks):
             return False
         return _fused.differentiated(data, h0, c0, *weights, *self._direction_params(sfx))
+
+    def _node_step(
+        self, data: Tensor, sizes: list[int], sfx: str, h0: Tensor, c0: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """A lean training call's one step (:meth:`_lean_training`) of an LN-LSTM or LN-GRU
+        direction by the cells' node of the C cell kernels (:mod:`._cellstep`: the two products,
+        one kernel forward and one backward), where the ops take some 20 to 27 autograd nodes;
+        ``None`` where :func:`._cellstep.node_params` refuses it, for the Elman recurrence, no
+        layer norm or the LSTM's normalized carry (the step's ops run it)."""
+        if len(sizes) != 1 or self.norm != "layer" or self.mode == "RNN":
+            return None
+        lstm = self.mode == "LSTM"
+        if lstm and self.normalize_cell_state:
+            return None
+        names = _cellstep.LSTM_PARAMS if lstm else _cellstep.GRU_PARAMS
+        params = _cellstep.node_params(self, names, sfx, data, self.hidden_size)
+        if params is None:
+            return None
+        if lstm:
+            h, c = _cellstep.LSTMCellStep.apply(data, h0, c0, *params, self.eps)
+            return h, h, c
+        h = _cellstep.GRUCellStep.apply(data, h0, *params, self.eps)
+        return h, h, None
 
     # -- fused path --------------------------------------------------------------------------
 

@@ -845,3 +845,43 @@ def test_cell_kernels_refuse_buffers_of_the_wrong_shape(kind: str) -> None:
     message = rf"cell_fwd_args\): w_ih must have shape \({units}H\) = \({units * 8},\)"
     with pytest.raises(ValueError, match=message):
         node.apply(x, *state, *params, cell.eps)
+
+
+@pytest.mark.parametrize("kind", KERNEL_CELLS)
+def test_cell_kernels_keep_a_nan_in_its_row_and_hold_large_offsets(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Hostile inputs to the node: a NaN in one example's input makes that example's outputs and
+    input gradient NaN and no other's (the parameters' gradients, sums over the examples, too);
+    inputs around 1e4, -3e3, 500 and 2e4 with a spread of 1.5 (the projections' rows far from
+    zero mean) give the float64 ops' outputs and gradients to float32's tolerance."""
+    from layernorm.recurrent import _cellstep, _cstep
+
+    taken: list[bool] = []
+    _cell_kernels(monkeypatch, taken)
+    cell = _kernel_cell(kind, 6, 8)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    if not _cstep.available(x):
+        pytest.skip("C kernels not built")
+    x[1, 2] = float("nan")
+    x.requires_grad_()
+    out = cell(x)
+    outs = out if isinstance(out, tuple) else (out,)
+    sum(o.sum() for o in outs).backward()
+    assert taken == [True]
+    for t in (*outs, x.grad):
+        assert torch.isnan(t).any(1).tolist() == [False, True, False]
+    assert all(torch.isnan(p.grad).any() for p in cell.parameters())
+
+    wide = _kernel_cell(kind, 6, 8, dtype=torch.float64)
+    randomize(wide)
+    narrow = _kernel_cell(kind, 6, 8)
+    narrow.load_state_dict({k: v.float() for k, v in wide.state_dict().items()})
+    xb = torch.tensor([1e4, -3e3, 5e2, 2e4], dtype=torch.float64)[:, None] + inputs(4, 6)
+    with monkeypatch.context() as ops:
+        ops.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 0)
+        want = _kernel_steps_and_grads(wide, xb[None], None)
+    got = _kernel_steps_and_grads(narrow, xb[None].float(), None)
+    assert len(taken) == 2  # the float32 step by the node; the float64 one by the ops
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=2e-4, atol=2e-4)

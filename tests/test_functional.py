@@ -463,6 +463,29 @@ def test_double_backward_of_two_norms_sharing_their_parameters(kind):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("kind", ["layer_norm", "detach_mean", "rms_norm", "ada_norm"], ids=str)
+def test_batched_backward_is_the_one_by_one_jacobian(kind):
+    """``jacobian(..., vectorize=True)`` runs the backward once on batched output gradients,
+    which have no memory of their own for a kernel to read (it raised "Cannot access data
+    pointer"): the backward then differentiates the reference, and the jacobian is the one
+    taken row by row."""
+    x, w, b, ns = _gc_inputs((4, 6), (6,))
+    x = x.detach()
+
+    def f(x):
+        if kind == "rms_norm":
+            return layernorm.rms_norm(x, ns, w.detach())
+        if kind == "ada_norm":
+            return layernorm.ada_norm(x, ns)
+        return layernorm.layer_norm(
+            x, ns, w.detach(), b.detach(), detach_mean=kind == "detach_mean"
+        )
+
+    batched = torch.autograd.functional.jacobian(f, x, vectorize=True)
+    one_by_one = torch.autograd.functional.jacobian(f, x)
+    torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=1e-12)
+
+
 def test_gradcheck_ada_norm_frozen_phi():
     """AdaNorm's gradient is, by design, not the derivative of its forward: φ(y) is a constant.
 

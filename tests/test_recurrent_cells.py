@@ -885,3 +885,32 @@ def test_cell_kernels_keep_a_nan_in_its_row_and_hold_large_offsets(
     assert len(taken) == 2  # the float32 step by the node; the float64 one by the ops
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.double(), w, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("kind", KERNEL_CELLS)
+def test_cell_kernels_batched_backward_is_the_ops(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A batched backward through the node (``jacobian(..., vectorize=True)``: batched output
+    gradients, whose memory no kernel can read) differentiates the step's ops instead: the
+    jacobians of the input and the state are the ops' own."""
+    from layernorm.recurrent import _cellstep
+
+    taken: list[bool] = []
+    _cell_kernels(monkeypatch, taken)
+    cell = _kernel_cell(kind, 4, 5, dtype=DT)
+    randomize(cell)
+    x, h = inputs(2, 4), inputs(2, 5, seed=2)
+    hx = (h, 0.5 * h) if kind == "lstm" else h
+
+    def step(x, h):
+        out = cell(x, (h, 0.5 * h) if kind == "lstm" else h)
+        return out[0] if isinstance(out, tuple) else out
+
+    got = torch.autograd.functional.jacobian(step, (x, h), vectorize=True)
+    assert taken and hx is not None
+    with monkeypatch.context() as ops:
+        ops.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 0)
+        want = torch.autograd.functional.jacobian(step, (x, h), vectorize=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)

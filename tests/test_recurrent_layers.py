@@ -381,6 +381,23 @@ def test_double_backward_refused_on_fused_path_supported_by_loop() -> None:
     assert torch.autograd.gradgradcheck(lambda x: model(x)[0], (x,), fast_mode=True)
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_batched_backward_refused_on_fused_path_supported_by_loop(kind: str) -> None:
+    """A batched backward (``jacobian(..., vectorize=True)``, ``is_grads_batched=True``) hands
+    the fused node batched tensors, whose memory its kernels cannot read: refused by name, where
+    it raised "Cannot access data pointer"; the loop gives torch's own batched jacobian."""
+    cls, _ = LAYERS[kind]
+    model = cls(2, 3, dtype=DT)
+    randomize(model)
+    x = seq(3, 2, 2)
+    with pytest.raises(RuntimeError, match=r"no batched backward.*impl='loop'"):
+        torch.autograd.functional.jacobian(lambda x: model(x)[0], x, vectorize=True)
+    model.impl = "loop"
+    batched = torch.autograd.functional.jacobian(lambda x: model(x)[0], x, vectorize=True)
+    one_by_one = torch.autograd.functional.jacobian(lambda x: model(x)[0], x)
+    torch.testing.assert_close(batched, one_by_one, **FUSED_TOL)
+
+
 _TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 

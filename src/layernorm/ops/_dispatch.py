@@ -53,6 +53,13 @@ def transformed() -> bool:
     )
 
 
+def batched(t: Tensor) -> bool:
+    """True for a batched tensor of ``vmap`` (functorch's, or the one ``torch.autograd.grad``'s
+    ``is_grads_batched=True`` and ``jacobian(..., vectorize=True)`` run a backward with): it has
+    no memory of its own for a kernel to read."""
+    return torch._C._functorch.is_batchedtensor(t) or torch._C._functorch.is_legacy_batchedtensor(t)
+
+
 def forward_ad_on() -> bool:
     """True inside ``torch.autograd.forward_ad.dual_level()`` (dual tensors may flow)."""
     return _forward_ad._current_level >= 0

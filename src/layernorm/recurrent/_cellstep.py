@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.cpu import rnn, rnn_abi
-from ..ops._dispatch import aliases, backend_forced, plain_eager
+from ..ops._dispatch import aliases, backend_forced, batched, plain_eager
 from . import _steps
 
 #: A GRU cell's parameters in its node's order (after ``x`` and ``h``): torch's weights and
@@ -139,7 +139,7 @@ class GRUCellStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         saved = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: the ops' own derivative, differentiable
+        if torch.is_grad_enabled() or batched(dout):  # the ops' derivative: _reference_grads
             return (*_reference_grads(ctx, (dout,), saved[:10], _gru_reference), None)
         x, h, w_ih, w_hh, *_, lw_ih, _, lw_hh, _, gx, hp, rz, n, ghn, stats = saved
         rows, hs = h.shape
@@ -214,7 +214,7 @@ class LSTMCellStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dh: Tensor, dc: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         saved = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: the ops' own derivative, differentiable
+        if torch.is_grad_enabled() or batched(dh) or batched(dc):  # the ops' derivative
             return (*_reference_grads(ctx, (dh, dc), saved[:13], _lstm_reference), None)
         x, h, c, w_ih, w_hh, *_, lw_ih, _, lw_hh, _, lw_c, _, gx, hp, c_out, gates, tc, stats = (
             saved
@@ -277,6 +277,9 @@ def _lstm_reference(
 def _reference_grads(
     ctx: Any, douts: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], step: Any
 ) -> tuple:
+    # What a backward runs where the kernels cannot: with create_graph=True (the gradients must
+    # be differentiable) and in a batched backward (is_grads_batched=True or jacobian(...,
+    # vectorize=True): batched tensors, whose memory no kernel can read).
     """The gradients of ``step`` (the step function of :mod:`._steps` the node computes) on the
     saved inputs, with a graph of their own, taken at aliases of the inputs (a weight also made
     ``h``, the step before's output: :func:`..ops._dispatch.aliases`)."""

@@ -46,7 +46,7 @@ from ..functional import layer_norm as _layer_norm
 from ..kernels.cpu import _native
 from ..kernels.cpu import buffers as _buffers
 from ..kernels.cpu import layer_norm as cpu_layer_norm
-from ..ops._dispatch import TORCH_BACKWARD_DTYPES
+from ..ops._dispatch import TORCH_BACKWARD_DTYPES, batched
 from . import _cstep
 from ._pointwise import (
     C_KERNELS,
@@ -80,13 +80,20 @@ def make_schedule(batch_sizes: list[int], reverse: bool) -> Schedule:
     return tuple(reversed(offsets)) if reverse else tuple(offsets)
 
 
-def _no_double_backward() -> None:
-    """Called first in every backward: with ``create_graph=True`` grad mode is on, and the result
-    would silently miss the second-order terms through this node, so refuse instead."""
+def _no_double_backward(dout: Tensor) -> None:
+    """Called first in every backward, with the output's gradient: with ``create_graph=True``
+    grad mode is on, and the result would silently miss the second-order terms through this
+    node, so refuse instead; in a batched backward (``is_grads_batched=True``, ``jacobian(...,
+    vectorize=True)``) the gradients are batched tensors, whose memory the kernels cannot read."""
     if torch.is_grad_enabled():
         raise RuntimeError(
             "the fused recurrent path has no double backward (create_graph=True); build the "
             "layer with impl='loop' to differentiate its gradients"
+        )
+    if batched(dout):
+        raise RuntimeError(
+            "the fused recurrent path has no batched backward (is_grads_batched=True, "
+            "jacobian(..., vectorize=True)); build the layer with impl='loop' for it"
         )
 
 
@@ -1281,7 +1288,7 @@ class LSTMSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor, dc_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        _no_double_backward()
+        _no_double_backward(dout)
         w_hh, st = _restore(ctx)
         gx, hs, normalize, w1, w3 = st["gx"], st["H"], st["normalize"], st["w1"], st["w3"]
         n_rows = gx.shape[0]
@@ -1406,7 +1413,7 @@ class GRUSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        _no_double_backward()
+        _no_double_backward(dout)
         w_hh, st = _restore(ctx)
         gx, hs, normalize, w_rz, w_n = st["gx"], st["H"], st["normalize"], st["w_rz"], st["w_n"]
         n_rows = gx.shape[0]
@@ -1584,7 +1591,7 @@ class RNNSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        _no_double_backward()
+        _no_double_backward(dout)
         if ctx.kernels.elman_bwd_seq is not None:
             return RNNSequence._backward_in_c(ctx, dout, dh_n)
         w_hh, g, own, hprev_all, a_all, mean_all, rstd_all, zh = ctx.saved_tensors

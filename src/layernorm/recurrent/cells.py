@@ -594,9 +594,9 @@ class LayerNormLSTMCell(_LNCellBase):
     def _kernel_step(self, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor] | None:
         """A training step by the C cell kernels' node (:class:`._cellstep.LSTMCellStep`: the two
         products, one kernel forward and one backward), where :func:`._cellstep.node_params`
-        ``None`` elsewhere (the step's ops run it): gradients on, plain eager, no autocast, no
-        zoneout or normalized carry, every parameter a registered one in the input's dtype and
-        contiguous."""
+        allows it; ``None`` elsewhere (the step's ops run it): gradients on, plain eager, no
+        autocast or forced backend, no zoneout or normalized carry, every parameter a registered
+        one in the input's dtype and contiguous."""
         if self.zoneout_hidden or self.zoneout_cell or self.normalize_cell_state:
             return None
         params = _cellstep.node_params(self, _cellstep.LSTM_PARAMS, "", x, self.hidden_size)
@@ -670,8 +670,9 @@ class LayerNormGRUCell(_LNCellBase):
     def _kernel_step(self, x: Tensor, h: Tensor) -> Tensor | None:
         """A training step by the C cell kernels' node (:class:`._cellstep.GRUCellStep`: the two
         products, one kernel forward and one backward), where :func:`._cellstep.node_params`
-        ``None`` elsewhere (the step's ops run it): gradients on, plain eager, no autocast, no
-        zoneout, every parameter a registered one in the input's dtype and contiguous."""
+        allows it; ``None`` elsewhere (the step's ops run it): gradients on, plain eager, no
+        autocast or forced backend, no zoneout, every parameter a registered one in the input's
+        dtype and contiguous."""
         if self.zoneout_hidden:
             return None
         params = _cellstep.node_params(self, _cellstep.GRU_PARAMS, "", x, self.hidden_size)

@@ -63,10 +63,10 @@ def _training(
 
     def run() -> None:
         _cellstep.KERNEL_STEP_MAX_NUMEL = limit if node else 0
-        state, loss = None, xs.new_zeros(())
+        state, loss = None, xs.new_zeros((), dtype=torch.float32)
         for x in xs:
             state = cell(x, state)
-            loss = loss + (state[0] if lstm else state).sum()
+            loss = loss + (state[0] if lstm else state).float().sum()
         loss.backward()
         _cellstep.KERNEL_STEP_MAX_NUMEL = limit
         for p in params:
@@ -86,11 +86,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50, help="inference calls per timed block")
     ap.add_argument("--steps", type=int, default=10, help="training steps per timed loop")
     ap.add_argument("--ops", action="store_true", help="also ours by the step's ops (training)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     print(
         f"device: {cpu_model()} | kernels {targets.selected().name} | torch {torch.__version__}, "
-        f"{torch_isa()} | threads {args.threads}"
+        f"{torch_isa()} | threads {args.threads} | {args.dtype}"
     )
     print(
         "µs per call (infer) or per step (train, forward and backward), median of rounds; "
@@ -105,11 +107,11 @@ def main() -> None:
         lstm = kind == "lstm"
         for shape in args.shapes.split(","):
             b, i, h = (int(v) for v in shape.split("x"))
-            theirs = theirs_cls(i, h)
+            theirs = theirs_cls(i, h).to(dtype)
             ours = ours_cls.from_torch(theirs)
-            x = torch.randn(b, i)
-            hx = torch.randn(b, h)
-            state = (hx, torch.randn(b, h)) if lstm else hx
+            x = torch.randn(b, i, dtype=dtype)
+            hx = torch.randn(b, h, dtype=dtype)
+            state = (hx, torch.randn(b, h, dtype=dtype)) if lstm else hx
             for mode in args.modes.split(","):
                 if mode == "infer":
                     per, fns = (
@@ -120,7 +122,7 @@ def main() -> None:
                         },
                     )
                 else:
-                    xs = torch.randn(args.steps, b, i, requires_grad=True)
+                    xs = torch.randn(args.steps, b, i, dtype=dtype, requires_grad=True)
                     per, fns = (
                         args.steps,
                         {

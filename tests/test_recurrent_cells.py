@@ -296,8 +296,9 @@ def test_cell_layer_norms_run_torchs_kernel_on_plain_calls(
     Python costs more than a step's arithmetic), a forced backend the fused kernels; the two
     agree, forward and gradients."""
     from layernorm.backend import force_backend
-    from layernorm.recurrent import _steps
+    from layernorm.recurrent import _cellstep, _steps
 
+    monkeypatch.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 0)  # the ops (the node: below)
     fused_calls = []
     fused = _steps.layer_norm
 
@@ -771,16 +772,17 @@ def test_cell_kernels_keep_second_derivatives(
 @pytest.mark.parametrize("kind", KERNEL_CELLS)
 @pytest.mark.parametrize(
     "case", ["zoneout", "normalized carry", "no grad", "parametrized", "replaced weight",
-             "replaced gain", "float16", "traced", "autocast", "forced backend", "large step"],
+             "replaced gain", "large half weights", "float64 weights", "traced", "autocast",
+             "forced backend", "large step"],
 )  # fmt: skip
 def test_cell_kernels_are_taken_where_the_rule_says(
     monkeypatch: pytest.MonkeyPatch, kind: str, case: str
 ) -> None:
     """The node runs a cell's training step of up to ``KERNEL_STEP_MAX_NUMEL`` elements of a
     projection, and not with zoneout, the LSTM's normalized carry, gradients off, a
-    parametrized weight or a plain tensor in a parameter's place, a dtype without C kernels,
-    under a tracer, autocast or a forced backend: the step's ops (or the inference plan) run
-    those."""
+    parametrized weight or a plain tensor in a parameter's place, half weights of
+    ``HALF_MAX_WEIGHTS`` elements or more, weights of another dtype than the input's, under a
+    tracer, autocast or a forced backend: the step's ops (or the inference plan) run those."""
     from layernorm.recurrent import _cellstep, _cstep
 
     if case == "normalized carry" and kind != "lstm":
@@ -801,8 +803,12 @@ def test_cell_kernels_are_taken_where_the_rule_says(
         setattr(cell, name, t)
     if case == "large step":
         monkeypatch.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 4 * cell.gate_count * 8)
-    dtype = torch.float16 if case == "float16" else torch.float32
-    cell = cell.to(dtype)
+    dtype = torch.float32
+    if case == "large half weights":
+        dtype = torch.float16
+        weights = cell.gate_count * 8 * (6 + 8)
+        monkeypatch.setattr(_cellstep, "HALF_MAX_WEIGHTS", weights)
+    cell = cell.to(torch.float64 if case == "float64 weights" else dtype)
     x = torch.randn(5, 6, dtype=dtype)
     with torch.set_grad_enabled(case != "no grad"):
         if case == "traced":
@@ -815,12 +821,17 @@ def test_cell_kernels_are_taken_where_the_rule_says(
 
             with force_backend("cpu"):
                 cell(x)
+        elif case == "float64 weights":  # the ops name the mismatch
+            with pytest.raises((TypeError, ValueError), match="float64"):
+                cell(x)
         else:
             cell(x)
     assert taken == []
     # and the same cell's step of the rule's kind does take it (the setup is not what stops it)
-    if case in ("large step", "no grad") and _cstep.available(x):
-        cell(torch.randn(4, 6))
+    if case in ("large step", "no grad", "large half weights") and _cstep.available(x.float()):
+        if case == "large half weights":
+            monkeypatch.setattr(_cellstep, "HALF_MAX_WEIGHTS", weights + 1)
+        cell(torch.randn(4, 6, dtype=dtype))
         assert taken == [True]
 
 
@@ -914,3 +925,41 @@ def test_cell_kernels_batched_backward_is_the_ops(
         want = torch.autograd.functional.jacobian(step, (x, h), vectorize=True)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", KERNEL_CELLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cell_kernels_in_half_are_float32_rounded_once(
+    monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype
+) -> None:
+    """A bfloat16 / float16 step by the node computes in float32 on its inputs converted
+    exactly: its outputs and every gradient are those of the float32 node on the same values,
+    each rounded once to the half dtype, bit for bit."""
+    from layernorm.recurrent import _cstep
+
+    taken: list[bool] = []
+    _cell_kernels(monkeypatch, taken)
+    half = _kernel_cell(kind, 6, 8)
+    randomize(half)
+    half = half.to(dtype)
+    wide = _kernel_cell(kind, 6, 8)
+    wide.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    x = inputs(3, 6).to(dtype)
+    state = _initial_state(type(half), 3, dtype)
+    if not _cstep.available(x.float()):
+        pytest.skip("C kernels not built")
+
+    def step(cell: torch.nn.Module, to: torch.dtype) -> list[torch.Tensor]:
+        leaves = [t.to(to).requires_grad_() for t in (x, *state)]
+        out = cell(leaves[0], tuple(leaves[1:]) if kind == "lstm" else leaves[1])
+        outs = out if isinstance(out, tuple) else (out,)
+        gen = torch.Generator().manual_seed(5)
+        douts = [torch.randn(o.shape, generator=gen).to(dtype).to(to) for o in outs]
+        grads = torch.autograd.grad(outs, [*leaves, *cell.parameters()], douts)
+        return [*outs, *grads]
+
+    got, wanted = step(half, dtype), step(wide, torch.float32)
+    assert taken == [True, True]
+    for g, w in zip(got, wanted, strict=True):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g, w.to(dtype), rtol=0, atol=0)

@@ -44,6 +44,18 @@ LSTM_PARAMS = (*GRU_PARAMS, "ln_weight_c", "ln_bias_c")
 KERNEL_STEP_MAX_NUMEL = 1 << 19
 
 
+# A bfloat16 / float16 step runs the node in float32 while its two weights have fewer elements
+# than this (G·(I + H)): each step converts them to float32 twice and rounds their gradients
+# once, which torch does at about a nanosecond an element, so past a few hundred KiB the
+# conversions cost more than the ops' bfloat16 GEMMs save. AMD EPYC Zen 5, one thread, ten
+# steps with backward(), µs a step, torch.nn's bfloat16 cell / the node / the ops: GRU
+# (B, I, H) = (1, 64, 128) 182 / 194 / 366, (8, 64, 128) 192 / 235 / 387, (16, 128, 128)
+# 214 / 299 / 427, (4, 128, 256) 275 / 571 / 477; LSTM (1, 64, 128) 188 / 235 / 305,
+# (8, 64, 128) 210 / 298 / 334, (16, 128, 128) (2^17) 241 / 463 / 375, (1, 512, 512) 966 / 4738
+# / 1048 (RESULTS.md, 2026-11-28).
+HALF_MAX_WEIGHTS = 1 << 17
+
+
 def node_context() -> bool:
     """Whether a step may run as one node of the C kernels: gradients on, plain eager (no tracer
     or transform, which would not see inside the node), no autocast (whose casts the ops make),
@@ -80,15 +92,30 @@ def node_params(
     """The parameters ``names`` (:data:`GRU_PARAMS` or :data:`LSTM_PARAMS`, each with
     ``suffix``) for a step of ``x`` by this module's node, or ``None`` where the step's ops run
     it: outside :func:`node_context`, past :data:`KERNEL_STEP_MAX_NUMEL`, an input the kernels
-    do not take (float32 / float64 on the CPU, kernels built), or :func:`registered_params`."""
+    do not take (float32 / float64 on the CPU, kernels built; bfloat16 / float16 below
+    :data:`HALF_MAX_WEIGHTS`), or :func:`registered_params`."""
     if not node_context():
         return None  # (a tracer's sizes are tensors: the arithmetic comes after)
     gates = 4 if names is LSTM_PARAMS else 3
     if x.shape[0] * gates * hidden > KERNEL_STEP_MAX_NUMEL:
         return None
-    if x.dtype not in rnn_abi.RNN_INSTANCES or not rnn.available(x):
+    if x.dtype in _HALF_DTYPES:  # computed in float32 (see GRUCellStep), small weights only
+        inputs = module._get("weight_ih" + suffix)
+        if inputs is None or gates * hidden * (inputs.shape[1] + hidden) >= HALF_MAX_WEIGHTS:
+            return None
+        if not rnn.available(x.new_empty(0, dtype=torch.float32)):
+            return None
+    elif x.dtype not in rnn_abi.RNN_INSTANCES or not rnn.available(x):
         return None
     return registered_params(module, names, suffix, x.dtype)
+
+
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _float32(tensors: tuple[Tensor | None, ...]) -> list[Any]:
+    """Each tensor converted to float32 (exactly: half values are float32 values)."""
+    return [None if t is None else t.float() for t in tensors]
 
 
 def _bias_sum(ln_bias: Tensor | None, bias: Tensor | None, like: Tensor) -> Tensor:
@@ -102,7 +129,9 @@ class GRUCellStep(torch.autograd.Function):
     """``h_t`` of :func:`._steps.gru_step` with grouped layer norms on both projections, for
     ``x (B, I)``, ``h (B, H)`` and the parameters of :data:`GRU_PARAMS` (biases may be
     ``None``), in one node. The caller checks shapes, dtypes and devices (a struct's check
-    refuses anything else before C sees it)."""
+    refuses anything else before C sees it). bfloat16 / float16 inputs are computed in float32,
+    the output and each gradient rounded once to its input's dtype; the inputs, not float32
+    copies, are kept for backward (a weight's copy per step would add up over a sequence)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -119,6 +148,10 @@ class GRUCellStep(torch.autograd.Function):
         lb_hh: Tensor | None,
         eps: float,
     ) -> Tensor:
+        originals = (x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh)
+        half = x.dtype in _HALF_DTYPES
+        if half:
+            x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh = _float32(originals)
         rows, hs = h.shape
         h = h.contiguous()
         gx, hp = torch.mm(x, w_ih.t()), torch.mm(h, w_hh.t())
@@ -131,17 +164,19 @@ class GRUCellStep(torch.autograd.Function):
         }  # fmt: skip
         args = rnn.prepare(rnn_abi.GRU_CELL_FWD, h.dtype, values, {"B": rows, "H": hs})
         rnn.call("gru_cell_fwd", h.dtype, args)
-        ctx.eps = eps
-        ctx.save_for_backward(x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh,
-                              gx, hp, rz, n, ghn, stats)  # fmt: skip
-        return out
+        ctx.eps, ctx.half = eps, half
+        kept = originals if half else (x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh)
+        ctx.save_for_backward(*kept, gx, hp, rz, n, ghn, stats)
+        return out.to(originals[0].dtype) if half else out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         saved = ctx.saved_tensors
         if torch.is_grad_enabled() or batched(dout):  # the ops' derivative: _reference_grads
             return (*_reference_grads(ctx, (dout,), saved[:10], _gru_reference), None)
-        x, h, w_ih, w_hh, *_, lw_ih, _, lw_hh, _, gx, hp, rz, n, ghn, stats = saved
+        inputs, (gx, hp, rz, n, ghn, stats) = saved[:10], saved[10:]
+        x, h, w_ih, w_hh, *_, lw_ih, _, lw_hh, _ = _float32(inputs) if ctx.half else inputs
+        dout = dout.float() if ctx.half else dout
         rows, hs = h.shape
         dgx, dhp = gx.new_empty(rows, 3 * hs), gx.new_empty(rows, 3 * hs)
         dh, dparams = h.new_empty(rows, hs), h.new_empty(4, 3 * hs)
@@ -154,7 +189,7 @@ class GRUCellStep(torch.autograd.Function):
         rnn.call("gru_cell_bwd", h.dtype, args)
         need = ctx.needs_input_grad
         d_lw_ih, d_lb_ih, d_lw_hh, d_lb_hh = dparams.unbind(0)
-        return (
+        grads = (
             torch.mm(dgx, w_ih) if need[0] else None,
             torch.addmm(dh, dhp, w_hh) if need[1] else None,
             torch.mm(dgx.t(), x) if need[2] else None,
@@ -165,15 +200,16 @@ class GRUCellStep(torch.autograd.Function):
             d_lb_ih if need[7] else None,
             d_lw_hh if need[8] else None,
             d_lb_hh if need[9] else None,
-            None,
         )
+        return (*grads, None)  # (autograd rounds each to its input's dtype)
 
 
 class LSTMCellStep(torch.autograd.Function):
     """``(h_t, c_t)`` of :func:`._steps.lstm_step` (layer norms on both projections and on
     ``c_t``, ``c_t`` carried) for ``x (B, I)``, ``h, c (B, H)`` and the parameters of
     :data:`LSTM_PARAMS` (biases may be ``None``), in one node. The caller checks shapes, dtypes
-    and devices (a struct's check refuses anything else before C sees it)."""
+    and devices (a struct's check refuses anything else before C sees it). Half inputs as
+    :class:`GRUCellStep`'s."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -193,6 +229,12 @@ class LSTMCellStep(torch.autograd.Function):
         lb_c: Tensor | None,
         eps: float,
     ) -> tuple[Tensor, Tensor]:
+        originals = (x, h, c, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh, lw_c, lb_c)
+        half = x.dtype in _HALF_DTYPES
+        if half:
+            x, h, c, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh, lw_c, lb_c = _float32(
+                originals
+            )
         rows, hs = h.shape
         c = c.contiguous()
         gx, hp = torch.mm(x, w_ih.t()), torch.mm(h, w_hh.t())
@@ -206,9 +248,12 @@ class LSTMCellStep(torch.autograd.Function):
         }  # fmt: skip
         args = rnn.prepare(rnn_abi.LSTM_CELL_FWD, c.dtype, values, {"B": rows, "H": hs})
         rnn.call("lstm_cell_fwd", c.dtype, args)
-        ctx.eps = eps
-        ctx.save_for_backward(x, h, c, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh, lw_c,
-                              lb_c, gx, hp, c_out, gates, tc, stats)  # fmt: skip
+        ctx.eps, ctx.half = eps, half
+        kept = originals if half else (x, h, c, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh,
+                                       lb_hh, lw_c, lb_c)  # fmt: skip
+        ctx.save_for_backward(*kept, gx, hp, c_out, gates, tc, stats)
+        if half:
+            return h_out.to(originals[1].dtype), c_out.to(originals[2].dtype)
         return h_out, c_out
 
     @staticmethod
@@ -216,9 +261,12 @@ class LSTMCellStep(torch.autograd.Function):
         saved = ctx.saved_tensors
         if torch.is_grad_enabled() or batched(dh) or batched(dc):  # the ops' derivative
             return (*_reference_grads(ctx, (dh, dc), saved[:13], _lstm_reference), None)
-        x, h, c, w_ih, w_hh, *_, lw_ih, _, lw_hh, _, lw_c, _, gx, hp, c_out, gates, tc, stats = (
-            saved
+        inputs, (gx, hp, c_out, gates, tc, stats) = saved[:13], saved[13:]
+        x, h, c, w_ih, w_hh, *_, lw_ih, _, lw_hh, _, lw_c, _ = (
+            _float32(inputs) if ctx.half else inputs
         )
+        if ctx.half:
+            dh, dc = dh.float(), dc.float()
         rows, hs = c.shape
         dgx, dhp = gx.new_empty(rows, 4 * hs), gx.new_empty(rows, 4 * hs)
         dc_prev, dparams, dcparams = (
@@ -237,7 +285,7 @@ class LSTMCellStep(torch.autograd.Function):
         need = ctx.needs_input_grad
         d_lw_ih, d_lb_ih, d_lw_hh, d_lb_hh = dparams.unbind(0)
         d_lw_c, d_lb_c = dcparams.unbind(0)
-        return (
+        grads = (
             torch.mm(dgx, w_ih) if need[0] else None,
             torch.mm(dhp, w_hh) if need[1] else None,
             dc_prev if need[2] else None,
@@ -251,8 +299,8 @@ class LSTMCellStep(torch.autograd.Function):
             d_lb_hh if need[10] else None,
             d_lw_c if need[11] else None,
             d_lb_c if need[12] else None,
-            None,
         )
+        return (*grads, None)  # (autograd rounds each to its input's dtype)
 
 
 def _gru_reference(eps: float, x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh):

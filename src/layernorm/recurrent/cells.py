@@ -24,12 +24,12 @@ float32 kernel; :func:`layernorm.ops._dispatch.torch_layer_norm`), the fused ker
 Where nothing is differentiated (``torch.no_grad()``, inference mode) the LSTM and GRU cells run
 a float32 / float64 CPU step as the one-step call of a sequence layer over the cell's own
 parameters, by a plan kept per cell and signature (``_StepPlan``): one call of the C kernel.
-With gradients, their float32 / float64 CPU steps run as one autograd node on the C cell
-kernels (:mod:`._cellstep`: the two products, one kernel forward and one backward) where the
-ops take some 20 to 27 nodes; an LSTM step of many rows runs the layers' planned node
-(:func:`_node_step_pays`). Zoneout, the LSTM's normalized carry, tracers, autocast, a forced
-backend and parametrized weights keep the ops. For whole sequences the layers (:mod:`.layers`)
-run the time loop in C.
+With gradients, their float32 / float64 CPU steps (bfloat16 / float16 with small weights,
+computed in float32) run as one autograd node on the C cell kernels (:mod:`._cellstep`: the two
+products, one kernel forward and one backward) where the ops take some 20 to 27 nodes; an LSTM
+step of many rows runs the layers' planned node (:func:`_node_step_pays`). Zoneout, the LSTM's
+normalized carry, tracers, autocast, a forced backend and parametrized weights keep the ops.
+For whole sequences the layers (:mod:`.layers`) run the time loop in C.
 
 .. code-block:: bibtex
 

@@ -118,6 +118,30 @@ def _float32(tensors: tuple[Tensor | None, ...]) -> list[Any]:
     return [None if t is None else t.float() for t in tensors]
 
 
+def _product_grads(
+    need: tuple[bool, bool, bool, bool],
+    dgx: Tensor,
+    dhp: Tensor,
+    x: Tensor,
+    h: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    dh_direct: Tensor | None = None,
+) -> tuple[Tensor | None, ...]:
+    """The gradients of ``x``, ``h``, ``w_ih`` and ``w_hh`` (those ``need`` asks for) through the
+    node's two products ``gx = x W_ihᵀ`` and ``hp = h W_hhᵀ`` from the kernel's ``dgx`` and
+    ``dhp``; ``dh_direct``: the part of ``h``'s gradient that bypasses ``W_hh``, added."""
+    dh = None
+    if need[1]:
+        dh = torch.mm(dhp, w_hh) if dh_direct is None else torch.addmm(dh_direct, dhp, w_hh)
+    return (
+        torch.mm(dgx, w_ih) if need[0] else None,
+        dh,
+        torch.mm(dgx.t(), x) if need[2] else None,
+        torch.mm(dhp.t(), h) if need[3] else None,
+    )
+
+
 def _bias_sum(ln_bias: Tensor | None, bias: Tensor | None, like: Tensor) -> Tensor:
     """The layer norm's bias with torch's bias added (they meet in every gate), or zeros."""
     if ln_bias is None:
@@ -190,10 +214,7 @@ class GRUCellStep(torch.autograd.Function):
         need = ctx.needs_input_grad
         d_lw_ih, d_lb_ih, d_lw_hh, d_lb_hh = dparams.unbind(0)
         grads = (
-            torch.mm(dgx, w_ih) if need[0] else None,
-            torch.addmm(dh, dhp, w_hh) if need[1] else None,
-            torch.mm(dgx.t(), x) if need[2] else None,
-            torch.mm(dhp.t(), h) if need[3] else None,
+            *_product_grads(need[:4], dgx, dhp, x, h, w_ih, w_hh, dh),
             d_lb_ih.clone() if need[4] else None,  # the same sums as the LN biases', apart
             d_lb_hh.clone() if need[5] else None,
             d_lw_ih if need[6] else None,
@@ -285,12 +306,15 @@ class LSTMCellStep(torch.autograd.Function):
         need = ctx.needs_input_grad
         d_lw_ih, d_lb_ih, d_lw_hh, d_lb_hh = dparams.unbind(0)
         d_lw_c, d_lb_c = dcparams.unbind(0)
+        dx, dh_prev, dw_ih, dw_hh = _product_grads(
+            (need[0], need[1], need[3], need[4]), dgx, dhp, x, h, w_ih, w_hh
+        )
         grads = (
-            torch.mm(dgx, w_ih) if need[0] else None,
-            torch.mm(dhp, w_hh) if need[1] else None,
+            dx,
+            dh_prev,
             dc_prev if need[2] else None,
-            torch.mm(dgx.t(), x) if need[3] else None,
-            torch.mm(dhp.t(), h) if need[4] else None,
+            dw_ih,
+            dw_hh,
             d_lb_ih.clone() if need[5] else None,  # the same sums as the LN biases', apart
             d_lb_hh.clone() if need[6] else None,
             d_lw_ih if need[7] else None,
@@ -325,12 +349,12 @@ def _lstm_reference(
 def _reference_grads(
     ctx: Any, douts: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], step: Any
 ) -> tuple:
-    # What a backward runs where the kernels cannot: with create_graph=True (the gradients must
-    # be differentiable) and in a batched backward (is_grads_batched=True or jacobian(...,
-    # vectorize=True): batched tensors, whose memory no kernel can read).
     """The gradients of ``step`` (the step function of :mod:`._steps` the node computes) on the
     saved inputs, with a graph of their own, taken at aliases of the inputs (a weight also made
-    ``h``, the step before's output: :func:`..ops._dispatch.aliases`)."""
+    ``h``, the step before's output: :func:`..ops._dispatch.aliases`). What a backward runs
+    where the kernels cannot: with ``create_graph=True`` (the gradients must be differentiable)
+    and in a batched backward (``is_grads_batched=True``, ``jacobian(..., vectorize=True)``:
+    batched tensors, whose memory no kernel can read)."""
     need = ctx.needs_input_grad[: len(inputs)]
     with torch.enable_grad():
         viewed = aliases(*inputs)

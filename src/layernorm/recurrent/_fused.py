@@ -26,7 +26,8 @@ The layers' usual LSTM training call (layer norms, full-batch steps, no mask or 
 
 The reference for these functions is the step-by-step loop over :mod:`._steps`; the tests compare
 both in float64, forward and every gradient. The hand-written backward is not itself differentiable
-(double backward raises, see :func:`_no_double_backward`); ``impl="loop"`` supports it.
+(double backward and a batched backward raise, see :func:`_check_plain_backward`); ``impl="loop"``
+supports both.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def make_schedule(batch_sizes: list[int], reverse: bool) -> Schedule:
     return tuple(reversed(offsets)) if reverse else tuple(offsets)
 
 
-def _no_double_backward(dout: Tensor) -> None:
+def _check_plain_backward(dout: Tensor) -> None:
     """Called first in every backward, with the output's gradient: with ``create_graph=True``
     grad mode is on, and the result would silently miss the second-order terms through this
     node, so refuse instead; in a batched backward (``is_grads_batched=True``, ``jacobian(...,
@@ -1288,7 +1289,7 @@ class LSTMSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor, dc_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        _no_double_backward(dout)
+        _check_plain_backward(dout)
         w_hh, st = _restore(ctx)
         gx, hs, normalize, w1, w3 = st["gx"], st["H"], st["normalize"], st["w1"], st["w3"]
         n_rows = gx.shape[0]
@@ -1413,7 +1414,7 @@ class GRUSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        _no_double_backward(dout)
+        _check_plain_backward(dout)
         w_hh, st = _restore(ctx)
         gx, hs, normalize, w_rz, w_n = st["gx"], st["H"], st["normalize"], st["w_rz"], st["w_n"]
         n_rows = gx.shape[0]
@@ -1591,7 +1592,7 @@ class RNNSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        _no_double_backward(dout)
+        _check_plain_backward(dout)
         if ctx.kernels.elman_bwd_seq is not None:
             return RNNSequence._backward_in_c(ctx, dout, dh_n)
         w_hh, g, own, hprev_all, a_all, mean_all, rstd_all, zh = ctx.saved_tensors

@@ -239,7 +239,7 @@ class PlannedLSTMSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dh_n: Tensor, dc_n: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        _fused._no_double_backward(dout)
+        _fused._check_plain_backward(dout)
         plan: TrainingPlan = ctx.plan
         # the output is saved for autograd's check that nothing wrote it since (previous is its
         # memory, read here)

@@ -49,9 +49,14 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import os
 import statistics
 import sys
 from pathlib import Path
+
+# The profiler of --memory (kineto) logs two lines to stderr at each start and stop by default;
+# level 6 keeps the tables readable. Read when the profiler starts, so before it is enough.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import torch
 from torch.profiler import ProfilerActivity, profile

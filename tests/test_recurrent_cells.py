@@ -524,10 +524,10 @@ def test_a_missing_weight_is_named(cls: type, name: str) -> None:
 def _lstm_cell_node(monkeypatch: pytest.MonkeyPatch, taken: list[bool]) -> None:
     """Every LSTM cell training step of at least two rows by the planned node (the rule's limits
     at their least, the processor's GEMM taken as outpacing torch's), each step it ran counted."""
-    from layernorm.recurrent import _cstep, _planned, cells
+    from layernorm.recurrent import _cellstep, _cstep, _planned
 
-    monkeypatch.setattr(cells, "_NODE_STEP_MIN_ROWS", 2)
-    monkeypatch.setattr(cells, "_NODE_STEP_MIN_MACS", 0)
+    monkeypatch.setattr(_cellstep, "PLANNED_STEP_MIN_ROWS", 2)
+    monkeypatch.setattr(_cellstep, "PLANNED_STEP_MIN_MACS", 0)
     monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: True)
     node = _planned.lstm_training
 
@@ -601,17 +601,17 @@ def test_lstm_cell_training_by_the_node_equals_its_ops(
 def test_lstm_cell_training_node_is_taken_where_the_rule_says(
     monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
-    """The node runs a training step of at least ``_NODE_STEP_MIN_ROWS`` rows and
-    ``_NODE_STEP_MIN_MACS`` multiply-adds where the C GEMM outpaces torch's, and not with zoneout,
-    a normalized carry, an unbatched input, gradients off, a parametrized weight or a plain
+    """The node runs a training step of at least ``_cellstep.PLANNED_STEP_MIN_ROWS`` rows and
+    ``PLANNED_STEP_MIN_MACS`` multiply-adds where the C GEMM outpaces torch's, and not with
+    zoneout, a normalized carry, an unbatched input, gradients off, a parametrized weight or a plain
     tensor in a parameter's place, a dtype without C kernels or under a tracer: the step's ops
     (or the inference plan) run those."""
-    from layernorm.recurrent import _cstep, cells
+    from layernorm.recurrent import _cellstep, _cstep
 
     taken: list[bool] = []
     _lstm_cell_node(monkeypatch, taken)
-    monkeypatch.setattr(cells, "_NODE_STEP_MIN_ROWS", 4)
-    monkeypatch.setattr(cells, "_NODE_STEP_MIN_MACS", 4 * 4 * 8 * (6 + 8))
+    monkeypatch.setattr(_cellstep, "PLANNED_STEP_MIN_ROWS", 4)
+    monkeypatch.setattr(_cellstep, "PLANNED_STEP_MIN_MACS", 4 * 4 * 8 * (6 + 8))
     options = {"zoneout_cell": 0.2} if case == "zoneout" else {}
     if case == "normalized carry":
         options["normalize_cell_state"] = True
@@ -625,7 +625,7 @@ def test_lstm_cell_training_node_is_taken_where_the_rule_says(
         setattr(cell, name, t)
     rows = {"few rows": 3, "small step": 4}.get(case, 5)
     if case == "small step":
-        monkeypatch.setattr(cells, "_NODE_STEP_MIN_MACS", rows * 4 * 8 * (6 + 8) + 1)
+        monkeypatch.setattr(_cellstep, "PLANNED_STEP_MIN_MACS", rows * 4 * 8 * (6 + 8) + 1)
     if case == "slower GEMM":
         monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: False)
     dtype = torch.float16 if case == "float16" else torch.float32
@@ -644,7 +644,7 @@ def test_lstm_cell_training_node_is_taken_where_the_rule_says(
         _cstep.available(x)
     ):
         monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: True)
-        monkeypatch.setattr(cells, "_NODE_STEP_MIN_MACS", 0)
+        monkeypatch.setattr(_cellstep, "PLANNED_STEP_MIN_MACS", 0)
         cell(torch.randn(5, 6))
         assert taken == [True]
 
@@ -661,9 +661,9 @@ def _kernel_cell(kind: str, *args, **kwargs) -> torch.nn.Module:
 def _cell_kernels(monkeypatch: pytest.MonkeyPatch, taken: list[bool]) -> None:
     """Each cell training step by the C cell kernels' node counted (and the LSTM's planned node
     of many rows kept out of it)."""
-    from layernorm.recurrent import _cellstep, cells
+    from layernorm.recurrent import _cellstep
 
-    monkeypatch.setattr(cells, "_NODE_STEP_MIN_ROWS", 1 << 30)
+    monkeypatch.setattr(_cellstep, "PLANNED_STEP_MIN_ROWS", 1 << 30)
     for node in (_cellstep.GRUCellStep, _cellstep.LSTMCellStep):
         monkeypatch.setattr(node, "apply", _counted(node.apply, taken))
 

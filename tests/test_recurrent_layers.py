@@ -869,6 +869,45 @@ def test_one_step_training_of_ln_lstm_and_gru_by_the_cells_node(
     assert not set(nodes) & set(_NODES)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"num_layers": 2, "bidirectional": True}, {"normalize_cell_state": True}],
+    ids=["one layer", "two layers, both directions", "normalized carry"],
+)
+@pytest.mark.parametrize("rows", [6, 5], ids=["many rows", "below the rule"])
+def test_one_step_training_of_many_rows_by_the_planned_node(
+    monkeypatch: pytest.MonkeyPatch, options: dict, rows: int
+) -> None:
+    """An LN-LSTM's training call of one step of at least ``_cellstep.PLANNED_STEP_MIN_ROWS``
+    rows and ``PLANNED_STEP_MIN_MACS`` multiply-adds, where the C GEMM outpaces torch's, runs the
+    planned node of one step (as a cell's step of that size), with the loop's outputs and
+    gradients; below the rule, the cells' node of C cell kernels. With the normalized carry
+    (which the planned node does not take), the step's ops either way."""
+    from layernorm.recurrent import _cellstep, _cstep
+
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: True)
+    monkeypatch.setattr(_cellstep, "PLANNED_STEP_MIN_ROWS", 6)
+    # (both layers of two: the second's input is both directions' outputs, 10 wide)
+    monkeypatch.setattr(_cellstep, "PLANNED_STEP_MIN_MACS", 6 * 4 * 5 * (10 + 5))
+    model = LayerNormLSTM(16, 5, dtype=DT, **options)
+    randomize(model)
+    loop = copy.deepcopy(model)
+    loop.impl = "loop"
+    layers = model.num_layers * model.num_directions
+    x, hx = seq(1, rows, 16), states("lstm", layers, rows, 5)
+    out, grads = run(model, x, hx, packed=False)
+    out_l, grads_l = run(loop, x, hx, packed=False)
+    for a, b in zip(out + grads, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **FUSED_TOL)
+    nodes = set(_graph_nodes(model(x.requires_grad_(), hx)[0]))
+    carry = options.get("normalize_cell_state", False)
+    planned = rows == 6 and not carry and _cstep.available(x)
+    assert ("PlannedLSTMSequenceBackward" in nodes) == planned
+    assert not nodes & {"LSTMSequenceBackward"}
+    cells_node = not planned and not carry and _cstep.available(x)
+    assert ("LSTMCellStepBackward" in nodes) == cells_node
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("steps", [1, 5], ids=["one step", "sequence"])
 def test_a_parametrized_weight_runs_on_every_path(kind: str, steps: int) -> None:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..kernels.cpu import rnn, rnn_abi
 from ..ops._dispatch import aliases, backend_forced, batched, plain_eager
-from . import _steps
+from . import _cstep, _steps
 
 #: A GRU cell's parameters in its node's order (after ``x`` and ``h``): torch's weights and
 #: biases, then the layer norms' gains and biases of W_ih x and of W_hh h.
@@ -54,6 +54,36 @@ KERNEL_STEP_MAX_NUMEL = 1 << 19
 # (8, 64, 128) 210 / 298 / 334, (16, 128, 128) (2^17) 241 / 463 / 375, (1, 512, 512) 966 / 4738
 # / 1048 (RESULTS.md, 2026-11-28).
 HALF_MAX_WEIGHTS = 1 << 17
+
+
+# An LSTM step of many rows with gradients (a cell's call, or a layer's training call of one
+# step) runs the layers' planned node of one step instead (:func:`._planned.lstm_training`: the
+# C sequence kernels forward and backward, one autograd node), where the processor's C GEMM
+# outpaces torch.mm (_cstep.tile_outpaces_torch_gemm) and the step has at least this many rows
+# and multiply-adds in its two products (B·4H·(I + H)). Below either, that node's fixed cost and
+# its packing of the weights on every call exceed what its kernels save. AMD EPYC Zen 5, µs a
+# cell's step with backward(), the ops / the planned node, one thread (two): (B, I, H) =
+# (64, 128, 128) 676 / 526 (653 / 582), (32, 128, 256) 904 / 706 (620 / 531), (32, 256, 256)
+# 1231 / 848 (1040 / 959), (32, 512, 512) 4677 / 3714 (3673 / 2148), (128, 256, 256) 3734 / 2192
+# (2176 / 1766); not (32, 128, 128) (4 M) 433 / 408 (346 / 373), (32, 64, 64) 237 / 262,
+# (16, 512, 512) 2583 / 3034, (1, 64, 128) 160 / 230. A layer's one-step training call, ours /
+# torch.nn.LSTM, by the node of C cell kernels (LSTMCellStep) / by the planned node, one
+# thread (two): (B, I, H) = (64, 128, 128) 0.82 / 0.68 (0.69 / 0.68), (32, 128, 256) 0.56 / 0.47
+# (0.50 / 0.44), (128, 256, 256) 1.07 / 0.82 (0.80 / 0.55), (64, 512, 512) 0.69 / 0.43
+# (0.60 / 0.38); (32, 128, 128), below the rule, 1.09 (1.03) (RESULTS.md, 2026-11-28).
+PLANNED_STEP_MIN_ROWS = 32
+PLANNED_STEP_MIN_MACS = 1 << 23
+
+
+def planned_step_pays(x: Tensor, hidden: int) -> bool:
+    """Whether an LSTM training step of ``x`` (``(B, I)``, ``hidden`` units) runs the layers'
+    planned node of one step rather than :class:`LSTMCellStep` or the ops (see above)."""
+    rows, inputs = x.shape
+    if rows < PLANNED_STEP_MIN_ROWS:
+        return False
+    if rows * 4 * hidden * (inputs + hidden) < PLANNED_STEP_MIN_MACS:
+        return False
+    return x.dtype in rnn_abi.RNN_INSTANCES and x.is_cpu and _cstep.tile_outpaces_torch_gemm()
 
 
 def node_context() -> bool:

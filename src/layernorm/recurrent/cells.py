@@ -27,7 +27,8 @@ parameters, by a plan kept per cell and signature (``_StepPlan``): one call of t
 With gradients, their float32 / float64 CPU steps (bfloat16 / float16 with small weights,
 computed in float32) run as one autograd node on the C cell kernels (:mod:`._cellstep`: the two
 products, one kernel forward and one backward) where the ops take some 20 to 27 nodes; an LSTM
-step of many rows runs the layers' planned node (:func:`_node_step_pays`). Zoneout, the LSTM's
+step of many rows runs the layers' planned node
+(:func:`._cellstep.planned_step_pays`). Zoneout, the LSTM's
 normalized carry, tracers, autocast, a forced backend and parametrized weights keep the ops.
 For whole sequences the layers (:mod:`.layers`) run the time loop in C.
 
@@ -84,30 +85,10 @@ _SFX = "_l0"
 _LAYERS: dict[str, type[_LNRNNBase]] = {"LSTM": LayerNormLSTM, "GRU": LayerNormGRU}
 
 
-# An LSTM cell's training step runs the layers' planned node of one step (the C sequence
-# kernels forward and backward, one autograd node) where the processor's C GEMM outpaces
-# torch.mm (_cstep.tile_outpaces_torch_gemm) and the step has at least this many rows and
-# multiply-adds in its two products (B·4H·(I + H)). Below either, the node's fixed cost and its
-# packing of the weights on every call exceed what its kernels save over the step's ops. AMD
-# EPYC Zen 5, µs a step with backward(), ops / node, one thread (two): (B, I, H) =
-# (64, 128, 128) 676 / 526 (653 / 582), (32, 128, 256) 904 / 706 (620 / 531), (32, 256, 256)
-# 1231 / 848 (1040 / 959), (32, 512, 512) 4677 / 3714 (3673 / 2148), (128, 256, 256) 3734 / 2192
-# (2176 / 1766); not (32, 128, 128) (4 M) 433 / 408 (346 / 373), (32, 64, 64) 237 / 262,
-# (16, 512, 512) 2583 / 3034, (1, 64, 128) 160 / 230 (RESULTS.md, 2026-11-28).
-_NODE_STEP_MIN_ROWS = 32
-_NODE_STEP_MIN_MACS = 1 << 23
 # the planned node's arguments in its order: torch's weights and biases, then the layer norms'
 # (LN(hp), LN(c_t), LN(gx)) gains and biases
 _NODE_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_weight_hh", "ln_bias_hh",
                 "ln_weight_c", "ln_bias_c", "ln_weight_ih", "ln_bias_ih")  # fmt: skip
-
-
-def _node_step_pays(x: Tensor, hidden: int) -> bool:
-    """Whether an LSTM cell's training step of ``x`` runs the planned node (see above)."""
-    rows, inputs = x.shape
-    if rows < _NODE_STEP_MIN_ROWS or rows * 4 * hidden * (inputs + hidden) < _NODE_STEP_MIN_MACS:
-        return False
-    return x.dtype in _FUSED_DTYPES and x.is_cpu and _cstep.tile_outpaces_torch_gemm()
 
 
 class _StepPlan(NamedTuple):
@@ -568,13 +549,13 @@ class LayerNormLSTMCell(_LNCellBase):
     def _node_step(self, x: Tensor, h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor] | None:
         """A training step of many rows by the layers' planned node of one step
         (:func:`._planned.lstm_training`: the C sequence kernels forward and backward, one
-        autograd node), where :func:`_node_step_pays`; ``None`` elsewhere (the step's ops run
-        it): gradients on, plain eager, no autocast, no zoneout or normalized carry, every
-        parameter a registered one (no parametrization or plain tensor in its place) in the
-        input's dtype and contiguous."""
+        autograd node), where :func:`._cellstep.planned_step_pays`; ``None`` elsewhere (the
+        step's ops run it): gradients on, plain eager, no autocast, no zoneout or normalized
+        carry, every parameter a registered one (no parametrization or plain tensor in its
+        place) in the input's dtype and contiguous."""
         if not _cellstep.node_context():
             return None  # (a tracer's sizes are tensors: the rule's arithmetic comes after)
-        if not _node_step_pays(x, self.hidden_size):
+        if not _cellstep.planned_step_pays(x, self.hidden_size):
             return None
         if self.zoneout_hidden or self.zoneout_cell or self.normalize_cell_state:
             return None

@@ -33,10 +33,11 @@ only as large as the batch, and the input projection computed step by step insid
 step on the CPU (two without layer norms: ``_LEAN_TRAINING_STEPS``; no mask or projection) runs
 the step's ops instead, the layer norms by torch's kernel where :class:`layernorm.LayerNorm` takes
 it, or for LN-LSTM and LN-GRU the cells' node of C cell kernels (:mod:`._cellstep`): one step has
-no recurrence to fuse, and the sequence node costs more than the ops. ``impl="loop"``
-runs the readable per-step reference (:mod:`layernorm.recurrent._steps`), which the tests compare
-against; batch norm, torch.compile, torch.jit.trace, ``torch.func`` transforms, forward-mode AD and
-autocast always use it.
+no recurrence to fuse, and the sequence node costs more than the ops, except an LN-LSTM step of
+many rows, which the planned node of one step runs (:func:`._cellstep.planned_step_pays`).
+``impl="loop"`` runs the readable per-step reference (:mod:`layernorm.recurrent._steps`), which
+the tests compare against; batch norm, torch.compile, torch.jit.trace, ``torch.func`` transforms,
+forward-mode AD and autocast always use it.
 """
 
 from __future__ import annotations
@@ -866,12 +867,18 @@ class _LNRNNBase(NotScriptable, nn.Module):
         """Whether a direction runs the step loop with torch's layer-norm kernel instead of the
         fused node (:data:`_LEAN_TRAINING_STEPS`): a training call (something to differentiate)
         of few steps, float32 / float64 on the CPU, layer norms or none, no mask or projection,
-        where the fused path would run and was not asked for by name (``impl="fused"``)."""
+        where the fused path would run and was not asked for by name (``impl="fused"``); not
+        an LN-LSTM's step of many rows, which the planned node takes
+        (:func:`._cellstep.planned_step_pays`)."""
         if len(sizes) > _LEAN_TRAINING_STEPS.get(self.norm, 0) or self.proj_size:
             return False
         if self.impl != "auto" or data.dtype not in _FUSED_DTYPES or not data.is_cpu:
             return False
         if any(m is not None for m in masks):
+            return False
+        # (the LN-LSTM the planned node takes: its normalized carry is the step ops')
+        lstm = self.mode == "LSTM" and self.norm == "layer" and not self.normalize_cell_state
+        if lstm and len(sizes) == 1 and _cellstep.planned_step_pays(data, self.hidden_size):
             return False
         return _fused.differentiated(data, h0, c0, *weights, *self._direction_params(sfx))
 

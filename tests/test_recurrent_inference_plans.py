@@ -136,8 +136,9 @@ def test_one_step_of_a_batch_runs_torch_gemm_then_the_step_kernel(kind, dtype, m
     """One step of more rows than the direct GEMM takes, its projection before the loop: the
     recurrent GEMM by torch.mm and the C step kernel (_cstep.StepCall), kept in the plan, which
     reads W_hh where it is (an update in place is seen); the results are the step-by-step
-    reference's."""
+    reference's (torch's GEMM taken as fast as the C GEMM: see the test below)."""
     monkeypatch.setattr(_fused, "_LOOP_PROJECTION_WEIGHT", 0)
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: False)
     model = _model(kind, dtype)
     reference = LAYERS[kind](6, 13, dtype=dtype, impl="loop").eval()
     reference.load_state_dict(model.state_dict())
@@ -162,6 +163,34 @@ def test_one_step_of_a_batch_runs_torch_gemm_then_the_step_kernel(kind, dtype, m
     assert len(runs) == 2
     ((_, plan),) = _plans(model).values()
     assert isinstance(plan.call, _cstep.StepCall) and not plan.in_loop
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("outpaces", [True, False], ids=["C GEMM faster", "torch GEMM as fast"])
+def test_one_step_of_many_rows_runs_the_sequence_kernel_where_its_gemm_is_faster(
+    kind, outpaces, monkeypatch
+) -> None:
+    """One step of at least ``_ONE_STEP_TILE_MIN_ROWS`` rows runs the sequence kernel (its own
+    GEMM) where the C GEMM outpaces torch's, and torch.mm with the step kernel elsewhere; the
+    results are the step-by-step reference's either way."""
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_WEIGHT", 0)
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: outpaces)
+    batch = _cstep.direct_rows() + 3
+    monkeypatch.setattr(_fused, "_ONE_STEP_TILE_MIN_ROWS", batch)
+    model = _model(kind)
+    reference = LAYERS[kind](6, 13, impl="loop").eval()
+    reference.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, batch, 6, generator=gen)
+    h0 = torch.randn(1, batch, 13, generator=gen)
+    hx = (h0, torch.randn_like(h0)) if kind == "lstm" else h0
+    got = _planned(model, x, hx)
+    with torch.no_grad():
+        want = _flat(reference(x, hx))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    ((_, plan),) = _plans(model).values()
+    assert isinstance(plan.call, _cstep.StepCall) == (not outpaces)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])

@@ -912,8 +912,26 @@ def _one_step_by_gemm(sched: Schedule) -> bool:
     1.33 / 1.13, (16, 256, 256) 1.03 / 1.01; LN-LSTM (16, 512, 1024) 1.43 / 0.98,
     (32, 512, 512) 1.13 / 0.99; none slower (benchmarks/RESULTS.md). From two steps on the
     packing pays: (T, B, I, H) = (4, 16, 1024, 1024) GRU 0.90 / 1.00, (16, 16, 1024, 1024) LSTM
-    0.97 / 1.32 with torch's GEMM per step."""
-    return len(sched) == 1 and sched[0][2] > _cstep.direct_rows()
+    0.97 / 1.32 with torch's GEMM per step. Not from :data:`_ONE_STEP_TILE_MIN_ROWS` rows where
+    the C GEMM outpaces torch's (:func:`._cstep.tile_outpaces_torch_gemm`): there the packing
+    costs less than the product saves."""
+    if len(sched) != 1:
+        return False
+    rows = sched[0][2]
+    if rows >= _ONE_STEP_TILE_MIN_ROWS and _cstep.tile_outpaces_torch_gemm():
+        return False
+    return rows > _cstep.direct_rows()
+
+
+# One step of this many rows or more runs the sequence kernel (its tile GEMM on a packed W_hh)
+# where the C GEMM outpaces torch's. AMD EPYC Zen 5, inference, ours / torch.nn's layer, torch's
+# GEMM and the step kernel / the sequence kernel, one thread: (B, I, H) = (256, 256, 256) LSTM
+# 1.37 / 1.00, GRU 0.52 / 0.52, Elman 0.72 / 0.50; (64, 512, 512) 0.49 / 0.42, 0.84 / 0.67,
+# 0.77 / 0.57; (32, 256, 256) 1.05 / 0.91, 0.58 / 0.59, 0.97 / 0.80; (48, 128, 256) LSTM 0.53 /
+# 0.41; two threads (64, 512, 512) 0.46 / 0.37, 0.85 / 0.58, 0.88 / 0.56, (32, 128, 128) Elman
+# 1.41 / 1.17. Fewer rows, one thread: (12, 512, 512) 0.57 / 0.63, 1.07 / 1.13, 1.01 / 0.90;
+# (16, 1024, 1024) level (RESULTS.md, 2026-11-28).
+_ONE_STEP_TILE_MIN_ROWS = 32
 
 
 def _one_step_kernels(kernels: StepKernels, sched: Schedule) -> StepKernels:

@@ -6,6 +6,8 @@ the cell's wiring *or* in the op it uses would show.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -450,6 +452,52 @@ def test_elman_cell_steps_by_its_ops_without_gradients(monkeypatch: pytest.Monke
     with torch.no_grad():
         cell(torch.randn(3, 5))
     assert cells._STEP_PLANS.get(cell) is None
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["float32", "float64", "relu", "no biases", "unbatched", "bfloat16", "gradients",
+     "zoneout", "autocast", "forced backend"],
+)  # fmt: skip
+def test_elman_cell_inference_step_where_nothing_is_recorded(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Without gradients a float32 / float64 Elman step runs its fewest ops (the two products
+    by one ``addmm_``, torch's layer norm, the biases and nonlinearity in place) with the
+    step's ops' values; with gradients, zoneout, autocast, a half dtype or a forced backend the
+    step's ops (``_steps.rnn_step``) run it."""
+    from layernorm.backend import force_backend
+    from layernorm.recurrent import _steps
+
+    dtype = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(case, torch.float32)
+    options = {"nonlinearity": "relu"} if case == "relu" else {}
+    if case == "no biases":
+        options["bias"] = False
+    if case == "zoneout":
+        options["zoneout_hidden"] = 0.3
+    cell = LayerNormRNNCell(5, 8, dtype=dtype, **options).eval()
+    randomize(cell)
+    x, h = inputs(3, 5).to(dtype), inputs(3, 8, seed=2).to(dtype)
+    if case == "unbatched":
+        x, h = x[0], h[0]
+    ops = []
+    monkeypatch.setattr(_steps, "rnn_step", _counted(_steps.rnn_step, ops))
+
+    def context() -> contextlib.AbstractContextManager:
+        if case == "autocast":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return force_backend("cpu") if case == "forced backend" else contextlib.nullcontext()
+
+    with torch.set_grad_enabled(case == "gradients"), context():
+        got = cell(x, h)
+    lean = case in ("float32", "float64", "relu", "no biases", "unbatched")
+    assert bool(ops) != lean
+    monkeypatch.setattr(cell, "_inference_step", lambda x, h: None)  # the step's ops
+    with torch.set_grad_enabled(case == "gradients"), context():
+        want = cell(x, h)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {}
+    torch.testing.assert_close(got, want, **tol)
+    assert got.shape == h.shape
 
 
 @pytest.mark.parametrize(

@@ -266,6 +266,27 @@ def test_weight_grad_equals_mm(rows, gates, hidden, dtype) -> None:
     torch.testing.assert_close(got.double(), dhp.t() @ hprev, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("rows", "gates", "hidden"), [(300, 148, 16), (300, 148, 37), (130, 40, 3), (5, 29, 1)]
+)
+def test_weight_grad_is_the_same_on_any_threads(rows, gates, hidden, dtype) -> None:
+    """The C weight gradient shared out among threads (by its rows where the columns make fewer
+    panels than threads, by panels where not) gives each value the same sum in the same order:
+    the same bits as one thread, and dhpᵀ · hprev."""
+    if not _cstep.available(torch.zeros(1, dtype=dtype)):
+        pytest.skip("needs the C kernels")
+    gen = torch.Generator().manual_seed(7)
+    dhp = torch.randn(rows, gates, generator=gen, dtype=torch.float64)
+    hprev = torch.randn(rows, hidden, generator=gen, dtype=torch.float64)
+    one = _cstep.rnn.weight_grad(dhp.to(dtype), hprev.to(dtype), 1, 1)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-4}
+    torch.testing.assert_close(one.double(), dhp.t() @ hprev, **tol)
+    for threads in (2, 3, 5):
+        got = _cstep.rnn.weight_grad(dhp.to(dtype), hprev.to(dtype), threads, 1)
+        assert torch.equal(got, one), threads
+
+
 @pytest.mark.parametrize(
     ("norm", "gains_grad", "dgh_rows"),
     [("layer", True, "B"), ("layer", False, "B"), ("none", True, "N")],
@@ -468,8 +489,9 @@ def test_weight_grad_takes_the_c_gemm_at_every_size_where_it_outpaces_torch(
 ) -> None:
     """Past the limits measured where both GEMMs run at one rate (many multiply-adds, a large
     gradient, fewer column panels than threads) a weight's gradient is torch.mm's, unless the C
-    GEMM outpaces it, which then needs a panel for every other thread only (one panel: two
-    threads, not four); either way the product is dᵀ · x."""
+    GEMM outpaces it, which then needs a panel or a tile of 16 rows for every other thread only
+    (one panel and 128 rows: four threads; one panel and 16 rows: two, not four); either way the
+    product is dᵀ · x."""
     if _cstep.rnn.vector_bytes() < 64:
         pytest.skip("the limits apply to the AVX-512 targets' C GEMM")
     calls = []
@@ -483,7 +505,8 @@ def test_weight_grad_takes_the_c_gemm_at_every_size_where_it_outpaces_torch(
     gen = torch.Generator().manual_seed(6)
     # (rows, gates, hidden, threads): past the multiply-adds, the bytes, the panels; then past
     # the panels for the outpacing GEMM too
-    cases = [(300, 2048, 160, 1), (3000, 600, 32, 1), (64, 128, 24, 2), (64, 128, 24, 4)]
+    cases = [(300, 2048, 160, 1), (3000, 600, 32, 1), (64, 128, 24, 2), (64, 128, 24, 4),
+             (64, 16, 24, 2), (64, 16, 24, 4)]  # fmt: skip
     threads = torch.get_num_threads()
     taken = []
     for rows, gates, hidden, use_threads in cases:
@@ -496,7 +519,7 @@ def test_weight_grad_takes_the_c_gemm_at_every_size_where_it_outpaces_torch(
             torch.set_num_threads(threads)
         taken.append(calls.pop() if calls else "torch.mm")
         torch.testing.assert_close(got.double(), d.double().t() @ x.double(), rtol=1e-5, atol=1e-3)
-    assert taken == (["C", "C", "C", "torch.mm"] if outpaced else ["torch.mm"] * 4)
+    assert taken == (["C"] * 5 + ["torch.mm"] if outpaced else ["torch.mm"] * 6)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -417,10 +417,11 @@ def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
     inputs for ``hprev``): with the C GEMM for small sequences (where it beats ``torch.mm``), else
     :func:`transposed_product`.
 
-    The C GEMM shares hprev's panels of columns (two vectors wide) among its threads, so with
-    fewer panels than threads it runs on fewer than ``torch.mm`` would: two threads, AMD EPYC
-    (AVX-512), its time / transposed_product's at (N, G, J) = (1000, 512, 32) 1.24, one panel;
-    (400, 512, 64) 0.77, two."""
+    The C GEMM shares hprev's panels of columns (two vectors wide) among its threads, or with
+    fewer panels than threads the rows of the gradient (tiles of at most 16 rows), so with few
+    of either it runs on fewer threads than ``torch.mm`` would: two threads, AMD EPYC
+    (AVX-512), its time / transposed_product's at (N, G, J) = (1000, 512, 32) 1.24 when it
+    shared out panels only, one panel; (400, 512, 64) 0.77, two."""
     n_rows, gates = dhp.shape
     hs = hprev.shape[1]
     vector = rnn.vector_bytes()
@@ -429,8 +430,9 @@ def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
     if hprev.dtype != dhp.dtype or not (dhp.is_contiguous() and hprev.is_contiguous()):
         return transposed_product(dhp, hprev)
     if tile_outpaces_torch_gemm():
-        # at twice torch.mm's rate a thread, as long as it runs on half as many threads
-        if 2 * panels < threads:
+        # at twice torch.mm's rate a thread, as long as it runs on half as many threads: its
+        # panels, or its row tiles (GEMM_MR <= 16 rows each: at least G / 16 of them)
+        if 2 * max(panels, gates // 16) < threads:
             return transposed_product(dhp, hprev)
     elif (
         n_rows * gates * hs > _WEIGHT_GRAD_MAX.get(vector, 0)

@@ -77,10 +77,13 @@ for t in $THREADS; do
     echo; echo "## the layers with torch.nn's options, $t thread(s)"
     "$PY" benchmarks/bench_rnn_options.py --threads "$t" --reps "$REPS" --only "${OPTIONS_ONLY:-}"
 done
+# the cells' large steps with glibc's mmap and trim thresholds fixed (bench_cells.py: a weight
+# gradient's MiBs come back from the heap or as fresh pages by the process's history, 2x apart)
 for t in $THREADS; do
-    echo; echo "## the cells, one step per call, $t thread(s)"
+    echo; echo "## the cells, one step per call, $t thread(s), malloc's thresholds fixed"
     # shellcheck disable=SC2086
-    "$PY" benchmarks/bench_cells.py --threads "$t" --reps "$REPS" ${CELL_ARGS:-}
+    MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=1073741824 \
+        "$PY" benchmarks/bench_cells.py --threads "$t" --reps "$REPS" ${CELL_ARGS:-}
 done
 echo; echo "## an LN-LSTM training call besides its kernels (planned, fused, a node doing nothing)"
 "$PY" benchmarks/rnn_call_overhead.py --threads 1

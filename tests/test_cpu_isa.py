@@ -323,6 +323,26 @@ def test_recurrent_gemm_every_row_count(name, dtype) -> None:
 @needs_kernels
 @pytest.mark.parametrize("name", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("rows", "gates", "hidden"), [(300, 64, 16), (140, 148, 37)])
+def test_weight_grad_per_target_on_any_threads(name, dtype, rows, gates, hidden) -> None:
+    """Each target's weight gradient dhpᵀ · hprev (``rnn.weight_grad``) shared among threads by
+    its rows (16 columns: one panel on every target) or by panels: the one thread's bits, and
+    torch.mm's product to rounding."""
+    gen = torch.Generator().manual_seed(12)
+    dhp = torch.randn(rows, gates, generator=gen, dtype=torch.float64)
+    hprev = torch.randn(rows, hidden, generator=gen, dtype=torch.float64)
+    with targets.use(name):
+        one = rnn.weight_grad(dhp.to(dtype), hprev.to(dtype), 1, 1)
+        shared = [rnn.weight_grad(dhp.to(dtype), hprev.to(dtype), t, 1) for t in (2, 3)]
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-4}
+    torch.testing.assert_close(one.double(), dhp.t() @ hprev, **tol)
+    for got in shared:
+        assert torch.equal(got, one)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("transposed", [True, False], ids=["x·Wᵀ", "x·W"])
 @pytest.mark.parametrize(("rows", "inner", "cols"), [(9, 37, 70), (20, 64, 96), (3, 16, 33)])
 def test_matmul_per_target_equals_mm(name, dtype, transposed, rows, inner, cols) -> None:

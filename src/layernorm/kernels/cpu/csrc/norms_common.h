@@ -27,20 +27,14 @@ static inline void stream_fence(int stream) {
    (norms_impl.h: LANES = 2·VL, HALF = VL; 32 float32 lanes with AVX-512, 16 with AVX2): a single
    running sum would wait on the add latency every step and run at a fraction of the speed.
    Blocks of BLOCK_TERMS terms per lane (cpu_common.h); pairs of lanes are added (one more add)
-   and the HALF results go into float64 partial sums, folded pairwise at the end of the row. */
+   and the HALF results go into float64 partial sums, folded pairwise at the end of the row
+   (row_lanes.h). */
 /* Rows whose dweight/dbias terms are summed in the input precision before a float64 flush. */
 #define FLUSH 16
 
 /* Token pasting through one more macro level, so SUF is expanded before it is pasted. */
 #define LN_CAT_(a, b) a##_##b
 #define LN_CAT(a, b) LN_CAT_(a, b)
-
-/* Sum of the n (a power of two) float64 partial sums, folded pairwise; destroys p. */
-static inline acc_t fold_half(acc_t* p, int n) {
-    for (int w = n / 2; w >= 1; w /= 2)
-        for (int l = 0; l < w; ++l) p[l] += p[l + w];
-    return p[0];
-}
 
 /* A zeroed float64 scratch buffer of n elements starting on a cache line (CACHE_LINE bytes),
    kept per calling thread and grown on demand: a fresh calloc of a few hundred KiB per backward

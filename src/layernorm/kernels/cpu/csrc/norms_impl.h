@@ -100,46 +100,10 @@ static inline void FN(st_stream)(scalar_t* p, FN(vec) v) {
         for (i64 j = done_; j < n_; ++j) out_[j] = EXPR(LOAD_ONE);                              \
     } while (0)
 
-/* A row's HALF float64 partial sums, lane l of a block's p0 + p1 into lane l of them: two vectors
-   of acc_t (lanes [0, HALF/2) and [HALF/2, HALF)) held in registers. As an array of HALF scalars
-   GCC kept them on the stack, each block's flush and the row's fold a round trip through memory:
-   a row of 32 float32 (AVX-512) spent half of its statistics there. The same sums in the same
-   order as the array's, so the same bits (as the recurrent step kernels' row sums,
-   rnn_step_impl.h). */
-typedef scalar_t FN(hvec) __attribute__((vector_size(VEC_BYTES / 2), aligned(sizeof(scalar_t)),
-                                         may_alias));
-#define AVL (HALF / 2)
-typedef acc_t FN(avec) __attribute__((vector_size(AVL * sizeof(acc_t))));
-typedef struct {
-    FN(avec) lo, hi;
-} FN(lanes);
-
-/* End of a block: the two vectors of partial sums, added lane by lane in scalar_t, go into the
-   HALF float64 partial sums (a vector add and conversions, where a full fold per block would cost
-   as much as the block's own adds). */
-static inline __attribute__((always_inline)) void FN(flush)(FN(vec) p0, FN(vec) p1,
-                                                          FN(lanes) * acc) {
-    const FN(vec) p = p0 + p1;
-    FN(hvec) lo, hi;
-    memcpy(&lo, &p, sizeof lo);
-    memcpy(&hi, (const char*)&p + sizeof lo, sizeof hi);
-    acc->lo += __builtin_convertvector(lo, FN(avec));
-    acc->hi += __builtin_convertvector(hi, FN(avec));
-}
-
-/* Σ of the partial sums, folded pairwise (lane l += lane l + w for w = HALF/2, HALF/4, ..., 1),
-   each level's loop of a constant trip count so that it is one vector add. */
-static inline __attribute__((always_inline)) acc_t FN(fold)(FN(lanes) acc) {
-    const FN(avec) v = acc.lo + acc.hi;
-    acc_t a[AVL];
-    memcpy(a, &v, sizeof a);
-#define FOLD_LEVEL(w)    \
-    if (2 * (w) <= AVL)  \
-        for (i64 l = 0; l < (w); ++l) a[l] += a[l + (w)];
-    FOLD_LEVEL(16) FOLD_LEVEL(8) FOLD_LEVEL(4) FOLD_LEVEL(2) FOLD_LEVEL(1)
-#undef FOLD_LEVEL
-    return a[0];
-}
+/* A row's float64 partial sums in registers (FN(lanes), FN(lanes_add), FN(lanes_fold)). */
+#define ROW_VEC FN(vec)
+#include "row_lanes.h"
+#undef ROW_VEC
 
 /* Σ x² over one row. */
 static acc_t FN(row_sum_sq)(const scalar_t* restrict xr, i64 N) {
@@ -153,11 +117,11 @@ static acc_t FN(row_sum_sq)(const scalar_t* restrict xr, i64 N) {
             p0 += u * u;
             p1 += v * v;
         }
-        FN(flush)(p0, p1, &sa);
+        FN(lanes_add)(p0, p1, &sa);
     }
     acc_t s = 0;
     for (i64 j = nfull; j < N; ++j) s += (acc_t)xr[j] * xr[j];
-    return s + FN(fold)(sa);
+    return s + FN(lanes_fold)(sa);
 }
 
 /* μ (as hi + lo) and the variance of one row; see the statistics note at the top. The second
@@ -175,11 +139,11 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance)(const scalar
             p0 += FN(ld)(xr + j) - x0;
             p1 += FN(ld)(xr + j + VL) - x0;
         }
-        FN(flush)(p0, p1, &sa);
+        FN(lanes_add)(p0, p1, &sa);
     }
     acc_t s = 0;
     for (i64 j = nfull; j < N; ++j) s += (scalar_t)(xr[j] - x0);
-    const acc_t mu = (acc_t)x0 + (s + FN(fold)(sa)) / (acc_t)N;
+    const acc_t mu = (acc_t)x0 + (s + FN(lanes_fold)(sa)) / (acc_t)N;
     const scalar_t h = (scalar_t)mu;
     const acc_t dl = mu - (acc_t)h;
     for (i64 j = 0; j < nfull;) {
@@ -190,14 +154,14 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance)(const scalar
             p0 += u * u;
             p1 += v * v;
         }
-        FN(flush)(p0, p1, &sb);
+        FN(lanes_add)(p0, p1, &sb);
     }
     acc_t sdd = 0;
     for (i64 j = nfull; j < N; ++j) {
         const acc_t d = (scalar_t)(xr[j] - h);
         sdd += d * d;
     }
-    acc_t var = (sdd + FN(fold)(sb)) / (acc_t)N - dl * dl;
+    acc_t var = (sdd + FN(lanes_fold)(sb)) / (acc_t)N - dl * dl;
     if (var < 0) var = 0;
     *hi = h;
     *lo = (scalar_t)dl;
@@ -249,8 +213,8 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
                     *(FN(vec)*)(fba + j + h) += d;
                 }
             }
-        FN(flush)(g0, g1, &sa);
-        FN(flush)(gx0, gx1, &sb);
+        FN(lanes_add)(g0, g1, &sa);
+        FN(lanes_add)(gx0, gx1, &sb);
     }
     acc_t tg = 0, tgx = 0;
     for (i64 j = nfull; j < N; ++j) {
@@ -262,8 +226,8 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
             fba[j] += d;
         }
     }
-    *sg = tg + FN(fold)(sa);
-    *sgx = tgx + FN(fold)(sb);
+    *sg = tg + FN(lanes_fold)(sa);
+    *sgx = tgx + FN(lanes_fold)(sb);
 }
 
 /* row_grad_sums for two rows at once, when dw/db are wanted: each accumulator element is loaded
@@ -303,10 +267,10 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
                 *(FN(vec)*)(fba + k) += d0 + d1;
             }
         const FN(vec) zero = {0};
-        FN(flush)(pg0[0], PAIR_V > 1 ? pg0[PAIR_V - 1] : zero, &a0);
-        FN(flush)(pgx0[0], PAIR_V > 1 ? pgx0[PAIR_V - 1] : zero, &b0);
-        FN(flush)(pg1[0], PAIR_V > 1 ? pg1[PAIR_V - 1] : zero, &a1);
-        FN(flush)(pgx1[0], PAIR_V > 1 ? pgx1[PAIR_V - 1] : zero, &b1);
+        FN(lanes_add)(pg0[0], PAIR_V > 1 ? pg0[PAIR_V - 1] : zero, &a0);
+        FN(lanes_add)(pgx0[0], PAIR_V > 1 ? pgx0[PAIR_V - 1] : zero, &b0);
+        FN(lanes_add)(pg1[0], PAIR_V > 1 ? pg1[PAIR_V - 1] : zero, &a1);
+        FN(lanes_add)(pgx1[0], PAIR_V > 1 ? pgx1[PAIR_V - 1] : zero, &b1);
     }
     acc_t tg0 = 0, tgx0 = 0, tg1 = 0, tgx1 = 0;
     for (i64 j = nfull; j < N; ++j) {
@@ -319,10 +283,10 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
         fwa[j] += d0 * xh0 + d1 * xh1;
         fba[j] += d0 + d1;
     }
-    sg[0] = tg0 + FN(fold)(a0);
-    sgx[0] = tgx0 + FN(fold)(b0);
-    sg[1] = tg1 + FN(fold)(a1);
-    sgx[1] = tgx1 + FN(fold)(b1);
+    sg[0] = tg0 + FN(lanes_fold)(a0);
+    sgx[0] = tgx0 + FN(lanes_fold)(b0);
+    sg[1] = tg1 + FN(lanes_fold)(a1);
+    sgx[1] = tgx1 + FN(lanes_fold)(b1);
 }
 #undef PAIR_V
 
@@ -605,8 +569,8 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
                     pd[v] += d;
                     pdy[v] += d * yv;
                 }
-            FN(flush)(pd[0], pd[1], &sa);
-            FN(flush)(pdy[0], pdy[1], &sb);
+            FN(lanes_add)(pd[0], pd[1], &sa);
+            FN(lanes_add)(pdy[0], pdy[1], &sb);
         }
         acc_t sd = 0, sdy = 0;
         for (i64 j = nfull; j < N; ++j) {
@@ -615,8 +579,8 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
             sd += d;
             sdy += (acc_t)d * yv;
         }
-        const scalar_t c1 = (scalar_t)((sd + FN(fold)(sa)) / (acc_t)N);
-        const scalar_t c2 = (scalar_t)((sdy + FN(fold)(sb)) / (acc_t)N);
+        const scalar_t c1 = (scalar_t)((sd + FN(lanes_fold)(sa)) / (acc_t)N);
+        const scalar_t c2 = (scalar_t)((sdy + FN(lanes_fold)(sb)) / (acc_t)N);
         const scalar_t* pdz = a->stream ? FN(ahead)(a->dz, i, hi, N) : NULL;
         const scalar_t* px = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
 #define YV(L) ((L(xr) - m) * r)
@@ -651,7 +615,6 @@ int FN(ada_bwd)(const FN(ada_bwd_args)* a) {
 #undef VL
 #undef LANES
 #undef HALF
-#undef AVL
 #undef NARROW_N
 #undef ROW_GROUP
 #undef BLOCK

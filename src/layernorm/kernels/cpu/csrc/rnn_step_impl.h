@@ -77,46 +77,11 @@ static inline __attribute__((always_inline)) FN(svec) FN(sld)(const scalar_t* p)
     return *(const FN(svec)*)p;
 }
 
-/* A row's float64 partial sums, lane l of a block's p0 + p1 into lane l of them: two vectors of
-   acc_t (lanes [0, SVL/2) and [SVL/2, SVL)) held in registers. As one array of SVL scalars GCC
-   kept them on the stack: each row sum stored its lanes and loaded them back before the fold.
-   The same sums in the same order as the array's: the same bits. */
-typedef scalar_t FN(hvec) __attribute__((vector_size(VEC_BYTES / 2), aligned(sizeof(scalar_t)),
-                                         may_alias));
-#define AVL (SVL / 2)
-typedef acc_t FN(avec) __attribute__((vector_size(AVL * sizeof(acc_t))));
-typedef struct {
-    FN(avec) lo, hi;
-} FN(lanes);
-
-/* lanes += lane l of p0 + p1, added in scalar_t, then widened */
-static inline __attribute__((always_inline)) void FN(sflush)(FN(svec) p0, FN(svec) p1,
-                                                           FN(lanes) * acc) {
-    const FN(svec) p = p0 + p1;
-    FN(hvec) lo, hi;
-    memcpy(&lo, &p, sizeof lo);
-    memcpy(&hi, (const char*)&p + sizeof lo, sizeof hi);
-    acc->lo += __builtin_convertvector(lo, FN(avec));
-    acc->hi += __builtin_convertvector(hi, FN(avec));
-}
-
-/* Σ of the partial sums, folded pairwise as the norm kernels fold (norms_common.h fold_half):
-   lane l += lane l + w for w = SVL/2 (the two vectors' sum), SVL/4, ..., 1: log2(SVL) dependent
-   vector adds where a running sum waited on SVL scalar adds (16 with AVX-512, four times per LSTM
-   row). Each level's loop has a constant trip count, so that the compiler makes it one vector
-   add: as one loop over a varying width it stayed scalar adds through memory (an LN-LSTM row's
-   layer norms, in cache: forward 620 -> 557 ns, backward 425 -> 361 ns, the same bits). */
-static inline __attribute__((always_inline)) acc_t FN(sfold)(FN(lanes) acc) {
-    const FN(avec) v = acc.lo + acc.hi;
-    acc_t a[AVL];
-    memcpy(a, &v, sizeof a);
-#define SFOLD_LEVEL(w)      \
-    if (2 * (w) <= AVL)     \
-        for (i64 l = 0; l < (w); ++l) a[l] += a[l + (w)];
-    SFOLD_LEVEL(16) SFOLD_LEVEL(8) SFOLD_LEVEL(4) SFOLD_LEVEL(2) SFOLD_LEVEL(1)
-#undef SFOLD_LEVEL
-    return a[0];
-}
+/* A row's float64 partial sums in registers (FN(lanes), FN(lanes_add), FN(lanes_fold)), as the
+   norm kernels keep theirs. */
+#define ROW_VEC FN(svec)
+#include "row_lanes.h"
+#undef ROW_VEC
 
 /* acc += the sums of (x − c) (with sq, (x − c)²) over [j, end), a multiple of 2·SVL elements
    of at most one block, each lane adding in scalar_t. */
@@ -134,7 +99,7 @@ static inline __attribute__((always_inline)) void FN(block_sums)(const scalar_t*
             p1 += v;
         }
     }
-    FN(sflush)(p0, p1, acc);
+    FN(lanes_add)(p0, p1, acc);
 }
 
 /* Σ (x − c) and, with sq, Σ (x − c)² over a row, blocked as above. A row of one block (up to
@@ -145,7 +110,7 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
     FN(lanes) acc = {{0}, {0}};
     if (N <= BLOCK_TERMS * step) {
         FN(block_sums)(x, 0, nfull, c, sq, &acc);
-        if (nfull == N) return FN(sfold)(acc);
+        if (nfull == N) return FN(lanes_fold)(acc);
     } else {
         for (i64 j = 0; j < nfull; j += BLOCK_TERMS * step)
             FN(block_sums)(x, j, block_end(j, BLOCK_TERMS * step, nfull), c, sq, &acc);
@@ -155,7 +120,7 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
         const acc_t d = (scalar_t)(x[j] - c);
         t += sq ? d * d : d;
     }
-    return t + FN(sfold)(acc);
+    return t + FN(lanes_fold)(acc);
 }
 
 /* μ and 1/sqrt(var + eps) of n <= MOMENT_ROWS rows x[0..n) of N elements each, as the norm
@@ -270,8 +235,8 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
             gx0 += u * ((FN(sld)(x + j) - mf) * rf);
             gx1 += v * ((FN(sld)(x + j + SVL) - mf) * rf);
         }
-        FN(sflush)(g0, g1, &ag);
-        FN(sflush)(gx0, gx1, &agx);
+        FN(lanes_add)(g0, g1, &ag);
+        FN(lanes_add)(gx0, gx1, &agx);
     }
     acc_t sg = 0, sgx = 0;
     for (i64 j = nfull; j < N; ++j) {
@@ -279,8 +244,8 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
         sg += g;
         sgx += (acc_t)g * ((x[j] - mf) * rf);
     }
-    const scalar_t cg = (scalar_t)((sg + FN(sfold)(ag)) / N);
-    const scalar_t cgx = (scalar_t)((sgx + FN(sfold)(agx)) / N);
+    const scalar_t cg = (scalar_t)((sg + FN(lanes_fold)(ag)) / N);
+    const scalar_t cgx = (scalar_t)((sgx + FN(lanes_fold)(agx)) / N);
     if (sw && accumulate) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, sw, sb, 1, 1);
     else if (sw) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, sw, sb, 0, 1);
     else if (accumulate) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, NULL, NULL, 1, 0);
@@ -1079,5 +1044,4 @@ int FN(lstm_cell_bwd)(const FN(lstm_cell_bwd_args) * A) {
 }
 
 #undef SVL
-#undef AVL
 #undef FN

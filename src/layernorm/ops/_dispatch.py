@@ -60,6 +60,14 @@ def batched(t: Tensor) -> bool:
     return torch._C._functorch.is_batchedtensor(t) or torch._C._functorch.is_legacy_batchedtensor(t)
 
 
+def reference_backward(*grads: Tensor) -> bool:
+    """Whether a backward of the fused kernels differentiates the reference's ops instead: with
+    ``create_graph=True`` (grad mode is on in the backward, and its result must itself be
+    differentiable) or in a batched backward (a :func:`batched` gradient, whose memory no kernel
+    can read)."""
+    return torch.is_grad_enabled() or any(batched(g) for g in grads)
+
+
 def forward_ad_on() -> bool:
     """True inside ``torch.autograd.forward_ad.dual_level()`` (dual tensors may flow)."""
     return _forward_ad._current_level >= 0

@@ -15,11 +15,11 @@ from ..reference import ada_norm_reference
 from . import _checks
 from ._dispatch import (
     backend_module,
-    batched,
     in_stats_dtype,
     needs_grad,
     needs_reference,
     plain_eager,
+    reference_backward,
 )
 
 
@@ -70,7 +70,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, dz: Tensor, _dmean: Tensor, _drstd: Tensor):
     x, mean, rstd = ctx.saved_tensors
-    if torch.is_grad_enabled() or batched(dz):  # create_graph=True, or batched: a composite
+    if reference_backward(dz):  # create_graph=True, or batched: a composite
         with torch.enable_grad():
             z = ada_norm_reference(x, (x.shape[1],), ctx.k, ctx.scale, ctx.eps)
             (dx,) = torch.autograd.grad(z, x, dz, create_graph=True)
@@ -96,7 +96,7 @@ class _AdaNormEager(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dz: Tensor):  # type: ignore[override]
         x, mean, rstd = ctx.saved_tensors
-        if torch.is_grad_enabled() or batched(dz):
+        if reference_backward(dz):
             return _backward(ctx, dz, None, None)  # type: ignore[arg-type]
         dx = backend_module(x, "ada_norm").ada_norm_bwd(
             dz.contiguous(), x, mean, rstd, ctx.k, ctx.scale

@@ -20,13 +20,13 @@ from . import _checks
 from ._dispatch import (
     aliases,
     backend_module,
-    batched,
     empty_like_none,
     in_stats_dtype,
     needs_grad,
     needs_reference,
     none_if_empty,
     plain_eager,
+    reference_backward,
 )
 
 
@@ -103,7 +103,7 @@ def _fused_backward(ctx: Any, dy: Tensor, bwd: Callable[..., tuple]) -> tuple:
     """Gradients of ``(x, weight, bias, eps, detach_mean, detach_std)`` from ``bwd`` (the custom op
     or the backend's ``layer_norm_bwd``: same arguments, ``None`` for what is not asked for)."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    if torch.is_grad_enabled() or batched(dy):
+    if reference_backward(dy):
         # create_graph=True: differentiate the reference so the result is itself differentiable;
         # a batched backward (is_grads_batched, jacobian(vectorize=True)): dy has no memory of
         # its own for the kernels to read, the reference's ops batch.

@@ -16,13 +16,13 @@ from . import _checks
 from ._dispatch import (
     aliases,
     backend_module,
-    batched,
     empty_like_none,
     in_stats_dtype,
     needs_grad,
     needs_reference,
     none_if_empty,
     plain_eager,
+    reference_backward,
 )
 
 
@@ -76,7 +76,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 def _backward(ctx: Any, dy: Tensor, _drstd: Tensor):
     x, weight, rstd = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    if torch.is_grad_enabled() or batched(dy):  # create_graph=True, or batched: a composite
+    if reference_backward(dy):  # create_graph=True, or batched: a composite
         with torch.enable_grad():
             x, weight = aliases(x, weight)
             wanted = [t for t, need in zip((x, weight), (need_dx, need_dw), strict=True) if need]
@@ -102,7 +102,7 @@ class _RMSNormEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor):  # type: ignore[override]
-        if torch.is_grad_enabled() or batched(dy):
+        if reference_backward(dy):
             return _backward(ctx, dy, None)  # type: ignore[arg-type]
         x, weight, rstd = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.cpu import rnn, rnn_abi
-from ..ops._dispatch import aliases, backend_forced, batched, plain_eager
+from ..ops._dispatch import aliases, backend_forced, plain_eager, reference_backward
 from . import _cstep, _steps
 
 #: A GRU cell's parameters in its node's order (after ``x`` and ``h``): torch's weights and
@@ -226,7 +226,7 @@ class GRUCellStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         saved = ctx.saved_tensors
-        if torch.is_grad_enabled() or batched(dout):  # the ops' derivative: _reference_grads
+        if reference_backward(dout):  # the ops' derivative: _reference_grads
             return (*_reference_grads(ctx, (dout,), saved[:10], _gru_reference), None)
         inputs, (gx, hp, rz, n, ghn, stats) = saved[:10], saved[10:]
         x, h, w_ih, w_hh, *_, lw_ih, _, lw_hh, _ = _float32(inputs) if ctx.half else inputs
@@ -310,7 +310,7 @@ class LSTMCellStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dh: Tensor, dc: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         saved = ctx.saved_tensors
-        if torch.is_grad_enabled() or batched(dh) or batched(dc):  # the ops' derivative
+        if reference_backward(dh, dc):  # the ops' derivative
             return (*_reference_grads(ctx, (dh, dc), saved[:13], _lstm_reference), None)
         inputs, (gx, hp, c_out, gates, tc, stats) = saved[:13], saved[13:]
         x, h, c, w_ih, w_hh, *_, lw_ih, _, lw_hh, _, lw_c, _ = (

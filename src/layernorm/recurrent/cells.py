@@ -27,10 +27,9 @@ parameters, by a plan kept per cell and signature (``_StepPlan``): one call of t
 With gradients, their float32 / float64 CPU steps (bfloat16 / float16 with small weights,
 computed in float32) run as one autograd node on the C cell kernels (:mod:`._cellstep`: the two
 products, one kernel forward and one backward) where the ops take some 20 to 27 nodes; an LSTM
-step of many rows runs the layers' planned node
-(:func:`._cellstep.planned_step_pays`). Zoneout, the LSTM's
-normalized carry, tracers, autocast, a forced backend and parametrized weights keep the ops.
-For whole sequences the layers (:mod:`.layers`) run the time loop in C.
+step of many rows runs the layers' planned node (:func:`._cellstep.planned_step_pays`).
+Zoneout, the LSTM's normalized carry, tracers, autocast, a forced backend and parametrized
+weights keep the ops. For whole sequences the layers (:mod:`.layers`) run the time loop in C.
 
 .. code-block:: bibtex
 

@@ -628,16 +628,16 @@ static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, c
     FN(gemm_part)(M, N, &g, omp_get_thread_num(), omp_get_num_threads());
 }
 
-/* dw rows [lo, hi) of weight_grad on this thread: each block of GEMM_KC rows of hprev packed
-   into the thread's own panels, then multiplied by its share of dhpᵀ. */
-static int FN(weight_grad_rows)(const FN(weight_grad_args) * a, i64 lo, i64 hi) {
+/* dw rows [lo, hi) of weight_grad: each block of GEMM_KC rows of hprev packed into the calling
+   thread's panels, then multiplied by that share of dhpᵀ, the panels shared among nt threads. */
+static int FN(weight_grad_rows)(const FN(weight_grad_args) * a, i64 lo, i64 hi, int nt) {
     const i64 N = a->N, G = a->G, H = a->H;
     scalar_t* P = FN(pack_buffer)(GEMM_KC * FN(panels)(H) * NR, 0);
     if (!P) return RNN_ERR_NOMEM;
     for (i64 k0 = 0; k0 < N; k0 += GEMM_KC) {
         const i64 kc = N - k0 < GEMM_KC ? N - k0 : GEMM_KC;
         FN(pack_panels)(a->hprev + k0 * H, H, kc, H, P, 1);
-        FN(gemm)(hi - lo, H, kc, a->dhp + k0 * G + lo, 1, G, P, a->dw + lo * H, H, k0 > 0, 1);
+        FN(gemm)(hi - lo, H, kc, a->dhp + k0 * G + lo, 1, G, P, a->dw + lo * H, H, k0 > 0, nt);
     }
     return 0;
 }
@@ -663,18 +663,11 @@ int FN(weight_grad)(const FN(weight_grad_args) * a) {
         {
             i64 lo, hi;
             row_block(G, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
-            failed |= hi > lo && FN(weight_grad_rows)(a, lo, hi) != 0;
+            failed |= hi > lo && FN(weight_grad_rows)(a, lo, hi, 1) != 0;
         }
         return failed ? RNN_ERR_NOMEM : 0;
     }
-    scalar_t* P = FN(pack_buffer)(GEMM_KC * FN(panels)(H) * NR, 0);
-    if (!P) return RNN_ERR_NOMEM;
-    for (i64 k0 = 0; k0 < N; k0 += GEMM_KC) {
-        const i64 kc = N - k0 < GEMM_KC ? N - k0 : GEMM_KC;
-        FN(pack_panels)(a->hprev + k0 * H, H, kc, H, P, 1);
-        FN(gemm)(G, H, kc, a->dhp + k0 * G, 1, G, P, a->dw, H, k0 > 0, threads);
-    }
-    return 0;
+    return FN(weight_grad_rows)(a, 0, G, threads);
 }
 
 /* C[M, N] = A[M, K] · Wᵀ with A row-major (leading dimension K) and W[N, K] read as stored: every

@@ -829,6 +829,33 @@ def test_one_step_training_runs_the_step_ops(kind: str, options: dict) -> None:
     assert set(_graph_nodes(fused(x)[0])) & set(_NODES)
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("steps", [1, 2], ids=["one step", "two steps"])
+@pytest.mark.parametrize("rows", [6, 5], ids=["large step", "below the rule"])
+def test_large_steps_without_layer_norms_train_by_the_fused_node(
+    monkeypatch: pytest.MonkeyPatch, kind: str, steps: int, rows: int
+) -> None:
+    """Without layer norms, a training call of one or two steps runs the step ops only below
+    ``layers._LEAN_NONE_STEP_MACS[steps]`` multiply-adds of a step (rows · G·H · (I + H)); from
+    there the fused node (each direction), with the loop's values and gradients either way."""
+    cls, _ = LAYERS[kind]
+    gates = {"lstm": 4, "gru": 3, "rnn": 1}[kind]
+    rule = 6 * gates * 5 * (16 + 5)
+    monkeypatch.setattr(recurrent_layers, "_LEAN_NONE_STEP_MACS", {1: rule, 2: rule})
+    torch.manual_seed(0)
+    model = cls(16, 5, dtype=DT, norm="none", bidirectional=True)
+    randomize(model)
+    loop = copy.deepcopy(model)
+    loop.impl = "loop"
+    x, hx = seq(steps, rows, 16), states(kind, 2, rows, 5)
+    out, grads = run(model, x, hx, packed=False)
+    out_l, grads_l = run(loop, x, hx, packed=False)
+    for a, b in zip(out + grads, out_l + grads_l, strict=True):
+        torch.testing.assert_close(a, b, **FUSED_TOL)
+    nodes = set(_graph_nodes(model(x.requires_grad_(), hx if kind == "lstm" else hx[0])[0]))
+    assert bool(nodes & set(_NODES)) == (rows == 6)
+
+
 _CELL_NODES = ("LSTMCellStepBackward", "GRUCellStepBackward")
 
 

@@ -34,7 +34,8 @@ step on the CPU (two without layer norms: ``_LEAN_TRAINING_STEPS``; no mask or p
 the step's ops instead, the layer norms by torch's kernel where :class:`layernorm.LayerNorm` takes
 it, or for LN-LSTM and LN-GRU the cells' node of C cell kernels (:mod:`._cellstep`): one step has
 no recurrence to fuse, and the sequence node costs more than the ops, except an LN-LSTM step of
-many rows, which the planned node of one step runs (:func:`._cellstep.planned_step_pays`).
+many rows, which the planned node of one step runs (:func:`._cellstep.planned_step_pays`), and
+without layer norms a large step (``_LEAN_NONE_STEP_MACS``), which the sequence node runs.
 ``impl="loop"`` runs the readable per-step reference (:mod:`layernorm.recurrent._steps`), which
 the tests compare against; batch norm, torch.compile, torch.jit.trace, ``torch.func`` transforms,
 forward-mode AD and autocast always use it.
@@ -133,6 +134,18 @@ _HALF_DTYPES = (torch.bfloat16, torch.float16)
 # rows (64, 128) LSTM 1.31 / 1.24, GRU 1.39 / 1.30, Elman 1.75 / 1.35; three LSTM 1.43 / 1.42,
 # GRU 1.21 / 1.34, Elman 1.54 / 1.45. Per norm; other norms never.
 _LEAN_TRAINING_STEPS: dict[str, int] = {"layer": 1, "none": 2}
+# Without layer norms the ops pay only while a step is small: from this many multiply-adds of a
+# step's products (rows · G·H · (I + H), G the gate count), per number of steps of the call, the
+# fused node runs it (a step of many rows is GEMMs, where the node's fixed cost is small and the
+# ops' backward makes more passes). Training, one thread, AMD EPYC Zen 5, x torch.nn's time, ops /
+# node (ab_rnn.py, RESULTS.md 2026-11-28): two steps, LSTM (T, B, I, H) = (2, 8, 64, 128) 1.38 /
+# 1.35, (2, 16, 128, 128) 1.45 / 1.31, (2, 32, 128, 128) 1.45 / 1.02, (2, 128, 256, 256) 1.37 /
+# 0.73; GRU (2, 32, 64, 128) 1.17 / 1.12, (2, 16, 256, 256) 1.58 / 1.07; Elman (2, 32, 128, 128)
+# 1.29 / 1.49, (2, 64, 128, 128) 1.21 / 1.23, (2, 32, 256, 256) 1.17 / 1.13; one step, LSTM
+# (1, 32, 128, 128) 1.11 / 1.26, (1, 64, 128, 128) 1.01 / 0.92, (1, 128, 256, 256) 0.85 / 0.58;
+# GRU (1, 32, 128, 128) 1.14 / 1.59, (1, 256, 256, 256) 1.06 / 0.96; Elman (1, 32, 128, 128)
+# 1.24 / 1.97, (1, 256, 256, 256) 1.05 / 0.97.
+_LEAN_NONE_STEP_MACS: dict[int, int] = {1: 1 << 23, 2: 1 << 21}
 # Each layer's inference plans, per direction (suffix) with their keys (see _plan_key): outside
 # the module, so that copying or pickling a layer never copies C structs holding addresses.
 _INFERENCE_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[Any, Any]]] = (
@@ -869,7 +882,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
         of few steps, float32 / float64 on the CPU, layer norms or none, no mask or projection,
         where the fused path would run and was not asked for by name (``impl="fused"``); not
         an LN-LSTM's step of many rows, which the planned node takes
-        (:func:`._cellstep.planned_step_pays`)."""
+        (:func:`._cellstep.planned_step_pays`), nor without layer norms a step of
+        :data:`_LEAN_NONE_STEP_MACS` multiply-adds or more, which the fused node takes."""
         if len(sizes) > _LEAN_TRAINING_STEPS.get(self.norm, 0) or self.proj_size:
             return False
         if self.impl != "auto" or data.dtype not in _FUSED_DTYPES or not data.is_cpu:
@@ -880,6 +894,11 @@ class _LNRNNBase(NotScriptable, nn.Module):
         lstm = self.mode == "LSTM" and self.norm == "layer" and not self.normalize_cell_state
         if lstm and len(sizes) == 1 and _cellstep.planned_step_pays(data, self.hidden_size):
             return False
+        if self.norm == "none":
+            hidden = self.hidden_size
+            macs = sizes[0] * self.gate_count * hidden * (data.shape[-1] + hidden)
+            if macs >= _LEAN_NONE_STEP_MACS.get(len(sizes), 0):
+                return False
         return _fused.differentiated(data, h0, c0, *weights, *self._direction_params(sfx))
 
     def _node_step(

@@ -95,3 +95,14 @@ def test_bench_rnn_gemm_checks_a_build_setting_against_torch_mm() -> None:
     rows = [line.split("|")[1:4] for line in out.splitlines() if line.startswith("| f")
             or line.startswith("| b")]  # fmt: skip
     assert len(rows) == 2 * 2 * 5 and f"{target}+packa" in out, out
+
+
+@pytest.mark.parametrize("module", ["layer", "rms"])
+def test_ab_norm_routes_times_both_routes(module: str) -> None:
+    """The script sets the limits it names (a renamed one fails here) and prints torch.nn's time
+    and both routes' ratios for each shape."""
+    out = _run(str(BENCH / "ab_norm_routes.py"), "--module", module, "--rounds", "1",
+               "--shapes", "2x16", "3x8")  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if "torch kernel" in line]
+    assert [r[0] for r in rows] == ["2x16", "3x8"]
+    assert all(float(r[6]) > 0 and float(r[8]) > 0 for r in rows)

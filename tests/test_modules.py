@@ -488,11 +488,12 @@ def test_half_layer_norm_routes(monkeypatch):
 
 
 def test_large_layer_norm_under_no_grad_runs_the_fused_kernels(monkeypatch):
-    """From the buffer cache's output size on, the fused kernels (whose output memory is reused)
-    run where nothing needs a gradient; below it torch's kernel does."""
-    from layernorm.kernels.cpu import buffers
+    """From ``TORCH_INFERENCE_BYTES`` on (the buffer cache's output size, where the fused
+    kernels' output memory is reused; here made 64 rows of 16) the fused kernels run where
+    nothing needs a gradient; below it torch's kernel does."""
+    from layernorm.ops import _dispatch
 
-    monkeypatch.setattr(buffers, "OUTPUT_MIN_BYTES", 64 * 16 * 4)
+    monkeypatch.setattr(_dispatch, "TORCH_INFERENCE_BYTES", 64 * 16 * 4)
     calls = _spy_fused_path(monkeypatch)
     ln = layernorm.LayerNorm(16)
     with torch.no_grad():
@@ -506,9 +507,8 @@ def test_small_rms_norm_under_no_grad_runs_torch_s_kernel(monkeypatch):
     """Where nothing needs a gradient a small float32 / float64 RMSNorm runs ``torch.rms_norm``
     (the same formula, within the fused kernels' tolerance); with a gradient past
     ``_TORCH_RMS_GRAD_NUMEL`` elements (here made 1000), in bfloat16 where torch's kernel would
-    round twice, from the buffer cache's output size on, or with a shape torch would refuse, the
-    fused path runs."""
-    from layernorm.kernels.cpu import buffers
+    round twice, from ``_TORCH_RMS_NUMEL`` elements on (here made 64 rows of 16), or with a
+    shape torch would refuse, the fused path runs."""
     from layernorm.modules import normalization
 
     monkeypatch.setattr(normalization, "_torch_rms_norm_rounds_once", lambda dtype: False)
@@ -522,7 +522,7 @@ def test_small_rms_norm_under_no_grad_runs_torch_s_kernel(monkeypatch):
         return real(x, *args, **kwargs)
 
     monkeypatch.setattr(torch, "rms_norm", spy)
-    monkeypatch.setattr(buffers, "OUTPUT_MIN_BYTES", 64 * 16 * 4)
+    monkeypatch.setattr(normalization, "_TORCH_RMS_NUMEL", {torch.float32: 64 * 16})
     m = layernorm.RMSNorm(16)
     _randomize(m)
     x = make_x((63, 16))
@@ -530,7 +530,7 @@ def test_small_rms_norm_under_no_grad_runs_torch_s_kernel(monkeypatch):
         y = m(x)
         assert torch_calls == [(63, 16)]
         torch.testing.assert_close(y, layernorm.rms_norm(x, 16, m.weight, m.eps))
-        m(make_x((64, 16)))  # the cache's size: the fused kernels
+        m(make_x((64, 16)))  # _TORCH_RMS_NUMEL: the fused kernels
         m.to(torch.bfloat16)(x.to(torch.bfloat16))
         m.float()
         with pytest.raises(ValueError, match=r"got input of shape \(63, 15\)"):

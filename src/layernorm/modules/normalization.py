@@ -27,7 +27,6 @@ from .._validation import (
     check_finite_scalar,
     check_flag,
 )
-from ..kernels.cpu import buffers
 from ..ops._dispatch import TORCH_KERNEL_NUMEL, aten_input, needs_grad, torch_layer_norm
 
 # Up to this many elements a LayerNorm that needs gradients runs torch's native kernel (see
@@ -50,6 +49,20 @@ _TORCH_RMS_DTYPES = (torch.float32, torch.float64)
 # 1 to 4096, scales 1e-3 to 1e4, offsets to 1e4, eps 1e-12 to 1e-3, constant and nearly
 # constant rows; tests/test_modules.py checks a set of them).
 _TORCH_RMS_GRAD_NUMEL = 1 << 13
+# Below this many elements (per dtype) an RMSNorm call that needs no gradient takes
+# torch.rms_norm, from there the fused forward kernel: torch's CPU rms_norm is a composition of
+# ATen ops (a pass each, temporaries as large as x, half inputs converted), which the one-pass
+# kernel outruns once the rows outweigh the call. Module calls under no_grad, x torch.nn.RMSNorm's
+# time, torch's kernel / the fused one, in turn in one process, AMD EPYC Zen 5
+# (benchmarks/ab_norm_routes.py, RESULTS.md 2026-11-28): one thread, float32 (32, 768) 1.12 /
+# 1.32, (64, 768) 1.11 / 1.08, (96, 768) 1.11 / 0.92, (8, 4096) 1.17 / 1.28, (512, 768) 0.96 /
+# 0.12; bfloat16 (16, 768) 1.13 / 1.28, (32, 768) 1.10 / 1.10, (8, 4096) 1.10 / 1.02, (64, 768)
+# 1.11 / 0.90, (512, 768) 1.01 / 0.06; float64 (32, 768) 1.15 / 1.13, (64, 768) 1.09 / 0.81; two
+# threads, float32 (64, 768) 1.11 / 1.15, (96, 768) 1.09 / 1.01; bfloat16 (32, 768) 1.10 / 1.07,
+# (8, 4096) 1.11 / 0.89; float64 (64, 768) 1.13 / 1.09.
+_TORCH_RMS_NUMEL: dict[torch.dtype, int] = {
+    torch.float32: 1 << 16, torch.float64: 1 << 15, torch.bfloat16: 1 << 15, torch.float16: 1 << 15,
+}  # fmt: skip
 
 
 @functools.cache
@@ -85,9 +98,9 @@ def _takes_torch_rms_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | No
     """Whether :class:`RMSNorm` runs ``torch.rms_norm`` on an :func:`aten_input` ``x``: where
     nothing needs a gradient, in float32 or float64, or in bfloat16 / float16 where torch's kernel
     rounds once (:func:`_torch_rms_norm_rounds_once`), with a gain of x's dtype (torch's kernel
-    then computes as the fused kernels do), x's trailing sizes ``shape``, below the buffer cache's
-    output size (where the fused kernels write into reused memory); with gradients, in float32
-    or float64 up to :data:`_TORCH_RMS_GRAD_NUMEL` elements."""
+    then computes as the fused kernels do), x's trailing sizes ``shape``, below
+    :data:`_TORCH_RMS_NUMEL` elements; with gradients, in float32 or float64 up to
+    :data:`_TORCH_RMS_GRAD_NUMEL` elements."""
     dtype = x.dtype
     if weight is not None and weight.dtype is not dtype:
         return False
@@ -100,7 +113,7 @@ def _takes_torch_rms_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | No
             x.dim() >= k and x.shape[x.dim() - k :] == shape):  # fmt: skip
         return False  # the full path names the mismatch
     if not needs_grad(x, weight):
-        return x.nbytes < buffers.OUTPUT_MIN_BYTES
+        return x.numel() < _TORCH_RMS_NUMEL[dtype]
     return dtype in _TORCH_RMS_DTYPES and x.numel() <= _TORCH_RMS_GRAD_NUMEL
 
 
@@ -141,7 +154,8 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
     holds.
 
     Which kernel runs: in plain eager mode on the CPU, when nothing needs a gradient (``no_grad``,
-    inference; inputs under 32 MiB, see :mod:`layernorm.kernels.cpu.buffers`) or, in float32 and
+    inference; inputs under 32 MiB, see :data:`layernorm.ops._dispatch.TORCH_INFERENCE_BYTES`)
+    or, in float32 and
     float64, the input has at most :data:`SMALL_NUMEL` elements and no DetachNorm flag is set,
     torch's native ``layer_norm`` runs — the same formula (DetachNorm
     changes only the backward), and at these sizes the call overhead is the cost; in bfloat16
@@ -249,10 +263,11 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
     the state_dict (``weight`` only, shape ``normalized_shape``) are ``torch.nn.RMSNorm``'s.
 
     Which kernel runs: the fused kernels of :mod:`layernorm.ops`. When nothing needs a gradient,
-    on the CPU, a float32 or float64 input below 32 MiB with a gain of its dtype takes torch's own
-    ``rms_norm`` (the same formula, within the same tolerance; what is left to save on a per-token
-    call is Python), a larger or half one the fused forward kernel directly, with nothing saved
-    for backward (see :func:`layernorm.functional._rms_norm_lean`). With gradients, a float32 or
+    on the CPU, a small input (below 2^16 elements in float32, 2^15 in float64, bfloat16 and
+    float16) with a gain of its dtype takes torch's own ``rms_norm`` (the same formula, within
+    the same tolerance; what is left to save on a per-token call is Python), a larger one the
+    fused forward kernel directly, with nothing saved for backward (see
+    :func:`layernorm.functional._rms_norm_lean`). With gradients, a float32 or
     float64 input of at most 8192 elements takes ``torch.rms_norm`` too (its autograd costs less
     than the fused path's there; outputs and gradients within the fused kernels' tolerance).
 

@@ -174,6 +174,15 @@ def lean_input(x: object, eps: object) -> bool:
 # the Python. From 8 MiB on torch's outputs take fresh pages on every call where the fused
 # kernels reuse theirs.
 TORCH_KERNEL_NUMEL = 1 << 20
+#: Below this many bytes a layer norm that needs no gradient runs torch's kernel (the same
+#: forward formula; on a per-token call the cost is the Python around it): the buffer cache's
+#: output size, from which the fused kernels write into reused memory where torch's output takes
+#: fresh pages on every call (3x torch's time at 32 MiB). Below it the fused forward kernel took
+#: 0.73-0.88 of torch.nn.LayerNorm's time from 2^19 elements on when the two alternated
+#: (``benchmarks/ab_norm_routes.py``: float32 (1024, 768) 0.79, (256, 4096) 0.73), but 1.18-1.20
+#: at (1024, 768) among the modules' other calls (``bench_norms_cpu.py``; AMD EPYC Zen 5, one
+#: thread, RESULTS.md 2026-11-28): no size below it where it wins either way.
+TORCH_INFERENCE_BYTES = buffers.OUTPUT_MIN_BYTES
 #: The dtypes whose gradients torch's CPU layer norm gives within the fused kernels' tolerances
 #: (torch's bfloat16 and float16 backward gave dx errors 1.6x the fused kernels' bfloat16
 #: tolerance at 37 rows of 7, where the fused kernels compute in float32).
@@ -205,10 +214,8 @@ def torch_layer_norm(
     call, where torch's C++ node costs less than a custom op's Python.
 
     On an :func:`aten_input` ``x``: where nothing needs a gradient, ``torch.layer_norm`` itself
-    (the same forward formula) below the buffer cache's output size
-    (:data:`layernorm.kernels.cpu.buffers.OUTPUT_MIN_BYTES`: from there the fused kernels write
-    into reused memory where torch's output takes fresh pages on every call, 3x torch's time at
-    32 MiB); with gradients, up to :data:`TORCH_KERNEL_NUMEL` elements in
+    (the same forward formula) below :data:`TORCH_INFERENCE_BYTES`; with gradients, up to
+    :data:`TORCH_KERNEL_NUMEL` elements in
     :data:`TORCH_BACKWARD_DTYPES`, and in bfloat16 / float16 up to :data:`TORCH_FLOAT32_NUMEL`
     with parameters in x's dtype or float32, torch's float32 kernel on x converted exactly, the
     result rounded once back (the casts' backward rounds dx once from float32 and dγ/dβ, summed
@@ -221,7 +228,7 @@ def torch_layer_norm(
         return None  # a derivative may be taken without autograd's graph: DetachNorm's own
     in_float32 = False
     if not needs_grad(x, weight, bias):
-        if x.nbytes >= buffers.OUTPUT_MIN_BYTES:
+        if x.nbytes >= TORCH_INFERENCE_BYTES:
             return None
     elif detaching:
         return None

@@ -832,16 +832,21 @@ def test_one_step_training_runs_the_step_ops(kind: str, options: dict) -> None:
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("steps", [1, 2], ids=["one step", "two steps"])
 @pytest.mark.parametrize("rows", [6, 5], ids=["large step", "below the rule"])
+@pytest.mark.parametrize("tile_faster", [True, False], ids=["C GEMM faster", "torch.mm faster"])
 def test_large_steps_without_layer_norms_train_by_the_fused_node(
-    monkeypatch: pytest.MonkeyPatch, kind: str, steps: int, rows: int
+    monkeypatch: pytest.MonkeyPatch, kind: str, steps: int, rows: int, tile_faster: bool
 ) -> None:
     """Without layer norms, a training call of one or two steps runs the step ops only below
     ``layers._LEAN_NONE_STEP_MACS[steps]`` multiply-adds of a step (rows · G·H · (I + H)); from
-    there the fused node (each direction), with the loop's values and gradients either way."""
+    there the fused node (each direction), one step only where the C GEMM outpaces torch's;
+    with the loop's values and gradients either way."""
+    from layernorm.recurrent import _cstep
+
     cls, _ = LAYERS[kind]
     gates = {"lstm": 4, "gru": 3, "rnn": 1}[kind]
     rule = 6 * gates * 5 * (16 + 5)
     monkeypatch.setattr(recurrent_layers, "_LEAN_NONE_STEP_MACS", {1: rule, 2: rule})
+    monkeypatch.setattr(_cstep, "tile_outpaces_torch_gemm", lambda: tile_faster)
     torch.manual_seed(0)
     model = cls(16, 5, dtype=DT, norm="none", bidirectional=True)
     randomize(model)
@@ -853,7 +858,7 @@ def test_large_steps_without_layer_norms_train_by_the_fused_node(
     for a, b in zip(out + grads, out_l + grads_l, strict=True):
         torch.testing.assert_close(a, b, **FUSED_TOL)
     nodes = set(_graph_nodes(model(x.requires_grad_(), hx if kind == "lstm" else hx[0])[0]))
-    assert bool(nodes & set(_NODES)) == (rows == 6)
+    assert bool(nodes & set(_NODES)) == (rows == 6 and (steps == 2 or tile_faster))
 
 
 _CELL_NODES = ("LSTMCellStepBackward", "GRUCellStepBackward")

@@ -144,7 +144,11 @@ _LEAN_TRAINING_STEPS: dict[str, int] = {"layer": 1, "none": 2}
 # 1.29 / 1.49, (2, 64, 128, 128) 1.21 / 1.23, (2, 32, 256, 256) 1.17 / 1.13; one step, LSTM
 # (1, 32, 128, 128) 1.11 / 1.26, (1, 64, 128, 128) 1.01 / 0.92, (1, 128, 256, 256) 0.85 / 0.58;
 # GRU (1, 32, 128, 128) 1.14 / 1.59, (1, 256, 256, 256) 1.06 / 0.96; Elman (1, 32, 128, 128)
-# 1.24 / 1.97, (1, 256, 256, 256) 1.05 / 0.97.
+# 1.24 / 1.97, (1, 256, 256, 256) 1.05 / 0.97. A step alone only where the C GEMM outpaces
+# torch.mm (_cstep.tile_outpaces_torch_gemm): the AVX2 build on the same processor, before /
+# with the rule, LSTM (1, 64, 128, 128) 1.04 / 1.16, GRU (1, 256, 256, 256) 1.10 / 1.25, Elman
+# 1.01 / 1.19; two steps there LSTM (2, 128, 256, 256) 1.32 / 1.17, GRU (2, 16, 256, 256) 1.09 /
+# 0.79, Elman (2, 64, 256, 256) 1.12 / 1.13.
 _LEAN_NONE_STEP_MACS: dict[int, int] = {1: 1 << 23, 2: 1 << 21}
 # Each layer's inference plans, per direction (suffix) with their keys (see _plan_key): outside
 # the module, so that copying or pickling a layer never copies C structs holding addresses.
@@ -883,7 +887,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
         where the fused path would run and was not asked for by name (``impl="fused"``); not
         an LN-LSTM's step of many rows, which the planned node takes
         (:func:`._cellstep.planned_step_pays`), nor without layer norms a step of
-        :data:`_LEAN_NONE_STEP_MACS` multiply-adds or more, which the fused node takes."""
+        :data:`_LEAN_NONE_STEP_MACS` multiply-adds or more (one step: where the C GEMM outpaces
+        torch's), which the fused node takes."""
         if len(sizes) > _LEAN_TRAINING_STEPS.get(self.norm, 0) or self.proj_size:
             return False
         if self.impl != "auto" or data.dtype not in _FUSED_DTYPES or not data.is_cpu:
@@ -894,7 +899,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         lstm = self.mode == "LSTM" and self.norm == "layer" and not self.normalize_cell_state
         if lstm and len(sizes) == 1 and _cellstep.planned_step_pays(data, self.hidden_size):
             return False
-        if self.norm == "none":
+        if self.norm == "none" and (len(sizes) > 1 or _cstep.tile_outpaces_torch_gemm()):
             hidden = self.hidden_size
             macs = sizes[0] * self.gate_count * hidden * (data.shape[-1] + hidden)
             if macs >= _LEAN_NONE_STEP_MACS.get(len(sizes), 0):

@@ -155,9 +155,8 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
 
     Which kernel runs: in plain eager mode on the CPU, when nothing needs a gradient (``no_grad``,
     inference; inputs under 32 MiB, see :data:`layernorm.ops._dispatch.TORCH_INFERENCE_BYTES`)
-    or, in float32 and
-    float64, the input has at most :data:`SMALL_NUMEL` elements and no DetachNorm flag is set,
-    torch's native ``layer_norm`` runs — the same formula (DetachNorm
+    or, in float32 and float64, the input has at most :data:`SMALL_NUMEL` elements and no
+    DetachNorm flag is set, torch's native ``layer_norm`` runs — the same formula (DetachNorm
     changes only the backward), and at these sizes the call overhead is the cost; in bfloat16
     and float16 with gradients, up to :data:`layernorm.ops._dispatch.TORCH_FLOAT32_NUMEL`
     elements, torch's float32 kernel on the input converted exactly, rounded once back (the fused

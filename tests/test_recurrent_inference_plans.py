@@ -95,6 +95,8 @@ def _exactly(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         (4, 2, {"bidirectional": True}),
         (3, 5, {"batch_first": True, "num_layers": 2, "bidirectional": True}),
         (30, 5, {}),  # past _LOOP_PROJECTION_ROWS: the projection inside the time loop
+        (3, 2, {"bias": False}),  # no bias to fold: the kernel's zeros stay
+        (3, 2, {"bias": False, "norm": "none"}),
     ],
 )
 def test_a_kept_plan_returns_what_a_fresh_call_does(

@@ -843,11 +843,12 @@ def _fold_unset(out: Tensor | None) -> Tensor | None:
 
 def _fold_into(kept: Tensor | None, fold_bias: Callable[[Tensor | None], Tensor | None]) -> None:
     """The input side's bias folded into ``kept``, the buffer a kept kernel struct reads it from
-    (no bias where ``kept`` is ``None``)."""
+    (no bias where ``kept`` is ``None``). A layer without biases folds none (``None``): its
+    kernel reads the zeros it was given for the bias (``_cstep``'s defaults), which stay."""
     if kept is not None:
         folded = fold_bias(kept)
-        if folded is not kept:
-            kept.copy_(folded)  # type: ignore[arg-type]
+        if folded is not None and folded is not kept:
+            kept.copy_(folded)
 
 
 # The dtypes whose inference projection the C sequence kernels compute (their instances).

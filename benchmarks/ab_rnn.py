@@ -37,6 +37,7 @@ commas, each timed on its own in turn:
     python benchmarks/ab_rnn.py --gemm --a tile --b mkl --mode infer \
         --shape 100x32x128x256,1000x4x32x128
 
+``--dtype bfloat16`` (or ``float16``) runs both layers, their input and state in that dtype.
 With ``--group`` they are the LN-LSTM forward step's rows a group (``rnn.use_forward_group``):
 
     python benchmarks/ab_rnn.py --group --a 4 --b 8 --mode infer --shape 20x256x32x32
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--norm", choices=("layer", "none"), default="layer",
                     help="the layers' norm (none: the recurrence without layer norms)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="both layers', their input's and state's dtype")  # fmt: skip
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument(
         "--attr",
@@ -127,9 +130,11 @@ def main() -> None:
         t, b, i, h = (int(v) for v in shape.split("x"))
         torch.manual_seed(0)
         tcls, ocls = KINDS[args.kind]
+        dtype = getattr(torch, args.dtype)
         ref = tcls(i, h)
-        ours = ocls.from_torch(ref, norm=args.norm)
-        x = (torch.randn(t, b, i) + 0.5).requires_grad_(args.mode == "train")
+        ours = ocls.from_torch(ref, norm=args.norm).to(dtype)
+        ref = ref.to(dtype)
+        x = (torch.randn(t, b, i) + 0.5).to(dtype).requires_grad_(args.mode == "train")
         # a layer for each setting: a layer keeps the plans of its calls (inference, training),
         # built under the setting of the call that built them, which one layer would then run
         # under both settings
@@ -148,7 +153,8 @@ def main() -> None:
         samples = interleaved_samples(fns, warmup=3, reps=args.reps)
         med = {k: statistics.median(v) for k, v in samples.items()}
         low = {k: min(v) for k, v in samples.items()}
-        print(f"{args.kind} {(t, b, i, h)} {args.mode}: torch {med['torch']:.2f} ms; {setting} "
+        print(f"{args.kind} {(t, b, i, h)} {args.dtype} {args.mode}: torch {med['torch']:.2f} ms; "
+              f"{setting} "
               f"A = {args.a}: {med['A'] / med['torch']:.2f} ({low['A'] / low['torch']:.2f}), "
               f"B = {args.b}: {med['B'] / med['torch']:.2f} ({low['B'] / low['torch']:.2f}) "
               f"x torch, medians (fastest rounds) of {args.reps} rounds")  # fmt: skip

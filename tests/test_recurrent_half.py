@@ -208,3 +208,130 @@ def test_bfloat16_layer_projects_in_the_loop_by_its_packed_bytes():
     assert not _fused._projects_in_loop(source, 20)
     with _cstep.bfloat16_layer():
         assert _fused._projects_in_loop(source, 20)
+
+
+# --- small inference calls by the layer's float32 twin (layers._HalfTwin) ---------------------
+
+
+def _half_calls(m, x, hx, monkeypatch):
+    """``m``'s results on ``(x, hx)`` under ``no_grad`` by its float32 twin and by the half path
+    (the twin's row limit set to zero), the twin used."""
+    with torch.no_grad():
+        twin_result = m(x, hx)
+        twin = layers._HALF_TWINS.get(m)
+        monkeypatch.setattr(layers, "_HALF_TWIN_MAX_ROWS", 0)
+        half_result = m(x, hx)
+        monkeypatch.undo()
+    return twin_result, half_result, twin
+
+
+def _flat(result):
+    out, state = result
+    return [out, *(state if isinstance(state, tuple) else (state,))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"num_layers": 2, "bidirectional": True}, {"batch_first": True}, {"norm": "none"},
+     {"bias": False}],
+    ids=["one layer", "two layers, both directions", "batch first", "no layer norms",
+         "no biases"],
+)  # fmt: skip
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_small_half_inference_calls_run_the_float32_twin(cls, options, dtype, monkeypatch):
+    """A half-precision inference call of few rows runs the layer's float32 twin: results in the
+    input's dtype, within the half path's error model of float64 on the same values (float32
+    arithmetic, one rounding), and within one rounding of the half path itself (the input
+    products summed in another order; of two layers the first's output rounded before the
+    second takes it, as the half path does); the twin's second call by its kept plans."""
+    torch.manual_seed(0)
+    m = cls(16, 24, **options).to(dtype).eval()
+    layers_dirs = m.num_layers * m.num_directions
+    shape = (2, 3, 16) if options.get("batch_first") else (3, 2, 16)
+    x = torch.randn(shape, dtype=torch.float64).to(dtype)
+    h0 = (0.5 * torch.randn(layers_dirs, 2, 24, dtype=torch.float64)).to(dtype)
+    hx = (h0, h0.flip(-1)) if cls is layernorm.LayerNormLSTM else h0
+    ref = copy.deepcopy(m).double()
+    ref.impl = "loop"
+    u = UNIT_ROUNDOFF[dtype]
+    for state in (None, hx):
+        got, half, twin = _half_calls(m, x, state, monkeypatch)
+        assert twin is not None
+        with torch.no_grad():
+            want = ref(x.double(), None if state is None else _double(state))
+        for a, h, r in zip(_flat(got), _flat(half), _flat(want), strict=True):
+            assert a.dtype == dtype and a.shape == r.shape
+            assert (a.double() - r).abs().max() <= 4 * u * r.abs().max()
+            assert (a.double() - h.double()).abs().max() <= 2 * u * h.double().abs().max()
+    assert layers._CALL_PLANS.get(twin.module) is not None  # kept by the twin's calls
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_the_half_twin_reads_the_parameters_as_they_are_now(cls, monkeypatch):
+    """Every call copies the parameters into the twin: a write through ``.data`` (which keeps
+    the version counter), an update under ``no_grad``, a parameter registered in another's
+    place, and a setting written (``eps``) all show in the next call, as in the half path's."""
+    torch.manual_seed(0)
+    m = cls(8, 12).to(torch.bfloat16)
+    x = torch.randn(2, 3, 8).to(torch.bfloat16)
+    name = "weight_hh_l0"
+
+    def updates():
+        yield lambda: getattr(m, name).data.mul_(1.5)
+        yield lambda: getattr(m, name).add_(0.25)
+        # (not through __setattr__, which counts a new setting: the twin's key holds identities)
+        yield lambda: m.register_parameter(name, torch.nn.Parameter(getattr(m, name).flip(0)))
+        yield lambda: setattr(m, "eps", 0.5)
+
+    before = None
+    for update in updates():
+        with torch.no_grad():
+            update()
+        got, half, twin = _half_calls(m, x, None, monkeypatch)
+        assert twin is not None
+        u = UNIT_ROUNDOFF[torch.bfloat16]
+        for a, h in zip(_flat(got), _flat(half), strict=True):
+            assert (a.double() - h.double()).abs().max() <= 2 * u * h.double().abs().max()
+        assert before is None or not torch.equal(got[0], before)
+        before = got[0]
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_the_half_twin_made_in_inference_mode_serves_no_grad_calls(cls):
+    """A twin made under ``torch.inference_mode()`` takes the parameters again under
+    ``no_grad`` (its float32 copies are not inference tensors, which only inference mode may
+    write), with the same results."""
+    torch.manual_seed(0)
+    m = cls(8, 12).to(torch.bfloat16)
+    x = torch.randn(2, 3, 8).to(torch.bfloat16)
+    with torch.inference_mode():
+        first = m(x)[0]
+    with torch.no_grad():
+        again = m(x)[0]
+    assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_no_half_twin_where_the_call_is_not_a_small_plain_inference(cls, monkeypatch):
+    """No twin with gradients, past ``_HALF_TWIN_MAX_ROWS`` rows, inside the rounded recurrent
+    products' block, for a layer past ``_HALF_TWIN_MAX_BYTES``, or with a state of another
+    dtype (the half path then names it, as before)."""
+    torch.manual_seed(0)
+    m = cls(8, 12).to(torch.bfloat16)
+    small = torch.randn(2, 3, 8).to(torch.bfloat16)
+    m(small)  # gradients on
+    with torch.no_grad():
+        m(torch.randn(layers._HALF_TWIN_MAX_ROWS + 1, 1, 8).to(torch.bfloat16))
+        with layernorm.recurrent.bfloat16_recurrent_products():
+            m(small)
+        monkeypatch.setattr(layers, "_HALF_TWIN_MAX_BYTES", 4 * 100)
+        m(small)
+        monkeypatch.undo()
+        assert layers._HALF_TWINS.get(m) is None
+        h0 = torch.zeros(1, 3, 12)  # float32 state, bfloat16 input
+        with pytest.raises(TypeError):
+            m(small, (h0, h0) if cls is layernorm.LayerNormLSTM else h0)
+        assert layers._HALF_TWINS.get(m) is None
+        m(small)
+    assert layers._HALF_TWINS.get(m) is not None

@@ -286,6 +286,11 @@ def rounded_recurrent_products() -> contextlib.AbstractContextManager[None]:
     return _set(_ROUNDED_RECURRENT)
 
 
+def rounded_products_asked() -> bool:
+    """Whether the caller is inside :func:`rounded_recurrent_products`."""
+    return _ROUNDED_RECURRENT.get()
+
+
 def bfloat16_projection() -> bool:
     """Whether the sequence kernels called in this context compute an input projection with the
     processor's bfloat16 dot products (a bfloat16 layer, :func:`bfloat16_layer`, on a build that

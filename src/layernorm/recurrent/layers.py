@@ -44,9 +44,11 @@ forward-mode AD and autocast always use it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import numbers
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -150,6 +152,13 @@ _LEAN_TRAINING_STEPS: dict[str, int] = {"layer": 1, "none": 2}
 # 1.01 / 1.19; two steps there LSTM (2, 128, 256, 256) 1.32 / 1.17, GRU (2, 16, 256, 256) 1.09 /
 # 0.79, Elman (2, 64, 256, 256) 1.12 / 1.13.
 _LEAN_NONE_STEP_MACS: dict[int, int] = {1: 1 << 23, 2: 1 << 21}
+# A half-precision inference call of at most this many rows (steps · batch) runs the layer's
+# float32 twin (_HalfTwin), for layers of at most _HALF_TWIN_MAX_BYTES of float32 parameters
+# (the twin keeps them): the per-call casts and struct building of the half path are most of a
+# decoder step's time, where a longer call's input products are bfloat16 dot products (twice
+# float32's multiply-adds per instruction) the twin would not take.
+_HALF_TWIN_MAX_ROWS = 256
+_HALF_TWIN_MAX_BYTES = 16 << 20
 # Each layer's inference plans, per direction (suffix) with their keys (see _plan_key): outside
 # the module, so that copying or pickling a layer never copies C structs holding addresses.
 _INFERENCE_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[Any, Any]]] = (
@@ -158,6 +167,9 @@ _INFERENCE_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[Any, Any]
 # Each layer's planned call (_CallPlan): the last inference call that ran every direction by a
 # kept plan, for the next call with the same signature (_call_signature).
 _CALL_PLANS: weakref.WeakKeyDictionary[nn.Module, _CallPlan] = weakref.WeakKeyDictionary()
+# Each layer's float32 twin for its small half-precision inference calls (_HalfTwin), with the
+# key it was made for (_half_twin_key).
+_HALF_TWINS: weakref.WeakKeyDictionary[nn.Module, _HalfTwin] = weakref.WeakKeyDictionary()
 # The torch layer whose weights each recurrence takes, for ``from_torch``.
 _TORCH_LAYERS: dict[str, type[nn.RNNBase]] = {"RNN": nn.RNN, "LSTM": nn.LSTM, "GRU": nn.GRU}
 
@@ -207,6 +219,27 @@ def bfloat16_recurrent_products() -> contextlib.AbstractContextManager[None]:
             out, state = lstm(x.bfloat16())
     """
     return _cstep.rounded_recurrent_products()
+
+
+class _HalfTwin(NamedTuple):
+    """A float32 copy of a half-precision layer for its small inference calls: a shallow copy of
+    the module (its settings as they were when it was made: a setting written since, or a
+    parameter replaced, makes a new one) whose parameters are float32 tensors of its own, into
+    which each call copies the layer's parameters (one ``torch._foreach_copy_``, exact), then
+    runs on the input and state converted exactly and rounds the results once to their dtypes:
+    the half path's arithmetic (float32 products of half values, exact; float32 sums; one
+    rounding of each result, each layer's output too before the next layer takes it), but with
+    parameters at fixed addresses, so
+    that the twin's calls keep inference plans (:class:`_CallPlan`), where the half path builds
+    its structs and casts each parameter on every call. Kept (``_HALF_TWINS``) only for layers of
+    at most ``_HALF_TWIN_MAX_BYTES`` of float32 parameters; ``lock`` keeps one call at a time on
+    the twin's parameters (a call that finds it taken runs the half path)."""
+
+    key: tuple[Any, ...]
+    module: nn.Module
+    params: list[Tensor]  # the layer's parameters, in the order of ``shadows``
+    shadows: list[Tensor]
+    lock: threading.Lock
 
 
 class _CallPlan(NamedTuple):
@@ -584,6 +617,10 @@ class _LNRNNBase(NotScriptable, nn.Module):
             result = planned.run(self, input, hx)
             if result is not None:
                 return result
+        if type(input) is Tensor and input.dtype in _HALF_DTYPES:
+            through_twin = self._through_half_twin(input, hx)
+            if through_twin is not None:
+                return through_twin
         owner = type(self).__name__
         if isinstance(input, PackedSequence):
             data, batch_sizes, sorted_idx, unsorted_idx = input
@@ -709,6 +746,9 @@ class _LNRNNBase(NotScriptable, nn.Module):
                 if ck is not None:
                     c_n.append(ck)
             layer_in = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            rounded = self.__dict__.get("_layer_output_dtype")  # a half layer's twin (_HalfTwin)
+            if rounded is not None and k < self.num_layers - 1:
+                layer_in = layer_in.to(rounded).to(layer_in.dtype)  # as the half path hands it on
             if self.dropout > 0 and self.training and k < self.num_layers - 1:
                 layer_in = F.dropout(layer_in, self.dropout, training=True)
         return layer_in, h_n, c_n
@@ -729,6 +769,73 @@ class _LNRNNBase(NotScriptable, nn.Module):
             *[(id(p), p.data_ptr(), p.shape, p.dtype, p.is_contiguous())
               for p in self._parameters.values() if p is not None],
         )  # fmt: skip
+
+    def _through_half_twin(self, input: Tensor, hx: Any) -> Any:
+        """A small half-precision inference call by the layer's float32 twin (:class:`_HalfTwin`):
+        ``input`` a plain CPU tensor of at most ``_HALF_TWIN_MAX_ROWS`` rows, nothing recorded
+        (gradients off, plain eager, no autocast, no rounded recurrent products asked for), ``hx``
+        ``None`` or tensors of the input's dtype, every parameter registered in the input's
+        dtype. ``None`` elsewhere (and where another thread holds the twin): the half path runs
+        the call, and names what is wrong with it."""
+        if torch.is_grad_enabled() or not input.is_cpu or input.dim() not in (2, 3):
+            return None
+        if input.numel() > _HALF_TWIN_MAX_ROWS * self.input_size:
+            return None
+        if self.norm == "batch" or self.impl == "loop" or not plain_eager():
+            return None
+        if torch.is_autocast_enabled("cpu") or _cstep.rounded_products_asked():
+            return None
+        dtype = input.dtype
+        if hx is None:
+            states: tuple[Tensor, ...] = ()
+        else:
+            states = hx if type(hx) is tuple else (hx,)
+            if any(type(t) is not Tensor or t.dtype is not dtype for t in states):
+                return None
+        twin = self._half_twin(dtype)
+        if twin is None or not twin.lock.acquire(blocking=False):
+            return None
+        try:
+            torch._foreach_copy_(twin.shadows, twin.params)
+            f32 = torch.float32
+            hx32 = None if hx is None else tuple(t.to(f32) for t in states)
+            if hx32 is not None and type(hx) is not tuple:
+                hx32 = hx32[0]
+            out, state = _LNRNNBase.forward(twin.module, input.to(f32), hx32)  # type: ignore[arg-type]
+        finally:
+            twin.lock.release()
+        if type(state) is tuple:
+            return out.to(dtype), tuple(t.to(dtype) for t in state)
+        return out.to(dtype), state.to(dtype)
+
+    def _half_twin(self, dtype: torch.dtype) -> _HalfTwin | None:
+        """The layer's float32 twin for inputs of half ``dtype`` (made on the first call, again
+        after a setting or a parameter's shape changes), or ``None`` where the layer keeps none:
+        a parametrization, a parameter of another dtype or device, more than
+        ``_HALF_TWIN_MAX_BYTES`` of float32 parameters."""
+        if self._modules.get("parametrizations") is not None:
+            return None
+        named = [(n, p) for n, p in self._parameters.items() if p is not None]
+        if any(p.dtype is not dtype or not p.is_cpu for _, p in named):
+            return None
+        key = (self.__dict__.get("_settings_version"), self.training, dtype,
+               *((n, id(p), p.shape) for n, p in named))  # fmt: skip
+        kept = _HALF_TWINS.get(self)
+        if kept is not None and kept.key == key:
+            return kept
+        if 4 * sum(p.numel() for _, p in named) > _HALF_TWIN_MAX_BYTES:
+            return None
+        module = copy.copy(self)
+        with torch.inference_mode(False):  # tensors every later call may write, in either mode
+            shadows = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in named}
+        module.__dict__["_parameters"] = {
+            n: (None if p is None else shadows[n]) for n, p in self._parameters.items()
+        }
+        module.__dict__["_layer_output_dtype"] = dtype
+        twin = _HalfTwin(key, module, [p for _, p in named], list(shadows.values()),
+                         threading.Lock())  # fmt: skip
+        _HALF_TWINS[self] = twin
+        return twin
 
     @staticmethod
     def _run_kept(

@@ -36,6 +36,9 @@ it, or for LN-LSTM and LN-GRU the cells' node of C cell kernels (:mod:`._cellste
 no recurrence to fuse, and the sequence node costs more than the ops, except an LN-LSTM step of
 many rows, which the planned node of one step runs (:func:`._cellstep.planned_step_pays`), and
 without layer norms a large step (``_LEAN_NONE_STEP_MACS``), which the sequence node runs.
+bfloat16 / float16 CPU inputs take the fused path computed in float32, their results rounded
+once; a small such call under ``no_grad`` runs a float32 twin of the layer that keeps its plans
+(:class:`_HalfTwin`).
 ``impl="loop"`` runs the readable per-step reference (:mod:`layernorm.recurrent._steps`), which
 the tests compare against; batch norm, torch.compile, torch.jit.trace, ``torch.func`` transforms,
 forward-mode AD and autocast always use it.

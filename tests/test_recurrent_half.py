@@ -312,6 +312,20 @@ def test_the_half_twin_made_in_inference_mode_serves_no_grad_calls(cls):
     assert torch.equal(first, again)
 
 
+def test_the_half_twin_keeps_its_copies_on_the_cpu_whatever_the_default_device():
+    """A twin made under another default device (``with torch.device("meta")``) keeps its
+    float32 parameters on the CPU, where the layer's are."""
+    torch.manual_seed(0)
+    m = layernorm.LayerNormGRU(8, 12).to(torch.bfloat16)
+    x = torch.randn(2, 3, 8).to(torch.bfloat16)
+    with torch.no_grad():
+        want = m(x)[0]
+        layers._HALF_TWINS.pop(m)
+        with torch.device("meta"):
+            got = m(x)[0]
+    assert got.device.type == "cpu" and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
 def test_no_half_twin_where_the_call_is_not_a_small_plain_inference(cls, monkeypatch):
     """No twin with gradients, past ``_HALF_TWIN_MAX_ROWS`` rows, inside the rounded recurrent

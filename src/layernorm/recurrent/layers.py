@@ -830,7 +830,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             return None
         module = copy.copy(self)
         with torch.inference_mode(False):  # tensors every later call may write, in either mode
-            shadows = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in named}
+            shadows = {n: torch.empty(p.shape, dtype=torch.float32, device="cpu") for n, p in named}
         module.__dict__["_parameters"] = {
             n: (None if p is None else shadows[n]) for n, p in self._parameters.items()
         }

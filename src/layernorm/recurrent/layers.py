@@ -170,8 +170,7 @@ _INFERENCE_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[Any, Any]
 # Each layer's planned call (_CallPlan): the last inference call that ran every direction by a
 # kept plan, for the next call with the same signature (_call_signature).
 _CALL_PLANS: weakref.WeakKeyDictionary[nn.Module, _CallPlan] = weakref.WeakKeyDictionary()
-# Each layer's float32 twin for its small half-precision inference calls (_HalfTwin), with the
-# key it was made for (_half_twin_key).
+# Each layer's float32 twin for its small half-precision inference calls (_HalfTwin).
 _HALF_TWINS: weakref.WeakKeyDictionary[nn.Module, _HalfTwin] = weakref.WeakKeyDictionary()
 # The torch layer whose weights each recurrence takes, for ``from_torch``.
 _TORCH_LAYERS: dict[str, type[nn.RNNBase]] = {"RNN": nn.RNN, "LSTM": nn.LSTM, "GRU": nn.GRU}
@@ -224,6 +223,13 @@ def bfloat16_recurrent_products() -> contextlib.AbstractContextManager[None]:
     return _cstep.rounded_recurrent_products()
 
 
+def _cast_states(states: Any, dtype: torch.dtype) -> Any:
+    """A layer's state (a tensor, or the LSTM's ``(h, c)``) in ``dtype``."""
+    if type(states) is tuple:
+        return tuple(t.to(dtype) for t in states)
+    return states.to(dtype)
+
+
 class _HalfTwin(NamedTuple):
     """A float32 copy of a half-precision layer for its small inference calls: a shallow copy of
     the module (its settings as they were when it was made: a setting written since, or a
@@ -232,11 +238,11 @@ class _HalfTwin(NamedTuple):
     runs on the input and state converted exactly and rounds the results once to their dtypes:
     the half path's arithmetic (float32 products of half values, exact; float32 sums; one
     rounding of each result, each layer's output too before the next layer takes it), but with
-    parameters at fixed addresses, so
-    that the twin's calls keep inference plans (:class:`_CallPlan`), where the half path builds
-    its structs and casts each parameter on every call. Kept (``_HALF_TWINS``) only for layers of
-    at most ``_HALF_TWIN_MAX_BYTES`` of float32 parameters; ``lock`` keeps one call at a time on
-    the twin's parameters (a call that finds it taken runs the half path)."""
+    parameters at fixed addresses, so that the twin's calls keep inference plans
+    (:class:`_CallPlan`), where the half path builds its structs and casts each parameter on
+    every call. Kept (``_HALF_TWINS``) only for layers of at most ``_HALF_TWIN_MAX_BYTES`` of
+    float32 parameters; ``lock`` keeps one call at a time on the twin's parameters (a call that
+    finds it taken runs the half path)."""
 
     key: tuple[Any, ...]
     module: nn.Module
@@ -789,27 +795,20 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if torch.is_autocast_enabled("cpu") or _cstep.rounded_products_asked():
             return None
         dtype = input.dtype
-        if hx is None:
-            states: tuple[Tensor, ...] = ()
-        else:
-            states = hx if type(hx) is tuple else (hx,)
-            if any(type(t) is not Tensor or t.dtype is not dtype for t in states):
-                return None
+        states = () if hx is None else hx if type(hx) is tuple else (hx,)
+        if any(type(t) is not Tensor or t.dtype is not dtype for t in states):
+            return None
         twin = self._half_twin(dtype)
         if twin is None or not twin.lock.acquire(blocking=False):
             return None
         try:
             torch._foreach_copy_(twin.shadows, twin.params)
             f32 = torch.float32
-            hx32 = None if hx is None else tuple(t.to(f32) for t in states)
-            if hx32 is not None and type(hx) is not tuple:
-                hx32 = hx32[0]
+            hx32 = None if hx is None else _cast_states(hx, f32)
             out, state = _LNRNNBase.forward(twin.module, input.to(f32), hx32)  # type: ignore[arg-type]
         finally:
             twin.lock.release()
-        if type(state) is tuple:
-            return out.to(dtype), tuple(t.to(dtype) for t in state)
-        return out.to(dtype), state.to(dtype)
+        return out.to(dtype), _cast_states(state, dtype)
 
     def _half_twin(self, dtype: torch.dtype) -> _HalfTwin | None:
         """The layer's float32 twin for inputs of half ``dtype`` (made on the first call, again
@@ -821,7 +820,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
         named = [(n, p) for n, p in self._parameters.items() if p is not None]
         if any(p.dtype is not dtype or not p.is_cpu for _, p in named):
             return None
-        key = (self.__dict__.get("_settings_version"), self.training, dtype,
+        # (train() / eval() are settings too: __setattr__ counts them)
+        key = (self.__dict__.get("_settings_version"), dtype,
                *((n, id(p), p.shape) for n, p in named))  # fmt: skip
         kept = _HALF_TWINS.get(self)
         if kept is not None and kept.key == key:

@@ -86,11 +86,11 @@ class _AdaNormEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x, k, scale, eps):  # type: ignore[override]
-        z, mean, rstd = backend_module(x, "ada_norm").ada_norm_fwd(
-            x, k, scale, eps, for_backward=True
-        )
+        kernels = backend_module(x, "ada_norm")
+        z, mean, rstd = kernels.ada_norm_fwd(x, k, scale, eps, for_backward=True)
         ctx.save_for_backward(x, mean, rstd)
         ctx.k, ctx.scale, ctx.eps = k, scale, eps
+        ctx.kernels = kernels  # the backward's, without choosing them again
         return z
 
     @staticmethod
@@ -98,9 +98,7 @@ class _AdaNormEager(torch.autograd.Function):
         x, mean, rstd = ctx.saved_tensors
         if reference_backward(dz):
             return _backward(ctx, dz, None, None)  # type: ignore[arg-type]
-        dx = backend_module(x, "ada_norm").ada_norm_bwd(
-            dz.contiguous(), x, mean, rstd, ctx.k, ctx.scale
-        )
+        dx = ctx.kernels.ada_norm_bwd(dz.contiguous(), x, mean, rstd, ctx.k, ctx.scale)
         return dx, None, None, None
 
 

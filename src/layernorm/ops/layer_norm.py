@@ -110,10 +110,10 @@ def _fused_backward(ctx: Any, dy: Tensor, bwd: Callable[..., tuple]) -> tuple:
         return (*_reference_backward(ctx, dy, x, weight, bias), None, None, None)
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     dx, dw, db = bwd(
-        dy, x, mean, rstd, weight, ctx.detach_mean, ctx.detach_std,
+        dy.contiguous(), x, mean, rstd, weight, ctx.detach_mean, ctx.detach_std,
         need_dx, need_dw and weight is not None, need_db and bias is not None,
     )  # fmt: skip
-    if db is not None and bias is not None:
+    if db is not None and bias is not None and db.dtype is not bias.dtype:
         db = db.to(bias.dtype)
     return dx, dw, db, None, None, None
 
@@ -153,16 +153,16 @@ class _LayerNormEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x, weight, bias, eps, detach_mean, detach_std):  # type: ignore[override]
-        y, mean, rstd = backend_module(x, "layer_norm").layer_norm_fwd(
-            x, weight, bias, eps, for_backward=True
-        )
+        kernels = backend_module(x, "layer_norm")
+        y, mean, rstd = kernels.layer_norm_fwd(x, weight, bias, eps, for_backward=True)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.eps, ctx.detach_mean, ctx.detach_std = eps, detach_mean, detach_std
+        ctx.kernels = kernels  # the backward's, without choosing them again
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor):  # type: ignore[override]
-        return _fused_backward(ctx, dy, _backend_bwd)
+        return _fused_backward(ctx, dy, ctx.kernels.layer_norm_bwd)
 
 
 def layer_norm_rows(

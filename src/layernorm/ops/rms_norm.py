@@ -95,9 +95,11 @@ class _RMSNormEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x, weight, eps):  # type: ignore[override]
-        y, rstd = backend_module(x, "rms_norm").rms_norm_fwd(x, weight, eps, for_backward=True)
+        kernels = backend_module(x, "rms_norm")
+        y, rstd = kernels.rms_norm_fwd(x, weight, eps, for_backward=True)
         ctx.save_for_backward(x, weight, rstd)
         ctx.eps = eps
+        ctx.kernels = kernels  # the backward's, without choosing them again
         return y
 
     @staticmethod
@@ -106,7 +108,7 @@ class _RMSNormEager(torch.autograd.Function):
             return _backward(ctx, dy, None)  # type: ignore[arg-type]
         x, weight, rstd = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        dx, dw = backend_module(x, "rms_norm").rms_norm_bwd(
+        dx, dw = ctx.kernels.rms_norm_bwd(
             dy.contiguous(), x, rstd, weight, need_dx, need_dw and weight is not None
         )
         return dx, dw, None

@@ -180,9 +180,11 @@ def _stream_forward(x: Tensor) -> int:
 _BINDERS = {k.name: abi.Binder(k) for k in abi.KERNELS}
 
 
-def _call(name: str, **values: object) -> None:
-    """Check ``values`` against kernel ``name``'s description, then run it."""
-    args = _BINDERS[name](values)
+def _call(name: str, *, outputs_made: bool = True, **values: object) -> None:
+    """Check ``values`` against kernel ``name``'s description, then run it. ``outputs_made``:
+    the output tensors were allocated here, to the kernel's shapes from ``x`` (the default:
+    every kernel's outputs but a caller's ``out``), and only the inputs are checked."""
+    args = _BINDERS[name](values, outputs_made)
     x = values["x"]
     assert isinstance(x, Tensor)
     fns = _library()
@@ -208,7 +210,8 @@ def ln_fwd(
     y = buffers.output(x, for_backward) if out is None else out
     mean, rstd = _stats(x, m), _stats(x, m)
     _call("ln_fwd", x=x, weight=_compute(weight, x), bias=_compute(bias, x), y=y, mean=mean,
-          rstd=rstd, eps=eps, threads=_threads(m, n), stream=_stream_forward(x))  # fmt: skip
+          rstd=rstd, eps=eps, threads=_threads(m, n), stream=_stream_forward(x),
+          outputs_made=out is None)  # fmt: skip
     return y, mean, rstd
 
 
@@ -233,7 +236,7 @@ def ln_bwd(
     _call("ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=_compute(weight, x), dx=dx,
           dweight=dw, dbias=db, detach_mean=int(detach_mean), detach_std=int(detach_std),
           threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2))  # fmt: skip
-    if dw is not None and weight is not None:
+    if dw is not None and weight is not None and dw.dtype is not weight.dtype:
         dw = dw.to(weight.dtype)
     return dx, dw, db
 
@@ -256,7 +259,7 @@ def rms_bwd(
     dw = _stats(x, n) if need_dw else None
     _call("rms_bwd", dy=dy, x=x, rstd=rstd, weight=_compute(weight, x), dx=dx, dweight=dw,
           threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2))  # fmt: skip
-    if dw is not None and weight is not None:
+    if dw is not None and weight is not None and dw.dtype is not weight.dtype:
         dw = dw.to(weight.dtype)
     return dx, dw
 

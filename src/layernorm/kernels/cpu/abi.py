@@ -373,6 +373,10 @@ class Binder:
     The same rules, precompiled into tuples so that well-formed arguments cost a few attribute
     reads each (a kernel call on a small tensor takes microseconds); anything that fails the fast
     test is handed to :func:`check_call`, which raises the error naming what is wrong.
+
+    ``outputs_made=True`` says the output tensors were allocated by the caller itself to the
+    kernel's shapes and dtypes from ``x`` (as :mod:`._native` allocates them), so only their
+    addresses are taken: the inputs and scalars, which come from outside, are checked as always.
     """
 
     def __init__(self, kernel: Kernel) -> None:
@@ -392,15 +396,23 @@ class Binder:
                 plan.append((a.name, 3 if a.dtype is DType.FLAG else 4, 0, False))
         self.plan = tuple(plan)
         self.structs = {dt: structure(kernel, dt) for dt in INSTANCES}
-        # per instance, the dtype each field must have (None for scalars)
-        self.dtypes = {
-            dt: tuple(None if a.role is Role.SCALAR else expected_dtype(a.dtype, dt)
-                      for a in order)
+        # per instance and outputs_made, each field's plan entry and the dtype it must have (None
+        # for scalars); with outputs_made an output tensor is of kind 5, its address taken as is
+        self.plans = {
+            (dt, made): tuple(
+                (name, 5 if made and kind == 0 and a.role is Role.OUTPUT else kind, code,
+                 optional, None if a.role is Role.SCALAR else expected_dtype(a.dtype, dt))
+                for (name, kind, code, optional), a in zip(plan, order, strict=True)
+            )
             for dt in INSTANCES
+            for made in (False, True)
         }  # fmt: skip
 
-    def __call__(self, values: Mapping[str, object]) -> ctypes.Structure:
-        """The argument struct of ``values``, after checking them all; raises as check_call."""
+    def __call__(
+        self, values: Mapping[str, object], outputs_made: bool = False
+    ) -> ctypes.Structure:
+        """The argument struct of ``values``, after checking them (all of them, or all but the
+        outputs with ``outputs_made``); raises as check_call."""
         x = values.get("x")
         if type(x) is not Tensor and not isinstance(x, Tensor):
             check_call(self.kernel, values)
@@ -412,7 +424,7 @@ class Binder:
             raise AssertionError("unreachable: check_call raises")
         m, n = x.shape
         try:
-            fields = self._fields(values, dt, m, n)
+            fields = self._fields(values, m, n, self.plans[dt, outputs_made])
         except (AttributeError, TypeError):  # not a tensor, or a number of the wrong kind
             fields = None
         if fields is not None:
@@ -420,20 +432,21 @@ class Binder:
         check_call(self.kernel, values)
         raise AssertionError(f"{self.kernel.name}: arguments refused without a reason")
 
-    def _fields(
-        self, values: Mapping[str, object], dt: torch.dtype, m: int, n: int
-    ) -> list[object] | None:
+    @staticmethod
+    def _fields(values: Mapping[str, object], m: int, n: int, plan: tuple) -> list[object] | None:
         """The struct's fields in order, or ``None`` at the first argument that breaks a rule."""
         shapes = ((m, n), (m,), (n,))
         fields: list[object] = []
-        for (name, kind, code, optional), want in zip(self.plan, self.dtypes[dt], strict=True):
+        for name, kind, code, optional, want in plan:
             v = values.get(name)
-            if kind == 0:  # a tensor: dtype, device, shape, layout
-                if v is None:
-                    if not optional:
-                        return None
-                    fields.append(None)
-                elif (
+            if v is None and kind in (0, 5):  # a tensor left out: NULL, where it may be
+                if not optional:
+                    return None
+                fields.append(None)
+            elif kind == 5:  # an output made to measure (``outputs_made``): its address
+                fields.append(v.data_ptr())  # type: ignore[union-attr]
+            elif kind == 0:  # a tensor: dtype, device, shape, layout
+                if (
                     v.dtype is want  # type: ignore[union-attr]
                     and v.is_cpu  # type: ignore[union-attr]
                     and v.shape == shapes[code]  # type: ignore[union-attr]
@@ -445,15 +458,15 @@ class Binder:
             elif kind == 1:  # a size, from x
                 fields.append(m if code == 0 else n)
             elif kind == 2:  # a float scalar: finite, at least its minimum (NaN fails)
-                if isinstance(v, bool) or not isinstance(v, int | float):
+                if type(v) is not float and (isinstance(v, bool) or not isinstance(v, int | float)):
                     return None
                 if not code <= v < math.inf:  # type: ignore[operator]
                     return None
-                fields.append(float(v))
+                fields.append(float(v))  # type: ignore[arg-type]
             else:  # a flag (0 or 1) or a count (at least 1)
                 if not isinstance(v, int) or not (v in (0, 1) if kind == 3 else v >= 1):
                     return None
-                fields.append(int(v))
+                fields.append(v)
         return fields
 
 

@@ -29,7 +29,7 @@ from ._validation import (
     check_param,
     stats_dtype,
 )
-from .ops._dispatch import lean_input
+from .ops._dispatch import cpu_kernels, lean_input
 from .ops.ada_norm import ada_norm_rows, ada_norm_rows_eager
 from .ops.layer_norm import layer_norm_rows, layer_norm_rows_eager
 from .ops.rms_norm import rms_norm_rows, rms_norm_rows_eager
@@ -104,7 +104,10 @@ def layer_norm(
     lean = _lean_shape(x, normalized_shape, eps, weight, bias)
     if lean is not None and type(detach_mean) is bool and type(detach_std) is bool:
         rows = _rows(x, lean)  # type: ignore[arg-type]
-        y = layer_norm_rows_eager(rows, _flat(weight), _flat(bias), eps, detach_mean, detach_std)  # type: ignore[arg-type]
+        y = layer_norm_rows_eager(
+            rows, _flat(weight), _flat(bias), eps, detach_mean, detach_std,  # type: ignore[arg-type]
+            cpu_kernels("layer_norm"),
+        )  # fmt: skip
         return _unrows(y, x, lean)  # type: ignore[arg-type]
     x, shape = check_input(x, normalized_shape, "layer_norm")
     weight = check_param(weight, "weight", shape, x, "layer_norm")
@@ -165,7 +168,8 @@ def _rms_norm_lean(
     shape = _lean_shape(x, normalized_shape, eps, weight)
     if shape is None:
         return None
-    return _unrows(rms_norm_rows_eager(_rows(x, shape), _flat(weight), eps), x, shape)  # type: ignore[arg-type]
+    y = rms_norm_rows_eager(_rows(x, shape), _flat(weight), eps, cpu_kernels("rms_norm"))  # type: ignore[arg-type]
+    return _unrows(y, x, shape)
 
 
 def _lean_shape(
@@ -230,7 +234,13 @@ def ada_norm(
     """
     lean = _lean_shape(x, normalized_shape, eps)
     if lean is not None and _finite_number(k) and _finite_number(scale):
-        z = ada_norm_rows_eager(_rows(x, lean), float(k), float(scale), eps)  # type: ignore[arg-type]
+        z = ada_norm_rows_eager(
+            _rows(x, lean),
+            float(k),
+            float(scale),
+            eps,
+            cpu_kernels("ada_norm"),  # type: ignore[arg-type]
+        )
         return _unrows(z, x, lean)  # type: ignore[arg-type]
     x, shape = check_input(x, normalized_shape, "ada_norm")
     k_ = check_finite_scalar(k, "k", "ada_norm")

@@ -29,6 +29,17 @@ def backend_module(x: Tensor, family: str) -> ModuleType:
     return module
 
 
+def cpu_kernels(family: str) -> ModuleType:
+    """``layernorm.kernels.cpu.<family>``: what :func:`backend_module` gives a CPU tensor where no
+    backend is forced, for the lean paths, which have made sure of both (:func:`lean_input`), in
+    one lookup where choosing the backend reads the environment."""
+    module = _MODULES.get(("cpu", family))
+    if module is None:
+        module = importlib.import_module(f"layernorm.kernels.cpu.{family}")
+        _MODULES["cpu", family] = module
+    return module
+
+
 def plain_eager() -> bool:
     """True when no tracer watches: not torch.jit.trace, torch.compile/export, a functorch
     transform (vmap, grad), a dispatch mode (fake tensors, make_fx) or forward-mode AD (dual

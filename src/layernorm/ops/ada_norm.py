@@ -5,6 +5,7 @@ Saves ``x`` and the per-row ``mean``/``rstd``; double backward differentiates th
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -85,8 +86,7 @@ class _AdaNormEager(torch.autograd.Function):
     """The same backend kernels and backward as the custom op, minus its dispatch cost (eager)."""
 
     @staticmethod
-    def forward(ctx: Any, x, k, scale, eps):  # type: ignore[override]
-        kernels = backend_module(x, "ada_norm")
+    def forward(ctx: Any, x, k, scale, eps, kernels):  # type: ignore[override]
         z, mean, rstd = kernels.ada_norm_fwd(x, k, scale, eps, for_backward=True)
         ctx.save_for_backward(x, mean, rstd)
         ctx.k, ctx.scale, ctx.eps = k, scale, eps
@@ -97,9 +97,9 @@ class _AdaNormEager(torch.autograd.Function):
     def backward(ctx: Any, dz: Tensor):  # type: ignore[override]
         x, mean, rstd = ctx.saved_tensors
         if reference_backward(dz):
-            return _backward(ctx, dz, None, None)  # type: ignore[arg-type]
+            return (*_backward(ctx, dz, None, None), None)  # type: ignore[arg-type]
         dx = ctx.kernels.ada_norm_bwd(dz.contiguous(), x, mean, rstd, ctx.k, ctx.scale)
-        return dx, None, None, None
+        return dx, None, None, None, None
 
 
 def ada_norm_rows(x: Tensor, k: float, scale: float, eps: float) -> Tensor:
@@ -113,9 +113,14 @@ def ada_norm_rows(x: Tensor, k: float, scale: float, eps: float) -> Tensor:
     return ada_norm_fwd(x, k, scale, eps)[0]
 
 
-def ada_norm_rows_eager(x: Tensor, k: float, scale: float, eps: float) -> Tensor:
+def ada_norm_rows_eager(
+    x: Tensor, k: float, scale: float, eps: float, kernels: ModuleType | None = None
+) -> Tensor:
     """:func:`ada_norm_rows` where no tracer watches (the caller has made sure of it): the forward
-    kernel alone where nothing needs a gradient, else the autograd.Function."""
+    kernel alone where nothing needs a gradient, else the autograd.Function. ``kernels``: the
+    backend's module, where the caller knows it."""
+    if kernels is None:
+        kernels = backend_module(x, "ada_norm")
     if not needs_grad(x):
-        return backend_module(x, "ada_norm").ada_norm_fwd(x, k, scale, eps)[0]
-    return _AdaNormEager.apply(x, k, scale, eps)
+        return kernels.ada_norm_fwd(x, k, scale, eps)[0]
+    return _AdaNormEager.apply(x, k, scale, eps, kernels)

@@ -9,6 +9,7 @@ differentiates the pure-PyTorch reference instead, since the fused backward is n
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -152,8 +153,7 @@ class _LayerNormEager(torch.autograd.Function):
     """The same backend kernels and backward as the custom op, minus its dispatch cost (eager)."""
 
     @staticmethod
-    def forward(ctx: Any, x, weight, bias, eps, detach_mean, detach_std):  # type: ignore[override]
-        kernels = backend_module(x, "layer_norm")
+    def forward(ctx: Any, x, weight, bias, eps, detach_mean, detach_std, kernels):  # type: ignore[override]
         y, mean, rstd = kernels.layer_norm_fwd(x, weight, bias, eps, for_backward=True)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.eps, ctx.detach_mean, ctx.detach_std = eps, detach_mean, detach_std
@@ -162,7 +162,7 @@ class _LayerNormEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor):  # type: ignore[override]
-        return _fused_backward(ctx, dy, ctx.kernels.layer_norm_bwd)
+        return (*_fused_backward(ctx, dy, ctx.kernels.layer_norm_bwd), None)
 
 
 def layer_norm_rows(
@@ -195,10 +195,13 @@ def layer_norm_rows_eager(
     eps: float,
     detach_mean: bool = False,
     detach_std: bool = False,
+    kernels: ModuleType | None = None,
 ) -> Tensor:
     """:func:`layer_norm_rows` where no tracer watches (:func:`._dispatch.plain_eager`, which the
     caller has made sure of): the forward kernel alone where nothing needs a gradient, else the
-    autograd.Function."""
+    autograd.Function. ``kernels``: the backend's module, where the caller knows it."""
+    if kernels is None:
+        kernels = backend_module(x, "layer_norm")
     if not needs_grad(x, weight, bias):
-        return backend_module(x, "layer_norm").layer_norm_fwd(x, weight, bias, eps)[0]
-    return _LayerNormEager.apply(x, weight, bias, eps, detach_mean, detach_std)
+        return kernels.layer_norm_fwd(x, weight, bias, eps)[0]
+    return _LayerNormEager.apply(x, weight, bias, eps, detach_mean, detach_std, kernels)

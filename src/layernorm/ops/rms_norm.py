@@ -5,6 +5,7 @@ Saves ``x`` and the per-row ``rstd``; double backward differentiates the referen
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -94,8 +95,7 @@ class _RMSNormEager(torch.autograd.Function):
     """The same backend kernels and backward as the custom op, minus its dispatch cost (eager)."""
 
     @staticmethod
-    def forward(ctx: Any, x, weight, eps):  # type: ignore[override]
-        kernels = backend_module(x, "rms_norm")
+    def forward(ctx: Any, x, weight, eps, kernels):  # type: ignore[override]
         y, rstd = kernels.rms_norm_fwd(x, weight, eps, for_backward=True)
         ctx.save_for_backward(x, weight, rstd)
         ctx.eps = eps
@@ -105,13 +105,13 @@ class _RMSNormEager(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: Tensor):  # type: ignore[override]
         if reference_backward(dy):
-            return _backward(ctx, dy, None)  # type: ignore[arg-type]
+            return (*_backward(ctx, dy, None), None)  # type: ignore[arg-type]
         x, weight, rstd = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dx, dw = ctx.kernels.rms_norm_bwd(
             dy.contiguous(), x, rstd, weight, need_dx, need_dw and weight is not None
         )
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -125,9 +125,14 @@ def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return rms_norm_fwd(x, weight, eps)[0]
 
 
-def rms_norm_rows_eager(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+def rms_norm_rows_eager(
+    x: Tensor, weight: Tensor | None, eps: float, kernels: ModuleType | None = None
+) -> Tensor:
     """:func:`rms_norm_rows` where no tracer watches (the caller has made sure of it): the forward
-    kernel alone where nothing needs a gradient, else the autograd.Function."""
+    kernel alone where nothing needs a gradient, else the autograd.Function. ``kernels``: the
+    backend's module, where the caller knows it."""
+    if kernels is None:
+        kernels = backend_module(x, "rms_norm")
     if not needs_grad(x, weight):
-        return backend_module(x, "rms_norm").rms_norm_fwd(x, weight, eps)[0]
-    return _RMSNormEager.apply(x, weight, eps)
+        return kernels.rms_norm_fwd(x, weight, eps)[0]
+    return _RMSNormEager.apply(x, weight, eps, kernels)

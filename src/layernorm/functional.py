@@ -104,10 +104,8 @@ def layer_norm(
     lean = _lean_shape(x, normalized_shape, eps, weight, bias)
     if lean is not None and type(detach_mean) is bool and type(detach_std) is bool:
         rows = _rows(x, lean)  # type: ignore[arg-type]
-        y = layer_norm_rows_eager(
-            rows, _flat(weight), _flat(bias), eps, detach_mean, detach_std,  # type: ignore[arg-type]
-            cpu_kernels("layer_norm"),
-        )  # fmt: skip
+        w, b, kernels = _flat(weight), _flat(bias), cpu_kernels("layer_norm")
+        y = layer_norm_rows_eager(rows, w, b, eps, detach_mean, detach_std, kernels)  # type: ignore[arg-type]
         return _unrows(y, x, lean)  # type: ignore[arg-type]
     x, shape = check_input(x, normalized_shape, "layer_norm")
     weight = check_param(weight, "weight", shape, x, "layer_norm")
@@ -234,13 +232,8 @@ def ada_norm(
     """
     lean = _lean_shape(x, normalized_shape, eps)
     if lean is not None and _finite_number(k) and _finite_number(scale):
-        z = ada_norm_rows_eager(
-            _rows(x, lean),
-            float(k),
-            float(scale),
-            eps,
-            cpu_kernels("ada_norm"),  # type: ignore[arg-type]
-        )
+        kernels = cpu_kernels("ada_norm")
+        z = ada_norm_rows_eager(_rows(x, lean), float(k), float(scale), eps, kernels)  # type: ignore[arg-type]
         return _unrows(z, x, lean)  # type: ignore[arg-type]
     x, shape = check_input(x, normalized_shape, "ada_norm")
     k_ = check_finite_scalar(k, "k", "ada_norm")

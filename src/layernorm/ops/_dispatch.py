@@ -20,24 +20,26 @@ from ..kernels.cpu import buffers
 _MODULES: dict[tuple[str, str], ModuleType] = {}
 
 
+def kernels_module(backend: str, family: str) -> ModuleType:
+    """The module ``layernorm.kernels.<backend>.<family>``, imported once (import_module costs
+    microseconds on every op otherwise)."""
+    key = (backend, family)
+    module = _MODULES.get(key)
+    if module is None:
+        module = _MODULES[key] = importlib.import_module(f"layernorm.kernels.{backend}.{family}")
+    return module
+
+
 def backend_module(x: Tensor, family: str) -> ModuleType:
     """The module ``layernorm.kernels.<backend>.<family>`` for tensor ``x``."""
-    key = (select_backend(x), family)
-    module = _MODULES.get(key)
-    if module is None:  # import once: import_module costs microseconds on every op otherwise
-        module = _MODULES[key] = importlib.import_module(f"layernorm.kernels.{key[0]}.{family}")
-    return module
+    return kernels_module(select_backend(x), family)
 
 
 def cpu_kernels(family: str) -> ModuleType:
     """``layernorm.kernels.cpu.<family>``: what :func:`backend_module` gives a CPU tensor where no
-    backend is forced, for the lean paths, which have made sure of both (:func:`lean_input`), in
-    one lookup where choosing the backend reads the environment."""
-    module = _MODULES.get(("cpu", family))
-    if module is None:
-        module = importlib.import_module(f"layernorm.kernels.cpu.{family}")
-        _MODULES["cpu", family] = module
-    return module
+    backend is forced, for the lean paths, which have made sure of both (:func:`lean_input`),
+    without choosing the backend again (which reads the environment)."""
+    return kernels_module("cpu", family)
 
 
 def plain_eager() -> bool:

@@ -382,7 +382,8 @@ class Binder:
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
         order = kernel.fields()
-        # (field name, 0 tensor / 1 size / 2 float scalar / 3 flag / 4 count, shape code, optional)
+        # (field name, 0 tensor / 1 size / 2 float scalar / 3 flag / 4 count, shape code, optional);
+        # 5, an output made to measure, in the plans below
         plan = []
         for a in order:
             if a.role is not Role.SCALAR:
@@ -394,7 +395,6 @@ class Binder:
                 plan.append((a.name, 2, lo, False))
             else:
                 plan.append((a.name, 3 if a.dtype is DType.FLAG else 4, 0, False))
-        self.plan = tuple(plan)
         self.structs = {dt: structure(kernel, dt) for dt in INSTANCES}
         # per instance and outputs_made, each field's plan entry and the dtype it must have (None
         # for scalars); with outputs_made an output tensor is of kind 5, its address taken as is

@@ -67,10 +67,10 @@ def main() -> None:
         w, b, mean, rstd = torch.ones(n), torch.zeros(n), torch.empty(m), torch.empty(m)
         y, dx, dw, db = torch.empty_like(x), torch.empty_like(x), torch.empty(n), torch.empty(n)
         fwd = {"x": x, "weight": w, "bias": b, "y": y, "mean": mean, "rstd": rstd, "eps": 1e-5,
-               "threads": a.threads, "stream": 0}  # fmt: skip
+               "threads": a.threads, "stream": 0, "half_params": 0}  # fmt: skip
         bwd = {"dy": dy, "x": x, "mean": mean, "rstd": rstd, "weight": w, "dx": dx,
                "dweight": dw, "dbias": db, "detach_mean": 0, "detach_std": 0,
-               "threads": a.threads, "stream": a.stream}  # fmt: skip
+               "threads": a.threads, "stream": a.stream, "half_params": 0}  # fmt: skip
         times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in libs}
         for _ in range(a.reps):
             for name, lib in libs.items():

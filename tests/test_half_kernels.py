@@ -66,10 +66,13 @@ def _library(target: str) -> ctypes.CDLL:
 
 
 def _run(target: str, name: str, **values: object) -> None:
-    """Kernel ``name`` of the ``target`` build on checked arguments."""
+    """Kernel ``name`` of the ``target`` build on checked arguments (parameters in the compute
+    type where ``half_params`` is not given)."""
     x = values["x"]
     assert isinstance(x, torch.Tensor)
     kernel = abi.BY_NAME[name]
+    if any(a.name == abi.HALF_PARAMS for a in kernel.args):
+        values.setdefault(abi.HALF_PARAMS, 0)
     args = abi.Binder(kernel)(values)
     fn = getattr(_library(target), f"{name}_{abi.INSTANCES[x.dtype].suffix}")
     fn.restype = ctypes.c_int
@@ -226,6 +229,57 @@ def test_streamed_outputs_equal_plain_stores(dtype, target, offset):
                  **stats, **common)  # fmt: skip
         assert torch.equal(_bits(dx[0]), _bits(dx[1])), ("ada_bwd", m, n)
         assert bool(y[0].isfinite().all() and dx[0].isfinite().all())
+
+
+def _param_calls(target, x, dy, w, b, half, threads):
+    """ln_fwd, ln_bwd, rms_fwd and rms_bwd of one build with gain ``w`` and bias ``b`` (each may
+    be None), in x's dtype with ``half`` = 1, else converted to float32: every output."""
+    m, n = x.shape
+    if not half:
+        w, b = (None if t is None else t.float() for t in (w, b))
+    pdt = x.dtype if half else torch.float32
+    common = {"threads": threads, "stream": 0, "half_params": half}
+    y, mean, rstd = torch.empty_like(x), torch.empty(m), torch.empty(m)
+    _run(target, "ln_fwd", x=x, weight=w, bias=b, y=y, mean=mean, rstd=rstd, eps=1e-5, **common)
+    dx, db = torch.empty_like(x), torch.empty(n)
+    dw = None if w is None else torch.empty(n, dtype=pdt)
+    _run(target, "ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=w, dx=dx, dweight=dw,
+         dbias=db, detach_mean=0, detach_std=0, **common)  # fmt: skip
+    ry, rr = torch.empty_like(x), torch.empty(m)
+    _run(target, "rms_fwd", x=x, weight=w, y=ry, rstd=rr, eps=1e-6, **common)
+    rdx, rdw = torch.empty_like(x), None if w is None else torch.empty(n, dtype=pdt)
+    _run(target, "rms_bwd", dy=dy, x=x, rstd=rr, weight=w, dx=rdx, dweight=rdw, **common)
+    return {"y": y, "mean": mean, "rstd": rstd, "dx": dx, "dweight": dw, "dbias": db,
+            "rms y": ry, "rms rstd": rr, "rms dx": rdx, "rms dweight": rdw}  # fmt: skip
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_params_give_the_bits_of_float32_params(dtype, target):
+    """Gains and biases in x's half type (``half_params`` = 1, converted in C) give the bits
+    their float32 values give, and the gain's gradient that float32 gradient rounded once (as
+    torch's cast rounds it): layer norm and RMSNorm, forward and backward, gain and bias alone
+    or together, one and two threads, rows of one element up to several blocks."""
+    g = torch.Generator().manual_seed(11)
+    for m, n in ((1, 1), (7, 33), (64, 768), (3, 4099)):
+        x = (torch.randn(m, n, generator=g) * 2 + 1).to(dtype)
+        dy = torch.randn(m, n, generator=g).to(dtype)
+        w = (1 + 0.5 * torch.randn(n, generator=g)).to(dtype)
+        b = (0.5 * torch.randn(n, generator=g)).to(dtype)
+        for threads in (1, 2):
+            for wb in ((w, b), (w, None), (None, b), (None, None)):
+                as_f32 = _param_calls(target, x, dy, *wb, 0, threads)
+                as_half = _param_calls(target, x, dy, *wb, 1, threads)
+                for key, want in as_f32.items():
+                    got = as_half[key]
+                    what = (key, m, n, threads, [t is not None for t in wb])
+                    if want is None:
+                        assert got is None, what
+                        continue
+                    if key.endswith("dweight"):
+                        want = want.to(dtype)  # the float32 sum, rounded once
+                    assert got.dtype == want.dtype, what
+                    assert torch.equal(_bits(got), _bits(want)), what
 
 
 # ------------------------------------------------------------------ through the public ops

@@ -40,6 +40,8 @@ def test_instances_cover_every_float_dtype():
         assert f"int ln_fwd_{inst.suffix}(const ln_fwd_args_{inst.suffix}* a);" in header
         ln_fwd = abi.BY_NAME["ln_fwd"]
         assert abi.expected_dtype(ln_fwd.arg("weight").dtype, dtype) == inst.compute_dtype
+        assert abi.expected_dtype(ln_fwd.arg("weight").dtype, dtype, 1) == dtype
+        assert abi.expected_dtype(ln_fwd.arg("mean").dtype, dtype, 1) == inst.compute_dtype
         assert abi.expected_dtype(ln_fwd.arg("mean").dtype, dtype) == inst.compute_dtype
         assert abi.expected_dtype(ln_fwd.arg("y").dtype, dtype) == dtype
     assert set(abi.INSTANCES) == {torch.float32, torch.float64, torch.bfloat16, torch.float16}
@@ -74,15 +76,19 @@ def test_kernel_sources_ship_as_package_data():
         assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), rel
 
 
-def _valid(kernel: abi.Kernel, dtype: torch.dtype, m: int = 3, n: int = 5) -> dict:
+def _valid(
+    kernel: abi.Kernel, dtype: torch.dtype, half_params: int = 1, m: int = 3, n: int = 5
+) -> dict:
     sizes = {"M": m, "N": n}
     values: dict = {}
     for a in kernel.args:
         if a.role is not abi.Role.SCALAR:
-            want = abi.expected_dtype(a.dtype, dtype)
+            want = abi.expected_dtype(a.dtype, dtype, half_params)
             values[a.name] = torch.ones(tuple(sizes[s] for s in a.shape), dtype=want)
         elif a.dtype is abi.DType.FLOAT:
             values[a.name] = 0.5
+        elif a.name == abi.HALF_PARAMS:
+            values[a.name] = half_params
         elif a.dtype is abi.DType.FLAG:
             values[a.name] = 1
         elif a.dtype is abi.DType.COUNT:
@@ -119,16 +125,18 @@ def _perturbations(kernel: abi.Kernel, values: dict):
                 yield f"{a.name}={bad!r}", {**values, a.name: bad}
 
 
+@pytest.mark.parametrize("half_params", [0, 1], ids=["params in compute type", "half_params"])
 @pytest.mark.parametrize("outputs_made", [False, True], ids=["all", "outputs_made"])
 @pytest.mark.parametrize("dtype", list(abi.INSTANCES))
 @pytest.mark.parametrize("kernel", abi.KERNELS, ids=lambda k: k.name)
-def test_fast_binder_agrees_with_the_described_checks(kernel, dtype, outputs_made):
+def test_fast_binder_agrees_with_the_described_checks(kernel, dtype, outputs_made, half_params):
     """The precompiled checks of every call refuse exactly what check_call refuses, with its
     error, and pack the same struct as pack() where both accept. With ``outputs_made`` (outputs
     allocated by the caller to measure) the same holds for every input and scalar, and a
-    required output left out is still refused."""
+    required output left out is still refused. ``half_params`` (the kernels that have the flag)
+    decides the dtype of every PARAM tensor."""
     binder = abi.Binder(kernel)
-    values = _valid(kernel, dtype)
+    values = _valid(kernel, dtype, half_params)
     sizes = abi.check_call(kernel, values)
     fast, slow = binder(values, outputs_made), abi.pack(kernel, values, sizes)
     assert bytes(fast) == bytes(slow)

@@ -3,8 +3,8 @@ library per instruction-set target of :mod:`.targets`, only for the one selected
 
 Each kernel takes one pointer to its argument struct (:mod:`.abi` describes every field), for
 float32, float64, bfloat16 and float16 ``x``; the half types compute in float32, with float32
-statistics and parameters (a half gain or bias is converted here, and its gradient converted
-back to the gain's dtype). Every
+statistics, and take their gains and biases in float32 or in x's own dtype (converted in C,
+``half_params``; the gain's gradient comes in the gain's dtype). Every
 call first checks each tensor's dtype, device, layout and shape and each scalar's range against
 that description (:func:`.abi.check_call`), so C never sees a pointer to too little memory. Set
 ``LAYERNORM_CPU_COMPILE=0`` to use the eager ATen compositions instead. If the compiler is missing
@@ -114,13 +114,32 @@ def supports(x: Tensor, *params: Tensor | None, same: tuple[Tensor, ...] = ()) -
     return enabled()
 
 
+def _half_params(x: Tensor, *params: Tensor | None) -> int:
+    """The kernels' ``half_params`` flag: 1 where ``x`` is of a half type and every parameter
+    given is in x's dtype (the kernels convert them, once a call, in C), else 0: parameters in
+    the compute dtype, as float32 and float64 ``x`` always have them (a half gain beside a
+    float32 bias goes through :func:`_compute`)."""
+    dt = x.dtype
+    if dt is torch.float32 or dt is torch.float64:
+        return 0
+    given = [p for p in params if p is not None]
+    return int(bool(given) and all(p.dtype is dt for p in given))
+
+
 def _compute(p: Tensor | None, x: Tensor) -> Tensor | None:
-    """A half gain or bias of half ``x`` in float32, the kernels' compute dtype; anything else as
-    it is (the argument checks refuse a dtype the kernels do not take)."""
+    """A half gain or bias of half ``x`` in float32, the kernels' compute dtype, for a call with
+    ``half_params`` 0; anything else as it is (the argument checks refuse a dtype the kernels do
+    not take)."""
     if p is None or p.dtype is not x.dtype:
         return p
     cdt = abi.INSTANCES[x.dtype].compute_dtype
     return p if p.dtype is cdt else p.to(cdt)
+
+
+def _param_grad(weight: Tensor | None, x: Tensor, n: int) -> Tensor:
+    """The gain's gradient, in the gain's dtype (x's half type with ``half_params``, else the
+    compute dtype, which a float32 or float64 gain has)."""
+    return _stats(x, n) if weight is None else x.new_empty(n, dtype=weight.dtype)
 
 
 def _stats(x: Tensor, m: int) -> Tensor:
@@ -209,8 +228,11 @@ def ln_fwd(
     m, n = x.shape
     y = buffers.output(x, for_backward) if out is None else out
     mean, rstd = _stats(x, m), _stats(x, m)
-    _call("ln_fwd", x=x, weight=_compute(weight, x), bias=_compute(bias, x), y=y, mean=mean,
-          rstd=rstd, eps=eps, threads=_threads(m, n), stream=_stream_forward(x),
+    half = _half_params(x, weight, bias)
+    if not half:
+        weight, bias = _compute(weight, x), _compute(bias, x)
+    _call("ln_fwd", x=x, weight=weight, bias=bias, y=y, mean=mean, rstd=rstd, eps=eps,
+          threads=_threads(m, n), stream=_stream_forward(x), half_params=half,
           outputs_made=out is None)  # fmt: skip
     return y, mean, rstd
 
@@ -231,13 +253,12 @@ def ln_bwd(
     dtype (the caller casts it to the bias's)."""
     m, n = x.shape
     dx = buffers.output(x, for_backward=True) if need_dx else None
-    dw = _stats(x, n) if need_dw else None
+    dw = _param_grad(weight, x, n) if need_dw else None
     db = _stats(x, n) if need_db else None
-    _call("ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=_compute(weight, x), dx=dx,
-          dweight=dw, dbias=db, detach_mean=int(detach_mean), detach_std=int(detach_std),
-          threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2))  # fmt: skip
-    if dw is not None and weight is not None and dw.dtype is not weight.dtype:
-        dw = dw.to(weight.dtype)
+    _call("ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=weight, dx=dx, dweight=dw,
+          dbias=db, detach_mean=int(detach_mean), detach_std=int(detach_std),
+          threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2),
+          half_params=_half_params(x, weight))  # fmt: skip
     return dx, dw, db
 
 
@@ -246,8 +267,8 @@ def rms_fwd(
 ) -> tuple[Tensor, Tensor]:
     m, n = x.shape
     y, rstd = buffers.output(x, for_backward), _stats(x, m)
-    _call("rms_fwd", x=x, weight=_compute(weight, x), y=y, rstd=rstd, eps=eps,
-          threads=_threads(m, n), stream=_stream_forward(x))  # fmt: skip
+    _call("rms_fwd", x=x, weight=weight, y=y, rstd=rstd, eps=eps, threads=_threads(m, n),
+          stream=_stream_forward(x), half_params=_half_params(x, weight))  # fmt: skip
     return y, rstd
 
 
@@ -256,11 +277,10 @@ def rms_bwd(
 ) -> tuple[Tensor | None, Tensor | None]:
     m, n = x.shape
     dx = buffers.output(x, for_backward=True) if need_dx else None
-    dw = _stats(x, n) if need_dw else None
-    _call("rms_bwd", dy=dy, x=x, rstd=rstd, weight=_compute(weight, x), dx=dx, dweight=dw,
-          threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2))  # fmt: skip
-    if dw is not None and weight is not None and dw.dtype is not weight.dtype:
-        dw = dw.to(weight.dtype)
+    dw = _param_grad(weight, x, n) if need_dw else None
+    _call("rms_bwd", dy=dy, x=x, rstd=rstd, weight=weight, dx=dx, dweight=dw,
+          threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2),
+          half_params=_half_params(x, weight))  # fmt: skip
     return dx, dw
 
 

@@ -14,7 +14,8 @@ may be ``NULL``. From that one list come
 The kernels exist for ``float`` (symbol suffix ``f32``), ``double`` (``f64``), bfloat16 (``bf16``)
 and float16 (``f16``); :data:`INSTANCES` gives each one's storage type (``scalar_t``: the type of
 ``x`` and of every tensor of its shape) and compute type (``compute_t``: the arithmetic, the
-statistics and the parameters, float32 for the half types). Run
+statistics and the parameters, float32 for the half types, whose kernels also take gains and
+biases in their own type: ``half_params``). Run
 ``python -m layernorm.kernels.cpu.abi`` to rewrite the header after changing :data:`KERNELS`.
 """
 
@@ -40,7 +41,7 @@ class Instance(NamedTuple):
 
     c_type: str  # storage type of x (and of every (M, N) tensor)
     suffix: str  # symbol suffix: ln_fwd_<suffix>
-    compute: str  # C type of the arithmetic, the statistics and the parameters
+    compute: str  # C type of the arithmetic, the statistics and (by default) the parameters
     compute_dtype: torch.dtype  # the same, as a torch dtype
 
 
@@ -69,7 +70,10 @@ class Role(enum.Enum):
 class DType(enum.Enum):
     SAME = "same as x"  # the instantiated scalar_t: x's dtype
     STATS = "statistics"  # per-row mean/rstd: compute_t (float32 for half x, see stats_dtype)
-    COMPUTE = "compute type"  # gains, biases and their gradients: compute_t, as STATS
+    COMPUTE = "compute type"  # compute_t, as STATS (dbias, whatever the bias's dtype)
+    # gains, biases and the gain's gradient: compute_t, or x's own half type where the kernel's
+    # half_params flag is 1 (converted in C, not by a torch op per call); void* in C
+    PARAM = "compute type, or x's with half_params"
     INDEX = "index"  # int64_t size, taken from x's shape
     FLOAT = "float"  # double scalar
     FLAG = "flag"  # int32_t, 0 or 1
@@ -102,7 +106,7 @@ class Arg:
     def c_type(self, scalar: str = "scalar_t", compute: str = "compute_t") -> str:
         if self.role is Role.SCALAR:
             return _SCALAR_CTYPES[self.dtype]
-        t = scalar if self.dtype is DType.SAME else compute
+        t = {DType.SAME: scalar, DType.PARAM: "void"}.get(self.dtype, compute)
         return f"const {t}*" if self.role is Role.INPUT else f"{t}*"
 
 
@@ -153,6 +157,13 @@ _STREAM = Arg(
     "only where the output row starts on 32 bytes)",
 )  # fmt: skip
 _EPS = Arg("eps", _SC, DType.FLOAT, minimum=0.0, doc="added to the variance")
+#: The flag that says which dtype the PARAM tensors have; read before them by every check.
+HALF_PARAMS = "half_params"
+_HALF_PARAMS = Arg(
+    HALF_PARAMS, _SC, DType.FLAG, minimum=0,
+    doc="1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type "
+    "(for float32 and float64 x the two are one)",
+)  # fmt: skip
 _K = Arg("k", _SC, DType.FLOAT, doc="AdaNorm's k in φ(y) = C·(1 − k·y)")
 _SCALE = Arg("scale", _SC, DType.FLOAT, doc="AdaNorm's C")
 
@@ -162,12 +173,12 @@ KERNELS: tuple[Kernel, ...] = (
         "Layer norm of each row: y = (x − μ)·rstd ⊙ w + b, rstd = 1/sqrt(var + eps).",
         (
             _tensor("x", _IN, _MN),
-            _tensor("weight", _IN, _N, DType.COMPUTE, optional=True, doc="w = 1"),
-            _tensor("bias", _IN, _N, DType.COMPUTE, optional=True, doc="b = 0"),
+            _tensor("weight", _IN, _N, DType.PARAM, optional=True, doc="w = 1"),
+            _tensor("bias", _IN, _N, DType.PARAM, optional=True, doc="b = 0"),
             _tensor("y", _OUT, _MN),
             _tensor("mean", _OUT, _M, DType.STATS),
             _tensor("rstd", _OUT, _M, DType.STATS),
-            *_SIZES, _EPS, _THREADS, _STREAM,
+            *_SIZES, _EPS, _THREADS, _STREAM, _HALF_PARAMS,
         ),
     ),
     Kernel(
@@ -178,14 +189,14 @@ KERNELS: tuple[Kernel, ...] = (
             _tensor("x", _IN, _MN),
             _tensor("mean", _IN, _M, DType.STATS),
             _tensor("rstd", _IN, _M, DType.STATS),
-            _tensor("weight", _IN, _N, DType.COMPUTE, optional=True, doc="w = 1"),
+            _tensor("weight", _IN, _N, DType.PARAM, optional=True, doc="w = 1"),
             _tensor("dx", _OUT, _MN, optional=True),
-            _tensor("dweight", _OUT, _N, DType.COMPUTE, optional=True),
+            _tensor("dweight", _OUT, _N, DType.PARAM, optional=True),
             _tensor("dbias", _OUT, _N, DType.COMPUTE, optional=True),
             *_SIZES,
             Arg("detach_mean", _SC, DType.FLAG, minimum=0, doc="1: μ is a constant in backward"),
             Arg("detach_std", _SC, DType.FLAG, minimum=0, doc="1: σ is a constant in backward"),
-            _THREADS, _STREAM,
+            _THREADS, _STREAM, _HALF_PARAMS,
         ),
     ),
     Kernel(
@@ -193,10 +204,10 @@ KERNELS: tuple[Kernel, ...] = (
         "RMSNorm of each row: y = x·rstd ⊙ w, rstd = 1/sqrt(mean(x²) + eps).",
         (
             _tensor("x", _IN, _MN),
-            _tensor("weight", _IN, _N, DType.COMPUTE, optional=True, doc="w = 1"),
+            _tensor("weight", _IN, _N, DType.PARAM, optional=True, doc="w = 1"),
             _tensor("y", _OUT, _MN),
             _tensor("rstd", _OUT, _M, DType.STATS),
-            *_SIZES, _EPS, _THREADS, _STREAM,
+            *_SIZES, _EPS, _THREADS, _STREAM, _HALF_PARAMS,
         ),
     ),
     Kernel(
@@ -206,10 +217,10 @@ KERNELS: tuple[Kernel, ...] = (
             _tensor("dy", _IN, _MN),
             _tensor("x", _IN, _MN),
             _tensor("rstd", _IN, _M, DType.STATS),
-            _tensor("weight", _IN, _N, DType.COMPUTE, optional=True, doc="w = 1"),
+            _tensor("weight", _IN, _N, DType.PARAM, optional=True, doc="w = 1"),
             _tensor("dx", _OUT, _MN, optional=True),
-            _tensor("dweight", _OUT, _N, DType.COMPUTE, optional=True),
-            *_SIZES, _THREADS, _STREAM,
+            _tensor("dweight", _OUT, _N, DType.PARAM, optional=True),
+            *_SIZES, _THREADS, _STREAM, _HALF_PARAMS,
         ),
     ),
     Kernel(
@@ -276,10 +287,17 @@ def structure(kernel: Kernel, dtype: torch.dtype) -> type[ctypes.Structure]:
 # ------------------------------------------------------------------------------ checks
 
 
-def expected_dtype(rule: DType, x_dtype: torch.dtype) -> torch.dtype:
+def expected_dtype(rule: DType, x_dtype: torch.dtype, half_params: int = 0) -> torch.dtype:
     """The dtype a tensor argument must have under ``rule`` for ``x`` of ``x_dtype``: x's own for
-    SAME, the instance's compute dtype (float32 for half x) for STATS and COMPUTE."""
-    return x_dtype if rule is DType.SAME else INSTANCES[x_dtype].compute_dtype
+    SAME, and for PARAM where the kernel's ``half_params`` flag is 1; else the instance's compute
+    dtype (float32 for half x)."""
+    if rule is DType.SAME or (rule is DType.PARAM and half_params):
+        return x_dtype
+    return INSTANCES[x_dtype].compute_dtype
+
+
+def _has_half_params(kernel: Kernel) -> bool:
+    return any(a.name == HALF_PARAMS for a in kernel.args)
 
 
 def check_call(kernel: Kernel, values: Mapping[str, object]) -> dict[str, int]:
@@ -302,6 +320,10 @@ def check_call(kernel: Kernel, values: Mapping[str, object]) -> dict[str, int]:
     sizes = {"M": int(x.shape[0]), "N": int(x.shape[1])}
     if sizes["N"] < 1:
         raise ValueError(f"{op}: x must have at least one column, got shape {tuple(x.shape)}")
+    half_params = 0
+    if _has_half_params(kernel):  # first: the PARAM tensors' dtype depends on it
+        half_params = values.get(HALF_PARAMS)  # type: ignore[assignment]
+        _check_scalar(op, kernel.arg(HALF_PARAMS), half_params)
     for arg in kernel.args:
         if arg.dtype is DType.INDEX:
             continue
@@ -315,9 +337,14 @@ def check_call(kernel: Kernel, values: Mapping[str, object]) -> dict[str, int]:
             raise TypeError(f"{op}: {arg.name} is required, got None")
         if not isinstance(v, Tensor):
             raise TypeError(f"{op}: {arg.name} must be a torch.Tensor, got {type(v).__name__}")
-        want = expected_dtype(arg.dtype, x.dtype)
+        want = expected_dtype(arg.dtype, x.dtype, half_params)
         if v.dtype != want:
-            whose = "x's" if arg.dtype is DType.SAME else f"the compute type for x of {x.dtype}"
+            if arg.dtype is DType.SAME:
+                whose = "x's"
+            elif arg.dtype is DType.PARAM and half_params:
+                whose = f"x's, as {HALF_PARAMS} is 1"
+            else:
+                whose = f"the compute type for x of {x.dtype}"
             raise TypeError(f"{op}: {arg.name} must have dtype {want} ({whose}), got {v.dtype}")
         if v.device.type != "cpu":
             raise ValueError(f"{op}: {arg.name} must be on the CPU, got {v.device}")
@@ -396,16 +423,19 @@ class Binder:
             else:
                 plan.append((a.name, 3 if a.dtype is DType.FLAG else 4, 0, False))
         self.structs = {dt: structure(kernel, dt) for dt in INSTANCES}
-        # per instance and outputs_made, each field's plan entry and the dtype it must have (None
-        # for scalars); with outputs_made an output tensor is of kind 5, its address taken as is
+        self.half_params = _has_half_params(kernel)
+        # per instance, outputs_made and half_params flag, each field's plan entry and the dtype
+        # it must have (None for scalars); with outputs_made an output tensor is of kind 5, its
+        # address taken as is
         self.plans = {
-            (dt, made): tuple(
+            (dt, made, half): tuple(
                 (name, 5 if made and kind == 0 and a.role is Role.OUTPUT else kind, code,
-                 optional, None if a.role is Role.SCALAR else expected_dtype(a.dtype, dt))
+                 optional, None if a.role is Role.SCALAR else expected_dtype(a.dtype, dt, half))
                 for (name, kind, code, optional), a in zip(plan, order, strict=True)
             )
             for dt in INSTANCES
             for made in (False, True)
+            for half in ((0, 1) if self.half_params else (0,))
         }  # fmt: skip
 
     def __call__(
@@ -424,7 +454,10 @@ class Binder:
             raise AssertionError("unreachable: check_call raises")
         m, n = x.shape
         try:
-            fields = self._fields(values, m, n, self.plans[dt, outputs_made])
+            # a flag of another value or type finds no plan, or fails its own check in it
+            half = values.get(HALF_PARAMS) if self.half_params else 0
+            plan = self.plans.get((dt, outputs_made, half))  # type: ignore[call-overload]
+            fields = None if plan is None else self._fields(values, m, n, plan)
         except (AttributeError, TypeError):  # not a tensor, or a number of the wrong kind
             fields = None
         if fields is not None:

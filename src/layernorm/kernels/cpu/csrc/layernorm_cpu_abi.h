@@ -12,8 +12,8 @@ typedef uint16_t ln_f16_t; /* IEEE 754 binary16 */
 /* Layer norm of each row: y = (x − μ)·rstd ⊙ w + b, rstd = 1/sqrt(var + eps). */
 typedef struct {
     const float* x; /* input (M, N), same as x */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
-    const float* bias; /* input (N), compute type, may be NULL (b = 0) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
+    const void* bias; /* input (N), compute type, or x's with half_params, may be NULL (b = 0) */
     float* y; /* output (M, N), same as x */
     float* mean; /* output (M), statistics */
     float* rstd; /* output (M), statistics */
@@ -22,6 +22,7 @@ typedef struct {
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_fwd_args_f32;
 int ln_fwd_f32(const ln_fwd_args_f32* a);
 _Static_assert(offsetof(ln_fwd_args_f32, x) == 0, "ln_fwd_args_f32.x");
@@ -35,12 +36,13 @@ _Static_assert(offsetof(ln_fwd_args_f32, N) == 56, "ln_fwd_args_f32.N");
 _Static_assert(offsetof(ln_fwd_args_f32, eps) == 64, "ln_fwd_args_f32.eps");
 _Static_assert(offsetof(ln_fwd_args_f32, threads) == 72, "ln_fwd_args_f32.threads");
 _Static_assert(offsetof(ln_fwd_args_f32, stream) == 76, "ln_fwd_args_f32.stream");
-_Static_assert(sizeof(ln_fwd_args_f32) == 80, "ln_fwd_args_f32 size");
+_Static_assert(offsetof(ln_fwd_args_f32, half_params) == 80, "ln_fwd_args_f32.half_params");
+_Static_assert(sizeof(ln_fwd_args_f32) == 88, "ln_fwd_args_f32 size");
 
 typedef struct {
     const double* x; /* input (M, N), same as x */
-    const double* weight; /* input (N), compute type, may be NULL (w = 1) */
-    const double* bias; /* input (N), compute type, may be NULL (b = 0) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
+    const void* bias; /* input (N), compute type, or x's with half_params, may be NULL (b = 0) */
     double* y; /* output (M, N), same as x */
     double* mean; /* output (M), statistics */
     double* rstd; /* output (M), statistics */
@@ -49,6 +51,7 @@ typedef struct {
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_fwd_args_f64;
 int ln_fwd_f64(const ln_fwd_args_f64* a);
 _Static_assert(offsetof(ln_fwd_args_f64, x) == 0, "ln_fwd_args_f64.x");
@@ -62,12 +65,13 @@ _Static_assert(offsetof(ln_fwd_args_f64, N) == 56, "ln_fwd_args_f64.N");
 _Static_assert(offsetof(ln_fwd_args_f64, eps) == 64, "ln_fwd_args_f64.eps");
 _Static_assert(offsetof(ln_fwd_args_f64, threads) == 72, "ln_fwd_args_f64.threads");
 _Static_assert(offsetof(ln_fwd_args_f64, stream) == 76, "ln_fwd_args_f64.stream");
-_Static_assert(sizeof(ln_fwd_args_f64) == 80, "ln_fwd_args_f64 size");
+_Static_assert(offsetof(ln_fwd_args_f64, half_params) == 80, "ln_fwd_args_f64.half_params");
+_Static_assert(sizeof(ln_fwd_args_f64) == 88, "ln_fwd_args_f64 size");
 
 typedef struct {
     const ln_bf16_t* x; /* input (M, N), same as x */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
-    const float* bias; /* input (N), compute type, may be NULL (b = 0) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
+    const void* bias; /* input (N), compute type, or x's with half_params, may be NULL (b = 0) */
     ln_bf16_t* y; /* output (M, N), same as x */
     float* mean; /* output (M), statistics */
     float* rstd; /* output (M), statistics */
@@ -76,6 +80,7 @@ typedef struct {
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_fwd_args_bf16;
 int ln_fwd_bf16(const ln_fwd_args_bf16* a);
 _Static_assert(offsetof(ln_fwd_args_bf16, x) == 0, "ln_fwd_args_bf16.x");
@@ -89,12 +94,13 @@ _Static_assert(offsetof(ln_fwd_args_bf16, N) == 56, "ln_fwd_args_bf16.N");
 _Static_assert(offsetof(ln_fwd_args_bf16, eps) == 64, "ln_fwd_args_bf16.eps");
 _Static_assert(offsetof(ln_fwd_args_bf16, threads) == 72, "ln_fwd_args_bf16.threads");
 _Static_assert(offsetof(ln_fwd_args_bf16, stream) == 76, "ln_fwd_args_bf16.stream");
-_Static_assert(sizeof(ln_fwd_args_bf16) == 80, "ln_fwd_args_bf16 size");
+_Static_assert(offsetof(ln_fwd_args_bf16, half_params) == 80, "ln_fwd_args_bf16.half_params");
+_Static_assert(sizeof(ln_fwd_args_bf16) == 88, "ln_fwd_args_bf16 size");
 
 typedef struct {
     const ln_f16_t* x; /* input (M, N), same as x */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
-    const float* bias; /* input (N), compute type, may be NULL (b = 0) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
+    const void* bias; /* input (N), compute type, or x's with half_params, may be NULL (b = 0) */
     ln_f16_t* y; /* output (M, N), same as x */
     float* mean; /* output (M), statistics */
     float* rstd; /* output (M), statistics */
@@ -103,6 +109,7 @@ typedef struct {
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_fwd_args_f16;
 int ln_fwd_f16(const ln_fwd_args_f16* a);
 _Static_assert(offsetof(ln_fwd_args_f16, x) == 0, "ln_fwd_args_f16.x");
@@ -116,7 +123,8 @@ _Static_assert(offsetof(ln_fwd_args_f16, N) == 56, "ln_fwd_args_f16.N");
 _Static_assert(offsetof(ln_fwd_args_f16, eps) == 64, "ln_fwd_args_f16.eps");
 _Static_assert(offsetof(ln_fwd_args_f16, threads) == 72, "ln_fwd_args_f16.threads");
 _Static_assert(offsetof(ln_fwd_args_f16, stream) == 76, "ln_fwd_args_f16.stream");
-_Static_assert(sizeof(ln_fwd_args_f16) == 80, "ln_fwd_args_f16 size");
+_Static_assert(offsetof(ln_fwd_args_f16, half_params) == 80, "ln_fwd_args_f16.half_params");
+_Static_assert(sizeof(ln_fwd_args_f16) == 88, "ln_fwd_args_f16 size");
 
 /* Layer-norm (DetachNorm) gradients; an output left NULL is not computed. */
 typedef struct {
@@ -124,9 +132,9 @@ typedef struct {
     const float* x; /* input (M, N), same as x */
     const float* mean; /* input (M), statistics */
     const float* rstd; /* input (M), statistics */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     float* dx; /* output (M, N), same as x, may be NULL */
-    float* dweight; /* output (N), compute type, may be NULL */
+    void* dweight; /* output (N), compute type, or x's with half_params, may be NULL */
     float* dbias; /* output (N), compute type, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
@@ -134,6 +142,7 @@ typedef struct {
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_bwd_args_f32;
 int ln_bwd_f32(const ln_bwd_args_f32* a);
 _Static_assert(offsetof(ln_bwd_args_f32, dy) == 0, "ln_bwd_args_f32.dy");
@@ -150,16 +159,17 @@ _Static_assert(offsetof(ln_bwd_args_f32, detach_mean) == 80, "ln_bwd_args_f32.de
 _Static_assert(offsetof(ln_bwd_args_f32, detach_std) == 84, "ln_bwd_args_f32.detach_std");
 _Static_assert(offsetof(ln_bwd_args_f32, threads) == 88, "ln_bwd_args_f32.threads");
 _Static_assert(offsetof(ln_bwd_args_f32, stream) == 92, "ln_bwd_args_f32.stream");
-_Static_assert(sizeof(ln_bwd_args_f32) == 96, "ln_bwd_args_f32 size");
+_Static_assert(offsetof(ln_bwd_args_f32, half_params) == 96, "ln_bwd_args_f32.half_params");
+_Static_assert(sizeof(ln_bwd_args_f32) == 104, "ln_bwd_args_f32 size");
 
 typedef struct {
     const double* dy; /* input (M, N), same as x */
     const double* x; /* input (M, N), same as x */
     const double* mean; /* input (M), statistics */
     const double* rstd; /* input (M), statistics */
-    const double* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     double* dx; /* output (M, N), same as x, may be NULL */
-    double* dweight; /* output (N), compute type, may be NULL */
+    void* dweight; /* output (N), compute type, or x's with half_params, may be NULL */
     double* dbias; /* output (N), compute type, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
@@ -167,6 +177,7 @@ typedef struct {
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_bwd_args_f64;
 int ln_bwd_f64(const ln_bwd_args_f64* a);
 _Static_assert(offsetof(ln_bwd_args_f64, dy) == 0, "ln_bwd_args_f64.dy");
@@ -183,16 +194,17 @@ _Static_assert(offsetof(ln_bwd_args_f64, detach_mean) == 80, "ln_bwd_args_f64.de
 _Static_assert(offsetof(ln_bwd_args_f64, detach_std) == 84, "ln_bwd_args_f64.detach_std");
 _Static_assert(offsetof(ln_bwd_args_f64, threads) == 88, "ln_bwd_args_f64.threads");
 _Static_assert(offsetof(ln_bwd_args_f64, stream) == 92, "ln_bwd_args_f64.stream");
-_Static_assert(sizeof(ln_bwd_args_f64) == 96, "ln_bwd_args_f64 size");
+_Static_assert(offsetof(ln_bwd_args_f64, half_params) == 96, "ln_bwd_args_f64.half_params");
+_Static_assert(sizeof(ln_bwd_args_f64) == 104, "ln_bwd_args_f64 size");
 
 typedef struct {
     const ln_bf16_t* dy; /* input (M, N), same as x */
     const ln_bf16_t* x; /* input (M, N), same as x */
     const float* mean; /* input (M), statistics */
     const float* rstd; /* input (M), statistics */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     ln_bf16_t* dx; /* output (M, N), same as x, may be NULL */
-    float* dweight; /* output (N), compute type, may be NULL */
+    void* dweight; /* output (N), compute type, or x's with half_params, may be NULL */
     float* dbias; /* output (N), compute type, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
@@ -200,6 +212,7 @@ typedef struct {
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_bwd_args_bf16;
 int ln_bwd_bf16(const ln_bwd_args_bf16* a);
 _Static_assert(offsetof(ln_bwd_args_bf16, dy) == 0, "ln_bwd_args_bf16.dy");
@@ -216,16 +229,17 @@ _Static_assert(offsetof(ln_bwd_args_bf16, detach_mean) == 80, "ln_bwd_args_bf16.
 _Static_assert(offsetof(ln_bwd_args_bf16, detach_std) == 84, "ln_bwd_args_bf16.detach_std");
 _Static_assert(offsetof(ln_bwd_args_bf16, threads) == 88, "ln_bwd_args_bf16.threads");
 _Static_assert(offsetof(ln_bwd_args_bf16, stream) == 92, "ln_bwd_args_bf16.stream");
-_Static_assert(sizeof(ln_bwd_args_bf16) == 96, "ln_bwd_args_bf16 size");
+_Static_assert(offsetof(ln_bwd_args_bf16, half_params) == 96, "ln_bwd_args_bf16.half_params");
+_Static_assert(sizeof(ln_bwd_args_bf16) == 104, "ln_bwd_args_bf16 size");
 
 typedef struct {
     const ln_f16_t* dy; /* input (M, N), same as x */
     const ln_f16_t* x; /* input (M, N), same as x */
     const float* mean; /* input (M), statistics */
     const float* rstd; /* input (M), statistics */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     ln_f16_t* dx; /* output (M, N), same as x, may be NULL */
-    float* dweight; /* output (N), compute type, may be NULL */
+    void* dweight; /* output (N), compute type, or x's with half_params, may be NULL */
     float* dbias; /* output (N), compute type, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
@@ -233,6 +247,7 @@ typedef struct {
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_bwd_args_f16;
 int ln_bwd_f16(const ln_bwd_args_f16* a);
 _Static_assert(offsetof(ln_bwd_args_f16, dy) == 0, "ln_bwd_args_f16.dy");
@@ -249,12 +264,13 @@ _Static_assert(offsetof(ln_bwd_args_f16, detach_mean) == 80, "ln_bwd_args_f16.de
 _Static_assert(offsetof(ln_bwd_args_f16, detach_std) == 84, "ln_bwd_args_f16.detach_std");
 _Static_assert(offsetof(ln_bwd_args_f16, threads) == 88, "ln_bwd_args_f16.threads");
 _Static_assert(offsetof(ln_bwd_args_f16, stream) == 92, "ln_bwd_args_f16.stream");
-_Static_assert(sizeof(ln_bwd_args_f16) == 96, "ln_bwd_args_f16 size");
+_Static_assert(offsetof(ln_bwd_args_f16, half_params) == 96, "ln_bwd_args_f16.half_params");
+_Static_assert(sizeof(ln_bwd_args_f16) == 104, "ln_bwd_args_f16 size");
 
 /* RMSNorm of each row: y = x·rstd ⊙ w, rstd = 1/sqrt(mean(x²) + eps). */
 typedef struct {
     const float* x; /* input (M, N), same as x */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     float* y; /* output (M, N), same as x */
     float* rstd; /* output (M), statistics */
     int64_t M; /* scalar, index, >= 0: rows */
@@ -262,6 +278,7 @@ typedef struct {
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_fwd_args_f32;
 int rms_fwd_f32(const rms_fwd_args_f32* a);
 _Static_assert(offsetof(rms_fwd_args_f32, x) == 0, "rms_fwd_args_f32.x");
@@ -273,11 +290,12 @@ _Static_assert(offsetof(rms_fwd_args_f32, N) == 40, "rms_fwd_args_f32.N");
 _Static_assert(offsetof(rms_fwd_args_f32, eps) == 48, "rms_fwd_args_f32.eps");
 _Static_assert(offsetof(rms_fwd_args_f32, threads) == 56, "rms_fwd_args_f32.threads");
 _Static_assert(offsetof(rms_fwd_args_f32, stream) == 60, "rms_fwd_args_f32.stream");
-_Static_assert(sizeof(rms_fwd_args_f32) == 64, "rms_fwd_args_f32 size");
+_Static_assert(offsetof(rms_fwd_args_f32, half_params) == 64, "rms_fwd_args_f32.half_params");
+_Static_assert(sizeof(rms_fwd_args_f32) == 72, "rms_fwd_args_f32 size");
 
 typedef struct {
     const double* x; /* input (M, N), same as x */
-    const double* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     double* y; /* output (M, N), same as x */
     double* rstd; /* output (M), statistics */
     int64_t M; /* scalar, index, >= 0: rows */
@@ -285,6 +303,7 @@ typedef struct {
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_fwd_args_f64;
 int rms_fwd_f64(const rms_fwd_args_f64* a);
 _Static_assert(offsetof(rms_fwd_args_f64, x) == 0, "rms_fwd_args_f64.x");
@@ -296,11 +315,12 @@ _Static_assert(offsetof(rms_fwd_args_f64, N) == 40, "rms_fwd_args_f64.N");
 _Static_assert(offsetof(rms_fwd_args_f64, eps) == 48, "rms_fwd_args_f64.eps");
 _Static_assert(offsetof(rms_fwd_args_f64, threads) == 56, "rms_fwd_args_f64.threads");
 _Static_assert(offsetof(rms_fwd_args_f64, stream) == 60, "rms_fwd_args_f64.stream");
-_Static_assert(sizeof(rms_fwd_args_f64) == 64, "rms_fwd_args_f64 size");
+_Static_assert(offsetof(rms_fwd_args_f64, half_params) == 64, "rms_fwd_args_f64.half_params");
+_Static_assert(sizeof(rms_fwd_args_f64) == 72, "rms_fwd_args_f64 size");
 
 typedef struct {
     const ln_bf16_t* x; /* input (M, N), same as x */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     ln_bf16_t* y; /* output (M, N), same as x */
     float* rstd; /* output (M), statistics */
     int64_t M; /* scalar, index, >= 0: rows */
@@ -308,6 +328,7 @@ typedef struct {
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_fwd_args_bf16;
 int rms_fwd_bf16(const rms_fwd_args_bf16* a);
 _Static_assert(offsetof(rms_fwd_args_bf16, x) == 0, "rms_fwd_args_bf16.x");
@@ -319,11 +340,12 @@ _Static_assert(offsetof(rms_fwd_args_bf16, N) == 40, "rms_fwd_args_bf16.N");
 _Static_assert(offsetof(rms_fwd_args_bf16, eps) == 48, "rms_fwd_args_bf16.eps");
 _Static_assert(offsetof(rms_fwd_args_bf16, threads) == 56, "rms_fwd_args_bf16.threads");
 _Static_assert(offsetof(rms_fwd_args_bf16, stream) == 60, "rms_fwd_args_bf16.stream");
-_Static_assert(sizeof(rms_fwd_args_bf16) == 64, "rms_fwd_args_bf16 size");
+_Static_assert(offsetof(rms_fwd_args_bf16, half_params) == 64, "rms_fwd_args_bf16.half_params");
+_Static_assert(sizeof(rms_fwd_args_bf16) == 72, "rms_fwd_args_bf16 size");
 
 typedef struct {
     const ln_f16_t* x; /* input (M, N), same as x */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     ln_f16_t* y; /* output (M, N), same as x */
     float* rstd; /* output (M), statistics */
     int64_t M; /* scalar, index, >= 0: rows */
@@ -331,6 +353,7 @@ typedef struct {
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_fwd_args_f16;
 int rms_fwd_f16(const rms_fwd_args_f16* a);
 _Static_assert(offsetof(rms_fwd_args_f16, x) == 0, "rms_fwd_args_f16.x");
@@ -342,20 +365,22 @@ _Static_assert(offsetof(rms_fwd_args_f16, N) == 40, "rms_fwd_args_f16.N");
 _Static_assert(offsetof(rms_fwd_args_f16, eps) == 48, "rms_fwd_args_f16.eps");
 _Static_assert(offsetof(rms_fwd_args_f16, threads) == 56, "rms_fwd_args_f16.threads");
 _Static_assert(offsetof(rms_fwd_args_f16, stream) == 60, "rms_fwd_args_f16.stream");
-_Static_assert(sizeof(rms_fwd_args_f16) == 64, "rms_fwd_args_f16 size");
+_Static_assert(offsetof(rms_fwd_args_f16, half_params) == 64, "rms_fwd_args_f16.half_params");
+_Static_assert(sizeof(rms_fwd_args_f16) == 72, "rms_fwd_args_f16 size");
 
 /* RMSNorm gradients; an output left NULL is not computed. */
 typedef struct {
     const float* dy; /* input (M, N), same as x */
     const float* x; /* input (M, N), same as x */
     const float* rstd; /* input (M), statistics */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     float* dx; /* output (M, N), same as x, may be NULL */
-    float* dweight; /* output (N), compute type, may be NULL */
+    void* dweight; /* output (N), compute type, or x's with half_params, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_bwd_args_f32;
 int rms_bwd_f32(const rms_bwd_args_f32* a);
 _Static_assert(offsetof(rms_bwd_args_f32, dy) == 0, "rms_bwd_args_f32.dy");
@@ -368,19 +393,21 @@ _Static_assert(offsetof(rms_bwd_args_f32, M) == 48, "rms_bwd_args_f32.M");
 _Static_assert(offsetof(rms_bwd_args_f32, N) == 56, "rms_bwd_args_f32.N");
 _Static_assert(offsetof(rms_bwd_args_f32, threads) == 64, "rms_bwd_args_f32.threads");
 _Static_assert(offsetof(rms_bwd_args_f32, stream) == 68, "rms_bwd_args_f32.stream");
-_Static_assert(sizeof(rms_bwd_args_f32) == 72, "rms_bwd_args_f32 size");
+_Static_assert(offsetof(rms_bwd_args_f32, half_params) == 72, "rms_bwd_args_f32.half_params");
+_Static_assert(sizeof(rms_bwd_args_f32) == 80, "rms_bwd_args_f32 size");
 
 typedef struct {
     const double* dy; /* input (M, N), same as x */
     const double* x; /* input (M, N), same as x */
     const double* rstd; /* input (M), statistics */
-    const double* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     double* dx; /* output (M, N), same as x, may be NULL */
-    double* dweight; /* output (N), compute type, may be NULL */
+    void* dweight; /* output (N), compute type, or x's with half_params, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_bwd_args_f64;
 int rms_bwd_f64(const rms_bwd_args_f64* a);
 _Static_assert(offsetof(rms_bwd_args_f64, dy) == 0, "rms_bwd_args_f64.dy");
@@ -393,19 +420,21 @@ _Static_assert(offsetof(rms_bwd_args_f64, M) == 48, "rms_bwd_args_f64.M");
 _Static_assert(offsetof(rms_bwd_args_f64, N) == 56, "rms_bwd_args_f64.N");
 _Static_assert(offsetof(rms_bwd_args_f64, threads) == 64, "rms_bwd_args_f64.threads");
 _Static_assert(offsetof(rms_bwd_args_f64, stream) == 68, "rms_bwd_args_f64.stream");
-_Static_assert(sizeof(rms_bwd_args_f64) == 72, "rms_bwd_args_f64 size");
+_Static_assert(offsetof(rms_bwd_args_f64, half_params) == 72, "rms_bwd_args_f64.half_params");
+_Static_assert(sizeof(rms_bwd_args_f64) == 80, "rms_bwd_args_f64 size");
 
 typedef struct {
     const ln_bf16_t* dy; /* input (M, N), same as x */
     const ln_bf16_t* x; /* input (M, N), same as x */
     const float* rstd; /* input (M), statistics */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     ln_bf16_t* dx; /* output (M, N), same as x, may be NULL */
-    float* dweight; /* output (N), compute type, may be NULL */
+    void* dweight; /* output (N), compute type, or x's with half_params, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_bwd_args_bf16;
 int rms_bwd_bf16(const rms_bwd_args_bf16* a);
 _Static_assert(offsetof(rms_bwd_args_bf16, dy) == 0, "rms_bwd_args_bf16.dy");
@@ -418,19 +447,21 @@ _Static_assert(offsetof(rms_bwd_args_bf16, M) == 48, "rms_bwd_args_bf16.M");
 _Static_assert(offsetof(rms_bwd_args_bf16, N) == 56, "rms_bwd_args_bf16.N");
 _Static_assert(offsetof(rms_bwd_args_bf16, threads) == 64, "rms_bwd_args_bf16.threads");
 _Static_assert(offsetof(rms_bwd_args_bf16, stream) == 68, "rms_bwd_args_bf16.stream");
-_Static_assert(sizeof(rms_bwd_args_bf16) == 72, "rms_bwd_args_bf16 size");
+_Static_assert(offsetof(rms_bwd_args_bf16, half_params) == 72, "rms_bwd_args_bf16.half_params");
+_Static_assert(sizeof(rms_bwd_args_bf16) == 80, "rms_bwd_args_bf16 size");
 
 typedef struct {
     const ln_f16_t* dy; /* input (M, N), same as x */
     const ln_f16_t* x; /* input (M, N), same as x */
     const float* rstd; /* input (M), statistics */
-    const float* weight; /* input (N), compute type, may be NULL (w = 1) */
+    const void* weight; /* input (N), compute type, or x's with half_params, may be NULL (w = 1) */
     ln_f16_t* dx; /* output (M, N), same as x, may be NULL */
-    float* dweight; /* output (N), compute type, may be NULL */
+    void* dweight; /* output (N), compute type, or x's with half_params, may be NULL */
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
     int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes) */
+    int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_bwd_args_f16;
 int rms_bwd_f16(const rms_bwd_args_f16* a);
 _Static_assert(offsetof(rms_bwd_args_f16, dy) == 0, "rms_bwd_args_f16.dy");
@@ -443,7 +474,8 @@ _Static_assert(offsetof(rms_bwd_args_f16, M) == 48, "rms_bwd_args_f16.M");
 _Static_assert(offsetof(rms_bwd_args_f16, N) == 56, "rms_bwd_args_f16.N");
 _Static_assert(offsetof(rms_bwd_args_f16, threads) == 64, "rms_bwd_args_f16.threads");
 _Static_assert(offsetof(rms_bwd_args_f16, stream) == 68, "rms_bwd_args_f16.stream");
-_Static_assert(sizeof(rms_bwd_args_f16) == 72, "rms_bwd_args_f16 size");
+_Static_assert(offsetof(rms_bwd_args_f16, half_params) == 72, "rms_bwd_args_f16.half_params");
+_Static_assert(sizeof(rms_bwd_args_f16) == 80, "rms_bwd_args_f16 size");
 
 /* AdaNorm of each row: z = C·(1 − k·ŷ)·ŷ, ŷ = (x − μ)·rstd. */
 typedef struct {

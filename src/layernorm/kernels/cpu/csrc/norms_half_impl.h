@@ -4,9 +4,11 @@
 
    Each kernel converts a block of rows (see HALF_BLOCK_ELEMS in half.h)
    to float32, runs the float32 kernel's own row function on it and rounds the result back to
-   half_t. Statistics, gains, biases and their gradients are float32 (compute_t). So a half result
-   is the float32 kernel's result on the exactly converted inputs, rounded once to nearest even:
-   the float32 error model plus one rounding to the output type. */
+   half_t. Statistics, gains, biases and their gradients are float32 (compute_t); with the
+   half_params flag the gains and biases come in half_t, converted exactly once a call, and
+   dweight goes back rounded once from its float32 sum (what a cast of the float32 result gives).
+   So a half result is the float32 kernel's result on the exactly converted inputs, rounded once
+   to nearest even: the float32 error model plus one rounding to the output type. */
 
 #ifndef LAYERNORM_NORMS_HALF_ONCE
 #define LAYERNORM_NORMS_HALF_ONCE
@@ -85,6 +87,28 @@ static int FN(half_blocks)(const void* args, const half_t* const* inputs, int n_
     return 0;
 }
 
+/* The float32 gain and bias of a call (either may be NULL): as given where half_params is 0, else
+   converted exactly from half_t into one allocation of 2N floats, *owned (freed by the caller;
+   NULL when nothing was converted), whose second half is left for dweight's float32 sum. 0, or
+   1 when the allocation failed. */
+static int FN(params_f32)(int half_params, const void** w, const void** b, i64 N,
+                          float** owned) {
+    *owned = NULL;
+    if (!half_params) return 0;
+    float* buf = malloc((size_t)(2 * N) * sizeof(float));
+    if (!buf) return 1;
+    if (*w) {
+        TO_F32(*w, buf, N, NULL);
+        *w = buf;
+    }
+    if (*b) {
+        TO_F32(*b, buf + N, N, NULL);
+        *b = buf + N;
+    }
+    *owned = buf;
+    return 0;
+}
+
 /* ------------------------------------------------------------------ forward --------------- */
 
 static void FN(ln_fwd_block)(const void* p, float* const* in, float* out, i64 i, i64 rows) {
@@ -102,7 +126,13 @@ static int FN(ln_fwd_range)(const void* p, i64 lo, i64 hi) {
 }
 
 int FN(ln_fwd)(const FN(ln_fwd_args)* a) {
-    return half_parallel(a, a->M, a->threads, FN(ln_fwd_range));
+    FN(ln_fwd_args) f = *a; /* the same call with float32 parameters */
+    float* owned;
+    if (FN(params_f32)(a->half_params, &f.weight, &f.bias, a->N, &owned)) return 1;
+    f.half_params = 0;
+    const int status = half_parallel(&f, f.M, f.threads, FN(ln_fwd_range));
+    free(owned);
+    return status;
 }
 
 static void FN(rms_fwd_block)(const void* p, float* const* in, float* out, i64 i, i64 rows) {
@@ -119,7 +149,14 @@ static int FN(rms_fwd_range)(const void* p, i64 lo, i64 hi) {
 }
 
 int FN(rms_fwd)(const FN(rms_fwd_args)* a) {
-    return half_parallel(a, a->M, a->threads, FN(rms_fwd_range));
+    FN(rms_fwd_args) f = *a; /* the same call with a float32 gain */
+    const void* no_bias = NULL;
+    float* owned;
+    if (FN(params_f32)(a->half_params, &f.weight, &no_bias, a->N, &owned)) return 1;
+    f.half_params = 0;
+    const int status = half_parallel(&f, f.M, f.threads, FN(rms_fwd_range));
+    free(owned);
+    return status;
 }
 
 static void FN(ada_fwd_block)(const void* p, float* const* in, float* out, i64 i, i64 rows) {
@@ -242,16 +279,33 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
     return 0;
 }
 
+/* bwd_run with the job's weight and dweight in half_t where half_params is 1: the weight
+   converted for the float32 code, dweight summed in float32 (the second half of the conversion's
+   allocation) and rounded into the caller's half_t vector. */
+static int FN(bwd_run_params)(FN(bwd_job)* jb, int half_params) {
+    const void* w = jb->w;
+    const void* no_bias = NULL;
+    void* dweight = jb->dw;
+    float* owned;
+    if (FN(params_f32)(half_params && (w || dweight), &w, &no_bias, jb->N, &owned)) return 1;
+    jb->w = w;
+    if (owned && dweight) jb->dw = owned + jb->N;
+    const int status = FN(bwd_run)(jb);
+    if (!status && owned && dweight) FROM_F32(jb->dw, dweight, jb->N, 0);
+    free(owned);
+    return status;
+}
+
 int FN(ln_bwd)(const FN(ln_bwd_args)* a) {
     FN(bwd_job) jb = {a->dy, a->x, a->mean, a->rstd, a->weight, a->dx, a->dweight, a->dbias,
                       a->M, a->N, a->detach_mean, a->detach_std, a->threads, a->stream};
-    return FN(bwd_run)(&jb);
+    return FN(bwd_run_params)(&jb, a->half_params);
 }
 
 int FN(rms_bwd)(const FN(rms_bwd_args)* a) {
     FN(bwd_job) jb = {a->dy, a->x, NULL, a->rstd, a->weight, a->dx, a->dweight, NULL,
                       a->M, a->N, 1, 0, a->threads, a->stream};
-    return FN(bwd_run)(&jb);
+    return FN(bwd_run_params)(&jb, a->half_params);
 }
 
 #undef FN

@@ -417,6 +417,31 @@ def test_nan_stays_in_its_row(dtype, op):
         assert bool(t[keep].isfinite().all())
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize(("wdt", "bdt"), [("x", torch.float32), (torch.float32, "x"),
+                                          ("x", "x"), (torch.float32, torch.float32)])  # fmt: skip
+def test_gain_and_bias_dtypes_mixed_give_the_float32_bits(dtype, wdt, bdt):
+    """A gain and a bias each in x's half dtype or in float32, through the public op: the bits
+    both in float32 give (y, dx; the gradients rounded once to each parameter's dtype), whether
+    the kernels take the half parameters as they are (both in x's dtype) or convert one here."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 300, generator=g) * 2 + 1).to(dtype).requires_grad_()
+    dy = torch.randn(5, 300, generator=g).to(dtype)
+    w32 = (1 + 0.5 * torch.randn(300, generator=g)).to(dtype).float()
+    b32 = (0.5 * torch.randn(300, generator=g)).to(dtype).float()
+
+    def run(w, b):
+        w, b = w.clone().requires_grad_(), b.clone().requires_grad_()
+        y = LF.layer_norm(x, 300, w, b)
+        return (y, *torch.autograd.grad(y, (x, w, b), dy))
+
+    want = run(w32, b32)
+    got = run(*(t.to(dtype) if d == "x" else t for t, d in ((w32, wdt), (b32, bdt))))
+    for k, (a, e) in enumerate(zip(got, want, strict=True)):
+        e = e.to(a.dtype)  # a parameter's gradient: the float32 one, rounded once
+        assert torch.equal(_bits(a), _bits(e)), (k, wdt, bdt)
+
+
 def test_other_dtype_mixes_fall_back_to_the_eager_path():
     """bfloat16 x with a float16 or float64 gain is not a kernel instance: the ATen path runs,
     still against float64 within its own (looser) error model."""

@@ -87,9 +87,9 @@ static int FN(half_blocks)(const void* args, const half_t* const* inputs, int n_
     return 0;
 }
 
-/* The float32 gain and bias of a call (either may be NULL): as given where half_params is 0, else
-   converted exactly from half_t into one allocation of 2N floats, *owned (freed by the caller;
-   NULL when nothing was converted), whose second half is left for dweight's float32 sum. 0, or
+/* The float32 gain and bias of a call (either may be NULL): as given where half_params is 0
+   (*owned then NULL), else converted exactly from half_t into one allocation of 2N floats, *owned
+   (freed by the caller), whose second half a backward also uses for dweight's float32 sum. 0, or
    1 when the allocation failed. */
 static int FN(params_f32)(int half_params, const void** w, const void** b, i64 N,
                           float** owned) {

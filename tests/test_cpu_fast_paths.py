@@ -18,7 +18,7 @@ import torch
 import layernorm.functional as LF
 import tolerances
 from conftest import make_param, make_x, upcast
-from layernorm.kernels.cpu import _native, cbuild
+from layernorm.kernels.cpu import _native, cbuild, torch_ops
 from layernorm.kernels.cpu import layer_norm as cpu_layer_norm
 from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
 
@@ -217,6 +217,8 @@ def test_switch_off_bypasses_kernels(monkeypatch):
         raise AssertionError("fused kernel called although LAYERNORM_CPU_COMPILE=0")
 
     monkeypatch.setattr(_native, "ln_fwd", boom)
+    # the Python path's kernel calls (the C++ operators' are in tests/test_torch_ops.py)
+    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
     monkeypatch.setenv(_native.ENV_SWITCH, "0")
     x = make_x((4, 8))
     LF.layer_norm(x, (8,))  # eager path: no call into the fused kernels
@@ -340,8 +342,10 @@ def test_missing_compiler_raises_clear_error(monkeypatch):
 
 @needs_kernels
 def test_every_op_runs_the_fused_kernels(monkeypatch):
-    """float32 forward+backward of each family goes through both of its fused kernels."""
+    """float32 forward+backward of each family goes through both of its fused kernels (the
+    Python path's calls; the C++ operators' results are tests/test_torch_ops.py's)."""
     monkeypatch.setenv(_native.ENV_SWITCH, "1")
+    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
     calls: list[str] = []
     for name in ("ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd", "ada_fwd", "ada_bwd"):
         real = getattr(_native, name)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import layernorm
-from layernorm.kernels.cpu import _native, cache, cbuild, rnn
+from layernorm.kernels.cpu import _native, cache, cbuild, rnn, torch_ops
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or cbuild.compiler() is None,
@@ -53,8 +53,10 @@ with warnings.catch_warnings(record=True) as caught:
     lstm.impl = "loop"
     rnn_err = (fused - lstm(seq)[0]).abs().max().item()
     native, steps = _native.enabled(), rnn.available(seq)
+    from layernorm.kernels.cpu import torch_ops
+    cxx_ops = torch_ops.enabled()
 print(json.dumps({
-    "native": native, "steps": steps, "ln_err": ln_err, "rnn_err": rnn_err,
+    "native": native, "steps": steps, "ln_err": ln_err, "rnn_err": rnn_err, "cxx_ops": cxx_ops,
     "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
 }))
 """
@@ -83,8 +85,12 @@ def _plant(folder: Path, marker: Path) -> Path:
 
 
 def _env(**extra: str) -> dict[str, str]:
+    """The victims' environment: no C++ operators (a C++ build against PyTorch's headers takes
+    about 12 s in every fresh cache) unless ``extra`` switches them on; the same cache checks load
+    them (test_truncated_library_is_rebuilt builds them)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", cache.ENV_CACHE)}
-    env.update(PYTHONPATH=str(SRC), PYTHONDONTWRITEBYTECODE="1", **extra)
+    env.update(PYTHONPATH=str(SRC), PYTHONDONTWRITEBYTECODE="1", LAYERNORM_CPU_TORCH_OPS="0")
+    env.update(extra)
     return env
 
 
@@ -206,11 +212,15 @@ def test_truncated_library_is_rebuilt(tmp_path):
     folder = tmp_path / "cache"
     folder.mkdir(mode=0o700)
     sizes = {}
-    for name, built in zip(_library_names(), (_native._build(), rnn._build()), strict=True):
-        sizes[name] = built.stat().st_size
-        (folder / name).write_bytes(built.read_bytes()[:4096])
-        (folder / name).chmod(0o600)
-    env = _env(**{cache.ENV_CACHE: str(folder)})
+    builds = [_native._build(), rnn._build()]
+    cxx_ops = cbuild.cxx_compiler() is not None
+    if cxx_ops:  # the C++ operators' library too
+        builds.append(torch_ops.build())
+    for built in builds:
+        sizes[built.name] = built.stat().st_size
+        (folder / built.name).write_bytes(built.read_bytes()[:4096])
+        (folder / built.name).chmod(0o600)
+    env = _env(**{cache.ENV_CACHE: str(folder), torch_ops.ENV_SWITCH: "1"})
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", VICTIM], env=env, stdout=subprocess.PIPE, text=True, cwd="/"
@@ -222,6 +232,7 @@ def test_truncated_library_is_rebuilt(tmp_path):
         assert proc.returncode == 0
         result = json.loads(out.strip().splitlines()[-1])
         _assert_correct(result)
+        assert result["cxx_ops"] == cxx_ops
         assert result["warnings"] == []
     for name, size in sizes.items():
         assert (folder / name).stat().st_size == size

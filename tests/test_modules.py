@@ -10,6 +10,7 @@ import torch
 
 import layernorm
 from conftest import make_param, make_x
+from layernorm.kernels.cpu import torch_ops
 from layernorm.reference import ada_norm_reference, layer_norm_reference, rms_norm_reference
 
 LN_CONFIGS = [
@@ -509,6 +510,8 @@ def test_small_rms_norm_under_no_grad_runs_torch_s_kernel(monkeypatch):
     ``_TORCH_RMS_GRAD_NUMEL`` elements (here made 1000), in bfloat16 where torch's kernel would
     round twice, from ``_TORCH_RMS_NUMEL`` elements on (here made 64 rows of 16), or with a
     shape torch would refuse, the fused path runs."""
+    # the route RMSNorm takes where the C++ operators are off (their node beats torch's)
+    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
     from layernorm.modules import normalization
 
     monkeypatch.setattr(normalization, "_torch_rms_norm_rounds_once", lambda dtype: False)
@@ -554,6 +557,8 @@ def test_small_rms_norm_with_grad_runs_torch_s_kernel_within_the_fused_error_mod
     runs ``torch.rms_norm`` (not the fused kernels): output, dx and dγ within the fused kernels'
     error model against float64 on hostile rows (large offsets, tiny eps, constant and nearly
     constant rows, rows of one element); one element more takes the fused path."""
+    # the route RMSNorm takes where the C++ operators are off (their node beats torch's)
+    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
     from layernorm.modules import normalization
     from layernorm.reference import rms_norm_reference
     from tolerances import assert_within, row_stats
@@ -596,6 +601,8 @@ def test_half_rms_norm_under_no_grad_runs_torch_s_kernel_where_it_rounds_once(mo
     """A half RMSNorm needing no gradient runs ``torch.rms_norm`` where the probe found torch's
     kernel rounding once, and its result then keeps the fused kernels' error model (within one
     rounding of float64 on the same inputs); with a gradient the fused path runs."""
+    # the route RMSNorm takes where the C++ operators are off (their node beats torch's)
+    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
     from layernorm.modules import normalization
 
     real = torch.rms_norm

@@ -27,6 +27,7 @@ from .._validation import (
     check_finite_scalar,
     check_flag,
 )
+from ..kernels.cpu import torch_ops
 from ..ops._dispatch import TORCH_KERNEL_NUMEL, aten_input, needs_grad, torch_layer_norm
 
 # Up to this many elements a LayerNorm that needs gradients runs torch's native kernel (see
@@ -261,14 +262,14 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
     statistics' dtype like torch (float32's for half inputs). Constructor arguments, attributes and
     the state_dict (``weight`` only, shape ``normalized_shape``) are ``torch.nn.RMSNorm``'s.
 
-    Which kernel runs: the fused kernels of :mod:`layernorm.ops`. When nothing needs a gradient,
-    on the CPU, a small input (below 2^16 elements in float32, 2^15 in float64, bfloat16 and
-    float16) with a gain of its dtype takes torch's own ``rms_norm`` (the same formula, within
-    the same tolerance; what is left to save on a per-token call is Python), a larger one the
-    fused forward kernel directly, with nothing saved for backward (see
-    :func:`layernorm.functional._rms_norm_lean`). With gradients, a float32 or
-    float64 input of at most 8192 elements takes ``torch.rms_norm`` too (its autograd costs less
-    than the fused path's there; outputs and gradients within the fused kernels' tolerance).
+    Which kernel runs: the fused kernels of :mod:`layernorm.ops`; on the CPU a small call
+    through their C++ operator (:mod:`layernorm.kernels.cpu.torch_ops`), whose autograd node
+    costs less than torch's own ``rms_norm`` (a composition of ATen ops). Where that operator
+    cannot be built (no C++ compiler), a small input that needs no gradient (below 2^16 elements
+    in float32, 2^15 in float64, bfloat16 and float16) with a gain of its dtype takes torch's
+    ``rms_norm`` (the same formula, within the same tolerance), and with gradients a float32 or
+    float64 input of at most 8192 elements too (its autograd costs less than the Python path's
+    there; outputs and gradients within the fused kernels' tolerance).
 
     Args:
         normalized_shape: trailing shape normalized together.
@@ -319,7 +320,12 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
             weight = _gain(weight, self.gain_offset)
         if eps is None and type(x) is Tensor:
             eps = F._RMS_DEFAULT_EPS.get(x.dtype)
-        if aten_input(x, eps) and _takes_torch_rms_norm(x, shape, weight):
+        # torch's rms_norm only where the fused kernels have no C++ operator to beat it
+        if (
+            aten_input(x, eps)
+            and not torch_ops.enabled()
+            and _takes_torch_rms_norm(x, shape, weight)
+        ):
             try:
                 return torch.rms_norm(x, shape, weight, eps)
             except RuntimeError:

@@ -12,8 +12,10 @@ import torch
 from torch import Tensor
 
 from .._validation import stats_dtype
+from ..kernels.cpu import ada_norm as cpu_ada_norm
+from ..kernels.cpu import torch_ops
 from ..reference import ada_norm_reference
-from . import _checks
+from . import _checks, _reference_grads  # noqa: F401 (the C++ nodes' double backward)
 from ._dispatch import (
     backend_module,
     in_stats_dtype,
@@ -72,11 +74,17 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 def _backward(ctx: Any, dz: Tensor, _dmean: Tensor, _drstd: Tensor):
     x, mean, rstd = ctx.saved_tensors
     if reference_backward(dz):  # create_graph=True, or batched: a composite
-        with torch.enable_grad():
-            z = ada_norm_reference(x, (x.shape[1],), ctx.k, ctx.scale, ctx.eps)
-            (dx,) = torch.autograd.grad(z, x, dz, create_graph=True)
-        return dx, None, None, None
+        return reference_grads(dz, x, ctx.k, ctx.scale, ctx.eps), None, None, None
     return ada_norm_bwd(dz, x, mean, rstd, ctx.k, ctx.scale), None, None, None
+
+
+def reference_grads(dz: Tensor, x: Tensor, k: float, scale: float, eps: float) -> Tensor:
+    """The gradient of ``x``, by differentiating the reference with ``create_graph=True`` (see
+    :func:`layernorm.ops.layer_norm.reference_grads`)."""
+    with torch.enable_grad():
+        z = ada_norm_reference(x, (x.shape[1],), k, scale, eps)
+        (dx,) = torch.autograd.grad(z, x, dz, create_graph=True)
+    return dx
 
 
 torch.library.register_autograd("layernorm::ada_norm_fwd", _backward, setup_context=_setup_context)
@@ -117,10 +125,14 @@ def ada_norm_rows_eager(
     x: Tensor, k: float, scale: float, eps: float, kernels: ModuleType | None = None
 ) -> Tensor:
     """:func:`ada_norm_rows` where no tracer watches (the caller has made sure of it): the forward
-    kernel alone where nothing needs a gradient, else the autograd.Function. ``kernels``: the
-    backend's module, where the caller knows it."""
+    kernel alone where nothing needs a gradient, else the autograd.Function, unless the C++
+    operator takes the call (see :func:`layernorm.ops.layer_norm.layer_norm_rows_eager`).
+    ``kernels``: the backend's module, where the caller knows it."""
     if kernels is None:
         kernels = backend_module(x, "ada_norm")
-    if not needs_grad(x):
+    grad = needs_grad(x)
+    if kernels is cpu_ada_norm and torch_ops.takes(x, grad):
+        return torch_ops.ada_norm(x, k, scale, eps)
+    if not grad:
         return kernels.ada_norm_fwd(x, k, scale, eps)[0]
     return _AdaNormEager.apply(x, k, scale, eps, kernels)

@@ -8,7 +8,7 @@ differentiates the pure-PyTorch reference instead, since the fused backward is n
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -16,8 +16,10 @@ import torch
 from torch import Tensor
 
 from .._validation import stats_dtype
+from ..kernels.cpu import layer_norm as cpu_layer_norm
+from ..kernels.cpu import torch_ops
 from ..reference import layer_norm_reference
-from . import _checks
+from . import _checks, _reference_grads  # noqa: F401 (the C++ nodes' double backward)
 from ._dispatch import (
     aliases,
     backend_module,
@@ -133,15 +135,31 @@ def _backward(ctx: Any, dy: Tensor, _dmean: Tensor, _drstd: Tensor):
 
 
 def _reference_backward(ctx: Any, dy: Tensor, x: Tensor, weight, bias) -> tuple:
-    needs = ctx.needs_input_grad[:3]
+    eps, dm, ds = ctx.eps, ctx.detach_mean, ctx.detach_std
+    return reference_grads(dy, x, weight, bias, eps, dm, ds, ctx.needs_input_grad[:3])
+
+
+def reference_grads(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    detach_mean: bool,
+    detach_std: bool,
+    needs: Sequence[bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The gradients of ``(x, weight, bias)`` that ``needs`` asks for, by differentiating the
+    reference (:func:`layernorm.reference.layer_norm_reference`) with ``create_graph=True``: a
+    backward whose result must itself be differentiable, or whose ``dy`` has no memory of its
+    own for the kernels."""
     with torch.enable_grad():
         x, weight, bias = aliases(x, weight, bias)
         wanted = [t for t, need in zip((x, weight, bias), needs, strict=True) if need]
-        y = layer_norm_reference(
-            x, (x.shape[1],), weight, bias, ctx.eps, ctx.detach_mean, ctx.detach_std
-        )
+        y = layer_norm_reference(x, (x.shape[1],), weight, bias, eps, detach_mean, detach_std)
         grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
-    return tuple(next(grads) if need else None for need in ctx.needs_input_grad[:3])
+    dx, dw, db = (next(grads) if need else None for need in needs)
+    return dx, dw, db
 
 
 torch.library.register_autograd(
@@ -198,10 +216,14 @@ def layer_norm_rows_eager(
     kernels: ModuleType | None = None,
 ) -> Tensor:
     """:func:`layer_norm_rows` where no tracer watches (:func:`._dispatch.plain_eager`, which the
-    caller has made sure of): the forward kernel alone where nothing needs a gradient, else the
-    autograd.Function. ``kernels``: the backend's module, where the caller knows it."""
+    caller has made sure of): the C++ operator of :mod:`layernorm.kernels.cpu.torch_ops` where it
+    takes the call (a small CPU one), else the forward kernel alone where nothing needs a gradient,
+    else the autograd.Function. ``kernels``: the backend's module, where the caller knows it."""
     if kernels is None:
         kernels = backend_module(x, "layer_norm")
-    if not needs_grad(x, weight, bias):
+    grad = needs_grad(x, weight, bias)
+    if kernels is cpu_layer_norm and torch_ops.takes(x, grad, weight, bias):
+        return torch_ops.layer_norm(x, weight, bias, eps, detach_mean, detach_std)
+    if not grad:
         return kernels.layer_norm_fwd(x, weight, bias, eps)[0]
     return _LayerNormEager.apply(x, weight, bias, eps, detach_mean, detach_std, kernels)

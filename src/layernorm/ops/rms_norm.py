@@ -5,6 +5,7 @@ Saves ``x`` and the per-row ``rstd``; double backward differentiates the referen
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -12,8 +13,10 @@ import torch
 from torch import Tensor
 
 from .._validation import stats_dtype
+from ..kernels.cpu import rms_norm as cpu_rms_norm
+from ..kernels.cpu import torch_ops
 from ..reference import rms_norm_reference
-from . import _checks
+from . import _checks, _reference_grads  # noqa: F401 (the C++ nodes' double backward)
 from ._dispatch import (
     aliases,
     backend_module,
@@ -78,14 +81,23 @@ def _backward(ctx: Any, dy: Tensor, _drstd: Tensor):
     x, weight, rstd = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
     if reference_backward(dy):  # create_graph=True, or batched: a composite
-        with torch.enable_grad():
-            x, weight = aliases(x, weight)
-            wanted = [t for t, need in zip((x, weight), (need_dx, need_dw), strict=True) if need]
-            y = rms_norm_reference(x, (x.shape[1],), weight, ctx.eps)
-            grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
-        return (next(grads) if need_dx else None), (next(grads) if need_dw else None), None
+        return (*reference_grads(dy, x, weight, ctx.eps, (need_dx, need_dw)), None)
     dx, dw = rms_norm_bwd(dy, x, rstd, weight, need_dx, need_dw and weight is not None)
     return none_if_empty(dx), none_if_empty(dw), None
+
+
+def reference_grads(
+    dy: Tensor, x: Tensor, weight: Tensor | None, eps: float, needs: Sequence[bool]
+) -> tuple[Tensor | None, Tensor | None]:
+    """The gradients of ``(x, weight)`` that ``needs`` asks for, by differentiating the reference
+    with ``create_graph=True`` (see :func:`layernorm.ops.layer_norm.reference_grads`)."""
+    with torch.enable_grad():
+        x, weight = aliases(x, weight)
+        wanted = [t for t, need in zip((x, weight), needs, strict=True) if need]
+        y = rms_norm_reference(x, (x.shape[1],), weight, eps)
+        grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
+    dx, dw = (next(grads) if need else None for need in needs)
+    return dx, dw
 
 
 torch.library.register_autograd("layernorm::rms_norm_fwd", _backward, setup_context=_setup_context)
@@ -129,10 +141,14 @@ def rms_norm_rows_eager(
     x: Tensor, weight: Tensor | None, eps: float, kernels: ModuleType | None = None
 ) -> Tensor:
     """:func:`rms_norm_rows` where no tracer watches (the caller has made sure of it): the forward
-    kernel alone where nothing needs a gradient, else the autograd.Function. ``kernels``: the
-    backend's module, where the caller knows it."""
+    kernel alone where nothing needs a gradient, else the autograd.Function, unless the C++
+    operator takes the call (see :func:`layernorm.ops.layer_norm.layer_norm_rows_eager`).
+    ``kernels``: the backend's module, where the caller knows it."""
     if kernels is None:
         kernels = backend_module(x, "rms_norm")
-    if not needs_grad(x, weight):
+    grad = needs_grad(x, weight)
+    if kernels is cpu_rms_norm and torch_ops.takes(x, grad, weight):
+        return torch_ops.rms_norm(x, weight, eps)
+    if not grad:
         return kernels.rms_norm_fwd(x, weight, eps)[0]
     return _RMSNormEager.apply(x, weight, eps, kernels)

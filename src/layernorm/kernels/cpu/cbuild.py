@@ -115,13 +115,49 @@ def build_flags(
     return (*BASE_FLAGS, *isa_flags, *sanitize, *extra_flags)
 
 
-def source_files(sources: Sequence[Path]) -> list[Path]:
-    """Every ``.c``/``.h`` file a build of ``sources`` may read: the sources and their folders'
-    C files (headers are found there), sorted, each once."""
+#: The suffixes of the files a build may read: C and C++ sources and headers.
+SOURCE_SUFFIXES = (".c", ".h", ".cpp")
+
+
+def source_files(sources: Sequence[Path], include_dirs: Sequence[Path] = ()) -> list[Path]:
+    """Every source and header a build of ``sources`` may read: the sources and the
+    :data:`SOURCE_SUFFIXES` files of their folders and of ``include_dirs`` (headers are found
+    there), sorted, each once."""
     found = {Path(s).resolve() for s in sources}
-    for folder in {p.parent for p in found}:
-        found.update(p.resolve() for p in folder.iterdir() if p.suffix in (".c", ".h"))
+    for folder in {p.parent for p in found} | {Path(d).resolve() for d in include_dirs}:
+        found.update(p.resolve() for p in folder.iterdir() if p.suffix in SOURCE_SUFFIXES)
     return sorted(found)
+
+
+def _digest(head: Sequence[str], srcs: Sequence[Path], include_dirs: Sequence[Path] = ()) -> str:
+    """The cache key of a build: ``head`` (flags, compiler, what the binary links) and the
+    content of every file it may read (:func:`source_files`)."""
+    digest = hashlib.sha256("\n".join(head).encode())
+    for path in source_files(srcs, include_dirs):
+        # the name too: the same text as another file must not collide; folders may move
+        digest.update(f"\0{path.name}\0".encode())
+        digest.update(path.read_bytes())
+    digest.update("\0".join(p.name for p in srcs).encode())
+    return digest.hexdigest()[:16]
+
+
+def _compile(cmd: list[str], out: Path, stem: str) -> None:
+    """Run the compiler command ``cmd`` (its last output argument is added here) into a
+    temporary file beside ``out``, then move the sealed result to ``out``."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        full = [*cmd, "-o", str(tmp_so)]
+        proc = subprocess.run(full, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(full)} failed:\n{proc.stderr[-2000:]}")
+        if proc.stderr.strip():
+            warnings.warn(
+                f"layernorm: compiler warnings building {stem}:\n{proc.stderr[-4000:]}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        cache.seal(tmp_so)
+        os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written library
 
 
 def build_shared_library(
@@ -146,16 +182,14 @@ def build_shared_library(
     srcs = [Path(s).resolve() for s in sources]
     includes = [f"-I{d}" for d in dict.fromkeys(p.parent for p in srcs)]
     flags = build_flags(extra_flags, isa_flags)
-    digest = hashlib.sha256("\n".join([" ".join(flags), cc, gomp or "", cpu_flags()]).encode())
-    for path in source_files(srcs):
-        # the name too: the same text as another file must not collide; folders may move
-        digest.update(f"\0{path.name}\0".encode())
-        digest.update(path.read_bytes())
-    digest.update("\0".join(p.name for p in srcs).encode())
-    key = digest.hexdigest()[:16]
+    key = _digest([" ".join(flags), cc, gomp or "", cpu_flags()], srcs)
     out = cache_dir() / f"{stem}_{key}.so"
     if out.exists():
         return out
+    # Link PyTorch's own libgomp when it has one (same soname, so the loader maps it once).
+    link = [gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"] if gomp else []
+    _compile([cc, *flags, *includes, *map(str, srcs), *link, "-lm"], out, stem)
+    return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
         # Link PyTorch's own libgomp when it has one (same soname, so the loader maps it once).
@@ -172,4 +206,77 @@ def build_shared_library(
             )
         cache.seal(tmp_so)
         os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written library
+    return out
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler to use: ``$CXX``, else ``c++``, else ``g++``; ``None`` when there is
+    none."""
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+#: The flags of a C++ library built against PyTorch's headers (on top of the ABI define and the
+#: include folders). vptr checks are left out of a sanitized build: they need the run-time type
+#: information of PyTorch's own classes, which its libraries were not built to give.
+TORCH_CXX_FLAGS = ("-O2", "-std=c++20", "-fPIC", "-shared", "-Wall", "-Wextra")
+TORCH_SANITIZE_FLAGS = (*SANITIZE_FLAGS, "-fno-sanitize=vptr")
+
+
+def torch_cxx_flags() -> tuple[str, ...]:
+    """The compiler flags of a C++ library that uses PyTorch's C++ API (all in the cache key):
+    :data:`TORCH_CXX_FLAGS`, PyTorch's C++ ABI, its headers as system headers (their warnings are
+    not this project's) and, with ``LAYERNORM_CPU_SANITIZE=1``, the sanitizers."""
+    import torch  # here, not at import: the C kernels' builds do not need it
+
+    root = Path(torch.__file__).resolve().parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    sanitize = TORCH_SANITIZE_FLAGS if sanitizing() else ()
+    return (
+        *TORCH_CXX_FLAGS,
+        *sanitize,
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        "-isystem",
+        str(root / "include"),
+    )
+
+
+def torch_link_flags() -> tuple[str, ...]:
+    """Linking against this process's PyTorch (its ``lib`` folder, found at run time too)."""
+    import torch
+
+    lib = Path(torch.__file__).resolve().parent / "lib"
+    return (f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch", "-ltorch_cpu", "-lc10")
+
+
+def build_torch_library(
+    sources: Sequence[Path], stem: str, include_dirs: Sequence[Path] = ()
+) -> Path:
+    """Compile the C++ files ``sources``, which use PyTorch's C++ API (operators, autograd
+    nodes), into one library against this process's PyTorch, unless a matching cached build
+    exists; return the library's path. ``include_dirs``: more folders to find headers in (their
+    files are part of the cache key, as are PyTorch's version and folder).
+
+    Raises ``RuntimeError`` naming the cause (not Linux, no compiler, compiler error).
+    """
+    import torch
+
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"the C++ operators are built on Linux only, not {sys.platform}")
+    cxx = cxx_compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (tried $CXX, c++, g++)")
+    srcs = [Path(s).resolve() for s in sources]
+    folders = [*dict.fromkeys(p.parent for p in srcs), *(Path(d).resolve() for d in include_dirs)]
+    includes = [f"-I{d}" for d in folders]
+    flags = torch_cxx_flags()
+    link = torch_link_flags()
+    head = [" ".join(flags), " ".join(link), cxx, torch.__version__]
+    key = _digest(head, srcs, include_dirs)
+    out = cache_dir() / f"{stem}_{key}.so"
+    if out.exists():
+        return out
+    _compile([cxx, *flags, *includes, *map(str, srcs), *link], out, stem)
     return out

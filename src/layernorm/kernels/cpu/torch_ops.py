@@ -1,0 +1,136 @@
+"""The norm kernels as PyTorch operators with C++ autograd nodes (``csrc_torch/norm_ops.cpp``):
+``torch.ops.layernorm_cpu.layer_norm``, ``.rms_norm`` and ``.ada_norm`` on contiguous ``(M, N)``
+rows, for the calls whose time is the Python around the kernels.
+
+A layer norm's forward and backward at (1, 768) took 64 µs through the autograd.Function of
+:mod:`layernorm.ops` where torch's native layer norm, a C++ node, takes 24; the kernels themselves
+take a few. These operators check their arguments, allocate the outputs, fill the kernels' argument
+structs and call the kernels of the selected instruction-set target (:mod:`.targets`) from C++, so
+the results are the kernels' bits. The ops take them (:func:`takes`) for a CPU input whose outputs
+would not come from the buffer cache (:mod:`.buffers`: below ``TRAINING_OUTPUT_MIN_BYTES`` where a
+backward follows, below ``OUTPUT_MIN_BYTES`` otherwise), where the autograd.Function's tens of
+microseconds weigh and malloc's heap serves the outputs without page faults; larger ones keep the
+Python path, whose outputs reuse memory.
+
+The library is compiled against this process's PyTorch by the C++ compiler on first use (about
+12 s; :func:`.cbuild.build_torch_library`, cached with the C kernels: ``make install`` builds it)
+and loaded with the cache's checks (:mod:`.cache`). Where it cannot be built or loaded, a warning
+says why, once, and the ops keep their Python path. ``LAYERNORM_CPU_TORCH_OPS=0`` keeps the ops
+on their Python path (read on every call, as ``LAYERNORM_CPU_COMPILE=0``, which leaves no C kernel
+to call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from . import _native, abi, buffers, cache, cbuild, targets
+
+ENV_SWITCH = "LAYERNORM_CPU_TORCH_OPS"
+SOURCES = (Path(__file__).resolve().parent / "csrc_torch" / "norm_ops.cpp",)
+#: The kernels the operators call, by the names of abi.py (cvt is the tests' alone).
+KERNELS = ("ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd", "ada_fwd", "ada_bwd")
+
+_state: dict[str, object] = {}  # "loaded": bool once tried; "target": the kernels' target
+
+
+def build() -> Path:
+    """Compile the operators' library (or find it cached); return its path."""
+    return cbuild.build_torch_library(SOURCES, "layernorm_torch_ops", (abi.CSRC_DIR,))
+
+
+def _load() -> bool:
+    """Build and load the library once; False after a warning when it cannot be."""
+    loaded = _state.get("loaded")
+    if loaded is None:
+        try:
+            cache.load_library(build)
+            loaded = True
+        except Exception as err:  # the Python path is always there
+            warnings.warn(
+                f"layernorm: C++ operators unavailable, the ops keep their Python path ({err})",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            loaded = False
+        _state["loaded"] = loaded
+    return bool(loaded)
+
+
+def _set_kernels(target: targets.Target) -> bool:
+    """Hand the operators the kernels of ``target``'s library (built on first use)."""
+    table = _native._library_for(target.name)
+    if table is None:
+        return False
+    for (name, dtype), fn in table.items():
+        if name in KERNELS:
+            address = ctypes.cast(fn, ctypes.c_void_p).value
+            torch.ops.layernorm_cpu.set_kernel(f"{name}_{abi.INSTANCES[dtype].suffix}", address)
+    _state["target"] = target
+    return True
+
+
+def enabled() -> bool:
+    """Whether the operators are switched on, built and loaded, with the selected target's
+    kernels and the Python path's ``STREAM_MIN_BYTES`` (handed over again where
+    :func:`.targets.use` switched the target or the threshold changed)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    target = targets.selected()
+    if _state.get("target") is target and _state.get("stream") == _native.STREAM_MIN_BYTES:
+        return True
+    if not _native.enabled() or not _load():
+        return False
+    # the Python path's thresholds, which tests may change
+    torch.ops.layernorm_cpu.configure(_native._GRAIN, _native.STREAM_MIN_BYTES)
+    _state["stream"] = _native.STREAM_MIN_BYTES
+    return _set_kernels(target)
+
+
+def takes(x: Tensor, grad: bool, *params: Tensor | None) -> bool:
+    """Whether the operators run this call: ``x`` and the ``params`` as the kernels take them
+    (:func:`._native.supports`), outputs below the buffer cache's sizes (``grad``: a backward
+    follows), the operators loaded. A few attribute reads where they are."""
+    limit = buffers.TRAINING_OUTPUT_MIN_BYTES if grad else buffers.OUTPUT_MIN_BYTES
+    return (
+        x.numel() * x.element_size() < limit
+        and x.dim() == 2
+        and _native.supports(x, *params)
+        and enabled()
+    )
+
+
+def layer_norm(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    detach_mean: bool = False,
+    detach_std: bool = False,
+) -> Tensor:
+    """Layer norm (DetachNorm with the flags) of the rows of ``x`` by the C++ operator, where
+    :func:`takes` said yes."""
+    return torch.ops.layernorm_cpu.layer_norm(x, weight, bias, eps, detach_mean, detach_std)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm of the rows of ``x`` by the C++ operator, where :func:`takes` said yes."""
+    return torch.ops.layernorm_cpu.rms_norm(x, weight, eps)
+
+
+def ada_norm(x: Tensor, k: float, scale: float, eps: float) -> Tensor:
+    """AdaNorm of the rows of ``x`` by the C++ operator, where :func:`takes` said yes."""
+    return torch.ops.layernorm_cpu.ada_norm(x, k, scale, eps)
+
+
+if __name__ == "__main__":  # `python -m layernorm.kernels.cpu.torch_ops`: build it now (install)
+    try:
+        print(f"layernorm: C++ operators built: {build()}")
+    except RuntimeError as err:  # optional: the ops keep their Python path
+        print(f"layernorm: C++ operators not built, the ops keep their Python path ({err})")

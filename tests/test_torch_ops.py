@@ -1,0 +1,298 @@
+"""The C++ operators of :mod:`layernorm.kernels.cpu.torch_ops` (``csrc_torch/norm_ops.cpp``).
+
+They call the same kernels as the ops' Python path (the autograd.Function of :mod:`layernorm.ops`),
+so every result, forward and backward, must be those bits (the Python path's accuracy against the
+float64 reference is tested elsewhere, on every target); a double backward and a batched backward
+must be the reference's, as the Python path's are; a wrong argument must be refused with a message
+naming what was expected and what came; and the ops must take the operators exactly where
+:func:`~layernorm.kernels.cpu.torch_ops.takes` says.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import layernorm
+import layernorm.functional as LF
+from conftest import make_param, make_x
+from layernorm.kernels.cpu import buffers, cbuild, targets, torch_ops
+
+AVAILABLE = cbuild.cxx_compiler() is not None and torch_ops.enabled()
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="no C++ compiler: the Python path only")
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+SHAPES = [(1, 8), (3, 768), (37, 7), (5, 1), (0, 16), (16, 1031)]
+OPS = torch.ops.layernorm_cpu if AVAILABLE else None
+
+
+def _norm(kind: str, x, w, b):
+    """The op of ``kind`` through the functional API (which routes small calls to C++)."""
+    n = x.shape[-1]
+    if kind == "layer_norm":
+        return LF.layer_norm(x, (n,), w, b)
+    if kind == "detach_mean":
+        return LF.layer_norm(x, (n,), w, b, detach_mean=True)
+    if kind == "detach_std":
+        return LF.layer_norm(x, (n,), w, b, detach_std=True)
+    if kind == "detach_both":
+        return LF.layer_norm(x, (n,), w, b, detach_mean=True, detach_std=True)
+    if kind == "rms_norm":
+        return LF.rms_norm(x, (n,), w, 1e-6)
+    assert kind == "ada_norm"
+    return LF.ada_norm(x, (n,), 0.3, 1.5)
+
+
+KINDS = ["layer_norm", "detach_mean", "detach_std", "detach_both", "rms_norm", "ada_norm"]
+HAS_BIAS = {"rms_norm": False, "ada_norm": False}
+HAS_GAIN = {"ada_norm": False}
+
+
+def _inputs(kind, shape, dtype, param_dtype, affine):
+    x = make_x(shape, dtype, requires_grad=True)
+    n = shape[-1]
+    gain = affine and HAS_GAIN.get(kind, True)
+    bias = affine and HAS_BIAS.get(kind, True)
+    w = make_param((n,), param_dtype, center=1.0, requires_grad=True) if gain else None
+    b = make_param((n,), param_dtype, center=0.0, requires_grad=True) if bias else None
+    return x, w, b
+
+
+def _run(kind, x, w, b, dy):
+    leaves = [t for t in (x, w, b) if t is not None]
+    y = _norm(kind, x, w, b)
+    grads = torch.autograd.grad(y, leaves, dy, allow_unused=True)
+    return y, grads
+
+
+def _node(y) -> str:
+    """The name of ``y``'s autograd node: ``CppNode<...NormFn>`` for the C++ operators' nodes."""
+    return y.grad_fn.name() if y.grad_fn is not None else "None"
+
+
+def _cpp(y) -> bool:
+    return _node(y).endswith("NormFn>")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_operators_give_the_python_paths_bits(kind, dtype, shape, affine, threads, monkeypatch):
+    """Forward and every gradient, bit for bit the autograd.Function's on the same kernels."""
+    torch.set_num_threads(threads)
+    try:
+        x, w, b = _inputs(kind, shape, dtype, dtype, affine)
+        dy = make_x(shape, dtype, offset=0.5)
+        y, grads = _run(kind, x, w, b, dy)
+        assert _cpp(y), _node(y)
+        monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+        y_py, grads_py = _run(kind, x, w, b, dy)
+        assert not _cpp(y_py), _node(y_py)
+    finally:
+        torch.set_num_threads(1)
+    assert y.dtype == y_py.dtype and torch.equal(y, y_py)
+    for g, g_py in zip(grads, grads_py, strict=True):
+        assert g.dtype == g_py.dtype and torch.equal(g, g_py)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("gain_dtype", "bias_dtype"),
+    [(torch.float32, torch.float32), ("x", torch.float32), (torch.float32, "x"), ("x", "x")],
+    ids=str,
+)
+def test_half_inputs_with_every_parameter_dtype(dtype, gain_dtype, bias_dtype, monkeypatch):
+    """Half x with float32 gains and biases, its own dtype, and the two mixed: the Python
+    path's bits, each gradient in its parameter's dtype."""
+    gd = dtype if gain_dtype == "x" else gain_dtype
+    bd = dtype if bias_dtype == "x" else bias_dtype
+    x = make_x((6, 40), dtype, requires_grad=True)
+    w = make_param((40,), gd, center=1.0, requires_grad=True)
+    b = make_param((40,), bd, center=0.0, requires_grad=True)
+    dy = make_x((6, 40), dtype, offset=0.5)
+    y, grads = _run("layer_norm", x, w, b, dy)
+    assert _cpp(y)
+    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+    y_py, grads_py = _run("layer_norm", x, w, b, dy)
+    assert torch.equal(y, y_py)
+    for g, g_py, t in zip(grads, grads_py, (x, w, b), strict=True):
+        assert g.dtype == t.dtype and torch.equal(g, g_py)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("grad", [True, False])
+def test_no_grad_and_inference_mode_forwards(kind, grad):
+    """Where nothing needs a gradient the operator runs the forward alone (no node), under
+    no_grad and under inference_mode, with the autograd node's forward values."""
+    x, w, b = _inputs(kind, (4, 24), torch.float32, torch.float32, True)
+    y = _norm(kind, x, w, b)
+    with torch.no_grad():
+        y0 = _norm(kind, x, w, b)
+    with torch.inference_mode():
+        y1 = _norm(kind, x.detach(), None if w is None else w.detach(),
+                   None if b is None else b.detach())  # fmt: skip
+    assert y0.grad_fn is None and torch.equal(y0, y.detach())
+    assert torch.equal(y1, y.detach())
+
+
+def _second_order(kind, x, w, b):
+    """The gradients of the squared first-order gradients' sum: a double backward."""
+    leaves = tuple(t for t in (x, w, b) if t is not None)
+    y = _norm(kind, x, w, b)
+    dy = torch.linspace(-1.0, 2.0, y.numel(), dtype=y.dtype).view(y.shape)
+    grads = torch.autograd.grad(y, leaves, dy, create_graph=True)
+    total = sum((g.double() ** 2).sum() for g in grads)
+    return _node(y), torch.autograd.grad(total, leaves, allow_unused=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_double_backward_differentiates_the_reference(kind, dtype, monkeypatch):
+    """create_graph=True: the operators' backward runs the reference's ops, as the Python path's
+    does: the same second-order gradients (DetachNorm's and AdaNorm's first-order gradients are
+    not the forward's derivative, so finite differences cannot check them)."""
+    x, w, b = _inputs(kind, (3, 6), dtype, dtype, True)
+    node, second = _second_order(kind, x, w, b)
+    assert node.endswith("NormFn>"), node
+    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+    node_py, second_py = _second_order(kind, x, w, b)
+    assert not node_py.endswith("NormFn>")
+    for g, g_py in zip(second, second_py, strict=True):
+        assert (g is None and g_py is None) or torch.equal(g, g_py)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_gradgradcheck_through_the_node(kind):
+    """The layer norm's and RMSNorm's first and second derivatives through the C++ node against
+    finite differences, in float64."""
+    x, w, b = _inputs(kind, (3, 6), torch.float64, torch.float64, True)
+    leaves = tuple(t for t in (x, w, b) if t is not None)
+    assert _cpp(_norm(kind, x, w, b))
+
+    def fn(*args):
+        return _norm(kind, *args, *([None] * (3 - len(args))))
+
+    assert torch.autograd.gradcheck(fn, leaves)
+    assert torch.autograd.gradgradcheck(fn, leaves)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_backward_equals_one_at_a_time(kind):
+    """is_grads_batched=True hands the node a vmap-batched gradient, which the kernels cannot
+    read: the reference's gradients, equal to one backward per gradient."""
+    x, w, b = _inputs(kind, (3, 10), torch.float64, torch.float64, True)
+    leaves = tuple(t for t in (x, w, b) if t is not None)
+    y = _norm(kind, x, w, b)
+    assert _cpp(y)
+    vs = torch.randn(4, *y.shape, dtype=y.dtype)
+    batched = torch.autograd.grad(y, leaves, vs, retain_graph=True, is_grads_batched=True)
+    for i in range(vs.shape[0]):
+        one = torch.autograd.grad(y, leaves, vs[i], retain_graph=True)
+        for g, g1 in zip(batched, one, strict=True):
+            torch.testing.assert_close(g[i], g1, rtol=1e-12, atol=1e-12)
+
+
+def test_routes_by_size_and_switch(monkeypatch):
+    """Small calls take the C++ node; a call whose outputs come from the buffer cache (a
+    backward follows, from TRAINING_OUTPUT_MIN_BYTES) takes the Python path; so does every call
+    with LAYERNORM_CPU_TORCH_OPS=0 and with LAYERNORM_CPU_COMPILE=0."""
+    n = 1024
+    small = make_x((4, n), requires_grad=True)
+    rows = buffers.TRAINING_OUTPUT_MIN_BYTES // (4 * n)
+    large = make_x((rows, n), requires_grad=True)
+    assert _cpp(LF.layer_norm(small, (n,)))
+    assert _node(LF.layer_norm(large, (n,))) == "_LayerNormEagerBackward"
+    assert _cpp(LF.layer_norm(make_x((rows - 1, n), requires_grad=True), (n,)))
+    assert not torch_ops.takes(large.detach(), True)
+    assert torch_ops.takes(large.detach(), False)  # no backward: up to OUTPUT_MIN_BYTES
+    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+    assert _node(LF.layer_norm(small, (n,))) == "_LayerNormEagerBackward"
+    monkeypatch.setenv(torch_ops.ENV_SWITCH, "1")
+    monkeypatch.setenv("LAYERNORM_CPU_COMPILE", "0")
+    assert not torch_ops.takes(small.detach(), True)
+
+
+def test_modules_take_the_operators():
+    """DetachNorm, AdaNorm and RMSNorm modules with gradients run the C++ nodes."""
+    x = make_x((10, 32), requires_grad=True)
+    for module in (layernorm.LayerNorm(32, detach_mean=True), layernorm.AdaNorm(32),
+                   layernorm.RMSNorm(32)):  # fmt: skip
+        assert _cpp(module(x)), module
+
+
+def _runnable_targets() -> list[str]:
+    return list(targets.available())
+
+
+@pytest.mark.parametrize("name", _runnable_targets())
+def test_operators_follow_the_selected_target(name, monkeypatch):
+    """Inside targets.use(name) the operators call that target's kernels: the bits of the
+    Python path there; after it, the default target's again."""
+    x = make_x((7, 300), torch.bfloat16, requires_grad=True)
+    w = make_param((300,), torch.bfloat16, center=1.0, requires_grad=True)
+    dy = make_x((7, 300), torch.bfloat16, offset=0.5)
+    with targets.use(name):
+        y, g = _run("layer_norm", x, w, None, dy)
+        monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+        y_py, g_py = _run("layer_norm", x, w, None, dy)
+        monkeypatch.setenv(torch_ops.ENV_SWITCH, "1")
+    assert torch.equal(y, y_py) and all(torch.equal(a, c) for a, c in zip(g, g_py, strict=True))
+    assert torch_ops._state["target"] is targets.target(name)
+    _run("layer_norm", x, w, None, dy)
+    assert torch_ops._state["target"] is targets.selected()
+
+
+# ------------------------------------------------------------------------------------------------
+# The operators' own argument checks (they are public: torch.ops.layernorm_cpu.*)
+# ------------------------------------------------------------------------------------------------
+
+X = torch.ones(4, 8)
+
+
+def _bad_calls():
+    f64 = torch.ones(8, dtype=torch.float64)
+    yield "1-D x", lambda: OPS.layer_norm(torch.ones(8), None, None, 1e-5), "2-D"
+    yield "3-D x", lambda: OPS.rms_norm(torch.ones(2, 4, 8), None, 1e-5), "2-D"
+    yield "strided x", lambda: OPS.layer_norm(torch.ones(8, 4).t(), None, None, 1e-5), "contig"
+    yield "int x", lambda: OPS.ada_norm(torch.ones(4, 8, dtype=torch.int32), 0.1, 1.0, 1e-5), "Int"
+    yield "N = 0", lambda: OPS.layer_norm(torch.ones(4, 0), None, None, 1e-5), "N >= 1"
+    yield (
+        "meta x",
+        lambda: OPS.layer_norm(torch.ones(4, 8, device="meta"), None, None, 1e-5),
+        "meta",
+    )
+    yield "short weight", lambda: OPS.layer_norm(X, torch.ones(7), None, 1e-5), "8 elements"
+    yield "2-D bias", lambda: OPS.layer_norm(X, None, torch.ones(1, 8), 1e-5), "1-D"
+    yield "float64 gain", lambda: OPS.rms_norm(X, f64, 1e-5), "Double"
+    yield "strided gain", lambda: OPS.rms_norm(X, torch.ones(16)[::2], 1e-5), "contig"
+    yield "eps 0", lambda: OPS.layer_norm(X, None, None, 0.0), "eps > 0"
+    yield "eps nan", lambda: OPS.rms_norm(X, None, float("nan")), "eps > 0"
+    yield "k inf", lambda: OPS.ada_norm(X, float("inf"), 1.0, 1e-5), "k to be finite"
+    yield "scale nan", lambda: OPS.ada_norm(X, 0.1, float("nan"), 1e-5), "scale to be finite"
+    yield "kernel name", lambda: OPS.set_kernel("ln_fwd_f8", 1), "no kernel named"
+    yield "null kernel", lambda: OPS.set_kernel("ln_fwd_f32", 0), "null address"
+    yield "grain", lambda: OPS.configure(0, 0), "grain >= 1"
+
+
+@pytest.mark.parametrize(("what", "call", "message"), list(_bad_calls()) if AVAILABLE else [])
+def test_bad_arguments_are_refused_by_name(what, call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_nan_rows_stay_nan():
+    """A NaN in a row comes out as NaN in that row's outputs and gradients, never hidden."""
+    x = make_x((3, 16))
+    x[1, 5] = float("nan")
+    x.requires_grad_()
+    y = OPS.layer_norm(x, None, None, 1e-5)
+    (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+    assert g[1].isnan().all() and not g[[0, 2]].isnan().any()
+
+
+def test_the_build_is_cached():
+    """A second build finds the first one's library."""
+    assert torch_ops.build() == torch_ops.build()

@@ -218,7 +218,7 @@ def test_switch_off_bypasses_kernels(monkeypatch):
 
     monkeypatch.setattr(_native, "ln_fwd", boom)
     # the Python path's kernel calls (the C++ operators' are in tests/test_torch_ops.py)
-    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     monkeypatch.setenv(_native.ENV_SWITCH, "0")
     x = make_x((4, 8))
     LF.layer_norm(x, (8,))  # eager path: no call into the fused kernels
@@ -345,7 +345,7 @@ def test_every_op_runs_the_fused_kernels(monkeypatch):
     """float32 forward+backward of each family goes through both of its fused kernels (the
     Python path's calls; the C++ operators' results are tests/test_torch_ops.py's)."""
     monkeypatch.setenv(_native.ENV_SWITCH, "1")
-    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     calls: list[str] = []
     for name in ("ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd", "ada_fwd", "ada_bwd"):
         real = getattr(_native, name)

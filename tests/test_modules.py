@@ -361,7 +361,8 @@ def _spy_full_path(monkeypatch):
 
 def _spy_fused_path(monkeypatch):
     """Record the op of every call that goes to the fused kernels (the functional ops' row
-    functions, by their full path or their lean one) rather than to one of torch's kernels."""
+    functions, by their full path or their lean one, and the C++ operators) rather than to one
+    of torch's kernels."""
     from layernorm import functional
 
     calls = []
@@ -374,6 +375,13 @@ def _spy_fused_path(monkeypatch):
                 return _real(*args)
 
             monkeypatch.setattr(functional, name, spy)
+        real_node = getattr(torch_ops, op)  # the C++ operators' calls, from the lean paths
+
+        def node_spy(*args, _real=real_node, _op=op):
+            calls.append(_op)
+            return _real(*args)
+
+        monkeypatch.setattr(torch_ops, op, node_spy)
     return calls
 
 
@@ -412,6 +420,8 @@ def test_lean_path_matches_full_path(monkeypatch, shape, dtype):
 def test_small_layer_norm_with_grad_uses_torch_kernel_detach_norm_does_not(monkeypatch):
     """With gradients, a small plain LayerNorm runs torch's kernel (same formula, same gradients);
     DetachNorm keeps the fused path, whose backward differs, and large inputs do too."""
+    # the routes LayerNorm takes with gradients where the C++ operators are off
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     from layernorm.modules.normalization import SMALL_NUMEL
 
     calls = _spy_fused_path(monkeypatch)
@@ -436,6 +446,8 @@ def test_small_half_layer_norm_with_grad_in_float32_within_the_fused_error_model
     exactly converted input (not the fused kernels, not torch's half backward, whose dx at 37
     rows of 7 was 1.6x the bound): output, dx, dγ and dβ within the fused kernels' error model
     against float64, in the dtypes the fused path gives."""
+    # the route LayerNorm takes with gradients where the C++ operators are off
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     from layernorm.reference import layer_norm_reference
     from tolerances import assert_within, row_stats
 
@@ -472,6 +484,8 @@ def test_small_half_layer_norm_with_grad_in_float32_within_the_fused_error_model
 def test_half_layer_norm_routes(monkeypatch):
     """bfloat16 with gradients: torch's float32 kernel up to TORCH_FLOAT32_NUMEL elements, the
     fused kernels past it, with a DetachNorm flag, or with parameters in another dtype."""
+    # the routes LayerNorm takes with gradients where the C++ operators are off
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     from layernorm.ops._dispatch import TORCH_FLOAT32_NUMEL
 
     calls = _spy_fused_path(monkeypatch)
@@ -511,7 +525,7 @@ def test_small_rms_norm_under_no_grad_runs_torch_s_kernel(monkeypatch):
     round twice, from ``_TORCH_RMS_NUMEL`` elements on (here made 64 rows of 16), or with a
     shape torch would refuse, the fused path runs."""
     # the route RMSNorm takes where the C++ operators are off (their node beats torch's)
-    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     from layernorm.modules import normalization
 
     monkeypatch.setattr(normalization, "_torch_rms_norm_rounds_once", lambda dtype: False)
@@ -558,7 +572,7 @@ def test_small_rms_norm_with_grad_runs_torch_s_kernel_within_the_fused_error_mod
     error model against float64 on hostile rows (large offsets, tiny eps, constant and nearly
     constant rows, rows of one element); one element more takes the fused path."""
     # the route RMSNorm takes where the C++ operators are off (their node beats torch's)
-    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     from layernorm.modules import normalization
     from layernorm.reference import rms_norm_reference
     from tolerances import assert_within, row_stats
@@ -602,7 +616,7 @@ def test_half_rms_norm_under_no_grad_runs_torch_s_kernel_where_it_rounds_once(mo
     kernel rounding once, and its result then keeps the fused kernels' error model (within one
     rounding of float64 on the same inputs); with a gradient the fused path runs."""
     # the route RMSNorm takes where the C++ operators are off (their node beats torch's)
-    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     from layernorm.modules import normalization
 
     real = torch.rms_norm

@@ -10,6 +10,8 @@ naming what was expected and what came; and the ops must take the operators exac
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -87,7 +89,7 @@ def test_operators_give_the_python_paths_bits(kind, dtype, shape, affine, thread
         dy = make_x(shape, dtype, offset=0.5)
         y, grads = _run(kind, x, w, b, dy)
         assert _cpp(y), _node(y)
-        monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+        monkeypatch.setitem(torch_ops._switch, "on", False)
         y_py, grads_py = _run(kind, x, w, b, dy)
         assert not _cpp(y_py), _node(y_py)
     finally:
@@ -95,6 +97,23 @@ def test_operators_give_the_python_paths_bits(kind, dtype, shape, affine, thread
     assert y.dtype == y_py.dtype and torch.equal(y, y_py)
     for g, g_py in zip(grads, grads_py, strict=True):
         assert g.dtype == g_py.dtype and torch.equal(g, g_py)
+
+
+@pytest.mark.parametrize("shape", [(24,), (2, 3, 24), (2, 1, 2, 24)], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_any_rank_is_rows_along_the_last_dimension(kind, shape):
+    """x of one, three or four dimensions: the results of its 2-D rows, bit for bit, in x's
+    shape (the operators take x as it is, no view between)."""
+    x, w, b = _inputs(kind, shape, torch.float32, torch.float32, True)
+    dy = make_x(shape, offset=0.5)
+    y, grads = _run(kind, x, w, b, dy)
+    assert _cpp(y) and y.shape == x.shape
+    rows = x.detach().reshape(-1, shape[-1]).requires_grad_()
+    y2, grads2 = _run(kind, rows, w, b, dy.reshape(-1, shape[-1]))
+    assert torch.equal(y, y2.view(shape))
+    assert torch.equal(grads[0], grads2[0].view(shape))
+    for g, g2 in zip(grads[1:], grads2[1:], strict=True):
+        assert torch.equal(g, g2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -114,7 +133,7 @@ def test_half_inputs_with_every_parameter_dtype(dtype, gain_dtype, bias_dtype, m
     dy = make_x((6, 40), dtype, offset=0.5)
     y, grads = _run("layer_norm", x, w, b, dy)
     assert _cpp(y)
-    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     y_py, grads_py = _run("layer_norm", x, w, b, dy)
     assert torch.equal(y, y_py)
     for g, g_py, t in zip(grads, grads_py, (x, w, b), strict=True):
@@ -156,7 +175,7 @@ def test_double_backward_differentiates_the_reference(kind, dtype, monkeypatch):
     x, w, b = _inputs(kind, (3, 6), dtype, dtype, True)
     node, second = _second_order(kind, x, w, b)
     assert node.endswith("NormFn>"), node
-    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     node_py, second_py = _second_order(kind, x, w, b)
     assert not node_py.endswith("NormFn>")
     for g, g_py in zip(second, second_py, strict=True):
@@ -197,7 +216,7 @@ def test_batched_backward_equals_one_at_a_time(kind):
 def test_routes_by_size_and_switch(monkeypatch):
     """Small calls take the C++ node; a call whose outputs come from the buffer cache (a
     backward follows, from TRAINING_OUTPUT_MIN_BYTES) takes the Python path; so does every call
-    with LAYERNORM_CPU_TORCH_OPS=0 and with LAYERNORM_CPU_COMPILE=0."""
+    with the operators switched off and with LAYERNORM_CPU_COMPILE=0."""
     n = 1024
     small = make_x((4, n), requires_grad=True)
     rows = buffers.TRAINING_OUTPUT_MIN_BYTES // (4 * n)
@@ -207,19 +226,28 @@ def test_routes_by_size_and_switch(monkeypatch):
     assert _cpp(LF.layer_norm(make_x((rows - 1, n), requires_grad=True), (n,)))
     assert not torch_ops.takes(large.detach(), True)
     assert torch_ops.takes(large.detach(), False)  # no backward: up to OUTPUT_MIN_BYTES
-    monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     assert _node(LF.layer_norm(small, (n,))) == "_LayerNormEagerBackward"
-    monkeypatch.setenv(torch_ops.ENV_SWITCH, "1")
+    monkeypatch.setitem(torch_ops._switch, "on", True)
     monkeypatch.setenv("LAYERNORM_CPU_COMPILE", "0")
     assert not torch_ops.takes(small.detach(), True)
 
 
-def test_modules_take_the_operators():
-    """DetachNorm, AdaNorm and RMSNorm modules with gradients run the C++ nodes."""
-    x = make_x((10, 32), requires_grad=True)
-    for module in (layernorm.LayerNorm(32, detach_mean=True), layernorm.AdaNorm(32),
-                   layernorm.RMSNorm(32)):  # fmt: skip
-        assert _cpp(module(x)), module
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(10, 32), (2, 5, 32)], ids=str)
+def test_modules_take_the_operators(dtype, shape):
+    """LayerNorm, DetachNorm, AdaNorm and RMSNorm modules with gradients run the C++ nodes on
+    x as it is (no view node between); LayerNorm without them torch's kernel (a forward of a
+    per-token size costs less there)."""
+    x = make_x(shape, dtype, requires_grad=True)
+    modules = (layernorm.LayerNorm(32), layernorm.LayerNorm(32, detach_mean=True),
+               layernorm.AdaNorm(32), layernorm.RMSNorm(32))  # fmt: skip
+    for module in modules:
+        y = module.to(dtype)(x)
+        assert _cpp(y) and y.shape == x.shape, module
+    with torch.no_grad():
+        expected = torch.nn.functional.layer_norm(x, (32,), modules[0].weight, modules[0].bias)
+        assert torch.equal(modules[0](x), expected)
 
 
 def _runnable_targets() -> list[str]:
@@ -235,9 +263,9 @@ def test_operators_follow_the_selected_target(name, monkeypatch):
     dy = make_x((7, 300), torch.bfloat16, offset=0.5)
     with targets.use(name):
         y, g = _run("layer_norm", x, w, None, dy)
-        monkeypatch.setenv(torch_ops.ENV_SWITCH, "0")
+        monkeypatch.setitem(torch_ops._switch, "on", False)
         y_py, g_py = _run("layer_norm", x, w, None, dy)
-        monkeypatch.setenv(torch_ops.ENV_SWITCH, "1")
+        monkeypatch.setitem(torch_ops._switch, "on", True)
     assert torch.equal(y, y_py) and all(torch.equal(a, c) for a, c in zip(g, g_py, strict=True))
     assert torch_ops._state["target"] is targets.target(name)
     _run("layer_norm", x, w, None, dy)
@@ -253,11 +281,10 @@ X = torch.ones(4, 8)
 
 def _bad_calls():
     f64 = torch.ones(8, dtype=torch.float64)
-    yield "1-D x", lambda: OPS.layer_norm(torch.ones(8), None, None, 1e-5), "2-D"
-    yield "3-D x", lambda: OPS.rms_norm(torch.ones(2, 4, 8), None, 1e-5), "2-D"
+    yield "0-D x", lambda: OPS.layer_norm(torch.tensor(1.0), None, None, 1e-5), "last dimension"
     yield "strided x", lambda: OPS.layer_norm(torch.ones(8, 4).t(), None, None, 1e-5), "contig"
     yield "int x", lambda: OPS.ada_norm(torch.ones(4, 8, dtype=torch.int32), 0.1, 1.0, 1e-5), "Int"
-    yield "N = 0", lambda: OPS.layer_norm(torch.ones(4, 0), None, None, 1e-5), "N >= 1"
+    yield "N = 0", lambda: OPS.layer_norm(torch.ones(4, 0), None, None, 1e-5), r"N >= 1"
     yield (
         "meta x",
         lambda: OPS.layer_norm(torch.ones(4, 8, device="meta"), None, None, 1e-5),
@@ -296,3 +323,24 @@ def test_nan_rows_stay_nan():
 def test_the_build_is_cached():
     """A second build finds the first one's library."""
     assert torch_ops.build() == torch_ops.build()
+
+
+def test_environment_switch_is_read_at_import():
+    """LAYERNORM_CPU_TORCH_OPS=0 keeps a process on the Python path; switched() changes it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, layernorm.functional as LF\n"
+        "from layernorm.kernels.cpu import torch_ops\n"
+        "x = torch.randn(2, 8, requires_grad=True)\n"
+        "a = LF.layer_norm(x, 8).grad_fn.name()\n"
+        "with torch_ops.switched(True):\n"
+        "    b = LF.layer_norm(x, 8).grad_fn.name()\n"
+        "print(torch_ops.enabled(), a, b, sep='|')\n"
+    )
+    env = {**os.environ, torch_ops.ENV_SWITCH: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    enabled, before, after = out.stdout.strip().split("|")
+    assert enabled == "False" and not before.endswith("NormFn>") and after.endswith("NormFn>")

@@ -82,7 +82,7 @@ def reference_grads(dz: Tensor, x: Tensor, k: float, scale: float, eps: float) -
     """The gradient of ``x``, by differentiating the reference with ``create_graph=True`` (see
     :func:`layernorm.ops.layer_norm.reference_grads`)."""
     with torch.enable_grad():
-        z = ada_norm_reference(x, (x.shape[1],), k, scale, eps)
+        z = ada_norm_reference(x, (x.shape[-1],), k, scale, eps)
         (dx,) = torch.autograd.grad(z, x, dz, create_graph=True)
     return dx
 

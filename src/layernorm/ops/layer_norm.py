@@ -156,7 +156,7 @@ def reference_grads(
     with torch.enable_grad():
         x, weight, bias = aliases(x, weight, bias)
         wanted = [t for t, need in zip((x, weight, bias), needs, strict=True) if need]
-        y = layer_norm_reference(x, (x.shape[1],), weight, bias, eps, detach_mean, detach_std)
+        y = layer_norm_reference(x, (x.shape[-1],), weight, bias, eps, detach_mean, detach_std)
         grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
     dx, dw, db = (next(grads) if need else None for need in needs)
     return dx, dw, db

@@ -94,7 +94,7 @@ def reference_grads(
     with torch.enable_grad():
         x, weight = aliases(x, weight)
         wanted = [t for t, need in zip((x, weight), needs, strict=True) if need]
-        y = rms_norm_reference(x, (x.shape[1],), weight, eps)
+        y = rms_norm_reference(x, (x.shape[-1],), weight, eps)
         grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
     dx, dw = (next(grads) if need else None for need in needs)
     return dx, dw

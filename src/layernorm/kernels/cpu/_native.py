@@ -93,11 +93,16 @@ def enabled() -> bool:
 
 
 def supports(x: Tensor, *params: Tensor | None, same: tuple[Tensor, ...] = ()) -> bool:
-    """Whether the fused kernels take these tensors: contiguous CPU tensors, ``x`` float32,
-    float64, bfloat16 or float16, the ``same`` tensors (incoming gradients) in x's dtype, the
-    params (gains, biases; ``None`` allowed) in x's dtype or in its compute dtype (float32 gains
-    with half activations, as under autocast). Called on every op, so only cheap attribute
-    checks."""
+    """Whether the fused kernels take these tensors (:func:`kernel_inputs`) and are switched on
+    and built (:func:`enabled`). Called on every op, so only cheap attribute checks."""
+    return kernel_inputs(x, *params, same=same) and enabled()
+
+
+def kernel_inputs(x: Tensor, *params: Tensor | None, same: tuple[Tensor, ...] = ()) -> bool:
+    """Whether the kernels' dtype and layout rules take these tensors: contiguous CPU tensors,
+    ``x`` float32, float64, bfloat16 or float16, the ``same`` tensors (incoming gradients) in x's
+    dtype, the params (gains, biases; ``None`` allowed) in x's dtype or in its compute dtype
+    (float32 gains with half activations, as under autocast)."""
     dt = x.dtype
     inst = abi.INSTANCES.get(dt)
     if inst is None or not x.is_cpu or not x.is_contiguous():
@@ -111,7 +116,7 @@ def supports(x: Tensor, *params: Tensor | None, same: tuple[Tensor, ...] = ()) -
             (p.dtype is not dt and p.dtype is not cdt) or not p.is_cpu or not p.is_contiguous()
         ):
             return False
-    return enabled()
+    return True
 
 
 def _half_params(x: Tensor, *params: Tensor | None) -> int:

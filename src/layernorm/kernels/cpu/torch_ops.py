@@ -1,6 +1,6 @@
 """The norm kernels as PyTorch operators with C++ autograd nodes (``csrc_torch/norm_ops.cpp``):
-``torch.ops.layernorm_cpu.layer_norm``, ``.rms_norm`` and ``.ada_norm`` on contiguous ``(M, N)``
-rows, for the calls whose time is the Python around the kernels.
+``torch.ops.layernorm_cpu.layer_norm``, ``.rms_norm`` and ``.ada_norm`` on the rows of a contiguous
+tensor (its last dimension), for the calls whose time is the Python around the kernels.
 
 A layer norm's forward and backward at (1, 768) took 64 µs through the autograd.Function of
 :mod:`layernorm.ops` where torch's native layer norm, a C++ node, takes 24; the kernels themselves
@@ -16,15 +16,17 @@ The library is compiled against this process's PyTorch by the C++ compiler on fi
 12 s; :func:`.cbuild.build_torch_library`, cached with the C kernels: ``make install`` builds it)
 and loaded with the cache's checks (:mod:`.cache`). Where it cannot be built or loaded, a warning
 says why, once, and the ops keep their Python path. ``LAYERNORM_CPU_TORCH_OPS=0`` keeps the ops
-on their Python path (read on every call, as ``LAYERNORM_CPU_COMPILE=0``, which leaves no C kernel
-to call).
+on their Python path (read once, at import; :func:`switched` changes it in-process), as does
+``LAYERNORM_CPU_COMPILE=0`` (read on every call), which leaves no C kernel to call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -38,6 +40,11 @@ SOURCES = (Path(__file__).resolve().parent / "csrc_torch" / "norm_ops.cpp",)
 KERNELS = ("ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd", "ada_fwd", "ada_bwd")
 
 _state: dict[str, object] = {}  # "loaded": bool once tried; "target": the kernels' target
+#: LAYERNORM_CPU_TORCH_OPS, read once at import (an environment read costs half a microsecond, a
+#: tenth of a small call's Python); :func:`switched` changes it in-process.
+_switch = {"on": os.environ.get(ENV_SWITCH, "1") != "0"}
+# the operators' overloads, once loaded (an attribute chain of torch.ops costs a call's µs)
+_ops: dict[str, Callable[..., Tensor]] = {}
 
 
 def build() -> Path:
@@ -51,6 +58,9 @@ def _load() -> bool:
     if loaded is None:
         try:
             cache.load_library(build)
+            namespace = torch.ops.layernorm_cpu
+            for name in ("layer_norm", "rms_norm", "ada_norm"):
+                _ops[name] = getattr(namespace, name).default
             loaded = True
         except Exception as err:  # the Python path is always there
             warnings.warn(
@@ -80,12 +90,12 @@ def enabled() -> bool:
     """Whether the operators are switched on, built and loaded, with the selected target's
     kernels and the Python path's ``STREAM_MIN_BYTES`` (handed over again where
     :func:`.targets.use` switched the target or the threshold changed)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not _switch["on"] or not _native.enabled():
         return False
     target = targets.selected()
     if _state.get("target") is target and _state.get("stream") == _native.STREAM_MIN_BYTES:
         return True
-    if not _native.enabled() or not _load():
+    if not _load():
         return False
     # the Python path's thresholds, which tests may change
     torch.ops.layernorm_cpu.configure(_native._GRAIN, _native.STREAM_MIN_BYTES)
@@ -94,16 +104,24 @@ def enabled() -> bool:
 
 
 def takes(x: Tensor, grad: bool, *params: Tensor | None) -> bool:
-    """Whether the operators run this call: ``x`` and the ``params`` as the kernels take them
-    (:func:`._native.supports`), outputs below the buffer cache's sizes (``grad``: a backward
-    follows), the operators loaded. A few attribute reads where they are."""
+    """Whether the operators run this call on ``x``'s last dimension: ``x`` (of at least one
+    dimension, the caller has checked its shape) and the ``params`` as the kernels take them
+    (:func:`._native.kernel_inputs`), outputs below the buffer cache's sizes (``grad``: a
+    backward follows), the operators loaded. A few attribute reads where they are."""
     limit = buffers.TRAINING_OUTPUT_MIN_BYTES if grad else buffers.OUTPUT_MIN_BYTES
-    return (
-        x.numel() * x.element_size() < limit
-        and x.dim() == 2
-        and _native.supports(x, *params)
-        and enabled()
-    )
+    return x.numel() * x.element_size() < limit and _native.kernel_inputs(x, *params) and enabled()
+
+
+@contextlib.contextmanager
+def switched(on: bool) -> Iterator[None]:
+    """The operators switched on or off inside the ``with`` block (``LAYERNORM_CPU_TORCH_OPS``
+    is read once, at import). Not thread-safe: other threads see the switch too."""
+    before = _switch["on"]
+    _switch["on"] = bool(on)
+    try:
+        yield
+    finally:
+        _switch["on"] = before
 
 
 def layer_norm(
@@ -116,17 +134,17 @@ def layer_norm(
 ) -> Tensor:
     """Layer norm (DetachNorm with the flags) of the rows of ``x`` by the C++ operator, where
     :func:`takes` said yes."""
-    return torch.ops.layernorm_cpu.layer_norm(x, weight, bias, eps, detach_mean, detach_std)
+    return _ops["layer_norm"](x, weight, bias, eps, detach_mean, detach_std)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm of the rows of ``x`` by the C++ operator, where :func:`takes` said yes."""
-    return torch.ops.layernorm_cpu.rms_norm(x, weight, eps)
+    return _ops["rms_norm"](x, weight, eps)
 
 
 def ada_norm(x: Tensor, k: float, scale: float, eps: float) -> Tensor:
     """AdaNorm of the rows of ``x`` by the C++ operator, where :func:`takes` said yes."""
-    return torch.ops.layernorm_cpu.ada_norm(x, k, scale, eps)
+    return _ops["ada_norm"](x, k, scale, eps)
 
 
 if __name__ == "__main__":  # `python -m layernorm.kernels.cpu.torch_ops`: build it now (install)

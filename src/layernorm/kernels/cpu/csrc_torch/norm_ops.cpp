@@ -1,5 +1,6 @@
 // The norm kernels of ../csrc/norms.c as PyTorch operators whose autograd node is C++:
-// layernorm_cpu::layer_norm, ::rms_norm and ::ada_norm on contiguous (M, N) rows.
+// layernorm_cpu::layer_norm, ::rms_norm and ::ada_norm on the rows of a contiguous tensor (its
+// last dimension; any leading dimensions are rows).
 //
 // Why: a small call (a decoder's per-token norm) spends most of its time in the Python around
 // the kernels (an autograd.Function, the argument checks, the kernel's struct), about 30 µs a
@@ -109,15 +110,19 @@ std::string describe(const Tensor& t) {
   return s;
 }
 
-// x: the rows, a contiguous 2-D CPU tensor of a dtype the kernels have.
+// x: the rows, a contiguous CPU tensor of a dtype the kernels have, each row its last dimension
+// (N elements; M = numel / N rows, every leading dimension together).
 void check_rows(const char* op, const char* name, const Tensor& x) {
-  TORCH_CHECK(x.defined() && x.layout() == at::kStrided && x.device().is_cpu() && x.dim() == 2 &&
-                  x.is_contiguous() && dtype_slot(x.scalar_type()) >= 0 && x.size(1) >= 1,
-              op, ": expected ", name, " to be a contiguous 2-D CPU tensor of (M, N >= 1) rows, "
-              "float32, float64, bfloat16 or float16, got ",
+  TORCH_CHECK(x.defined() && x.layout() == at::kStrided && x.device().is_cpu() && x.dim() >= 1 &&
+                  x.is_contiguous() && dtype_slot(x.scalar_type()) >= 0 && x.size(-1) >= 1,
+              op, ": expected ", name, " to be a contiguous CPU tensor of rows along its last "
+              "dimension (N >= 1 elements), float32, float64, bfloat16 or float16, got ",
               x.defined() ? describe(x) : std::string("None"));
   TORCH_CHECK(!at::isTensorSubclassLike(x), op, ": ", name, " must be a plain tensor");
 }
+
+int64_t row_length(const Tensor& x) { return x.size(-1); }
+int64_t row_count(const Tensor& x) { return x.numel() / x.size(-1); }
 
 // A tensor of x's shape and dtype (an incoming gradient).
 void check_like(const char* op, const char* name, const Tensor& t, const Tensor& x) {
@@ -134,9 +139,9 @@ void check_param(const char* op, const char* name, const OptTensor& p, const Ten
   const Tensor& t = *p;
   const auto dt = t.scalar_type();
   TORCH_CHECK(t.layout() == at::kStrided && t.device().is_cpu() && t.dim() == 1 &&
-                  t.size(0) == x.size(1) && t.is_contiguous() && !at::isTensorSubclassLike(t) &&
+                  t.size(0) == row_length(x) && t.is_contiguous() && !at::isTensorSubclassLike(t) &&
                   (dt == x.scalar_type() || dt == compute_dtype(x.scalar_type())),
-              op, ": expected ", name, " to be a contiguous 1-D CPU tensor of ", x.size(1),
+              op, ": expected ", name, " to be a contiguous 1-D CPU tensor of ", row_length(x),
               " elements in ", x.scalar_type(), " or ", compute_dtype(x.scalar_type()), ", got ",
               describe(t));
 }
@@ -200,7 +205,7 @@ LnForward ln_forward(const char* op, const Tensor& x, const OptTensor& weight,
   check_param(op, "weight", weight, x);
   check_param(op, "bias", bias, x);
   check_eps(op, eps);
-  const int64_t m = x.size(0), n = x.size(1);
+  const int64_t m = row_count(x), n = row_length(x);
   const int32_t half = half_params(x, {given(weight), given(bias)});
   Tensor w = half ? (given(weight) ? *weight : Tensor()) : in_compute(given(weight), x);
   Tensor b = half ? (given(bias) ? *bias : Tensor()) : in_compute(given(bias), x);
@@ -224,7 +229,7 @@ LnForward ln_forward(const char* op, const Tensor& x, const OptTensor& weight,
 
 // The gain's gradient in the dtype the backward's half_params flag gives it.
 Tensor param_grad(const Tensor& x, int32_t half) {
-  const int64_t n = x.size(1);
+  const int64_t n = row_length(x);
   return half ? at::empty({n}, x.options()) : stats(x, n);
 }
 
@@ -233,7 +238,7 @@ std::array<Tensor, 3> ln_backward(const char* op, const Tensor& dy, const Tensor
                                   bool detach_mean, bool detach_std,
                                   std::array<bool, 3> needs) {
   check_like(op, "dy", dy, x);
-  const int64_t m = x.size(0), n = x.size(1);
+  const int64_t m = row_count(x), n = row_length(x);
   const int32_t half = half_params(x, {weight.defined() ? &weight : nullptr});
   Tensor dx = needs[0] ? at::empty_like(x) : Tensor();
   Tensor dw = needs[1] && weight.defined() ? param_grad(x, half) : Tensor();
@@ -267,7 +272,7 @@ RmsForward rms_forward(const char* op, const Tensor& x, const OptTensor& weight,
   check_rows(op, "x", x);
   check_param(op, "weight", weight, x);
   check_eps(op, eps);
-  const int64_t m = x.size(0), n = x.size(1);
+  const int64_t m = row_count(x), n = row_length(x);
   const int32_t half = half_params(x, {given(weight)});
   Tensor w = half ? *weight : in_compute(given(weight), x);
   RmsForward out{at::empty_like(x), stats(x, m)};
@@ -290,7 +295,7 @@ std::array<Tensor, 2> rms_backward(const char* op, const Tensor& dy, const Tenso
                                    const Tensor& rstd, const Tensor& weight,
                                    std::array<bool, 2> needs) {
   check_like(op, "dy", dy, x);
-  const int64_t m = x.size(0), n = x.size(1);
+  const int64_t m = row_count(x), n = row_length(x);
   const int32_t half = half_params(x, {weight.defined() ? &weight : nullptr});
   Tensor dx = needs[0] ? at::empty_like(x) : Tensor();
   Tensor dw = needs[1] && weight.defined() ? param_grad(x, half) : Tensor();
@@ -320,7 +325,7 @@ AdaForward ada_forward(const char* op, const Tensor& x, double k, double scale, 
   check_eps(op, eps);
   check_finite(op, "k", k);
   check_finite(op, "scale", scale);
-  const int64_t m = x.size(0), n = x.size(1);
+  const int64_t m = row_count(x), n = row_length(x);
   AdaForward out{at::empty_like(x), stats(x, m), stats(x, m)};
   ada_fwd_args_f32 a{};
   a.x = static_cast<const float*>(x.const_data_ptr());
@@ -341,7 +346,7 @@ AdaForward ada_forward(const char* op, const Tensor& x, double k, double scale, 
 Tensor ada_backward(const char* op, const Tensor& dz, const Tensor& x, const Tensor& mean,
                     const Tensor& rstd, double k, double scale) {
   check_like(op, "dz", dz, x);
-  const int64_t m = x.size(0), n = x.size(1);
+  const int64_t m = row_count(x), n = row_length(x);
   Tensor dx = at::empty_like(x);
   ada_bwd_args_f32 a{};
   a.dz = static_cast<const float*>(dz.const_data_ptr());

@@ -131,10 +131,13 @@ def _layer_norm_node(
     detach_std: bool,
 ) -> Tensor | None:
     """:func:`layer_norm` by the C++ operator where a lean call takes it (:func:`_takes_node`),
-    else ``None``: what :class:`layernorm.LayerNorm` runs first with gradients, where its node
-    costs less than torch's (AMD EPYC Zen 5, one thread, forward + backward against
-    ``torch.nn.LayerNorm``: float32 (1, 768) 0.99, (64, 768) 0.85; bfloat16 (1, 768) 0.99,
-    (64, 768) 0.70, where torch's float32 kernel on converted rows took 1.61 and 1.13)."""
+    else ``None``: what :class:`layernorm.LayerNorm` runs first in bfloat16 and float16 with
+    gradients. The operator's node alone against ``torch.nn.LayerNorm``, forward + backward, AMD
+    EPYC Zen 5, one thread: bfloat16 (1, 768) 0.99, (64, 768) 0.70, where the module's route to
+    torch's float32 kernel on converted rows took 1.61 and 1.13; float32 (1, 768) 0.99,
+    (64, 768) 0.85, but the module's calls by this function 1.24-1.29 at (1 | 8, 768) and 1.05-1.23
+    at (64, 768) against 1.02-1.03 by torch's kernel (``bench_norms_cpu.py``, RESULTS.md
+    2026-11-28): the lean checks' microseconds, and one thread where torch's kernel takes two."""
     shape = _lean_shape(x, normalized_shape, eps, weight, bias)
     if shape is None or not _takes_node(x, shape, weight, bias):
         return None

@@ -154,10 +154,10 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
     ``torch.nn.LayerNorm``'s, so checkpoints load either way and ``isinstance(m, nn.LayerNorm)``
     holds.
 
-    Which kernel runs: in plain eager mode on the CPU, with gradients, a call whose outputs take
-    under 256 KiB (:data:`layernorm.kernels.cpu.buffers.TRAINING_OUTPUT_MIN_BYTES`) runs the fused
-    kernels through their C++ operator (:mod:`layernorm.kernels.cpu.torch_ops`), whose autograd
-    node costs less than torch's. Otherwise, when nothing needs a gradient (``no_grad``,
+    Which kernel runs: in plain eager mode on the CPU, a bfloat16 or float16 call with gradients
+    whose outputs take under 256 KiB (:data:`layernorm.kernels.cpu.buffers.
+    TRAINING_OUTPUT_MIN_BYTES`) runs the fused kernels through their C++ operator
+    (:mod:`layernorm.kernels.cpu.torch_ops`). Otherwise, when nothing needs a gradient (``no_grad``,
     inference; inputs under 32 MiB, see :data:`layernorm.ops._dispatch.TORCH_INFERENCE_BYTES`)
     or, in float32 and float64, the input has at most :data:`SMALL_NUMEL` elements and no
     DetachNorm flag is set, torch's native ``layer_norm`` runs — the same formula (DetachNorm
@@ -236,7 +236,9 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
         shape, eps, weight, bias = self.normalized_shape, self.eps, self.weight, self.bias
         if self.gain_offset:
             weight = _gain(weight, self.gain_offset)
-        if needs_grad(x, weight, bias):  # the C++ node first: fewer µs than torch's
+        # half x with gradients: the C++ node first, where torch's route is its float32 kernel on
+        # converted rows (five autograd nodes; see _layer_norm_node)
+        if type(x) is Tensor and x.dtype in HALF_DTYPES and needs_grad(x, weight, bias):
             dm, ds = self.detach_mean, self.detach_std
             y = F._layer_norm_node(x, shape, weight, bias, eps, dm, ds)  # type: ignore[arg-type]
             if y is not None:

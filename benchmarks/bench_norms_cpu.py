@@ -47,9 +47,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layernorm
 import layernorm.functional as LF
 from _timing import cpu_model, interleaved_ms, interleaved_samples, torch_isa
-from layernorm.kernels.cpu import _native, targets, torch_ops
+from layernorm.kernels.cpu import _native, targets
 from layernorm.kernels.cpu import isa as kernel_isa
 from layernorm.reference import layer_norm_reference
+
+try:
+    from layernorm.kernels.cpu import torch_ops
+except ImportError:  # a checkout from before the C++ operators (a before/after run)
+    torch_ops = None  # type: ignore[assignment]
 
 DEFAULT_SHAPES = ((8192, 1024), (32768, 256), (64, 4096))
 # per-token calls of a decoder, and one in the middle of the modules' route to torch's kernel
@@ -213,6 +218,13 @@ def main(argv: list[str] | None = None) -> None:
         run(args)
 
 
+def cxx_ops() -> str:
+    """Whether the norms' C++ operators run (``layernorm.kernels.cpu.torch_ops``)."""
+    if torch_ops is None:
+        return "absent from this checkout"
+    return "on" if torch_ops.enabled() else "off (Python path)"
+
+
 def run(args: argparse.Namespace) -> None:
     """Time every variant at every shape and print (and optionally save) the table."""
 
@@ -221,7 +233,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"device: {cpu_model()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
     print(f"torch {torch.__version__}, {torch_isa()}, python {platform.python_version()}, {stamp}")
     print(f"fused C kernels: {f'on, {kernel_isa()} build' if fused else 'off (eager ATen ops)'}"
-          f"; C++ operators: {'on' if torch_ops.enabled() else 'off (Python path)'}")  # fmt: skip
+          f"; C++ operators: {cxx_ops()}")  # fmt: skip
     flags = " ".join(isa_flags()) or "none of " + " ".join(ISA_FLAGS)
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     runs = ", ".join(targets.available())

@@ -11,6 +11,7 @@ import torch
 import layernorm
 from layernorm import LayerNormGRU, LayerNormLSTM
 from layernorm.kernels.cpu import buffers as _buffers
+from layernorm.kernels.cpu import torch_ops
 from layernorm.recurrent import buffer_cache_limit, clear_buffer_cache, set_buffer_cache_limit
 from layernorm.recurrent import layers as recurrent_layers
 
@@ -230,10 +231,15 @@ def test_large_norm_outputs_come_from_the_cache_and_stay_the_callers(op, monkeyp
 
 
 @pytest.mark.parametrize("op", list(_NORM_OPS))
-def test_outputs_a_backward_follows_come_from_the_cache_from_the_training_size(op) -> None:
-    """Below OUTPUT_MIN_BYTES and from TRAINING_OUTPUT_MIN_BYTES up, a forward that autograd
-    records takes its output from the cache and its backward the input gradient; the next step
-    reuses both once the caller let go of them; under no_grad the same call takes fresh memory."""
+def test_outputs_a_backward_follows_come_from_the_cache_from_the_training_size(
+    op, monkeypatch
+) -> None:
+    """On the ops' Python path (where the C++ operators are off: they take these sizes with
+    outputs from malloc), below OUTPUT_MIN_BYTES and from TRAINING_OUTPUT_MIN_BYTES up, a forward
+    that autograd records takes its output from the cache and its backward the input gradient;
+    the next step reuses both once the caller let go of them; under no_grad the same call takes
+    fresh memory."""
+    monkeypatch.setitem(torch_ops._switch, "on", False)
     fn, x, w = _norm_case(op, seed=3)
     nbytes = _ROWS * 64 * 4
     assert _buffers.TRAINING_OUTPUT_MIN_BYTES <= nbytes < _buffers.OUTPUT_MIN_BYTES

@@ -249,6 +249,7 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
         # converted rows, five autograd nodes) and for rows of many elements (see _NODE_NUMEL)
         if (
             type(x) is Tensor
+            and torch._C._get_tracing_state() is None  # a trace's sizes are traced values
             and (x.dtype in HALF_DTYPES or x.numel() >= _NODE_NUMEL)
             and needs_grad(x, weight, bias)
         ):

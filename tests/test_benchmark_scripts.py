@@ -106,3 +106,19 @@ def test_ab_norm_routes_times_both_routes(module: str) -> None:
     rows = [line.split() for line in out.splitlines() if "torch kernel" in line]
     assert [r[0] for r in rows] == ["2x16", "3x8"]
     assert all(float(r[6]) > 0 and float(r[8]) > 0 for r in rows)
+
+
+def test_ab_norm_node_times_node_python_path_and_grains() -> None:
+    """Every provider of each shape and dtype prints a time and a ratio to torch's; the grains'
+    settings are undone after each call (the script asserts the operators load)."""
+    from layernorm.kernels.cpu import cbuild
+
+    if cbuild.cxx_compiler() is None:
+        pytest.skip("no C++ compiler: no C++ operators")
+    out = _run(str(BENCH / "ab_norm_node.py"), "--shapes", "3x8", "2x16", "--reps", "2",
+               "--grains", "4", "8192")  # fmt: skip
+    rows = [line for line in out.splitlines() if line.startswith(("3x8", "2x16"))]
+    assert len(rows) == 2 * 2
+    for row in rows:
+        for name in ("torch", "node", "python", "node g=4", "node g=8192"):
+            assert f" {name} " in row, row

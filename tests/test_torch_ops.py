@@ -214,23 +214,27 @@ def test_batched_backward_equals_one_at_a_time(kind):
 
 
 def test_routes_by_size_and_switch(monkeypatch):
-    """Calls take the C++ node below the buffer cache's output size (here made 64 rows of 1024
-    float32), the Python path from there; every call the Python path with the operators
-    switched off and with LAYERNORM_CPU_COMPILE=0."""
+    """With gradients, calls take the C++ node below TRAINING_MAX_BYTES (here made 64 rows of
+    1024 float32), the Python path from there; without, up to the buffer cache's output size
+    (here 128 rows); every call the Python path with the operators switched off and with
+    LAYERNORM_CPU_COMPILE=0."""
     n = 1024
-    monkeypatch.setattr(buffers, "OUTPUT_MIN_BYTES", 64 * n * 4)
+    monkeypatch.setattr(torch_ops, "TRAINING_MAX_BYTES", 64 * n * 4)
+    monkeypatch.setattr(buffers, "OUTPUT_MIN_BYTES", 128 * n * 4)
     small = make_x((4, n), requires_grad=True)
     large = make_x((64, n), requires_grad=True)
     assert _cpp(LF.layer_norm(small, (n,)))
     assert _node(LF.layer_norm(large, (n,))) == "_LayerNormEagerBackward"
     assert _cpp(LF.layer_norm(make_x((63, n), requires_grad=True), (n,)))
-    assert not torch_ops.takes(large.detach())
-    assert torch_ops.takes(large[:63].detach())
+    assert not torch_ops.takes(large.detach(), True)
+    assert torch_ops.takes(large[:63].detach(), True)
+    assert torch_ops.takes(large.detach(), False)
+    assert not torch_ops.takes(make_x((128, n)), False)
     monkeypatch.setitem(torch_ops._switch, "on", False)
     assert _node(LF.layer_norm(small, (n,))) == "_LayerNormEagerBackward"
     monkeypatch.setitem(torch_ops._switch, "on", True)
     monkeypatch.setenv("LAYERNORM_CPU_COMPILE", "0")
-    assert not torch_ops.takes(small.detach())
+    assert not torch_ops.takes(small.detach(), True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -257,19 +261,6 @@ def test_modules_take_the_operators(dtype, shape):
 
 def _runnable_targets() -> list[str]:
     return list(targets.available())
-
-
-def test_layer_norm_module_takes_the_node_from_its_size_on():
-    """A float32 LayerNorm with gradients: torch's kernel below _NODE_NUMEL elements, the C++
-    node from there (and the bits of the functional op)."""
-    from layernorm.modules.normalization import _NODE_NUMEL
-
-    ln = layernorm.LayerNorm(1024)
-    below = make_x((_NODE_NUMEL // 1024 - 1, 1024), requires_grad=True)
-    at = make_x((_NODE_NUMEL // 1024, 1024), requires_grad=True)
-    assert _node(ln(below)) == "NativeLayerNormBackward0"
-    y = ln(at)
-    assert _cpp(y) and torch.equal(y, LF.layer_norm(at, 1024, ln.weight, ln.bias))
 
 
 @pytest.mark.parametrize("name", _runnable_targets())

@@ -30,7 +30,7 @@ from ._validation import (
     stats_dtype,
 )
 from .kernels.cpu import torch_ops
-from .ops._dispatch import cpu_kernels, lean_input
+from .ops._dispatch import cpu_kernels, lean_input, needs_grad
 from .ops.ada_norm import ada_norm_rows, ada_norm_rows_eager
 from .ops.layer_norm import layer_norm_rows, layer_norm_rows_eager
 from .ops.rms_norm import rms_norm_rows, rms_norm_rows_eager
@@ -231,7 +231,7 @@ def _takes_node(x: Tensor, shape: tuple[int, ...], *params: Tensor | None) -> bo
     :mod:`layernorm.kernels.cpu.torch_ops` on ``x`` as it is: rows along one normalized
     dimension of a contiguous ``x`` (of any rank), as :func:`~layernorm.kernels.cpu.torch_ops.
     takes` says. Its autograd node is C++, where the rows' path runs an autograd.Function."""
-    return len(shape) == 1 and torch_ops.takes(x, *params)
+    return len(shape) == 1 and torch_ops.takes(x, needs_grad(x, *params), *params)
 
 
 # What a lean call takes as a gain or bias: a tensor subclass of another kind (one that overrides

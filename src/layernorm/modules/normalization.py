@@ -30,18 +30,10 @@ from .._validation import (
 from ..kernels.cpu import torch_ops
 from ..ops._dispatch import TORCH_KERNEL_NUMEL, aten_input, needs_grad, torch_layer_norm
 
-# Up to this many elements a LayerNorm that needs gradients runs torch's native kernel (see
-# layernorm.ops._dispatch.torch_layer_norm and the measures at TORCH_KERNEL_NUMEL there), where
-# the fused kernels' C++ operator does not take it first (_NODE_NUMEL).
+# Up to this many elements a float32 / float64 LayerNorm that needs gradients runs torch's native
+# kernel (see layernorm.ops._dispatch.torch_layer_norm and the measures at TORCH_KERNEL_NUMEL
+# there); half inputs and DetachNorm take the fused kernels' C++ node first.
 SMALL_NUMEL = TORCH_KERNEL_NUMEL
-# From this many elements a float32 / float64 LayerNorm that needs gradients runs the fused kernels'
-# C++ node (layernorm.kernels.cpu.torch_ops) before torch's kernel: forward + backward, the node
-# by the functional op against torch's kernel, alternated in one process, AMD EPYC Zen 5, one and
-# two threads: (128, 1024) 0.91-1.01, (256, 1024) 0.83-1.03, (512, 1024) 0.80-0.89,
-# (1024, 1024) 0.72-0.94; at (64, 768) and below the module's call by it took 1.03-1.29 of
-# torch.nn.LayerNorm's time where torch's kernel took 1.02-1.05 (bench_norms_cpu.py; RESULTS.md,
-# 2026-11-28). Half inputs take the node at every size.
-_NODE_NUMEL = 1 << 17
 
 
 # The dtypes in which RMSNorm's calls that need no gradient may run torch's rms_norm: it computes
@@ -164,9 +156,9 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
     holds.
 
     Which kernel runs: in plain eager mode on the CPU, a call with gradients in bfloat16 or
-    float16, or of at least 2^17 elements, whose outputs take under 32 MiB runs the fused kernels
-    through their C++ operator (:mod:`layernorm.kernels.cpu.torch_ops`). Otherwise, when nothing
-    needs a gradient (``no_grad``,
+    float16, or with a DetachNorm flag, of under 2 MiB runs the fused kernels through their C++
+    operator (:mod:`layernorm.kernels.cpu.torch_ops`). Otherwise, when nothing needs a gradient
+    (``no_grad``,
     inference; inputs under 32 MiB, see :data:`layernorm.ops._dispatch.TORCH_INFERENCE_BYTES`)
     or, in float32 and float64, the input has at most :data:`SMALL_NUMEL` elements and no
     DetachNorm flag is set, torch's native ``layer_norm`` runs — the same formula (DetachNorm
@@ -245,13 +237,14 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
         shape, eps, weight, bias = self.normalized_shape, self.eps, self.weight, self.bias
         if self.gain_offset:
             weight = _gain(weight, self.gain_offset)
-        # with gradients, the C++ node first for half x (torch's route is its float32 kernel on
-        # converted rows, five autograd nodes) and for rows of many elements (see _NODE_NUMEL)
+        # with gradients, the C++ node first for DetachNorm (torch has no route for its
+        # backward) and for half x (torch's route is its float32 kernel on converted rows, five
+        # autograd nodes, 1.5-1.7x torch.nn.LayerNorm's time at (1 | 8, 768) where the node took
+        # 1.2-1.3); float32 keeps torch's kernel, whose call costs less from here
         if (
             type(x) is Tensor
-            and torch._C._get_tracing_state() is None  # a trace's sizes are traced values
-            and (x.dtype in HALF_DTYPES or x.numel() >= _NODE_NUMEL)
-            and needs_grad(x, weight, bias)
+            and needs_grad(x, weight, bias)  # first: a forward without gradients pays no more
+            and (self.detach_mean or self.detach_std or x.dtype in HALF_DTYPES)
         ):
             dm, ds = self.detach_mean, self.detach_std
             y = F._layer_norm_node(x, shape, weight, bias, eps, dm, ds)  # type: ignore[arg-type]

@@ -131,7 +131,7 @@ def ada_norm_rows_eager(
     if kernels is None:
         kernels = backend_module(x, "ada_norm")
     grad = needs_grad(x)
-    if kernels is cpu_ada_norm and torch_ops.takes(x):
+    if kernels is cpu_ada_norm and torch_ops.takes(x, grad):
         return torch_ops.ada_norm(x, k, scale, eps)
     if not grad:
         return kernels.ada_norm_fwd(x, k, scale, eps)[0]

@@ -222,7 +222,7 @@ def layer_norm_rows_eager(
     if kernels is None:
         kernels = backend_module(x, "layer_norm")
     grad = needs_grad(x, weight, bias)
-    if kernels is cpu_layer_norm and torch_ops.takes(x, weight, bias):
+    if kernels is cpu_layer_norm and torch_ops.takes(x, grad, weight, bias):
         return torch_ops.layer_norm(x, weight, bias, eps, detach_mean, detach_std)
     if not grad:
         return kernels.layer_norm_fwd(x, weight, bias, eps)[0]

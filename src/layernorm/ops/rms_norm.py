@@ -147,7 +147,7 @@ def rms_norm_rows_eager(
     if kernels is None:
         kernels = backend_module(x, "rms_norm")
     grad = needs_grad(x, weight)
-    if kernels is cpu_rms_norm and torch_ops.takes(x, weight):
+    if kernels is cpu_rms_norm and torch_ops.takes(x, grad, weight):
         return torch_ops.rms_norm(x, weight, eps)
     if not grad:
         return kernels.rms_norm_fwd(x, weight, eps)[0]

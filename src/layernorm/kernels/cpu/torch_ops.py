@@ -6,15 +6,11 @@ A layer norm's forward and backward at (1, 768) took 64 µs through the autograd
 :mod:`layernorm.ops` where torch's native layer norm, a C++ node, takes 24; the kernels themselves
 take a few. These operators check their arguments, allocate the outputs, fill the kernels' argument
 structs and call the kernels of the selected instruction-set target (:mod:`.targets`) from C++, so
-the results are the kernels' bits. The ops take them (:func:`takes`) for a CPU input whose outputs
-take less than the buffer cache's output size (:data:`.buffers.OUTPUT_MIN_BYTES`, 32 MiB: below it
-malloc's heap serves them, from it on every block is a fresh mapping whose pages fault on first
-write, for torch's outputs too); larger ones keep the Python path, whose outputs reuse memory.
-Forward and backward of float32 and bfloat16 layer norm, the C++ node against the Python path,
-alternated in one process, AMD EPYC Zen 5, one and two threads: 0.59-0.62 of its time at
-(64 | 65, 1024), 0.65-0.94 from (128, 1024) to (4096, 1024) (16 MiB), one run 1.00 ((2048, 1024)
-bfloat16, two threads), against torch's kernel 0.61-1.03; at (8192, 1024) float32 (32 MiB) the
-C++ node's outputs faulted like torch's, 5.2x the Python path's time (RESULTS.md, 2026-11-28).
+the results are the kernels' bits. The ops take them (:func:`takes`) for a CPU input of fewer than
+:data:`TRAINING_MAX_BYTES` where a backward follows, and below the buffer cache's output size
+(:data:`.buffers.OUTPUT_MIN_BYTES`, 32 MiB) where none does (a forward alone frees its output
+itself, which malloc's heap keeps); the larger ones keep the Python path, whose outputs reuse the
+buffer cache's memory.
 
 The library is compiled against this process's PyTorch by the C++ compiler on first use (about
 12 s; :func:`.cbuild.build_torch_library`, cached with the C kernels: ``make install`` builds it)
@@ -42,6 +38,16 @@ ENV_SWITCH = "LAYERNORM_CPU_TORCH_OPS"
 SOURCES = (Path(__file__).resolve().parent / "csrc_torch" / "norm_ops.cpp",)
 #: The kernels the operators call, by the names of abi.py (cvt is the tests' alone).
 KERNELS = ("ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd", "ada_fwd", "ada_bwd")
+
+#: Below this many bytes of ``x`` a call that a backward follows runs the C++ node, whose outputs
+#: come from malloc, from there the Python path with outputs from the buffer cache. Forward and
+#: backward of float32 and bfloat16 layer norm, the node against the Python path, alternated
+#: (``benchmarks/ab_norm_node.py``), AMD EPYC Zen 5, one and two threads: 0.59-0.62 of its time
+#: at (64 | 65, 1024), 0.65-0.97 from (128, 1024) to (512, 1024) (2 MiB float32); from 4 to 16 MiB
+#: 0.65-1.00 where three calls alternated, but among `make bench`'s dozen the node's 16 MiB
+#: bfloat16 outputs took fresh pages (1.42 of torch's time where the Python path took 0.68):
+#: malloc hands the top of its heap back once that much is free at once.
+TRAINING_MAX_BYTES = 2 << 20
 
 _state: dict[str, object] = {}  # "loaded": bool once tried; "target": the kernels' target
 #: LAYERNORM_CPU_TORCH_OPS, read once at import (an environment read costs half a microsecond, a
@@ -107,17 +113,14 @@ def enabled() -> bool:
     return _set_kernels(target)
 
 
-def takes(x: Tensor, *params: Tensor | None) -> bool:
+def takes(x: Tensor, grad: bool, *params: Tensor | None) -> bool:
     """Whether the operators run this call on ``x``'s last dimension: ``x`` (of at least one
     dimension, the caller has checked its shape) and the ``params`` as the kernels take them
-    (:func:`._native.kernel_inputs`), outputs below the buffer cache's output size
-    (:data:`.buffers.OUTPUT_MIN_BYTES`), the operators loaded. A few attribute reads where they
-    are."""
-    return (
-        x.numel() * x.element_size() < buffers.OUTPUT_MIN_BYTES
-        and _native.kernel_inputs(x, *params)
-        and enabled()
-    )
+    (:func:`._native.kernel_inputs`), ``x`` below :data:`TRAINING_MAX_BYTES` where a backward
+    follows (``grad``), below the buffer cache's output size (:data:`.buffers.OUTPUT_MIN_BYTES`)
+    otherwise, the operators loaded. A few attribute reads where they are."""
+    limit = TRAINING_MAX_BYTES if grad else buffers.OUTPUT_MIN_BYTES
+    return x.numel() * x.element_size() < limit and _native.kernel_inputs(x, *params) and enabled()
 
 
 @contextlib.contextmanager

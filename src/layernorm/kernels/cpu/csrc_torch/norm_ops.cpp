@@ -28,7 +28,6 @@
 
 #include <array>
 #include <cmath>
-#include <cstring>
 #include <optional>
 #include <string>
 
@@ -57,9 +56,9 @@ constexpr std::array<const char*, 4> kSuffixes = {"f32", "f64", "bf16", "f16"};
 std::array<std::array<Kernel, 4>, KERNEL_COUNT> g_kernels{};
 
 // Below this many elements one thread does the whole op; from this many bytes of (M, N) tensors
-// moved an output bypasses the caches. Python's values (_native._GRAIN, STREAM_MIN_BYTES), set
-// with the kernels.
-int64_t g_grain = 32768;
+// moved an output bypasses the caches. Python's values (_native._GRAIN, STREAM_MIN_BYTES), which
+// configure() sets before the kernels are handed over (no kernel runs before).
+int64_t g_grain = 1;
 int64_t g_stream_min_bytes = INT64_MAX;
 
 int dtype_slot(at::ScalarType t) {
@@ -155,6 +154,7 @@ void check_finite(const char* op, const char* name, double v) {
 }
 
 const Tensor* given(const OptTensor& p) { return p.has_value() && p->defined() ? &*p : nullptr; }
+const Tensor* given(const Tensor& t) { return t.defined() ? &t : nullptr; }
 
 // The kernels' half_params flag (_native._half_params): 1 where x is of a half type and every
 // parameter given is in x's dtype.
@@ -169,11 +169,12 @@ int32_t half_params(const Tensor& x, std::initializer_list<const Tensor*> params
   return any ? 1 : 0;
 }
 
-// A parameter as the kernels take it with the flag 0: in the compute dtype.
-Tensor in_compute(const Tensor* p, const Tensor& x) {
+// A gain or bias as the kernels take it: as it is with the half_params flag 1 (in x's dtype),
+// else in the compute dtype (a half one beside a float32 one converted here).
+Tensor kernel_param(const Tensor* p, const Tensor& x, int32_t half) {
   if (p == nullptr) return Tensor();
   const auto cdt = compute_dtype(x.scalar_type());
-  return p->scalar_type() == cdt ? *p : p->to(cdt);
+  return half || p->scalar_type() == cdt ? *p : p->to(cdt);
 }
 
 const void* ptr(const Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }
@@ -207,8 +208,8 @@ LnForward ln_forward(const char* op, const Tensor& x, const OptTensor& weight,
   check_eps(op, eps);
   const int64_t m = row_count(x), n = row_length(x);
   const int32_t half = half_params(x, {given(weight), given(bias)});
-  Tensor w = half ? (given(weight) ? *weight : Tensor()) : in_compute(given(weight), x);
-  Tensor b = half ? (given(bias) ? *bias : Tensor()) : in_compute(given(bias), x);
+  Tensor w = kernel_param(given(weight), x, half);
+  Tensor b = kernel_param(given(bias), x, half);
   LnForward out{at::empty_like(x), stats(x, m), stats(x, m)};
   ln_fwd_args_f32 a{};
   a.x = static_cast<const float*>(x.const_data_ptr());
@@ -239,11 +240,11 @@ std::array<Tensor, 3> ln_backward(const char* op, const Tensor& dy, const Tensor
                                   std::array<bool, 3> needs) {
   check_like(op, "dy", dy, x);
   const int64_t m = row_count(x), n = row_length(x);
-  const int32_t half = half_params(x, {weight.defined() ? &weight : nullptr});
+  const int32_t half = half_params(x, {given(weight)});
   Tensor dx = needs[0] ? at::empty_like(x) : Tensor();
   Tensor dw = needs[1] && weight.defined() ? param_grad(x, half) : Tensor();
   Tensor db = needs[2] ? stats(x, n) : Tensor();
-  Tensor w = half ? weight : in_compute(weight.defined() ? &weight : nullptr, x);
+  Tensor w = kernel_param(given(weight), x, half);
   ln_bwd_args_f32 a{};
   a.dy = static_cast<const float*>(dy.const_data_ptr());
   a.x = static_cast<const float*>(x.const_data_ptr());
@@ -274,7 +275,7 @@ RmsForward rms_forward(const char* op, const Tensor& x, const OptTensor& weight,
   check_eps(op, eps);
   const int64_t m = row_count(x), n = row_length(x);
   const int32_t half = half_params(x, {given(weight)});
-  Tensor w = half ? *weight : in_compute(given(weight), x);
+  Tensor w = kernel_param(given(weight), x, half);
   RmsForward out{at::empty_like(x), stats(x, m)};
   rms_fwd_args_f32 a{};
   a.x = static_cast<const float*>(x.const_data_ptr());
@@ -296,10 +297,10 @@ std::array<Tensor, 2> rms_backward(const char* op, const Tensor& dy, const Tenso
                                    std::array<bool, 2> needs) {
   check_like(op, "dy", dy, x);
   const int64_t m = row_count(x), n = row_length(x);
-  const int32_t half = half_params(x, {weight.defined() ? &weight : nullptr});
+  const int32_t half = half_params(x, {given(weight)});
   Tensor dx = needs[0] ? at::empty_like(x) : Tensor();
   Tensor dw = needs[1] && weight.defined() ? param_grad(x, half) : Tensor();
-  Tensor w = half ? weight : in_compute(weight.defined() ? &weight : nullptr, x);
+  Tensor w = kernel_param(given(weight), x, half);
   rms_bwd_args_f32 a{};
   a.dy = static_cast<const float*>(dy.const_data_ptr());
   a.x = static_cast<const float*>(x.const_data_ptr());
@@ -420,8 +421,7 @@ struct LayerNormFn : public torch::autograd::Function<LayerNormFn> {
     const Tensor& dy = grads[0];
     if (reference_backward(dy)) {
       auto g = reference_grads("layer_norm", dy, x, weight, bias,
-                               {ctx->saved_data["eps"].toDouble()}, {dm, ds},
-                               {needs[0], needs[1], needs[2]});
+                               {ctx->saved_data["eps"].toDouble()}, {dm, ds}, needs);
       return {value_or_undefined(g[0]), value_or_undefined(g[1]), value_or_undefined(g[2]),
               Tensor(), Tensor(), Tensor()};
     }
@@ -451,7 +451,7 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
     const Tensor& dy = grads[0];
     if (reference_backward(dy)) {
       auto g = reference_grads("rms_norm", dy, x, weight, Tensor(),
-                               {ctx->saved_data["eps"].toDouble()}, {}, {needs[0], needs[1]});
+                               {ctx->saved_data["eps"].toDouble()}, {}, needs);
       return {value_or_undefined(g[0]), value_or_undefined(g[1]), Tensor()};
     }
     auto g = rms_backward("layernorm_cpu::rms_norm (backward)", dy.contiguous(), x, saved[2],

@@ -30,32 +30,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layernorm.functional as LF
 from _timing import cpu_model, interleaved_samples, torch_isa
-from bench_norms_cpu import DTYPES, parse_shape
+from bench_norms_cpu import DTYPES, leaves, parse_shape
 from layernorm.kernels.cpu import _native, torch_ops
 from layernorm.kernels.cpu import isa as kernel_isa
 
 
 @contextlib.contextmanager
 def grain(elements: int) -> Iterator[None]:
-    """The kernels' thread grain set to ``elements`` (the Python path's and the operators')."""
+    """The kernels' thread grain set to ``elements`` (the operators take it on their next call,
+    as they do the Python path's other thresholds)."""
     before = _native._GRAIN
     _native._GRAIN = elements
-    torch.ops.layernorm_cpu.configure(elements, _native.STREAM_MIN_BYTES)
     try:
         yield
     finally:
         _native._GRAIN = before
-        torch.ops.layernorm_cpu.configure(before, _native.STREAM_MIN_BYTES)
 
 
 def providers(
     m: int, n: int, dtype: torch.dtype, grains: list[int]
 ) -> dict[str, Callable[[], None]]:
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(m, n, generator=g) + 0.5).to(dtype).requires_grad_()
-    w = (torch.rand(n, generator=g) + 0.5).to(dtype).requires_grad_()
-    b = torch.randn(n, generator=g).to(dtype).requires_grad_()
-    dy = torch.randn(m, n, generator=g).to(dtype)
+    x, w, b, dy = leaves(m, n, dtype)
 
     def ours() -> None:
         x.grad = w.grad = b.grad = None

@@ -76,16 +76,25 @@ def isa_flags() -> list[str]:
     return [f for f in ISA_FLAGS if f in features]
 
 
-def providers(
-    m: int, n: int, composite: bool, dtype: torch.dtype = torch.float32, rms_anchor: bool = True
-) -> dict[str, Callable[[], None]]:
-    """One closure per provider, each a full forward+backward on fresh-gradient leaves."""
+def leaves(
+    m: int, n: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x, w, b, dy)`` of one forward+backward (seeded): x, the gain and the bias require
+    gradients, all in ``dtype``."""
     g = torch.Generator().manual_seed(0)
     # Non-zero mean: the centring matters, as it does for real activations.
     x = (torch.randn(m, n, generator=g) + 0.5).to(dtype).requires_grad_()
     w = (torch.rand(n, generator=g) + 0.5).to(dtype).requires_grad_()
     b = torch.randn(n, generator=g).to(dtype).requires_grad_()
     dy = torch.randn(m, n, generator=g).to(dtype)
+    return x, w, b, dy
+
+
+def providers(
+    m: int, n: int, composite: bool, dtype: torch.dtype = torch.float32, rms_anchor: bool = True
+) -> dict[str, Callable[[], None]]:
+    """One closure per provider, each a full forward+backward on fresh-gradient leaves."""
+    x, w, b, dy = leaves(m, n, dtype)
 
     def fwd_bwd(op: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def run() -> None:

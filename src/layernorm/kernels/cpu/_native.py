@@ -28,9 +28,9 @@ ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
 ENV_CACHE = cbuild.ENV_CACHE
 # Below this many elements one thread does the whole op: waking the pool costs more than it saves.
 # Forward + backward of float32 and bfloat16 layer norm with two threads, grains alternated in one
-# process against torch's kernel (which splits any rows over its threads), AMD EPYC Zen 5: 8192
-# took 0.88-0.92 of 32768's time at (48 | 64, 768) and 0.94-0.97 at (32, 768), (16, 2048) and
-# (8, 4096), the same elsewhere; 4096 took 1.03-1.31 of 8192's at (2, 4096) and (16, 768).
+# process (benchmarks/ab_norm_node.py --grains), AMD EPYC Zen 5: 8192 took 0.88-0.94 of 32768's
+# time at (48 | 64, 768), 0.94-0.96 at (32, 768), (16, 2048) and (8, 4096), 0.98-0.99 at (2, 4096)
+# and (16, 768); 4096 took 1.03-1.10 of 8192's at (2, 4096) and (16, 768), 1.01 elsewhere.
 _GRAIN = 8192
 
 _CSRC = abi.CSRC_DIR

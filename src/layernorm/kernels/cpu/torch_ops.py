@@ -42,11 +42,12 @@ KERNELS = ("ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd", "ada_fwd", "ada_bwd")
 #: Below this many bytes of ``x`` a call that a backward follows runs the C++ node, whose outputs
 #: come from malloc, from there the Python path with outputs from the buffer cache. Forward and
 #: backward of float32 and bfloat16 layer norm, the node against the Python path, alternated
-#: (``benchmarks/ab_norm_node.py``), AMD EPYC Zen 5, one and two threads: 0.59-0.62 of its time
-#: at (64 | 65, 1024), 0.65-0.97 from (128, 1024) to (512, 1024) (2 MiB float32); from 4 to 16 MiB
-#: 0.65-1.00 where three calls alternated, but among `make bench`'s dozen the node's 16 MiB
-#: bfloat16 outputs took fresh pages (1.42 of torch's time where the Python path took 0.68):
-#: malloc hands the top of its heap back once that much is free at once.
+#: (``benchmarks/ab_norm_node.py``), AMD EPYC Zen 5, one and two threads: 0.52-0.61 of its time
+#: at (64, 1024), 0.57-0.75 at (128 | 256, 1024), 0.77-0.96 at (512, 1024) (2 MiB float32); from
+#: 4 to 16 MiB 0.79-0.93 where three calls alternated, but among `make bench`'s dozen the node's
+#: 16 MiB bfloat16 outputs took fresh pages on some rounds (1.42 of torch's time by the median,
+#: where the Python path took 0.68): malloc hands the top of its heap back once that much is free
+#: at once.
 TRAINING_MAX_BYTES = 2 << 20
 
 _state: dict[str, object] = {}  # "loaded": bool once tried; "target": the kernels' target
@@ -98,19 +99,20 @@ def _set_kernels(target: targets.Target) -> bool:
 
 def enabled() -> bool:
     """Whether the operators are switched on, built and loaded, with the selected target's
-    kernels and the Python path's ``STREAM_MIN_BYTES`` (handed over again where
-    :func:`.targets.use` switched the target or the threshold changed)."""
+    kernels and the Python path's thread grain and ``STREAM_MIN_BYTES`` (handed over again where
+    :func:`.targets.use` switched the target or a threshold changed)."""
     if not _switch["on"] or not _native.enabled():
         return False
     target = targets.selected()
-    if _state.get("target") is target and _state.get("stream") == _native.STREAM_MIN_BYTES:
+    config = (_native._GRAIN, _native.STREAM_MIN_BYTES)  # the Python path's, which tests change
+    if _state.get("target") is target and _state.get("config") == config:
         return True
     if not _load():
         return False
-    # the Python path's thresholds, which tests may change
-    torch.ops.layernorm_cpu.configure(_native._GRAIN, _native.STREAM_MIN_BYTES)
-    _state["stream"] = _native.STREAM_MIN_BYTES
-    return _set_kernels(target)
+    if _state.get("config") != config:
+        torch.ops.layernorm_cpu.configure(*config)
+        _state["config"] = config
+    return _state.get("target") is target or _set_kernels(target)
 
 
 def takes(x: Tensor, grad: bool, *params: Tensor | None) -> bool:

@@ -3,7 +3,8 @@
 Sources (``.c``/``.h`` files shipped in the package's ``csrc`` folders) include no PyTorch
 headers, so a build takes about a second with the system C compiler. The one C++ library, the
 norms' operators (:func:`build_torch_library`, ``csrc_torch``), is built against PyTorch's
-headers and libraries with the system C++ compiler (about 12 s), PyTorch's version in its key.
+headers and libraries with the system C++ compiler (about 12 s), PyTorch's version in its key,
+and kept only once an error raised in it reaches Python in a child process.
 Headers are found next to the sources (``-I`` each source's folder). Libraries are cached under
 ``$LAYERNORM_CACHE_DIR`` (default ``~/.cache/layernorm``; which folders are trusted, and which
 libraries are loaded, is :mod:`.cache`'s business), keyed by a hash of the content of every
@@ -24,11 +25,12 @@ import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import cache
@@ -144,9 +146,12 @@ def _digest(head: Sequence[str], srcs: Sequence[Path], include_dirs: Sequence[Pa
     return digest.hexdigest()[:16]
 
 
-def _compile(cmd: list[str], out: Path, stem: str) -> None:
+def _compile(
+    cmd: list[str], out: Path, stem: str, check: Callable[[Path], str | None] | None = None
+) -> None:
     """Run the compiler command ``cmd`` (its last output argument is added here) into a
-    temporary file beside ``out``, then move the sealed result to ``out``."""
+    temporary file beside ``out``; if ``check`` finds no fault in that file (it returns why it
+    is unfit, or ``None``), move the sealed result to ``out``."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
         full = [*cmd, "-o", str(tmp_so)]
@@ -159,6 +164,9 @@ def _compile(cmd: list[str], out: Path, stem: str) -> None:
                 RuntimeWarning,
                 stacklevel=3,
             )
+        reason = check(tmp_so) if check is not None else None
+        if reason is not None:
+            raise RuntimeError(f"{cmd[0]} built {stem}, but {reason}")
         cache.seal(tmp_so)
         os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written library
 
@@ -193,32 +201,31 @@ def build_shared_library(
     link = [gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"] if gomp else []
     _compile([cc, *flags, *includes, *map(str, srcs), *link, "-lm"], out, stem)
     return out
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_so = Path(tmp) / out.name
-        # Link PyTorch's own libgomp when it has one (same soname, so the loader maps it once).
-        link = [gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"] if gomp else []
-        cmd = [cc, *flags, *includes, *map(str, srcs), "-o", str(tmp_so), *link, "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-        if proc.stderr.strip():
-            warnings.warn(
-                f"layernorm: compiler warnings building {stem}:\n{proc.stderr[-4000:]}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        cache.seal(tmp_so)
-        os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written library
-    return out
+
+
+def cxx_compilers() -> list[str]:
+    """The C++ compilers to try, in order: ``$CXX``, then every ``c++`` and every ``g++`` on
+    ``PATH``, each file once. More than one, because a compiler can build a library that loads and
+    runs but whose C++ exceptions kill the process instead of reaching Python: seen on an Intel
+    Xeon host whose first ``g++`` was a wrapper of GCC 13 with start files of its own, where the
+    system's ``g++`` beside it built working libraries (:func:`build_torch_library` tries the
+    next)."""
+    folders = os.environ.get("PATH", os.defpath).split(os.pathsep)
+    found = [shutil.which(os.environ["CXX"])] if os.environ.get("CXX") else []
+    found += [shutil.which(name, path=folder) for name in ("c++", "g++") for folder in folders]
+    seen: set[str] = set()
+    compilers = []
+    for path in filter(None, found):
+        real = os.path.realpath(path)
+        if real not in seen:
+            seen.add(real)
+            compilers.append(path)
+    return compilers
 
 
 def cxx_compiler() -> str | None:
-    """The C++ compiler to use: ``$CXX``, else ``c++``, else ``g++``; ``None`` when there is
-    none."""
-    for name in (os.environ.get("CXX"), "c++", "g++"):
-        if name and shutil.which(name):
-            return name
-    return None
+    """The first of :func:`cxx_compilers`; ``None`` when there is none."""
+    return next(iter(cxx_compilers()), None)
 
 
 #: The flags of a C++ library built against PyTorch's headers (on top of the ABI define and the
@@ -255,31 +262,77 @@ def torch_link_flags() -> tuple[str, ...]:
 
 
 def build_torch_library(
-    sources: Sequence[Path], stem: str, include_dirs: Sequence[Path] = ()
+    sources: Sequence[Path],
+    stem: str,
+    include_dirs: Sequence[Path] = (),
+    *,
+    error_probe: str | None = None,
 ) -> Path:
     """Compile the C++ files ``sources``, which use PyTorch's C++ API (operators, autograd
     nodes), into one library against this process's PyTorch, unless a matching cached build
     exists; return the library's path. ``include_dirs``: more folders to find headers in (their
-    files are part of the cache key, as are PyTorch's version and folder).
+    files are part of the cache key, as are PyTorch's version and folder, and the compilers).
 
-    Raises ``RuntimeError`` naming the cause (not Linux, no compiler, compiler error).
+    ``error_probe``: a Python statement that makes the library raise a C++ error (e.g. an
+    operator called with a bad argument). A fresh build is loaded in a child process, which runs
+    it and must see a ``RuntimeError``; a build whose error kills that process instead is thrown
+    away and the next of :func:`cxx_compilers` tried.
+
+    Raises ``RuntimeError`` naming the cause (not Linux, no compiler, each compiler's failure).
     """
     import torch
 
     if not sys.platform.startswith("linux"):
         raise RuntimeError(f"the C++ operators are built on Linux only, not {sys.platform}")
-    cxx = cxx_compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (tried $CXX, c++, g++)")
+    compilers = cxx_compilers()
+    if not compilers:
+        raise RuntimeError("no C++ compiler found (tried $CXX, and c++ and g++ on PATH)")
     srcs = [Path(s).resolve() for s in sources]
     folders = [*dict.fromkeys(p.parent for p in srcs), *(Path(d).resolve() for d in include_dirs)]
     includes = [f"-I{d}" for d in folders]
     flags = torch_cxx_flags()
     link = torch_link_flags()
-    head = [" ".join(flags), " ".join(link), cxx, torch.__version__]
+    head = [" ".join(flags), " ".join(link), *compilers, torch.__version__]
     key = _digest(head, srcs, include_dirs)
     out = cache_dir() / f"{stem}_{key}.so"
     if out.exists():
         return out
-    _compile([cxx, *flags, *includes, *map(str, srcs), *link], out, stem)
-    return out
+    check = functools.partial(errors_reach_python, error_probe) if error_probe else None
+    failures = []
+    for cxx in compilers:
+        try:
+            _compile([cxx, *flags, *includes, *map(str, srcs), *link], out, stem, check)
+            return out
+        except RuntimeError as err:
+            failures.append(str(err))
+    raise RuntimeError("no C++ compiler built a working library:\n" + "\n".join(failures))
+
+
+def errors_reach_python(probe: str, library: Path) -> str | None:
+    """Why ``library``'s errors do not reach Python, or ``None`` when they do: a child process
+    loads it into PyTorch and runs ``probe``, which must raise ``RuntimeError``. A child, because
+    where the library's C++ exception cannot unwind through PyTorch's frames the process dies."""
+    code = (
+        "import sys, torch\n"
+        "torch.ops.load_library(sys.argv[1])\n"
+        "try:\n"
+        f"    {probe}\n"
+        "except RuntimeError:\n"
+        "    sys.exit(0)\n"
+        "sys.exit('the probe raised no RuntimeError')\n"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(library)], capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired:
+        return "raising an error in it did not return within 300 s"
+    if proc.returncode == 0:
+        return None
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        return (
+            f"an error raised in it killed the process ({name}) instead of reaching Python: "
+            "its C++ exceptions do not unwind through PyTorch's libraries"
+        )
+    return f"raising an error in it failed:\n{proc.stderr.strip()[-1500:]}"

@@ -13,9 +13,11 @@ itself, which malloc's heap keeps); the larger ones keep the Python path, whose 
 buffer cache's memory.
 
 The library is compiled against this process's PyTorch by the C++ compiler on first use (about
-12 s; :func:`.cbuild.build_torch_library`, cached with the C kernels: ``make install`` builds it)
-and loaded with the cache's checks (:mod:`.cache`). Where it cannot be built or loaded, a warning
-says why, once, and the ops keep their Python path. ``LAYERNORM_CPU_TORCH_OPS=0`` keeps the ops
+12 s; :func:`.cbuild.build_torch_library`, cached with the C kernels: ``make install`` builds it),
+kept only once an error raised in it has reached Python in a child process (a build whose
+exceptions kill the process is thrown away and the next compiler on ``PATH`` tried), and loaded
+with the cache's checks (:mod:`.cache`). Where it cannot be built or loaded, a warning says why,
+once, and the ops keep their Python path. ``LAYERNORM_CPU_TORCH_OPS=0`` keeps the ops
 on their Python path (read once, at import; :func:`switched` changes it in-process), as does
 ``LAYERNORM_CPU_COMPILE=0`` (read on every call), which leaves no C kernel to call.
 """
@@ -58,9 +60,16 @@ _switch = {"on": os.environ.get(ENV_SWITCH, "1") != "0"}
 _ops: dict[str, Callable[..., Tensor]] = {}
 
 
+#: A call that makes the library raise an error: a fresh build must return it to Python as a
+#: ``RuntimeError`` in a child process before it is cached (:func:`.cbuild.errors_reach_python`).
+ERROR_PROBE = "torch.ops.layernorm_cpu.configure(0, 0)"
+
+
 def build() -> Path:
     """Compile the operators' library (or find it cached); return its path."""
-    return cbuild.build_torch_library(SOURCES, "layernorm_torch_ops", (abi.CSRC_DIR,))
+    return cbuild.build_torch_library(
+        SOURCES, "layernorm_torch_ops", (abi.CSRC_DIR,), error_probe=ERROR_PROBE
+    )
 
 
 def _load() -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import warnings
 from pathlib import Path
 
@@ -23,8 +22,10 @@ import torch
 from torch import Tensor
 
 from . import abi, buffers, cache, cbuild, targets
+from ._env import off_switch
 
 ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
+_switched_off = off_switch(ENV_SWITCH)  # read on every call
 ENV_CACHE = cbuild.ENV_CACHE
 # Below this many elements one thread does the whole op: waking the pool costs more than it saves.
 # Forward + backward of float32 and bfloat16 layer norm with two threads, grains alternated in one
@@ -92,7 +93,7 @@ def _library() -> KernelTable | None:
 
 def enabled() -> bool:
     """True when the fused kernels are switched on (``LAYERNORM_CPU_COMPILE`` != 0) and built."""
-    return os.environ.get(ENV_SWITCH, "1") != "0" and _library() is not None
+    return not _switched_off() and _library() is not None
 
 
 def supports(x: Tensor, *params: Tensor | None, same: tuple[Tensor, ...] = ()) -> bool:

@@ -131,7 +131,7 @@ def takes(x: Tensor, grad: bool, *params: Tensor | None) -> bool:
     follows (``grad``), below the buffer cache's output size (:data:`.buffers.OUTPUT_MIN_BYTES`)
     otherwise, the operators loaded. A few attribute reads where they are."""
     limit = TRAINING_MAX_BYTES if grad else buffers.OUTPUT_MIN_BYTES
-    return x.numel() * x.element_size() < limit and _native.kernel_inputs(x, *params) and enabled()
+    return x.nbytes < limit and _native.kernel_inputs(x, *params) and enabled()
 
 
 @contextlib.contextmanager

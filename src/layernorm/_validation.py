@@ -51,12 +51,13 @@ def as_int(value: object) -> int | None:
 
 def as_shape(normalized_shape: ShapeLike, name: str = "normalized_shape") -> tuple[int, ...]:
     """Turn an int or a sequence of ints into a tuple, rejecting anything else."""
-    if (
-        type(normalized_shape) is tuple
-        and normalized_shape
-        and all(type(d) is int and d > 0 for d in normalized_shape)
+    shape = normalized_shape
+    if type(shape) is tuple and (
+        # the modules' case, on every call: nothing to convert (one size: no generator's cost)
+        (len(shape) == 1 and type(shape[0]) is int and shape[0] > 0)
+        or (shape and all(type(d) is int and d > 0 for d in shape))
     ):
-        return normalized_shape  # the modules' case, on every call: nothing to convert
+        return shape
     if isinstance(normalized_shape, bool | str | bytes):
         # a str is a Sequence too: reject it here rather than complain about its characters
         raise TypeError(

@@ -212,8 +212,10 @@ def _lean_shape(
     if not lean_input(x, eps):
         return None
     shape = as_shape(normalized_shape)  # the full path's first check: the same error if it raises
-    k = len(shape)
-    if x.dim() < k or x.shape[x.dim() - k :] != shape:  # type: ignore[union-attr]
+    if len(shape) == 1:  # the common case, without slicing a torch.Size
+        if x.dim() == 0 or x.shape[-1] != shape[0]:  # type: ignore[union-attr]
+            return None
+    elif x.dim() < len(shape) or x.shape[x.dim() - len(shape) :] != shape:  # type: ignore[union-attr]
         return None
     for p in params:
         if p is not None and not (

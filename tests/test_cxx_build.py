@@ -94,6 +94,12 @@ def test_errors_reach_python_tells_a_raise_from_a_crash():
     assert silent is not None and "raised no RuntimeError" in silent
 
 
+def test_errors_unchecked_without_a_child_python(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    reason = cbuild.errors_reach_python("pass", tmp_path / "lib.so")
+    assert reason is not None and "could not be checked" in reason
+
+
 def test_a_build_whose_errors_kill_the_process_is_refused(source, crashing_compiler, monkeypatch):
     monkeypatch.setattr(cbuild, "cxx_compilers", lambda: [crashing_compiler])
     with pytest.raises(RuntimeError, match=r"(?s)no C\+\+ compiler built.*SIGABRT"):

@@ -327,6 +327,8 @@ def errors_reach_python(probe: str, library: Path) -> str | None:
         )
     except subprocess.TimeoutExpired:
         return "raising an error in it did not return within 300 s"
+    except OSError as err:  # no Python to run the check with (an embedded interpreter)
+        return f"its errors could not be checked: no child Python ({sys.executable!r}: {err})"
     if proc.returncode == 0:
         return None
     if proc.returncode < 0:

@@ -123,25 +123,41 @@ def layer_norm(
 
 def _layer_norm_node(
     x: Tensor,
-    normalized_shape: ShapeLike,
+    normalized_shape: tuple[int, ...],
     weight: Tensor | None,
     bias: Tensor | None,
     eps: float,
     detach_mean: bool,
     detach_std: bool,
 ) -> Tensor | None:
-    """:func:`layer_norm` by the C++ operator where a lean call takes it (:func:`_takes_node`),
-    else ``None``: what :class:`layernorm.LayerNorm` runs first in bfloat16 and float16 with
-    gradients. The operator's node alone against ``torch.nn.LayerNorm``, forward + backward, AMD
-    EPYC Zen 5, one thread: bfloat16 (1, 768) 0.99, (64, 768) 0.70, where the module's route to
-    torch's float32 kernel on converted rows took 1.61 and 1.13; float32 (1, 768) 0.99,
-    (64, 768) 0.85, but the module's calls by this function 1.24-1.29 at (1 | 8, 768) and 1.05-1.23
-    at (64, 768) against 1.02-1.03 by torch's kernel (``bench_norms_cpu.py``, RESULTS.md
-    2026-11-28): the lean checks' microseconds, and one thread where torch's kernel takes two."""
-    shape = _lean_shape(x, normalized_shape, eps, weight, bias)
-    if shape is None or not _takes_node(x, shape, weight, bias):
-        return None
-    return torch_ops.layer_norm(x, weight, bias, eps, detach_mean, detach_std)
+    """:func:`layer_norm` by the C++ operator where it takes a call with gradients, else ``None``:
+    what :class:`layernorm.LayerNorm` runs first in bfloat16 and float16 with gradients and for
+    DetachNorm, having checked its ``normalized_shape`` at construction and found that a gradient
+    is needed. The checks of :func:`_lean_shape` and :func:`_takes_node` in one pass: the
+    operators' own (:func:`~layernorm.kernels.cpu.torch_ops.takes`) decide the parameters' device,
+    dtype and layout. The operator's node alone against ``torch.nn.LayerNorm``, forward +
+    backward, AMD EPYC Zen 5, one thread: bfloat16 (1, 768) 0.99, (64, 768) 0.70, where the
+    module's route to torch's float32 kernel on converted rows took 1.61 and 1.13; float32
+    (1, 768) 0.99, (64, 768) 0.85, but the module's calls by this function 1.24-1.29 at
+    (1 | 8, 768) and 1.05-1.23 at (64, 768) against 1.02-1.03 by torch's kernel
+    (``bench_norms_cpu.py``, RESULTS.md 2026-11-28): the checks' microseconds, and one thread
+    where torch's kernel takes two."""
+    if (
+        len(normalized_shape) == 1
+        and lean_input(x, eps)
+        and x.dim() > 0
+        and x.shape[-1] == normalized_shape[0]
+        and _plain_param(weight, normalized_shape)
+        and _plain_param(bias, normalized_shape)
+        and torch_ops.takes(x, True, weight, bias)
+    ):
+        return torch_ops.layer_norm(x, weight, bias, eps, detach_mean, detach_std)
+    return None
+
+
+def _plain_param(p: Tensor | None, shape: tuple[int, ...]) -> bool:
+    """``p`` absent, or a plain tensor (or Parameter) of ``shape``."""
+    return p is None or (type(p) in _PLAIN_TENSORS and p.shape == shape)
 
 
 def rms_norm(

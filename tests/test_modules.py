@@ -190,6 +190,19 @@ def test_ada_norm_module():
     _randomize(affine)
     expected = ada_norm_reference(x, (9,), 0.2, 1.5) * affine.weight + affine.bias
     torch.testing.assert_close(affine(x), expected)
+    # a parametrized gain (moved out of _parameters) and a gain set after construction count
+    parametrize = torch.nn.utils.parametrize
+    parametrize.register_parametrization(affine, "weight", _Doubled())
+    expected = ada_norm_reference(x, (9,), 0.2, 1.5) * (2 * affine.parametrizations.weight.original)
+    torch.testing.assert_close(affine(x), expected + affine.bias)
+    plain = layernorm.AdaNorm(9, k=0.2, scale=1.5, dtype=torch.float64)
+    plain.bias = torch.nn.Parameter(torch.full((9,), 0.5, dtype=torch.float64))
+    torch.testing.assert_close(plain(x), ada_norm_reference(x, (9,), 0.2, 1.5) + 0.5)
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
 
 
 def test_modules_deepcopy_and_train_eval_same_output():

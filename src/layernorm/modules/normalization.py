@@ -144,6 +144,10 @@ def _check_offset(offset: object, affine: bool, owner: str) -> float:
     return value
 
 
+# what _parameters.get gives for a name not registered there (see AdaNorm.forward)
+_ABSENT = object()
+
+
 class LayerNorm(NotScriptable, nn.LayerNorm):
     r"""Layer normalization (Ba, Kiros & Hinton 2016), a subclass of :class:`torch.nn.LayerNorm`.
 
@@ -427,13 +431,19 @@ class AdaNorm(_Norm):
 
     def forward(self, x: Tensor) -> Tensor:
         z = F.ada_norm(x, self.normalized_shape, self.k, self.scale, self.eps)  # type: ignore[arg-type]
-        if self.weight is None and self.bias is None:
+        # self.weight goes through nn.Module.__getattr__ (0.4 µs, a twentieth of a per-token
+        # call): the paper's module, whose gain and bias are registered as None, is told by its
+        # _parameters directly (a parametrization moves its tensor out of them, and then the
+        # attributes are read as usual)
+        params = self._parameters
+        if params.get("weight", _ABSENT) is None and params.get("bias", _ABSENT) is None:
             return z
+        weight, bias = self.weight, self.bias
         out = z
-        if self.weight is not None:
-            out = out * self.weight
-        if self.bias is not None:
-            out = out + self.bias
+        if weight is not None:
+            out = out * weight
+        if bias is not None:
+            out = out + bias
         # like LayerNorm, the output keeps the input's dtype (float32 gains on half activations)
         return out.to(z.dtype)
 

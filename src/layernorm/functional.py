@@ -102,10 +102,11 @@ def layer_norm(
     Returns:
         A tensor of ``x``'s shape and dtype. See :class:`layernorm.LayerNorm`.
     """
+    flags = type(detach_mean) is bool and type(detach_std) is bool
+    if flags and _takes_node(x, normalized_shape, eps, weight, bias):
+        return torch_ops.layer_norm(x, weight, bias, eps, detach_mean, detach_std)  # type: ignore[arg-type]
     lean = _lean_shape(x, normalized_shape, eps, weight, bias)
-    if lean is not None and type(detach_mean) is bool and type(detach_std) is bool:
-        if _takes_node(x, lean, weight, bias):  # type: ignore[arg-type]
-            return torch_ops.layer_norm(x, weight, bias, eps, detach_mean, detach_std)  # type: ignore[arg-type]
+    if lean is not None and flags:
         rows = _rows(x, lean)  # type: ignore[arg-type]
         w, b, kernels = _flat(weight), _flat(bias), cpu_kernels("layer_norm")
         y = layer_norm_rows_eager(rows, w, b, eps, detach_mean, detach_std, kernels)  # type: ignore[arg-type]
@@ -130,34 +131,18 @@ def _layer_norm_node(
     detach_mean: bool,
     detach_std: bool,
 ) -> Tensor | None:
-    """:func:`layer_norm` by the C++ operator where it takes a call with gradients, else ``None``:
-    what :class:`layernorm.LayerNorm` runs first in bfloat16 and float16 with gradients and for
-    DetachNorm, having checked its ``normalized_shape`` at construction and found that a gradient
-    is needed. The checks of :func:`_lean_shape` and :func:`_takes_node` in one pass: the
-    operators' own (:func:`~layernorm.kernels.cpu.torch_ops.takes`) decide the parameters' device,
-    dtype and layout. The operator's node alone against ``torch.nn.LayerNorm``, forward +
+    """:func:`layer_norm` by the C++ operator where it takes the call (:func:`_takes_node`), else
+    ``None``: what :class:`layernorm.LayerNorm` runs first in bfloat16 and float16 with gradients
+    and for DetachNorm. The operator's node alone against ``torch.nn.LayerNorm``, forward +
     backward, AMD EPYC Zen 5, one thread: bfloat16 (1, 768) 0.99, (64, 768) 0.70, where the
     module's route to torch's float32 kernel on converted rows took 1.61 and 1.13; float32
     (1, 768) 0.99, (64, 768) 0.85, but the module's calls by this function 1.24-1.29 at
     (1 | 8, 768) and 1.05-1.23 at (64, 768) against 1.02-1.03 by torch's kernel
     (``bench_norms_cpu.py``, RESULTS.md 2026-11-28): the checks' microseconds, and one thread
     where torch's kernel takes two."""
-    if (
-        len(normalized_shape) == 1
-        and lean_input(x, eps)
-        and x.dim() > 0
-        and x.shape[-1] == normalized_shape[0]
-        and _plain_param(weight, normalized_shape)
-        and _plain_param(bias, normalized_shape)
-        and torch_ops.takes(x, True, weight, bias)
-    ):
+    if _takes_node(x, normalized_shape, eps, weight, bias):
         return torch_ops.layer_norm(x, weight, bias, eps, detach_mean, detach_std)
     return None
-
-
-def _plain_param(p: Tensor | None, shape: tuple[int, ...]) -> bool:
-    """``p`` absent, or a plain tensor (or Parameter) of ``shape``."""
-    return p is None or (type(p) in _PLAIN_TENSORS and p.shape == shape)
 
 
 def rms_norm(
@@ -205,11 +190,11 @@ def _rms_norm_lean(
     autograd.Function called directly), ``None`` where it cannot take ``x`` (the full path checks,
     and names what is wrong). (The :class:`layernorm.RMSNorm` module runs torch's own
     ``rms_norm`` before this where it can: see its ``forward``.)"""
+    if _takes_node(x, normalized_shape, eps, weight):
+        return torch_ops.rms_norm(x, weight, eps)  # type: ignore[arg-type]
     shape = _lean_shape(x, normalized_shape, eps, weight)
     if shape is None:
         return None
-    if _takes_node(x, shape, weight):
-        return torch_ops.rms_norm(x, weight, eps)  # type: ignore[arg-type]
     y = rms_norm_rows_eager(_rows(x, shape), _flat(weight), eps, cpu_kernels("rms_norm"))  # type: ignore[arg-type]
     return _unrows(y, x, shape)
 
@@ -244,12 +229,29 @@ def _lean_shape(
     return shape
 
 
-def _takes_node(x: Tensor, shape: tuple[int, ...], *params: Tensor | None) -> bool:
-    """Whether a lean call (:func:`_lean_shape` gave ``shape``) runs the C++ operator of
-    :mod:`layernorm.kernels.cpu.torch_ops` on ``x`` as it is: rows along one normalized
-    dimension of a contiguous ``x`` (of any rank), as :func:`~layernorm.kernels.cpu.torch_ops.
-    takes` says. Its autograd node is C++, where the rows' path runs an autograd.Function."""
-    return len(shape) == 1 and torch_ops.takes(x, needs_grad(x, *params), *params)
+def _takes_node(x: object, normalized_shape: ShapeLike, eps: object, *params: object) -> bool:
+    """Whether a call runs the C++ operator of :mod:`layernorm.kernels.cpu.torch_ops` on ``x`` as
+    it is (its autograd node is C++, where the lean path's rows run an autograd.Function), checked
+    in one pass, the first thing a lean call does: a :func:`lean_input` ``x`` whose last
+    dimension is the one normalized size (an int, or a tuple, list or ``torch.Size`` of one),
+    each param ``None`` or a plain tensor (or Parameter) of that size, and the operators' own
+    :func:`~layernorm.kernels.cpu.torch_ops.takes` (the params' device, dtype and layout, x's
+    size and layout)."""
+    n = normalized_shape
+    if type(n) in _ONE_SIZE_SEQUENCES and len(n) == 1:  # type: ignore[arg-type]
+        n = n[0]  # type: ignore[index]
+    if type(n) is not int or n < 1 or not lean_input(x, eps):
+        return False
+    if x.dim() == 0 or x.shape[-1] != n:  # type: ignore[union-attr]
+        return False
+    for p in params:
+        if p is not None and (type(p) not in _PLAIN_TENSORS or p.shape != (n,)):  # type: ignore[attr-defined]
+            return False
+    return torch_ops.takes(x, needs_grad(x, *params), *params)  # type: ignore[arg-type]
+
+
+# The sequence types a one-size normalized shape comes in (anything else takes as_shape's path).
+_ONE_SIZE_SEQUENCES = (tuple, list, torch.Size)
 
 
 # What a lean call takes as a gain or bias: a tensor subclass of another kind (one that overrides
@@ -284,10 +286,11 @@ def ada_norm(
 
     See :class:`layernorm.AdaNorm`.
     """
+    numbers = _finite_number(k) and _finite_number(scale)
+    if numbers and _takes_node(x, normalized_shape, eps):
+        return torch_ops.ada_norm(x, float(k), float(scale), eps)  # type: ignore[arg-type]
     lean = _lean_shape(x, normalized_shape, eps)
-    if lean is not None and _finite_number(k) and _finite_number(scale):
-        if _takes_node(x, lean):  # type: ignore[arg-type]
-            return torch_ops.ada_norm(x, float(k), float(scale), eps)  # type: ignore[arg-type]
+    if lean is not None and numbers:
         kernels = cpu_kernels("ada_norm")
         z = ada_norm_rows_eager(_rows(x, lean), float(k), float(scale), eps, kernels)  # type: ignore[arg-type]
         return _unrows(z, x, lean)  # type: ignore[arg-type]

@@ -122,29 +122,6 @@ def layer_norm(
     return _unrows(y, x, shape)
 
 
-def _layer_norm_node(
-    x: Tensor,
-    normalized_shape: tuple[int, ...],
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    detach_mean: bool,
-    detach_std: bool,
-) -> Tensor | None:
-    """:func:`layer_norm` by the C++ operator where it takes the call (:func:`_takes_node`), else
-    ``None``: what :class:`layernorm.LayerNorm` runs first in bfloat16 and float16 with gradients
-    and for DetachNorm. The operator's node alone against ``torch.nn.LayerNorm``, forward +
-    backward, AMD EPYC Zen 5, one thread: bfloat16 (1, 768) 0.99, (64, 768) 0.70, where the
-    module's route to torch's float32 kernel on converted rows took 1.61 and 1.13; float32
-    (1, 768) 0.99, (64, 768) 0.85, but the module's calls by this function 1.24-1.29 at
-    (1 | 8, 768) and 1.05-1.23 at (64, 768) against 1.02-1.03 by torch's kernel
-    (``bench_norms_cpu.py``, RESULTS.md 2026-11-28): the checks' microseconds, and one thread
-    where torch's kernel takes two."""
-    if _takes_node(x, normalized_shape, eps, weight, bias):
-        return torch_ops.layer_norm(x, weight, bias, eps, detach_mean, detach_std)
-    return None
-
-
 def rms_norm(
     x: Tensor,
     normalized_shape: ShapeLike,

@@ -245,21 +245,19 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
         # backward) and for half x (torch's route is its float32 kernel on converted rows, five
         # autograd nodes, 1.5-1.7x torch.nn.LayerNorm's time at (1 | 8, 768) where the node took
         # 1.2-1.3); float32 keeps torch's kernel, whose call costs less from here
+        dm, ds = self.detach_mean, self.detach_std
         if (
             type(x) is Tensor
             and needs_grad(x, weight, bias)  # first: a forward without gradients pays no more
-            and (self.detach_mean or self.detach_std or x.dtype in HALF_DTYPES)
+            and (dm or ds or x.dtype in HALF_DTYPES)
+            and F._takes_node(x, shape, eps, weight, bias)
         ):
-            dm, ds = self.detach_mean, self.detach_std
-            y = F._layer_norm_node(x, shape, weight, bias, eps, dm, ds)  # type: ignore[arg-type]
-            if y is not None:
-                return y
-        y = torch_layer_norm(x, shape, weight, bias, eps, self.detach_mean or self.detach_std)
+            return torch_ops.layer_norm(x, weight, bias, eps, dm, ds)  # type: ignore[arg-type]
+        y = torch_layer_norm(x, shape, weight, bias, eps, dm or ds)
         if y is not None:
             return y
         return F.layer_norm(
-            x, shape, weight, bias, eps,  # type: ignore[arg-type]
-            detach_mean=self.detach_mean, detach_std=self.detach_std,
+            x, shape, weight, bias, eps, detach_mean=dm, detach_std=ds,  # type: ignore[arg-type]
         )  # fmt: skip
 
     def extra_repr(self) -> str:

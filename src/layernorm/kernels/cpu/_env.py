@@ -23,3 +23,9 @@ def off_switch(name: str, environ: MutableMapping[str, str] = os.environ) -> Cal
         get, key, off = store.get, encode_key(name), encode_value("0")
         return lambda: get(key) == off
     return lambda: environ.get(name) == "0"
+
+
+#: The switch of every fused C kernel, the norms' and the recurrent layers': ``"0"`` runs
+#: PyTorch's ops instead. Read on every call, so that a process can turn it off and on.
+COMPILE_SWITCH = "LAYERNORM_CPU_COMPILE"
+compile_switched_off = off_switch(COMPILE_SWITCH)

@@ -22,10 +22,9 @@ import torch
 from torch import Tensor
 
 from . import abi, buffers, cache, cbuild, targets
-from ._env import off_switch
+from ._env import COMPILE_SWITCH, compile_switched_off
 
-ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
-_switched_off = off_switch(ENV_SWITCH)  # read on every call
+ENV_SWITCH = COMPILE_SWITCH
 ENV_CACHE = cbuild.ENV_CACHE
 # Below this many elements one thread does the whole op: waking the pool costs more than it saves.
 # Forward + backward of float32 and bfloat16 layer norm with two threads, grains alternated in one
@@ -93,7 +92,7 @@ def _library() -> KernelTable | None:
 
 def enabled() -> bool:
     """True when the fused kernels are switched on (``LAYERNORM_CPU_COMPILE`` != 0) and built."""
-    return not _switched_off() and _library() is not None
+    return not compile_switched_off() and _library() is not None
 
 
 def supports(x: Tensor, *params: Tensor | None, same: tuple[Tensor, ...] = ()) -> bool:

@@ -27,10 +27,9 @@ import torch
 from torch import Tensor
 
 from . import buffers, cache, cbuild, rnn_abi, targets
-from ._env import off_switch
+from ._env import COMPILE_SWITCH, compile_switched_off
 
-ENV_SWITCH = "LAYERNORM_CPU_COMPILE"
-_switched_off = off_switch(ENV_SWITCH)  # read on every call
+ENV_SWITCH = COMPILE_SWITCH
 #: The translation units (headers are found next to them).
 SOURCES = (rnn_abi.CSRC_DIR / "rnn_step.c", rnn_abi.CSRC_DIR / "rnn_seq.c")
 # On top of the shared flags: no errno and no FP traps, which changes no result but lets the gate
@@ -283,7 +282,7 @@ def available(x: Tensor) -> bool:
     """Whether the kernels run on ``x``: a CPU float32/float64 tensor, switch on, library built."""
     if x.dtype not in rnn_abi.RNN_INSTANCES or not x.is_cpu:
         return False
-    return not _switched_off() and _library() is not None
+    return not compile_switched_off() and _library() is not None
 
 
 def vector_bytes() -> int:

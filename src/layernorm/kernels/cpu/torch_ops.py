@@ -52,7 +52,8 @@ KERNELS = ("ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd", "ada_fwd", "ada_bwd")
 #: at once.
 TRAINING_MAX_BYTES = 2 << 20
 
-_state: dict[str, object] = {}  # "loaded": bool once tried; "target": the kernels' target
+# "loaded": bool once tried; "target": the kernels' target; "config": (grain, streaming bytes)
+_state: dict[str, object] = {}
 #: LAYERNORM_CPU_TORCH_OPS, read once at import (an environment read costs half a microsecond, a
 #: tenth of a small call's Python); :func:`switched` changes it in-process.
 _switch = {"on": os.environ.get(ENV_SWITCH, "1") != "0"}

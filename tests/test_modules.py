@@ -205,6 +205,39 @@ class _Doubled(torch.nn.Module):
         return 2 * w
 
 
+@pytest.mark.parametrize("cls", [layernorm.LayerNorm, layernorm.RMSNorm, layernorm.AdaNorm])
+def test_modules_read_gains_however_they_are_held(cls):
+    """The modules read their gain and bias from _parameters where registered (the fast read),
+    and otherwise as attributes: a parametrized gain, one swapped in by
+    ``torch.func.functional_call``, one replaced after construction, and one removed."""
+    kw = {"elementwise_affine": True} if cls is layernorm.AdaNorm else {}
+    m = cls(9, dtype=torch.float64, **kw)
+    _randomize(m)
+    x = make_x((4, 9), torch.float64)
+
+    def twin(weight, bias):  # the same module with these tensors as plain parameters
+        t = cls(9, dtype=torch.float64, **kw)
+        with torch.no_grad():
+            t.weight.copy_(weight)
+            if bias is not None:
+                t.bias.copy_(bias)
+        return t(x)
+
+    bias = getattr(m, "bias", None)
+    gain = torch.linspace(0.5, 2.0, 9, dtype=torch.float64)
+    swapped = {"weight": gain} if bias is None else {"weight": gain, "bias": bias + 1}
+    got = torch.func.functional_call(m, swapped, (x,))
+    torch.testing.assert_close(got, twin(gain, None if bias is None else bias + 1))
+    m.weight = torch.nn.Parameter(gain.clone())
+    torch.testing.assert_close(m(x), twin(gain, bias))
+    torch.nn.utils.parametrize.register_parametrization(m, "weight", _Doubled())
+    torch.testing.assert_close(m(x), twin(2 * gain, bias))
+    plain = cls(9, dtype=torch.float64, **kw)
+    del plain.weight  # a gain removed: the attribute error torch gives, not None
+    with pytest.raises(AttributeError, match="weight"):
+        plain(x)
+
+
 def test_modules_deepcopy_and_train_eval_same_output():
     """Layer norm uses the same computation at training and test time (no running statistics)."""
     for m in (layernorm.LayerNorm(8), layernorm.RMSNorm(8), layernorm.AdaNorm(8)):

@@ -57,7 +57,8 @@ _state: dict[str, object] = {}
 #: LAYERNORM_CPU_TORCH_OPS, read once at import (an environment read costs half a microsecond, a
 #: tenth of a small call's Python); :func:`switched` changes it in-process.
 _switch = {"on": os.environ.get(ENV_SWITCH, "1") != "0"}
-# the operators' overloads, once loaded (an attribute chain of torch.ops costs a call's µs)
+# the operators' overloads' callables, once loaded (an attribute chain of torch.ops costs a
+# call's µs)
 _ops: dict[str, Callable[..., Tensor]] = {}
 
 
@@ -81,7 +82,9 @@ def _load() -> bool:
             cache.load_library(build)
             namespace = torch.ops.layernorm_cpu
             for name in ("layer_norm", "rms_norm", "ada_norm"):
-                _ops[name] = getattr(namespace, name).default
+                # the overload's C++ callable: OpOverload.__call__ is a Python frame around it
+                overload = getattr(namespace, name).default
+                _ops[name] = getattr(overload, "_op", overload)
             loaded = True
         except Exception as err:  # the Python path is always there
             warnings.warn(

@@ -17,10 +17,10 @@
 // Python reference instead, through the operator layernorm::norm_reference_grads, which Python
 // registers (layernorm/ops/_reference_grads.py): the reference stays defined once, in Python.
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/BFloat16.h>
@@ -29,10 +29,10 @@
 #include <torch/library.h>
 
 #include <array>
-#include <vector>
 #include <cmath>
 #include <optional>
 #include <string>
+#include <vector>
 
 extern "C" {
 #define _Static_assert static_assert

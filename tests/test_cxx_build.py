@@ -92,6 +92,11 @@ def test_errors_reach_python_tells_a_raise_from_a_crash():
     assert crash is not None and "SIGABRT" in crash and "killed the process" in crash
     silent = cbuild.errors_reach_python("pass", library)
     assert silent is not None and "raised no RuntimeError" in silent
+    # a signal without a name in the signal module (a real-time one) is named by its number
+    unnamed = cbuild.errors_reach_python(
+        "import os, signal; os.kill(os.getpid(), signal.SIGRTMIN + 1)", library
+    )
+    assert unnamed is not None and "killed the process (signal " in unnamed
 
 
 def test_errors_unchecked_without_a_child_python(monkeypatch, tmp_path):

@@ -332,7 +332,10 @@ def errors_reach_python(probe: str, library: Path) -> str | None:
     if proc.returncode == 0:
         return None
     if proc.returncode < 0:
-        name = signal.Signals(-proc.returncode).name
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:  # a signal without a name (a real-time one)
+            name = f"signal {-proc.returncode}"
         return (
             f"an error raised in it killed the process ({name}) instead of reaching Python: "
             "its C++ exceptions do not unwind through PyTorch's libraries"

@@ -111,7 +111,8 @@ run_host() {
     local workers=()
     "$py" -c 'import xdist' 2>/dev/null && workers=(-n "${HOST_WORKERS:-8}")
     "$py" -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_cpu_isa.py \
-        tests/test_torch_ops.py tests/test_cxx_build.py tests/test_cpu_fast_paths.py tests/test_half_kernels.py tests/test_recurrent_cseq.py \
+        tests/test_torch_ops.py tests/test_cxx_build.py tests/test_cpu_fast_paths.py \
+        tests/test_half_kernels.py tests/test_recurrent_cseq.py \
         tests/test_recurrent_inference.py tests/test_rnn_kernel_abi.py \
         tests/test_kernel_accuracy.py 2>&1 | tee "$out/host_tests.log"
 }

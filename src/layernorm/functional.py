@@ -206,14 +206,17 @@ def _lean_shape(
     return shape
 
 
-def _takes_node(x: object, normalized_shape: ShapeLike, eps: object, *params: object) -> bool:
+def _takes_node(
+    x: object, normalized_shape: ShapeLike, eps: object, *params: object, grad: bool | None = None
+) -> bool:
     """Whether a call runs the C++ operator of :mod:`layernorm.kernels.cpu.torch_ops` on ``x`` as
     it is (its autograd node is C++, where the lean path's rows run an autograd.Function), checked
     in one pass, the first thing a lean call does: a :func:`lean_input` ``x`` whose last
     dimension is the one normalized size (an int, or a tuple, list or ``torch.Size`` of one),
     each param ``None`` or a plain tensor (or Parameter) of that size, and the operators' own
     :func:`~layernorm.kernels.cpu.torch_ops.takes` (the params' device, dtype and layout, x's
-    size and layout)."""
+    size and layout). ``grad``: whether autograd records the call, where the caller has found it
+    (:func:`needs_grad` of ``x`` and the params otherwise)."""
     n = normalized_shape
     if type(n) in _ONE_SIZE_SEQUENCES and len(n) == 1:  # type: ignore[arg-type]
         n = n[0]  # type: ignore[index]
@@ -224,7 +227,9 @@ def _takes_node(x: object, normalized_shape: ShapeLike, eps: object, *params: ob
     for p in params:
         if p is not None and (type(p) not in _PLAIN_TENSORS or p.shape != (n,)):  # type: ignore[attr-defined]
             return False
-    return torch_ops.takes(x, needs_grad(x, *params), *params)  # type: ignore[arg-type]
+    if grad is None:
+        grad = needs_grad(x, *params)  # type: ignore[arg-type]
+    return torch_ops.takes(x, grad, *params)  # type: ignore[arg-type]
 
 
 # The sequence types a one-size normalized shape comes in (anything else takes as_shape's path).

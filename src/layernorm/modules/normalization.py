@@ -144,22 +144,16 @@ def _check_offset(offset: object, affine: bool, owner: str) -> float:
     return value
 
 
-# what _parameters.get gives for a name not registered there (see _registered)
+# what _parameters.get gives for a name not registered there (see _affine)
 _ABSENT = object()
 
 
-def _registered(module: nn.Module, name: str) -> Any:
-    """``getattr(module, name)`` for a parameter, read from ``module._parameters`` where it is
+def _affine(module: nn.Module) -> tuple[Any, Any]:
+    """``(module.weight, module.bias)``, read from ``module._parameters`` where they are
     registered there: ``nn.Module.__getattr__`` costs 0.3-1 µs an attribute, a tenth of a
     per-token norm's Python (Intel Xeon, 2026-11-28). A parametrization (or the old
-    ``weight_norm`` hook) moves the tensor out of ``_parameters``; it is then read as an
-    attribute, as torch reads it."""
-    value = module._parameters.get(name, _ABSENT)
-    return getattr(module, name) if value is _ABSENT else value
-
-
-def _affine(module: nn.Module) -> tuple[Any, Any]:
-    """``(module.weight, module.bias)`` as :func:`_registered` reads them."""
+    ``weight_norm`` hook) moves the tensor out of ``_parameters``, and a module without a bias
+    (``RMSNorm``) has it as a class attribute: those are read as attributes, as torch reads them."""
     params = module._parameters
     weight, bias = params.get("weight", _ABSENT), params.get("bias", _ABSENT)
     if weight is _ABSENT:
@@ -272,7 +266,7 @@ class LayerNorm(NotScriptable, nn.LayerNorm):
             type(x) is Tensor
             and needs_grad(x, weight, bias)  # first: a forward without gradients pays no more
             and (dm or ds or x.dtype in HALF_DTYPES)
-            and F._takes_node(x, shape, eps, weight, bias)
+            and F._takes_node(x, shape, eps, weight, bias, grad=True)
         ):
             return torch_ops.layer_norm(x, weight, bias, eps, dm, ds)  # type: ignore[arg-type]
         y = torch_layer_norm(x, shape, weight, bias, eps, dm or ds)
@@ -357,7 +351,7 @@ class RMSNorm(NotScriptable, nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         shape, eps = self.normalized_shape, self.eps
-        weight = _registered(self, "weight")
+        weight, _ = _affine(self)
         if self.gain_offset:
             weight = _gain(weight, self.gain_offset)
         if eps is None and type(x) is Tensor:

@@ -6,6 +6,7 @@ pointer, both in Python (every tensor of a struct) and in C (a step's rows again
 from __future__ import annotations
 
 import ctypes
+import math
 
 import pytest
 import torch
@@ -656,13 +657,143 @@ def test_the_fast_packing_fills_every_field_as_the_checked_one(struct, dtype) ->
     }
     values = _good_values(struct, sizes, dtype)
     plan = rnn_abi._fast_plan(struct, dtype, rnn_abi._sizes_key(sizes))
-    assert rnn_abi._fast_fields(plan, values) is not None  # the fast test takes them
+    assert (
+        rnn_abi._fast_fields(plan, values, [None] * len(plan)) is not None
+    )  # the fast test takes them
     fast = rnn_abi.pack(struct, dtype, values, sizes)
     slow = rnn_abi.structure(struct, dtype)()
     rnn_abi._checked(struct, dtype, values, sizes, slow)
     for f in struct.fields:
         assert getattr(fast, f.name) == getattr(slow, f.name), f.name
     assert bytes(fast) == bytes(slow)
+
+
+_ALL_SIZES = {"N": 6, "B": 2, "H": 3, "G": 12, "S": 3, "I": 5, "R": 6, "X": 6, "D": 6, "M": 4,
+              "K": 5, "C": 5}  # fmt: skip
+
+
+def _bound_case(struct, dtype):
+    """A BoundStruct of ``struct`` with its numbers and every third tensor fixed, every other
+    third tensor (not steps) a block of one region buffer, the rest the call's; the values of
+    a call, and the same call as plain values (the blocks as views of the buffer)."""
+    values = _good_values(struct, _ALL_SIZES, dtype)
+    pointers = [f for f in struct.layout() if f.is_pointer]
+    fixed = {f.name: values[f.name] for f in struct.fields
+             if not f.is_pointer and f.kind is not rnn_abi.Kind.SIZE}  # fmt: skip
+    fixed.update({f.name: values[f.name] for f in pointers[0::3]})
+    blocks, offset = {}, 1  # one element of the buffer before the first block: offsets count
+    for f in pointers[1::3]:
+        if f.kind is rnn_abi.Kind.STEPS:
+            continue
+        shape = tuple(rnn_abi.size_of(t, _ALL_SIZES) for t in f.shape)
+        blocks[f.name] = (offset, shape)
+        offset += math.prod(shape)
+    region = rnn_abi.Region(offset + 2, blocks)
+    bound = rnn_abi.BoundStruct(struct, dtype, _ALL_SIZES, fixed, {"buffer": region})
+    buffer = torch.randn(region.numel, dtype=torch.float64).to(dtype)
+    call = {n: v for n, v in values.items() if n not in fixed and n not in blocks}
+    call["buffer"] = buffer
+    plain = dict(values)
+    for name, (off, shape) in blocks.items():
+        plain[name] = buffer[off : off + math.prod(shape)].view(shape)
+    return bound, call, plain
+
+
+@pytest.mark.parametrize("struct", rnn_abi.STRUCTS, ids=lambda s: s.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_bound_struct_packs_every_field_as_pack(struct, dtype) -> None:
+    """Fixed fields, blocks of a region buffer and the call's own: the same bytes as ``pack``
+    of the same values (the blocks' addresses are those of views of the buffer)."""
+    bound, call, plain = _bound_case(struct, dtype)
+    fast = bound.pack(call)
+    assert bytes(fast) == bytes(rnn_abi.pack(struct, dtype, plain, _ALL_SIZES))
+
+
+def test_a_bound_struct_packs_what_only_the_checks_take() -> None:
+    """A call's value the fast test refuses and the checks take (an int of a subclass) packs
+    through the checks, blocks and all: the same bytes."""
+    bound, call, plain = _bound_case(rnn_abi.LSTM_FWD, torch.float32)
+    fixed = {n: v for n, v in bound._fixed.items() if n != "threads"}
+    loose = rnn_abi.BoundStruct(rnn_abi.LSTM_FWD, torch.float32, _ALL_SIZES, fixed,
+                                bound._region_defs)  # fmt: skip
+
+    class Count(int):
+        pass
+
+    want = bytes(rnn_abi.pack(rnn_abi.LSTM_FWD, torch.float32, plain, _ALL_SIZES))
+    assert bytes(loose.pack({**call, "threads": plain["threads"]})) == want
+    assert bytes(loose.pack({**call, "threads": Count(plain["threads"])})) == want
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ("base dtype", TypeError, "buffer must have dtype torch.float32"),
+        ("base size", ValueError, "buffer must be a contiguous buffer of"),
+        ("base layout", ValueError, "buffer must be a contiguous buffer of"),
+        ("base missing", TypeError, "buffer must be a torch.Tensor, got NoneType"),
+        ("call tensor shape", ValueError, r"must have shape \("),
+        ("call tensor missing", TypeError, "must be a torch.Tensor, got NoneType"),
+    ],
+)
+def test_a_bound_struct_refuses_a_bad_call(change, error, message) -> None:
+    """Each call's region buffer and own fields are checked, with the errors ``pack`` gives."""
+    bound, call, _ = _bound_case(rnn_abi.LSTM_FWD, torch.float32)
+    buffer = call["buffer"]
+    own = next(n for n, v in call.items() if isinstance(v, torch.Tensor) and n != "buffer"
+               and not rnn_abi.LSTM_FWD.field(n).optional)  # fmt: skip
+    if change == "base dtype":
+        call["buffer"] = buffer.double()
+    elif change == "base size":
+        call["buffer"] = torch.zeros(buffer.numel() + 1)
+    elif change == "base layout":
+        call["buffer"] = torch.zeros(2 * buffer.numel())[::2]
+    elif change == "base missing":
+        del call["buffer"]
+    elif change == "call tensor shape":
+        call[own] = torch.zeros(1)
+    else:
+        del call[own]
+    with pytest.raises(error, match=message):
+        bound.pack(call)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ("fixed eps", ValueError, "eps must be finite and >= 0"),
+        ("fixed tensor", ValueError, r"w1 must have shape \(4H\)"),
+        ("unknown field", ValueError, r"no fields \['nonsense'\]"),
+        ("block shape", ValueError, "hp must have shape"),
+        ("block outside", ValueError, "hp must have shape"),
+        ("block of steps", ValueError, "not a tensor field"),
+        ("size", ValueError, "size B must be an int >= 0"),
+    ],
+)
+def test_a_bound_struct_refuses_a_bad_plan(change, error, message) -> None:
+    """What a BoundStruct fixes is checked once, when it is made."""
+    sizes = {"N": 6, "B": 2, "H": 3, "G": 12, "R": 6, "X": 6}
+    fixed: dict[str, object] = {"eps": 1e-5, "off": 0, "rows": 0, "threads": 1, "layer_norm": 1,
+                                "normalize_cell_state": 0, "w1": torch.ones(12)}  # fmt: skip
+    struct, blocks = rnn_abi.LSTM_FWD, {"hp": (0, (6, 12))}
+    if change == "fixed eps":
+        fixed["eps"] = float("nan")
+    elif change == "fixed tensor":
+        fixed["w1"] = torch.ones(3)
+    elif change == "unknown field":
+        fixed["nonsense"] = 1
+    elif change == "block shape":
+        blocks = {"hp": (0, (6, 3))}
+    elif change == "block outside":
+        blocks = {"hp": (1, (6, 12))}
+    elif change == "block of steps":
+        struct, blocks, fixed = rnn_abi.SEQ_FWD, {"steps": (0, (3, 2))}, {}
+        sizes = {**sizes, "S": 3, "I": 0}
+    else:
+        sizes["B"] = -1
+    with pytest.raises(error, match=message):
+        rnn_abi.BoundStruct(struct, torch.float32, sizes, fixed, {"kept": rnn_abi.Region(72,
+                            blocks)})  # fmt: skip
 
 
 @pytest.mark.parametrize("size", [2.0, "2", -2])

@@ -7,9 +7,10 @@ a few hundred microseconds of Python, a tenth of a small training call ((T, B, I
 (50, 8, 64, 128), one thread: the kernels take about 3 ms, as long as all of ``torch.nn.LSTM``'s
 call). In the layers' usual configuration (layer norms, every step a full batch, no mask or
 projection, the C sequence kernels) all of that depends only on the call's signature, so
-:class:`TrainingPlan` keeps it per signature: a call then takes the kept buffers as views of
-one buffer of the cache, packs the structs from dicts whose constant fields are filled in, and
-its backward follows one straight path. The kernels, their arguments and so the results are the
+:class:`TrainingPlan` keeps it per signature: the four argument structs with their fixed fields
+packed and checked once (:class:`.rnn_abi.BoundStruct`), the kept buffers (and the backward's)
+as blocks of one buffer of the cache that the structs point into without a view of each, and
+one straight path for the backward. The kernels, their arguments and so the results are the
 fused path's, bit for bit (``tests/test_recurrent_planned.py`` compares them).
 
 A plan holds no tensor of a call (the schedule's steps and the default gains aside): each call
@@ -54,19 +55,21 @@ _ONE_BUFFER_BYTES = 8 << 20
 
 class TrainingPlan(NamedTuple):
     """What a training call of one signature decides: where the input projection runs, the
-    buffers' layout, the structs' constant fields and sizes, the schedule's steps."""
+    buffers' layout, the kernels' argument structs with their fixed fields packed and checked
+    (:class:`.rnn_abi.BoundStruct`), the default gains."""
 
     in_loop: bool  # the forward kernel projects the inputs in its time loop (see _fused)
     reverse: bool  # the direction runs backward in time
     kept: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, offset, shape) in one buffer
     kept_numel: int
+    kept_whole: bool  # the kept buffers are blocks of one buffer (see _ONE_BUFFER_BYTES)
     scratch: tuple[tuple[str, int, tuple[int, ...]], ...]
     scratch_numel: int
-    forward: dict[str, Any]  # LSTM_FWD's fields that do not change from call to call
-    backward: dict[str, Any]  # LSTM_BWD's
-    steps: Tensor  # the sequence structs' (first row, rows) of each step
-    half_gemm: int  # and their bfloat16 products (_cstep._half_gemm)
-    sizes: dict[str, int]  # the step structs' sizes
+    scratch_whole: bool
+    forward: rnn_abi.BoundStruct  # LSTM_FWD
+    forward_sequence: rnn_abi.BoundStruct  # SEQ_FWD
+    backward: rnn_abi.BoundStruct  # LSTM_BWD
+    backward_sequence: rnn_abi.BoundStruct  # SEQ_BWD
     defaults: dict[str, Tensor]  # ones and zeros for the gains and biases a layer lacks
 
 
@@ -86,29 +89,35 @@ def _layout(
     return tuple(out), offset
 
 
-def _views(
-    like: Tensor, layout: tuple[tuple[str, int, tuple[int, ...]], ...], numel: int
-) -> dict[str, Tensor]:
-    """The buffers of ``layout``: views of one buffer of the cache up to :data:`_ONE_BUFFER_BYTES`,
-    else each a buffer of its own (see there)."""
-    if numel * like.element_size() > _ONE_BUFFER_BYTES:
-        return {name: _buffers.empty(like, shape) for name, _, shape in layout}
-    flat = _buffers.empty(like, (numel,))
-    return {
-        name: flat.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), offset)
-        for name, offset, shape in layout
-    }
+def _region(layout: tuple[tuple[str, int, tuple[int, ...]], ...], numel: int) -> rnn_abi.Region:
+    return rnn_abi.Region(numel, {name: (offset, shape) for name, offset, shape in layout})
 
 
-def _sequence_struct(
-    kernel: str, plan: TrainingPlan, w_hh: Tensor, options: dict[str, Tensor | None] | None
-) -> Any:
-    """The checked sequence struct of ``kernel`` (:func:`.rnn.pack_sequence`, as
-    :func:`._cstep._sequence` packs it) with the plan's steps and this call's threads."""
-    return rnn.pack_sequence(
-        kernel, w_hh.dtype, w_hh, plan.steps, plan.sizes, torch.get_num_threads(),
-        _cstep._SEQ_GRAIN, _cstep._SEQ_GEMM_GRAIN, options, half_gemm=plan.half_gemm,
-    )  # fmt: skip
+def _buffers_of(
+    like: Tensor, name: str, layout: tuple[tuple[str, int, tuple[int, ...]], ...], numel: int,
+    whole: bool,
+) -> dict[str, Tensor]:  # fmt: skip
+    """A call's buffers of ``layout``: one buffer of the cache under ``name`` where ``whole``
+    (the structs point at its blocks, no view is made), else each a buffer of its own (see
+    :data:`_ONE_BUFFER_BYTES`)."""
+    if whole:
+        return {name: _buffers.empty(like, (numel,))}
+    return {block: _buffers.empty(like, shape) for block, _, shape in layout}
+
+
+def _block(
+    buffers: dict[str, Tensor],
+    whole: str,
+    layout: tuple[tuple[str, int, tuple[int, ...]], ...],
+    name: str,
+) -> Tensor:
+    """Block ``name`` of a call's buffers (:func:`_buffers_of`, ``whole`` the one buffer's
+    name) as a tensor."""
+    buffer = buffers.get(whole)
+    if buffer is None:
+        return buffers[name]
+    offset, shape = next((o, s) for block, o, s in layout if block == name)
+    return buffer.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), offset)
 
 
 def _build(
@@ -116,23 +125,49 @@ def _build(
     half: int,
 ) -> TrainingPlan:  # fmt: skip
     """The plan of a signature (see :func:`lstm_training` for what it is keyed on)."""
-    n_rows, (batch, hs), gates = x.shape[0], h0.shape, w_hh.shape[0]
+    (n_rows, inputs), (batch, hs), gates = x.shape, h0.shape, w_hh.shape[0]
+    dtype, itemsize = x.dtype, x.element_size()
     sizes = {"N": n_rows, "B": batch, "H": hs, "G": gates, "R": n_rows, "X": n_rows, "D": n_rows}
     sched = _fused.make_schedule([batch] * n_steps, reverse)
     kept_spec = _KEPT + ((("gx", "G"),) if in_loop else ())
     kept, kept_numel = _layout(kept_spec, sizes)
     scratch, scratch_numel = _layout(_SCRATCH, sizes)
-    step = {**sizes, **_cstep.UNSET_STEP, "eps": eps, "layer_norm": 1, "normalize_cell_state": 0,
-            "zh": None, "zc": None, "cm": None}  # fmt: skip
+    kept_whole = kept_numel * itemsize <= _ONE_BUFFER_BYTES
+    scratch_whole = scratch_numel * itemsize <= _ONE_BUFFER_BYTES
+    step = {**_cstep.UNSET_STEP, "layer_norm": 1, "normalize_cell_state": 0, "zh": None,
+            "zc": None, "cm": None}  # fmt: skip
+    kept_region = {"kept": _region(kept, kept_numel)} if kept_whole else {}
+    scratch_region = {"scratch": _region(scratch, scratch_numel)} if scratch_whole else {}
     # the C backward takes c_{t−1} from cn of the step before, c0 for the first (every step a
     # full batch, the carried state c_t itself: _fused._keep_previous)
-    forward = {**step, "hprev": None, "cprev": None}
-    backward = {**step, "cprev": None, "reverse": int(reverse)}
+    forward = rnn_abi.BoundStruct(
+        rnn_abi.LSTM_FWD,
+        dtype,
+        sizes,
+        {**step, "eps": eps, "hprev": None, "cprev": None},
+        kept_region,
+    )
+    backward = rnn_abi.BoundStruct(
+        rnn_abi.LSTM_BWD, dtype, sizes, {**step, "cprev": None, "reverse": int(reverse)},
+        {**kept_region, **scratch_region},
+    )  # fmt: skip
+    # the sequence structs as :func:`._cstep._sequence` packs them (rnn.pack_sequence), with
+    # this call's threads and, in the loop, the input projection's operands
+    seq_sizes = {**sizes, "S": n_steps, "I": inputs if in_loop else 0}
+    seq = {"steps": _cstep._steps(sched), "grain": _cstep._SEQ_GRAIN,
+           "gemm_grain": _cstep._SEQ_GEMM_GRAIN, "half_gemm": half}  # fmt: skip
+    projection = {} if in_loop else {"x": None, "w_ih": None}
+    forward_sequence = rnn_abi.BoundStruct(
+        rnn_abi.SEQ_FWD, dtype, seq_sizes,
+        {**seq, **projection, "split": gates, "w0": None, "b0": None},
+    )  # fmt: skip
+    backward_sequence = rnn_abi.BoundStruct(rnn_abi.SEQ_BWD, dtype, seq_sizes, seq)
     # the step kernels' (w1, b1, w3, b3) and, as LSTMSequence has them, LN(gx)'s
     defaults = {**_cstep.default_params("lstm", x, hs), "w0": x.new_ones(gates),
                 "b0": x.new_zeros(gates)}  # fmt: skip
-    return TrainingPlan(in_loop, reverse, kept, kept_numel, scratch, scratch_numel, forward,
-                        backward, _cstep._steps(sched), half, sizes, defaults)  # fmt: skip
+    return TrainingPlan(in_loop, reverse, kept, kept_numel, kept_whole, scratch, scratch_numel,
+                        scratch_whole, forward, forward_sequence, backward, backward_sequence,
+                        defaults)  # fmt: skip
 
 
 def lstm_training(
@@ -173,7 +208,8 @@ def lstm_training(
     n_batch = h0.shape[0]
     in_loop = _fused.projects_in_training_loop(data, w_ih, n_batch)
     half = _cstep._half_gemm() if data.dtype is torch.float32 else 0
-    key = (data.shape, data.dtype, h0.shape, w_hh.shape, len(sizes), reverse, eps, in_loop, half)
+    key = (data.shape, data.dtype, h0.shape, w_hh.shape, len(sizes), reverse, eps, in_loop, half,
+           _ONE_BUFFER_BYTES)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _build(data, h0, w_hh, len(sizes), reverse, eps, in_loop, half)
@@ -213,27 +249,28 @@ class PlannedLSTMSequence(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor]:
         _fused._check_untraced("PlannedLSTMSequence")
         x, w_hh, w_ih = x.contiguous(), w_hh.contiguous(), w_ih.contiguous()
-        dtype, defaults = x.dtype, plan.defaults
-        kept = _views(x, plan.kept, plan.kept_numel)
-        gx = kept["gx"] if plan.in_loop else _fused._projected(x, w_ih).contiguous()
+        defaults = plan.defaults
+        kept = _buffers_of(x, "kept", plan.kept, plan.kept_numel, plan.kept_whole)
+        # gx: the raw projection, kept for backward (a block of the kept buffers in the loop)
+        gx = None if plan.in_loop else _fused._projected(x, w_ih).contiguous()
+        if plan.in_loop and not plan.kept_whole:
+            gx = kept["gx"]
         b0 = _fused.fold_input_bias(b0, None if b_ih is None else (b_ih, b_hh))
         h0, c0 = h0.contiguous(), c0.contiguous()
-        out, previous = _fused._output_and_previous(gx, h0, plan.reverse)
+        out, previous = _fused._output_and_previous(x, h0, plan.reverse)
         h, c = h0.clone(), c0.clone()
         given = {"w1": w1, "b1": b1, "w3": w3, "b3": b3, "w0": w0, "b0": b0}
         params = {name: defaults[name] if t is None else t for name, t in given.items()}
-        args = rnn.prepare(
-            rnn_abi.LSTM_FWD, dtype,
-            {**plan.forward, **kept, **params, "gx": gx, "h": h, "c": c, "out": out},
-            plan.sizes,
-        )  # fmt: skip
-        projection = {"x": x, "w_ih": w_ih} if plan.in_loop else None
-        seq_args = _sequence_struct("lstm_fwd_seq", plan, w_hh, projection)
-        rnn.run_sequence("lstm_fwd_seq", dtype, args, seq_args)
+        args = plan.forward.pack({**kept, **params, "gx": gx, "h": h, "c": c, "out": out})
+        seq = {"w": w_hh, "threads": max(1, torch.get_num_threads())}
+        if plan.in_loop:
+            seq.update(x=x, w_ih=w_ih)
+        seq_args = plan.forward_sequence.pack(seq)
+        rnn.run_sequence("lstm_fwd_seq", x.dtype, args, seq_args)
         ctx.plan = plan
         ctx.save_for_backward(
             x, c0, w_hh, w_ih, params["w1"], params["w3"], params["w0"], out, previous, gx,
-            *(kept[name] for name, _ in _KEPT),
+            *kept.values(),
         )  # fmt: skip
         return out, h, c
 
@@ -244,10 +281,11 @@ class PlannedLSTMSequence(torch.autograd.Function):
         # the output is saved for autograd's check that nothing wrote it since (previous is its
         # memory, read here)
         x, c0, w_hh, w_ih, w1, w3, w0, _out, previous, gx, *kept_list = ctx.saved_tensors
-        kept = dict(zip((name for name, _ in _KEPT), kept_list, strict=True))
+        names = ("kept",) if plan.kept_whole else (name for name, _, _ in plan.kept)
+        kept = dict(zip(names, kept_list, strict=True))
         need = ctx.needs_input_grad
         dtype, (n_rows, inputs), gates, hs = x.dtype, x.shape, w_hh.shape[0], w_hh.shape[1]
-        scratch = _views(x, plan.scratch, plan.scratch_numel)
+        scratch = _buffers_of(x, "scratch", plan.scratch, plan.scratch_numel, plan.scratch_whole)
         # every tensor the structs point at is held by a local until the kernel returns
         dout, dh, dc = (
             _fused._contiguous(dout),
@@ -260,26 +298,29 @@ class PlannedLSTMSequence(torch.autograd.Function):
             sums = x.new_empty(4 * gates + 2 * hs).split((2 * gates, 2 * hs, 2 * gates))
         x_in_loop = plan.in_loop and need[0]
         dx = _buffers.empty(x, (n_rows, inputs)) if x_in_loop else None
-        args = rnn.prepare(
-            rnn_abi.LSTM_BWD, dtype,
-            {**plan.backward, **kept, **scratch, "dout": dout, "dh": dh,
-             "dc": dc, "w1": w1, "w3": w3, "c0": c0, "gx": gx, "w0": w0},
-            plan.sizes,
-        )  # fmt: skip
-        options: dict[str, Tensor | None] = {"w_ih": w_ih, "dx": dx} if x_in_loop else {}
+        values = {**kept, **scratch, "dout": dout, "dh": dh, "dc": dc, "w1": w1, "w3": w3,
+                  "c0": c0, "w0": w0}  # fmt: skip
+        if gx is not None:
+            values["gx"] = gx
+        args = plan.backward.pack(values)
+        seq: dict[str, Any] = {"w": w_hh, "threads": max(1, torch.get_num_threads())}
+        if x_in_loop:
+            seq.update(w_ih=w_ih, dx=dx)
         if sums is not None:
-            options.update(hp_grads=sums[0], c_grads=sums[1], x_grads=sums[2])
-        seq_args = _sequence_struct("lstm_bwd_seq", plan, w_hh, options)
+            seq.update(hp_grads=sums[0], c_grads=sums[1], x_grads=sums[2])
+        seq_args = plan.backward_sequence.pack(seq)
         rnn.run_sequence("lstm_bwd_seq", dtype, args, seq_args)
-        d_w_hh = _fused._weight_grad(C_KERNELS, scratch["dhp"], previous) if need[3] else None
+        dhp = _block(scratch, "scratch", plan.scratch, "dhp")
+        d_w_hh = _fused._weight_grad(C_KERNELS, dhp, previous) if need[3] else None
         dw1 = db1 = dw3 = db3 = dw0 = db0 = None
         if sums is not None:
             dw1, db1 = _fused._split_grads(sums[0], need[4], need[5])
             dw3, db3 = _fused._split_grads(sums[1], need[6], need[7])
             dw0, db0 = _fused._split_grads(sums[2], need[8], need_b0)
         # dgates: the kernel turned it into the raw projection's gradient
+        dgates = _block(scratch, "scratch", plan.scratch, "dgates")
         d_x, d_w_ih = _fused._projection_grads(
-            C_KERNELS, scratch["dgates"], x, w_ih, need[0] and not x_in_loop, need[10]
+            C_KERNELS, dgates, x, w_ih, need[0] and not x_in_loop, need[10]
         )
         if x_in_loop:
             d_x = dx

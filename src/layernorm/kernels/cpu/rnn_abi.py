@@ -27,7 +27,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -753,7 +753,7 @@ def pack(
     is wrong (or packs what the fast test was too strict for)."""
     packer = _fast_packer(struct, dtype, sizes)
     if packer is not None:
-        fields = _fast_fields(packer[1], values)
+        fields = _fast_fields(packer[1], values, [None] * len(packer[1]))
         if fields is not None:
             return packer[0](*fields)
     out = structure(struct, dtype)()
@@ -807,7 +807,7 @@ _P_TENSOR, _P_SIZE, _P_FLOAT, _P_FLAG, _P_INT = range(5)
 def _fast_plan(
     struct: Struct, dtype: torch.dtype, sizes: tuple[tuple[str, object], ...] | None
 ) -> tuple[tuple[Any, ...], ...] | None:
-    """``struct``'s fields in layout order as ``(kind, name, a, b, c)`` entries that
+    """``struct``'s fields in layout order as ``(index, kind, name, a, b, c)`` entries that
     :func:`_fast_fields` checks in a few attribute reads each: a tensor's dtype, shape and
     whether it may be ``None``; a size's bound value; a number's minimum. ``None`` where a size
     is missing (the slow path names it)."""
@@ -819,37 +819,39 @@ def _fast_plan(
     except ValueError:
         return None
     plan: list[tuple[Any, ...]] = []
-    for f in struct.layout():
+    for i, f in enumerate(struct.layout()):
         if f.kind is Kind.SIZE:
             v = bound.get(f.symbol or f.name)
             if v is None:
                 return None
-            plan.append((_P_SIZE, f.name, v, None, None))
+            plan.append((i, _P_SIZE, f.name, v, None, None))
         elif f.is_pointer:
             want = torch.int64 if f.kind is Kind.STEPS else dtype
-            plan.append((_P_TENSOR, f.name, want, torch.Size(shapes[f]), f.optional))
+            plan.append((i, _P_TENSOR, f.name, want, torch.Size(shapes[f]), f.optional))
         elif f.kind is Kind.FLOAT:
-            plan.append((_P_FLOAT, f.name, f.minimum, None, None))
+            plan.append((i, _P_FLOAT, f.name, f.minimum, None, None))
         elif f.kind is Kind.FLAG:
-            plan.append((_P_FLAG, f.name, None, None, None))
+            plan.append((i, _P_FLAG, f.name, None, None, None))
         else:
-            plan.append((_P_INT, f.name, 1 if f.kind is Kind.COUNT else f.minimum, None, None))
+            plan.append((i, _P_INT, f.name, 1 if f.kind is Kind.COUNT else f.minimum, None, None))
     return tuple(plan)
 
 
-def _fast_fields(plan: tuple[tuple[Any, ...], ...], values: Mapping[str, object]) -> list | None:
-    """The struct's field values in layout order, or ``None`` at the first one that breaks its
-    rule (the same rules as :func:`_checked`, stated as tests that pass for good arguments)."""
-    fields: list[object] = []
+def _fast_fields(
+    plan: tuple[tuple[Any, ...], ...], values: Mapping[str, object], fields: list[object]
+) -> list[object] | None:
+    """``fields`` (the struct's values in layout order) with ``plan``'s entries stored at their
+    indices, or ``None`` at the first one that breaks its rule (the same rules as
+    :func:`_checked`, stated as tests that pass for good arguments)."""
     get = values.get
     try:
-        for kind, name, a, b, c in plan:
+        for i, kind, name, a, b, c in plan:
             if kind == _P_TENSOR:
                 v = get(name)
                 if v is None:
                     if not c:
                         return None
-                    fields.append(None)
+                    fields[i] = None
                 elif (
                     isinstance(v, Tensor)
                     and v.dtype is a
@@ -857,11 +859,11 @@ def _fast_fields(plan: tuple[tuple[Any, ...], ...], values: Mapping[str, object]
                     and v.shape == b
                     and v.is_contiguous()
                 ):
-                    fields.append(v.data_ptr())
+                    fields[i] = v.data_ptr()
                 else:
                     return None
             elif kind == _P_SIZE:
-                fields.append(a)
+                fields[i] = a
             else:
                 v = get(name)
                 if kind == _P_FLOAT:
@@ -876,10 +878,163 @@ def _fast_fields(plan: tuple[tuple[Any, ...], ...], values: Mapping[str, object]
                         return None
                 elif v < a:
                     return None
-                fields.append(v)
+                fields[i] = v
     except (AttributeError, TypeError):
         return None
     return fields
+
+
+class Region(NamedTuple):
+    """Fields of a struct that point at blocks of one buffer: the buffer's element count and
+    each field's ``(offset, shape)`` in it, in elements (row-major blocks)."""
+
+    numel: int
+    blocks: Mapping[str, tuple[int, tuple[int, ...]]]
+
+
+class BoundStruct:
+    """An argument struct of one call signature whose fixed part is checked once.
+
+    A call of a kept plan (the LN-LSTM's training call, ``layernorm.recurrent._planned``) packs
+    the same struct on every call with most fields unchanged: the sizes, the numbers, the
+    tensors the plan holds (``fixed``), and buffers at fixed offsets of one buffer it allocates
+    (``regions``: the buffer under the region's name in the call's values, each block checked
+    against its field's shape here). :meth:`pack` then checks the region buffers (dtype, device,
+    layout, element count) and the call's other fields as :func:`pack` does, and never makes a
+    view of a block: the block's address is the buffer's plus its offset.
+
+    Raises ``ValueError`` / ``TypeError`` as :func:`check` for a fixed value or a size that
+    breaks its rule, ``ValueError`` for a block outside its buffer or of the wrong shape."""
+
+    def __init__(
+        self,
+        struct: Struct,
+        dtype: torch.dtype,
+        sizes: Mapping[str, int],
+        fixed: Mapping[str, object],
+        regions: Mapping[str, Region] | None = None,
+    ) -> None:
+        regions = dict(regions or {})
+        op = _op(struct)
+        if dtype not in RNN_INSTANCES:
+            raise TypeError(f"{op}: the kernels take float32 or float64, got {dtype}")
+        plan = _fast_plan(struct, dtype, _sizes_key(sizes))
+        if plan is None:  # a size missing or not an int >= 0: the slow path names it
+            _checked(struct, dtype, fixed, sizes, None)
+            raise ValueError(f"{op}: sizes {dict(sizes)} do not bind every field")
+        names = {f.name for f in struct.fields}
+        placed: dict[str, tuple[str, int]] = {}  # field -> (region, offset in bytes)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        shapes = {f.name: shape for f, shape in _shapes(struct, _sizes_key(sizes) or ())}
+        for region_name, region in regions.items():
+            for name, (offset, shape) in region.blocks.items():
+                if name not in shapes or struct.field(name).kind is Kind.STEPS:
+                    raise ValueError(f"{op}: {name} is not a tensor field of {dtype}")
+                numel = math.prod(shape)
+                if tuple(shape) != shapes[name] or offset < 0 or offset + numel > region.numel:
+                    raise ValueError(
+                        f"{op}: {name} must have shape {shapes[name]} inside {region_name}'s "
+                        f"{region.numel} elements, got shape {tuple(shape)} at offset {offset}"
+                    )
+                placed[name] = (region_name, offset * itemsize)
+        unknown = set(fixed) - names
+        if unknown:
+            raise ValueError(f"{op}: no fields {sorted(unknown)}")
+        fields: list[object] = [None] * len(plan)
+        calls: list[tuple[Any, ...]] = []
+        blocks: dict[str, list[tuple[int, int]]] = {name: [] for name in regions}
+        for entry in plan:
+            i, kind, name = entry[:3]
+            if name in placed:
+                region_name, offset = placed[name]
+                blocks[region_name].append((i, offset))
+            elif name in fixed or kind == _P_SIZE:
+                if _fast_fields((entry,), fixed, fields) is None:
+                    fields[i] = _checked_field(struct, dtype, name, fixed.get(name), sizes)
+            else:
+                calls.append(entry)
+        self.struct, self.dtype, self.sizes = struct, dtype, dict(sizes)
+        self._fixed, self._region_defs = dict(fixed), regions
+        self._template, self._calls = fields, tuple(calls)
+        self._cls = structure(struct, dtype)
+        # (region, its element count, (field index, byte offset) of each block)
+        self._bases = tuple(
+            (name, region.numel, tuple(blocks[name])) for name, region in regions.items()
+        )
+
+    def pack(self, values: Mapping[str, object]) -> ctypes.Structure:
+        """The struct of one call: ``values`` holds each region's buffer under its name and the
+        fields that are neither fixed nor in a region."""
+        fields = self._template.copy()
+        for name, numel, blocks in self._bases:
+            base = values.get(name)
+            if not (
+                type(base) is Tensor
+                and base.dtype is self.dtype
+                and base.is_cpu
+                and base.numel() == numel
+                and base.is_contiguous()
+            ):
+                self._refuse_base(name, base, numel)
+            address = base.data_ptr()  # type: ignore[union-attr]
+            for i, offset in blocks:
+                fields[i] = address + offset
+        if _fast_fields(self._calls, values, fields) is None:
+            return self._slow(values)
+        return self._cls(*fields)
+
+    def _refuse_base(self, name: str, base: object, numel: int) -> None:
+        op = _op(self.struct)
+        if not isinstance(base, Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(base).__name__}")
+        if base.dtype != self.dtype:
+            raise TypeError(f"{op}: {name} must have dtype {self.dtype}, got {base.dtype}")
+        if not base.is_cpu:
+            raise ValueError(f"{op}: {name} must be on the CPU, got {base.device}")
+        if base.numel() != numel or not base.is_contiguous():
+            raise ValueError(
+                f"{op}: {name} must be a contiguous buffer of {numel} elements, got shape "
+                f"{tuple(base.shape)} with strides {base.stride()}"
+            )
+
+    def _slow(self, values: Mapping[str, object]) -> ctypes.Structure:
+        """The call's struct by :func:`_checked` (which names what is wrong, or packs what the
+        fast test was too strict for), the region blocks as views of their buffers."""
+        full: dict[str, object] = {**self._fixed, **values}
+        for name, region in self._region_defs.items():
+            base = full.pop(name)
+            assert isinstance(base, Tensor)  # checked in pack
+            for field, (offset, shape) in region.blocks.items():
+                strides = tuple(math.prod(shape[k + 1 :]) for k in range(len(shape)))
+                full[field] = base.as_strided(shape, strides, base.storage_offset() + offset)
+        out = self._cls()
+        _checked(self.struct, self.dtype, full, self.sizes, out)
+        return out
+
+
+def _checked_field(
+    struct: Struct, dtype: torch.dtype, name: str, v: object, sizes: Mapping[str, int]
+) -> object:
+    """Field ``name``'s value ``v`` as the struct stores it, checked as :func:`_checked` does
+    (the fast test refused it: this raises the error that names why, or stores what the fast
+    test was too strict for)."""
+    out = structure(struct, dtype)()
+    f = struct.field(name)
+    if f.is_pointer:
+        shapes = dict(_shapes(struct, tuple(sorted(sizes.items()))))
+        want = torch.int64 if f.kind is Kind.STEPS else dtype
+        if not (
+            isinstance(v, Tensor)
+            and v.dtype == want
+            and v.is_cpu
+            and v.shape == shapes[f]
+            and v.is_contiguous()
+        ):
+            _tensor_error(_op(struct), f, v, want, sizes)
+        return v.data_ptr()  # type: ignore[union-attr]
+    _check_number(struct, f, v)
+    setattr(out, name, v)
+    return getattr(out, name)
 
 
 # ------------------------------------------------------------------------------ C side

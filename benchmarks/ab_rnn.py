@@ -41,6 +41,11 @@ commas, each timed on its own in turn:
 With ``--group`` they are the LN-LSTM forward step's rows a group (``rnn.use_forward_group``):
 
     python benchmarks/ab_rnn.py --group --a 4 --b 8 --mode infer --shape 20x256x32x32
+
+With ``--projection`` they say whether a bfloat16 layer's input projection takes the processor's
+bfloat16 dot products (``rnn.use_bfloat16_projection``: ``yes`` or ``no``):
+
+    python benchmarks/ab_rnn.py --projection --a yes --b no --dtype bfloat16 --mode infer
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ def main() -> None:
     what.add_argument("--gemm", action="store_true", help="--a and --b name rnn.use_gemm choices")
     what.add_argument("--group", action="store_true",
                       help="--a and --b are rnn.use_forward_group rows")  # fmt: skip
+    what.add_argument("--projection", action="store_true",
+                      help="--a and --b (yes / no): rnn.use_bfloat16_projection")  # fmt: skip
     ap.add_argument("--a", required=True, help="its value for provider A (a Python expression)")
     ap.add_argument("--b", required=True, help="its value for provider B")
     ap.add_argument("--reps", type=int, default=15)
@@ -107,6 +114,13 @@ def main() -> None:
                 ap.error(f"--group: --a and --b must be rows in {rnn.FORWARD_GROUPS}, got {v!r}")
             rows[k] = int(v)
         setters = {k: (lambda v=v: rnn.use_forward_group(v)) for k, v in rows.items()}
+    elif args.projection:
+        choices = {}
+        for k, v in (("A", args.a), ("B", args.b)):
+            if v not in ("yes", "no"):
+                ap.error(f"--projection: --a and --b must be yes or no, got {v!r}")
+            choices[k] = v == "yes"
+        setters = {k: (lambda v=v: rnn.use_bfloat16_projection(v)) for k, v in choices.items()}
     else:
         module_name, _, name = args.attr.rpartition(".")
         try:
@@ -125,7 +139,9 @@ def main() -> None:
         f"device: {cpu_model()} | kernels {targets.selected().name} | torch "
         f"{torch.__version__}, {torch_isa()} | threads {args.threads} | clock {args.clock}"
     )
-    setting = args.attr or ("cflags" if args.cflags else "gemm" if args.gemm else "group")
+    setting = args.attr or next(
+        name for name in ("cflags", "gemm", "group", "projection") if getattr(args, name)
+    )
     for shape in args.shape.split(","):
         t, b, i, h = (int(v) for v in shape.split("x"))
         torch.manual_seed(0)

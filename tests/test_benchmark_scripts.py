@@ -46,6 +46,17 @@ def test_ab_rnn_sets_an_attribute_of_another_module() -> None:
     assert bad.returncode != 0 and "no module layernorm.recurrent._nowhere" in bad.stderr
 
 
+def test_ab_rnn_compares_the_bfloat16_projection_choices() -> None:
+    out = _run(str(BENCH / "ab_rnn.py"), "--shape", "3x2x4x8", "--reps", "1", "--projection",
+               "--a", "yes", "--b", "no", "--dtype", "bfloat16", "--mode", "infer")  # fmt: skip
+    assert "projection A = yes" in out and "B = no" in out
+    bad = subprocess.run(
+        [sys.executable, str(BENCH / "ab_rnn.py"), "--projection", "--a", "1", "--b", "no"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "--a and --b must be yes or no" in bad.stderr
+
+
 def test_bench_cells_prints_each_cell_and_mode() -> None:
     out = _run(str(BENCH / "bench_cells.py"), "--shapes", "2x4x8", "--reps", "1", "--calls", "2",
                "--steps", "2")  # fmt: skip

@@ -60,6 +60,15 @@ needs_half_gemm = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(params=[True, False], ids=["dot-product projection", "float32 projection"])
+def projection(request):
+    """Both choices of a bfloat16 layer's input projection (rnn.use_bfloat16_projection), the
+    processor's default restored after."""
+    rnn.use_bfloat16_projection(request.param)
+    yield request.param
+    rnn.use_bfloat16_projection(None)
+
+
 def _bf16_case(cls, steps, batch, in_features, hidden, seed=0):
     """A bfloat16 layer, input and initial state (bfloat16 values, so that a first step's
     recurrent products are exact), and its float64 step-by-step reference."""
@@ -133,10 +142,11 @@ def test_rounded_recurrent_products_hold_only_inside_their_block(cls):
 
 
 @pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
-def test_bfloat16_inference_projection_matches_float64(cls):
+def test_bfloat16_inference_projection_matches_float64(cls, projection):
     """Inference with enough rows a step that the sequence kernel projects the inputs itself:
-    on AVX512-BF16 builds by bfloat16 dot products of x and W_ih (bfloat16 values: exact
-    products, float32 sums), elsewhere in float32; either way the float32 path's accuracy.
+    by bfloat16 dot products of x and W_ih (bfloat16 values: exact products, float32 sums) where
+    the build has them and the choice asks for them, else in float32; either way the float32
+    path's accuracy.
     I = 33: an odd count of pairs' values."""
     m, x, state, ref = _bf16_case(cls, 7, 40, 33, 48)
     with torch.no_grad():
@@ -181,7 +191,7 @@ def test_rounded_recurrent_products_match_a_reference_that_rounds_h(cls, batch, 
 
 @pytest.mark.parametrize("rounded", [False, True], ids=["default", "rounded"])
 @pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
-def test_bfloat16_nan_input_is_not_hidden(cls, rounded):
+def test_bfloat16_nan_input_is_not_hidden(cls, rounded, projection):
     """A NaN in one sequence's input at step 1 makes that sequence's outputs NaN from there on and
     leaves the others finite: through the kernel's bfloat16 projection (20 rows a step) and,
     inside the block, the rounded recurrent products."""
@@ -206,8 +216,39 @@ def test_bfloat16_layer_projects_in_the_loop_by_its_packed_bytes():
     assert w_ih.numel() * 4 > limit >= w_ih.numel() * 2
     source = _fused.InputProjection(torch.zeros(700, w_ih.shape[1]), w_ih, None, None, 1e-5, True)
     assert not _fused._projects_in_loop(source, 20)
-    with _cstep.bfloat16_layer():
-        assert _fused._projects_in_loop(source, 20)
+    rnn.use_bfloat16_projection(True)
+    try:
+        with _cstep.bfloat16_layer():
+            assert _fused._projects_in_loop(source, 20)
+        rnn.use_bfloat16_projection(False)  # float32 products: float32's packed bytes
+        with _cstep.bfloat16_layer():
+            assert not _fused._projects_in_loop(source, 20)
+    finally:
+        rnn.use_bfloat16_projection(None)
+
+
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_bfloat16_projection_by_processor_and_by_choice(vendor, monkeypatch):
+    """A bfloat16 layer's products (the sequence struct's half_gemm): the input projection by
+    dot products by default on AMD processors and not on Intel's, either where chosen, every
+    product inside bfloat16_recurrent_products; none without the build's dot products."""
+    monkeypatch.setattr(rnn.targets, "cpu_vendor", lambda: vendor)
+    assert rnn.bfloat16_projection_by_default() == (vendor == "AuthenticAMD")
+    has = rnn.half_gemm()
+    try:
+        for choice, level in ((None, int(vendor == "AuthenticAMD")), (True, 1), (False, 0)):
+            rnn.use_bfloat16_projection(choice)
+            assert rnn.bfloat16_projection() == (has and bool(level))
+            with _cstep.bfloat16_layer():
+                assert _cstep._half_gemm() == (level if has else 0)
+                with _cstep.rounded_recurrent_products():
+                    assert _cstep._half_gemm() == (2 if has else 0)
+            assert _cstep._half_gemm() == 0  # a float32 layer
+    finally:
+        rnn.use_bfloat16_projection(None)
+    for bad in (1, "yes", 0.0):
+        with pytest.raises(ValueError, match="must be True, False or None"):
+            rnn.use_bfloat16_projection(bad)
 
 
 # --- small inference calls by the layer's float32 twin (layers._HalfTwin) ---------------------

@@ -271,10 +271,11 @@ def _set(var: contextvars.ContextVar[bool]) -> Iterator[None]:
 
 def bfloat16_layer() -> contextlib.AbstractContextManager[None]:
     """Within it, the layers' sequence kernels run a bfloat16 layer computed in float32: its
-    weights and inputs are bfloat16 values, so the input projection of inference takes them as
-    bfloat16 products, exact, summed in float32, where the build has them (:func:`.rnn.half_gemm`;
-    twice the float FMA's multiply-adds per instruction); the recurrent GEMMs too where the user
-    opted in (:func:`rounded_recurrent_products`)."""
+    weights and inputs are bfloat16 values, so the input projection can take them as bfloat16
+    products, exact, summed in float32, where the build has them and the processor gains by them
+    (:func:`.rnn.bfloat16_projection`: twice the float FMA's multiply-adds per instruction, not
+    per cycle everywhere); the recurrent GEMMs too where the user opted in
+    (:func:`rounded_recurrent_products`)."""
     return _set(_BFLOAT16_LAYER)
 
 
@@ -294,15 +295,21 @@ def rounded_products_asked() -> bool:
 def bfloat16_projection() -> bool:
     """Whether the sequence kernels called in this context compute an input projection with the
     processor's bfloat16 dot products (a bfloat16 layer, :func:`bfloat16_layer`, on a build that
-    has them): its packed W_ih then takes half the bytes of float32's."""
-    return _BFLOAT16_LAYER.get() and rnn.half_gemm()
+    has them, where the processor's default or the user's choice asks for them,
+    :func:`.rnn.bfloat16_projection`, or inside :func:`rounded_recurrent_products`): its packed
+    W_ih then takes half the bytes of float32's."""
+    return _half_gemm() > 0
 
 
 def _half_gemm() -> int:
-    """The sequence struct's ``half_gemm`` for a call in this context (:func:`bfloat16_layer`)."""
-    if not _BFLOAT16_LAYER.get():
+    """The sequence struct's ``half_gemm`` for a call in this context (:func:`bfloat16_layer`):
+    2 inside :func:`rounded_recurrent_products`, 1 where only the input projection takes the
+    dot products (:func:`.rnn.bfloat16_projection`), else 0."""
+    if not _BFLOAT16_LAYER.get() or not rnn.half_gemm():
         return 0
-    return 2 if _ROUNDED_RECURRENT.get() else 1
+    if _ROUNDED_RECURRENT.get():
+        return 2
+    return 1 if rnn.bfloat16_projection() else 0
 
 
 def _sequence(

@@ -309,6 +309,46 @@ def half_gemm() -> bool:
     return lib is not None and lib[3]
 
 
+def bfloat16_projection_by_default() -> bool:
+    """Whether a bfloat16 layer's input projection takes the processor's bfloat16 dot products
+    unless told (:func:`use_bfloat16_projection`), where the build has them (:func:`half_gemm`):
+    not on Intel processors. There ``vdpbf16ps`` does the float FMA's multiply-adds per cycle,
+    not twice them, and the input projection by it took longer than the float32 tile: bfloat16
+    LN-LSTM inference 1.06-1.18x the time of the float32 projection with one thread, LN-GRU
+    1.06-1.26x, training level to 1.16x (Intel Xeon, family 6 model 207, both alternated in one
+    process, five shapes; benchmarks/RESULTS.md). On AMD Zen 4, where it was measured first, the
+    dot products outweigh their per-call cost from a few hundred rows."""
+    return targets.cpu_vendor() != "GenuineIntel"
+
+
+_bfloat16_projection_choice: bool | None = None
+
+
+def use_bfloat16_projection(choice: bool | None) -> None:
+    """Whether a bfloat16 layer's input projection takes the processor's bfloat16 dot products
+    (where the build has them): ``True``, ``False``, or ``None`` for the processor's default
+    (:func:`bfloat16_projection_by_default`). Inside
+    ``layernorm.recurrent.bfloat16_recurrent_products()`` every product takes them regardless.
+    The results differ only in the order of float32 sums (the products of bfloat16 values are
+    exact either way). Not while a kernel runs."""
+    global _bfloat16_projection_choice
+    if choice is not None and type(choice) is not bool:
+        raise ValueError(
+            f"use_bfloat16_projection: choice must be True, False or None, got {choice!r}"
+        )
+    _bfloat16_projection_choice = choice
+
+
+def bfloat16_projection() -> bool:
+    """Whether a bfloat16 layer's input projection runs on the processor's bfloat16 dot products
+    on the selected target: the build has them (:func:`half_gemm`) and the choice
+    (:func:`use_bfloat16_projection`, else the processor's default) asks for them."""
+    if not half_gemm():
+        return False
+    choice = _bfloat16_projection_choice
+    return bfloat16_projection_by_default() if choice is None else choice
+
+
 def sequence_enabled() -> bool:
     """Whether the recurrent layers run each direction in one call to the sequence kernels on
     the selected target (see :attr:`.targets.Target.rnn_sequence`)."""

@@ -133,3 +133,8 @@ def test_ab_norm_node_times_node_python_path_and_grains() -> None:
     for row in rows:
         for name in ("torch", "node", "python", "node g=4", "node g=8192"):
             assert f" {name} " in row, row
+
+
+def test_bf16_dot_rate_measures_or_says_why_not() -> None:
+    out = _run(str(BENCH / "bf16_dot_rate.py"), "--rounds", "1000", "--repeats", "1")
+    assert "no AVX512-BF16, nothing to measure" in out or "vdpbf16ps" in out

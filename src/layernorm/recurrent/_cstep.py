@@ -273,8 +273,8 @@ def bfloat16_layer() -> contextlib.AbstractContextManager[None]:
     """Within it, the layers' sequence kernels run a bfloat16 layer computed in float32: its
     weights and inputs are bfloat16 values, so the input projection can take them as bfloat16
     products, exact, summed in float32, where the build has them and the processor gains by them
-    (:func:`.rnn.bfloat16_projection`: twice the float FMA's multiply-adds per instruction, not
-    per cycle everywhere); the recurrent GEMMs too where the user opted in
+    (:func:`.rnn.bfloat16_projection`: twice the float FMA's multiply-adds an instruction, half
+    its rate a cycle on some processors); the recurrent GEMMs too where the user opted in
     (:func:`rounded_recurrent_products`)."""
     return _set(_BFLOAT16_LAYER)
 

@@ -312,8 +312,9 @@ def half_gemm() -> bool:
 def bfloat16_projection_by_default() -> bool:
     """Whether a bfloat16 layer's input projection takes the processor's bfloat16 dot products
     unless told (:func:`use_bfloat16_projection`), where the build has them (:func:`half_gemm`):
-    not on Intel processors. There ``vdpbf16ps`` does the float FMA's multiply-adds per cycle,
-    not twice them, and the input projection by it took longer than the float32 tile: bfloat16
+    not on Intel processors. There ``vdpbf16ps`` (32 multiply-adds) took four times an FMA's
+    (16) time an instruction, half the FMAs' rate (``benchmarks/bf16_dot_rate.py``: 0.74 against
+    0.18 ns), and the input projection by it took longer than the float32 tile: bfloat16
     LN-LSTM inference 1.06-1.18x the time of the float32 projection with one thread, LN-GRU
     1.06-1.26x, training level to 1.16x (Intel Xeon, family 6 model 207, both alternated in one
     process, five shapes; benchmarks/RESULTS.md). On AMD Zen 4, where it was measured first, the

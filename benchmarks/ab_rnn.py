@@ -46,6 +46,9 @@ With ``--projection`` they say whether a bfloat16 layer's input projection takes
 bfloat16 dot products (``rnn.use_bfloat16_projection``: ``yes`` or ``no``):
 
     python benchmarks/ab_rnn.py --projection --a yes --b no --dtype bfloat16 --mode infer
+
+With ``--amx`` they say whether those products run on the processor's AMX tiles
+(``rnn.use_amx``: ``yes`` or ``no``, the AVX512-BF16 dot products).
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ def main() -> None:
                       help="--a and --b are rnn.use_forward_group rows")  # fmt: skip
     what.add_argument("--projection", action="store_true",
                       help="--a and --b (yes / no): rnn.use_bfloat16_projection")  # fmt: skip
+    what.add_argument("--amx", action="store_true",
+                      help="--a and --b (yes / no): rnn.use_amx")  # fmt: skip
     ap.add_argument("--a", required=True, help="its value for provider A (a Python expression)")
     ap.add_argument("--b", required=True, help="its value for provider B")
     ap.add_argument("--reps", type=int, default=15)
@@ -114,13 +119,15 @@ def main() -> None:
                 ap.error(f"--group: --a and --b must be rows in {rnn.FORWARD_GROUPS}, got {v!r}")
             rows[k] = int(v)
         setters = {k: (lambda v=v: rnn.use_forward_group(v)) for k, v in rows.items()}
-    elif args.projection:
+    elif args.projection or args.amx:
+        flag = "--projection" if args.projection else "--amx"
+        use = rnn.use_bfloat16_projection if args.projection else rnn.use_amx
         choices = {}
         for k, v in (("A", args.a), ("B", args.b)):
             if v not in ("yes", "no"):
-                ap.error(f"--projection: --a and --b must be yes or no, got {v!r}")
+                ap.error(f"{flag}: --a and --b must be yes or no, got {v!r}")
             choices[k] = v == "yes"
-        setters = {k: (lambda v=v: rnn.use_bfloat16_projection(v)) for k, v in choices.items()}
+        setters = {k: (lambda v=v: use(v)) for k, v in choices.items()}
     else:
         module_name, _, name = args.attr.rpartition(".")
         try:
@@ -140,7 +147,7 @@ def main() -> None:
         f"{torch.__version__}, {torch_isa()} | threads {args.threads} | clock {args.clock}"
     )
     setting = args.attr or next(
-        name for name in ("cflags", "gemm", "group", "projection") if getattr(args, name)
+        name for name in ("cflags", "gemm", "group", "projection", "amx") if getattr(args, name)
     )
     for shape in args.shape.split(","):
         t, b, i, h = (int(v) for v in shape.split("x"))

@@ -253,8 +253,11 @@ def main() -> None:
 
 def run(args: argparse.Namespace) -> None:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    half = (f", bfloat16 dot products: {'yes' if rnn.half_gemm() else 'no, rounded = LN'}"
-            if args.dtype == "bfloat16" else "")  # fmt: skip
+    products = "no, rounded = LN"
+    if rnn.half_gemm():
+        products = "AMX tiles" if rnn.amx() else "AVX512-BF16"
+        products += ", input projection" + ("" if rnn.bfloat16_projection() else " not")
+    half = f", bfloat16 products: {products}" if args.dtype == "bfloat16" else ""
     outpaced = ", also torch.mm's products" if _cstep.tile_outpaces_torch_gemm() else ""
     print(f"device: {cpu_model()} | kernels {kernel_isa()} (recurrent GEMM: "
           f"{rnn.gemm_in_use()}{outpaced}{half}) | torch {torch.__version__}, {torch_isa()} "

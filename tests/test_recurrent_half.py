@@ -69,6 +69,19 @@ def projection(request):
     rnn.use_bfloat16_projection(None)
 
 
+@pytest.fixture(params=[True, False], ids=["AMX tiles", "no AMX"])
+def tiles(request):
+    """The bfloat16 products on the AMX tiles and off them (rnn.use_amx); the first skipped
+    where the processor or the system has none. The default restored after."""
+    rnn.use_amx(request.param)
+    try:
+        if request.param and not rnn.amx():
+            pytest.skip("no AMX tiles here (processor, system or build)")
+        yield request.param
+    finally:
+        rnn.use_amx(None)
+
+
 def _bf16_case(cls, steps, batch, in_features, hidden, seed=0):
     """A bfloat16 layer, input and initial state (bfloat16 values, so that a first step's
     recurrent products are exact), and its float64 step-by-step reference."""
@@ -97,7 +110,8 @@ def _grads(m, x, state, dy):
 @pytest.mark.parametrize(("batch", "hidden"), [(9, 23), (17, 40), (30, 8)])
 @pytest.mark.parametrize("cls", [layernorm.LayerNormLSTM, layernorm.LayerNormRNN],
                          ids=lambda c: c.__name__)  # fmt: skip
-def test_rounded_recurrent_products_of_bfloat16_values_are_exact(cls, batch, hidden, threads):
+def test_rounded_recurrent_products_of_bfloat16_values_are_exact(cls, batch, hidden, threads,
+                                                                 tiles):  # fmt: skip
     """One step from a bfloat16 initial state: the recurrent products under
     bfloat16_recurrent_products take h0 as it is (no rounding), so the packed bfloat16 GEMM
     (an odd K at H = 23, a last panel of fewer columns, tiles of 1 to 14 rows, each thread's
@@ -142,7 +156,7 @@ def test_rounded_recurrent_products_hold_only_inside_their_block(cls):
 
 
 @pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
-def test_bfloat16_inference_projection_matches_float64(cls, projection):
+def test_bfloat16_inference_projection_matches_float64(cls, projection, tiles):
     """Inference with enough rows a step that the sequence kernel projects the inputs itself:
     by bfloat16 dot products of x and W_ih (bfloat16 values: exact products, float32 sums) where
     the build has them and the choice asks for them, else in float32; either way the float32
@@ -172,8 +186,9 @@ class _RoundedProducts:
 @needs_half_gemm
 @pytest.mark.parametrize(("batch", "hidden"), [(2, 40), (3, 23), (4, 24), (13, 40)])
 @pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
-def test_rounded_recurrent_products_match_a_reference_that_rounds_h(cls, batch, hidden,
-                                                                    monkeypatch):  # fmt: skip
+def test_rounded_recurrent_products_match_a_reference_that_rounds_h(
+    cls, batch, hidden, monkeypatch, tiles
+):
     """Twelve steps of the rounded products against the float64 loop with each product's h
     rounded to bfloat16 first: the same products, so only float32 arithmetic differs, and where
     it moves an h across a rounding boundary, by one bfloat16 step of that value (0.5–0.75
@@ -227,16 +242,23 @@ def test_bfloat16_layer_projects_in_the_loop_by_its_packed_bytes():
         rnn.use_bfloat16_projection(None)
 
 
-@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
-def test_bfloat16_projection_by_processor_and_by_choice(vendor, monkeypatch):
+@pytest.mark.parametrize(
+    ("vendor", "on_tiles"),
+    [("GenuineIntel", False), ("AuthenticAMD", False), ("GenuineIntel", True)],
+    ids=["Intel", "AMD", "Intel with AMX"],
+)
+def test_bfloat16_projection_by_processor_and_by_choice(vendor, on_tiles, monkeypatch):
     """A bfloat16 layer's products (the sequence struct's half_gemm): the input projection by
-    dot products by default on AMD processors and not on Intel's, either where chosen, every
-    product inside bfloat16_recurrent_products; none without the build's dot products."""
+    dot products by default on AMD processors and where the products run on AMX tiles, not on
+    Intel's without; either where chosen, every product inside bfloat16_recurrent_products; none
+    without the build's dot products."""
     monkeypatch.setattr(rnn.targets, "cpu_vendor", lambda: vendor)
-    assert rnn.bfloat16_projection_by_default() == (vendor == "AuthenticAMD")
+    monkeypatch.setattr(rnn, "amx", lambda: on_tiles)
+    default = vendor == "AuthenticAMD" or on_tiles
+    assert rnn.bfloat16_projection_by_default() == default
     has = rnn.half_gemm()
     try:
-        for choice, level in ((None, int(vendor == "AuthenticAMD")), (True, 1), (False, 0)):
+        for choice, level in ((None, int(default)), (True, 1), (False, 0)):
             rnn.use_bfloat16_projection(choice)
             assert rnn.bfloat16_projection() == (has and bool(level))
             with _cstep.bfloat16_layer():
@@ -249,6 +271,53 @@ def test_bfloat16_projection_by_processor_and_by_choice(vendor, monkeypatch):
     for bad in (1, "yes", 0.0):
         with pytest.raises(ValueError, match="must be True, False or None"):
             rnn.use_bfloat16_projection(bad)
+
+
+@needs_half_gemm
+@pytest.mark.parametrize(("steps", "batch", "hidden"), [(3, 20, 40), (2, 33, 23), (4, 16, 64)])
+def test_amx_tiles_and_dot_products_agree(steps, batch, hidden):
+    """The AMX tiles and the AVX512-BF16 dot products sum the same exact products in another
+    order: a bfloat16 LN-LSTM training call with zoneout of h (its backward's recurrent product
+    adds to the direct path: the tiles' accumulate) inside the rounded products, outputs and
+    every gradient within a few bfloat16 roundings of each other over a few steps. Rows past a
+    tile of 16 (20, 33), pairs past a block of 16 (K = 40, 23: 20 and 12 pairs), columns past a
+    panel of 32 (4H = 160, 92)."""
+    rnn.use_amx(True)
+    if not rnn.amx():
+        rnn.use_amx(None)
+        pytest.skip("no AMX tiles here (processor, system or build)")
+    runs = []
+    try:
+        for on in (True, False):
+            rnn.use_amx(on)
+            torch.manual_seed(3)
+            m = layernorm.LayerNormLSTM(30, hidden, zoneout_hidden=0.3).to(torch.bfloat16)
+            x = torch.randn(steps, batch, 30, dtype=torch.float64).to(torch.bfloat16)
+            dy = torch.randn(steps, batch, hidden, dtype=torch.float64).to(torch.bfloat16)
+            torch.manual_seed(4)  # the same masks
+            with layernorm.recurrent.bfloat16_recurrent_products():
+                runs.append(_grads(m, x, None, dy))
+    finally:
+        rnn.use_amx(None)
+    (out_a, grads_a), (out_b, grads_b) = runs
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    assert (out_a.double() - out_b.double()).abs().max() <= 4 * u * out_b.double().abs().max()
+    for k, (a, b) in enumerate(zip(grads_a, grads_b, strict=True)):
+        scale = b.double().abs().max()
+        assert (a.double() - b.double()).abs().max() <= 8 * u * scale, k
+
+
+def test_use_amx_takes_a_choice_and_stays_off_where_there_are_none():
+    for bad in (1, "on", None.__class__):
+        with pytest.raises(ValueError, match="must be True, False or None"):
+            rnn.use_amx(bad)
+    try:
+        rnn.use_amx(False)
+        assert not rnn.amx()
+        rnn.use_amx(True)  # on where the processor has tiles, else it stays off
+        assert rnn.amx() == (rnn.half_gemm() and "amx_bf16" in rnn.targets.cpu_features())
+    finally:
+        rnn.use_amx(None)
 
 
 # --- small inference calls by the layer's float32 twin (layers._HalfTwin) ---------------------

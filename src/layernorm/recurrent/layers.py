@@ -213,7 +213,13 @@ def bfloat16_recurrent_products() -> contextlib.AbstractContextManager[None]:
     (``torch.nn.LSTM``'s shrank it, and its bfloat16 results stay within 1–2 roundings). Time
     with the rounded products (AMD EPYC with AVX512-BF16, 1 and 2 threads, five shapes from
     (50, 8, 64, 128) to (35, 20, 650, 650)): inference 0.68–0.90 of the default's, training
-    0.82–0.96 (``benchmarks/RESULTS.md``).
+    0.82–0.96 (``benchmarks/RESULTS.md``). Where the processor has AMX the products run on its
+    tiles (:func:`layernorm.kernels.cpu.rnn.amx`): on an Intel Xeon (Emerald Rapids), one
+    thread, LN-LSTM inference took 1.12–1.71x ``torch.nn.LSTM``'s bfloat16 time (itself on the
+    tiles) with the rounded products against 1.23–3.13x by default, training 0.91–1.36x against
+    1.12–1.79x. Without AMX the same processor's ``vdpbf16ps`` runs at half its float FMAs'
+    multiply-add rate (``benchmarks/bf16_dot_rate.py``), and the rounded products were slower
+    than the default.
 
     Example::
 

@@ -254,6 +254,10 @@ def _library_for(
         lib.rnn_set_forward_group.argtypes = (ctypes.c_int,)
         _apply_forward_group(isa, lib.rnn_set_forward_group)
         _GROUP_SETTERS[isa, variant] = lib.rnn_set_forward_group
+        lib.rnn_set_amx.restype = lib.rnn_amx.restype = ctypes.c_int
+        lib.rnn_set_amx.argtypes, lib.rnn_amx.argtypes = (ctypes.c_int,), ()
+        _AMX_SETTERS[isa, variant] = lib.rnn_set_amx, lib.rnn_amx
+        _apply_amx(lib.rnn_set_amx)
         return fns, lib.rnn_vector_bytes(), lib.rnn_direct_rows(), lib.rnn_half_gemm() == 1
     except Exception as err:  # any failure falls back to the eager step functions
         warnings.warn(
@@ -303,10 +307,47 @@ def half_gemm() -> bool:
     """Whether the selected target's float sequence kernels run a bfloat16 layer's recurrent GEMMs
     (and inference's input projection) with the processor's bfloat16 dot products, as
     ``torch.nn.LSTM`` does in bfloat16 (see :func:`pack_sequence`'s ``half_gemm``): builds for
-    AVX512-BF16. The instruction sums in float32 and treats subnormal operands (below 2⁻¹²⁶) as
-    zero; products of bfloat16 values are otherwise exact."""
+    AVX512-BF16, on the AMX tiles where the processor has them (:func:`amx`). Both sum in float32
+    and treat subnormal operands (below 2⁻¹²⁶) as zero; products of bfloat16 values are otherwise
+    exact."""
     lib = _library()
     return lib is not None and lib[3]
+
+
+# Each loaded library's (rnn_set_amx, rnn_amx), by (target, variant).
+_AMX_SETTERS: dict[tuple[str, tuple[str, ...]], tuple[Any, Any]] = {}
+_amx_choice: bool | None = None
+
+
+def _apply_amx(set_amx: Any) -> None:
+    # on unless told not to; where the processor or the system has no AMX it stays off (-1)
+    set_amx(0 if _amx_choice is False else 1)
+
+
+def use_amx(choice: bool | None) -> None:
+    """Whether the bfloat16 products (:func:`half_gemm`) run on the processor's AMX tiles where it
+    has them (AMX-TILE and AMX-BF16, and a Linux that grants the process their state):
+    ``True`` or ``None`` (the default: where there are tiles, use them) or ``False`` (the
+    AVX512-BF16 dot products). For every library loaded or loaded later; not while a kernel
+    runs."""
+    global _amx_choice
+    if choice is not None and type(choice) is not bool:
+        raise ValueError(f"use_amx: choice must be True, False or None, got {choice!r}")
+    _amx_choice = choice
+    for set_amx, _ in _AMX_SETTERS.values():
+        _apply_amx(set_amx)
+
+
+def amx() -> bool:
+    """Whether the selected target's bfloat16 products (:func:`half_gemm`) run on the AMX tiles:
+    the build has the products, the processor and the system the tiles, and :func:`use_amx`
+    did not turn them off. One thread, Intel Xeon (family 6 model 207), a product of 16 rows by
+    (K, N) = (256, 1024): 313 G multiply-adds a second on the tiles, about 50 by ``vdpbf16ps``,
+    96 by the float32 tile (benchmarks/RESULTS.md)."""
+    if not half_gemm():
+        return False
+    entry = _AMX_SETTERS.get((targets.selected().name, ()))  # loaded by half_gemm()
+    return entry is not None and entry[1]() == 1
 
 
 def bfloat16_projection_by_default() -> bool:
@@ -318,8 +359,10 @@ def bfloat16_projection_by_default() -> bool:
     LN-LSTM inference 1.06-1.18x the time of the float32 projection with one thread, LN-GRU
     1.06-1.26x, training level to 1.16x (Intel Xeon, family 6 model 207, both alternated in one
     process, five shapes; benchmarks/RESULTS.md). On AMD Zen 4, where it was measured first, the
-    dot products outweigh their per-call cost from a few hundred rows."""
-    return targets.cpu_vendor() != "GenuineIntel"
+    dot products outweigh their per-call cost from a few hundred rows. Where the products run on
+    the AMX tiles (:func:`amx`) they are taken everywhere: about three times the float32 tile's
+    rate."""
+    return amx() or targets.cpu_vendor() != "GenuineIntel"
 
 
 _bfloat16_projection_choice: bool | None = None

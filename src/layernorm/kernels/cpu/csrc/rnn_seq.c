@@ -40,6 +40,39 @@ int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute) {
 #endif
 int rnn_half_gemm(void) { return SEQ_HALF_GEMM; }
 
+/* The bfloat16 GEMMs on the AMX tiles (TDPBF16PS) where the processor has them (AMX-TILE and
+   AMX-BF16) and Linux lets this process use them (the tile data is a state a process must ask
+   for: arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA). rnn.py switches it on at load
+   unless told not to (rnn_set_amx): 0 when set as asked, -1 when AMX was asked for and cannot be
+   used (then it stays off). Set before the kernels run, not while they do. */
+static int amx_on = 0;
+#if SEQ_HALF_GEMM && defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SEQ_AMX 1
+static int amx_usable(void) {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return 0;
+    if (!(edx & (1u << 22)) || !(edx & (1u << 24))) return 0; /* AMX-BF16, AMX-TILE */
+    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): 0 once granted (again: 0) */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+#else
+#define SEQ_AMX 0
+static int amx_usable(void) { return 0; }
+#endif
+int rnn_set_amx(int on) {
+    if (!on) {
+        amx_on = 0;
+        return 0;
+    }
+    if (!amx_usable()) return -1;
+    amx_on = 1;
+    return 0;
+}
+int rnn_amx(void) { return amx_on; }
+
 #define scalar_t float
 #define SUF f32
 #define SEQ_LANES (VEC_BYTES / 4) /* scalar_t's lanes a vector, for the preprocessor */

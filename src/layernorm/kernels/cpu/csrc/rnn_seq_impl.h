@@ -503,6 +503,110 @@ static void half_round_rows(i64 M, i64 K, const float* A, i64 lda, uint16_t* A2)
         if (K % 2) A2[2 * i * K2 + K] = 0;
     }
 }
+
+#if SEQ_AMX
+/* The same GEMM on the AMX tiles, for processors that have them (rnn_set_amx): a tile register
+   holds up to 16 rows of 64 bytes, and TDPBF16PS adds a tile of A's pairs (rows × 16 pairs) times
+   one of B's (16 pair rows × 16 columns) into a float tile (rows × 16 columns), 8192 multiply-adds
+   an instruction. The pair panels and A's pairs are laid out as the tiles read them: a panel's
+   row kk holds column j's pair (B[2kk, j], B[2kk + 1, j]) in lane j, so each panel of NR = 32
+   columns is two B tiles side by side (stride NR lanes), and A's rows of K2 pairs are A tiles as
+   they are. Tiles: 0, 1 the two column halves of C; 2, 3, 4 A and the two B of a block of 16
+   pairs; 5, 6, 7 the same for the last K2 % 16 pairs. One configuration per row count (16, or
+   the last block's rows): loaded at every call, since other code of the process (oneDNN) loads
+   its own between ours. The same sums as half_tile in another order (the tiles add a row's pairs
+   in blocks of 16), and as it, subnormal operands are zero and subnormal results flushed. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+_Static_assert(sizeof(amx_config) == 64, "the tile configuration is 64 bytes");
+_Static_assert(NR == 32, "a pair panel is two tiles of 16 columns");
+
+#define AMX_ROWS 16
+#define AMX_PAIRS 16
+/* A last panel of fewer than NR columns goes through a thread's buffer of AMX_ROWS × NR floats. */
+static __thread float amx_edge[AMX_ROWS * NR] __attribute__((aligned(64)));
+
+static void amx_configure(int rows, int rest) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 2; ++t) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64; /* C */
+    c.rows[2] = (uint8_t)rows, c.colsb[2] = AMX_PAIRS * 4;                   /* A */
+    for (int t = 3; t < 5; ++t) c.rows[t] = AMX_PAIRS, c.colsb[t] = 64;     /* B */
+    if (rest) {
+        c.rows[5] = (uint8_t)rows, c.colsb[5] = (uint16_t)(rest * 4);
+        for (int t = 6; t < 8; ++t) c.rows[t] = (uint8_t)rest, c.colsb[t] = 64;
+    }
+    __asm__ volatile("ldtilecfg %0" : : "m"(c));
+}
+
+/* Rows [i0, i0 + rows) of C's panels [lo, hi), the tiles configured for `rows` (see above). */
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(
+    i64 i0, int rows, i64 N, i64 K2, const half_pair* A2, const uint32_t* Q, float* C, i64 ldc,
+    int accumulate, i64 lo, i64 hi) {
+    const i64 full = K2 - K2 % AMX_PAIRS;
+    const half_pair* a = A2 + i0 * K2;
+    for (i64 p = lo; p < hi; ++p) {
+        const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
+        const uint32_t* q = Q + p * K2 * NR;
+        float* c = C + i0 * ldc + j0;
+        float* out = c; /* where the tiles are loaded from and stored to */
+        i64 ld = ldc;
+        if (w < NR) { /* past column N: the thread's edge buffer, copied to C after */
+            out = amx_edge, ld = NR;
+            for (int r = 0; r < rows; ++r)
+                for (i64 j = 0; j < NR; ++j)
+                    amx_edge[r * NR + j] = accumulate && j < w ? c[r * ldc + j] : 0;
+        }
+        if (accumulate || w < NR) {
+            _tile_loadd(0, out, ld * 4);
+            _tile_loadd(1, out + 16, ld * 4);
+        } else {
+            _tile_zero(0);
+            _tile_zero(1);
+        }
+        for (i64 kb = 0; kb < full; kb += AMX_PAIRS) {
+            _tile_loadd(2, a + kb, K2 * 4);
+            _tile_loadd(3, q + kb * NR, NR * 4);
+            _tile_loadd(4, q + kb * NR + 16, NR * 4);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        if (full < K2) {
+            _tile_loadd(5, a + full, K2 * 4);
+            _tile_loadd(6, q + full * NR, NR * 4);
+            _tile_loadd(7, q + full * NR + 16, NR * 4);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_dpbf16ps(1, 5, 7);
+        }
+        _tile_stored(0, out, ld * 4);
+        _tile_stored(1, out + 16, ld * 4);
+        if (w < NR)
+            for (int r = 0; r < rows; ++r)
+                for (i64 j = 0; j < w; ++j) c[r * ldc + j] = amx_edge[r * NR + j];
+    }
+}
+
+/* Part `part` of `parts` of C[M, N] (=|+=) A2 · B on the tiles: a contiguous share of the panels,
+   in blocks of AMX_ROWS rows. The tile state is released after (no other code finds it held). */
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_gemm_part(
+    i64 M, i64 N, i64 K2, const half_pair* A2, const uint32_t* Q, float* C, i64 ldc,
+    int accumulate, int part, int parts) {
+    i64 lo, hi;
+    row_block((N + NR - 1) / NR, parts, part, &lo, &hi);
+    if (M <= 0 || lo >= hi) return;
+    int configured = 0;
+    for (i64 i0 = 0; i0 < M; i0 += AMX_ROWS) {
+        const int rows = M - i0 < AMX_ROWS ? (int)(M - i0) : AMX_ROWS;
+        if (rows != configured) amx_configure(rows, (int)(K2 % AMX_PAIRS)), configured = rows;
+        amx_rows(i0, rows, N, K2, A2, Q, C, ldc, accumulate, lo, hi);
+    }
+    _tile_release();
+}
+#endif
 #endif
 
 /* The operands of C[M, N] (=|+=) A[M, K] · B with B in panels: A[i, k] at A + i·sar + k·sak and
@@ -945,6 +1049,13 @@ static void FN(wgemm_part)(const FN(weight) * b, i64 M, const scalar_t* A, i64 l
         const i64 K2 = (b->K + 1) / 2;
         uint16_t* A2 = b->half_a + 2 * omp_get_thread_num() * b->half_a_rows * K2;
         half_round_rows(M, b->K, A, lda, A2);
+#if SEQ_AMX
+        if (amx_on) {
+            amx_gemm_part(M, b->N, K2, (const half_pair*)A2, b->half, C, ldc, accumulate, part,
+                          parts);
+            return;
+        }
+#endif
         g.A2 = (const half_pair*)A2;
         g.Q = b->half;
     }

@@ -8,15 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from layernorm.recurrent import _cstep
+from kernel_paths import needs_sequence_kernels
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-pytestmark = pytest.mark.skipif(
-    not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
-    reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
-)
+pytestmark = needs_sequence_kernels
 
 
 def _run(*args: str) -> str:

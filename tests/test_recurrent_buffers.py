@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import layernorm
+from kernel_paths import needs_sequence_kernels
 from layernorm import LayerNormGRU, LayerNormLSTM
 from layernorm.kernels.cpu import buffers as _buffers
 from layernorm.kernels.cpu import torch_ops
@@ -268,6 +269,7 @@ def test_small_norm_outputs_are_plain_allocations() -> None:
     assert _buffers.cached_bytes() == 0
 
 
+@needs_sequence_kernels
 @pytest.mark.parametrize("cls", [LayerNormLSTM, LayerNormGRU], ids=["lstm", "gru"])
 @pytest.mark.parametrize("steps", [1, 40], ids=["one step", "sequence"])
 def test_weight_gradients_come_from_the_cache_and_kept_ones_stay(cls, steps, monkeypatch) -> None:

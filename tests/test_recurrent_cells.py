@@ -11,6 +11,7 @@ import contextlib
 import pytest
 import torch
 
+from kernel_paths import needs_sequence_kernels
 from layernorm import LayerNormGRUCell, LayerNormLSTMCell, LayerNormRNNCell
 
 DT = torch.float64
@@ -349,6 +350,7 @@ def _assert_same(a, b) -> None:
         torch.testing.assert_close(s, t)
 
 
+@needs_sequence_kernels
 @pytest.mark.parametrize("cls", PLANNED_CELLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("bias", [True, False])
@@ -500,6 +502,7 @@ def test_elman_cell_inference_step_where_nothing_is_recorded(
     assert got.shape == h.shape
 
 
+@needs_sequence_kernels
 @pytest.mark.parametrize(
     ("inputs_", "hidden", "threads", "in_loop"),
     [(16, 32, 1, True), (128, 256, 1, False), (128, 256, 2, True)],
@@ -605,6 +608,7 @@ def _steps_and_grads(cell: torch.nn.Module, xs: torch.Tensor, hx: object) -> lis
     return [o.detach() for o in outs] + list(grads)
 
 
+@needs_sequence_kernels
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("given_state", [True, False], ids=["hx", "no hx"])
@@ -641,6 +645,7 @@ def test_lstm_cell_training_by_the_node_equals_its_ops(
         torch.testing.assert_close(a, b, **tol)
 
 
+@needs_sequence_kernels
 @pytest.mark.parametrize(
     "case", ["zoneout", "normalized carry", "unbatched", "no grad", "parametrized", "few rows",
              "small step", "slower GEMM", "float16", "traced", "replaced weight",

@@ -22,15 +22,13 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
+from kernel_paths import needs_sequence_kernels
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 from layernorm.recurrent import layers as recurrent_layers
 from tolerances import assert_close_to_rounding
 
-pytestmark = pytest.mark.skipif(
-    not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
-    reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
-)
+pytestmark = needs_sequence_kernels
 TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-11}, torch.float32: {"rtol": 2e-5, "atol": 2e-5}}
 # the Elman RNN's reference (PER_STEP registered) is its loop of PyTorch ops
 LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU, "rnn": LayerNormRNN}

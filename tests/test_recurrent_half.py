@@ -374,7 +374,10 @@ def test_small_half_inference_calls_run_the_float32_twin(cls, options, dtype, mo
             assert a.dtype == dtype and a.shape == r.shape
             assert (a.double() - r).abs().max() <= 4 * u * r.abs().max()
             assert (a.double() - h.double()).abs().max() <= 2 * u * h.double().abs().max()
-    assert layers._CALL_PLANS.get(twin.module) is not None  # kept by the twin's calls
+    if (
+        _cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()
+    ):  # plans run the sequence kernels
+        assert layers._CALL_PLANS.get(twin.module) is not None  # kept by the twin's calls
 
 
 @pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)

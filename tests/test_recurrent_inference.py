@@ -21,14 +21,12 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
+from kernel_paths import needs_sequence_kernels
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import _cstep, _fused, _planned
 from tolerances import assert_close_to_rounding
 
-pytestmark = pytest.mark.skipif(
-    not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
-    reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
-)
+pytestmark = needs_sequence_kernels
 LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU, "rnn": LayerNormRNN}
 # the training nodes of each kind (the LSTM's: the fused path's, and its planned calls')
 NODES = {

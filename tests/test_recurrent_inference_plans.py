@@ -18,14 +18,12 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
+from kernel_paths import needs_sequence_kernels
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.kernels.cpu import targets
 from layernorm.recurrent import _cstep, _fused, layers
 
-pytestmark = pytest.mark.skipif(
-    not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
-    reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
-)
+pytestmark = needs_sequence_kernels
 LAYERS = {"lstm": LayerNormLSTM, "gru": LayerNormGRU, "rnn": LayerNormRNN}
 # A parameter of the hidden side's layer norm and one of the input side's, per kind (the Elman
 # RNN has one layer norm, of the sum of both sides).

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
 
+from kernel_paths import needs_sequence_kernels
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import StepKernels, _pointwise, register_step_kernels
 from layernorm.recurrent import layers as recurrent_layers
@@ -901,6 +902,7 @@ def test_one_step_training_of_ln_lstm_and_gru_by_the_cells_node(
     assert not set(nodes) & set(_NODES)
 
 
+@needs_sequence_kernels
 @pytest.mark.parametrize(
     "options",
     [{}, {"num_layers": 2, "bidirectional": True}, {"normalize_cell_state": True}],

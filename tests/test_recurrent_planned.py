@@ -13,15 +13,13 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
+from kernel_paths import needs_sequence_kernels
 from layernorm import LayerNormLSTM
 from layernorm.recurrent import _cstep, _fused, _planned
 from layernorm.recurrent import layers as recurrent_layers
 from test_recurrent_layers import _graph_nodes
 
-pytestmark = pytest.mark.skipif(
-    not (_cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()),
-    reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
-)
+pytestmark = needs_sequence_kernels
 PLANNED, FUSED = "PlannedLSTMSequenceBackward", "LSTMSequenceBackward"
 
 

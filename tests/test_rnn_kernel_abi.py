@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_paths import needs_sequence_kernels
 from layernorm.kernels.cpu import rnn, rnn_abi
 from layernorm.recurrent import _fused
 
@@ -105,6 +106,7 @@ def test_sequence_function_refuses_a_gain_of_the_wrong_size_dtype_or_layout(name
         _lstm(gx, h0, c0, w_hh, bad, sched)
 
 
+@needs_sequence_kernels
 @needs_c
 def test_sequence_function_refuses_a_recurrent_weight_of_the_wrong_shape() -> None:
     gx, h0, c0, w_hh, params, sched = _lstm_inputs()

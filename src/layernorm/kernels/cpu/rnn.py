@@ -314,6 +314,13 @@ def half_gemm() -> bool:
     return lib is not None and lib[3]
 
 
+def _switch(setter: str, choice: object) -> bool | None:
+    """``choice`` for an on/off setting that ``None`` returns to the processor's default."""
+    if choice is not None and type(choice) is not bool:
+        raise ValueError(f"{setter}: choice must be True, False or None, got {choice!r}")
+    return choice
+
+
 # Each loaded library's (rnn_set_amx, rnn_amx), by (target, variant).
 _AMX_SETTERS: dict[tuple[str, tuple[str, ...]], tuple[Any, Any]] = {}
 _amx_choice: bool | None = None
@@ -331,9 +338,7 @@ def use_amx(choice: bool | None) -> None:
     AVX512-BF16 dot products). For every library loaded or loaded later; not while a kernel
     runs."""
     global _amx_choice
-    if choice is not None and type(choice) is not bool:
-        raise ValueError(f"use_amx: choice must be True, False or None, got {choice!r}")
-    _amx_choice = choice
+    _amx_choice = _switch("use_amx", choice)
     for set_amx, _ in _AMX_SETTERS.values():
         _apply_amx(set_amx)
 
@@ -376,11 +381,7 @@ def use_bfloat16_projection(choice: bool | None) -> None:
     The results differ only in the order of float32 sums (the products of bfloat16 values are
     exact either way). Not while a kernel runs."""
     global _bfloat16_projection_choice
-    if choice is not None and type(choice) is not bool:
-        raise ValueError(
-            f"use_bfloat16_projection: choice must be True, False or None, got {choice!r}"
-        )
-    _bfloat16_projection_choice = choice
+    _bfloat16_projection_choice = _switch("use_bfloat16_projection", choice)
 
 
 def bfloat16_projection() -> bool:

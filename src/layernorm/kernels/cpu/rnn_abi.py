@@ -661,22 +661,36 @@ def _checked(
             if out is not None:
                 setattr(out, f.name, None)  # NULL: the option is off
             continue
-        want = torch.int64 if f.kind is Kind.STEPS else dtype
-        if (
-            not isinstance(v, Tensor)
-            or v.dtype != want
-            or not v.is_cpu
-            or v.shape != shape
-            or not v.is_contiguous()
-        ):
-            _tensor_error(_op(struct), f, v, want, sizes)
+        address = _checked_tensor(struct, dtype, f, shape, v, sizes)
         if out is not None:
-            setattr(out, f.name, v.data_ptr())
+            setattr(out, f.name, address)
     for f in numbers:
         v = values.get(f.name)
         _check_number(struct, f, v)
         if out is not None:
             setattr(out, f.name, v)
+
+
+def _checked_tensor(
+    struct: Struct,
+    dtype: torch.dtype,
+    f: Field,
+    shape: tuple[int, ...],
+    v: object,
+    sizes: Mapping[str, int],
+) -> int:
+    """The address of tensor field ``f``'s value ``v`` (of ``shape`` under ``sizes``), or the
+    error that names what is wrong with it."""
+    want = torch.int64 if f.kind is Kind.STEPS else dtype
+    if (
+        not isinstance(v, Tensor)
+        or v.dtype != want
+        or not v.is_cpu
+        or v.shape != shape
+        or not v.is_contiguous()
+    ):
+        _tensor_error(_op(struct), f, v, want, sizes)
+    return v.data_ptr()  # type: ignore[union-attr]
 
 
 @functools.cache
@@ -918,14 +932,14 @@ class BoundStruct:
         op = _op(struct)
         if dtype not in RNN_INSTANCES:
             raise TypeError(f"{op}: the kernels take float32 or float64, got {dtype}")
-        plan = _fast_plan(struct, dtype, _sizes_key(sizes))
-        if plan is None:  # a size missing or not an int >= 0: the slow path names it
+        key = _sizes_key(sizes)
+        plan = _fast_plan(struct, dtype, key)
+        if plan is None or key is None:  # a size missing or not an int >= 0: the slow path names it
             _checked(struct, dtype, fixed, sizes, None)
             raise ValueError(f"{op}: sizes {dict(sizes)} do not bind every field")
         names = {f.name for f in struct.fields}
         placed: dict[str, tuple[str, int]] = {}  # field -> (region, offset in bytes)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        shapes = {f.name: shape for f, shape in _shapes(struct, _sizes_key(sizes) or ())}
+        shapes = {f.name: shape for f, shape in _shapes(struct, key)}
         for region_name, region in regions.items():
             for name, (offset, shape) in region.blocks.items():
                 if name not in shapes or struct.field(name).kind is Kind.STEPS:
@@ -936,7 +950,7 @@ class BoundStruct:
                         f"{op}: {name} must have shape {shapes[name]} inside {region_name}'s "
                         f"{region.numel} elements, got shape {tuple(shape)} at offset {offset}"
                     )
-                placed[name] = (region_name, offset * itemsize)
+                placed[name] = (region_name, offset * dtype.itemsize)
         unknown = set(fixed) - names
         if unknown:
             raise ValueError(f"{op}: no fields {sorted(unknown)}")
@@ -1018,22 +1032,13 @@ def _checked_field(
     """Field ``name``'s value ``v`` as the struct stores it, checked as :func:`_checked` does
     (the fast test refused it: this raises the error that names why, or stores what the fast
     test was too strict for)."""
-    out = structure(struct, dtype)()
     f = struct.field(name)
     if f.is_pointer:
-        shapes = dict(_shapes(struct, tuple(sorted(sizes.items()))))
-        want = torch.int64 if f.kind is Kind.STEPS else dtype
-        if not (
-            isinstance(v, Tensor)
-            and v.dtype == want
-            and v.is_cpu
-            and v.shape == shapes[f]
-            and v.is_contiguous()
-        ):
-            _tensor_error(_op(struct), f, v, want, sizes)
-        return v.data_ptr()  # type: ignore[union-attr]
+        shape = dict(_shapes(struct, tuple(sorted(sizes.items()))))[f]
+        return _checked_tensor(struct, dtype, f, shape, v, sizes)
     _check_number(struct, f, v)
-    setattr(out, name, v)
+    out = structure(struct, dtype)()
+    setattr(out, name, v)  # as the struct stores it (a bool flag as 0 / 1, say)
     return getattr(out, name)
 
 

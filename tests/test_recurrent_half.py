@@ -69,17 +69,26 @@ def projection(request):
     rnn.use_bfloat16_projection(None)
 
 
-@pytest.fixture(params=[True, False], ids=["AMX tiles", "no AMX"])
-def tiles(request):
-    """The bfloat16 products on the AMX tiles and off them (rnn.use_amx); the first skipped
-    where the processor or the system has none. The default restored after."""
-    rnn.use_amx(request.param)
+def _skip_without_tiles() -> None:
+    """Skip where the processor, the system or the build has no AMX tiles for the products."""
+    rnn.use_amx(True)
     try:
-        if request.param and not rnn.amx():
-            pytest.skip("no AMX tiles here (processor, system or build)")
-        yield request.param
+        here = rnn.amx()
     finally:
         rnn.use_amx(None)
+    if not here:
+        pytest.skip("no AMX tiles here (processor, system or build)")
+
+
+@pytest.fixture(params=[True, False], ids=["AMX tiles", "no AMX"])
+def tiles(request):
+    """The bfloat16 products on the AMX tiles (skipped where there are none) and off them
+    (rnn.use_amx); the default restored after."""
+    if request.param:
+        _skip_without_tiles()
+    rnn.use_amx(request.param)
+    yield request.param
+    rnn.use_amx(None)
 
 
 def _bf16_case(cls, steps, batch, in_features, hidden, seed=0):
@@ -282,10 +291,7 @@ def test_amx_tiles_and_dot_products_agree(steps, batch, hidden):
     every gradient within a few bfloat16 roundings of each other over a few steps. Rows past a
     tile of 16 (20, 33), pairs past a block of 16 (K = 40, 23: 20 and 12 pairs), columns past a
     panel of 32 (4H = 160, 92)."""
-    rnn.use_amx(True)
-    if not rnn.amx():
-        rnn.use_amx(None)
-        pytest.skip("no AMX tiles here (processor, system or build)")
+    _skip_without_tiles()
     runs = []
     try:
         for on in (True, False):

@@ -640,23 +640,14 @@ def _good_values(struct, sizes, dtype=torch.float32) -> dict[str, object]:
     return values
 
 
+_ALL_SIZES = {"N": 6, "B": 2, "H": 3, "G": 12, "S": 3, "I": 5, "R": 6, "X": 6, "D": 6, "M": 4,
+              "K": 5, "C": 5}  # fmt: skip
+
+
 @pytest.mark.parametrize("struct", rnn_abi.STRUCTS, ids=lambda s: s.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_fast_packing_fills_every_field_as_the_checked_one(struct, dtype) -> None:
-    sizes = {
-        "N": 6,
-        "B": 2,
-        "H": 3,
-        "G": 12,
-        "S": 3,
-        "I": 5,
-        "R": 6,
-        "X": 6,
-        "D": 6,
-        "M": 4,
-        "K": 5,
-        "C": 5,
-    }
+    sizes = _ALL_SIZES
     values = _good_values(struct, sizes, dtype)
     plan = rnn_abi._fast_plan(struct, dtype, rnn_abi._sizes_key(sizes))
     assert (
@@ -668,10 +659,6 @@ def test_the_fast_packing_fills_every_field_as_the_checked_one(struct, dtype) ->
     for f in struct.fields:
         assert getattr(fast, f.name) == getattr(slow, f.name), f.name
     assert bytes(fast) == bytes(slow)
-
-
-_ALL_SIZES = {"N": 6, "B": 2, "H": 3, "G": 12, "S": 3, "I": 5, "R": 6, "X": 6, "D": 6, "M": 4,
-              "K": 5, "C": 5}  # fmt: skip
 
 
 def _bound_case(struct, dtype):

@@ -21,8 +21,9 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
-from kernel_paths import needs_sequence_kernels
+from kernel_paths import HAS_SEQUENCE_KERNELS, needs_sequence_kernels
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
+from layernorm.kernels.cpu import rnn
 from layernorm.recurrent import _cstep, _fused, _planned
 from tolerances import assert_close_to_rounding
 
@@ -66,6 +67,13 @@ def _flat(result) -> list[torch.Tensor]:
     out, states = result
     states = states if isinstance(states, tuple) else (states,)
     return [out.data if hasattr(out, "batch_sizes") else out, *states]
+
+
+def _double(inputs):
+    """``inputs`` (a tensor or a PackedSequence) in float64."""
+    if hasattr(inputs, "batch_sizes"):
+        return inputs._replace(data=inputs.data.double())
+    return inputs.double()
 
 
 def _refuse(*args, **kwargs):
@@ -242,13 +250,30 @@ def test_inference_with_masks_in_eval_and_in_training(kind) -> None:
             torch.testing.assert_close(a, b, **TOL[torch.float64])
 
 
+def _spy_projected_calls(monkeypatch) -> list[str]:
+    """The names of the sequence kernels called with torch.nn.LSTM's projection, as they run."""
+    calls: list[str] = []
+    run_sequence = rnn.run_sequence
+
+    def spy(kernel: str, dtype: torch.dtype, args: object, seq_args: object) -> None:
+        if getattr(seq_args, "w_hr", None):
+            calls.append(kernel)
+        run_sequence(kernel, dtype, args, seq_args)
+
+    monkeypatch.setattr(rnn, "run_sequence", spy)
+    return calls
+
+
 @pytest.mark.parametrize("zoneout", [0.0, 0.3])
-def test_projection_runs_step_by_step_without_the_node(zoneout, monkeypatch) -> None:
-    """torch.nn.LSTM's projection runs between per-step C calls; in inference they run with
-    kept buffers of the batch's rows and no training node, and give the training path's result:
-    exactly where the projection before the loop takes the norm kernels in both (above
-    ``_NATIVE_BYTES`` in inference and ``TORCH_PROJECTION_NUMEL`` in training), to rounding where
-    either takes torch's ``layer_norm``. With zoneout of h at eval (its expectation) too."""
+def test_projection_runs_in_the_time_loop_without_the_node(zoneout, monkeypatch) -> None:
+    """torch.nn.LSTM's projection in inference: no training node, kept buffers of the batch's
+    rows, the training path's result. The LSTM's sequence kernel computes it in its time loop
+    (to rounding: its GEMM sums in another order than torch.mm); with zoneout of h at eval
+    (its expectation, acting on the projected h) the per-step C calls run with the projection
+    between them, exactly where the projection before the loop takes the norm kernels in both
+    (above ``_NATIVE_BYTES`` in inference and ``TORCH_PROJECTION_NUMEL`` in training), to
+    rounding where either takes torch's ``layer_norm``. Without the sequence kernels (the
+    portable target) the per-step calls run in both cases."""
     model = _model("lstm", torch.float64, proj_size=4, zoneout_hidden=zoneout).eval()
     x = _inputs(torch.float64, packed=True)
     steps: list[int] = []
@@ -258,7 +283,10 @@ def test_projection_runs_step_by_step_without_the_node(zoneout, monkeypatch) -> 
         "projected_by_steps",
         lambda st, *a: steps.append(st["hp"].shape[0]) or by_steps(st, *a),
     )
-    for limit, tol in ((0, {"rtol": 0, "atol": 0}), (1 << 30, TOL[torch.float64])):
+    projected_calls = _spy_projected_calls(monkeypatch)
+    in_loop = zoneout == 0.0 and HAS_SEQUENCE_KERNELS
+    exact = TOL[torch.float64] if in_loop else {"rtol": 0, "atol": 0}
+    for limit, tol in ((0, exact), (1 << 30, TOL[torch.float64])):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(_fused, "_NATIVE_BYTES", limit)
             mp.setattr(_fused, "TORCH_PROJECTION_NUMEL", limit)
@@ -269,7 +297,52 @@ def test_projection_runs_step_by_step_without_the_node(zoneout, monkeypatch) -> 
                 got = _flat(model(x))
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, **tol)
-    assert steps == [5, 5]  # buffers of the batch's 5 rows, not of every row
+    assert steps == ([] if in_loop else [5, 5])  # per step: buffers of the batch's 5 rows
+    assert projected_calls == (["lstm_fwd_seq"] * 2 if in_loop else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [True, False], ids=["ragged", "equal lengths"])
+@pytest.mark.parametrize(
+    "options", [{}, {"bidirectional": True, "num_layers": 2}, {"norm": "none"}],
+    ids=["one layer", "two bidirectional layers", "no layer norms"],
+)  # fmt: skip
+def test_projection_in_the_time_loop_equals_the_training_path(
+    options, packed, dtype, monkeypatch
+) -> None:
+    """torch.nn.LSTM's projection in inference, computed by the LSTM's sequence kernel (the
+    projected h its state, the inputs projected in the loop too): the training path's results,
+    with 1 and 2 threads (grains of 1: the team shares each step of ragged sequences and splits
+    sequences of equal lengths by batch rows), and for a token of two rows (weights as stored).
+    float32 to the rounding of the two paths' GEMMs (the C tile or MKL against torch.mm), as
+    measured against float64 on the same inputs."""
+    model = _model("lstm", dtype, proj_size=5, **options)
+    x = _inputs(dtype, packed=packed, batch=10)
+    tokens = _inputs(dtype, packed=False, batch=2)[:1]
+    refs = [[t.detach() for t in _flat(model(inp))] for inp in (x, tokens)]
+    with torch.no_grad():
+        double = copy.deepcopy(model).double()
+        exacts = [_flat(double(_double(inp))) for inp in (x, tokens)]
+    _forbid_training_node(monkeypatch, "lstm")
+    projected_calls = _spy_projected_calls(monkeypatch)
+    monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.no_grad():
+                got = [_flat(model(inp)) for inp in (x, tokens)]
+        finally:
+            torch.set_num_threads(before)
+        for results, ref, exact in zip(got, refs, exacts, strict=True):
+            if dtype is torch.float32:
+                assert_close_to_rounding(results, ref, exact, **TOL[dtype])
+                continue
+            for a, b in zip(results, ref, strict=True):
+                torch.testing.assert_close(a, b, **TOL[dtype])
+    directions = 2 * options.get("num_layers", 1) if options.get("bidirectional") else 1
+    assert len(projected_calls) == 2 * 2 * directions  # two calls, two thread counts
 
 
 def test_inference_state_does_not_alias_the_callers() -> None:

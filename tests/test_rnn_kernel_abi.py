@@ -110,7 +110,7 @@ def test_sequence_function_refuses_a_gain_of_the_wrong_size_dtype_or_layout(name
 @needs_c
 def test_sequence_function_refuses_a_recurrent_weight_of_the_wrong_shape() -> None:
     gx, h0, c0, w_hh, params, sched = _lstm_inputs()
-    with pytest.raises(ValueError, match=r"w must have shape \(G, H\) = \(12, 3\), got \(12, 2\)"):
+    with pytest.raises(ValueError, match=r"w must have shape \(G, P\) = \(12, 3\), got \(12, 2\)"):
         _lstm(gx, h0, c0, w_hh[:, :2], params, sched)
 
 
@@ -447,6 +447,111 @@ def test_c_refuses_an_inconsistent_projection(change, gx_rows) -> None:
         assert torch.equal(v, before[k]), k
 
 
+def _projected_lstm(steps: list[list[int]], hs: int = 3, ps: int = 2, kept: int | None = None):
+    """An LSTM forward struct for torch.nn.LSTM's projection (the step's h and out hold the
+    unprojected h~, H columns), its projection's operands (W_hr (P, H), the projected state hr
+    and output out_r) and W_hh (G, P), over the rows of ``steps``; kept buffers of B rows."""
+    n, b = sum(r for _, r in steps), steps[0][1]
+    args, t, sizes = _lstm_fwd_struct(hs=hs, n=n, b=b, kept=b if kept is None else kept)
+    gen = torch.Generator().manual_seed(5)
+    f64 = {"dtype": torch.float64, "generator": gen}
+    t["gx"].copy_(torch.randn(n, 4 * hs, **f64))
+    projection = {"w_hr": torch.randn(ps, hs, **f64), "hr": torch.randn(b, ps, **f64),
+                  "out_r": torch.zeros(n, ps, dtype=torch.float64)}  # fmt: skip
+    w = torch.randn(4 * hs, ps, **f64)
+    return args, t, sizes, projection, w, torch.tensor(steps)
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "steps",
+    [[[0, 2], [2, 2]], [[0, 3], [3, 3], [6, 3], [9, 2], [11, 1]], [[0, 4], [4, 4], [8, 4]]],
+    ids=["few rows: weights as stored", "ragged: a step's GEMMs shared", "equal: rows split"],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_c_recurrent_projection_equals_the_projection_between_steps(steps, threads) -> None:
+    """With W_hr the LSTM's sequence kernel carries h_t = W_hr h~_t (P units) as the state its
+    recurrent GEMM reads and writes each step's rows to out_r: what the step kernel between
+    torch's two GEMMs per step gives (hp = hr W_hhᵀ before, hr = h~ W_hrᵀ after), for a call of
+    a few rows (the weights read as stored), ragged steps (a team shares each step's GEMMs) and
+    steps of all rows (a team splits them by rows; grains of 1 make a team of two threads)."""
+    runs = []
+    for in_loop in (True, False):
+        args, t, sizes, proj, w, sched = _projected_lstm(steps)
+        hr, out_r, w_hr = proj["hr"], proj["out_r"], proj["w_hr"]
+        if in_loop:
+            rnn.sequence("lstm_fwd_seq", torch.float64, args, w, sched, sizes, threads, 1, 1,
+                         proj)  # fmt: skip
+        else:
+            for off, rows in sched.tolist():
+                torch.mm(hr[:rows], w.t(), out=t["hp"][:rows])
+                rnn.step("lstm_fwd_step", torch.float64, args, off, rows, 1)
+                torch.mm(t["out"][off : off + rows], w_hr.t(), out=hr[:rows])
+                out_r[off : off + rows] = hr[:rows]
+        runs.append((out_r, hr, t["c"], t["out"]))
+    assert runs[1][0].abs().min() > 0
+    for got, want in zip(*runs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "change",
+    ["hr missing", "out_r missing", "hr without w_hr", "P unlike H without w_hr", "kept N rows",
+     "zoneout of h", "GRU kernel"],
+)  # fmt: skip
+def test_c_refuses_an_inconsistent_recurrent_projection(change) -> None:
+    """W_hr comes with hr and out_r, P equals H without it, and only the LSTM's forward takes
+    it, in inference and without zoneout of h: anything else is an error before any memory is
+    touched."""
+    kernel, steps = "lstm_fwd_seq", [[0, 2], [2, 2], [4, 2]]
+    kept = 6 if change == "kept N rows" else None
+    args, t, sizes, proj, w, sched = _projected_lstm(steps, kept=kept)
+    if change == "hr missing":
+        proj["hr"] = None
+    elif change == "out_r missing":
+        proj["out_r"] = None
+    elif change == "hr without w_hr":
+        proj = {"hr": torch.zeros(2, 3, dtype=torch.float64),
+                "out_r": torch.zeros(6, 3, dtype=torch.float64)}  # fmt: skip
+        w = torch.zeros(12, 3, dtype=torch.float64)
+    elif change == "P unlike H without w_hr":
+        proj, w = {}, torch.zeros(12, 3, dtype=torch.float64)
+    elif change == "zoneout of h":
+        t["zh"] = torch.full((6, 3), 0.5, dtype=torch.float64)
+        args.zh = t["zh"].data_ptr()
+    elif change == "GRU kernel":
+        kernel = "gru_fwd_seq"
+        gru = {
+            k: torch.zeros(r, c, dtype=torch.float64)
+            for k, r, c in (
+                ("hp", 2, 9),
+                ("gx", 6, 9),
+                ("h", 2, 3),
+                ("out", 6, 3),
+                ("rz", 2, 6),
+                ("n", 2, 3),
+            )
+        }
+        gru.update({k: torch.ones(n, dtype=torch.float64) for k, n in (
+            ("w_rz", 6), ("b_rz", 6), ("w_n", 3), ("b_n", 3), ("b_hn", 3), ("mh", 2), ("rh", 2),
+            ("mn", 2), ("rn", 2))})  # fmt: skip
+        sizes = {"N": 6, "B": 2, "H": 3, "G": 9, "R": 2, "X": 6}
+        args = rnn.prepare(rnn_abi.GRU_FWD, torch.float64, {**gru, "eps": 1e-5, "off": 0,
+                           "rows": 0, "threads": 1, "layer_norm": 1}, sizes)  # fmt: skip
+        w = torch.zeros(9, 2, dtype=torch.float64)
+        t = gru
+    seq_args = rnn.pack_sequence(kernel, torch.float64, w, sched, sizes, 1, 1, 1, proj)
+    if change == "P unlike H without w_hr":
+        seq_args.P = 2  # past the Python checks: C's own
+    before = {k: v.clone() for k, v in {**t, **{k: v for k, v in proj.items() if v is not None}
+                                         }.items()}  # fmt: skip
+    with pytest.raises(ValueError, match="recurrent projection w_hr needs hr and out_r"):
+        rnn.run_sequence(kernel, torch.float64, args, seq_args)
+    for k, v in {**t, **{k: v for k, v in proj.items() if v is not None}}.items():
+        assert torch.equal(v, before[k]), k
+
+
 def _elman_fwd_struct(hs: int = 3, n: int = 8, b: int = 2, gx_rows: int | None = None):
     """A checked Elman forward struct over zeroed buffers of N = n rows and B = b state rows, gx
     with ``gx_rows`` (default N)."""
@@ -641,7 +746,7 @@ def _good_values(struct, sizes, dtype=torch.float32) -> dict[str, object]:
 
 
 _ALL_SIZES = {"N": 6, "B": 2, "H": 3, "G": 12, "S": 3, "I": 5, "R": 6, "X": 6, "D": 6, "M": 4,
-              "K": 5, "C": 5}  # fmt: skip
+              "K": 5, "C": 5, "P": 2}  # fmt: skip
 
 
 @pytest.mark.parametrize("struct", rnn_abi.STRUCTS, ids=lambda s: s.name)
@@ -777,7 +882,7 @@ def test_a_bound_struct_refuses_a_bad_plan(change, error, message) -> None:
         blocks = {"hp": (1, (6, 12))}
     elif change == "block of steps":
         struct, blocks, fixed = rnn_abi.SEQ_FWD, {"steps": (0, (3, 2))}, {}
-        sizes = {**sizes, "S": 3, "I": 0}
+        sizes = {**sizes, "S": 3, "I": 0, "P": 3}
     else:
         sizes["B"] = -1
     with pytest.raises(error, match=message):

@@ -322,6 +322,9 @@ def _sequence(
     # _fused.InferencePlan) runs them again with new input and output addresses
     if "_fwd" in kernel:
         options = st.get("projection")
+        if st.get("w_hr") is not None:  # torch.nn.LSTM's projection: h (P units) is its state
+            options = {**(options or {}), "w_hr": st["w_hr"].contiguous(), "hr": st["h"],
+                       "out_r": st["out"]}  # fmt: skip
     else:
         options = {**(st.get("ln_grads") or {}), **(st.get("projection_grad") or {})}
     dtype, args, w = st["gx"].dtype, _args(st, kernel.replace("_seq", "_step")), w.contiguous()

@@ -627,11 +627,14 @@ def _gx(source: GatesInput) -> Tensor:
 
 def _inference_kernels(gx: Tensor, st: dict[str, Any], seq: str) -> StepKernels | None:
     """The kernels that run a whole direction with kept buffers of B rows (each step overwrites
-    the last's): those with whole-sequence functions (the C kernels), or with torch.nn.LSTM's
-    projection the per-step C kernels (the projection runs between their calls,
-    :func:`._cstep.projected_by_steps`); ``None`` otherwise."""
+    the last's): those with whole-sequence functions (the C kernels; with torch.nn.LSTM's
+    projection too, which the LSTM's sequence kernel computes in its time loop, unless zoneout
+    acts on the projected h), or with the projection the per-step C kernels (the projection runs
+    between their calls, :func:`._cstep.projected_by_steps`); ``None`` otherwise."""
     kernels = _kernels(gx, st)
     if st.get("w_hr") is not None:
+        if kernels is C_STEPS and st.get("zh") is None and step_kernels(gx) is C_KERNELS:
+            return C_KERNELS
         return kernels if kernels is C_STEPS else None
     return kernels if getattr(kernels, seq) is not None else None
 
@@ -673,13 +676,13 @@ def _inference(
         n_rows = gx.shape[0]
     st = state(gx, n_rows)
     kernels = _inference_kernels(gx, st, seq)
-    if kernels is None:
+    if kernels is None or (in_loop and getattr(kernels, seq) is None):
         return None
     if in_loop:
         st["projection"] = source.kernel_args()
         if seq == "lstm_fwd_seq" and source.layer_norm and _STEP_NORMALIZES_INPUT:
             _input_norm_in_step(st, n_batch)
-    if st.get("w_hr") is not None:
+    if st.get("w_hr") is not None and kernels is C_STEPS:
         _cstep.projected_by_steps(st, w_hh, sched)
     elif kernels is C_KERNELS and not in_loop and _one_step_by_gemm(sched):
         _cstep.by_steps(seq, st, w_hh, sched)
@@ -687,7 +690,9 @@ def _inference(
         getattr(kernels, seq)(st, w_hh, sched)
     result = tuple(st[k] for k in results)
     kept = _KEPT_PLANS.get()
-    if kept is not None and projected and "_call" in st:
+    # (a plan re-points the step struct's output and state; with the recurrent projection the
+    # sequence struct holds those)
+    if kept is not None and projected and "_call" in st and st.get("w_hr") is None:
         kept.append(InferencePlan(st, source, in_loop, results, kernel_bias))
     return result
 
@@ -1024,9 +1029,12 @@ def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
         return _lstm_state(gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry,
                            *_padded(masks, 4), kept_rows=h0.shape[0], n_rows=n_rows)  # fmt: skip
 
-    w_hr = _padded(masks, 4)[3]
+    zh, w_hr = _padded(masks, 4)[0], _padded(masks, 4)[3]
+    # with torch.nn.LSTM's projection the inputs are projected in the time loop only by the
+    # sequence kernel, which takes it unless zoneout acts on the projected h
+    in_loop_ok = w_hr is None or (zh is None and _cstep.sequence_gemm())
     out = _inference(
-        args, "lstm_fwd_seq", w_hh, sched, state, ("out", "h", "c"), in_loop_ok=w_hr is None
+        args, "lstm_fwd_seq", w_hh, sched, state, ("out", "h", "c"), in_loop_ok=in_loop_ok
     )
     if out is not None:
         return out  # type: ignore[return-value]

@@ -153,7 +153,7 @@ def _build(
     )  # fmt: skip
     # the sequence structs as :func:`._cstep._sequence` packs them (rnn.pack_sequence), with
     # this call's threads and, in the loop, the input projection's operands
-    seq_sizes = {**sizes, "S": n_steps, "I": inputs if in_loop else 0}
+    seq_sizes = {**sizes, "S": n_steps, "I": inputs if in_loop else 0, "P": sizes["H"]}
     seq = {"steps": _cstep._steps(sched), "grain": _cstep._SEQ_GRAIN,
            "gemm_grain": _cstep._SEQ_GEMM_GRAIN, "half_gemm": half}  # fmt: skip
     projection = {} if in_loop else {"x": None, "w_ih": None}

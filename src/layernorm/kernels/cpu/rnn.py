@@ -429,7 +429,9 @@ def _raise_for(status: int, kernel: str) -> None:
             f"layernorm recurrent CPU kernel {kernel}: the input projection needs x and w_ih "
             f"together, 0 < split <= G and gx of B or N rows (without it, N rows), its gradient "
             f"w_ih and dx together (the LSTM's kernels only), and the Elman kernels take neither; "
-            f"nothing was written"
+            f"the recurrent projection w_hr needs hr and out_r (P = H without it) and only the "
+            f"LSTM's forward takes it, in inference (kept buffers of B rows) without zoneout of "
+            f"h; nothing was written"
         )
     if status != 0:
         raise ValueError(
@@ -478,7 +480,9 @@ def pack_sequence(
     ``options``: the sequence struct's optional fields. Forward kernels: ``x``, ``w_ih``, ``w0``,
     ``b0`` and ``split`` of :data:`.rnn_abi.SEQ_FWD`, for a kernel that computes each step's
     ``gx`` rows itself (the step struct's gx then has B rows, or N rows kept raw for backward);
-    without them gx holds every row already. Backward kernels: ``hp_grads``, ``c_grads`` and
+    without them gx holds every row already; and ``w_hr``, ``hr``, ``out_r``, for the LSTM's
+    inference with torch.nn.LSTM's projection (``w`` then has W_hr's rows as columns). Backward
+    kernels: ``hp_grads``, ``c_grads`` and
     ``x_grads`` of :data:`.rnn_abi.SEQ_BWD`, where the kernel sums the layer norms' gain and bias
     gradients, and ``w_ih`` with ``dx``, where it computes each step's rows of x's gradient.
 
@@ -499,7 +503,11 @@ def pack_sequence(
         if isinstance(t, Tensor) and t.dim() == 2
     ]
     in_features = given[0].shape[1] if given else 0
-    seq_sizes = {**sizes, "S": steps.shape[0], "I": in_features}
+    # P: the columns of the state the recurrence carries, W_hr's rows with torch.nn.LSTM's
+    # projection (forward kernels), else H
+    w_hr = opts.get("w_hr")
+    state_cols = w_hr.shape[0] if isinstance(w_hr, Tensor) and w_hr.dim() == 2 else sizes["H"]
+    seq_sizes = {**sizes, "S": steps.shape[0], "I": in_features, "P": state_cols}
     return rnn_abi.pack(seq_struct, dtype, values, seq_sizes)
 
 

@@ -54,7 +54,9 @@ FORWARD_GROUP_MAX = 8
 #: What a sequence kernel returns when its optional input projection is half given (x without
 #: w_ih or the reverse), its split is outside (0, G], or gx has the wrong rows for it; the Elman
 #: kernels, which normalize hp + gx as one, when it is given at all; ``matmul`` when its W's
-#: shape is not that of its ``transposed`` flag.
+#: shape is not that of its ``transposed`` flag; a forward sequence kernel when its recurrent
+#: projection (``w_hr``) is half given, P differs from H without it, or it comes to a kernel
+#: other than the LSTM's, with kept buffers of N rows or with zoneout of h.
 ERR_PROJECTION = 3
 
 
@@ -395,8 +397,26 @@ _PROJECTION = (
     Field("I", Kind.SIZE, doc="input features (0 without x)"),
     Field("split", Kind.INDEX, doc="first normalized block's columns (with x: 0 < split <= G)"),
 )  # fmt: skip
+# torch.nn.LSTM's projection (proj_size = P) in inference: with w_hr given, the step struct's h
+# and out hold the cell's unprojected h~ (H units) and the state the recurrence carries is the
+# projection h_t = W_hr h~_t (P units) in hr, each step's rows of it copied to out_r; the
+# recurrent GEMM multiplies hr by W_hh (G, P). The LSTM kernel only, with kept buffers of B rows
+# (R = B) and no zoneout of h (which acts on the P units: the caller's per-step path); without
+# w_hr, P = H and hr, out_r are NULL.
+_RECURRENT_PROJECTION = (
+    Field("w_hr", _IN, ("P", "H"), "torch.nn.LSTM's projection W_hr (the kernel multiplies by "
+          "its transpose)", optional=True),
+    Field("hr", _INOUT, ("B", "P"), "the projected state h_{t-1} in, h_t out (with w_hr)",
+          optional=True),
+    Field("out_r", _OUT, ("N", "P"), "the projected output h_t (with w_hr)", optional=True),
+    Field("P", Kind.SIZE, doc="columns of the recurrent state: the projection's with w_hr, else "
+          "H"),
+)  # fmt: skip
 SEQ_FWD = _seq(
-    "rnn_seq_fwd_args", "G H", "W_hh (the kernel multiplies by its transpose)", _PROJECTION
+    "rnn_seq_fwd_args",
+    "G P",
+    "W_hh (the kernel multiplies by its transpose)",
+    (*_PROJECTION, *_RECURRENT_PROJECTION),
 )
 # The backward sequence kernels' sums of the gains' and biases' gradients of the layer norms
 # inside the step (with layer_norm): each row's terms are added where the row's backward has them

@@ -417,14 +417,18 @@ _Static_assert(sizeof(elman_bwd_step_args_f32) == 128, "elman_bwd_step_args_f32 
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
-    const float* w; /* input (G, H): W_hh (the kernel multiplies by its transpose) */
+    const float* w; /* input (G, P): W_hh (the kernel multiplies by its transpose) */
     const int64_t* steps; /* steps (S, 2): (first row, rows) of each step, in forward order */
     const float* x; /* input (N, I), optional: NULL = off: the direction's input rows */
     const float* w_ih; /* input (G, I), optional: NULL = off: W_ih (the kernel multiplies by its transpose) */
     const float* w0; /* input (G), optional: NULL = off: gain of LN(x W_ihᵀ) (NULL: ones) */
     const float* b0; /* input (G), optional: NULL = off: bias after it, torch's input biases folded in (NULL: zeros) */
+    const float* w_hr; /* input (P, H), optional: NULL = off: torch.nn.LSTM's projection W_hr (the kernel multiplies by its transpose) */
+    float* hr; /* in/out (B, P), optional: NULL = off: the projected state h_{t-1} in, h_t out (with w_hr) */
+    float* out_r; /* output (N, P), optional: NULL = off: the projected output h_t (with w_hr) */
     int64_t I; /* size: input features (0 without x) */
     int64_t split; /* index, >= 0: first normalized block's columns (with x: 0 < split <= G) */
+    int64_t P; /* size: columns of the recurrent state: the projection's with w_hr, else H */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
@@ -437,14 +441,18 @@ _Static_assert(offsetof(rnn_seq_fwd_args_f32, x) == 16, "rnn_seq_fwd_args_f32.x"
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, w_ih) == 24, "rnn_seq_fwd_args_f32.w_ih");
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, w0) == 32, "rnn_seq_fwd_args_f32.w0");
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, b0) == 40, "rnn_seq_fwd_args_f32.b0");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, I) == 48, "rnn_seq_fwd_args_f32.I");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, split) == 56, "rnn_seq_fwd_args_f32.split");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, n_steps) == 64, "rnn_seq_fwd_args_f32.n_steps");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, grain) == 72, "rnn_seq_fwd_args_f32.grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, gemm_grain) == 80, "rnn_seq_fwd_args_f32.gemm_grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, half_gemm) == 88, "rnn_seq_fwd_args_f32.half_gemm");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, threads) == 96, "rnn_seq_fwd_args_f32.threads");
-_Static_assert(sizeof(rnn_seq_fwd_args_f32) == 104, "rnn_seq_fwd_args_f32 size");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, w_hr) == 48, "rnn_seq_fwd_args_f32.w_hr");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, hr) == 56, "rnn_seq_fwd_args_f32.hr");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, out_r) == 64, "rnn_seq_fwd_args_f32.out_r");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, I) == 72, "rnn_seq_fwd_args_f32.I");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, split) == 80, "rnn_seq_fwd_args_f32.split");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, P) == 88, "rnn_seq_fwd_args_f32.P");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, n_steps) == 96, "rnn_seq_fwd_args_f32.n_steps");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, grain) == 104, "rnn_seq_fwd_args_f32.grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, gemm_grain) == 112, "rnn_seq_fwd_args_f32.gemm_grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, half_gemm) == 120, "rnn_seq_fwd_args_f32.half_gemm");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, threads) == 128, "rnn_seq_fwd_args_f32.threads");
+_Static_assert(sizeof(rnn_seq_fwd_args_f32) == 136, "rnn_seq_fwd_args_f32 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
@@ -1092,14 +1100,18 @@ _Static_assert(sizeof(elman_bwd_step_args_f64) == 128, "elman_bwd_step_args_f64 
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
-    const double* w; /* input (G, H): W_hh (the kernel multiplies by its transpose) */
+    const double* w; /* input (G, P): W_hh (the kernel multiplies by its transpose) */
     const int64_t* steps; /* steps (S, 2): (first row, rows) of each step, in forward order */
     const double* x; /* input (N, I), optional: NULL = off: the direction's input rows */
     const double* w_ih; /* input (G, I), optional: NULL = off: W_ih (the kernel multiplies by its transpose) */
     const double* w0; /* input (G), optional: NULL = off: gain of LN(x W_ihᵀ) (NULL: ones) */
     const double* b0; /* input (G), optional: NULL = off: bias after it, torch's input biases folded in (NULL: zeros) */
+    const double* w_hr; /* input (P, H), optional: NULL = off: torch.nn.LSTM's projection W_hr (the kernel multiplies by its transpose) */
+    double* hr; /* in/out (B, P), optional: NULL = off: the projected state h_{t-1} in, h_t out (with w_hr) */
+    double* out_r; /* output (N, P), optional: NULL = off: the projected output h_t (with w_hr) */
     int64_t I; /* size: input features (0 without x) */
     int64_t split; /* index, >= 0: first normalized block's columns (with x: 0 < split <= G) */
+    int64_t P; /* size: columns of the recurrent state: the projection's with w_hr, else H */
     int64_t n_steps; /* size: steps */
     int64_t grain; /* index, >= 1: step kernel: elements per thread at least */
     int64_t gemm_grain; /* index, >= 1: GEMM: multiply-adds per thread at least */
@@ -1112,14 +1124,18 @@ _Static_assert(offsetof(rnn_seq_fwd_args_f64, x) == 16, "rnn_seq_fwd_args_f64.x"
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, w_ih) == 24, "rnn_seq_fwd_args_f64.w_ih");
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, w0) == 32, "rnn_seq_fwd_args_f64.w0");
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, b0) == 40, "rnn_seq_fwd_args_f64.b0");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, I) == 48, "rnn_seq_fwd_args_f64.I");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, split) == 56, "rnn_seq_fwd_args_f64.split");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, n_steps) == 64, "rnn_seq_fwd_args_f64.n_steps");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, grain) == 72, "rnn_seq_fwd_args_f64.grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, gemm_grain) == 80, "rnn_seq_fwd_args_f64.gemm_grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, half_gemm) == 88, "rnn_seq_fwd_args_f64.half_gemm");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, threads) == 96, "rnn_seq_fwd_args_f64.threads");
-_Static_assert(sizeof(rnn_seq_fwd_args_f64) == 104, "rnn_seq_fwd_args_f64 size");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, w_hr) == 48, "rnn_seq_fwd_args_f64.w_hr");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, hr) == 56, "rnn_seq_fwd_args_f64.hr");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, out_r) == 64, "rnn_seq_fwd_args_f64.out_r");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, I) == 72, "rnn_seq_fwd_args_f64.I");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, split) == 80, "rnn_seq_fwd_args_f64.split");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, P) == 88, "rnn_seq_fwd_args_f64.P");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, n_steps) == 96, "rnn_seq_fwd_args_f64.n_steps");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, grain) == 104, "rnn_seq_fwd_args_f64.grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, gemm_grain) == 112, "rnn_seq_fwd_args_f64.gemm_grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, half_gemm) == 120, "rnn_seq_fwd_args_f64.half_gemm");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, threads) == 128, "rnn_seq_fwd_args_f64.threads");
+_Static_assert(sizeof(rnn_seq_fwd_args_f64) == 136, "rnn_seq_fwd_args_f64 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {

@@ -182,6 +182,18 @@ static inline int projection_valid(const void* x, const void* w_ih, i64 split, i
     return w_ih && split > 0 && split <= G && (X == B || X == N);
 }
 
+/* Whether a forward kernel's recurrent-projection arguments agree (rnn_abi.py,
+   _RECURRENT_PROJECTION): none (P = H), or w_hr with hr and out_r for a kernel that takes it
+   (the LSTM's: takes), in inference (R = B: kept buffers of the batch's rows, which a call of
+   one step of all B rows, N = B, has either way) and without zoneout of h (zh, which would act
+   on the projected units). */
+static inline int recurrent_projection_valid(const void* w_hr, const void* hr, const void* out_r,
+                                             i64 P, i64 H, int takes, i64 R, i64 B,
+                                             const void* zh) {
+    if (!w_hr) return !hr && !out_r && P == H;
+    return takes && hr && out_r && R == B && !zh;
+}
+
 /* Whether a backward kernel's projection-gradient arguments agree (rnn_abi.py, _PROJECTION_GRAD):
    none, or w_ih and dx both, for a kernel that has dgx rows to multiply (has_dgx). */
 static inline int projection_grad_valid(const void* w_ih, const void* dx, int has_dgx) {

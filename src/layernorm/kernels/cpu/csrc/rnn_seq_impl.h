@@ -120,11 +120,17 @@ static inline __attribute__((always_inline)) void FN(prefetch_panel)(const scala
 }
 
 /* Buffers for packed panels, kept per calling thread and grown on demand (a fresh allocation of
-   megabytes per call is an mmap plus page faults every time): slot 0 for the recurrent weight,
-   slot 1 for the input weight of a forward kernel's projection, slots 2 and 3 for their GEMMs'
-   inputs rounded to bfloat16 (half_gemm). NULL when one cannot grow. */
-static __thread scalar_t* FN(pack_buf)[5] = {NULL, NULL, NULL, NULL, NULL};
-static __thread i64 FN(pack_cap)[5] = {0, 0, 0, 0, 0};
+   megabytes per call is an mmap plus page faults every time): one slot for each weight a
+   sequence kernel packs (the recurrent weight, the input weight of a forward kernel's projection,
+   torch.nn.LSTM's projection W_hr), then one for each of their GEMMs' inputs rounded to bfloat16
+   (half_gemm: weight slot + WEIGHT_SLOTS), then GEMM_PACK_A's copy of A. NULL when one cannot
+   grow. */
+#ifndef RNN_SEQ_SLOTS
+#define RNN_SEQ_SLOTS
+enum { SLOT_W_HH, SLOT_W_IH, SLOT_W_HR, WEIGHT_SLOTS, SLOT_PACK_A = 2 * WEIGHT_SLOTS, SLOTS };
+#endif
+static __thread scalar_t* FN(pack_buf)[SLOTS];
+static __thread i64 FN(pack_cap)[SLOTS];
 
 static scalar_t* FN(pack_buffer)(i64 n, int slot) {
     if (n > FN(pack_cap)[slot]) {
@@ -667,7 +673,7 @@ static void FN(gemm_part)(i64 M, i64 N, const FN(gemm_ops) * g, int part, int pa
     if (!g->Q)
 #endif
     {
-        scalar_t* Ap = FN(pack_buffer)(M * g->K, 4); /* NULL: A read in place */
+        scalar_t* Ap = FN(pack_buffer)(M * g->K, SLOT_PACK_A); /* NULL: A read in place */
         const i64 tiles = M <= GEMM_WIDE_MR ? 1 : (M + GEMM_MR - 1) / GEMM_MR;
         const int balanced = M <= GEMM_WIDE_MR || M / tiles >= GEMM_BALANCED;
         i64 i0 = 0;
@@ -736,7 +742,7 @@ static void FN(gemm)(i64 M, i64 N, i64 K, const scalar_t* A, i64 sar, i64 sak, c
    thread's panels, then multiplied by that share of dhpᵀ, the panels shared among nt threads. */
 static int FN(weight_grad_rows)(const FN(weight_grad_args) * a, i64 lo, i64 hi, int nt) {
     const i64 N = a->N, G = a->G, H = a->H;
-    scalar_t* P = FN(pack_buffer)(GEMM_KC * FN(panels)(H) * NR, 0);
+    scalar_t* P = FN(pack_buffer)(GEMM_KC * FN(panels)(H) * NR, SLOT_W_HH);
     if (!P) return RNN_ERR_NOMEM;
     for (i64 k0 = 0; k0 < N; k0 += GEMM_KC) {
         const i64 kc = N - k0 < GEMM_KC ? N - k0 : GEMM_KC;
@@ -992,7 +998,7 @@ static int FN(weight_init)(FN(weight) * b, const scalar_t* w, i64 K, i64 N, int 
     if (half) { /* every thread of a team or of a GEMM's own region (at most nt) rounds A */
         const i64 K2 = (K + 1) / 2, threads = team > nt ? team : nt, rows = B < 1 ? 1 : B;
         uint32_t* Q = (uint32_t*)FN(pack_buffer)(K2 * FN(panels)(N) * NR, slot);
-        uint16_t* A2 = (uint16_t*)FN(pack_buffer)(threads * rows * K2, slot + 2);
+        uint16_t* A2 = (uint16_t*)FN(pack_buffer)(threads * rows * K2, slot + WEIGHT_SLOTS);
         if (!Q || !A2) return 0;
         half_pack_panels(w, K, N, transposed, Q, nt);
         b->half = Q;
@@ -1094,7 +1100,8 @@ int FN(matmul)(const FN(matmul_args) * a) {
     }
     const int nt = FN(gemm_threads)(M, N, K, a->gemm_grain, a->threads);
     FN(weight) wb;
-    if (!FN(weight_init)(&wb, a->w, K, N, a->transposed, M, nt, 0, nt, 0, 0)) return RNN_ERR_NOMEM;
+    if (!FN(weight_init)(&wb, a->w, K, N, a->transposed, M, nt, 0, nt, SLOT_W_HH, 0))
+        return RNN_ERR_NOMEM;
     FN(wgemm)(&wb, M, a->x, K, a->y, N, 0, nt);
     return 0;
 }
@@ -1182,6 +1189,24 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
     free(g->total);
 }
 
+/* torch.nn.LSTM's projection in a forward time loop (rnn_abi.py, _RECURRENT_PROJECTION): part
+   `part` of `parts` of the step's rows [lo, hi) of h_t = h~_t W_hrᵀ, from the step kernel's
+   output rows h~ (hu: (N, H), the step beginning at row off) into the carried state hr, the
+   next step's GEMM input. */
+static void FN(project_part)(const FN(weight) * wrb, const scalar_t* hu,
+                             const FN(rnn_seq_fwd_args) * s, i64 off, i64 lo, i64 hi, int part,
+                             int parts) {
+    const i64 H = wrb->K, P = s->P;
+    FN(wgemm_part)(wrb, hi - lo, hu + (off + lo) * H, H, s->hr + lo * P, P, 0, part, parts);
+}
+
+/* The step's rows [lo, hi) of the projected state, copied to the output rows out_r. */
+static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 lo, i64 hi) {
+    if (hi > lo)
+        memcpy(s->out_r + (off + lo) * s->P, s->hr + lo * s->P,
+               (size_t)((hi - lo) * s->P) * sizeof(scalar_t));
+}
+
 /* The time loops, the same for every cell; they expand inside a *_seq kernel with its step
    struct a, sequence struct s, gate rows G and `step`, a copy of *a that each step's rows and
    threads are written into.
@@ -1189,7 +1214,11 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
    Forward: per step the recurrent GEMM h_{t−1} W_hhᵀ into the step's rows of hp (with kept
    buffers of B rows, rows [0, rows)), then the cell's step kernel STEP_FN. With the input
    projection (s->x, inference), first the step's x rows times W_ihᵀ into gx's B rows, finished
-   by input_rows (its layer norms) just before each row's step: gx never leaves the cache.
+   by input_rows (its layer norms) just before each row's step: gx never leaves the cache. With
+   torch.nn.LSTM's projection (s->w_hr, the LSTM's inference: TAKES_W_HR), the step kernel's
+   output rows hold h~_t (H units), the GEMM project_step turns them into h_t = W_hr h~_t (P
+   units) in the carried state hr, the recurrent GEMM's input, and each step's rows of hr are
+   copied to out_r.
 
    With more than one thread for some step (the grains decide, as for one step), the whole time
    loop is one parallel region. Where batch_split (rnn_common.h) allows, each thread runs its
@@ -1198,32 +1227,41 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
    team_barrier after each, instead of a fork-join per GEMM and per step kernel. All steps are
    checked before the region (nothing returns from inside it). */
 #define TEAM_MAX(u, v) ((u) > (v) ? (u) : (v))
-#define FORWARD_IN_TIME(STEP_FN, ROWS_FN, STEP_NORMALIZES_GX)                                     \
+#define FORWARD_IN_TIME(STEP_FN, ROWS_FN, STEP_NORMALIZES_GX, TAKES_W_HR)                         \
     do {                                                                                          \
         if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;                              \
-        if (!projection_valid(s->x, s->w_ih, s->split, G, a->X, a->N, a->B))                      \
+        if (!projection_valid(s->x, s->w_ih, s->split, G, a->X, a->N, a->B) ||                    \
+            !recurrent_projection_valid(s->w_hr, s->hr, s->out_r, s->P, a->H, (TAKES_W_HR), a->R, \
+                                        a->B, a->zh))                                             \
             return RNN_ERR_PROJECTION;                                                            \
-        const i64 H = a->H, I = s->I;                                                             \
+        const i64 H = a->H, I = s->I, P = s->P;                                                   \
+        /* the state the recurrent GEMM reads: h_{t−1} (P = H), or its projection */              \
+        scalar_t* const state = s->w_hr ? s->hr : a->h;                                           \
         i64 all_rows = 0; /* checked step by step below; here only the choice of GEMM */          \
         int team = 1;                                                                             \
         for (i64 k = 0; k < s->n_steps; ++k) {                                                    \
             const i64 rows = s->steps[2 * k + 1];                                                 \
             all_rows += rows;                                                                     \
-            team = TEAM_MAX(team, FN(gemm_threads)(rows, G, H, s->gemm_grain, s->threads));       \
+            team = TEAM_MAX(team, FN(gemm_threads)(rows, G, P, s->gemm_grain, s->threads));       \
             team = TEAM_MAX(team, threads_for(rows * G, rows, s->grain, s->threads));             \
             if (s->x)                                                                             \
                 team = TEAM_MAX(team, FN(gemm_threads)(rows, G, I, s->gemm_grain, s->threads));   \
+            if (s->w_hr)                                                                          \
+                team = TEAM_MAX(team, FN(gemm_threads)(rows, P, H, s->gemm_grain, s->threads));   \
         }                                                                                         \
         const int direct = all_rows <= DIRECT_ROWS; /* weights read as stored, not packed */      \
         team = team_cap(team);                                                                    \
-        const i64 packed = (H + (s->x ? I : 0)) * FN(panels)(G) * NR * (i64)sizeof(scalar_t);     \
+        const i64 packed = ((P + (s->x ? I : 0)) * FN(panels)(G) +                                \
+                            (s->w_hr ? H * FN(panels)(P) : 0)) * NR * (i64)sizeof(scalar_t);      \
         const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
-        FN(weight) wb = {0}, wxb = {0}; /* unless direct */                                       \
+        FN(weight) wb = {0}, wxb = {0}, wrb = {0}; /* unless direct */                            \
         if (!direct &&                                                                            \
-            (!FN(weight_init)(&wb, s->w, H, G, 1, a->B, team, by_rows, s->threads, 0,             \
+            (!FN(weight_init)(&wb, s->w, P, G, 1, a->B, team, by_rows, s->threads, SLOT_W_HH,     \
                               s->half_gemm >= 2) ||                                               \
              (s->x && !FN(weight_init)(&wxb, s->w_ih, I, G, 1, a->B, team, by_rows,               \
-                                       s->threads, 1, s->half_gemm >= 1))))                       \
+                                       s->threads, SLOT_W_IH, s->half_gemm >= 1)) ||              \
+             (s->w_hr && !FN(weight_init)(&wrb, s->w_hr, H, P, 1, a->B, team, by_rows,            \
+                                          s->threads, SLOT_W_HR, s->half_gemm >= 2))))            \
             return RNN_ERR_NOMEM;                                                                 \
         if (team > 1 && !direct) {                                                                \
             for (i64 k = 0; k < s->n_steps; ++k)                                                  \
@@ -1247,18 +1285,22 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                                        gx + lo * G, G, 0, 0, 1);                                  \
                     else                                                                          \
                         prefetch_l2(gx + lo * G, (hi - lo) * G * (i64)sizeof(scalar_t));          \
-                    FN(wgemm_part)(&wb, hi - lo, a->h + lo * H, H, hp + lo * G, G, 0, 0, 1);      \
+                    FN(wgemm_part)(&wb, hi - lo, state + lo * P, P, hp + lo * G, G, 0, 0, 1);     \
                     if (s->x && !(STEP_NORMALIZES_GX))                                            \
                         FN(input_rows)(gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm, lo,  \
                                        hi);                                                       \
                     ROWS_FN(&mine, lo, hi);                                                       \
+                    if (s->w_hr) {                                                                \
+                        FN(project_part)(&wrb, a->out, s, mine.off, lo, hi, 0, 1);                \
+                        FN(projected_rows_out)(s, mine.off, lo, hi);                              \
+                    }                                                                             \
                 }                                                                                 \
                 for (i64 k = 0; !by_rows && k < s->n_steps; ++k) {                                \
                     mine.off = s->steps[2 * k];                                                   \
                     mine.rows = s->steps[2 * k + 1];                                              \
                     scalar_t* hp = a->hp + kept_row(a->R, a->N, mine.off, 0) * G;                 \
                     scalar_t* gx = a->gx + kept_row(a->X, a->N, mine.off, 0) * G;                 \
-                    const int gnt = FN(gemm_threads)(mine.rows, G, H, s->gemm_grain, nth);        \
+                    const int gnt = FN(gemm_threads)(mine.rows, G, P, s->gemm_grain, nth);        \
                     if (s->x) {                                                                   \
                         const int xnt = FN(gemm_threads)(mine.rows, G, I, s->gemm_grain, nth);    \
                         if (tid < xnt)                                                            \
@@ -1268,7 +1310,7 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                         prefetch_l2(gx, mine.rows * G * (i64)sizeof(scalar_t));                   \
                     }                                                                             \
                     if (tid < gnt)                                                                \
-                        FN(wgemm_part)(&wb, mine.rows, a->h, H, hp, G, 0, tid, gnt);              \
+                        FN(wgemm_part)(&wb, mine.rows, state, P, hp, G, 0, tid, gnt);             \
                     team_wait(&bar, nth);                                                         \
                     const int rnt = threads_for(mine.rows * G, mine.rows, s->grain, nth);         \
                     if (tid < rnt) {                                                              \
@@ -1279,6 +1321,15 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
                         ROWS_FN(&mine, lo, hi);                                                   \
                     }                                                                             \
                     team_wait(&bar, nth);                                                         \
+                    if (s->w_hr) { /* hr's rows written by panels, then read by row blocks */     \
+                        const int pnt = FN(gemm_threads)(mine.rows, P, H, s->gemm_grain, nth);    \
+                        if (tid < pnt)                                                            \
+                            FN(project_part)(&wrb, a->out, s, mine.off, 0, mine.rows, tid, pnt);  \
+                        team_wait(&bar, nth);                                                     \
+                        /* the copy only reads hr, as the next step's first GEMM: no wait */      \
+                        row_block(mine.rows, nth, tid, &lo, &hi);                                 \
+                        FN(projected_rows_out)(s, mine.off, lo, hi);                              \
+                    }                                                                             \
                 }                                                                                 \
             }                                                                                     \
             return 0;                                                                             \
@@ -1300,11 +1351,18 @@ static void FN(grad_sums_finish)(FN(grad_sums) * g, int team, scalar_t* const* o
             } else {                                                                              \
                 prefetch_l2(gx, step.rows * G * (i64)sizeof(scalar_t));                           \
             }                                                                                     \
-            const int gemm_nt = FN(gemm_threads)(step.rows, G, H, s->gemm_grain, s->threads);     \
-            if (direct) FN(gemm_nt_direct)(step.rows, G, H, a->h, s->w, hp, G, gemm_nt);          \
-            else FN(wgemm)(&wb, step.rows, a->h, H, hp, G, 0, gemm_nt);                           \
+            const int gemm_nt = FN(gemm_threads)(step.rows, G, P, s->gemm_grain, s->threads);     \
+            if (direct) FN(gemm_nt_direct)(step.rows, G, P, state, s->w, hp, G, gemm_nt);         \
+            else FN(wgemm)(&wb, step.rows, state, P, hp, G, 0, gemm_nt);                          \
             step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);           \
             STEP_FN(&step);                                                                       \
+            if (s->w_hr) {                                                                        \
+                const scalar_t* hu = a->out + step.off * H;                                       \
+                const int pnt = FN(gemm_threads)(step.rows, P, H, s->gemm_grain, s->threads);     \
+                if (direct) FN(gemm_nt_direct)(step.rows, P, H, hu, s->w_hr, s->hr, P, pnt);      \
+                else FN(wgemm)(&wrb, step.rows, hu, H, s->hr, P, 0, pnt);                         \
+                FN(projected_rows_out)(s, step.off, 0, step.rows);                                \
+            }                                                                                     \
         }                                                                                         \
         return 0;                                                                                 \
     } while (0)
@@ -1417,7 +1475,7 @@ int FN(lstm_fwd_seq)(const FN(lstm_fwd_step_args) * a, const FN(rnn_seq_fwd_args
     if (!input_norm_valid(a->w0, a->b0 && a->mx && a->rx && raw_gx, a->layer_norm))
         return RNN_ERR_INPUT_NORM;
     FN(lstm_fwd_step_args) step = *a;
-    FORWARD_IN_TIME(FN(lstm_fwd_step), FN(lstm_fwd_rows), a->w0 != NULL);
+    FORWARD_IN_TIME(FN(lstm_fwd_step), FN(lstm_fwd_rows), a->w0 != NULL, 1);
 }
 
 /* Without zoneout of h the LSTM step leaves dh to its GEMM to overwrite; with it the step leaves
@@ -1439,7 +1497,7 @@ int FN(lstm_bwd_seq)(const FN(lstm_bwd_step_args) * a, const FN(rnn_seq_bwd_args
 int FN(gru_fwd_seq)(const FN(gru_fwd_step_args) * a, const FN(rnn_seq_fwd_args) * s) {
     const i64 G = 3 * a->H;
     FN(gru_fwd_step_args) step = *a;
-    FORWARD_IN_TIME(FN(gru_fwd_step), FN(gru_fwd_rows), 0);
+    FORWARD_IN_TIME(FN(gru_fwd_step), FN(gru_fwd_rows), 0, 0);
 }
 
 /* The GRU step leaves the direct path of h_{t−1} in dh, so its GEMM adds to dh. */
@@ -1458,7 +1516,7 @@ int FN(elman_fwd_seq)(const FN(elman_fwd_step_args) * a, const FN(rnn_seq_fwd_ar
     const i64 G = a->H;
     if (s->x || s->w_ih) return RNN_ERR_PROJECTION;
     FN(elman_fwd_step_args) step = *a;
-    FORWARD_IN_TIME(FN(elman_fwd_step), FN(elman_fwd_rows), 0);
+    FORWARD_IN_TIME(FN(elman_fwd_step), FN(elman_fwd_rows), 0, 0);
 }
 
 /* Without zoneout of h the Elman step leaves dh to its GEMM to overwrite; with it the step leaves

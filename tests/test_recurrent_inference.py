@@ -7,10 +7,10 @@ to other addresses. The difference is the input side ``gx = LN(x W_ihᵀ)``: the
 computes it for all rows (torch's GEMM, the norm kernels), the inference path step by step inside
 the C time loop (the sequence kernel's GEMM, the step kernels' layer norm): the same sums in
 another order, so results agree to rounding carried through the steps (:data:`TOL`). Where the
-inference kernels do not run the projection (torch.nn.LSTM's ``proj_size``), ``gx`` is computed
-before the loop a chunk of rows at a time, or whole with torch's ``layer_norm`` up to
-``_fused._NATIVE_BYTES``. The tests also check that the training node is not entered, and that the C
-boundary refuses kept buffers of any other row count.
+time loop does not project the inputs (a W_ih too large for it, zoneout of torch.nn.LSTM's
+projected h), ``gx`` is computed before the loop a chunk of rows at a time, or whole with torch's
+``layer_norm`` up to ``_fused._NATIVE_BYTES``. The tests also check that the training node is not
+entered, and that the C boundary refuses kept buffers of any other row count.
 """
 
 from __future__ import annotations
@@ -359,11 +359,19 @@ def test_inference_state_does_not_alias_the_callers() -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("steps", [25, 53])
 def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype, monkeypatch) -> None:
-    """Where gx is computed before the time loop in inference (torch.nn.LSTM's projection, which
-    the inference kernels do not run), the LSTM's LN(W_ih x) runs a chunk of rows at a time (here
-    the smallest chunk, 128 rows): 125 and 265 rows give one chunk short of full, and two full
-    chunks and a remainder; the values are those of one projection of all rows (training), to
-    the GEMM's rounding in float32."""
+    """Where gx is computed before the time loop in inference (here W_ih counts as too large for
+    the loop), the LSTM's LN(W_ih x) runs a chunk of rows at a time (here the smallest chunk, 128
+    rows): 125 and 265 rows give one chunk short of full, and two full chunks and a remainder;
+    the values are those of one projection of all rows (training), to the GEMM's rounding in
+    float32."""
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_MAX_BYTES", 0)
+    chunked: list[int] = []
+    by_chunks = _fused.normalized_projection
+    monkeypatch.setattr(
+        _fused,
+        "normalized_projection",
+        lambda data, *a, **k: chunked.append(data.shape[0]) or by_chunks(data, *a, **k),
+    )
     monkeypatch.setattr(_fused, "_PROJECTION_BYTES", 0)
     monkeypatch.setattr(_fused, "_PROJECTION_BLOCKS_BYTES", 0)
     monkeypatch.setattr(_fused, "_NATIVE_BYTES", 0)  # the chunks whatever the size
@@ -372,8 +380,10 @@ def test_input_projection_in_chunks_of_rows_equals_the_whole(steps, dtype, monke
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(steps, 5, 6, generator=gen, dtype=dtype)
     ref = [t.detach() for t in _flat(model(x))]
+    chunked.clear()
     with torch.no_grad():
         got = _flat(model(x))
+        assert chunked == [5 * steps] * 2  # both layers' inputs before their loops
         exact = _flat(copy.deepcopy(model).double()(x.double()))
     assert_close_to_rounding(got, ref, exact, **TOL[dtype])
 

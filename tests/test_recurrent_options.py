@@ -441,6 +441,26 @@ def test_proj_size_norm_none_equals_torch_lstm(packed: bool, impl: str) -> None:
     ]
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_proj_size_inference_equals_torch_lstm(packed: bool) -> None:
+    """Without gradients the LSTM's sequence kernel carries the projected h (the projection's
+    GEMM in its time loop): torch.nn.LSTM's outputs and final states, both directions of two
+    layers, ragged lengths too."""
+    ref = torch.nn.LSTM(3, 5, num_layers=2, bidirectional=True, proj_size=2, dtype=DT)
+    ours = LayerNormLSTM.from_torch(ref, norm="none")
+    x = seq(5, 4, 3)
+    hx = hx_for("lstm", 4, 5, p=2, layers=4)
+    lengths = torch.tensor([5, 2, 5, 1])
+    results = []
+    with torch.no_grad():
+        for model in (ref, ours):
+            inp = pack_padded_sequence(x, lengths, enforce_sorted=False) if packed else x
+            out, (h, c) = model(inp, hx)
+            results.append([out.data if packed else out, h, c])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_proj_size_from_torch_and_layer_norm_matches_the_equations() -> None:
     ref = torch.nn.LSTM(3, 5, proj_size=3, batch_first=True, dtype=DT)
     ours = LayerNormLSTM.from_torch(ref)
@@ -570,7 +590,8 @@ def test_masks_on_one_step_of_a_batch_fused_equals_loop_from_the_same_seed(kind:
 
 def test_the_fused_path_runs_masks_and_proj_size_on_the_c_kernels(monkeypatch) -> None:
     """Zoneout, recurrent dropout and proj_size stay on the fused node, on the C kernels where
-    they are built (the projection on the per-step ones: the sequence kernels have none)."""
+    they are built (in training the projection on the per-step ones: the sequence kernels take
+    it in inference only)."""
     from layernorm.recurrent import _fused, _planned, _pointwise
 
     used = []

@@ -938,7 +938,8 @@ class _LNRNNBase(NotScriptable, nn.Module):
         The masks are drawn first, whatever the path, and both paths take them: DropConnect acts
         on the weights before either sees them; the fused path runs zoneout and recurrent dropout
         in the C kernels where they run (else on its eager step functions, as the Triton steps
-        take no masks), and projections between the per-step C kernels (else on the eager steps)."""
+        take no masks), and projections between the per-step C kernels or, in inference without
+        zoneout of h, inside the C sequence kernel (else on the eager steps)."""
         masks = self._draw_masks(sfx, data.shape[0], h0.shape[0], data)
         fused = self._use_fused(data)
         # inference of the same shapes with the same parameters: the plan the last call kept
@@ -1502,8 +1503,10 @@ class LayerNormLSTM(_LNRNNBase):
             _C_MASKS_DOC.replace(
                 "{proj}",
                 "\n        ``proj_size`` runs on the per-step C kernels with the projection (a "
-                "GEMM) and\n        the zoneout of the projected h in torch between them, "
-                "elsewhere on the eager\n        step functions (no kernel has the projection).",
+                "GEMM) and\n        the zoneout of the projected h in torch between them; in "
+                "inference without\n        zoneout of h the C sequence kernel computes the "
+                "projection in its time loop;\n        elsewhere it runs on the eager step "
+                "functions.",
             ),
         ),
     )

@@ -441,6 +441,43 @@ def test_proj_size_norm_none_equals_torch_lstm(packed: bool, impl: str) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [("lstm", {"proj_size": 2}), ("lstm", {"zoneout_hidden": 0.3}),
+     ("gru", {"zoneout_hidden": 0.3})],
+    ids=["lstm proj_size", "lstm zoneout", "gru zoneout"],
+)  # fmt: skip
+@pytest.mark.parametrize("steps", [1, 4])
+def test_per_step_backward_without_h0_s_gradient_changes_no_other(
+    kind, options, steps, monkeypatch
+) -> None:
+    """The per-step backward (here on the per-step kernels whatever the target has: the
+    sequence kernels' own backward computes every product) leaves out the first step's product
+    by W_hh when h0 takes no gradient (it would be h0's alone): every other gradient is the same
+    to the bit as when h0 takes one, in a call of one step (where that product is a large share)
+    and of several, ragged lengths included."""
+    from layernorm.recurrent import _cstep
+
+    monkeypatch.setattr(_cstep, "sequence_gemm", lambda: False)
+    layer = {"lstm": LayerNormLSTM, "gru": LayerNormGRU}[kind]
+    torch.manual_seed(0)
+    model = layer(3, 5, num_layers=2, bidirectional=True, dtype=DT, **options).eval()
+    x = seq(steps, 4, 3)
+    hx = hx_for(kind, 4, 5, p=options.get("proj_size"), layers=4)
+    lengths = torch.tensor([steps, 1, steps, max(1, steps - 1)])
+    results = []
+    for h0_grad in (True, False):
+        xi = x.clone().requires_grad_()
+        states = tuple(h.clone().requires_grad_(h0_grad) for h in hx)
+        inp = pack_padded_sequence(xi, lengths, enforce_sorted=False)
+        out, h_n = model(inp, states if kind == "lstm" else states[0])
+        h_n = h_n if isinstance(h_n, tuple) else (h_n,)
+        grads = grads_of((out.data, h_n), [xi, *model.parameters()])
+        results.append([out.data, *h_n, *grads])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_proj_size_inference_equals_torch_lstm(packed: bool) -> None:
     """Without gradients the LSTM's sequence kernel carries the projected h (the projection's

@@ -226,15 +226,21 @@ def _backward_in_time(
     step: StepFn,
     seq: SeqFn | None,
     accumulate: bool,
+    h0_grad: bool = True,
 ) -> None:
     """Per step in reverse, ``step`` (which leaves ``st["dhp"]``), then ``dh_{t−1} = dhp · W_hh``:
     added to ``st["dh"]`` where ``step`` already wrote the direct path of ``h_{t−1}`` there
-    (``accumulate``), written over it otherwise; or all of that in ``seq``."""
+    (``accumulate``), written over it otherwise; or all of that in ``seq``. Without ``h0_grad``
+    the first step's product, the gradient of h0 alone, is left out (``st["dh"]`` then holds no
+    gradient): one GEMM by W_hh in a step's count, which is a one-step call's largest but for the
+    input side's (the sequence kernels compute it whatever ``h0_grad``)."""
     if seq is not None:
         return seq(st, w_hh, sched)
     dh, dhp = st["dh"], st["dhp"]
-    for _, off, bs in reversed(sched):
+    for k, (_, off, bs) in enumerate(reversed(sched)):
         step(st, off, bs)
+        if not h0_grad and k == len(sched) - 1:
+            break
         dh_rows = dh if bs == dh.shape[0] else dh[:bs]
         if accumulate:
             dh_rows.addmm_(dhp[off : off + bs], w_hh)
@@ -1342,9 +1348,9 @@ class LSTMSequence(torch.autograd.Function):
         # with zoneout of h the step leaves the direct path zh ⊙ dh_t in dh for the GEMM to add to
         _backward_in_time(
             st, w_hh, ctx.sched, kernels.lstm_bwd, kernels.lstm_bwd_seq,
-            accumulate=st["zh"] is not None,
+            accumulate=st["zh"] is not None, h0_grad=need[1],
         )  # fmt: skip
-        dh = st["dh"]
+        dh = st["dh"] if need[1] else None
         d_w_hh = _grad_or_none(need[3], lambda: _recurrent_weight_grad(kernels, st))
         dw1 = db1 = dw3 = db3 = None
         if "ln_grads" in st:
@@ -1458,9 +1464,10 @@ class GRUSequence(torch.autograd.Function):
         st["dgh"] = _buffers.empty(gx, (st["dh"].shape[0] if scratch else n_rows, 3 * hs))
         st["dhp"] = _buffers.empty(gx, (n_rows, 3 * hs)) if normalize else st["dgh"]
         _backward_in_time(
-            st, w_hh, ctx.sched, kernels.gru_bwd, kernels.gru_bwd_seq, accumulate=True
-        )
-        dh = st["dh"]
+            st, w_hh, ctx.sched, kernels.gru_bwd, kernels.gru_bwd_seq, accumulate=True,
+            h0_grad=need[1],
+        )  # fmt: skip
+        dh = st["dh"] if need[1] else None
         d_w_hh = _grad_or_none(need[2], lambda: _recurrent_weight_grad(kernels, st))
         dgh, hp = st["dgh"], st["hp"]
         dw_rz = db_rz = dw_n = db_n = None

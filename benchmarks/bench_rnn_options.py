@@ -45,6 +45,8 @@ CASES: tuple[tuple[str, tuple[int, int, int, int], dict[str, Any]], ...] = (
     ("lstm", (50, 8, 64, 128), {"num_layers": 2}),
     ("lstm", (50, 8, 64, 128), {"batch_first": True}),
     ("lstm", (50, 8, 64, 128), {"packed": True}),
+    ("lstm", (50, 8, 64, 128), {"num_layers": 2, "dropout": 0.2}),
+    ("lstm", (50, 8, 64, 128), {"bias": False}),
     ("lstm", (50, 8, 64, 128), {"proj_size": 64}),
     ("lstm", (100, 32, 128, 256), {"proj_size": 128}),
     ("lstm", (200, 16, 64, 256), {"proj_size": 64, "packed": True}),
@@ -57,7 +59,9 @@ CASES: tuple[tuple[str, tuple[int, int, int, int], dict[str, Any]], ...] = (
     ("lstm", (30, 1, 512, 512), {}),
     ("gru", (50, 8, 64, 128), {"bidirectional": True}),
     ("gru", (100, 32, 128, 256), {"packed": True}),
+    ("gru", (50, 8, 64, 128), {"num_layers": 2, "dropout": 0.2}),
     ("rnn", (100, 32, 128, 256), {}),
+    ("rnn", (50, 8, 64, 128), {"nonlinearity": "relu"}),
 )
 
 

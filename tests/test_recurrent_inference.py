@@ -76,6 +76,23 @@ def _double(inputs):
     return inputs.double()
 
 
+def _inferred_by_teams(monkeypatch, call):
+    """``call()``'s results under ``no_grad`` with 1 and 2 threads, the sequence kernels' grains
+    1 (a team of two threads wherever a step has two rows)."""
+    monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)
+    monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
+    results = []
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.no_grad():
+                results.append(call())
+        finally:
+            torch.set_num_threads(before)
+    return results
+
+
 def _refuse(*args, **kwargs):
     raise AssertionError("the training node ran in inference")
 
@@ -146,16 +163,7 @@ def test_inference_projects_the_inputs_inside_the_time_loop(
         raise AssertionError("gx computed for all rows in inference")
 
     monkeypatch.setattr(_fused.InputProjection, "compute", refuse)
-    monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)
-    monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
-    for threads in (1, 2):
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            with torch.no_grad():
-                got = _flat(model(x))
-        finally:
-            torch.set_num_threads(before)
+    for got in _inferred_by_teams(monkeypatch, lambda: _flat(model(x))):
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, **TOL[torch.float32])
 
@@ -325,16 +333,11 @@ def test_projection_in_the_time_loop_equals_the_training_path(
         exacts = [_flat(double(_double(inp))) for inp in (x, tokens)]
     _forbid_training_node(monkeypatch, "lstm")
     projected_calls = _spy_projected_calls(monkeypatch)
-    monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)
-    monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
-    for threads in (1, 2):
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            with torch.no_grad():
-                got = [_flat(model(inp)) for inp in (x, tokens)]
-        finally:
-            torch.set_num_threads(before)
+
+    def calls():
+        return [_flat(model(inp)) for inp in (x, tokens)]
+
+    for got in _inferred_by_teams(monkeypatch, calls):
         for results, ref, exact in zip(got, refs, exacts, strict=True):
             if dtype is torch.float32:
                 assert_close_to_rounding(results, ref, exact, **TOL[dtype])

@@ -533,12 +533,14 @@ def test_lstm_forward_group_changes_no_bit(dtype, train, options) -> None:
 
 
 def test_forward_group_choices(monkeypatch) -> None:
-    """Groups of eight rows on AMD processors from family 26 with an AVX-512 target, four
-    elsewhere; use_forward_group takes 1 to 8 or None and names anything else."""
+    """Groups of eight rows on Intel processors and on AMD processors from family 26 with an
+    AVX-512 target, four elsewhere; use_forward_group takes 1 to 8 or None and names anything
+    else."""
     from layernorm.kernels.cpu import rnn, targets
 
     cases = [("AuthenticAMD", 26, "avx512bf16", 8), ("AuthenticAMD", 25, "avx512bf16", 4),
-             ("AuthenticAMD", 26, "avx2", 4), ("GenuineIntel", 6, "avx512", 4)]  # fmt: skip
+             ("AuthenticAMD", 26, "avx2", 4), ("GenuineIntel", 6, "avx512", 8),
+             ("GenuineIntel", 6, "avx2", 8), ("HygonGenuine", 24, "avx2", 4)]  # fmt: skip
     for vendor, family, isa, rows in cases:
         monkeypatch.setattr(targets, "cpu_vendor", lambda v=vendor: v)
         monkeypatch.setattr(targets, "cpu_family", lambda f=family: f)

@@ -130,15 +130,21 @@ def _amd_full_width_avx512(isa: str) -> bool:
 
 def forward_group_by_default(isa: str) -> int:
     """The LN-LSTM forward step's rows a group (their statistics' dependency chains overlap;
-    ``csrc/rnn_step_impl.h``) for target ``isa`` on this processor: eight on AMD processors from
-    family 26 with an AVX-512 target, four elsewhere. The same results at any size. LN-LSTM,
-    one thread, AMD EPYC family 26, four / eight rows a group (``ab_rnn.py --group``, both
-    orders), x torch.nn.LSTM's time, inference: (T, B, I, H) = (20, 256, 32, 32) 1.64 / 1.51 and
-    1.70 / 1.56, (50, 64, 32, 32) 1.51 / 1.42 and 1.64 / 1.49, (100, 128, 64, 64) 1.27 / 1.24 and
-    1.27 / 1.22, level at (100, 32, 128, 256); training level (either setting ahead by up to 0.13,
-    as the order of the two went). On the Zen 4 a step's rows in cache at H = 64 took 320 ns a
-    row in groups of four, 338 in groups of eight."""
-    return 8 if _amd_full_width_avx512(isa) else rnn_abi.FORWARD_GROUP_DEFAULT
+    ``csrc/rnn_step_impl.h``) for target ``isa`` on this processor: eight on Intel processors and
+    on AMD processors from family 26 with an AVX-512 target, four elsewhere. The same results at
+    any size. LN-LSTM, one thread, four / eight rows a group (``ab_rnn.py --group``, both
+    orders), x torch.nn.LSTM's time, inference: AMD EPYC family 26, (T, B, I, H) =
+    (20, 256, 32, 32) 1.64 / 1.51 and 1.70 / 1.56, (50, 64, 32, 32) 1.51 / 1.42 and 1.64 / 1.49,
+    (100, 128, 64, 64) 1.27 / 1.24 and 1.27 / 1.22, level at (100, 32, 128, 256); Intel Xeon
+    (family 6, model 207), the AVX-512 target: (20, 256, 32, 32) 1.46 / 1.33, (50, 64, 32, 32)
+    1.33 / 1.26, (100, 64, 32, 32) 1.51 / 1.39 and 1.29 / 1.23, (100, 32, 64, 64) 1.14 / 1.11
+    and 1.20 / 1.15, level at four shapes of H = 128 and 256; the AVX2 target against torch held
+    to AVX2 (100, 64, 32, 32) 1.03 / 0.96, (100, 32, 64, 64) 0.95 / 0.93. Training level (either
+    setting ahead by up to 0.13, as the order of the two went). On the AMD Zen 4 (family 25) a
+    step's rows in cache at H = 64 took 320 ns a row in groups of four, 338 in groups of eight."""
+    if targets.cpu_vendor() == "GenuineIntel" or _amd_full_width_avx512(isa):
+        return 8
+    return rnn_abi.FORWARD_GROUP_DEFAULT
 
 
 def _apply_forward_group(isa: str, set_forward_group: Any) -> None:

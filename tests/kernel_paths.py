@@ -1,4 +1,5 @@
-"""Which of the recurrent layers' C paths the selected target runs, as skip markers, stated once.
+"""Which of the recurrent layers' C paths the selected target runs, as skip markers, stated once;
+and a record of which sequence kernels a call ran with torch.nn.LSTM's projection.
 
 The portable target (other architectures, or a compiler without the x86 targets' flags) has the
 C step kernels but no whole-sequence kernels: there the layers run their steps one by one and
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from layernorm.kernels.cpu import rnn
 from layernorm.recurrent import _cstep
 
 #: The C kernels built and the selected target's whole-sequence kernels with them.
@@ -18,3 +20,18 @@ needs_sequence_kernels = pytest.mark.skipif(
     not HAS_SEQUENCE_KERNELS,
     reason="needs the C kernels (a C compiler) on a target with the whole-sequence path",
 )
+
+
+def spy_projected_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the sequence kernels called with torch.nn.LSTM's projection (``w_hr``), in
+    the order they run, from now until ``monkeypatch`` undoes it."""
+    calls: list[str] = []
+    run_sequence = rnn.run_sequence
+
+    def spy(kernel: str, dtype: torch.dtype, args: object, seq_args: object) -> None:
+        if getattr(seq_args, "w_hr", None):
+            calls.append(kernel)
+        run_sequence(kernel, dtype, args, seq_args)
+
+    monkeypatch.setattr(rnn, "run_sequence", spy)
+    return calls

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import layernorm
+from kernel_paths import spy_projected_calls
 from layernorm.kernels.cpu import rnn
 from layernorm.recurrent import _cstep, _fused, _steps, layers
 from tolerances import UNIT_ROUNDOFF
@@ -209,6 +210,32 @@ def test_rounded_recurrent_products_match_a_reference_that_rounds_h(
             out, _ = m(x, state)
         monkeypatch.setattr(_steps, "F", _RoundedProducts())
         out_r, _ = ref(x.double(), _double(state))
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    assert (out.double() - out_r).abs().max() <= 2 * u * out_r.abs().max()
+
+
+@needs_half_gemm
+@pytest.mark.parametrize("batch", [3, 13])
+def test_rounded_products_with_proj_size_match_a_reference_that_rounds(
+    batch, monkeypatch, tiles
+) -> None:
+    """torch.nn.LSTM's projection inside the sequence kernel under the rounded products: h̃_t
+    rounded to bfloat16 before W_hr, as h_{t−1} is before W_hh, against the float64 loop with
+    each product's input rounded so; the bound of the test above."""
+    torch.manual_seed(0)
+    m = layernorm.LayerNormLSTM(10, 40, proj_size=12).to(torch.bfloat16)
+    x = torch.randn(12, batch, 10, dtype=torch.float64).to(torch.bfloat16)
+    state = tuple((0.5 * torch.randn(1, batch, n, dtype=torch.float64)).to(torch.bfloat16)
+                  for n in (12, 40))  # fmt: skip
+    ref = copy.deepcopy(m).double()
+    ref.impl = "loop"
+    projected = spy_projected_calls(monkeypatch)
+    with torch.no_grad():
+        with layernorm.recurrent.bfloat16_recurrent_products():
+            out, _ = m(x, state)
+        monkeypatch.setattr(_steps, "F", _RoundedProducts())
+        out_r, _ = ref(x.double(), _double(state))
+    assert projected == ["lstm_fwd_seq"]
     u = UNIT_ROUNDOFF[torch.bfloat16]
     assert (out.double() - out_r).abs().max() <= 2 * u * out_r.abs().max()
 

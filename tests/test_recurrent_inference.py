@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
-from kernel_paths import HAS_SEQUENCE_KERNELS, needs_sequence_kernels
+from kernel_paths import HAS_SEQUENCE_KERNELS, needs_sequence_kernels, spy_projected_calls
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.kernels.cpu import rnn
 from layernorm.recurrent import _cstep, _fused, _planned
@@ -258,20 +258,6 @@ def test_inference_with_masks_in_eval_and_in_training(kind) -> None:
             torch.testing.assert_close(a, b, **TOL[torch.float64])
 
 
-def _spy_projected_calls(monkeypatch) -> list[str]:
-    """The names of the sequence kernels called with torch.nn.LSTM's projection, as they run."""
-    calls: list[str] = []
-    run_sequence = rnn.run_sequence
-
-    def spy(kernel: str, dtype: torch.dtype, args: object, seq_args: object) -> None:
-        if getattr(seq_args, "w_hr", None):
-            calls.append(kernel)
-        run_sequence(kernel, dtype, args, seq_args)
-
-    monkeypatch.setattr(rnn, "run_sequence", spy)
-    return calls
-
-
 @pytest.mark.parametrize("zoneout", [0.0, 0.3])
 def test_projection_runs_in_the_time_loop_without_the_node(zoneout, monkeypatch) -> None:
     """torch.nn.LSTM's projection in inference: no training node, kept buffers of the batch's
@@ -291,7 +277,7 @@ def test_projection_runs_in_the_time_loop_without_the_node(zoneout, monkeypatch)
         "projected_by_steps",
         lambda st, *a: steps.append(st["hp"].shape[0]) or by_steps(st, *a),
     )
-    projected_calls = _spy_projected_calls(monkeypatch)
+    projected_calls = spy_projected_calls(monkeypatch)
     in_loop = zoneout == 0.0 and HAS_SEQUENCE_KERNELS
     exact = TOL[torch.float64] if in_loop else {"rtol": 0, "atol": 0}
     for limit, tol in ((0, exact), (1 << 30, TOL[torch.float64])):
@@ -332,7 +318,7 @@ def test_projection_in_the_time_loop_equals_the_training_path(
         double = copy.deepcopy(model).double()
         exacts = [_flat(double(_double(inp))) for inp in (x, tokens)]
     _forbid_training_node(monkeypatch, "lstm")
-    projected_calls = _spy_projected_calls(monkeypatch)
+    projected_calls = spy_projected_calls(monkeypatch)
 
     def calls():
         return [_flat(model(inp)) for inp in (x, tokens)]
@@ -515,7 +501,6 @@ def test_lstm_forward_group_changes_no_bit(dtype, train, options) -> None:
     """The LN-LSTM forward step runs its rows in groups whose statistics overlap
     (``rnn.use_forward_group``, by processor by default): every group size gives the same bits,
     outputs, states and gradients, with a last group cut short (19 rows)."""
-    from layernorm.kernels.cpu import rnn
 
     torch.manual_seed(0)
     model = LayerNormLSTM(9, 32, dtype=dtype, **options).eval()
@@ -536,7 +521,7 @@ def test_forward_group_choices(monkeypatch) -> None:
     """Groups of eight rows on Intel processors and on AMD processors from family 26 with an
     AVX-512 target, four elsewhere; use_forward_group takes 1 to 8 or None and names anything
     else."""
-    from layernorm.kernels.cpu import rnn, targets
+    from layernorm.kernels.cpu import targets
 
     cases = [("AuthenticAMD", 26, "avx512bf16", 8), ("AuthenticAMD", 25, "avx512bf16", 4),
              ("AuthenticAMD", 26, "avx2", 4), ("GenuineIntel", 6, "avx512", 8),

@@ -1216,7 +1216,7 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
    projection (s->x, inference), first the step's x rows times W_ihᵀ into gx's B rows, finished
    by input_rows (its layer norms) just before each row's step: gx never leaves the cache. With
    torch.nn.LSTM's projection (s->w_hr, the LSTM's inference: TAKES_W_HR), the step kernel's
-   output rows hold h~_t (H units), the GEMM project_step turns them into h_t = W_hr h~_t (P
+   output rows hold h~_t (H units), a GEMM (project_part) turns them into h_t = W_hr h~_t (P
    units) in the carried state hr, the recurrent GEMM's input, and each step's rows of hr are
    copied to out_r.
 

@@ -1,7 +1,7 @@
 /* The LN-LSTM, LN-GRU and LN-RNN time-step kernels for float (suffix f32) and double (f64).
    rnn_step_impl.h is written once over scalar_t, SUF, EXP and TANH and included once per type; the
    argument structs and prototypes come from layernorm_rnn_abi.h, generated from
-   layernorm/kernels/cpu/rnn_abi.py. float uses the vectorizable exp/tanh of rnn_common.h. */
+   layernorm/kernels/cpu/rnn_abi.py. Both use the vectorizable exp/tanh of rnn_common.h. */
 #include "rnn_common.h"
 
 /* The LN-LSTM forward step's rows a group (rnn_step_impl.h FWD_GROUP_MAX; rnn.py decides by
@@ -30,8 +30,8 @@ int rnn_set_forward_group(int rows) {
 
 #define scalar_t double
 #define SUF f64
-#define EXP exp
-#define TANH tanh
+#define EXP fast_exp
+#define TANH fast_tanh
 #include "rnn_step_impl.h"
 #undef scalar_t
 #undef SUF

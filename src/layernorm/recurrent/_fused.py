@@ -631,6 +631,13 @@ def _gx(source: GatesInput) -> Tensor:
     return source.compute() if isinstance(source, InputProjection) else source
 
 
+def _projects_in_sequence_kernel(zh: Tensor | None) -> bool:
+    """Whether the LSTM's sequence kernel computes torch.nn.LSTM's projection itself (inference,
+    C kernels available): where the target has the sequence kernels and no zoneout acts on the
+    projected h (C refuses it with zh, rnn_abi's _RECURRENT_PROJECTION)."""
+    return zh is None and _cstep.sequence_gemm()
+
+
 def _inference_kernels(gx: Tensor, st: dict[str, Any], seq: str) -> StepKernels | None:
     """The kernels that run a whole direction with kept buffers of B rows (each step overwrites
     the last's): those with whole-sequence functions (the C kernels; with torch.nn.LSTM's
@@ -639,7 +646,7 @@ def _inference_kernels(gx: Tensor, st: dict[str, Any], seq: str) -> StepKernels 
     between their calls, :func:`._cstep.projected_by_steps`); ``None`` otherwise."""
     kernels = _kernels(gx, st)
     if st.get("w_hr") is not None:
-        if kernels is C_STEPS and st.get("zh") is None and step_kernels(gx) is C_KERNELS:
+        if kernels is C_STEPS and _projects_in_sequence_kernel(st.get("zh")):
             return C_KERNELS
         return kernels if kernels is C_STEPS else None
     return kernels if getattr(kernels, seq) is not None else None
@@ -1035,10 +1042,10 @@ def lstm_sequence(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
         return _lstm_state(gx, h0, c0, w1, b1, w3, b3, eps, normalize, carry,
                            *_padded(masks, 4), kept_rows=h0.shape[0], n_rows=n_rows)  # fmt: skip
 
-    zh, w_hr = _padded(masks, 4)[0], _padded(masks, 4)[3]
+    zh, _, _, w_hr = _padded(masks, 4)
     # with torch.nn.LSTM's projection the inputs are projected in the time loop only by the
-    # sequence kernel, which takes it unless zoneout acts on the projected h
-    in_loop_ok = w_hr is None or (zh is None and _cstep.sequence_gemm())
+    # sequence kernel, where it computes the projection
+    in_loop_ok = w_hr is None or _projects_in_sequence_kernel(zh)
     out = _inference(
         args, "lstm_fwd_seq", w_hh, sched, state, ("out", "h", "c"), in_loop_ok=in_loop_ok
     )

@@ -204,7 +204,8 @@ def _projected_step(st: dict[str, Any], off: int, bs: int) -> None:
 def projected_by_steps(
     st: dict[str, Any], w_hh: Tensor, sched: tuple[tuple[int, int, int], ...]
 ) -> None:
-    """An LSTM direction with torch.nn.LSTM's projection in inference (kept buffers of B rows,
+    """An LSTM direction with torch.nn.LSTM's projection in inference where the sequence kernel
+    does not take it (zoneout of h, or a target without sequence kernels; kept buffers of B rows,
     each step's overwriting the last's): per step torch's GEMM ``hp = h W_hhᵀ`` into hp's first
     rows, then :func:`_projected_step`. No copy of h_{t−1} is kept."""
     h, hp, w_t = st["h"], st["hp"], w_hh.t()

@@ -49,6 +49,11 @@ bfloat16 dot products (``rnn.use_bfloat16_projection``: ``yes`` or ``no``):
 
 With ``--amx`` they say whether those products run on the processor's AMX tiles
 (``rnn.use_amx``: ``yes`` or ``no``, the AVX512-BF16 dot products).
+
+With ``--cpp-node`` they say whether the C++ operators run (``torch_ops.switched``: ``yes`` or
+``no``): the LN-LSTM's planned training calls by the C++ node or the Python one:
+
+    python benchmarks/ab_rnn.py --cpp-node --a yes --b no --shape 50x8x64x128
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import CLOCKS, cpu_model, interleaved_samples, torch_isa, use_clock
 from bench_rnn import KINDS, step
-from layernorm.kernels.cpu import rnn, targets
+from layernorm.kernels.cpu import rnn, targets, torch_ops
 from layernorm.recurrent import _fused
 
 
@@ -92,6 +97,8 @@ def main() -> None:
                       help="--a and --b (yes / no): rnn.use_bfloat16_projection")  # fmt: skip
     what.add_argument("--amx", action="store_true",
                       help="--a and --b (yes / no): rnn.use_amx")  # fmt: skip
+    what.add_argument("--cpp-node", action="store_true",
+                      help="--a and --b (yes / no): the C++ operators on or off")  # fmt: skip
     ap.add_argument("--a", required=True, help="its value for provider A (a Python expression)")
     ap.add_argument("--b", required=True, help="its value for provider B")
     ap.add_argument("--reps", type=int, default=15)
@@ -119,9 +126,15 @@ def main() -> None:
                 ap.error(f"--group: --a and --b must be rows in {rnn.FORWARD_GROUPS}, got {v!r}")
             rows[k] = int(v)
         setters = {k: (lambda v=v: rnn.use_forward_group(v)) for k, v in rows.items()}
-    elif args.projection or args.amx:
-        flag = "--projection" if args.projection else "--amx"
-        use = rnn.use_bfloat16_projection if args.projection else rnn.use_amx
+    elif args.projection or args.amx or args.cpp_node:
+        flag = "--projection" if args.projection else "--amx" if args.amx else "--cpp-node"
+        use = (
+            rnn.use_bfloat16_projection
+            if args.projection
+            else rnn.use_amx
+            if args.amx
+            else lambda on: torch_ops._switch.update(on=on)
+        )
         choices = {}
         for k, v in (("A", args.a), ("B", args.b)):
             if v not in ("yes", "no"):
@@ -147,7 +160,9 @@ def main() -> None:
         f"{torch.__version__}, {torch_isa()} | threads {args.threads} | clock {args.clock}"
     )
     setting = args.attr or next(
-        name for name in ("cflags", "gemm", "group", "projection", "amx") if getattr(args, name)
+        name
+        for name in ("cflags", "gemm", "group", "projection", "amx", "cpp_node")
+        if getattr(args, name)
     )
     for shape in args.shape.split(","):
         t, b, i, h = (int(v) for v in shape.split("x"))

@@ -22,6 +22,18 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def python_training_node():
+    """The LN-LSTM's planned training calls on their Python node: for tests that watch the
+    Python functions a call goes through (spies on the kernels' wrappers, the buffer cache),
+    which the C++ node (``csrc_torch/rnn_ops.cpp``) calls from C++ instead. That node is
+    checked against the Python paths bit for bit in ``test_recurrent_planned.py``."""
+    from layernorm.kernels.cpu import torch_ops
+
+    with torch_ops.switched(False):
+        yield
+
+
 def make_x(
     shape: tuple[int, ...],
     dtype: torch.dtype = torch.float32,

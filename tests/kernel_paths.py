@@ -22,6 +22,16 @@ needs_sequence_kernels = pytest.mark.skipif(
 )
 
 
+#: In the names of the LN-LSTM's planned training nodes: the Python node's, and the C++ node's
+#: (``torch::autograd::CppNode<...LstmPlannedFn>``, ``csrc_torch/rnn_ops.cpp``).
+PLANNED_NODE_NAMES = ("PlannedLSTMSequenceBackward", "LstmPlannedFn")
+
+
+def planned_nodes(nodes: list[str]) -> int:
+    """How many of the autograd nodes named ``nodes`` are planned training nodes."""
+    return sum(any(name in n for name in PLANNED_NODE_NAMES) for n in nodes)
+
+
 def spy_projected_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the sequence kernels called with torch.nn.LSTM's projection (``w_hr``), in
     the order they run, from now until ``monkeypatch`` undoes it."""

@@ -156,6 +156,7 @@ def _grads(model: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> list[t
     return [g.clone() for g in grads]
 
 
+@pytest.mark.usefixtures("python_training_node")  # the C++ node's buffers are its own
 @pytest.mark.parametrize("cls", [LayerNormLSTM, LayerNormGRU], ids=["lstm", "gru"])
 def test_training_through_the_cache_matches_fresh_buffers(cls) -> None:
     """Two graphs alive at once, each run backward twice (retain_graph), against the gradients
@@ -270,6 +271,7 @@ def test_small_norm_outputs_are_plain_allocations() -> None:
 
 
 @needs_sequence_kernels
+@pytest.mark.usefixtures("python_training_node")  # the C++ node's buffers are its own
 @pytest.mark.parametrize("cls", [LayerNormLSTM, LayerNormGRU], ids=["lstm", "gru"])
 @pytest.mark.parametrize("steps", [1, 40], ids=["one step", "sequence"])
 def test_weight_gradients_come_from_the_cache_and_kept_ones_stay(cls, steps, monkeypatch) -> None:

@@ -594,6 +594,7 @@ def test_input_products_take_the_c_gemm_where_it_outpaces_torch(outpaced, monkey
     assert taken == (expected if outpaced else ["torch.mm"] * 10)
 
 
+@pytest.mark.usefixtures("python_training_node")  # it watches rnn.matmul
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("mode", ["training", "inference"])
 def test_layers_with_the_c_input_products_equal_the_reference_loop(kind, mode, monkeypatch) -> None:

@@ -221,6 +221,7 @@ def test_loop_projects_a_larger_w_ih_where_the_c_gemm_outpaces_torch(outpaced, m
         assert _fused._projects_in_loop(source, 32) == in_loop, w_bytes
 
 
+@pytest.mark.usefixtures("python_training_node")  # it watches the Python training nodes
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 def test_nothing_requiring_grad_takes_the_inference_path(kind, monkeypatch) -> None:
     """Grad mode on, but neither the parameters nor the input require grad (a frozen model)."""
@@ -448,6 +449,7 @@ def test_steps_of_few_rows_project_a_large_w_ih_before_the_loop(kind, batch, mon
         torch.testing.assert_close(a, b, **TOL[torch.float32])
 
 
+@pytest.mark.usefixtures("python_training_node")  # it watches the projection's calls
 @pytest.mark.parametrize("batch", [1, 2, 3])
 def test_lstm_training_with_few_rows_projects_a_large_w_ih_before_the_loop(
     batch, monkeypatch

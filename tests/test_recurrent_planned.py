@@ -4,7 +4,9 @@ A planned call runs the same kernels on the same arguments as the fused path's n
 must agree bit for bit: outputs, final states and every gradient. Each case runs the layer twice
 on the same inputs, once with plans and once without, over the options a plan takes (dtypes,
 directions, layers, frozen parameters, the projection inside the time loop or before it, the
-thread teams) and checks which node ran; the cases a plan does not take run without one.
+thread teams) and checks which node ran; the cases a plan does not take run without one. Every
+test runs with the C++ node (``csrc_torch/rnn_ops.cpp``, the C++ operators switched on) and
+with the Python node (:class:`_planned.PlannedLSTMSequence`, switched off).
 """
 
 from __future__ import annotations
@@ -15,12 +17,30 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 from kernel_paths import needs_sequence_kernels
 from layernorm import LayerNormLSTM
+from layernorm.kernels.cpu import rnn_abi, torch_ops
 from layernorm.recurrent import _cstep, _fused, _planned
 from layernorm.recurrent import layers as recurrent_layers
 from test_recurrent_layers import _graph_nodes
 
 pytestmark = needs_sequence_kernels
 PLANNED, FUSED = "PlannedLSTMSequenceBackward", "LSTMSequenceBackward"
+CPP_PLANNED = "LstmPlannedFn"  # in the C++ node's name, torch::autograd::CppNode<...LstmPlannedFn>
+
+
+@pytest.fixture(autouse=True, params=["C++ node", "Python node"])
+def node(request) -> str:
+    """Each test with the C++ training node and with the Python one."""
+    cpp = request.param == "C++ node"
+    if cpp and not torch_ops.recurrent_nodes():
+        pytest.skip("the C++ operators are not built here")
+    with torch_ops.switched(cpp):
+        yield request.param
+
+
+def _planned_count(nodes: list[str]) -> int:
+    """The planned nodes among ``nodes``, the C++ node's where the operators are on."""
+    name = CPP_PLANNED if torch_ops._switch["on"] else PLANNED
+    return sum(name in n for n in nodes)
 
 
 def _model(dtype: torch.dtype, **kw) -> LayerNormLSTM:
@@ -90,9 +110,9 @@ def test_planned_call_equals_the_fused_path(case, given_state, in_loop, monkeypa
                            dtype=dtype) for _ in range(2)) if given_state else None  # fmt: skip
     for _ in range(2):  # a plan made, then kept
         nodes, planned = _run(model, x, hx, True, monkeypatch)
-        assert nodes.count(PLANNED) == layers and FUSED not in nodes
+        assert _planned_count(nodes) == layers and FUSED not in nodes
     nodes, fused = _run(model, x, hx, False, monkeypatch)
-    assert nodes.count(FUSED) == layers and PLANNED not in nodes
+    assert nodes.count(FUSED) == layers and _planned_count(nodes) == 0
     _assert_same(planned, fused)
 
 
@@ -104,7 +124,9 @@ def test_planned_call_with_its_buffers_apart(one_buffer, monkeypatch) -> None:
     model = _model(torch.float64, bidirectional=True)
     x = torch.randn(6, 3, 6, dtype=torch.float64)
     nodes, planned = _run(model, x, None, True, monkeypatch)
-    assert PLANNED in nodes
+    # buffers apart: the Python node (the C++ node's allocations would not reuse the cache's)
+    assert sum(PLANNED in n or CPP_PLANNED in n for n in nodes) == 2
+    assert one_buffer or PLANNED in nodes
     _, fused = _run(model, x, None, False, monkeypatch)
     _assert_same(planned, fused)
 
@@ -119,7 +141,7 @@ def test_planned_call_with_frozen_parameters(frozen, monkeypatch) -> None:
         p.requires_grad_(frozen not in name)
     x = torch.randn(4, 3, 6, dtype=torch.float64)
     nodes, planned = _run(model, x, None, True, monkeypatch)
-    assert PLANNED in nodes
+    assert _planned_count(nodes) == 2
     _, fused = _run(model, x, None, False, monkeypatch)
     _assert_same(planned, fused)
     frozen_grads = planned[4:]  # output, h_n, c_n, x's gradient, then the parameters'
@@ -168,10 +190,10 @@ def test_graphs_alive_together_keep_their_own_buffers(monkeypatch) -> None:
 def test_calls_a_plan_does_not_take_run_on_the_fused_path(kw) -> None:
     model = LayerNormLSTM(6, 9, **kw)
     out, _ = model(torch.randn(4, 3, 6))
-    assert PLANNED not in _graph_nodes(out)
+    assert _planned_count(_graph_nodes(out)) == 0
     # nor a packed batch of sequences of different lengths, nor a call autograd does not record
     packed = pack_padded_sequence(torch.randn(4, 3, 6), torch.tensor([4, 2, 1]))
-    assert PLANNED not in _graph_nodes(LayerNormLSTM(6, 9)(packed)[0].data)
+    assert _planned_count(_graph_nodes(LayerNormLSTM(6, 9)(packed)[0].data)) == 0
     with torch.no_grad():
         assert LayerNormLSTM(6, 9)(torch.randn(4, 3, 6))[0].grad_fn is None
 
@@ -180,7 +202,7 @@ def test_planned_call_refuses_double_backward() -> None:
     """As the fused path's node: a gradient of its gradients would miss terms (impl='loop')."""
     model = _model(torch.float64)
     out, _ = model(torch.randn(3, 2, 6, dtype=torch.float64))
-    assert PLANNED in _graph_nodes(out)
+    assert _planned_count(_graph_nodes(out)) == 1
     with pytest.raises(RuntimeError, match="no double backward"):
         torch.autograd.grad(out.square().sum(), [model.weight_hh_l0], create_graph=True)
 
@@ -201,7 +223,7 @@ def test_planned_call_under_saved_tensor_hooks(how, monkeypatch) -> None:
     else:
         with torch.autograd.graph.save_on_cpu():
             out, (h_n, c_n) = model(xg)
-    assert PLANNED in _graph_nodes(out)
+    assert _planned_count(_graph_nodes(out)) == 2
     weights = torch.linspace(-1, 2, out.numel(), dtype=out.dtype).view_as(out)
     ((out * weights).sum() + (h_n * h_n).sum() + c_n.sum()).backward()
     hooked = [
@@ -220,10 +242,95 @@ def test_planned_backward_twice_with_retained_graph() -> None:
     model = _model(torch.float64, bidirectional=True)
     x = torch.randn(5, 3, 6, dtype=torch.float64, requires_grad=True)
     out, _ = model(x)
-    assert PLANNED in _graph_nodes(out)
+    assert _planned_count(_graph_nodes(out)) == 2
     loss = out.square().sum()
     loss.backward(retain_graph=True)
     once = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
     loss.backward()
     for a, b in zip(once, [*(p.grad for p in model.parameters()), x.grad], strict=True):
         torch.testing.assert_close(2 * a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "routes",
+    [(True, False), (False, False), (False, True)],
+    ids=["C GEMM", "transposed product", "transposed product swapped"],
+)
+@pytest.mark.parametrize("input_by_c", [True, False], ids=["C input product", "torch.mm"])
+def test_planned_call_on_every_product_route(routes, input_by_c, monkeypatch) -> None:
+    """The weights' gradients, the input projection and its gradient by each route the fused
+    path can take (the routes' predicates forced, which both nodes consult): the same bits."""
+    by_c, swaps = routes
+    monkeypatch.setattr(_fused, "weight_grad_by_mm", lambda *args: False)
+    monkeypatch.setattr(_cstep, "weight_grad_by_c", lambda *args: by_c)
+    monkeypatch.setattr(_cstep, "transposed_product_swaps", lambda *args: swaps)
+    monkeypatch.setattr(_cstep, "input_product_by_c", lambda *args: input_by_c)
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_TRAINING_ROWS", 1 << 30)
+    _planned._PLANS.clear()  # plans made under other routes
+    model = _model(torch.float32, bidirectional=True)
+    x = torch.randn(7, 5, 6)
+    nodes, planned = _run(model, x, None, True, monkeypatch)
+    assert _planned_count(nodes) == 2
+    _, fused = _run(model, x, None, False, monkeypatch)
+    _assert_same(planned, fused)
+    _planned._PLANS.clear()
+
+
+def test_bound_struct_template_packs_as_pack() -> None:
+    """A struct filled from :meth:`BoundStruct.template` (the C++ node's way) holds the bytes of
+    :meth:`BoundStruct.pack` for the same call: every per-call field and block at its place."""
+    x, h0 = torch.randn(12, 6), torch.randn(3, 9)
+    plan = _planned._build(x, h0, torch.randn(36, 9), torch.randn(36, 6), 4, False, 1e-5, True, 0)
+    kept = torch.empty(plan.kept_numel)
+    values = {"kept": kept, "gx": None, "h": h0.clone(), "c": h0.clone(),
+              "out": torch.empty(12, 9), **plan.defaults}  # fmt: skip
+    packed = plan.forward.pack(values)
+    template, slots = plan.forward.template()
+    filled = bytearray(template)
+    for name, offset, add, required in slots:
+        if add < 0:
+            filled[offset : offset + 4] = int(values[name]).to_bytes(4, "little", signed=True)
+            continue
+        v = values.get(name)
+        assert v is not None or not required
+        address = 0 if v is None else v.data_ptr() + add
+        filled[offset : offset + 8] = address.to_bytes(8, "little")
+    assert bytes(filled) == bytes(packed)
+    assert {name for name, *_ in slots} >= {"kept", "h", "c", "out", "w1", "b0"}
+    seq_template, seq_slots = plan.forward_sequence.template()
+    assert ("threads", -1) in {(name, add) for name, _, add, _ in seq_slots}
+    assert len(seq_template) == len(bytes(rnn_abi.structure(rnn_abi.SEQ_FWD, torch.float32)()))
+
+
+def test_cpp_node_checks_its_arguments(node) -> None:
+    """At the C++ boundary: a tensor of the wrong shape or dtype is refused naming what was
+    expected and what came; a plan of the wrong parts is refused when made."""
+    if node != "C++ node":
+        pytest.skip("the C++ node's own checks")
+    model = _model(torch.float32)
+    x = torch.randn(5, 4, 6, requires_grad=True)
+    model(x)[0].sum().backward()
+    plan = next(p.node for p in _planned._PLANS.values() if p.node is not None)
+    h0 = torch.zeros(4, 9)
+    args = [model.weight_hh_l0, None, None, None, None, None, None, model.weight_ih_l0, None, None]
+    expected = r"expected x to be a Float CPU tensor of shape \[20, 6\]"
+    with pytest.raises(RuntimeError, match=expected):
+        torch_ops.lstm_planned(torch.randn(20, 7), h0, h0, *args, plan)
+    with pytest.raises(RuntimeError, match="expected h0"):
+        torch_ops.lstm_planned(torch.randn(20, 6), h0.double(), h0, *args, plan)
+    with pytest.raises(RuntimeError, match="both of torch's biases"):
+        torch_ops.lstm_planned(torch.randn(20, 6), h0, h0, *args[:-2], model.bias_ih_l0, None, plan)
+    with pytest.raises(RuntimeError, match="a plan takes"):
+        torch_ops.lstm_plan([], [], [], [0, 0, 0, 0], [0] * 15, [])
+    structs = [torch.zeros(8, dtype=torch.uint8)] * 8
+    with pytest.raises(RuntimeError, match="lies outside its struct"):
+        torch_ops.lstm_plan(structs, ["h"], [0, 8, 0, 1], [1, 1, 0, 0], [0] * 15,
+                            [torch.ones(3)] * 6)  # fmt: skip
+    # without gradients the operator runs the forward alone: the node's forward results
+    with torch.no_grad():
+        data = torch.randn(20, 6)
+        bare = torch_ops.lstm_planned(data, h0, h0, *args, plan)
+    recorded = torch_ops.lstm_planned(data, h0, h0, *args, plan)
+    assert recorded[0].grad_fn is not None and bare[0].grad_fn is None
+    for a, b in zip(bare, recorded, strict=True):
+        assert torch.equal(a, b.detach())

@@ -438,25 +438,29 @@ def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:
     of either it runs on fewer threads than ``torch.mm`` would: two threads, AMD EPYC
     (AVX-512), its time / transposed_product's at (N, G, J) = (1000, 512, 32) 1.24 when it
     shared out panels only, one panel; (400, 512, 64) 0.77, two."""
+    if not weight_grad_by_c(dhp, hprev):
+        return transposed_product(dhp, hprev)
+    return rnn.weight_grad(dhp, hprev, torch.get_num_threads(), _GEMM_GRAIN)
+
+
+def weight_grad_by_c(dhp: Tensor, hprev: Tensor) -> bool:
+    """Whether :func:`weight_grad` takes the C GEMM (else :func:`transposed_product`)."""
     n_rows, gates = dhp.shape
     hs = hprev.shape[1]
     vector = rnn.vector_bytes()
     threads = torch.get_num_threads()
     panels = _column_panels(hs, dhp)
     if hprev.dtype != dhp.dtype or not (dhp.is_contiguous() and hprev.is_contiguous()):
-        return transposed_product(dhp, hprev)
+        return False
     if tile_outpaces_torch_gemm():
         # at twice torch.mm's rate a thread, as long as it runs on half as many threads: its
         # panels, or its row tiles (GEMM_MR <= 16 rows each: at least G / 16 of them)
-        if 2 * max(panels, gates // 16) < threads:
-            return transposed_product(dhp, hprev)
-    elif (
+        return 2 * max(panels, gates // 16) >= threads
+    return not (
         n_rows * gates * hs > _WEIGHT_GRAD_MAX.get(vector, 0)
         or dhp.numel() * dhp.element_size() > _WEIGHT_GRAD_MAX_BYTES
         or panels < threads
-    ):
-        return transposed_product(dhp, hprev)
-    return rnn.weight_grad(dhp, hprev, threads, _GEMM_GRAIN)
+    )
 
 
 # From this many multiply-adds an input product (:func:`input_product`) takes the C GEMM where it
@@ -518,6 +522,11 @@ def transposed_product(d: Tensor, x: Tensor) -> Tensor:
     (256, 1024, 128) 0.97 / 0.97. The result is a buffer of the cache (see
     :func:`._fused._weight_grad`)."""
     out = _buffers.empty(d, (d.shape[1], x.shape[1]))
-    if d.shape[0] < 256 or (x.shape[1] >= 256 and d.shape[1] % 512 == 0):
+    if not transposed_product_swaps(d, x):
         return torch.mm(d.t(), x, out=out)
     return out.copy_(torch.mm(x.t(), d, out=_buffers.empty(d, (x.shape[1], d.shape[1]))).t())
+
+
+def transposed_product_swaps(d: Tensor, x: Tensor) -> bool:
+    """Whether :func:`transposed_product` computes ``(xᵀ · d)ᵀ`` (else ``dᵀ · x``)."""
+    return not (d.shape[0] < 256 or (x.shape[1] >= 256 and d.shape[1] % 512 == 0))

@@ -256,12 +256,18 @@ def _backward_in_time(
 _WEIGHT_GRAD_MM_MACS = 1 << 20
 
 
-def _weight_grad(kernels: StepKernels, dhp: Tensor, hprev: Tensor) -> Tensor:
-    """``dhpᵀ · hprev`` (the recurrent weight's gradient, one GEMM over all rows)."""
+def weight_grad_by_mm(dhp: Tensor, hprev: Tensor) -> bool:
+    """Whether :func:`_weight_grad` runs ``dhp.t().mm(hprev)`` as it is: a result smaller than
+    the buffer cache takes and at most :data:`_WEIGHT_GRAD_MM_MACS` multiply-adds."""
     n_rows, gates = dhp.shape
     hs = hprev.shape[1]
     small = gates * hs * dhp.element_size() < _buffers.MIN_BYTES
-    if small and n_rows * gates * hs <= _WEIGHT_GRAD_MM_MACS:
+    return small and n_rows * gates * hs <= _WEIGHT_GRAD_MM_MACS
+
+
+def _weight_grad(kernels: StepKernels, dhp: Tensor, hprev: Tensor) -> Tensor:
+    """``dhpᵀ · hprev`` (the recurrent weight's gradient, one GEMM over all rows)."""
+    if weight_grad_by_mm(dhp, hprev):
         return dhp.t().mm(hprev)
     if kernels.weight_grad is not None:
         return kernels.weight_grad(dhp, hprev)

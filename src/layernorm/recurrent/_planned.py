@@ -13,6 +13,15 @@ as blocks of one buffer of the cache that the structs point into without a view 
 one straight path for the backward. The kernels, their arguments and so the results are the
 fused path's, bit for bit (``tests/test_recurrent_planned.py`` compares them).
 
+Where the C++ operators are built (:mod:`layernorm.kernels.cpu.torch_ops`) and the kept buffers
+fit in one buffer, a plan also holds the plan of a C++ node (``csrc_torch/rnn_ops.cpp``,
+:func:`_node_plan`) that runs the same call from C++: the structs' fixed bytes and the offsets of
+the fields a call fills (:meth:`.rnn_abi.BoundStruct.template`), each product's route as the
+Python node would take it (:func:`_weight_grad_route`), the kernels' addresses. Every decision
+stays here; the node allocates, fills the structs and calls, in the Python node's order, so its
+results are the same bits. ``LAYERNORM_CPU_TORCH_OPS=0`` (or ``torch_ops.switched(False)``) keeps
+the Python node.
+
 A plan holds no tensor of a call (the schedule's steps and the default gains aside): each call
 allocates its own buffers, so calls whose graphs are alive together (two forwards before one
 backward) never share memory.
@@ -27,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.cpu import buffers as _buffers
-from ..kernels.cpu import rnn, rnn_abi
+from ..kernels.cpu import rnn, rnn_abi, torch_ops
 from . import _cstep, _fused
 from ._options import Masks
 from ._pointwise import C_KERNELS, step_kernels
@@ -71,6 +80,7 @@ class TrainingPlan(NamedTuple):
     backward: rnn_abi.BoundStruct  # LSTM_BWD
     backward_sequence: rnn_abi.BoundStruct  # SEQ_BWD
     defaults: dict[str, Tensor]  # ones and zeros for the gains and biases a layer lacks
+    node: Any  # the C++ node's plan (:func:`_node_plan`), or None: PlannedLSTMSequence runs it
 
 
 _PLANS: dict[tuple[Any, ...], TrainingPlan] = {}
@@ -121,8 +131,8 @@ def _block(
 
 
 def _build(
-    x: Tensor, h0: Tensor, w_hh: Tensor, n_steps: int, reverse: bool, eps: float, in_loop: bool,
-    half: int,
+    x: Tensor, h0: Tensor, w_hh: Tensor, w_ih: Tensor, n_steps: int, reverse: bool, eps: float,
+    in_loop: bool, half: int,
 ) -> TrainingPlan:  # fmt: skip
     """The plan of a signature (see :func:`lstm_training` for what it is keyed on)."""
     (n_rows, inputs), (batch, hs), gates = x.shape, h0.shape, w_hh.shape[0]
@@ -165,9 +175,83 @@ def _build(
     # the step kernels' (w1, b1, w3, b3) and, as LSTMSequence has them, LN(gx)'s
     defaults = {**_cstep.default_params("lstm", x, hs), "w0": x.new_ones(gates),
                 "b0": x.new_zeros(gates)}  # fmt: skip
-    return TrainingPlan(in_loop, reverse, kept, kept_numel, kept_whole, scratch, scratch_numel,
+    plan = TrainingPlan(in_loop, reverse, kept, kept_numel, kept_whole, scratch, scratch_numel,
                         scratch_whole, forward, forward_sequence, backward, backward_sequence,
-                        defaults)  # fmt: skip
+                        defaults, None)  # fmt: skip
+    return plan._replace(node=_node_plan(plan, x, h0, w_hh, w_ih))
+
+
+# How the C++ node runs a product (csrc_torch/rnn_ops.cpp's Route): torch's GEMM, the C GEMM, a
+# weight's gradient by _cstep.transposed_product as dᵀ·x or as (xᵀ·d)ᵀ.
+_TORCH, _C_GEMM, _TRANSPOSED, _TRANSPOSED_SWAPPED = range(4)
+
+
+def _weight_grad_route(d: Tensor, x: Tensor) -> int:
+    """How :func:`._fused._weight_grad` (with the C kernels) computes ``dᵀ · x`` for tensors of
+    these shapes, dtype and layout, on this many threads."""
+    if _fused.weight_grad_by_mm(d, x):
+        return _TORCH
+    if _cstep.weight_grad_by_c(d, x):
+        return _C_GEMM
+    return _TRANSPOSED_SWAPPED if _cstep.transposed_product_swaps(d, x) else _TRANSPOSED
+
+
+def _node_plan(plan: TrainingPlan, x: Tensor, h0: Tensor, w_hh: Tensor, w_ih: Tensor) -> Any:
+    """The plan of the C++ training node (``csrc_torch/rnn_ops.cpp``, which runs what
+    :class:`PlannedLSTMSequence` runs, from C++: its Python took 380 µs of a (50, 8, 64, 128)
+    training call, one thread, over a node that computes nothing), or ``None`` where that node
+    does not run the call: the C++ operators unavailable, or kept buffers past
+    :data:`_ONE_BUFFER_BYTES` (those reuse the buffer cache's memory, which the node's own
+    allocations would not). Each product's route is the one the Python node takes for this
+    signature (the key holds the threads and the kernels' configuration it depends on)."""
+    if not (plan.kept_whole and plan.scratch_whole and torch_ops.recurrent_nodes()):
+        return None
+    (n_rows, inputs), hs, gates, dtype = x.shape, h0.shape[1], w_hh.shape[0], x.dtype
+    grad = torch.empty((n_rows, gates), dtype=dtype)  # dhp and dgates: (N, G), contiguous
+    previous = torch.empty((n_rows, hs), dtype=dtype)
+    routes = {
+        "proj": _TORCH if plan.in_loop or not _cstep.input_product_by_c(x, w_ih, True) else _C_GEMM,
+        "dx": _C_GEMM if _cstep.input_product_by_c(grad, w_ih, False) else _TORCH,
+        "dw_hh": _weight_grad_route(grad, previous),
+        "dw_ih": _weight_grad_route(grad, x),
+    }
+    grain = {"gemm_grain": _cstep._GEMM_GRAIN}
+    matmul_sizes = {"M": n_rows, "R": gates, "C": inputs}
+    products = {
+        "proj": rnn_abi.BoundStruct(rnn_abi.MATMUL, dtype, {**matmul_sizes, "K": inputs,
+                                    "N": gates}, {**grain, "transposed": 1}),
+        "dx": rnn_abi.BoundStruct(rnn_abi.MATMUL, dtype, {**matmul_sizes, "K": gates,
+                                  "N": inputs}, {**grain, "transposed": 0}),
+        "dw_hh": rnn_abi.BoundStruct(rnn_abi.WEIGHT_GRAD, dtype, {"N": n_rows, "G": gates,
+                                     "H": hs}, grain),
+        "dw_ih": rnn_abi.BoundStruct(rnn_abi.WEIGHT_GRAD, dtype, {"N": n_rows, "G": gates,
+                                     "H": inputs}, grain),
+    }  # fmt: skip
+    # the structs in the node's order (TemplateId): those of products off the C GEMM unused
+    bound = [plan.forward, plan.forward_sequence, plan.backward, plan.backward_sequence] + [
+        products[name] if routes[name] == _C_GEMM else None for name in products
+    ]
+    structs, names, where = [], [], []
+    for index, struct in enumerate(bound):
+        if struct is None:
+            structs.append(torch.empty(0, dtype=torch.uint8))
+            continue
+        packed, slots = struct.template()
+        structs.append(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
+        for name, offset, add, required in slots:
+            names.append(name)
+            where += [index, offset, add, int(required)]
+    uses = {"matmul": ("proj", "dx"), "weight_grad": ("dw_hh", "dw_ih")}
+    kernels = [rnn.kernel_address("lstm_fwd_seq", dtype), rnn.kernel_address("lstm_bwd_seq", dtype)]
+    for kernel, products_of in uses.items():
+        used = any(routes[name] == _C_GEMM for name in products_of)
+        kernels.append(rnn.kernel_address(kernel, dtype) if used else 0)
+    scratch = {name: offset for name, offset, _ in plan.scratch}
+    config = [int(plan.in_loop), int(plan.reverse), n_rows, h0.shape[0], hs, gates, inputs,
+              plan.kept_numel, plan.scratch_numel, scratch["dhp"], scratch["dgates"],
+              routes["proj"], routes["dx"], routes["dw_hh"], routes["dw_ih"]]  # fmt: skip
+    defaults = [plan.defaults[name] for name in ("w1", "b1", "w3", "b3", "w0", "b0")]
+    return torch_ops.lstm_plan(structs, names, where, kernels, config, defaults)
 
 
 def lstm_training(
@@ -208,15 +292,20 @@ def lstm_training(
     n_batch = h0.shape[0]
     in_loop = _fused.projects_in_training_loop(data, w_ih, n_batch)
     half = _cstep._half_gemm() if data.dtype is torch.float32 else 0
+    # the C++ node's product routes depend on the threads and the kernels' configuration
     key = (data.shape, data.dtype, h0.shape, w_hh.shape, len(sizes), reverse, eps, in_loop, half,
-           _ONE_BUFFER_BYTES)  # fmt: skip
+           _ONE_BUFFER_BYTES, torch.get_num_threads(), _cstep.configuration(),
+           torch_ops.recurrent_nodes())  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _build(data, h0, w_hh, len(sizes), reverse, eps, in_loop, half)
+        plan = _build(data, h0, w_hh, w_ih, len(sizes), reverse, eps, in_loop, half)
         with _PLANS_LOCK:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
+    if plan.node is not None:
+        _fused._check_untraced("PlannedLSTMSequence")
+        return torch_ops.lstm_planned(data, h0, c0, w_hh, *params, w_ih, b_ih, b_hh, plan.node)
     return PlannedLSTMSequence.apply(  # type: ignore[no-any-return]
         data, h0, c0, w_hh, *params, w_ih, b_ih, b_hh, plan
     )

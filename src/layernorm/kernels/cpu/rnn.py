@@ -288,6 +288,14 @@ def _fn(kernel: str, dtype: torch.dtype) -> Any:
     return lib[0][kernel, dtype]
 
 
+def kernel_address(kernel: str, dtype: torch.dtype) -> int:
+    """The address of ``kernel``'s entry point for ``dtype`` on the selected target, for a C++
+    caller (``csrc_torch/rnn_ops.cpp``)."""
+    address = ctypes.cast(_fn(kernel, dtype), ctypes.c_void_p).value
+    assert address is not None  # a loaded symbol
+    return address
+
+
 def available(x: Tensor) -> bool:
     """Whether the kernels run on ``x``: a CPU float32/float64 tensor, switch on, library built."""
     if x.dtype not in rnn_abi.RNN_INSTANCES or not x.is_cpu:

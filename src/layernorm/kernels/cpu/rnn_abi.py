@@ -1017,6 +1017,33 @@ class BoundStruct:
             return self._slow(values)
         return self._cls(*fields)
 
+    def template(self) -> tuple[bytes, tuple[tuple[str, int, int, bool], ...]]:
+        """The struct with its fixed fields packed, as bytes, and the fields a call fills, each
+        ``(name, byte offset, add, required)``: a pointer to the tensor of that name (a region's
+        blocks: to the region's buffer plus ``add`` bytes; ``required``: not ``None``), or with
+        ``add == -1`` a 4-byte count (``threads``). What a C++ caller needs to pack the struct
+        as :meth:`pack` does (``csrc_torch/rnn_ops.cpp``). Raises ``ValueError`` for a call
+        field of another kind (a float, an 8-byte number), which that caller cannot fill."""
+        cls, slots = self._cls, []
+        for name, _, blocks in self._bases:
+            for i, offset in blocks:
+                field = cls._fields_[i][0]
+                slots.append((name, getattr(cls, field).offset, offset, True))
+        for i, kind, name, _, _, optional in self._calls:
+            offset, ctype = getattr(cls, name).offset, cls._fields_[i][1]
+            if kind == _P_TENSOR:
+                slots.append((name, offset, 0, not optional))
+            elif kind == _P_INT and ctype is ctypes.c_int32:
+                slots.append((name, offset, -1, True))
+            else:
+                raise ValueError(f"{_op(self.struct)}: {name} is not a field a C++ call fills")
+        fields = [
+            0 if v is None and ctype is not ctypes.c_void_p else v
+            for v, (_, ctype) in zip(self._template, cls._fields_, strict=True)
+        ]
+        packed = cls(*fields)
+        return ctypes.string_at(ctypes.addressof(packed), ctypes.sizeof(packed)), tuple(slots)
+
     def _refuse_base(self, name: str, base: object, numel: int) -> None:
         op = _op(self.struct)
         if not isinstance(base, Tensor):

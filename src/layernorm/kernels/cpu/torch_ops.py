@@ -30,6 +30,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,7 +38,10 @@ from torch import Tensor
 from . import _native, abi, buffers, cache, cbuild, targets
 
 ENV_SWITCH = "LAYERNORM_CPU_TORCH_OPS"
-SOURCES = (Path(__file__).resolve().parent / "csrc_torch" / "norm_ops.cpp",)
+SOURCES = tuple(
+    Path(__file__).resolve().parent / "csrc_torch" / name
+    for name in ("norm_ops.cpp", "rnn_ops.cpp")
+)
 #: The kernels the operators call, by the names of abi.py (cvt is the tests' alone).
 KERNELS = ("ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd", "ada_fwd", "ada_bwd")
 
@@ -81,7 +85,7 @@ def _load() -> bool:
         try:
             cache.load_library(build)
             namespace = torch.ops.layernorm_cpu
-            for name in ("layer_norm", "rms_norm", "ada_norm"):
+            for name in ("layer_norm", "rms_norm", "ada_norm", "lstm_planned"):
                 # the overload's C++ callable: OpOverload.__call__ is a Python frame around it
                 overload = getattr(namespace, name).default
                 _ops[name] = getattr(overload, "_op", overload)
@@ -136,6 +140,33 @@ def takes(x: Tensor, grad: bool, *params: Tensor | None) -> bool:
     otherwise, the operators loaded. A few attribute reads where they are."""
     limit = TRAINING_MAX_BYTES if grad else buffers.OUTPUT_MIN_BYTES
     return x.nbytes < limit and _native.kernel_inputs(x, *params) and enabled()
+
+
+def recurrent_nodes() -> bool:
+    """Whether the recurrent layers' C++ training node (``csrc_torch/rnn_ops.cpp``) can run: the
+    operators switched on, built and loaded (the sequence kernels it calls are the caller's to
+    have: it hands their addresses over in the plan)."""
+    return _switch["on"] and _load()
+
+
+def lstm_plan(
+    structs: list[Tensor],
+    names: list[str],
+    where: list[int],
+    kernels: list[int],
+    config: list[int],
+    defaults: list[Tensor],
+) -> Any:
+    """A ``layernorm_cpu.LstmPlan`` (``csrc_torch/rnn_ops.cpp``): the LN-LSTM training call's
+    argument structs, fields, kernels, settings and default gains (see
+    :mod:`layernorm.recurrent._planned`, which builds them)."""
+    return torch.classes.layernorm_cpu.LstmPlan(structs, names, where, kernels, config, defaults)
+
+
+def lstm_planned(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """The LN-LSTM's planned training call by the C++ operator, where :func:`recurrent_nodes`
+    said yes: ``(x, h0, c0, w_hh, w1, b1, w3, b3, w0, b0, w_ih, b_ih, b_hh, plan)``."""
+    return _ops["lstm_planned"](*args)  # type: ignore[return-value]
 
 
 @contextlib.contextmanager

@@ -18,7 +18,9 @@
 /* Up to this many rows in all its steps a forward sequence kernel reads W_hh and W_ih as stored
    instead of packing them (see gemm_nt_direct in rnn_seq_impl.h); rnn_direct_rows() tells
    Python. */
+#ifndef DIRECT_ROWS
 #define DIRECT_ROWS 8
+#endif
 
 /* Token pasting through one more macro level, so SUF is expanded before it is pasted. */
 #define RNN_CAT_(a, b) a##_##b

@@ -1,0 +1,466 @@
+// The LN-LSTM's planned training call (layernorm/recurrent/_planned.py) as an operator whose
+// autograd node is C++: layernorm_cpu::lstm_planned(x, h0, c0, w_hh, w1, b1, w3, b3, w0, b0,
+// w_ih, b_ih, b_hh, plan) -> (out, h_n, c_n).
+//
+// Why: at small shapes the Python around the sequence kernels (an autograd.Function, a dozen
+// buffers, four argument structs a call) takes as long as a tenth to a third of the call: at
+// (T, B, I, H) = (50, 8, 64, 128), one thread, 380 µs over a node that computes nothing, where
+// the kernels take about 3 ms. Here the same work runs from C++.
+//
+// What stays in Python: every decision. The plan (LstmPlan, built once per call signature by
+// _planned.py) holds each kernel's argument struct with its fixed fields already packed and
+// checked (rnn_abi.BoundStruct.template), the byte offsets of the fields a call fills, each
+// product's route (torch's GEMM or the C GEMM, as the Python path would take it for the
+// signature) and the kernels' addresses. This file fills the per-call fields, allocates the
+// buffers, runs the kernels and products in the Python path's order, so the results are its bits
+// (tests/test_recurrent_planned.py compares them).
+
+#include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/TensorSubclassLikeUtils.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<Tensor>;
+
+constexpr const char* kOp = "layernorm_cpu::lstm_planned";
+// The kernels' status for a buffer they could not allocate (RNN_ERR_NOMEM of
+// ../csrc/layernorm_rnn_abi.h; every other status is an argument the plan checked).
+constexpr int kErrNoMem = 2;
+
+// One value a call puts into a struct: a pointer (nullptr: absent) or a 4-byte count.
+struct Value {
+  const char* name;
+  const void* ptr;
+  int64_t count;
+};
+
+Value ptr_of(const char* name, const Tensor& t) {
+  return {name, t.defined() ? t.const_data_ptr() : nullptr, -1};
+}
+Value count_of(const char* name, int64_t n) { return {name, nullptr, n}; }
+
+// A kernel's argument struct with its fixed fields packed (bytes) and the fields a call fills:
+// each a pointer at `offset` (plus `add` bytes: a block of a region) or, with add == -1, a
+// 4-byte count; `required`: a pointer that may not be null.
+class Template {
+ public:
+  struct Slot {
+    std::string name;
+    int64_t offset, add;
+    bool required;
+  };
+
+  Template() = default;
+  Template(const Tensor& bytes, std::vector<Slot> slots) : slots_(std::move(slots)) {
+    TORCH_CHECK(bytes.scalar_type() == at::kByte && bytes.dim() == 1 && bytes.is_contiguous() &&
+                    bytes.device().is_cpu(),
+                kOp, ": a struct template must be a contiguous 1-D uint8 CPU tensor");
+    const auto* p = bytes.const_data_ptr<uint8_t>();
+    bytes_.assign(p, p + bytes.numel());
+    for (const Slot& s : slots_) {
+      const int64_t width = s.add < 0 ? 4 : 8;
+      TORCH_CHECK(s.offset >= 0 && s.offset + width <= static_cast<int64_t>(bytes_.size()) &&
+                      s.offset % width == 0,
+                  kOp, ": field ", s.name, " at byte ", s.offset, " lies outside its struct of ",
+                  bytes_.size(), " bytes");
+    }
+  }
+
+  bool empty() const { return bytes_.empty(); }
+
+  // The struct of one call: every slot takes the value of its name, a pointer slot without one
+  // null (as Python's pack leaves a field the call does not name; a required one is an error).
+  std::vector<uint8_t> fill(std::initializer_list<Value> values) const {
+    static const Value absent{"", nullptr, -1};
+    std::vector<uint8_t> out = bytes_;
+    for (const Slot& s : slots_) {
+      const Value* v = &absent;
+      for (const Value& c : values) {
+        if (s.name == c.name) {
+          v = &c;
+          break;
+        }
+      }
+      if (s.add < 0) {
+        TORCH_CHECK(v->count >= 1 && v->count <= INT32_MAX, kOp, ": bad count for ", s.name);
+        const int32_t n = static_cast<int32_t>(v->count);
+        std::memcpy(out.data() + s.offset, &n, sizeof n);
+      } else {
+        TORCH_CHECK(v->ptr != nullptr || !s.required, kOp, ": field ", s.name, " needs a tensor");
+        const uintptr_t address =
+            v->ptr == nullptr ? 0 : reinterpret_cast<uintptr_t>(v->ptr) + static_cast<uintptr_t>(s.add);
+        std::memcpy(out.data() + s.offset, &address, sizeof address);
+      }
+    }
+    return out;
+  }
+
+ private:
+  std::vector<uint8_t> bytes_;
+  std::vector<Slot> slots_;
+};
+
+using SeqKernel = int (*)(const void*, const void*);
+using OneKernel = int (*)(const void*);
+
+void check_status(int status, const char* kernel) {
+  if (status == kErrNoMem) throw std::bad_alloc();
+  TORCH_CHECK(status == 0, "layernorm recurrent CPU kernel ", kernel, " refused the plan's "
+              "arguments (status ", status, ")");
+}
+
+// How a product runs, as the Python path routes it for the plan's signature
+// (_planned._routes): torch's GEMM, the C GEMM, or a weight's gradient by transposed_product
+// (torch's GEMM dᵀ·x into a new buffer, or (xᵀ·d)ᵀ copied).
+enum Route : int64_t { TORCH = 0, C_GEMM = 1, TRANSPOSED = 2, TRANSPOSED_SWAPPED = 3 };
+
+// Template indices, in the order Python hands them over.
+enum TemplateId { FWD, SEQ_FWD, BWD, SEQ_BWD, PROJ, DX, DW_HH, DW_IH, TEMPLATE_COUNT };
+// Config entries, in the order Python hands them over.
+enum ConfigId {
+  IN_LOOP, REVERSE, ROWS, BATCH, HIDDEN, GATES, INPUTS, KEPT_NUMEL, SCRATCH_NUMEL, DHP_OFFSET,
+  DGATES_OFFSET, PROJ_ROUTE, DX_ROUTE, DW_HH_ROUTE, DW_IH_ROUTE, CONFIG_COUNT
+};
+enum KernelId { K_FWD_SEQ, K_BWD_SEQ, K_MATMUL, K_WEIGHT_GRAD, KERNEL_COUNT };
+
+// A training plan of one call signature (see the top of this file and _planned.TrainingPlan).
+struct LstmPlan : torch::CustomClassHolder {
+  Template templates[TEMPLATE_COUNT];
+  int64_t config[CONFIG_COUNT] = {};
+  intptr_t kernels[KERNEL_COUNT] = {};
+  at::ScalarType dtype = at::kFloat;
+  Tensor defaults[6];  // ones and zeros for w1, b1, w3, b3, w0, b0
+
+  // structs[i]: template i's bytes (empty: unused); slots: (template, name, offset, add,
+  // required) flattened as names + (template, offset, add, required) quadruples.
+  LstmPlan(std::vector<Tensor> structs, std::vector<std::string> names, std::vector<int64_t> where,
+           std::vector<int64_t> kernel_addresses, std::vector<int64_t> cfg,
+           std::vector<Tensor> gains_and_biases) {
+    TORCH_CHECK(structs.size() == TEMPLATE_COUNT && cfg.size() == CONFIG_COUNT &&
+                    kernel_addresses.size() == KERNEL_COUNT && gains_and_biases.size() == 6 &&
+                    where.size() == 4 * names.size(),
+                kOp, ": a plan takes ", TEMPLATE_COUNT, " structs, ", CONFIG_COUNT,
+                " settings, ", KERNEL_COUNT, " kernels, 6 defaults and 4 numbers a field");
+    std::vector<std::vector<Template::Slot>> slots(TEMPLATE_COUNT);
+    for (size_t i = 0; i < names.size(); ++i) {
+      const int64_t t = where[4 * i];
+      TORCH_CHECK(t >= 0 && t < TEMPLATE_COUNT, kOp, ": field ", names[i], " of no struct");
+      slots[t].push_back({names[i], where[4 * i + 1], where[4 * i + 2], where[4 * i + 3] != 0});
+    }
+    for (int t = 0; t < TEMPLATE_COUNT; ++t) {
+      if (structs[t].numel() > 0) templates[t] = Template(structs[t], std::move(slots[t]));
+    }
+    for (int i = 0; i < CONFIG_COUNT; ++i) config[i] = cfg[i];
+    for (int i = 0; i < KERNEL_COUNT; ++i) kernels[i] = static_cast<intptr_t>(kernel_addresses[i]);
+    TORCH_CHECK(kernels[K_FWD_SEQ] != 0 && kernels[K_BWD_SEQ] != 0 && !templates[FWD].empty() &&
+                    !templates[SEQ_FWD].empty() && !templates[BWD].empty() &&
+                    !templates[SEQ_BWD].empty(),
+                kOp, ": a plan needs the sequence kernels and their structs");
+    for (int i = 0; i < 6; ++i) defaults[i] = gains_and_biases[i];
+    dtype = defaults[0].scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, kOp,
+                ": the sequence kernels take float32 or float64, got ", dtype);
+  }
+
+  int64_t operator[](ConfigId i) const { return config[i]; }
+
+  void run_seq(KernelId k, const char* name, const std::vector<uint8_t>& a,
+               const std::vector<uint8_t>& s) const {
+    check_status(reinterpret_cast<SeqKernel>(kernels[k])(a.data(), s.data()), name);
+  }
+
+  void run_one(KernelId k, const char* name, const std::vector<uint8_t>& a) const {
+    TORCH_CHECK(kernels[k] != 0, kOp, ": the plan has no ", name, " kernel");
+    check_status(reinterpret_cast<OneKernel>(kernels[k])(a.data()), name);
+  }
+};
+
+Tensor new_cpu(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return Tensor(at::detail::empty_cpu(sizes, dtype));
+}
+
+int64_t threads() { return std::max<int64_t>(1, at::get_num_threads()); }
+
+// a · wᵀ (transposed: w as W_ih is stored, (N, K)) or a · w into a new (M, cols) tensor, by the
+// plan's route (_cstep.input_product).
+Tensor input_product(const LstmPlan& plan, Route route, TemplateId t, const Tensor& a,
+                     const Tensor& w, bool transposed) {
+  const int64_t cols = transposed ? w.size(0) : w.size(1);
+  Tensor out = new_cpu({a.size(0), cols}, a.scalar_type());
+  if (route == C_GEMM) {
+    plan.run_one(K_MATMUL, "matmul",
+                 plan.templates[t].fill({ptr_of("x", a), ptr_of("w", w), ptr_of("y", out),
+                                         count_of("threads", threads())}));
+    return out;
+  }
+  return at::mm_out(out, a, transposed ? w.t() : w);
+}
+
+// dᵀ · x, a weight's gradient over every row (_fused._weight_grad by the plan's route).
+Tensor weight_grad(const LstmPlan& plan, Route route, TemplateId t, const Tensor& d,
+                   const Tensor& x) {
+  switch (route) {
+    case TORCH:
+      return d.t().mm(x);
+    case C_GEMM: {
+      Tensor dw = new_cpu({d.size(1), x.size(1)}, d.scalar_type());
+      plan.run_one(K_WEIGHT_GRAD, "weight_grad",
+                   plan.templates[t].fill({ptr_of("dhp", d), ptr_of("hprev", x), ptr_of("dw", dw),
+                                           count_of("threads", threads())}));
+      return dw;
+    }
+    case TRANSPOSED: {
+      Tensor out = new_cpu({d.size(1), x.size(1)}, d.scalar_type());
+      return at::mm_out(out, d.t(), x);
+    }
+    case TRANSPOSED_SWAPPED: {
+      Tensor out = new_cpu({d.size(1), x.size(1)}, d.scalar_type());
+      Tensor swapped = new_cpu({x.size(1), d.size(1)}, d.scalar_type());
+      return out.copy_(at::mm_out(swapped, x.t(), d).t());
+    }
+  }
+  TORCH_CHECK(false, kOp, ": no product route ", static_cast<int64_t>(route));
+}
+
+void check_input(const char* name, const Tensor& t, at::IntArrayRef shape, at::ScalarType dtype) {
+  TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.device().is_cpu() &&
+                  t.scalar_type() == dtype && t.sizes() == shape && !at::isTensorSubclassLike(t),
+              kOp, ": expected ", name, " to be a ", dtype, " CPU tensor of shape ", shape,
+              ", got ", t.defined() ? std::string(c10::toString(t.scalar_type())) + " tensor of "
+              "shape " + c10::str(t.sizes()) + " on " + t.device().str() : std::string("None"));
+}
+
+void check_optional(const char* name, const OptTensor& t, int64_t n, at::ScalarType dtype) {
+  if (t.has_value() && t->defined()) check_input(name, *t, {n}, dtype);
+}
+
+const Tensor& or_default(const OptTensor& t, const Tensor& fallback) {
+  return t.has_value() && t->defined() ? *t : fallback;
+}
+
+Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : Tensor(); }
+
+struct Forward {
+  Tensor out, h, c, previous, gx, kept, x, c0, w_hh, w_ih, w1, w3, w0;
+};
+
+// PlannedLSTMSequence.forward of _planned.py, step for step.
+Forward lstm_forward(const LstmPlan& plan, const Tensor& x_in, const Tensor& h0_in,
+                     const Tensor& c0_in, const Tensor& w_hh_in, const OptTensor& w1,
+                     const OptTensor& b1, const OptTensor& w3, const OptTensor& b3,
+                     const OptTensor& w0, const OptTensor& b0, const Tensor& w_ih_in,
+                     const OptTensor& b_ih, const OptTensor& b_hh) {
+  const auto dt = plan.dtype;
+  const int64_t n = plan[ROWS], batch = plan[BATCH], hs = plan[HIDDEN], g = plan[GATES],
+                inputs = plan[INPUTS];
+  check_input("x", x_in, {n, inputs}, dt);
+  check_input("h0", h0_in, {batch, hs}, dt);
+  check_input("c0", c0_in, {batch, hs}, dt);
+  check_input("w_hh", w_hh_in, {g, hs}, dt);
+  check_input("w_ih", w_ih_in, {g, inputs}, dt);
+  check_optional("w1", w1, g, dt);
+  check_optional("b1", b1, g, dt);
+  check_optional("w3", w3, hs, dt);
+  check_optional("b3", b3, hs, dt);
+  check_optional("w0", w0, g, dt);
+  check_optional("b0", b0, g, dt);
+  check_optional("b_ih", b_ih, g, dt);
+  check_optional("b_hh", b_hh, g, dt);
+  const bool biases = b_ih.has_value() && b_ih->defined();
+  TORCH_CHECK(biases == (b_hh.has_value() && b_hh->defined()), kOp,
+              ": expected both of torch's biases b_ih, b_hh or neither");
+  Forward f;
+  f.x = x_in.contiguous();
+  f.w_hh = w_hh_in.contiguous();
+  f.w_ih = w_ih_in.contiguous();
+  f.kept = new_cpu({plan[KEPT_NUMEL]}, dt);
+  const bool in_loop = plan[IN_LOOP] != 0, reverse = plan[REVERSE] != 0;
+  if (!in_loop) {
+    f.gx = input_product(plan, static_cast<Route>(plan[PROJ_ROUTE]), PROJ, f.x, f.w_ih, true);
+  }
+  // _fused.fold_input_bias: (b_ih + b_hh) + b0
+  Tensor bias0 = value_or_undefined(b0);
+  if (biases) {
+    Tensor folded = at::add(*b_ih, *b_hh);
+    bias0 = bias0.defined() ? folded.add_(bias0) : folded;
+  }
+  const Tensor h0 = h0_in.contiguous();
+  f.c0 = c0_in.contiguous();
+  // _fused._output_and_previous: the output's buffer has B more rows, h0's copy, before its rows
+  // (after them in reverse); previous is every row's h_{t−1}
+  Tensor full = new_cpu({n + batch, hs}, dt);
+  f.out = at::empty({0}, full.options())
+              .set_(full.storage(), full.storage_offset() + (reverse ? 0 : batch * hs), {n, hs},
+                    {hs, 1});
+  (reverse ? full.narrow(0, n, batch) : full.narrow(0, 0, batch)).copy_(h0);
+  f.previous = reverse ? full.narrow(0, batch, n) : full.narrow(0, 0, n);
+  f.h = h0.clone();
+  f.c = f.c0.clone();
+  f.w1 = or_default(w1, plan.defaults[0]);
+  const Tensor& pb1 = or_default(b1, plan.defaults[1]);
+  f.w3 = or_default(w3, plan.defaults[2]);
+  const Tensor& pb3 = or_default(b3, plan.defaults[3]);
+  f.w0 = or_default(w0, plan.defaults[4]);
+  const Tensor& pb0 = bias0.defined() ? bias0 : plan.defaults[5];
+  const auto args = plan.templates[FWD].fill(
+      {ptr_of("kept", f.kept), ptr_of("w1", f.w1), ptr_of("b1", pb1), ptr_of("w3", f.w3),
+       ptr_of("b3", pb3), ptr_of("w0", f.w0), ptr_of("b0", pb0), ptr_of("gx", f.gx),
+       ptr_of("h", f.h), ptr_of("c", f.c), ptr_of("out", f.out)});
+  const auto seq = plan.templates[SEQ_FWD].fill(
+      {ptr_of("w", f.w_hh), count_of("threads", threads()), ptr_of("x", in_loop ? f.x : Tensor()),
+       ptr_of("w_ih", in_loop ? f.w_ih : Tensor())});
+  plan.run_seq(K_FWD_SEQ, "lstm_fwd_seq", args, seq);
+  return f;
+}
+
+constexpr int kTensorArgs = 13;  // x, h0, c0, w_hh, w1, b1, w3, b3, w0, b0, w_ih, b_ih, b_hh
+
+struct LstmPlannedFn : public torch::autograd::Function<LstmPlannedFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& h0,
+                               const Tensor& c0, const Tensor& w_hh, const OptTensor& w1,
+                               const OptTensor& b1, const OptTensor& w3, const OptTensor& b3,
+                               const OptTensor& w0, const OptTensor& b0, const Tensor& w_ih,
+                               const OptTensor& b_ih, const OptTensor& b_hh,
+                               const c10::intrusive_ptr<LstmPlan>& plan) {
+    Forward f = lstm_forward(*plan, x, h0, c0, w_hh, w1, b1, w3, b3, w0, b0, w_ih, b_ih, b_hh);
+    // the output is saved for autograd's check that nothing wrote it since (previous is its
+    // memory, read by the backward)
+    ctx->save_for_backward({f.x, f.c0, f.w_hh, f.w_ih, f.w1, f.w3, f.w0, f.out, f.previous, f.gx,
+                            f.kept});
+    ctx->saved_data["plan"] = plan;
+    // which of the 13 tensor arguments were given (an absent one has no edge)
+    const OptTensor* opt[] = {&w1, &b1, &w3, &b3, &w0, &b0};
+    int64_t given = 0b1111 | (1 << 10);
+    for (int i = 0; i < 6; ++i) {
+      if (opt[i]->has_value() && (*opt[i])->defined()) given |= int64_t{1} << (4 + i);
+    }
+    if (b_ih.has_value() && b_ih->defined()) given |= int64_t{1} << 11;
+    if (b_hh.has_value() && b_hh->defined()) given |= int64_t{1} << 12;
+    ctx->saved_data["given"] = given;
+    return {f.out, f.h, f.c};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!c10::GradMode::is_enabled(),
+                "the fused recurrent path has no double backward (create_graph=True); build the "
+                "layer with impl='loop' to differentiate its gradients");
+    TORCH_CHECK(!at::isTensorSubclassLike(grads[0]) && grads[0].device().is_cpu() &&
+                    grads[0].layout() == at::kStrided,
+                "the fused recurrent path has no batched backward (is_grads_batched=True, "
+                "jacobian(..., vectorize=True)); build the layer with impl='loop' for it");
+    const auto plan = ctx->saved_data["plan"].toCustomClass<LstmPlan>();
+    const LstmPlan& p = *plan;
+    const int64_t given = ctx->saved_data["given"].toInt();
+    bool need[kTensorArgs];
+    for (int i = 0, edge = 0; i < kTensorArgs; ++i) {
+      need[i] = (given >> i & 1) && ctx->needs_input_grad(edge++);
+    }
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &c0 = saved[1], &w_hh = saved[2], &w_ih = saved[3],
+                 &w1 = saved[4], &w3 = saved[5], &w0 = saved[6], &previous = saved[8],
+                 &gx = saved[9], &kept = saved[10];
+    const auto dt = p.dtype;
+    const int64_t n = p[ROWS], hs = p[HIDDEN], g = p[GATES], inputs = p[INPUTS];
+    Tensor scratch = new_cpu({p[SCRATCH_NUMEL]}, dt);
+    const Tensor dout = grads[0].contiguous();
+    const Tensor dh = grads[1].contiguous().clone();
+    const Tensor dc = grads[2].contiguous().clone();
+    check_input("the output's gradient", dout, {n, hs}, dt);
+    const bool need_b0 = need[9] || need[11] || need[12];  // b0's gradient is b_ih's and b_hh's
+    Tensor sums_hp, sums_c, sums_x;
+    if (need[4] || need[5] || need[6] || need[7] || need[8] || need_b0) {
+      Tensor sums = new_cpu({4 * g + 2 * hs}, dt);
+      sums_hp = sums.narrow(0, 0, 2 * g);
+      sums_c = sums.narrow(0, 2 * g, 2 * hs);
+      sums_x = sums.narrow(0, 2 * g + 2 * hs, 2 * g);
+    }
+    const bool x_in_loop = p[IN_LOOP] != 0 && need[0];
+    Tensor dx = x_in_loop ? new_cpu({n, inputs}, dt) : Tensor();
+    const auto args = p.templates[BWD].fill(
+        {ptr_of("kept", kept), ptr_of("scratch", scratch), ptr_of("dout", dout), ptr_of("dh", dh),
+         ptr_of("dc", dc), ptr_of("w1", w1), ptr_of("w3", w3), ptr_of("c0", c0), ptr_of("w0", w0),
+         ptr_of("gx", gx)});
+    const auto seq = p.templates[SEQ_BWD].fill(
+        {ptr_of("w", w_hh), count_of("threads", threads()),
+         ptr_of("w_ih", x_in_loop ? w_ih : Tensor()), ptr_of("dx", dx),
+         ptr_of("hp_grads", sums_hp), ptr_of("c_grads", sums_c), ptr_of("x_grads", sums_x)});
+    p.run_seq(K_BWD_SEQ, "lstm_bwd_seq", args, seq);
+    const Tensor dhp = scratch.narrow(0, p[DHP_OFFSET], n * g).view({n, g});
+    Tensor d_w_hh = need[3] ? weight_grad(p, static_cast<Route>(p[DW_HH_ROUTE]), DW_HH, dhp,
+                                          previous)
+                            : Tensor();
+    auto half = [](const Tensor& s, int k, bool needed) {
+      return needed ? s.chunk(2)[k] : Tensor();
+    };
+    Tensor dw1, db1, dw3, db3, dw0, db0;
+    if (sums_hp.defined()) {
+      dw1 = half(sums_hp, 0, need[4]);
+      db1 = half(sums_hp, 1, need[5]);
+      dw3 = half(sums_c, 0, need[6]);
+      db3 = half(sums_c, 1, need[7]);
+      dw0 = half(sums_x, 0, need[8]);
+      db0 = half(sums_x, 1, need_b0);
+    }
+    // dgates: the kernel turned it into the raw projection's gradient
+    const Tensor dgates = scratch.narrow(0, p[DGATES_OFFSET], n * g).view({n, g});
+    Tensor d_x = x_in_loop ? dx : Tensor();
+    if (need[0] && !x_in_loop) {
+      d_x = input_product(p, static_cast<Route>(p[DX_ROUTE]), DX, dgates, w_ih, false);
+    }
+    Tensor d_w_ih =
+        need[10] ? weight_grad(p, static_cast<Route>(p[DW_IH_ROUTE]), DW_IH, dgates, x) : Tensor();
+    return {d_x, dh, dc, d_w_hh, dw1, db1, dw3, db3, dw0, need[9] ? db0 : Tensor(), d_w_ih,
+            need[11] ? db0 : Tensor(), need[12] ? db0 : Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor> lstm_planned(
+    const Tensor& x, const Tensor& h0, const Tensor& c0, const Tensor& w_hh, const OptTensor& w1,
+    const OptTensor& b1, const OptTensor& w3, const OptTensor& b3, const OptTensor& w0,
+    const OptTensor& b0, const Tensor& w_ih, const OptTensor& b_ih, const OptTensor& b_hh,
+    const c10::intrusive_ptr<LstmPlan>& plan) {
+  auto r = LstmPlannedFn::apply(x, h0, c0, w_hh, w1, b1, w3, b3, w0, b0, w_ih, b_ih, b_hh, plan);
+  return {r[0], r[1], r[2]};
+}
+
+// Where autograd does not record (no input requires grad, or gradients are off): the forward.
+std::tuple<Tensor, Tensor, Tensor> lstm_planned_forward(
+    const Tensor& x, const Tensor& h0, const Tensor& c0, const Tensor& w_hh, const OptTensor& w1,
+    const OptTensor& b1, const OptTensor& w3, const OptTensor& b3, const OptTensor& w0,
+    const OptTensor& b0, const Tensor& w_ih, const OptTensor& b_ih, const OptTensor& b_hh,
+    const c10::intrusive_ptr<LstmPlan>& plan) {
+  Forward f = lstm_forward(*plan, x, h0, c0, w_hh, w1, b1, w3, b3, w0, b0, w_ih, b_ih, b_hh);
+  return {f.out, f.h, f.c};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(layernorm_cpu, m) {
+  m.class_<LstmPlan>("LstmPlan")
+      .def(torch::init<std::vector<Tensor>, std::vector<std::string>, std::vector<int64_t>,
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<Tensor>>());
+  m.def(
+      "lstm_planned(Tensor x, Tensor h0, Tensor c0, Tensor w_hh, Tensor? w1, Tensor? b1, "
+      "Tensor? w3, Tensor? b3, Tensor? w0, Tensor? b0, Tensor w_ih, Tensor? b_ih, Tensor? b_hh, "
+      "__torch__.torch.classes.layernorm_cpu.LstmPlan plan) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(layernorm_cpu, Autograd, m) { m.impl("lstm_planned", lstm_planned); }
+
+TORCH_LIBRARY_IMPL(layernorm_cpu, CPU, m) { m.impl("lstm_planned", lstm_planned_forward); }

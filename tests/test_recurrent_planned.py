@@ -334,3 +334,20 @@ def test_cpp_node_checks_its_arguments(node) -> None:
     assert recorded[0].grad_fn is not None and bare[0].grad_fn is None
     for a, b in zip(bare, recorded, strict=True):
         assert torch.equal(a, b.detach())
+
+
+def test_weights_past_the_node_limit_keep_the_python_node(monkeypatch) -> None:
+    """A signature whose weights' gradients pass _NODE_MAX_WEIGHT_BYTES runs the Python node
+    (buffers of the cache), one within it the C++ node where the operators are on."""
+    model = _model(torch.float64)
+    x = torch.randn(5, 4, 6, dtype=torch.float64)
+    monkeypatch.setattr(_planned, "_NODE_MAX_WEIGHT_BYTES", 36 * 9 * 8 - 1)  # W_hh's, one short
+    _planned._PLANS.clear()
+    nodes, past = _run(model, x, None, True, monkeypatch)
+    assert PLANNED in nodes
+    monkeypatch.setattr(_planned, "_NODE_MAX_WEIGHT_BYTES", 36 * 9 * 8)
+    _planned._PLANS.clear()
+    nodes, within = _run(model, x, None, True, monkeypatch)
+    assert (CPP_PLANNED if torch_ops._switch["on"] else PLANNED) in "".join(nodes)
+    _assert_same(past, within)
+    _planned._PLANS.clear()

@@ -181,6 +181,14 @@ def _build(
     return plan._replace(node=_node_plan(plan, x, h0, w_hh, w_ih))
 
 
+# The C++ node runs signatures whose weights' gradients (which it allocates itself, where the
+# Python node takes a buffer of the cache from buffers.MIN_BYTES) are at most this size. LN-LSTM
+# training, ours / torch.nn.LSTM with the C++ node / the Python node, Intel Xeon (Emerald Rapids),
+# one | two threads: (T, B, I, H) = (10, 8, 256, 256) (1 MiB) 0.94 / 1.13 | 1.00 / 1.13,
+# (5, 4, 512, 512) (4 MiB) 0.47 / 0.50 | 0.50 / 0.51, (2, 16, 1024, 1024) (16 MiB, a fresh
+# mapping each: page faults) 0.41 / 0.42 | 0.37 / 0.27 (benchmarks/RESULTS.md, 2026-11-29).
+_NODE_MAX_WEIGHT_BYTES = 4 << 20
+
 # How the C++ node runs a product (csrc_torch/rnn_ops.cpp's Route): torch's GEMM, the C GEMM, a
 # weight's gradient by _cstep.transposed_product as dᵀ·x or as (xᵀ·d)ᵀ.
 _TORCH, _C_GEMM, _TRANSPOSED, _TRANSPOSED_SWAPPED = range(4)
@@ -200,13 +208,20 @@ def _node_plan(plan: TrainingPlan, x: Tensor, h0: Tensor, w_hh: Tensor, w_ih: Te
     """The plan of the C++ training node (``csrc_torch/rnn_ops.cpp``, which runs what
     :class:`PlannedLSTMSequence` runs, from C++: its Python took 380 µs of a (50, 8, 64, 128)
     training call, one thread, over a node that computes nothing), or ``None`` where that node
-    does not run the call: the C++ operators unavailable, or kept buffers past
-    :data:`_ONE_BUFFER_BYTES` (those reuse the buffer cache's memory, which the node's own
-    allocations would not). Each product's route is the one the Python node takes for this
-    signature (the key holds the threads and the kernels' configuration it depends on)."""
-    if not (plan.kept_whole and plan.scratch_whole and torch_ops.recurrent_nodes()):
-        return None
+    does not run the call: the C++ operators unavailable, kept buffers past
+    :data:`_ONE_BUFFER_BYTES` or weights past :data:`_NODE_MAX_WEIGHT_BYTES` (those reuse the
+    buffer cache's memory, which the node's own allocations would not). Each product's route is
+    the one the Python node takes for this signature (the key holds the threads and the kernels'
+    configuration it depends on)."""
     (n_rows, inputs), hs, gates, dtype = x.shape, h0.shape[1], w_hh.shape[0], x.dtype
+    weight_bytes = gates * max(hs, inputs) * x.element_size()
+    if not (
+        plan.kept_whole
+        and plan.scratch_whole
+        and weight_bytes <= _NODE_MAX_WEIGHT_BYTES
+        and torch_ops.recurrent_nodes()
+    ):
+        return None
     grad = torch.empty((n_rows, gates), dtype=dtype)  # dhp and dgates: (N, G), contiguous
     previous = torch.empty((n_rows, hs), dtype=dtype)
     routes = {

@@ -13,7 +13,10 @@ forward and ``backward()`` of ``output.sum()``, with the gradients set to ``None
   parameters) that computes nothing, behind the same reshapes: what any one-node layer of this
   signature costs.
 
-The results are not those of a layer (the zeros flow on); only the times mean something.
+The results are not those of a layer (the zeros flow on); only the times mean something. The
+C++ node of the planned calls (``csrc_torch/rnn_ops.cpp``) calls its kernels from C++, where they
+cannot be taken out, so here the C++ operators are switched off and ``planned`` is the Python
+node; ``ab_rnn.py --cpp-node --a yes --b no`` times the two nodes with their kernels.
 
     python benchmarks/rnn_call_overhead.py --shape 50x8x64x128 --threads 1
 """
@@ -30,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import cpu_model, median_ms, torch_isa
 from layernorm import LayerNormLSTM
-from layernorm.kernels.cpu import rnn, targets
+from layernorm.kernels.cpu import rnn, targets, torch_ops
 from layernorm.recurrent import _cstep, _fused, _planned
 
 
@@ -78,6 +81,7 @@ def main() -> None:
         f"{torch_isa()} | threads {args.threads} | shape (T, B, I, H) = ({t}, {b}, {i}, {h})"
     )
     _without_kernels()
+    torch_ops._switch["on"] = False  # the Python node (see above)
     torch.manual_seed(0)
     model = LayerNormLSTM(i, h)
     x = (torch.randn(t, b, i) + 0.5).requires_grad_()

@@ -20,7 +20,7 @@ SANITIZE_TESTS := tests/test_cpu_fast_paths.py tests/test_raw_ops.py tests/test_
 	tests/test_kernel_accuracy.py tests/test_fuzz_kernels.py tests/test_half_kernels.py \
 	tests/test_cpu_isa.py tests/test_torch_ops.py \
 	tests/test_rnn_kernel_abi.py tests/test_recurrent_inference.py \
-	tests/test_recurrent_inference_plans.py tests/test_recurrent_planned.py \
+	tests/test_recurrent_inference_plans.py \
 	tests/test_recurrent_cseq.py::test_sequence_kernels_equal_per_step_loop \
 	tests/test_recurrent_cseq.py::test_sequence_kernels_threaded \
 	tests/test_recurrent_cseq.py::test_weight_grad_equals_mm \

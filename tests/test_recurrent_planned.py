@@ -89,6 +89,13 @@ CASES = {
     "no torch biases": ({"dtype": torch.float64, "bias": False}, (5, 4)),
     "one step": ({"dtype": torch.float64}, (1, 3)),
     "long": ({"dtype": torch.float32}, (60, 3)),
+    # without layer norms: the C++ node's plans alone (the Python node runs the fused path)
+    "no layer norms": ({"dtype": torch.float64, "norm": "none"}, (5, 4)),
+    "no layer norms, no biases": ({"dtype": torch.float32, "norm": "none", "bias": False}, (6, 3)),
+    "no layer norms, two layers both ways": (
+        {"dtype": torch.float64, "norm": "none", "bidirectional": True, "num_layers": 2},
+        (5, 4),
+    ),
 }
 
 
@@ -108,9 +115,13 @@ def test_planned_call_equals_the_fused_path(case, given_state, in_loop, monkeypa
     x = 0.5 + torch.randn(t, b, 6, generator=gen, dtype=dtype)
     hx = tuple(torch.randn(layers, x.shape[1 - model.batch_first], 9, generator=gen,
                            dtype=dtype) for _ in range(2)) if given_state else None  # fmt: skip
+    planned_kind = kw.get("norm") != "none" or torch_ops._switch["on"]
     for _ in range(2):  # a plan made, then kept
         nodes, planned = _run(model, x, hx, True, monkeypatch)
-        assert _planned_count(nodes) == layers and FUSED not in nodes
+        if planned_kind:
+            assert _planned_count(nodes) == layers and FUSED not in nodes
+        else:
+            assert nodes.count(FUSED) == layers
     nodes, fused = _run(model, x, hx, False, monkeypatch)
     assert nodes.count(FUSED) == layers and _planned_count(nodes) == 0
     _assert_same(planned, fused)
@@ -184,8 +195,8 @@ def test_graphs_alive_together_keep_their_own_buffers(monkeypatch) -> None:
 @pytest.mark.parametrize(
     "kw",
     [{"zoneout_hidden": 0.2}, {"recurrent_dropout": 0.3}, {"proj_size": 4},
-     {"normalize_cell_state": True}, {"norm": "none"}],
-    ids=["zoneout", "recurrent dropout", "proj_size", "normalized carry", "no layer norm"],
+     {"normalize_cell_state": True}],
+    ids=["zoneout", "recurrent dropout", "proj_size", "normalized carry"],
 )  # fmt: skip
 def test_calls_a_plan_does_not_take_run_on_the_fused_path(kw) -> None:
     model = LayerNormLSTM(6, 9, **kw)
@@ -321,10 +332,10 @@ def test_cpp_node_checks_its_arguments(node) -> None:
     with pytest.raises(RuntimeError, match="both of torch's biases"):
         torch_ops.lstm_planned(torch.randn(20, 6), h0, h0, *args[:-2], model.bias_ih_l0, None, plan)
     with pytest.raises(RuntimeError, match="a plan takes"):
-        torch_ops.lstm_plan([], [], [], [0, 0, 0, 0], [0] * 15, [])
+        torch_ops.lstm_plan([], [], [], [0, 0, 0, 0], [0] * 16, [])
     structs = [torch.zeros(8, dtype=torch.uint8)] * 8
     with pytest.raises(RuntimeError, match="lies outside its struct"):
-        torch_ops.lstm_plan(structs, ["h"], [0, 8, 0, 1], [1, 1, 0, 0], [0] * 15,
+        torch_ops.lstm_plan(structs, ["h"], [0, 8, 0, 1], [1, 1, 0, 0], [0] * 16,
                             [torch.ones(3)] * 6)  # fmt: skip
     # without gradients the operator runs the forward alone: the node's forward results
     with torch.no_grad():

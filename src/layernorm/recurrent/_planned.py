@@ -20,7 +20,9 @@ the fields a call fills (:meth:`.rnn_abi.BoundStruct.template`), each product's 
 Python node would take it (:func:`_weight_grad_route`), the kernels' addresses. Every decision
 stays here; the node allocates, fills the structs and calls, in the Python node's order, so its
 results are the same bits. ``LAYERNORM_CPU_TORCH_OPS=0`` (or ``torch_ops.switched(False)``) keeps
-the Python node.
+the Python node. Layers without layer norms (``norm="none"``) have plans on the C++ node alone:
+the Python node takes the layer norms' input side only, and their calls otherwise run the fused
+path.
 
 A plan holds no tensor of a call (the schedule's steps and the default gains aside): each call
 allocates its own buffers, so calls whose graphs are alive together (two forwards before one
@@ -49,6 +51,10 @@ _KEPT = (("hp", "G"), ("acts", "G"), ("cn", "H"), ("tc", "H"),
          ("mh", ""), ("rh", ""), ("mc", ""), ("rc", ""), ("mx", ""), ("rx", ""))  # fmt: skip
 # ... and those its backward writes and reads back (dgates: the raw projection's gradient).
 _SCRATCH = (("dgates", "G"), ("dhp", "G"), ("dlc", "H"))
+# Without layer norms (``norm="none"``: _fused's plain input side, gx = x W_ihᵀ + b0) no row
+# statistics of gx are kept, and hp's gradient is dgates itself (the backward's dhp points there).
+_KEPT_PLAIN = tuple(k for k in _KEPT if k[0] not in ("mx", "rx"))
+_SCRATCH_PLAIN = (("dgates", "G"), ("dlc", "H"))
 # Most signatures kept (a plan is a few dicts; sequences of many lengths make many).
 _MAX_PLANS = 256
 # Up to this size a call's kept buffers (and its backward's) are views of one buffer of the
@@ -99,8 +105,13 @@ def _layout(
     return tuple(out), offset
 
 
-def _region(layout: tuple[tuple[str, int, tuple[int, ...]], ...], numel: int) -> rnn_abi.Region:
-    return rnn_abi.Region(numel, {name: (offset, shape) for name, offset, shape in layout})
+def _region(
+    layout: tuple[tuple[str, int, tuple[int, ...]], ...], numel: int, aliases: dict[str, str]
+) -> rnn_abi.Region:
+    """The blocks of ``layout`` in one buffer, and each of ``aliases`` (a field pointing at
+    another's block) at its block."""
+    blocks = {name: (offset, shape) for name, offset, shape in layout}
+    return rnn_abi.Region(numel, {**blocks, **{a: blocks[b] for a, b in aliases.items()}})
 
 
 def _buffers_of(
@@ -132,44 +143,53 @@ def _block(
 
 def _build(
     x: Tensor, h0: Tensor, w_hh: Tensor, w_ih: Tensor, n_steps: int, reverse: bool, eps: float,
-    in_loop: bool, half: int,
+    in_loop: bool, half: int, layer_norm: bool = True,
 ) -> TrainingPlan:  # fmt: skip
-    """The plan of a signature (see :func:`lstm_training` for what it is keyed on)."""
+    """The plan of a signature (see :func:`lstm_training` for what it is keyed on); without
+    ``layer_norm`` that of a layer with ``norm="none"`` (the C++ node's alone)."""
     (n_rows, inputs), (batch, hs), gates = x.shape, h0.shape, w_hh.shape[0]
     dtype, itemsize = x.dtype, x.element_size()
     sizes = {"N": n_rows, "B": batch, "H": hs, "G": gates, "R": n_rows, "X": n_rows, "D": n_rows}
     sched = _fused.make_schedule([batch] * n_steps, reverse)
-    kept_spec = _KEPT + ((("gx", "G"),) if in_loop else ())
+    kept_spec = (_KEPT if layer_norm else _KEPT_PLAIN) + ((("gx", "G"),) if in_loop else ())
     kept, kept_numel = _layout(kept_spec, sizes)
-    scratch, scratch_numel = _layout(_SCRATCH, sizes)
+    scratch, scratch_numel = _layout(_SCRATCH if layer_norm else _SCRATCH_PLAIN, sizes)
     kept_whole = kept_numel * itemsize <= _ONE_BUFFER_BYTES
     scratch_whole = scratch_numel * itemsize <= _ONE_BUFFER_BYTES
-    step = {**_cstep.UNSET_STEP, "layer_norm": 1, "normalize_cell_state": 0, "zh": None,
-            "zc": None, "cm": None}  # fmt: skip
-    kept_region = {"kept": _region(kept, kept_numel)} if kept_whole else {}
-    scratch_region = {"scratch": _region(scratch, scratch_numel)} if scratch_whole else {}
+    step = {**_cstep.UNSET_STEP, "layer_norm": int(layer_norm), "normalize_cell_state": 0,
+            "zh": None, "zc": None, "cm": None}  # fmt: skip
+    # without layer norms: no LN(gx), so neither its gain and bias nor its statistics (_fused's
+    # plain input side; the other gains and biases are the defaults, which the kernels skip)
+    plain = {} if layer_norm else {"w0": None, "b0": None, "mx": None, "rx": None}
+    kept_region = {"kept": _region(kept, kept_numel, {})} if kept_whole else {}
+    aliases = {} if layer_norm else {"dhp": "dgates"}
+    scratch_region = {"scratch": _region(scratch, scratch_numel, aliases)} if scratch_whole else {}
     # the C backward takes c_{t−1} from cn of the step before, c0 for the first (every step a
     # full batch, the carried state c_t itself: _fused._keep_previous)
     forward = rnn_abi.BoundStruct(
         rnn_abi.LSTM_FWD,
         dtype,
         sizes,
-        {**step, "eps": eps, "hprev": None, "cprev": None},
+        {**step, **plain, "eps": eps, "hprev": None, "cprev": None},
         kept_region,
     )
     backward = rnn_abi.BoundStruct(
-        rnn_abi.LSTM_BWD, dtype, sizes, {**step, "cprev": None, "reverse": int(reverse)},
+        rnn_abi.LSTM_BWD, dtype, sizes,
+        {**step, **{k: v for k, v in plain.items() if k != "b0"}, "cprev": None,
+         "reverse": int(reverse)},
         {**kept_region, **scratch_region},
     )  # fmt: skip
     # the sequence structs as :func:`._cstep._sequence` packs them (rnn.pack_sequence), with
-    # this call's threads and, in the loop, the input projection's operands
+    # this call's threads and, in the loop, the input projection's operands (without layer
+    # norms, its bias b0 too: a call's)
     seq_sizes = {**sizes, "S": n_steps, "I": inputs if in_loop else 0, "P": sizes["H"]}
     seq = {"steps": _cstep._steps(sched), "grain": _cstep._SEQ_GRAIN,
            "gemm_grain": _cstep._SEQ_GEMM_GRAIN, "half_gemm": half}  # fmt: skip
     projection = {} if in_loop else {"x": None, "w_ih": None}
+    bias = {} if in_loop and not layer_norm else {"b0": None}
     forward_sequence = rnn_abi.BoundStruct(
         rnn_abi.SEQ_FWD, dtype, seq_sizes,
-        {**seq, **projection, "split": gates, "w0": None, "b0": None},
+        {**seq, **projection, **bias, "split": gates, "w0": None},
     )  # fmt: skip
     backward_sequence = rnn_abi.BoundStruct(rnn_abi.SEQ_BWD, dtype, seq_sizes, seq)
     # the step kernels' (w1, b1, w3, b3) and, as LSTMSequence has them, LN(gx)'s
@@ -262,9 +282,11 @@ def _node_plan(plan: TrainingPlan, x: Tensor, h0: Tensor, w_hh: Tensor, w_ih: Te
         used = any(routes[name] == _C_GEMM for name in products_of)
         kernels.append(rnn.kernel_address(kernel, dtype) if used else 0)
     scratch = {name: offset for name, offset, _ in plan.scratch}
+    layer_norm = "dhp" in scratch  # without layer norms hp's gradient is dgates itself
     config = [int(plan.in_loop), int(plan.reverse), n_rows, h0.shape[0], hs, gates, inputs,
-              plan.kept_numel, plan.scratch_numel, scratch["dhp"], scratch["dgates"],
-              routes["proj"], routes["dx"], routes["dw_hh"], routes["dw_ih"]]  # fmt: skip
+              plan.kept_numel, plan.scratch_numel, scratch.get("dhp", scratch["dgates"]),
+              scratch["dgates"], routes["proj"], routes["dx"], routes["dw_hh"], routes["dw_ih"],
+              int(layer_norm)]  # fmt: skip
     defaults = [plan.defaults[name] for name in ("w1", "b1", "w3", "b3", "w0", "b0")]
     return torch_ops.lstm_plan(structs, names, where, kernels, config, defaults)
 
@@ -290,18 +312,20 @@ def lstm_training(
     planned kind (then :func:`._fused.lstm_sequence` runs it): autograd records it, layer norms
     without normalized carry, no mask or projection, every step a full batch (``sizes``, the
     steps' rows, all equal), float32 / float64 on the C sequence kernels, both or none of
-    torch's biases. ``params``: the layer norms' gains and biases ``(w1, b1, w3, b3, w0, b0)``
-    (LN(hp), LN(c_t), LN(gx)), each ``None`` where the layer has none; the caller passes them
-    in the data's dtype, contiguous."""
+    torch's biases. Without ``layer_norm`` (``norm="none"``) only by the C++ node (the Python
+    node takes the layer norms' input side alone). ``params``: the layer norms' gains and biases
+    ``(w1, b1, w3, b3, w0, b0)`` (LN(hp), LN(c_t), LN(gx)), each ``None`` where the layer has
+    none; the caller passes them in the data's dtype, contiguous."""
     if (
-        not layer_norm
-        or normalize_cell_state
+        normalize_cell_state
         or w_hr is not None
         or any(m is not None for m in masks)
         or sizes[0] != sizes[-1]
         or (b_ih is None) != (b_hh is None)
         or not _fused.differentiated(data, h0, c0, w_ih, w_hh, b_ih, b_hh, *params)
         or step_kernels(data) is not C_KERNELS
+        or not (layer_norm or torch_ops.recurrent_nodes())
+        or not (layer_norm or all(p is None for p in params))
     ):
         return None
     n_batch = h0.shape[0]
@@ -310,10 +334,10 @@ def lstm_training(
     # the C++ node's product routes depend on the threads and the kernels' configuration
     key = (data.shape, data.dtype, h0.shape, w_hh.shape, len(sizes), reverse, eps, in_loop, half,
            _ONE_BUFFER_BYTES, torch.get_num_threads(), _cstep.configuration(),
-           torch_ops.recurrent_nodes())  # fmt: skip
+           torch_ops.recurrent_nodes(), layer_norm)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _build(data, h0, w_hh, w_ih, len(sizes), reverse, eps, in_loop, half)
+        plan = _build(data, h0, w_hh, w_ih, len(sizes), reverse, eps, in_loop, half, layer_norm)
         with _PLANS_LOCK:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -321,6 +345,8 @@ def lstm_training(
     if plan.node is not None:
         _fused._check_untraced("PlannedLSTMSequence")
         return torch_ops.lstm_planned(data, h0, c0, w_hh, *params, w_ih, b_ih, b_hh, plan.node)
+    if not layer_norm:  # past the node's limits: the fused path
+        return None
     return PlannedLSTMSequence.apply(  # type: ignore[no-any-return]
         data, h0, c0, w_hh, *params, w_ih, b_ih, b_hh, plan
     )

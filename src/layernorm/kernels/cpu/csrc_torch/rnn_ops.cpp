@@ -135,7 +135,7 @@ enum TemplateId { FWD, SEQ_FWD, BWD, SEQ_BWD, PROJ, DX, DW_HH, DW_IH, TEMPLATE_C
 // Config entries, in the order Python hands them over.
 enum ConfigId {
   IN_LOOP, REVERSE, ROWS, BATCH, HIDDEN, GATES, INPUTS, KEPT_NUMEL, SCRATCH_NUMEL, DHP_OFFSET,
-  DGATES_OFFSET, PROJ_ROUTE, DX_ROUTE, DW_HH_ROUTE, DW_IH_ROUTE, CONFIG_COUNT
+  DGATES_OFFSET, PROJ_ROUTE, DX_ROUTE, DW_HH_ROUTE, DW_IH_ROUTE, LAYER_NORM, CONFIG_COUNT
 };
 enum KernelId { K_FWD_SEQ, K_BWD_SEQ, K_MATMUL, K_WEIGHT_GRAD, KERNEL_COUNT };
 
@@ -300,6 +300,10 @@ Forward lstm_forward(const LstmPlan& plan, const Tensor& x_in, const Tensor& h0_
     Tensor folded = at::add(*b_ih, *b_hh);
     bias0 = bias0.defined() ? folded.add_(bias0) : folded;
   }
+  // without layer norms gx = x W_ihᵀ + b0: added here, or by the time loop to each step's rows
+  // (_fused.LSTMSequence's plain input side)
+  const bool layer_norm = plan[LAYER_NORM] != 0;
+  if (!layer_norm && !in_loop && bias0.defined()) f.gx.add_(bias0);
   const Tensor h0 = h0_in.contiguous();
   f.c0 = c0_in.contiguous();
   // _fused._output_and_previous: the output's buffer has B more rows, h0's copy, before its rows
@@ -324,7 +328,8 @@ Forward lstm_forward(const LstmPlan& plan, const Tensor& x_in, const Tensor& h0_
        ptr_of("h", f.h), ptr_of("c", f.c), ptr_of("out", f.out)});
   const auto seq = plan.templates[SEQ_FWD].fill(
       {ptr_of("w", f.w_hh), count_of("threads", threads()), ptr_of("x", in_loop ? f.x : Tensor()),
-       ptr_of("w_ih", in_loop ? f.w_ih : Tensor())});
+       ptr_of("w_ih", in_loop ? f.w_ih : Tensor()),
+       ptr_of("b0", in_loop && !layer_norm ? bias0 : Tensor())});
   plan.run_seq(K_FWD_SEQ, "lstm_fwd_seq", args, seq);
   return f;
 }
@@ -383,8 +388,9 @@ struct LstmPlannedFn : public torch::autograd::Function<LstmPlannedFn> {
     const Tensor dc = grads[2].contiguous().clone();
     check_input("the output's gradient", dout, {n, hs}, dt);
     const bool need_b0 = need[9] || need[11] || need[12];  // b0's gradient is b_ih's and b_hh's
+    const bool layer_norm = p[LAYER_NORM] != 0;
     Tensor sums_hp, sums_c, sums_x;
-    if (need[4] || need[5] || need[6] || need[7] || need[8] || need_b0) {
+    if (layer_norm && (need[4] || need[5] || need[6] || need[7] || need[8] || need_b0)) {
       Tensor sums = new_cpu({4 * g + 2 * hs}, dt);
       sums_hp = sums.narrow(0, 0, 2 * g);
       sums_c = sums.narrow(0, 2 * g, 2 * hs);
@@ -419,6 +425,7 @@ struct LstmPlannedFn : public torch::autograd::Function<LstmPlannedFn> {
     }
     // dgates: the kernel turned it into the raw projection's gradient
     const Tensor dgates = scratch.narrow(0, p[DGATES_OFFSET], n * g).view({n, g});
+    if (!layer_norm && need_b0) db0 = dgates.sum(0);  // b0 added to x W_ihᵀ: dgates summed
     Tensor d_x = x_in_loop ? dx : Tensor();
     if (need[0] && !x_in_loop) {
       d_x = input_product(p, static_cast<Route>(p[DX_ROUTE]), DX, dgates, w_ih, false);

@@ -1,6 +1,9 @@
 """The norm kernels as PyTorch operators with C++ autograd nodes (``csrc_torch/norm_ops.cpp``):
 ``torch.ops.layernorm_cpu.layer_norm``, ``.rms_norm`` and ``.ada_norm`` on the rows of a contiguous
-tensor (its last dimension), for the calls whose time is the Python around the kernels.
+tensor (its last dimension), for the calls whose time is the Python around the kernels. The same
+library holds the LN-LSTM's planned training call (``csrc_torch/rnn_ops.cpp``,
+``layernorm_cpu::lstm_planned`` with its plan class ``layernorm_cpu.LstmPlan``: see
+:mod:`layernorm.recurrent._planned`, which builds the plans; :func:`recurrent_nodes`).
 
 A layer norm's forward and backward at (1, 768) took 64 µs through the autograd.Function of
 :mod:`layernorm.ops` where torch's native layer norm, a C++ node, takes 24; the kernels themselves

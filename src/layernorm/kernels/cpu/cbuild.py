@@ -2,9 +2,10 @@
 
 Sources (``.c``/``.h`` files shipped in the package's ``csrc`` folders) include no PyTorch
 headers, so a build takes about a second with the system C compiler. The one C++ library, the
-norms' operators (:func:`build_torch_library`, ``csrc_torch``), is built against PyTorch's
-headers and libraries with the system C++ compiler (about 12 s), PyTorch's version in its key,
-and kept only once an error raised in it reaches Python in a child process.
+norms' operators and the recurrent training node (:func:`build_torch_library`, ``csrc_torch``),
+is built against PyTorch's headers and libraries with the system C++ compiler (some 40 s),
+PyTorch's version in its key, and kept only once an error raised in it reaches Python in a child
+process.
 Headers are found next to the sources (``-I`` each source's folder). Libraries are cached under
 ``$LAYERNORM_CACHE_DIR`` (default ``~/.cache/layernorm``; which folders are trusted, and which
 libraries are loaded, is :mod:`.cache`'s business), keyed by a hash of the content of every

@@ -16,7 +16,7 @@ itself, which malloc's heap keeps); the larger ones keep the Python path, whose 
 buffer cache's memory.
 
 The library is compiled against this process's PyTorch by the C++ compiler on first use (about
-12 s; :func:`.cbuild.build_torch_library`, cached with the C kernels: ``make install`` builds it),
+40 s; :func:`.cbuild.build_torch_library`, cached with the C kernels: ``make install`` builds it),
 kept only once an error raised in it has reached Python in a child process (a build whose
 exceptions kill the process is thrown away and the next compiler on ``PATH`` tried), and loaded
 with the cache's checks (:mod:`.cache`). Where it cannot be built or loaded, a warning says why,

@@ -37,6 +37,12 @@ commas, each timed on its own in turn:
     python benchmarks/ab_rnn.py --gemm --a tile --b mkl --mode infer \
         --shape 100x32x128x256,1000x4x32x128
 
+With ``--one-step-gemm`` they name the GEMMs of a float32 forward call of one step
+(``rnn.use_one_step_gemm``: ``mkl``, MKL's sgemm reading the weights as stored, or ``packed``):
+
+    python benchmarks/ab_rnn.py --kind gru --one-step-gemm --a packed --b mkl --mode infer \
+        --shape 1x32x256x256
+
 ``--dtype bfloat16`` (or ``float16``) runs both layers, their input and state in that dtype.
 With ``--group`` they are the LN-LSTM forward step's rows a group (``rnn.use_forward_group``):
 
@@ -91,6 +97,8 @@ def main() -> None:
     )
     what.add_argument("--cflags", action="store_true", help="--a and --b are compiler flags")
     what.add_argument("--gemm", action="store_true", help="--a and --b name rnn.use_gemm choices")
+    what.add_argument("--one-step-gemm", action="store_true",
+                      help="--a and --b name rnn.use_one_step_gemm choices")  # fmt: skip
     what.add_argument("--group", action="store_true",
                       help="--a and --b are rnn.use_forward_group rows")  # fmt: skip
     what.add_argument("--projection", action="store_true",
@@ -119,6 +127,14 @@ def main() -> None:
             if v not in rnn.GEMM_CHOICES:
                 ap.error(f"--gemm: --a and --b must be among {rnn.GEMM_CHOICES}, got {v!r}")
         setters = {k: (lambda v=v: rnn.use_gemm(v)) for k, v in (("A", args.a), ("B", args.b))}
+    elif args.one_step_gemm:
+        for v in (args.a, args.b):
+            if v not in rnn.ONE_STEP_GEMM_CHOICES:
+                ap.error(f"--one-step-gemm: --a and --b must be among "
+                         f"{rnn.ONE_STEP_GEMM_CHOICES}, got {v!r}")  # fmt: skip
+        setters = {
+            k: (lambda v=v: rnn.use_one_step_gemm(v)) for k, v in (("A", args.a), ("B", args.b))
+        }
     elif args.group:
         rows = {}
         for k, v in (("A", args.a), ("B", args.b)):
@@ -161,7 +177,7 @@ def main() -> None:
     )
     setting = args.attr or next(
         name
-        for name in ("cflags", "gemm", "group", "projection", "amx", "cpp_node")
+        for name in ("cflags", "gemm", "one_step_gemm", "group", "projection", "amx", "cpp_node")
         if getattr(args, name)
     )
     for shape in args.shape.split(","):

@@ -260,7 +260,8 @@ def run(args: argparse.Namespace) -> None:
     half = f", bfloat16 products: {products}" if args.dtype == "bfloat16" else ""
     outpaced = ", also torch.mm's products" if _cstep.tile_outpaces_torch_gemm() else ""
     print(f"device: {cpu_model()} | kernels {kernel_isa()} (recurrent GEMM: "
-          f"{rnn.gemm_in_use()}{outpaced}{half}) | torch {torch.__version__}, {torch_isa()} "
+          f"{rnn.gemm_in_use()}{outpaced}{half}; one step: {rnn.one_step_gemm_in_use()}) "
+          f"| torch {torch.__version__}, {torch_isa()} "
           f"| threads {torch.get_num_threads()} | mkldnn {torch.backends.mkldnn.is_available()} "
           f"| {date}")  # fmt: skip
     what = "forward + backward" if args.mode == "train" else "forward under no_grad"

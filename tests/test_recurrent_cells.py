@@ -504,18 +504,23 @@ def test_elman_cell_inference_step_where_nothing_is_recorded(
 
 @needs_sequence_kernels
 @pytest.mark.parametrize(
-    ("inputs_", "hidden", "threads", "in_loop"),
-    [(16, 32, 1, True), (128, 256, 1, False), (128, 256, 2, True)],
-)
+    ("inputs_", "hidden", "threads", "one_step_gemm", "in_loop"),
+    [(16, 32, 1, "packed", True), (128, 256, 1, "packed", False), (128, 256, 2, "packed", True),
+     (128, 256, 1, "mkl", True)],
+)  # fmt: skip
 def test_lstm_cell_step_of_a_batch_keeps_its_plan_either_way(
-    inputs_: int, hidden: int, threads: int, in_loop: bool
+    inputs_: int, hidden: int, threads: int, one_step_gemm: str, in_loop: bool
 ) -> None:
     """One LSTM step of more rows than the direct GEMM's projects its inputs in the kernel's loop
     with a small W_ih or several threads, by torch's GEMM before it from 2^17 elements on one
-    thread (``_fused``'s ``_ONE_STEP_LOOP_PROJECTION_WEIGHT``); a plan is kept either way, with
-    the ops' results."""
+    thread (``_fused``'s ``_ONE_STEP_LOOP_PROJECTION_WEIGHT``), where the step packs its weights;
+    in the loop where MKL's sgemm reads them as stored (``rnn.use_one_step_gemm``). A plan is
+    kept either way, with the ops' results."""
+    from layernorm.kernels.cpu import rnn
     from layernorm.recurrent import cells
 
+    if one_step_gemm == "mkl" and rnn.torch_sgemm() is None:
+        pytest.skip("this PyTorch exports no MKL sgemm")
     cell = LayerNormLSTMCell(inputs_, hidden)
     randomize(cell)
     x, h = inputs(12, inputs_).float(), inputs(12, hidden, seed=2).float()
@@ -523,12 +528,14 @@ def test_lstm_cell_step_of_a_batch_keeps_its_plan_either_way(
     expected = _by_ops(cell, x, hx)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    rnn.use_one_step_gemm(one_step_gemm)
     try:
         with torch.no_grad():
             _assert_same(cell(x, hx), expected)
             _assert_same(cell(x, hx), expected)
     finally:
         torch.set_num_threads(before)
+        rnn.use_one_step_gemm(None)
     kept = cells._STEP_PLANS.get(cell)
     assert kept is not None and kept.plan.in_loop is in_loop
 

@@ -416,6 +416,147 @@ def test_mkl_packed_gemm_not_for_float64(mkl_calls) -> None:
     assert mkl_calls[0] == 0
 
 
+# MKL's sgemm for the GEMMs of a one-step forward call (kernels/cpu/rnn.py use_one_step_gemm):
+# the Fortran interface's C signature (every argument but the two transposition flags by address).
+_SGEMM = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, *(ctypes.c_void_p,) * 11)
+
+
+@pytest.fixture
+def sgemm_calls():
+    """Choose MKL's sgemm for one-step calls and count the selected library's calls of it: a
+    list whose one item counts. Afterwards the processor's default again, set from PyTorch's own
+    entry point (not from anything the test made)."""
+    from layernorm.kernels.cpu import rnn, targets
+
+    real = rnn.torch_sgemm()
+    if real is None:
+        pytest.skip("this PyTorch exports no MKL sgemm")
+    assert rnn._library() is not None
+    calls = [0]
+    real_sgemm = _SGEMM(real)
+
+    def forward(*args):
+        calls[0] += 1
+        real_sgemm(*args)
+
+    forwarder = _SGEMM(forward)
+    try:
+        rnn.use_one_step_gemm("mkl")
+        set_sgemm = rnn._ONE_STEP_SETTERS[targets.selected().name, ()]
+        assert set_sgemm(ctypes.cast(forwarder, ctypes.c_void_p)) == 0
+        yield calls
+    finally:
+        rnn.use_one_step_gemm(None)
+
+
+def _one_step_case(kind: str, dtype: torch.dtype, steps: int = 1, rows: int | None = None):
+    """A layer of ``kind`` (``lstm-proj``: torch.nn.LSTM's projection, 8 units), an input of
+    ``steps`` steps of ``rows`` rows (default: five past the direct GEMM's) and random initial
+    states, so that every product of a wrong operand order or layout shows."""
+    base, _, proj = kind.partition("-")
+    model = _model(base, 24, "layer", dtype, **({"proj_size": 8} if proj else {}))
+    batch = _cstep.direct_rows() + 5 if rows is None else rows
+    gen = torch.Generator().manual_seed(4)
+    x = (0.5 + torch.randn(steps, batch, 6, generator=gen)).to(dtype)
+    h0 = torch.randn(1, batch, 8 if proj else 24, generator=gen).to(dtype)
+    hx = (h0, torch.randn(1, batch, 24, generator=gen).to(dtype)) if base == "lstm" else h0
+    return model, x, hx
+
+
+def _inference(model: torch.nn.Module, x: torch.Tensor, hx) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out, h_n = model(x, hx)
+    return [out, *(h_n if isinstance(h_n, tuple) else (h_n,))]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "lstm-proj"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_step_sgemm_against_float64(sgemm_calls, kind, threads) -> None:
+    """One step of a batch past the direct GEMM's rows in inference (a decoder's token): with MKL's
+    sgemm chosen, the forward kernel's products (x · W_ihᵀ, h · W_hhᵀ, with the projection
+    h̃ · W_hrᵀ) read the weights as stored by it, and the outputs and final states are as near
+    the float64 run as those of the packed weights, which make no sgemm call. (The Elman RNN
+    projects its input before the loop and multiplies one step by torch's GEMM.)"""
+    from layernorm.kernels.cpu import rnn
+
+    model, x, hx = _one_step_case(kind, torch.float32)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = _inference(model, x, hx)
+        called = sgemm_calls[0]
+        rnn.use_one_step_gemm("packed")
+        packed = _inference(copy.deepcopy(model), x, hx)
+    finally:
+        torch.set_num_threads(saved)
+    assert called == (3 if kind == "lstm-proj" else 2), called
+    assert sgemm_calls[0] == called  # the packed run makes none
+    hx64 = tuple(h.double() for h in hx) if isinstance(hx, tuple) else hx.double()
+    exact = _inference(copy.deepcopy(model).double(), x.double(), hx64)
+    assert_close_to_rounding(ours, packed, exact, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "steps", "rows"),
+    [(torch.float32, 2, None), (torch.float32, 1, 3), (torch.float64, 1, None)],
+    ids=["two steps", "direct rows", "float64"],
+)
+def test_one_step_sgemm_only_for_one_float32_step(sgemm_calls, dtype, steps, rows) -> None:
+    """MKL's sgemm serves one float32 step of more rows than the direct GEMM takes, nothing else:
+    two steps pack their weights (each read by both), a step within the direct rows takes the dot
+    kernel, float64 the tile."""
+    model, x, hx = _one_step_case("gru", dtype, steps, rows)
+    out = _inference(model, x, hx)
+    assert sgemm_calls[0] == 0
+    exact = _inference(copy.deepcopy(model).double(), x.double(), hx.double())
+    tol = TOL[dtype]
+    for got, want in zip(out, exact, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=tol["rtol"], atol=tol["atol"])
+
+
+def test_use_one_step_gemm_choices(monkeypatch) -> None:
+    """use_one_step_gemm names its choices when given another. By default MKL's sgemm serves one
+    step wherever PyTorch exports it, except where the C GEMM outpaces torch.mm."""
+    from layernorm.kernels.cpu import rnn, targets
+
+    with pytest.raises(ValueError, match=r"one of \('mkl', 'packed'\) or None, got 'tile'"):
+        rnn.use_one_step_gemm("tile")
+    isa = targets.selected().name
+    monkeypatch.setattr(rnn, "tile_outpaces_torch_gemm", lambda isa: True)
+    assert not rnn.one_step_sgemm_by_default(isa)
+    assert rnn.one_step_gemm_in_use() == "packed"
+    monkeypatch.setattr(rnn, "tile_outpaces_torch_gemm", lambda isa: False)
+    assert rnn.one_step_sgemm_by_default(isa)
+    assert rnn.one_step_gemm_in_use() == ("mkl" if rnn.torch_sgemm() else "packed")
+    try:
+        rnn.use_one_step_gemm("packed")
+        assert rnn.one_step_gemm_in_use() == "packed"
+        assert not _cstep.one_step_sgemm(torch.float32)
+    finally:
+        rnn.use_one_step_gemm(None)
+
+
+def test_sgemm_check_refuses_a_function_that_does_not_multiply() -> None:
+    """The small product torch_sgemm checks an sgemm by: PyTorch's own passes; a function that
+    writes nothing (or only the padding) does not."""
+    from layernorm.kernels.cpu import rnn
+
+    real = rnn.torch_sgemm()
+    if real is None:
+        pytest.skip("this PyTorch exports no MKL sgemm")
+    assert rnn._sgemm_multiplies(real)
+    idle = _SGEMM(lambda *args: None)
+    assert not rnn._sgemm_multiplies(ctypes.cast(idle, ctypes.c_void_p).value)
+    real_sgemm = _SGEMM(real)
+
+    def padding_too(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        real_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+        ctypes.cast(c, ctypes.POINTER(ctypes.c_float))[4] = 0.0  # past row 0's four columns
+
+    padded = _SGEMM(padding_too)
+    assert not rnn._sgemm_multiplies(ctypes.cast(padded, ctypes.c_void_p).value)
+
+
 def test_packed_gemm_entry_points_all_or_none() -> None:
     """The C setter takes MKL's three entry points together or none, and changes nothing when
     given some: the layers then run as before."""

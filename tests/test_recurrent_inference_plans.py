@@ -130,9 +130,25 @@ def test_few_rows_of_a_large_projection_run_it_before_the_loop(kind, monkeypatch
     assert not plan.in_loop
 
 
+@pytest.fixture
+def packed_one_step():
+    """Float32 steps of one step pack their weights as every other call does (no MKL sgemm
+    inside the sequence kernel, which takes such a step where PyTorch has it: the one-step tests
+    of test_recurrent_cseq.py); afterwards the processor's default again."""
+    from layernorm.kernels.cpu import rnn
+
+    rnn.use_one_step_gemm("packed")
+    try:
+        yield
+    finally:
+        rnn.use_one_step_gemm(None)
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_one_step_of_a_batch_runs_torch_gemm_then_the_step_kernel(kind, dtype, monkeypatch) -> None:
+def test_one_step_of_a_batch_runs_torch_gemm_then_the_step_kernel(
+    kind, dtype, monkeypatch, packed_one_step
+) -> None:
     """One step of more rows than the direct GEMM takes, its projection before the loop: the
     recurrent GEMM by torch.mm and the C step kernel (_cstep.StepCall), kept in the plan, which
     reads W_hh where it is (an update in place is seen); the results are the step-by-step
@@ -168,7 +184,7 @@ def test_one_step_of_a_batch_runs_torch_gemm_then_the_step_kernel(kind, dtype, m
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize("outpaces", [True, False], ids=["C GEMM faster", "torch GEMM as fast"])
 def test_one_step_of_many_rows_runs_the_sequence_kernel_where_its_gemm_is_faster(
-    kind, outpaces, monkeypatch
+    kind, outpaces, monkeypatch, packed_one_step
 ) -> None:
     """One step of at least ``_ONE_STEP_TILE_MIN_ROWS`` rows runs the sequence kernel (its own
     GEMM) where the C GEMM outpaces torch's, and torch.mm with the step kernel elsewhere; the

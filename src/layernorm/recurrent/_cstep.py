@@ -84,6 +84,16 @@ def direct_rows() -> int:
     return rnn.direct_rows()
 
 
+def one_step_sgemm(dtype: torch.dtype) -> bool:
+    """Whether a forward sequence kernel's call of one step of more than :func:`direct_rows` rows
+    in ``dtype``, in this context, multiplies by MKL's sgemm, reading W_ih and W_hh as stored
+    (:func:`layernorm.kernels.cpu.rnn.one_step_gemm_in_use`): float32, products not rounded to
+    bfloat16 (:func:`bfloat16_projection`)."""
+    return (
+        dtype is torch.float32 and not bfloat16_projection() and rnn.one_step_gemm_in_use() == "mkl"
+    )
+
+
 def tile_outpaces_torch_gemm() -> bool:
     """Whether the selected target's C GEMM outpaces ``torch.mm`` on this processor
     (:func:`layernorm.kernels.cpu.rnn.tile_outpaces_torch_gemm`)."""

@@ -703,7 +703,7 @@ def _inference(
             _input_norm_in_step(st, n_batch)
     if st.get("w_hr") is not None and kernels is C_STEPS:
         _cstep.projected_by_steps(st, w_hh, sched)
-    elif kernels is C_KERNELS and not in_loop and _one_step_by_gemm(sched):
+    elif kernels is C_KERNELS and not in_loop and _one_step_by_gemm(sched, gx.dtype):
         _cstep.by_steps(seq, st, w_hh, sched)
     else:
         getattr(kernels, seq)(st, w_hh, sched)
@@ -927,7 +927,7 @@ _LOOP_PROJECTION_OUTPACED_SCALE = 2
 _LOOP_PROJECTION_FEW_ROWS = {"lstm_fwd_seq": (3, 1 << 14)}
 
 
-def _one_step_by_gemm(sched: Schedule) -> bool:
+def _one_step_by_gemm(sched: Schedule, dtype: torch.dtype | None = None) -> bool:
     """Whether an inference direction runs torch's GEMM ``h W_hhᵀ`` and the C step kernel instead
     of the sequence kernel: for one step of more rows than :func:`._cstep.direct_rows` (a
     decoder's step of a batch), whose GEMM the sequence kernel runs on a packed copy of W_hh made
@@ -939,8 +939,12 @@ def _one_step_by_gemm(sched: Schedule) -> bool:
     packing pays: (T, B, I, H) = (4, 16, 1024, 1024) GRU 0.90 / 1.00, (16, 16, 1024, 1024) LSTM
     0.97 / 1.32 with torch's GEMM per step. Not from :data:`_ONE_STEP_TILE_MIN_ROWS` rows where
     the C GEMM outpaces torch's (:func:`._cstep.tile_outpaces_torch_gemm`): there the packing
-    costs less than the product saves."""
+    costs less than the product saves. Nor, in inference (``dtype`` given), where MKL's sgemm
+    serves one step inside the sequence kernel (:func:`._cstep.one_step_sgemm`), reading W_hh as
+    stored as torch's GEMM would, in the same call as the step."""
     if len(sched) != 1:
+        return False
+    if dtype is not None and _cstep.one_step_sgemm(dtype):
         return False
     rows = sched[0][2]
     if rows >= _ONE_STEP_TILE_MIN_ROWS and _cstep.tile_outpaces_torch_gemm():
@@ -991,6 +995,8 @@ def _projects_in_loop(source: InputProjection, n_batch: int, seq: str = "") -> b
     :data:`_LOOP_PROJECTION_FEW_ROWS` names, up to its W_ih size."""
     data, w_ih = source.data, source.w_ih
     one_step_of_a_batch = _cstep.direct_rows() < data.shape[0] <= n_batch
+    if one_step_of_a_batch and data.is_cpu and _cstep.one_step_sgemm(data.dtype):
+        return True
     if (
         one_step_of_a_batch
         and torch.get_num_threads() == 1

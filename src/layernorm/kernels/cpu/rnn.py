@@ -44,6 +44,15 @@ KernelTable = dict[tuple[str, torch.dtype], Any]
 GEMM_CHOICES = ("mkl", "tile")
 _gemm_choice: str | None = None
 _PACKED_GEMM_SYMBOLS = ("cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute")
+_SGEMM_SYMBOL = "sgemm_"
+#: The GEMMs of a float32 forward call of one step of more than :func:`direct_rows` rows:
+#: ``"mkl"`` (MKL's sgemm, the weights read as stored, :func:`torch_sgemm`), ``"packed"`` (as
+#: every other call: packed for the tile or MKL's packed GEMM, :data:`GEMM_CHOICES`), or ``None``:
+#: by processor (:func:`one_step_sgemm_by_default`). Set by :func:`use_one_step_gemm`.
+ONE_STEP_GEMM_CHOICES = ("mkl", "packed")
+_one_step_gemm_choice: str | None = None
+# rnn_set_one_step_sgemm of every library loaded, by (target, variant flags)
+_ONE_STEP_SETTERS: dict[tuple[str, tuple[str, ...]], Any] = {}
 # rnn_set_packed_gemm of every library loaded, by (target, variant flags)
 _LOADED: dict[tuple[str, tuple[str, ...]], Any] = {}
 # ... and rnn_set_forward_group, with the choice use_forward_group made (None: by processor)
@@ -53,27 +62,66 @@ _forward_group_choice: int | None = None
 FORWARD_GROUPS = range(1, rnn_abi.FORWARD_GROUP_MAX + 1)
 
 
-@functools.cache
-def torch_packed_gemm() -> tuple[int, int, int] | None:
-    """The addresses of MKL's ``cblas_sgemm_pack_get_size``, ``cblas_sgemm_pack`` and
-    ``cblas_sgemm_compute`` in the running PyTorch's CPU library (its MKL is linked into
+def _torch_cpu_symbols(names: tuple[str, ...]) -> tuple[int, ...] | None:
+    """The addresses of ``names`` in the running PyTorch's CPU library (its MKL is linked into
     ``libtorch_cpu``, which is already loaded: ``RTLD_NOLOAD`` opens nothing new), or ``None``
-    where there is no such library or symbol, or where they do not give ``torch.mm``'s product on
-    a small case (the C side calls them with 32-bit sizes, MKL's LP64 interface, as PyTorch's
-    builds link it)."""
+    where there is no such library or one of them is missing."""
     if not torch.backends.mkl.is_available():
         return None
     path = Path(torch.__file__).resolve().parent / "lib" / "libtorch_cpu.so"
     try:
         lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        addresses = tuple(
-            ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _PACKED_GEMM_SYMBOLS
-        )
+        addresses = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names)
     except (OSError, AttributeError):
         return None
-    if not all(addresses) or not _packed_gemm_multiplies(*addresses):  # type: ignore[arg-type]
+    return addresses if all(addresses) else None  # type: ignore[return-value]
+
+
+@functools.cache
+def torch_packed_gemm() -> tuple[int, int, int] | None:
+    """The addresses of MKL's ``cblas_sgemm_pack_get_size``, ``cblas_sgemm_pack`` and
+    ``cblas_sgemm_compute`` in the running PyTorch's CPU library (:func:`_torch_cpu_symbols`), or
+    ``None`` where there are none or they do not give ``torch.mm``'s product on a small case (the
+    C side calls them with 32-bit sizes, MKL's LP64 interface, as PyTorch's builds link it)."""
+    addresses = _torch_cpu_symbols(_PACKED_GEMM_SYMBOLS)
+    if addresses is None or not _packed_gemm_multiplies(*addresses):
         return None
     return addresses  # type: ignore[return-value]
+
+
+@functools.cache
+def torch_sgemm() -> int | None:
+    """The address of MKL's ``sgemm_`` (the Fortran interface: sizes and scalars by address,
+    column-major) in the running PyTorch's CPU library, the GEMM ``torch.mm`` runs on float32
+    there, or ``None`` where there is none or it does not give ``torch.mm``'s product on a small
+    case called as the sequence kernels call it (32-bit sizes: LP64)."""
+    addresses = _torch_cpu_symbols((_SGEMM_SYMBOL,))
+    if addresses is None or not _sgemm_multiplies(addresses[0]):
+        return None
+    return addresses[0]
+
+
+def _sgemm_multiplies(sgemm: int) -> bool:
+    """Whether the Fortran-interface sgemm at this address computes ``A · Wᵀ`` as the sequence
+    kernels call it (``Cᵀ = W · Aᵀ`` column-major: W [N, K] transposed, A [M, K] as is, beta 0,
+    C's leading dimension wider than N) on a 3 × 5 by 5 × 4 case."""
+    i, f = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
+    s, p = ctypes.c_char_p, ctypes.c_void_p
+    call = ctypes.CFUNCTYPE(None, s, s, i, i, i, f, p, i, p, i, f, p, i)(sgemm)
+    cpu = {"device": "cpu", "dtype": torch.float32}  # whatever the defaults are set to
+    gen = torch.Generator().manual_seed(0)
+    a, w = torch.randn(3, 5, generator=gen, **cpu), torch.randn(4, 5, generator=gen, **cpu)
+    c = torch.full((3, 6), math.nan, **cpu)
+
+    def ref(v: int) -> Any:
+        return ctypes.byref(ctypes.c_int(v))
+
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    call(b"T", b"N", ref(4), ref(3), ref(5), ctypes.byref(one), w.data_ptr(), ref(5),
+         a.data_ptr(), ref(5), ctypes.byref(zero), c.data_ptr(), ref(6))  # fmt: skip
+    return bool(torch.allclose(c[:, :4], a @ w.t(), rtol=1e-5, atol=1e-6)) and bool(
+        c[:, 4:].isnan().all()
+    )
 
 
 def _packed_gemm_multiplies(pack_size: int, pack: int, compute: int) -> bool:
@@ -211,6 +259,52 @@ def use_gemm(choice: str | None) -> None:
         _apply_gemm(isa, set_packed_gemm)
 
 
+def one_step_sgemm_by_default(isa: str) -> bool:
+    """Whether a float32 forward call of one step of more than :func:`direct_rows` rows (a
+    decoder's token for a batch) multiplies by MKL's sgemm, the weights read as stored, with the
+    kernels of target ``isa``: wherever PyTorch has it, except where the C GEMM outpaces
+    ``torch.mm`` (:func:`tile_outpaces_torch_gemm`: there packing costs less than the tile saves).
+    Packing W_ih and W_hh for one GEMM each is a pass over each and another over the copy: at
+    (T, B, I, H) = (1, 32, 256, 256) an LN-GRU call spent 23% of its time packing and 33% in the
+    tile. LN-GRU inference, one thread, Intel Xeon (family 6, model 207), x torch.nn.GRU's time,
+    packed / sgemm: (B, I, H) = (16, 256, 256) 1.41 / 1.08, (32, 256, 256) 1.28 / 1.07,
+    (64, 256, 256) 1.19 / 1.04, (128, 256, 256) 0.88 / 0.79 (benchmarks/RESULTS.md)."""
+    return not tile_outpaces_torch_gemm(isa)
+
+
+def _apply_one_step_gemm(isa: str, set_one_step_sgemm: Any) -> None:
+    """Give a loaded library of target ``isa`` MKL's sgemm (or none) as the choice says."""
+    wanted = (_one_step_gemm_choice == "mkl" if _one_step_gemm_choice
+              else one_step_sgemm_by_default(isa))  # fmt: skip
+    if set_one_step_sgemm(torch_sgemm() if wanted else None) != 0:
+        raise RuntimeError("layernorm: rnn_set_one_step_sgemm refused its entry point")
+
+
+def use_one_step_gemm(choice: str | None) -> None:
+    """Choose the GEMMs of a float32 forward call of one step for every library loaded or loaded
+    later: one of :data:`ONE_STEP_GEMM_CHOICES`, or ``None`` for the processor's default
+    (:func:`one_step_sgemm_by_default`); ``"mkl"`` where PyTorch has no MKL packs. Not while a
+    kernel runs (benchmarks and tests switch between calls)."""
+    global _one_step_gemm_choice
+    if choice is not None and choice not in ONE_STEP_GEMM_CHOICES:
+        raise ValueError(
+            f"use_one_step_gemm: choice must be one of {ONE_STEP_GEMM_CHOICES} or None, got "
+            f"{choice!r}"
+        )
+    _one_step_gemm_choice = choice
+    for (isa, _), setter in _ONE_STEP_SETTERS.items():
+        _apply_one_step_gemm(isa, setter)
+
+
+def one_step_gemm_in_use() -> str:
+    """``"mkl"`` or ``"packed"``: what a float32 forward call of one step of more than
+    :func:`direct_rows` rows multiplies by on the selected target."""
+    isa = targets.selected().name
+    wanted = (_one_step_gemm_choice == "mkl" if _one_step_gemm_choice
+              else one_step_sgemm_by_default(isa))  # fmt: skip
+    return "mkl" if wanted and torch_sgemm() else "packed"
+
+
 def gemm_in_use() -> str:
     """``"mkl"`` or ``"tile"``: what the sequence kernels' float32 GEMMs run on where each GEMM
     runs on one thread (the tile shares the others out by columns), on the selected target."""
@@ -256,6 +350,10 @@ def _library_for(
         lib.rnn_set_packed_gemm.argtypes = (ctypes.c_void_p,) * 3
         _apply_gemm(isa, lib.rnn_set_packed_gemm)
         _LOADED[isa, variant] = lib.rnn_set_packed_gemm
+        lib.rnn_set_one_step_sgemm.restype = ctypes.c_int
+        lib.rnn_set_one_step_sgemm.argtypes = (ctypes.c_void_p,)
+        _apply_one_step_gemm(isa, lib.rnn_set_one_step_sgemm)
+        _ONE_STEP_SETTERS[isa, variant] = lib.rnn_set_one_step_sgemm
         lib.rnn_set_forward_group.restype = ctypes.c_int
         lib.rnn_set_forward_group.argtypes = (ctypes.c_int,)
         _apply_forward_group(isa, lib.rnn_set_forward_group)

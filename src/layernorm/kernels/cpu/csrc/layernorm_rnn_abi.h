@@ -30,6 +30,11 @@ int rnn_direct_rows(void);
    0, or -1 (nothing set) unless all three or none are given. Set before the kernels run,
    not while they do. */
 int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute);
+/* The float forward kernels' GEMMs of a one-step call of more than rnn_direct_rows()
+   rows by MKL's sgemm (the running PyTorch's Fortran-interface sgemm_, LP64), reading
+   the weights as stored, where not NULL; packed where NULL (or where the products are
+   rounded to bfloat16). 0. Set before the kernels run, not while they do. */
+int rnn_set_one_step_sgemm(void* sgemm);
 /* 1 where the float sequence kernels honour half_gemm (AVX512-BF16 dot products), else
    0: a sequence struct's half_gemm is then ignored. */
 int rnn_half_gemm(void);

@@ -32,6 +32,22 @@ int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute) {
     return 0;
 }
 
+/* MKL's sgemm as the running PyTorch's CPU library exports it (the Fortran interface, LP64:
+   int sizes, arguments by address, column-major), for the GEMMs of a forward call of one step
+   (rnn_set_one_step_sgemm): they read the weights as stored, where packing a weight is a pass
+   over it and another over its copy for the one GEMM that reads it. NULL: packed as in any
+   other call. */
+typedef void (*mkl_sgemm_fn)(const char* transa, const char* transb, const int* m, const int* n,
+                             const int* k, const float* alpha, const float* a, const int* lda,
+                             const float* b, const int* ldb, const float* beta, float* c,
+                             const int* ldc);
+static mkl_sgemm_fn mkl_sgemm = NULL;
+
+int rnn_set_one_step_sgemm(void* sgemm) {
+    mkl_sgemm = (mkl_sgemm_fn)sgemm;
+    return 0;
+}
+
 /* The float kernels' bfloat16 GEMMs (half_gemm) where the target has AVX512-BF16. */
 #if defined(__AVX512BF16__)
 #define SEQ_HALF_GEMM 1

@@ -960,6 +960,47 @@ static void FN(gemm_nt_direct)(i64 M, i64 N, i64 K, const scalar_t* A, const sca
     }
 }
 
+/* How a forward time loop's GEMMs read a weight: packed (0), or as stored, by the dot kernel above
+   (AS_STORED_DOT) or by MKL's sgemm (AS_STORED_MKL: float, where rnn.py set it). */
+#ifndef RNN_SEQ_AS_STORED
+#define RNN_SEQ_AS_STORED
+enum { AS_STORED_DOT = 1, AS_STORED_MKL = 2 };
+#endif
+
+/* How a forward call of these steps (all_rows in all, projected rows of P units) reads its
+   weights: by the dot kernel up to DIRECT_ROWS rows; by MKL's sgemm for one step of more rows
+   (float, products not rounded to bfloat16, sizes within MKL's int); else packed. */
+static int FN(as_stored)(const FN(rnn_seq_fwd_args) * s, i64 all_rows, i64 G, i64 H) {
+    if (all_rows <= DIRECT_ROWS) return AS_STORED_DOT;
+#if SEQ_PACKED_GEMM
+    const i64 sizes[] = {all_rows, G, H, s->I, s->P};
+    int fits = 1;
+    for (int i = 0; i < 5; ++i) fits &= sizes[i] <= INT_MAX;
+    if (mkl_sgemm && s->n_steps == 1 && !s->half_gemm && fits) return AS_STORED_MKL;
+#else
+    (void)s, (void)G, (void)H;
+#endif
+    return 0;
+}
+
+/* C[M, N] = A[M, K] · Wᵀ, W [N, K] and A read as stored (`how`: FN(as_stored)'s). */
+static void FN(gemm_as_stored)(int how, i64 M, i64 N, i64 K, const scalar_t* A,
+                               const scalar_t* W, scalar_t* C, i64 ldc, int nt) {
+#if SEQ_PACKED_GEMM
+    const mkl_sgemm_fn sgemm = mkl_sgemm; /* read once: a setter call may clear it */
+    if (how == AS_STORED_MKL && sgemm) {
+        /* column-major: Cᵀ[N, M] = W[N, K] · Aᵀ, W's and A's rows its K-long columns (a
+           leading dimension of at least 1, as BLAS checks, where K = 0) */
+        const int m = (int)N, n = (int)M, k = (int)K, lda = k > 0 ? k : 1, ld = (int)ldc;
+        const float one = 1.0f, zero = 0.0f; /* beta 0: C is not read */
+        if (M > 0 && N > 0) sgemm("T", "N", &m, &n, &k, &one, W, &lda, A, &lda, &zero, C, &ld);
+        return;
+    }
+#endif
+    (void)how;
+    FN(gemm_nt_direct)(M, N, K, A, W, C, ldc, nt);
+}
+
 /* A sequence kernel's weight B[K, N], packed into buffer `slot`: backward B = W_hh itself
    (row-major [K, N]); forward (transposed = 1) B = W_hhᵀ or W_ihᵀ, read from W [N, K]. NULL when
    the buffer cannot grow. */
@@ -1249,7 +1290,7 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
             if (s->w_hr)                                                                          \
                 team = TEAM_MAX(team, FN(gemm_threads)(rows, P, H, s->gemm_grain, s->threads));   \
         }                                                                                         \
-        const int direct = all_rows <= DIRECT_ROWS; /* weights read as stored, not packed */      \
+        const int direct = FN(as_stored)(s, all_rows, G, H); /* 0: weights packed */             \
         team = team_cap(team);                                                                    \
         const i64 packed = ((P + (s->x ? I : 0)) * FN(panels)(G) +                                \
                             (s->w_hr ? H * FN(panels)(P) : 0)) * NR * (i64)sizeof(scalar_t);      \
@@ -1343,7 +1384,7 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
             if (s->x) {                                                                           \
                 const scalar_t* xr = s->x + step.off * I;                                         \
                 const int xnt = FN(gemm_threads)(step.rows, G, I, s->gemm_grain, s->threads);     \
-                if (direct) FN(gemm_nt_direct)(step.rows, G, I, xr, s->w_ih, gx, G, xnt);         \
+                if (direct) FN(gemm_as_stored)(direct, step.rows, G, I, xr, s->w_ih, gx, G, xnt);         \
                 else FN(wgemm)(&wxb, step.rows, xr, I, gx, G, 0, xnt);                            \
                 if (!(STEP_NORMALIZES_GX))                                                        \
                     FN(input_rows)(gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm, 0,       \
@@ -1352,14 +1393,14 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
                 prefetch_l2(gx, step.rows * G * (i64)sizeof(scalar_t));                           \
             }                                                                                     \
             const int gemm_nt = FN(gemm_threads)(step.rows, G, P, s->gemm_grain, s->threads);     \
-            if (direct) FN(gemm_nt_direct)(step.rows, G, P, state, s->w, hp, G, gemm_nt);         \
+            if (direct) FN(gemm_as_stored)(direct, step.rows, G, P, state, s->w, hp, G, gemm_nt);         \
             else FN(wgemm)(&wb, step.rows, state, P, hp, G, 0, gemm_nt);                          \
             step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);           \
             STEP_FN(&step);                                                                       \
             if (s->w_hr) {                                                                        \
                 const scalar_t* hu = a->out + step.off * H;                                       \
                 const int pnt = FN(gemm_threads)(step.rows, P, H, s->gemm_grain, s->threads);     \
-                if (direct) FN(gemm_nt_direct)(step.rows, P, H, hu, s->w_hr, s->hr, P, pnt);      \
+                if (direct) FN(gemm_as_stored)(direct, step.rows, P, H, hu, s->w_hr, s->hr, P, pnt);      \
                 else FN(wgemm)(&wrb, step.rows, hu, H, s->hr, P, 0, pnt);                         \
                 FN(projected_rows_out)(s, step.off, 0, step.rows);                                \
             }                                                                                     \

@@ -331,12 +331,27 @@ def test_cpp_node_checks_its_arguments(node) -> None:
         torch_ops.lstm_planned(torch.randn(20, 6), h0.double(), h0, *args, plan)
     with pytest.raises(RuntimeError, match="both of torch's biases"):
         torch_ops.lstm_planned(torch.randn(20, 6), h0, h0, *args[:-2], model.bias_ih_l0, None, plan)
+    refusals = {"double_backward": "no", "batched_backward": "no"}
     with pytest.raises(RuntimeError, match="a plan takes"):
-        torch_ops.lstm_plan([], [], [], [0, 0, 0, 0], [0] * 16, [])
+        torch_ops.lstm_plan([], [], [], [0, 0, 0, 0], {}, [], refusals)
+    # the settings by name: every one of the node's, no other
+    settings = plan.settings()
+    assert settings["rows"] == 20 and settings["hidden"] == 9 and settings["layer_norm"] == 1
     structs = [torch.zeros(8, dtype=torch.uint8)] * 8
+    ones = [torch.ones(3)] * 6
+    with pytest.raises(RuntimeError, match="a plan's settings lack rows"):
+        lacking = {k: v for k, v in settings.items() if k != "rows"}
+        torch_ops.lstm_plan(structs, [], [], [1, 1, 0, 0], lacking, ones, refusals)
+    with pytest.raises(RuntimeError, match="takes the 16 settings of kConfigNames, got 17"):
+        torch_ops.lstm_plan(structs, [], [], [1, 1, 0, 0], {**settings, "row": 20}, ones,
+                            refusals)  # fmt: skip
+    with pytest.raises(RuntimeError, match="its backward's refusals"):
+        torch_ops.lstm_plan(structs, [], [], [1, 1, 0, 0], settings, ones, {})
     with pytest.raises(RuntimeError, match="lies outside its struct"):
-        torch_ops.lstm_plan(structs, ["h"], [0, 8, 0, 1], [1, 1, 0, 0], [0] * 16,
-                            [torch.ones(3)] * 6)  # fmt: skip
+        torch_ops.lstm_plan(structs, ["h"], [0, 8, 0, 1], [1, 1, 0, 0], settings, ones, refusals)
+    with pytest.raises(RuntimeError, match="count field step is no value a call gives"):
+        torch_ops.lstm_plan(structs, ["step"], [0, 0, -1, 1], [1, 1, 0, 0], settings, ones,
+                            refusals)  # fmt: skip
     # without gradients the operator runs the forward alone: the node's forward results
     with torch.no_grad():
         data = torch.randn(20, 6)

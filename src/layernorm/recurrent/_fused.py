@@ -81,21 +81,27 @@ def make_schedule(batch_sizes: list[int], reverse: bool) -> Schedule:
     return tuple(reversed(offsets)) if reverse else tuple(offsets)
 
 
+#: The refusals of a fused node's backward (:func:`_check_plain_backward`; the C++ node's plan
+#: carries them too: ``_planned._node_plan``).
+DOUBLE_BACKWARD_REFUSAL = (
+    "the fused recurrent path has no double backward (create_graph=True); build the layer with "
+    "impl='loop' to differentiate its gradients"
+)
+BATCHED_BACKWARD_REFUSAL = (
+    "the fused recurrent path has no batched backward (is_grads_batched=True, jacobian(..., "
+    "vectorize=True)); build the layer with impl='loop' for it"
+)
+
+
 def _check_plain_backward(dout: Tensor) -> None:
     """Called first in every backward, with the output's gradient: with ``create_graph=True``
     grad mode is on, and the result would silently miss the second-order terms through this
     node, so refuse instead; in a batched backward (``is_grads_batched=True``, ``jacobian(...,
     vectorize=True)``) the gradients are batched tensors, whose memory the kernels cannot read."""
     if torch.is_grad_enabled():
-        raise RuntimeError(
-            "the fused recurrent path has no double backward (create_graph=True); build the "
-            "layer with impl='loop' to differentiate its gradients"
-        )
+        raise RuntimeError(DOUBLE_BACKWARD_REFUSAL)
     if batched(dout):
-        raise RuntimeError(
-            "the fused recurrent path has no batched backward (is_grads_batched=True, "
-            "jacobian(..., vectorize=True)); build the layer with impl='loop' for it"
-        )
+        raise RuntimeError(BATCHED_BACKWARD_REFUSAL)
 
 
 def _check_untraced(name: str) -> None:

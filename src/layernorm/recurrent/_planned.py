@@ -75,6 +75,7 @@ class TrainingPlan(NamedTuple):
 
     in_loop: bool  # the forward kernel projects the inputs in its time loop (see _fused)
     reverse: bool  # the direction runs backward in time
+    layer_norm: bool  # the layer's layer norms (False: norm="none", the C++ node's alone)
     kept: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, offset, shape) in one buffer
     kept_numel: int
     kept_whole: bool  # the kept buffers are blocks of one buffer (see _ONE_BUFFER_BYTES)
@@ -195,9 +196,9 @@ def _build(
     # the step kernels' (w1, b1, w3, b3) and, as LSTMSequence has them, LN(gx)'s
     defaults = {**_cstep.default_params("lstm", x, hs), "w0": x.new_ones(gates),
                 "b0": x.new_zeros(gates)}  # fmt: skip
-    plan = TrainingPlan(in_loop, reverse, kept, kept_numel, kept_whole, scratch, scratch_numel,
-                        scratch_whole, forward, forward_sequence, backward, backward_sequence,
-                        defaults, None)  # fmt: skip
+    plan = TrainingPlan(in_loop, reverse, layer_norm, kept, kept_numel, kept_whole, scratch,
+                        scratch_numel, scratch_whole, forward, forward_sequence, backward,
+                        backward_sequence, defaults, None)  # fmt: skip
     return plan._replace(node=_node_plan(plan, x, h0, w_hh, w_ih))
 
 
@@ -282,13 +283,19 @@ def _node_plan(plan: TrainingPlan, x: Tensor, h0: Tensor, w_hh: Tensor, w_ih: Te
         used = any(routes[name] == _C_GEMM for name in products_of)
         kernels.append(rnn.kernel_address(kernel, dtype) if used else 0)
     scratch = {name: offset for name, offset, _ in plan.scratch}
-    layer_norm = "dhp" in scratch  # without layer norms hp's gradient is dgates itself
-    config = [int(plan.in_loop), int(plan.reverse), n_rows, h0.shape[0], hs, gates, inputs,
-              plan.kept_numel, plan.scratch_numel, scratch.get("dhp", scratch["dgates"]),
-              scratch["dgates"], routes["proj"], routes["dx"], routes["dw_hh"], routes["dw_ih"],
-              int(layer_norm)]  # fmt: skip
+    # the node's settings, by the names rnn_ops.cpp gives them (kConfigNames)
+    config = {"in_loop": int(plan.in_loop), "reverse": int(plan.reverse), "rows": n_rows,
+              "batch": h0.shape[0], "hidden": hs, "gates": gates, "inputs": inputs,
+              "kept_numel": plan.kept_numel, "scratch_numel": plan.scratch_numel,
+              # without layer norms hp's gradient is dgates itself (aliased: _build)
+              "dhp_offset": scratch["dhp"] if plan.layer_norm else scratch["dgates"],
+              "dgates_offset": scratch["dgates"], "proj_route": routes["proj"],
+              "dx_route": routes["dx"], "dw_hh_route": routes["dw_hh"],
+              "dw_ih_route": routes["dw_ih"], "layer_norm": int(plan.layer_norm)}  # fmt: skip
     defaults = [plan.defaults[name] for name in ("w1", "b1", "w3", "b3", "w0", "b0")]
-    return torch_ops.lstm_plan(structs, names, where, kernels, config, defaults)
+    refusals = {"double_backward": _fused.DOUBLE_BACKWARD_REFUSAL,
+                "batched_backward": _fused.BATCHED_BACKWARD_REFUSAL}  # fmt: skip
+    return torch_ops.lstm_plan(structs, names, where, kernels, config, defaults, refusals)
 
 
 def lstm_training(

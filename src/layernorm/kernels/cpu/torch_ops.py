@@ -157,13 +157,16 @@ def lstm_plan(
     names: list[str],
     where: list[int],
     kernels: list[int],
-    config: list[int],
+    config: dict[str, int],
     defaults: list[Tensor],
+    refusals: dict[str, str],
 ) -> Any:
     """A ``layernorm_cpu.LstmPlan`` (``csrc_torch/rnn_ops.cpp``): the LN-LSTM training call's
-    argument structs, fields, kernels, settings and default gains (see
-    :mod:`layernorm.recurrent._planned`, which builds them)."""
-    return torch.classes.layernorm_cpu.LstmPlan(structs, names, where, kernels, config, defaults)
+    argument structs, fields, kernels, settings (by name), default gains and the messages its
+    backward refuses with (see :mod:`layernorm.recurrent._planned`, which builds them)."""
+    return torch.classes.layernorm_cpu.LstmPlan(
+        structs, names, where, kernels, config, defaults, refusals
+    )
 
 
 def lstm_planned(*args: Any) -> tuple[Tensor, Tensor, Tensor]:

@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <c10/core/GradMode.h>
+#include <ATen/core/Dict.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -43,27 +44,43 @@ constexpr const char* kOp = "layernorm_cpu::lstm_planned";
 // ../csrc/layernorm_rnn_abi.h; every other status is an argument the plan checked).
 constexpr int kErrNoMem = 2;
 
+// The values a call puts into the structs, by the names of the fields that take them (a
+// template's slot names, from rnn_abi.BoundStruct.template): each slot is resolved to one of these
+// when the plan is made, so that filling a struct compares no strings.
+enum ValueId {
+  V_KEPT, V_SCRATCH, V_X, V_W, V_W_IH, V_W1, V_B1, V_W3, V_B3, V_W0, V_B0, V_GX, V_H, V_C, V_OUT,
+  V_DOUT, V_DH, V_DC, V_C0, V_DX, V_HP_GRADS, V_C_GRADS, V_X_GRADS, V_Y, V_DHP, V_HPREV, V_DW,
+  V_THREADS, VALUE_COUNT
+};
+constexpr const char* kValueNames[VALUE_COUNT] = {
+    "kept", "scratch", "x", "w", "w_ih", "w1", "b1", "w3", "b3", "w0", "b0", "gx", "h", "c", "out",
+    "dout", "dh", "dc", "c0", "dx", "hp_grads", "c_grads", "x_grads", "y", "dhp", "hprev", "dw",
+    "threads"};
+
 // One value a call puts into a struct: a pointer (nullptr: absent) or a 4-byte count.
 struct Value {
-  const char* name;
+  ValueId id;
   const void* ptr;
   int64_t count;
 };
 
-Value ptr_of(const char* name, const Tensor& t) {
-  return {name, t.defined() ? t.const_data_ptr() : nullptr, -1};
+Value ptr_of(ValueId id, const Tensor& t) {
+  return {id, t.defined() ? t.const_data_ptr() : nullptr, -1};
 }
-Value count_of(const char* name, int64_t n) { return {name, nullptr, n}; }
+Value count_of(ValueId id, int64_t n) { return {id, nullptr, n}; }
 
 // A kernel's argument struct with its fixed fields packed (bytes) and the fields a call fills:
 // each a pointer at `offset` (plus `add` bytes: a block of a region) or, with add == -1, a
-// 4-byte count; `required`: a pointer that may not be null.
+// 4-byte count; `required`: a pointer that may not be null. A slot whose name is none of
+// kValueNames is never given a value (VALUE_COUNT): a null pointer, as Python's pack leaves a
+// field the call does not name.
 class Template {
  public:
   struct Slot {
     std::string name;
     int64_t offset, add;
     bool required;
+    ValueId value = VALUE_COUNT;
   };
 
   Template() = default;
@@ -73,12 +90,17 @@ class Template {
                 kOp, ": a struct template must be a contiguous 1-D uint8 CPU tensor");
     const auto* p = bytes.const_data_ptr<uint8_t>();
     bytes_.assign(p, p + bytes.numel());
-    for (const Slot& s : slots_) {
+    for (Slot& s : slots_) {
       const int64_t width = s.add < 0 ? 4 : 8;
       TORCH_CHECK(s.offset >= 0 && s.offset + width <= static_cast<int64_t>(bytes_.size()) &&
                       s.offset % width == 0,
                   kOp, ": field ", s.name, " at byte ", s.offset, " lies outside its struct of ",
                   bytes_.size(), " bytes");
+      for (int v = 0; v < VALUE_COUNT; ++v) {
+        if (s.name == kValueNames[v]) s.value = static_cast<ValueId>(v);
+      }
+      TORCH_CHECK(s.add >= 0 || s.value != VALUE_COUNT, kOp, ": count field ", s.name,
+                  " is no value a call gives");
     }
   }
 
@@ -87,16 +109,12 @@ class Template {
   // The struct of one call: every slot takes the value of its name, a pointer slot without one
   // null (as Python's pack leaves a field the call does not name; a required one is an error).
   std::vector<uint8_t> fill(std::initializer_list<Value> values) const {
-    static const Value absent{"", nullptr, -1};
+    static const Value absent{VALUE_COUNT, nullptr, -1};
+    const Value* given[VALUE_COUNT + 1] = {};
+    for (const Value& v : values) given[v.id] = &v;
     std::vector<uint8_t> out = bytes_;
     for (const Slot& s : slots_) {
-      const Value* v = &absent;
-      for (const Value& c : values) {
-        if (s.name == c.name) {
-          v = &c;
-          break;
-        }
-      }
+      const Value* v = given[s.value] ? given[s.value] : &absent;
       if (s.add < 0) {
         TORCH_CHECK(v->count >= 1 && v->count <= INT32_MAX, kOp, ": bad count for ", s.name);
         const int32_t n = static_cast<int32_t>(v->count);
@@ -132,11 +150,15 @@ enum Route : int64_t { TORCH = 0, C_GEMM = 1, TRANSPOSED = 2, TRANSPOSED_SWAPPED
 
 // Template indices, in the order Python hands them over.
 enum TemplateId { FWD, SEQ_FWD, BWD, SEQ_BWD, PROJ, DX, DW_HH, DW_IH, TEMPLATE_COUNT };
-// Config entries, in the order Python hands them over.
+// The plan's settings, handed over by name (_planned._node_plan).
 enum ConfigId {
   IN_LOOP, REVERSE, ROWS, BATCH, HIDDEN, GATES, INPUTS, KEPT_NUMEL, SCRATCH_NUMEL, DHP_OFFSET,
   DGATES_OFFSET, PROJ_ROUTE, DX_ROUTE, DW_HH_ROUTE, DW_IH_ROUTE, LAYER_NORM, CONFIG_COUNT
 };
+constexpr const char* kConfigNames[CONFIG_COUNT] = {
+    "in_loop", "reverse", "rows", "batch", "hidden", "gates", "inputs", "kept_numel",
+    "scratch_numel", "dhp_offset", "dgates_offset", "proj_route", "dx_route", "dw_hh_route",
+    "dw_ih_route", "layer_norm"};
 enum KernelId { K_FWD_SEQ, K_BWD_SEQ, K_MATMUL, K_WEIGHT_GRAD, KERNEL_COUNT };
 
 // A training plan of one call signature (see the top of this file and _planned.TrainingPlan).
@@ -146,17 +168,29 @@ struct LstmPlan : torch::CustomClassHolder {
   intptr_t kernels[KERNEL_COUNT] = {};
   at::ScalarType dtype = at::kFloat;
   Tensor defaults[6];  // ones and zeros for w1, b1, w3, b3, w0, b0
+  std::string double_backward, batched_backward;  // the backward's refusals (_fused's)
 
   // structs[i]: template i's bytes (empty: unused); slots: (template, name, offset, add,
-  // required) flattened as names + (template, offset, add, required) quadruples.
+  // required) flattened as names + (template, offset, add, required) quadruples; cfg: every
+  // setting of kConfigNames; refusals: "double_backward" and "batched_backward".
   LstmPlan(std::vector<Tensor> structs, std::vector<std::string> names, std::vector<int64_t> where,
-           std::vector<int64_t> kernel_addresses, std::vector<int64_t> cfg,
-           std::vector<Tensor> gains_and_biases) {
-    TORCH_CHECK(structs.size() == TEMPLATE_COUNT && cfg.size() == CONFIG_COUNT &&
-                    kernel_addresses.size() == KERNEL_COUNT && gains_and_biases.size() == 6 &&
-                    where.size() == 4 * names.size(),
-                kOp, ": a plan takes ", TEMPLATE_COUNT, " structs, ", CONFIG_COUNT,
-                " settings, ", KERNEL_COUNT, " kernels, 6 defaults and 4 numbers a field");
+           std::vector<int64_t> kernel_addresses, c10::Dict<std::string, int64_t> cfg,
+           std::vector<Tensor> gains_and_biases, c10::Dict<std::string, std::string> refusals) {
+    TORCH_CHECK(structs.size() == TEMPLATE_COUNT && kernel_addresses.size() == KERNEL_COUNT &&
+                    gains_and_biases.size() == 6 && where.size() == 4 * names.size(),
+                kOp, ": a plan takes ", TEMPLATE_COUNT, " structs, ", KERNEL_COUNT,
+                " kernels, 6 defaults and 4 numbers a field");
+    for (int i = 0; i < CONFIG_COUNT; ++i) {
+      TORCH_CHECK(cfg.contains(kConfigNames[i]), kOp, ": a plan's settings lack ",
+                  kConfigNames[i]);
+      config[i] = cfg.at(kConfigNames[i]);
+    }
+    TORCH_CHECK(cfg.size() == CONFIG_COUNT, kOp, ": a plan takes the ", CONFIG_COUNT,
+                " settings of kConfigNames, got ", cfg.size());
+    TORCH_CHECK(refusals.contains("double_backward") && refusals.contains("batched_backward"),
+                kOp, ": a plan takes its backward's refusals");
+    double_backward = refusals.at("double_backward");
+    batched_backward = refusals.at("batched_backward");
     std::vector<std::vector<Template::Slot>> slots(TEMPLATE_COUNT);
     for (size_t i = 0; i < names.size(); ++i) {
       const int64_t t = where[4 * i];
@@ -166,7 +200,6 @@ struct LstmPlan : torch::CustomClassHolder {
     for (int t = 0; t < TEMPLATE_COUNT; ++t) {
       if (structs[t].numel() > 0) templates[t] = Template(structs[t], std::move(slots[t]));
     }
-    for (int i = 0; i < CONFIG_COUNT; ++i) config[i] = cfg[i];
     for (int i = 0; i < KERNEL_COUNT; ++i) kernels[i] = static_cast<intptr_t>(kernel_addresses[i]);
     TORCH_CHECK(kernels[K_FWD_SEQ] != 0 && kernels[K_BWD_SEQ] != 0 && !templates[FWD].empty() &&
                     !templates[SEQ_FWD].empty() && !templates[BWD].empty() &&
@@ -179,6 +212,13 @@ struct LstmPlan : torch::CustomClassHolder {
   }
 
   int64_t operator[](ConfigId i) const { return config[i]; }
+
+  // The settings by name, as the plan was given them (for tests).
+  c10::Dict<std::string, int64_t> settings() const {
+    c10::Dict<std::string, int64_t> out;
+    for (int i = 0; i < CONFIG_COUNT; ++i) out.insert(kConfigNames[i], config[i]);
+    return out;
+  }
 
   void run_seq(KernelId k, const char* name, const std::vector<uint8_t>& a,
                const std::vector<uint8_t>& s) const {
@@ -205,8 +245,8 @@ Tensor input_product(const LstmPlan& plan, Route route, TemplateId t, const Tens
   Tensor out = new_cpu({a.size(0), cols}, a.scalar_type());
   if (route == C_GEMM) {
     plan.run_one(K_MATMUL, "matmul",
-                 plan.templates[t].fill({ptr_of("x", a), ptr_of("w", w), ptr_of("y", out),
-                                         count_of("threads", threads())}));
+                 plan.templates[t].fill({ptr_of(V_X, a), ptr_of(V_W, w), ptr_of(V_Y, out),
+                                         count_of(V_THREADS, threads())}));
     return out;
   }
   return at::mm_out(out, a, transposed ? w.t() : w);
@@ -221,8 +261,8 @@ Tensor weight_grad(const LstmPlan& plan, Route route, TemplateId t, const Tensor
     case C_GEMM: {
       Tensor dw = new_cpu({d.size(1), x.size(1)}, d.scalar_type());
       plan.run_one(K_WEIGHT_GRAD, "weight_grad",
-                   plan.templates[t].fill({ptr_of("dhp", d), ptr_of("hprev", x), ptr_of("dw", dw),
-                                           count_of("threads", threads())}));
+                   plan.templates[t].fill({ptr_of(V_DHP, d), ptr_of(V_HPREV, x), ptr_of(V_DW, dw),
+                                           count_of(V_THREADS, threads())}));
       return dw;
     }
     case TRANSPOSED: {
@@ -323,13 +363,13 @@ Forward lstm_forward(const LstmPlan& plan, const Tensor& x_in, const Tensor& h0_
   f.w0 = or_default(w0, plan.defaults[4]);
   const Tensor& pb0 = bias0.defined() ? bias0 : plan.defaults[5];
   const auto args = plan.templates[FWD].fill(
-      {ptr_of("kept", f.kept), ptr_of("w1", f.w1), ptr_of("b1", pb1), ptr_of("w3", f.w3),
-       ptr_of("b3", pb3), ptr_of("w0", f.w0), ptr_of("b0", pb0), ptr_of("gx", f.gx),
-       ptr_of("h", f.h), ptr_of("c", f.c), ptr_of("out", f.out)});
+      {ptr_of(V_KEPT, f.kept), ptr_of(V_W1, f.w1), ptr_of(V_B1, pb1), ptr_of(V_W3, f.w3),
+       ptr_of(V_B3, pb3), ptr_of(V_W0, f.w0), ptr_of(V_B0, pb0), ptr_of(V_GX, f.gx),
+       ptr_of(V_H, f.h), ptr_of(V_C, f.c), ptr_of(V_OUT, f.out)});
   const auto seq = plan.templates[SEQ_FWD].fill(
-      {ptr_of("w", f.w_hh), count_of("threads", threads()), ptr_of("x", in_loop ? f.x : Tensor()),
-       ptr_of("w_ih", in_loop ? f.w_ih : Tensor()),
-       ptr_of("b0", in_loop && !layer_norm ? bias0 : Tensor())});
+      {ptr_of(V_W, f.w_hh), count_of(V_THREADS, threads()), ptr_of(V_X, in_loop ? f.x : Tensor()),
+       ptr_of(V_W_IH, in_loop ? f.w_ih : Tensor()),
+       ptr_of(V_B0, in_loop && !layer_norm ? bias0 : Tensor())});
   plan.run_seq(K_FWD_SEQ, "lstm_fwd_seq", args, seq);
   return f;
 }
@@ -362,15 +402,12 @@ struct LstmPlannedFn : public torch::autograd::Function<LstmPlannedFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!c10::GradMode::is_enabled(),
-                "the fused recurrent path has no double backward (create_graph=True); build the "
-                "layer with impl='loop' to differentiate its gradients");
-    TORCH_CHECK(!at::isTensorSubclassLike(grads[0]) && grads[0].device().is_cpu() &&
-                    grads[0].layout() == at::kStrided,
-                "the fused recurrent path has no batched backward (is_grads_batched=True, "
-                "jacobian(..., vectorize=True)); build the layer with impl='loop' for it");
     const auto plan = ctx->saved_data["plan"].toCustomClass<LstmPlan>();
     const LstmPlan& p = *plan;
+    TORCH_CHECK(!c10::GradMode::is_enabled(), p.double_backward);
+    TORCH_CHECK(!at::isTensorSubclassLike(grads[0]) && grads[0].device().is_cpu() &&
+                    grads[0].layout() == at::kStrided,
+                p.batched_backward);
     const int64_t given = ctx->saved_data["given"].toInt();
     bool need[kTensorArgs];
     for (int i = 0, edge = 0; i < kTensorArgs; ++i) {
@@ -399,13 +436,13 @@ struct LstmPlannedFn : public torch::autograd::Function<LstmPlannedFn> {
     const bool x_in_loop = p[IN_LOOP] != 0 && need[0];
     Tensor dx = x_in_loop ? new_cpu({n, inputs}, dt) : Tensor();
     const auto args = p.templates[BWD].fill(
-        {ptr_of("kept", kept), ptr_of("scratch", scratch), ptr_of("dout", dout), ptr_of("dh", dh),
-         ptr_of("dc", dc), ptr_of("w1", w1), ptr_of("w3", w3), ptr_of("c0", c0), ptr_of("w0", w0),
-         ptr_of("gx", gx)});
+        {ptr_of(V_KEPT, kept), ptr_of(V_SCRATCH, scratch), ptr_of(V_DOUT, dout), ptr_of(V_DH, dh),
+         ptr_of(V_DC, dc), ptr_of(V_W1, w1), ptr_of(V_W3, w3), ptr_of(V_C0, c0), ptr_of(V_W0, w0),
+         ptr_of(V_GX, gx)});
     const auto seq = p.templates[SEQ_BWD].fill(
-        {ptr_of("w", w_hh), count_of("threads", threads()),
-         ptr_of("w_ih", x_in_loop ? w_ih : Tensor()), ptr_of("dx", dx),
-         ptr_of("hp_grads", sums_hp), ptr_of("c_grads", sums_c), ptr_of("x_grads", sums_x)});
+        {ptr_of(V_W, w_hh), count_of(V_THREADS, threads()),
+         ptr_of(V_W_IH, x_in_loop ? w_ih : Tensor()), ptr_of(V_DX, dx),
+         ptr_of(V_HP_GRADS, sums_hp), ptr_of(V_C_GRADS, sums_c), ptr_of(V_X_GRADS, sums_x)});
     p.run_seq(K_BWD_SEQ, "lstm_bwd_seq", args, seq);
     const Tensor dhp = scratch.narrow(0, p[DHP_OFFSET], n * g).view({n, g});
     Tensor d_w_hh = need[3] ? weight_grad(p, static_cast<Route>(p[DW_HH_ROUTE]), DW_HH, dhp,
@@ -461,7 +498,9 @@ std::tuple<Tensor, Tensor, Tensor> lstm_planned_forward(
 TORCH_LIBRARY_FRAGMENT(layernorm_cpu, m) {
   m.class_<LstmPlan>("LstmPlan")
       .def(torch::init<std::vector<Tensor>, std::vector<std::string>, std::vector<int64_t>,
-                       std::vector<int64_t>, std::vector<int64_t>, std::vector<Tensor>>());
+                       std::vector<int64_t>, c10::Dict<std::string, int64_t>, std::vector<Tensor>,
+                       c10::Dict<std::string, std::string>>())
+      .def("settings", &LstmPlan::settings);
   m.def(
       "lstm_planned(Tensor x, Tensor h0, Tensor c0, Tensor w_hh, Tensor? w1, Tensor? b1, "
       "Tensor? w3, Tensor? b3, Tensor? w0, Tensor? b0, Tensor w_ih, Tensor? b_ih, Tensor? b_hh, "

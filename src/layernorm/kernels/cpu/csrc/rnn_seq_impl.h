@@ -1290,7 +1290,7 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
             if (s->w_hr)                                                                          \
                 team = TEAM_MAX(team, FN(gemm_threads)(rows, P, H, s->gemm_grain, s->threads));   \
         }                                                                                         \
-        const int direct = FN(as_stored)(s, all_rows, G, H); /* 0: weights packed */             \
+        const int direct = FN(as_stored)(s, all_rows, G, H); /* 0: weights packed */              \
         team = team_cap(team);                                                                    \
         const i64 packed = ((P + (s->x ? I : 0)) * FN(panels)(G) +                                \
                             (s->w_hr ? H * FN(panels)(P) : 0)) * NR * (i64)sizeof(scalar_t);      \
@@ -1384,8 +1384,10 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
             if (s->x) {                                                                           \
                 const scalar_t* xr = s->x + step.off * I;                                         \
                 const int xnt = FN(gemm_threads)(step.rows, G, I, s->gemm_grain, s->threads);     \
-                if (direct) FN(gemm_as_stored)(direct, step.rows, G, I, xr, s->w_ih, gx, G, xnt);         \
-                else FN(wgemm)(&wxb, step.rows, xr, I, gx, G, 0, xnt);                            \
+                if (direct)                                                                       \
+                    FN(gemm_as_stored)(direct, step.rows, G, I, xr, s->w_ih, gx, G, xnt);         \
+                else                                                                              \
+                    FN(wgemm)(&wxb, step.rows, xr, I, gx, G, 0, xnt);                             \
                 if (!(STEP_NORMALIZES_GX))                                                        \
                     FN(input_rows)(gx, G, s->split, s->w0, s->b0, a->eps, a->layer_norm, 0,       \
                                    step.rows);                                                    \
@@ -1393,15 +1395,19 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
                 prefetch_l2(gx, step.rows * G * (i64)sizeof(scalar_t));                           \
             }                                                                                     \
             const int gemm_nt = FN(gemm_threads)(step.rows, G, P, s->gemm_grain, s->threads);     \
-            if (direct) FN(gemm_as_stored)(direct, step.rows, G, P, state, s->w, hp, G, gemm_nt);         \
-            else FN(wgemm)(&wb, step.rows, state, P, hp, G, 0, gemm_nt);                          \
+            if (direct)                                                                           \
+                FN(gemm_as_stored)(direct, step.rows, G, P, state, s->w, hp, G, gemm_nt);         \
+            else                                                                                  \
+                FN(wgemm)(&wb, step.rows, state, P, hp, G, 0, gemm_nt);                           \
             step.threads = threads_for(step.rows * G, step.rows, s->grain, s->threads);           \
             STEP_FN(&step);                                                                       \
             if (s->w_hr) {                                                                        \
                 const scalar_t* hu = a->out + step.off * H;                                       \
                 const int pnt = FN(gemm_threads)(step.rows, P, H, s->gemm_grain, s->threads);     \
-                if (direct) FN(gemm_as_stored)(direct, step.rows, P, H, hu, s->w_hr, s->hr, P, pnt);      \
-                else FN(wgemm)(&wrb, step.rows, hu, H, s->hr, P, 0, pnt);                         \
+                if (direct)                                                                       \
+                    FN(gemm_as_stored)(direct, step.rows, P, H, hu, s->w_hr, s->hr, P, pnt);      \
+                else                                                                              \
+                    FN(wgemm)(&wrb, step.rows, hu, H, s->hr, P, 0, pnt);                          \
                 FN(projected_rows_out)(s, step.off, 0, step.rows);                                \
             }                                                                                     \
         }                                                                                         \

@@ -538,7 +538,7 @@ def test_use_one_step_gemm_choices(monkeypatch) -> None:
 
 def test_sgemm_check_refuses_a_function_that_does_not_multiply() -> None:
     """The small product torch_sgemm checks an sgemm by: PyTorch's own passes; a function that
-    writes nothing (or only the padding) does not."""
+    writes nothing, writes past C's columns, or reads 8-byte sizes (ILP64) does not."""
     from layernorm.kernels.cpu import rnn
 
     real = rnn.torch_sgemm()
@@ -555,6 +555,15 @@ def test_sgemm_check_refuses_a_function_that_does_not_multiply() -> None:
 
     padded = _SGEMM(padding_too)
     assert not rnn._sgemm_multiplies(ctypes.cast(padded, ctypes.c_void_p).value)
+
+    def wide_sizes(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        # an ILP64 sgemm reads 8-byte sizes; negative ones it refuses, computing nothing
+        sizes = [ctypes.cast(v, ctypes.POINTER(ctypes.c_int64))[0] for v in (m, n, k, ldc)]
+        if min(sizes) >= 0:
+            real_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+
+    wide = _SGEMM(wide_sizes)
+    assert not rnn._sgemm_multiplies(ctypes.cast(wide, ctypes.c_void_p).value)
 
 
 def test_packed_gemm_entry_points_all_or_none() -> None:

@@ -104,7 +104,9 @@ def torch_sgemm() -> int | None:
 def _sgemm_multiplies(sgemm: int) -> bool:
     """Whether the Fortran-interface sgemm at this address computes ``A · Wᵀ`` as the sequence
     kernels call it (``Cᵀ = W · Aᵀ`` column-major: W [N, K] transposed, A [M, K] as is, beta 0,
-    C's leading dimension wider than N) on a 3 × 5 by 5 × 4 case."""
+    C's leading dimension wider than N) on a 3 × 5 by 5 × 4 case. Each size is a 4-byte int
+    followed by the bytes of -1: an ILP64 sgemm, which would read 8-byte sizes where the kernels
+    pass 4, reads negative ones and computes nothing (BLAS refuses them), so it is not taken."""
     i, f = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
     s, p = ctypes.c_char_p, ctypes.c_void_p
     call = ctypes.CFUNCTYPE(None, s, s, i, i, i, f, p, i, p, i, f, p, i)(sgemm)
@@ -112,9 +114,12 @@ def _sgemm_multiplies(sgemm: int) -> bool:
     gen = torch.Generator().manual_seed(0)
     a, w = torch.randn(3, 5, generator=gen, **cpu), torch.randn(4, 5, generator=gen, **cpu)
     c = torch.full((3, 6), math.nan, **cpu)
+    kept = []
 
     def ref(v: int) -> Any:
-        return ctypes.byref(ctypes.c_int(v))
+        pair = (ctypes.c_int32 * 2)(v, -1)  # little-endian: v, then the high word of -2^32 + v
+        kept.append(pair)
+        return ctypes.cast(pair, i)
 
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
     call(b"T", b"N", ref(4), ref(3), ref(5), ctypes.byref(one), w.data_ptr(), ref(5),

@@ -977,7 +977,8 @@ def _one_step_kernels(kernels: StepKernels, sched: Schedule) -> StepKernels:
 
 
 # One LSTM step of a batch past the direct GEMM's rows (a decoder's token for a batch of 9 or
-# more, a cell's call) packs W_ih and W_hh inside the kernel for a single use of each; on one
+# more, a cell's call), where MKL's sgemm does not serve it (rnn.use_one_step_gemm("packed"), no
+# MKL, float64), packs W_ih and W_hh inside the kernel for a single use of each; on one
 # thread, from this many W_ih elements, torch's GEMMs and the step kernel take less
 # (_one_step_by_gemm). LSTM cell inference by its kept plan, AMD EPYC (Zen 4), x
 # torch.nn.LSTMCell's time, in the loop / before it, one thread: (B, I, H) = (9, 128, 256)
@@ -996,7 +997,10 @@ def _projects_in_loop(source: InputProjection, n_batch: int, seq: str = "") -> b
     the measures above): always for one step of at most ``direct_rows`` rows (a decoder's token),
     where the kernel reads W_ih as stored, once, as a GEMM before the loop would (W_ih 12 MiB,
     one row: the GRU's call took 2.6 ms with the projection before the loop, against
-    torch.nn.GRU's 2.1); not for one LSTM step of more rows on one thread with a W_ih of
+    torch.nn.GRU's 2.1), and for one float32 step of more rows where MKL's sgemm serves it
+    (:func:`._cstep.one_step_sgemm`: W_ih read as stored too; LN-GRU (1, 16, 512, 512) 1.15 →
+    1.00x torch.nn.GRU, LN-LSTM (1, 64, 256, 256) 1.01 → 0.89x, one thread, Intel Xeon);
+    elsewhere not for one LSTM step of more rows on one thread with a W_ih of
     :data:`_ONE_STEP_LOOP_PROJECTION_WEIGHT` elements or more; for steps of fewer rows than
     :data:`_LOOP_PROJECTION_FEW_ROWS` names, up to its W_ih size."""
     data, w_ih = source.data, source.w_ih

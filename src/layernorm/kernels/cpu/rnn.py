@@ -271,17 +271,21 @@ def one_step_sgemm_by_default(isa: str) -> bool:
     ``torch.mm`` (:func:`tile_outpaces_torch_gemm`: there packing costs less than the tile saves).
     Packing W_ih and W_hh for one GEMM each is a pass over each and another over the copy: at
     (T, B, I, H) = (1, 32, 256, 256) an LN-GRU call spent 23% of its time packing and 33% in the
-    tile. LN-GRU inference, one thread, Intel Xeon (family 6, model 207), x torch.nn.GRU's time,
-    packed / sgemm: (B, I, H) = (16, 256, 256) 1.41 / 1.08, (32, 256, 256) 1.28 / 1.07,
-    (64, 256, 256) 1.19 / 1.04, (128, 256, 256) 0.88 / 0.79 (benchmarks/RESULTS.md)."""
+    tile. LN-GRU inference, Intel Xeon (family 6, model 207), x torch.nn.GRU's time, packed /
+    sgemm, one | two threads: (B, I, H) = (16, 256, 256) 1.26 / 1.05 | 1.34 / 0.92,
+    (32, 256, 256) 1.11 / 1.00 | 1.23 / 0.91, (128, 256, 256) 1.07 / 1.01 | 1.03 / 0.93,
+    (16, 1024, 1024) 1.05 / 1.00 | 1.09 / 0.96 (benchmarks/RESULTS.md, 2026-11-29)."""
     return not tile_outpaces_torch_gemm(isa)
+
+
+def _one_step_sgemm_wanted(isa: str) -> bool:
+    return (_one_step_gemm_choice == "mkl" if _one_step_gemm_choice
+            else one_step_sgemm_by_default(isa))  # fmt: skip
 
 
 def _apply_one_step_gemm(isa: str, set_one_step_sgemm: Any) -> None:
     """Give a loaded library of target ``isa`` MKL's sgemm (or none) as the choice says."""
-    wanted = (_one_step_gemm_choice == "mkl" if _one_step_gemm_choice
-              else one_step_sgemm_by_default(isa))  # fmt: skip
-    if set_one_step_sgemm(torch_sgemm() if wanted else None) != 0:
+    if set_one_step_sgemm(torch_sgemm() if _one_step_sgemm_wanted(isa) else None) != 0:
         raise RuntimeError("layernorm: rnn_set_one_step_sgemm refused its entry point")
 
 
@@ -304,9 +308,7 @@ def use_one_step_gemm(choice: str | None) -> None:
 def one_step_gemm_in_use() -> str:
     """``"mkl"`` or ``"packed"``: what a float32 forward call of one step of more than
     :func:`direct_rows` rows multiplies by on the selected target."""
-    isa = targets.selected().name
-    wanted = (_one_step_gemm_choice == "mkl" if _one_step_gemm_choice
-              else one_step_sgemm_by_default(isa))  # fmt: skip
+    wanted = _one_step_sgemm_wanted(targets.selected().name)
     return "mkl" if wanted and torch_sgemm() else "packed"
 
 

@@ -324,6 +324,19 @@ _MKL_COMPUTE = ctypes.CFUNCTYPE(
 )  # fmt: skip
 
 
+def _counting(prototype, address: int):
+    """A forwarder to the C function at ``address`` (of ctypes type ``prototype``) that counts
+    its calls: ``(calls, forwarder)``, ``calls`` a list whose one item counts."""
+    real = prototype(address)
+    calls = [0]
+
+    def forward(*args):
+        calls[0] += 1
+        real(*args)
+
+    return calls, prototype(forward)
+
+
 @pytest.fixture
 def mkl_calls():
     """Choose MKL's packed GEMM and count the selected library's cblas_sgemm_compute calls: a
@@ -335,14 +348,7 @@ def mkl_calls():
     if real is None:
         pytest.skip("this PyTorch exports no MKL packed GEMM")
     assert rnn._library() is not None
-    calls = [0]
-    real_compute = _MKL_COMPUTE(real[2])
-
-    def forward(*args):
-        calls[0] += 1
-        real_compute(*args)
-
-    forwarder = _MKL_COMPUTE(forward)
+    calls, forwarder = _counting(_MKL_COMPUTE, real[2])
     try:
         rnn.use_gemm("mkl")
         set_packed_gemm = rnn._LOADED[targets.selected().name, ()]
@@ -432,14 +438,7 @@ def sgemm_calls():
     if real is None:
         pytest.skip("this PyTorch exports no MKL sgemm")
     assert rnn._library() is not None
-    calls = [0]
-    real_sgemm = _SGEMM(real)
-
-    def forward(*args):
-        calls[0] += 1
-        real_sgemm(*args)
-
-    forwarder = _SGEMM(forward)
+    calls, forwarder = _counting(_SGEMM, real)
     try:
         rnn.use_one_step_gemm("mkl")
         set_sgemm = rnn._ONE_STEP_SETTERS[targets.selected().name, ()]

@@ -19,6 +19,7 @@ import layernorm
 import layernorm.functional as LF
 from conftest import make_param, make_x
 from layernorm.kernels.cpu import buffers, cbuild, targets, torch_ops
+from layernorm.ops import _dispatch as dispatch
 
 AVAILABLE = cbuild.cxx_compiler() is not None and torch_ops.enabled()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="no C++ compiler: the Python path only")
@@ -235,6 +236,90 @@ def test_routes_by_size_and_switch(monkeypatch):
     monkeypatch.setitem(torch_ops._switch, "on", True)
     monkeypatch.setenv("LAYERNORM_CPU_COMPILE", "0")
     assert not torch_ops.takes(small.detach(), True)
+
+
+def _takes_node_composed(x, normalized_shape, eps, *params, grad=None):
+    """What ``functional._takes_node`` writes out in one function, as the functions that state
+    each rule: :func:`lean_input`, the shapes, :func:`needs_grad`, :func:`torch_ops.takes`."""
+    n = normalized_shape
+    if type(n) in (tuple, list, torch.Size) and len(n) == 1:
+        n = n[0]
+    lean = dispatch.aten_input(x, eps) and not dispatch.transformed()
+    if type(n) is not int or n < 1 or not lean:
+        return False
+    if x.dim() == 0 or x.shape[-1] != n:
+        return False
+    plain = (torch.Tensor, torch.nn.Parameter)
+    if any(p is not None and (type(p) not in plain or p.shape != (n,)) for p in params):
+        return False
+    if grad is None:
+        grad = dispatch.needs_grad(x, *params)
+    return torch_ops.takes(x, grad, *params)
+
+
+def _takes_node_cases():
+    """Calls of every kind _takes_node tells apart: x's type, dtype, shape, layout and size, the
+    normalized shape's forms, eps's, each param's type, shape, dtype and layout, grad given or
+    found."""
+    x = make_x((3, 8))
+    w, b = make_param((8,), torch.float32, center=1.0), make_param((8,), torch.float32, center=0.0)
+    big = torch.zeros(torch_ops.TRAINING_MAX_BYTES // 4 // 8, 8)
+    xs = [x, x.double(), x.bfloat16(), x.half(), x.int(), x.t().contiguous().t(), x[:, :4],
+          x.requires_grad_(False).clone().requires_grad_(), torch.zeros(0, 8), torch.tensor(1.0),
+          torch.nn.Parameter(x.clone()), big, big[:-1], "not a tensor"]  # fmt: skip
+    shapes = [8, (8,), [8], torch.Size([8]), (3, 8), 0, 8.0, 4]
+    epss = [1e-5, 0.0, float("inf"), float("nan"), 1]
+    params = [(), (None, None), (w, b), (torch.nn.Parameter(w.clone()), b), (w[:4], b),
+              (w.double(), b), (w.bfloat16(), None), (torch.stack([w, w], 1)[:, 0], b),
+              (w.requires_grad_(False).clone().requires_grad_(), None), (1.0, b),
+              (w.to("meta"), b)]  # fmt: skip
+    for xi in xs:
+        for n in shapes:
+            for eps in epss:
+                for ps in params:
+                    for grad in (None, True, False):
+                        yield xi, n, eps, ps, grad
+
+
+def test_takes_node_is_the_composition_of_its_rules():
+    """``functional._takes_node`` (every check in one function, for a per-token call's time)
+    says yes exactly where the functions that state its rules do, with and without grad mode,
+    under forward-mode AD, and with the operators or the kernels switched off."""
+    checked = 0
+    for grad_mode in (True, False):
+        with torch.set_grad_enabled(grad_mode):
+            for x, n, eps, ps, grad in _takes_node_cases():
+                want = _takes_node_composed(x, n, eps, *ps, grad=grad)
+                assert LF._takes_node(x, n, eps, *ps, grad=grad) is want, (x, n, eps, ps, grad)
+                checked += want
+    assert checked > 100  # the grid reaches the operators, not only refusals
+    x = make_x((3, 8))
+    assert LF._takes_node(x, 8, 1e-5)
+    with torch.autograd.forward_ad.dual_level():
+        assert not LF._takes_node(x, 8, 1e-5) and not _takes_node_composed(x, 8, 1e-5)
+    with torch_ops.switched(False):
+        assert not LF._takes_node(x, 8, 1e-5) and not _takes_node_composed(x, 8, 1e-5)
+
+
+def test_lean_input_is_aten_input_untransformed():
+    """``lean_input`` (aten_input's and transformed's checks in one expression) is their
+    conjunction, outside any tracer and under forward-mode AD and a dispatch mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = make_x((2, 4))
+    cases = [(x, 1e-5), (x.double(), 1e-5), (x.int(), 1e-5), (x, 0.0), (x, 1), ("x", 1e-5)]
+    for xi, eps in cases:
+        want = dispatch.aten_input(xi, eps) and not dispatch.transformed()
+        assert dispatch.lean_input(xi, eps) is want, (xi, eps)
+    assert dispatch.lean_input(x, 1e-5)
+    with torch.autograd.forward_ad.dual_level():
+        assert not dispatch.lean_input(x, 1e-5)
+    with Watching():
+        assert not dispatch.lean_input(x, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

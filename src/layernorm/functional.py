@@ -20,7 +20,6 @@ from torch import Tensor
 from ._validation import (
     FLOAT_DTYPES,
     ShapeLike,
-    _finite,
     as_shape,
     check_eps,
     check_finite_scalar,
@@ -29,7 +28,7 @@ from ._validation import (
     check_param,
     stats_dtype,
 )
-from .kernels.cpu import torch_ops
+from .kernels.cpu import abi, buffers, torch_ops
 from .ops._dispatch import cpu_kernels, lean_input, needs_grad
 from .ops.ada_norm import ada_norm_rows, ada_norm_rows_eager
 from .ops.layer_norm import layer_norm_rows, layer_norm_rows_eager
@@ -216,20 +215,37 @@ def _takes_node(
     each param ``None`` or a plain tensor (or Parameter) of that size, and the operators' own
     :func:`~layernorm.kernels.cpu.torch_ops.takes` (the params' device, dtype and layout, x's
     size and layout). ``grad``: whether autograd records the call, where the caller has found it
-    (:func:`needs_grad` of ``x`` and the params otherwise)."""
+    (:func:`needs_grad` of ``x`` and the params otherwise).
+
+    ``takes`` (and the kernels' dtype rules it asks, ``_native.kernel_inputs``) is written out
+    here rather than called: a per-token call's code is cold when it comes round again, and
+    there each frame costs about a microsecond (module calls at (1, 768) among the other modules'
+    calls, ``bench_norms_cpu.py``). ``tests/test_lean_paths.py`` holds it to that composition."""
     n = normalized_shape
     if type(n) in _ONE_SIZE_SEQUENCES and len(n) == 1:  # type: ignore[arg-type]
         n = n[0]  # type: ignore[index]
     if type(n) is not int or n < 1 or not lean_input(x, eps):
         return False
-    if x.dim() == 0 or x.shape[-1] != n:  # type: ignore[union-attr]
+    if x.dim() == 0 or x.shape[-1] != n or not x.is_contiguous():  # type: ignore[union-attr]
         return False
+    dtype = x.dtype  # type: ignore[union-attr]
+    inst = abi.INSTANCES.get(dtype)
+    if inst is None:
+        return False
+    compute = inst.compute_dtype
     for p in params:
-        if p is not None and (type(p) not in _PLAIN_TENSORS or p.shape != (n,)):  # type: ignore[attr-defined]
+        if p is not None and (
+            type(p) not in _PLAIN_TENSORS
+            or p.shape != (n,)  # type: ignore[attr-defined]
+            or (p.dtype is not dtype and p.dtype is not compute)  # type: ignore[attr-defined]
+            or not p.is_cpu  # type: ignore[attr-defined]
+            or not p.is_contiguous()  # type: ignore[attr-defined]
+        ):
             return False
     if grad is None:
         grad = needs_grad(x, *params)  # type: ignore[arg-type]
-    return torch_ops.takes(x, grad, *params)  # type: ignore[arg-type]
+    limit = torch_ops.TRAINING_MAX_BYTES if grad else buffers.OUTPUT_MIN_BYTES
+    return x.nbytes < limit and torch_ops.enabled()  # type: ignore[union-attr]
 
 
 # The sequence types a one-size normalized shape comes in (anything else takes as_shape's path).
@@ -241,9 +257,15 @@ _ONE_SIZE_SEQUENCES = (tuple, list, torch.Size)
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
-def _finite_number(v: object) -> bool:
-    """A plain int or float that the full path's :func:`check_finite_scalar` takes as it is."""
-    return (type(v) is float or type(v) is int) and _finite(v)  # type: ignore[arg-type]
+def _finite_numbers(a: object, b: object) -> bool:
+    """Both plain ints or floats that the full path's :func:`check_finite_scalar` takes as they
+    are (one frame for the two: see :func:`_takes_node`)."""
+    return (
+        (type(a) is float or type(a) is int)
+        and -math.inf < a < math.inf  # type: ignore[operator]
+        and (type(b) is float or type(b) is int)
+        and -math.inf < b < math.inf  # type: ignore[operator]
+    )
 
 
 def ada_norm(
@@ -268,7 +290,7 @@ def ada_norm(
 
     See :class:`layernorm.AdaNorm`.
     """
-    numbers = _finite_number(k) and _finite_number(scale)
+    numbers = _finite_numbers(k, scale)
     if numbers and _takes_node(x, normalized_shape, eps):
         return torch_ops.ada_norm(x, float(k), float(scale), eps)  # type: ignore[arg-type]
     lean = _lean_shape(x, normalized_shape, eps)

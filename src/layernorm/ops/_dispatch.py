@@ -19,6 +19,14 @@ from ..kernels.cpu import buffers
 
 _MODULES: dict[tuple[str, str], ModuleType] = {}
 
+# torch's tracer-state queries, bound once: the checks below run on every call of a small op, where
+# each attribute chain (torch._C._get_tracing_state) costs as much as the query. Dynamo knows
+# is_compiling by the function itself, so the bound name answers True under it as well.
+_is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
+_functorch_active = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
 
 def kernels_module(backend: str, family: str) -> ModuleType:
     """The module ``layernorm.kernels.<backend>.<family>``, imported once (import_module costs
@@ -51,7 +59,7 @@ def plain_eager() -> bool:
     return not (
         # torch.jit.trace must record the ops (an autograd.Function cannot be saved). This is
         # torch.jit.is_tracing() at half its cost on every op, and torch.compile knows it too.
-        torch._C._get_tracing_state() is not None or torch.compiler.is_compiling() or transformed()
+        _tracing_state() is not None or _is_compiling() or transformed()
     )
 
 
@@ -59,11 +67,7 @@ def transformed() -> bool:
     """True inside a functorch transform (vmap, grad), a dispatch mode (fake tensors, make_fx) or
     forward-mode AD: the tracers that record or transform ATen ops but not a kernel called
     directly."""
-    return (
-        torch._C._are_functorch_transforms_active()
-        or torch._C._len_torch_dispatch_stack() > 0
-        or forward_ad_on()
-    )
+    return _functorch_active() or _dispatch_modes() > 0 or _forward_ad._current_level >= 0
 
 
 def batched(t: Tensor) -> bool:
@@ -158,9 +162,9 @@ def aten_input(x: object, eps: object) -> bool:
         and 0.0 < eps < math.inf
         and x.is_cpu
         and x.dtype in FLOAT_DTYPES
-        and not torch.compiler.is_compiling()  # before the ContextVar: False under Dynamo
-        and torch._C._get_tracing_state() is None
-        and not backend_forced()
+        and not _is_compiling()  # before the ContextVar: False under Dynamo
+        and _tracing_state() is None
+        and not (_ENV_BACKEND or _forced_backend.get() is not None)  # backend_forced()
     )
 
 
@@ -169,8 +173,23 @@ def lean_input(x: object, eps: object) -> bool:
     :func:`aten_input` and no other tracer either (vmap, fake tensors, make_fx, forward AD: a
     direct call would be invisible to them: :func:`transformed`). The caller checks the shapes
     (or lets torch's kernel refuse them and falls back to the full path for the message). Under
-    1 µs: every call pays it."""
-    return aten_input(x, eps) and not transformed()
+    1 µs: every call pays it.
+
+    :func:`aten_input`'s checks and :func:`transformed`'s written out in one expression: a
+    per-token call's code is out of the caches when it comes round again (a decoder's other
+    modules run between two calls of one norm), and there each frame of its Python costs about
+    as much as the checks in it."""
+    return (
+        type(x) is Tensor
+        and type(eps) is float
+        and 0.0 < eps < math.inf
+        and x.is_cpu
+        and x.dtype in FLOAT_DTYPES
+        and not _is_compiling()  # before the ContextVar: False under Dynamo
+        and _tracing_state() is None
+        and not (_ENV_BACKEND or _forced_backend.get() is not None)  # backend_forced()
+        and not (_functorch_active() or _dispatch_modes() > 0 or _forward_ad._current_level >= 0)
+    )
 
 
 # Up to this many elements (4 MiB of float32) a plain layer norm that needs gradients runs torch's

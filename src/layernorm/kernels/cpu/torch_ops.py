@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from . import _native, abi, buffers, cache, cbuild, targets
+from ._env import compile_switched_off
 
 ENV_SWITCH = "LAYERNORM_CPU_TORCH_OPS"
 SOURCES = tuple(
@@ -121,13 +122,13 @@ def enabled() -> bool:
     """Whether the operators are switched on, built and loaded, with the selected target's
     kernels and the Python path's thread grain and ``STREAM_MIN_BYTES`` (handed over again where
     :func:`.targets.use` switched the target or a threshold changed)."""
-    if not _switch["on"] or not _native.enabled():
+    if not _switch["on"] or compile_switched_off():
         return False
     target = targets.selected()
     config = (_native._GRAIN, _native.STREAM_MIN_BYTES)  # the Python path's, which tests change
     if _state.get("target") is target and _state.get("config") == config:
-        return True
-    if not _load():
+        return True  # handed over before: built and loaded (what _native.enabled asks first)
+    if not _native.enabled() or not _load():
         return False
     if _state.get("config") != config:
         torch.ops.layernorm_cpu.configure(*config)

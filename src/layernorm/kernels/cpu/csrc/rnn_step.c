@@ -22,18 +22,22 @@ int rnn_set_forward_group(int rows) {
 #define SUF f32
 #define EXP fast_expf
 #define TANH fast_tanhf
+#define STEP_LANES (VEC_BYTES / 4) /* scalar_t's lanes a vector, for the preprocessor */
 #include "rnn_step_impl.h"
 #undef scalar_t
 #undef SUF
 #undef EXP
 #undef TANH
+#undef STEP_LANES
 
 #define scalar_t double
 #define SUF f64
 #define EXP fast_exp
 #define TANH fast_tanh
+#define STEP_LANES (VEC_BYTES / 8)
 #include "rnn_step_impl.h"
 #undef scalar_t
 #undef SUF
 #undef EXP
 #undef TANH
+#undef STEP_LANES

@@ -123,6 +123,91 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
     return t + FN(lanes_fold)(acc);
 }
 
+/* The sums of n rows of one block each (N <= BLOCK_TERMS · 2·SVL) as row_sum finds them, out[k]
+   for row k: each row's block sums into its float64 partial sums (lanes_add, from zero) and
+   their two halves added (lanes_fold's first level), then lanes_fold's other levels (lane l plus
+   lane l + w, w halving to 1) for ROW_HL rows at once, two vectors of rows a level, where
+   lanes_fold takes a shuffle and an add a level for each row, on its row's dependency chain. The
+   same adds of the same values: the same bits. An LN-LSTM forward step with gx normalized in it,
+   128 rows in cache, one thread, Intel Xeon (bench_rnn_step.py --input-norm), ns a row before /
+   after: H = 32 399-402 / 376, H = 64 568-581 / 542-557, H = 128 level; the AVX2 build level to
+   6% less; inference at (T, B, I, H) = (100, 64, 32, 32) 1.30-1.34 / 1.24-1.28x torch.nn.LSTM's
+   time (RESULTS.md, 2026-11-29). */
+#ifndef MOMENT_ROWS
+#define MOMENT_ROWS 16 /* twice FWD_GROUP_MAX: a forward group's hp and gx rows in one call */
+#endif
+#define ROW_HL (STEP_LANES / 2) /* a row's float64 partial sums: lanes of FN(avec) */
+_Static_assert(sizeof(FN(avec)) == ROW_HL * sizeof(acc_t), "STEP_LANES: scalar_t's lanes a vector");
+#if ROW_HL == 8
+#define FOLD_LEVEL(u, v, w)                                                                       \
+    ((w) == 4   ? __builtin_shufflevector(u, v, 0, 1, 2, 3, 8, 9, 10, 11) +                      \
+                      __builtin_shufflevector(u, v, 4, 5, 6, 7, 12, 13, 14, 15)                  \
+     : (w) == 2 ? __builtin_shufflevector(u, v, 0, 1, 4, 5, 8, 9, 12, 13) +                      \
+                      __builtin_shufflevector(u, v, 2, 3, 6, 7, 10, 11, 14, 15)                  \
+                : __builtin_shufflevector(u, v, 0, 2, 4, 6, 8, 10, 12, 14) +                     \
+                      __builtin_shufflevector(u, v, 1, 3, 5, 7, 9, 11, 13, 15))
+#elif ROW_HL == 4
+#define FOLD_LEVEL(u, v, w)                                                                       \
+    ((w) == 2 ? __builtin_shufflevector(u, v, 0, 1, 4, 5) + __builtin_shufflevector(u, v, 2, 3, 6, 7) \
+              : __builtin_shufflevector(u, v, 0, 2, 4, 6) + __builtin_shufflevector(u, v, 1, 3, 5, 7))
+#elif ROW_HL == 2
+#define FOLD_LEVEL(u, v, w) (__builtin_shufflevector(u, v, 0, 2) + __builtin_shufflevector(u, v, 1, 3))
+#endif
+
+/* Rows [0, n) of v (each a row's partial sums, halves added), n <= MOMENT_ROWS, folded into
+   out[0, n): ROW_HL rows a vector after the levels (rows past n: zeros, their sums unused). */
+static inline __attribute__((always_inline)) void FN(fold_rows)(const FN(avec) * v, int n,
+                                                               acc_t* out) {
+#if ROW_HL == 1
+    for (int k = 0; k < n; ++k) out[k] = v[k][0];
+#else
+    FN(avec) lv[MOMENT_ROWS];
+    const int m = (n + ROW_HL - 1) / ROW_HL * ROW_HL; /* whole vectors of rows */
+    for (int k = 0; k < m; ++k) lv[k] = k < n ? v[k] : (FN(avec)){0};
+#define FOLD_PASS(w, stride) \
+    for (int k = 0; k + (stride) < m; k += 2 * (stride)) lv[k] = FOLD_LEVEL(lv[k], lv[k + (stride)], w);
+#if ROW_HL == 8
+    FOLD_PASS(4, 1) FOLD_PASS(2, 2) FOLD_PASS(1, 4)
+#elif ROW_HL == 4
+    FOLD_PASS(2, 1) FOLD_PASS(1, 2)
+#else
+    FOLD_PASS(1, 1)
+#endif
+#undef FOLD_PASS
+    for (int q = 0; q < m; q += ROW_HL) memcpy(out + q, &lv[q], sizeof(FN(avec)));
+#endif
+}
+
+/* Σ (x − c[k]) (with sq, Σ (x − c[k])²) of each of n rows x[k] of N elements, as row_sum finds
+   them: rows of one block folded together (fold_rows), one row or longer rows each by row_sum. */
+static inline __attribute__((always_inline)) void FN(sum_rows)(const scalar_t* const* x, int n,
+                                                              i64 N, const scalar_t* c, int sq,
+                                                              acc_t* out) {
+    const i64 step = 2 * SVL, nfull = N - N % step;
+    if (n == 1 || N > BLOCK_TERMS * step) {
+        for (int k = 0; k < n; ++k) out[k] = FN(row_sum)(x[k], N, c[k], sq);
+        return;
+    }
+    FN(avec) v[MOMENT_ROWS];
+    for (int k = 0; k < n; ++k) {
+        FN(lanes) acc = {{0}, {0}};
+        FN(block_sums)(x[k], 0, nfull, c[k], sq, &acc);
+        v[k] = acc.lo + acc.hi;
+    }
+    FN(fold_rows)(v, n, out);
+    if (nfull == N) return;
+    for (int k = 0; k < n; ++k) { /* the tail's terms, added to the fold as row_sum adds them */
+        acc_t t = 0;
+        for (i64 j = nfull; j < N; ++j) {
+            const acc_t d = (scalar_t)(x[k][j] - c[k]);
+            t += sq ? d * d : d;
+        }
+        out[k] = t + out[k];
+    }
+}
+#undef FOLD_LEVEL
+#undef ROW_HL
+
 /* μ and 1/sqrt(var + eps) of n <= MOMENT_ROWS rows x[0..n) of N elements each, as the norm
    kernels find them: the first sweep sums x − x0 (x0 the row's first element: a constant row has
    μ = x0 exactly), the second (x − hi)² with hi = μ rounded to scalar_t, and
@@ -133,9 +218,6 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
    above, a step's 64 rows in cache, ns a row, before / after (benchmarks/bench_rnn_step.py, one
    thread, AMD EPYC Zen 4; RESULTS.md 2026-11-27): raw gx normalized in the step, AVX-512
    H = 32 217 / 196, H = 128 522 / 501; the AVX2 build H = 32 243 / 208, H = 128 656 / 644. */
-#ifndef MOMENT_ROWS
-#define MOMENT_ROWS 16 /* twice FWD_GROUP_MAX: a forward group's hp and gx rows in one call */
-#endif
 #ifndef MOMENT_LANES /* a build setting */
 #define MOMENT_LANES 8 /* the lanes of a group of up to this many rows (more: MOMENT_ROWS) */
 #endif
@@ -145,16 +227,14 @@ static inline __attribute__((always_inline)) void FN(moments_group)(
     acc_t s[MOMENT_ROWS], v[MOMENT_ROWS], lo[MOMENT_ROWS];
     scalar_t x0[MOMENT_ROWS], hi[MOMENT_ROWS];
     for (int k = 0; k < lanes; ++k) s[k] = 0, v[k] = 0, x0[k] = 0;
-    for (int k = 0; k < n; ++k) {
-        x0[k] = x[k][0];
-        s[k] = FN(row_sum)(x[k], N, x0[k], 0);
-    }
+    for (int k = 0; k < n; ++k) x0[k] = x[k][0];
+    FN(sum_rows)(x, n, N, x0, 0, s);
     for (int k = 0; k < lanes; ++k) {
         s[k] = (acc_t)x0[k] + s[k] / (acc_t)N;
         hi[k] = (scalar_t)s[k];
         lo[k] = s[k] - (acc_t)hi[k];
     }
-    for (int k = 0; k < n; ++k) v[k] = FN(row_sum)(x[k], N, hi[k], 1);
+    FN(sum_rows)(x, n, N, hi, 1, v);
     for (int k = 0; k < lanes; ++k) {
         acc_t var = v[k] / (acc_t)N - lo[k] * lo[k];
         var = var < 0 ? 0 : var;
@@ -269,7 +349,7 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
     for (i64 i0 = lo; i0 < hi; i0 += MOMENT_LANES) { /* the rows' statistics in groups */
         const int n = hi - i0 < MOMENT_LANES ? (int)(hi - i0) : MOMENT_LANES;
         for (i64 j0 = 0, j1 = split; j0 < G; j0 = j1, j1 = G) {
-            const scalar_t* rows[MOMENT_LANES];
+            const scalar_t* rows[MOMENT_LANES] = {0}; /* (all set below; GCC cannot tell) */
             acc_t m[MOMENT_LANES], r[MOMENT_LANES];
             for (int q = 0; q < n; ++q) rows[q] = gx + (i0 + q) * G + j0;
             FN(moments_rows)(rows, n, j1 - j0, eps, m, r);
@@ -315,7 +395,7 @@ _Static_assert(FWD_GROUP >= 1 && FWD_GROUP <= FWD_GROUP_MAX, "the default group 
 static inline void FN(lstm_fwd_stats)(const FN(lstm_fwd_step_args) * A, i64 i0, i64 n, FN(stats) * sh,
                                       FN(stats) * sx) {
     const i64 G = 4 * A->H;
-    const scalar_t* rows[2 * FWD_GROUP_MAX];
+    const scalar_t* rows[2 * FWD_GROUP_MAX] = {0}; /* (all set below; GCC cannot tell) */
     acc_t m[2 * FWD_GROUP_MAX], r[2 * FWD_GROUP_MAX];
     for (i64 q = 0; q < n; ++q) {
         rows[q] = A->hp + kept_row(A->R, A->N, A->off + i0 + q, i0 + q) * G;
@@ -378,7 +458,7 @@ static inline __attribute__((always_inline)) void FN(lstm_fwd_cell)(
 /* LN(c_t)'s statistics of rows [i0, i0 + n), kept for backward, into sc. */
 static inline void FN(lstm_fwd_cell_stats)(const FN(lstm_fwd_step_args) * A, i64 i0, i64 n,
                                            FN(stats) * sc) {
-    const scalar_t* rows[FWD_GROUP_MAX];
+    const scalar_t* rows[FWD_GROUP_MAX] = {0}; /* (all set below; GCC cannot tell) */
     acc_t m[FWD_GROUP_MAX], r[FWD_GROUP_MAX];
     for (i64 q = 0; q < n; ++q)
         rows[q] = A->cn + kept_row(A->R, A->N, A->off + i0 + q, i0 + q) * A->H;

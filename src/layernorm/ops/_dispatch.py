@@ -173,22 +173,11 @@ def lean_input(x: object, eps: object) -> bool:
     :func:`aten_input` and no other tracer either (vmap, fake tensors, make_fx, forward AD: a
     direct call would be invisible to them: :func:`transformed`). The caller checks the shapes
     (or lets torch's kernel refuse them and falls back to the full path for the message). Under
-    1 µs: every call pays it.
-
-    :func:`aten_input`'s checks and :func:`transformed`'s written out in one expression: a
-    per-token call's code is out of the caches when it comes round again (a decoder's other
-    modules run between two calls of one norm), and there each frame of its Python costs about
-    as much as the checks in it."""
-    return (
-        type(x) is Tensor
-        and type(eps) is float
-        and 0.0 < eps < math.inf
-        and x.is_cpu
-        and x.dtype in FLOAT_DTYPES
-        and not _is_compiling()  # before the ContextVar: False under Dynamo
-        and _tracing_state() is None
-        and not (_ENV_BACKEND or _forced_backend.get() is not None)  # backend_forced()
-        and not (_functorch_active() or _dispatch_modes() > 0 or _forward_ad._current_level >= 0)
+    1 µs: every call pays it. (:func:`transformed`'s checks written out: a per-token call's code
+    is out of the caches when it comes round again, and there each frame of its Python costs
+    about as much as the checks in it.)"""
+    return aten_input(x, eps) and not (
+        _functorch_active() or _dispatch_modes() > 0 or _forward_ad._current_level >= 0
     )
 
 

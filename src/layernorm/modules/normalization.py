@@ -445,13 +445,7 @@ class AdaNorm(_Norm):
         self._init_affine(elementwise_affine, bias, {"device": device, "dtype": dtype})
 
     def forward(self, x: Tensor) -> Tensor:
-        shape, k, scale, eps = self.normalized_shape, self.k, self.scale, self.eps
-        # the C++ operator called from here where it takes the call, as LayerNorm's forward
-        # does: a frame less of a per-token call's Python (see functional._takes_node)
-        if F._finite_numbers(k, scale) and F._takes_node(x, shape, eps):
-            z = torch_ops.ada_norm(x, float(k), float(scale), eps)  # type: ignore[arg-type]
-        else:
-            z = F.ada_norm(x, shape, k, scale, eps)  # type: ignore[arg-type]
+        z = F.ada_norm(x, self.normalized_shape, self.k, self.scale, self.eps)  # type: ignore[arg-type]
         # the paper's module, whose gain and bias are registered as None, returns z as it is
         weight, bias = _affine(self)
         if weight is None and bias is None:

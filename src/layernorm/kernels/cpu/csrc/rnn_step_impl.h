@@ -129,10 +129,10 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
    lane l + w, w halving to 1) for ROW_HL rows at once, two vectors of rows a level, where
    lanes_fold takes a shuffle and an add a level for each row, on its row's dependency chain. The
    same adds of the same values: the same bits. An LN-LSTM forward step with gx normalized in it,
-   128 rows in cache, one thread, Intel Xeon (bench_rnn_step.py --input-norm), ns a row before /
-   after: H = 32 399-402 / 376, H = 64 568-581 / 542-557, H = 128 level; the AVX2 build level to
-   6% less; inference at (T, B, I, H) = (100, 64, 32, 32) 1.30-1.34 / 1.24-1.28x torch.nn.LSTM's
-   time (RESULTS.md, 2026-11-29). */
+   128 rows in cache, one thread, Intel Xeon (bench_rnn_step.py --input-norm, seven runs): H = 32
+   1-6% less time, H = 64 0-5% less, H = 128 level; the AVX2 build level to 6% less; inference at
+   (T, B, I, H) = (100, 64, 32, 32) 1.27-1.34 / 1.12-1.28x torch.nn.LSTM's time (RESULTS.md,
+   2026-11-29). */
 #ifndef MOMENT_ROWS
 #define MOMENT_ROWS 16 /* twice FWD_GROUP_MAX: a forward group's hp and gx rows in one call */
 #endif

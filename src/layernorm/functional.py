@@ -220,7 +220,7 @@ def _takes_node(
     ``takes`` (and the kernels' dtype rules it asks, ``_native.kernel_inputs``) is written out
     here rather than called: a per-token call's code is cold when it comes round again, and
     there each frame costs about a microsecond (module calls at (1, 768) among the other modules'
-    calls, ``bench_norms_cpu.py``). ``tests/test_lean_paths.py`` holds it to that composition."""
+    calls, ``bench_norms_cpu.py``). ``tests/test_torch_ops.py`` holds it to that composition."""
     n = normalized_shape
     if type(n) in _ONE_SIZE_SEQUENCES and len(n) == 1:  # type: ignore[arg-type]
         n = n[0]  # type: ignore[index]

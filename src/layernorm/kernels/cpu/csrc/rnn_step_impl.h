@@ -102,6 +102,16 @@ static inline __attribute__((always_inline)) void FN(block_sums)(const scalar_t*
     FN(lanes_add)(p0, p1, acc);
 }
 
+/* The same sum over the scalar tail [j, N) of a row, one term after another. */
+static inline acc_t FN(tail_sum)(const scalar_t* x, i64 j, i64 N, scalar_t c, int sq) {
+    acc_t t = 0;
+    for (; j < N; ++j) {
+        const acc_t d = (scalar_t)(x[j] - c);
+        t += sq ? d * d : d;
+    }
+    return t;
+}
+
 /* Σ (x − c) and, with sq, Σ (x − c)² over a row, blocked as above. A row of one block (up to
    BLOCK_TERMS · 2·SVL elements: every LN-LSTM row up to H = 128 with AVX-512) skips the blocks'
    bookkeeping, and a row of whole vector pairs the scalar tail. */
@@ -115,12 +125,7 @@ static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
         for (i64 j = 0; j < nfull; j += BLOCK_TERMS * step)
             FN(block_sums)(x, j, block_end(j, BLOCK_TERMS * step, nfull), c, sq, &acc);
     }
-    acc_t t = 0;
-    for (i64 j = nfull; j < N; ++j) {
-        const acc_t d = (scalar_t)(x[j] - c);
-        t += sq ? d * d : d;
-    }
-    return t + FN(lanes_fold)(acc);
+    return FN(tail_sum)(x, nfull, N, c, sq) + FN(lanes_fold)(acc);
 }
 
 /* The sums of n rows of one block each (N <= BLOCK_TERMS · 2·SVL) as row_sum finds them, out[k]
@@ -196,14 +201,8 @@ static inline __attribute__((always_inline)) void FN(sum_rows)(const scalar_t* c
     }
     FN(fold_rows)(v, n, out);
     if (nfull == N) return;
-    for (int k = 0; k < n; ++k) { /* the tail's terms, added to the fold as row_sum adds them */
-        acc_t t = 0;
-        for (i64 j = nfull; j < N; ++j) {
-            const acc_t d = (scalar_t)(x[k][j] - c[k]);
-            t += sq ? d * d : d;
-        }
-        out[k] = t + out[k];
-    }
+    for (int k = 0; k < n; ++k) /* the tail's terms, added to the fold as row_sum adds them */
+        out[k] = FN(tail_sum)(x[k], nfull, N, c[k], sq) + out[k];
 }
 #undef FOLD_LEVEL
 #undef ROW_HL

@@ -1,11 +1,15 @@
 """Which of the recurrent layers' C paths the selected target runs, as skip markers, stated once;
-and a record of which sequence kernels a call ran with torch.nn.LSTM's projection.
+a record of which sequence kernels a call ran with torch.nn.LSTM's projection; and a counter of
+the calls a C library makes through an entry point it was given.
 
 The portable target (other architectures, or a compiler without the x86 targets' flags) has the
 C step kernels but no whole-sequence kernels: there the layers run their steps one by one and
 keep no plans, so a test of a sequence kernel, a plan or a planned node skips."""
 
 from __future__ import annotations
+
+import ctypes
+from typing import Any
 
 import pytest
 import torch
@@ -45,3 +49,21 @@ def spy_projected_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(rnn, "run_sequence", spy)
     return calls
+
+
+def counting(prototype: Any, address: int) -> tuple[list[int], Any]:
+    """A forwarder to the C function at ``address`` (of ctypes type ``prototype``) that counts
+    its calls: ``(calls, forwarder)``, ``calls`` a list whose one item counts."""
+    real = prototype(address)
+    calls = [0]
+
+    def forward(*args: Any) -> None:
+        calls[0] += 1
+        real(*args)
+
+    return calls, prototype(forward)
+
+
+#: The Fortran-interface GEMMs' C signature (every argument but the two transposition flags by
+#: address): MKL's sgemm_ and gemm_bf16bf16f32_ as the sequence kernels call them.
+FORTRAN_GEMM = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, *(ctypes.c_void_p,) * 11)

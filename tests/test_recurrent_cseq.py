@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
-from kernel_paths import needs_sequence_kernels
+from kernel_paths import FORTRAN_GEMM, counting, needs_sequence_kernels
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 from layernorm.recurrent import layers as recurrent_layers
@@ -324,19 +324,6 @@ _MKL_COMPUTE = ctypes.CFUNCTYPE(
 )  # fmt: skip
 
 
-def _counting(prototype, address: int):
-    """A forwarder to the C function at ``address`` (of ctypes type ``prototype``) that counts
-    its calls: ``(calls, forwarder)``, ``calls`` a list whose one item counts."""
-    real = prototype(address)
-    calls = [0]
-
-    def forward(*args):
-        calls[0] += 1
-        real(*args)
-
-    return calls, prototype(forward)
-
-
 @pytest.fixture
 def mkl_calls():
     """Choose MKL's packed GEMM and count the selected library's cblas_sgemm_compute calls: a
@@ -348,7 +335,7 @@ def mkl_calls():
     if real is None:
         pytest.skip("this PyTorch exports no MKL packed GEMM")
     assert rnn._library() is not None
-    calls, forwarder = _counting(_MKL_COMPUTE, real[2])
+    calls, forwarder = counting(_MKL_COMPUTE, real[2])
     try:
         rnn.use_gemm("mkl")
         set_packed_gemm = rnn._LOADED[targets.selected().name, ()]
@@ -422,11 +409,6 @@ def test_mkl_packed_gemm_not_for_float64(mkl_calls) -> None:
     assert mkl_calls[0] == 0
 
 
-# MKL's sgemm for the GEMMs of a one-step forward call (kernels/cpu/rnn.py use_one_step_gemm):
-# the Fortran interface's C signature (every argument but the two transposition flags by address).
-_SGEMM = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, *(ctypes.c_void_p,) * 11)
-
-
 @pytest.fixture
 def sgemm_calls():
     """Choose MKL's sgemm for one-step calls and count the selected library's calls of it: a
@@ -438,10 +420,10 @@ def sgemm_calls():
     if real is None:
         pytest.skip("this PyTorch exports no MKL sgemm")
     assert rnn._library() is not None
-    calls, forwarder = _counting(_SGEMM, real)
+    calls, forwarder = counting(FORTRAN_GEMM, real)
     try:
         rnn.use_one_step_gemm("mkl")
-        set_sgemm = rnn._ONE_STEP_SETTERS[targets.selected().name, ()]
+        set_sgemm = rnn._ONE_STEP_SETTERS[targets.selected().name, ()].sgemm
         assert set_sgemm(ctypes.cast(forwarder, ctypes.c_void_p)) == 0
         yield calls
     finally:
@@ -537,22 +519,24 @@ def test_use_one_step_gemm_choices(monkeypatch) -> None:
 
 def test_sgemm_check_refuses_a_function_that_does_not_multiply() -> None:
     """The small product torch_sgemm checks an sgemm by: PyTorch's own passes; a function that
-    writes nothing, writes past C's columns, or reads 8-byte sizes (ILP64) does not."""
+    writes nothing, writes past C's columns, or reads 8-byte sizes (ILP64) does not; nor does
+    MKL's bfloat16 GEMM on float32 operands or its sgemm on bfloat16 ones (torch_half_gemm's
+    check)."""
     from layernorm.kernels.cpu import rnn
 
     real = rnn.torch_sgemm()
     if real is None:
         pytest.skip("this PyTorch exports no MKL sgemm")
     assert rnn._sgemm_multiplies(real)
-    idle = _SGEMM(lambda *args: None)
+    idle = FORTRAN_GEMM(lambda *args: None)
     assert not rnn._sgemm_multiplies(ctypes.cast(idle, ctypes.c_void_p).value)
-    real_sgemm = _SGEMM(real)
+    real_sgemm = FORTRAN_GEMM(real)
 
     def padding_too(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         real_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
         ctypes.cast(c, ctypes.POINTER(ctypes.c_float))[4] = 0.0  # past row 0's four columns
 
-    padded = _SGEMM(padding_too)
+    padded = FORTRAN_GEMM(padding_too)
     assert not rnn._sgemm_multiplies(ctypes.cast(padded, ctypes.c_void_p).value)
 
     def wide_sizes(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
@@ -561,8 +545,13 @@ def test_sgemm_check_refuses_a_function_that_does_not_multiply() -> None:
         if min(sizes) >= 0:
             real_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 
-    wide = _SGEMM(wide_sizes)
+    wide = FORTRAN_GEMM(wide_sizes)
     assert not rnn._sgemm_multiplies(ctypes.cast(wide, ctypes.c_void_p).value)
+    # the bfloat16 GEMM passes on bfloat16 operands; each GEMM fails on the other's
+    half = rnn.torch_half_gemm()
+    assert half is not None and rnn._sgemm_multiplies(half, torch.bfloat16)
+    assert not rnn._sgemm_multiplies(half, torch.float32)
+    assert not rnn._sgemm_multiplies(real, torch.bfloat16)
 
 
 def test_packed_gemm_entry_points_all_or_none() -> None:

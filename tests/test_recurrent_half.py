@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 
 import pytest
 import torch
 
 import layernorm
-from kernel_paths import spy_projected_calls
+from kernel_paths import FORTRAN_GEMM, counting, needs_sequence_kernels, spy_projected_calls
 from layernorm.kernels.cpu import rnn
 from layernorm.recurrent import _cstep, _fused, _steps, layers
 from tolerances import UNIT_ROUNDOFF
@@ -411,6 +412,129 @@ def test_small_half_inference_calls_run_the_float32_twin(cls, options, dtype, mo
         _cstep.available(torch.zeros(1)) and _cstep.sequence_gemm()
     ):  # plans run the sequence kernels
         assert layers._CALL_PLANS.get(twin.module) is not None  # kept by the twin's calls
+
+
+def _one_step_case(cls, options, rows, dtype=torch.bfloat16):
+    """A layer of ``cls`` in ``dtype`` with ``options``, one step of ``rows`` rows and a random
+    initial state."""
+    torch.manual_seed(1)
+    m = cls(16, 24, **options).to(dtype).eval()
+    shape = (rows, 1, 16) if options.get("batch_first") else (1, rows, 16)
+    x = torch.randn(shape, dtype=torch.float64).to(dtype)
+    h0 = (0.5 * torch.randn(m.num_layers * m.num_directions, rows, 24)).to(dtype)
+    return m, x, ((h0, h0.flip(-1)) if cls is layernorm.LayerNormLSTM else h0)
+
+
+@needs_sequence_kernels
+@pytest.mark.parametrize("choice", ["mkl", "packed"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"num_layers": 2, "bidirectional": True}, {"batch_first": True}, {"bias": False}],
+    ids=["one layer", "two layers, both directions", "batch first", "no biases"],
+)
+@pytest.mark.parametrize("cls", LAYERS[:2], ids=lambda c: c.__name__)
+def test_one_step_bfloat16_calls_read_the_weights_as_stored(cls, options, rows, choice):
+    """A bfloat16 layer's one-step inference call multiplies by W_ih and W_hh as the layer
+    stores them (MKL's bfloat16 GEMM, or the weights widened for the call with
+    ``use_one_step_gemm("packed")``): from the twin's planned call (its third) on, its float32
+    copies of them are not made, nor read (set to NaN, the results are the first call's, bit for
+    bit), and the results are within the half path's error model of float64. An in-place update of a
+    weight shows in the next call; a call the twin's plan does not serve (two steps) copies the
+    weights again."""
+    m, x, hx = _one_step_case(cls, options, rows)
+    ref = copy.deepcopy(m).double()
+    ref.impl = "loop"
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    try:
+        rnn.use_one_step_gemm(choice)
+        with torch.no_grad():
+            first = _flat(m(x, hx))  # the plans kept
+            assert all(torch.equal(a, b) for a, b in zip(_flat(m(x, hx)), first, strict=True))
+            twin = layers._HALF_TWINS.get(m)  # the planned call kept, and taken as reading ...
+            assert twin is not None and twin.as_stored[0] is not None  # ... the weights as stored
+            for copy_ in twin.weight_shadows:
+                copy_.fill_(float("nan"))
+            assert all(torch.equal(a, b) for a, b in zip(_flat(m(x, hx)), first, strict=True))
+            want = _flat(ref(x.double(), _double(hx)))
+            for a, r in zip(first, want, strict=True):
+                assert (a.double() - r).abs().max() <= 4 * u * r.abs().max()
+            m.weight_hh_l0.mul_(-1)
+            ref.weight_hh_l0.mul_(-1)
+            updated = _flat(m(x, hx))
+            want = _flat(ref(x.double(), _double(hx)))
+            assert not torch.equal(updated[0], first[0])
+            for a, r in zip(updated, want, strict=True):
+                assert (a.double() - r).abs().max() <= 4 * u * r.abs().max()
+            two = torch.cat((x, x.flip(-1)), dim=1 if options.get("batch_first") else 0)
+            want = _flat(ref(two.double(), _double(hx)))
+            for _ in range(3):  # (the second and third by the twin's plans of two steps)
+                got = _flat(m(two, hx))
+                for a, r in zip(got, want, strict=True):
+                    assert (a.double() - r).abs().max() <= 4 * u * r.abs().max()
+            assert twin.as_stored[0] is None  # the planned call of two steps reads the copies
+    finally:
+        rnn.use_one_step_gemm(None)
+
+
+@pytest.fixture
+def half_gemm_calls():
+    """Choose MKL's GEMMs for one-step calls and count the selected library's calls of its
+    bfloat16 GEMM: a list whose one item counts. Afterwards the processor's default again, set
+    from PyTorch's own entry points (not from anything the test made)."""
+    from layernorm.kernels.cpu import targets
+
+    real = rnn.torch_half_gemm()
+    if real is None:
+        pytest.skip("this PyTorch exports no MKL gemm_bf16bf16f32")
+    assert rnn._library() is not None
+    calls, forwarder = counting(FORTRAN_GEMM, real)
+    try:
+        rnn.use_one_step_gemm("mkl")
+        set_half_gemm = rnn._ONE_STEP_SETTERS[targets.selected().name, ()].half
+        assert set_half_gemm(ctypes.cast(forwarder, ctypes.c_void_p)) == 0
+        yield calls
+    finally:
+        rnn.use_one_step_gemm(None)
+
+
+@needs_sequence_kernels
+@pytest.mark.parametrize("cls", LAYERS[:2], ids=lambda c: c.__name__)
+def test_one_step_bfloat16_products_run_on_mkls_bfloat16_gemm(half_gemm_calls, cls):
+    """Each direction's one step makes two calls of MKL's bfloat16 GEMM (x · W_ihᵀ, h · W_hhᵀ),
+    from the twin's first call on; with ``use_one_step_gemm("packed")``, none (the weights are
+    widened for the call); two steps, none."""
+    m, x, hx = _one_step_case(cls, {"num_layers": 2, "bidirectional": True}, 5)
+    directions = m.num_layers * m.num_directions
+    with torch.no_grad():
+        for k in range(3):
+            m(x, hx)
+            assert half_gemm_calls[0] == 2 * directions * (k + 1)
+        rnn.use_one_step_gemm("packed")
+        m(x, hx)
+        m(torch.cat((x, x)), hx)
+    assert half_gemm_calls[0] == 6 * directions
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_one_step_calls_of_other_layers_copy_every_weight(cls):
+    """A float16 layer's twin and the Elman RNN's (which projects its input before the kernel)
+    read their weights' float32 copies, made on every call: their one-step results are within
+    the half path's error model of float64, and no twin plan is taken as reading the weights as
+    stored."""
+    half = (torch.float16, torch.bfloat16)
+    for dtype in half if cls is layernorm.LayerNormRNN else half[:1]:
+        m, x, hx = _one_step_case(cls, {}, 3, dtype)
+        ref = copy.deepcopy(m).double()
+        u = UNIT_ROUNDOFF[dtype]
+        with torch.no_grad():
+            for _ in range(2):
+                got = _flat(m(x, hx))
+            want = _flat(ref(x.double(), _double(hx)))
+        twin = layers._HALF_TWINS.get(m)
+        assert twin is not None and twin.as_stored[0] is None
+        for a, r in zip(got, want, strict=True):
+            assert (a.double() - r).abs().max() <= 4 * u * r.abs().max()
 
 
 @pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)

@@ -115,11 +115,17 @@ def test_sequence_function_refuses_a_recurrent_weight_of_the_wrong_shape() -> No
 
 
 def _lstm_fwd_struct(
-    hs: int = 3, n: int = 8, b: int = 2, kept: int | None = None, gx_rows: int | None = None
+    hs: int = 3,
+    n: int = 8,
+    b: int = 2,
+    kept: int | None = None,
+    gx_rows: int | None = None,
+    dtype: torch.dtype = torch.float64,
 ):
-    """A checked LSTM forward struct over zeroed buffers of N = n rows and B = b state rows, the
-    kept buffers with ``kept`` rows (default N), gx with ``gx_rows`` (default N)."""
-    f64 = {"dtype": torch.float64}
+    """A checked LSTM forward struct (the ``dtype`` instance) over zeroed buffers of N = n rows
+    and B = b state rows, the kept buffers with ``kept`` rows (default N), gx with ``gx_rows``
+    (default N)."""
+    f64 = {"dtype": dtype}
     kept = n if kept is None else kept
     gx_rows = n if gx_rows is None else gx_rows
     rows = {"gx": gx_rows, "out": n}
@@ -133,7 +139,7 @@ def _lstm_fwd_struct(
     values = {**t, "eps": 1e-5, "off": 0, "rows": 0, "threads": 1, "layer_norm": 1,
               "normalize_cell_state": 0}  # fmt: skip
     sizes = {"N": n, "B": b, "H": hs, "G": 4 * hs, "R": kept, "X": gx_rows}
-    return rnn.prepare(rnn_abi.LSTM_FWD, torch.float64, values, sizes), t, sizes
+    return rnn.prepare(rnn_abi.LSTM_FWD, dtype, values, sizes), t, sizes
 
 
 @needs_c
@@ -393,6 +399,94 @@ def test_c_projection_inside_the_time_loop_equals_a_given_gx(layer_norm, threads
         torch.testing.assert_close(runs[1][k], runs[0][k], rtol=1e-12, atol=1e-14)
     # a B-row gx holds the last step's rows, an N-row gx every step's
     torch.testing.assert_close(runs[1]["gx"], xp[8 - gx_rows :], rtol=1e-12, atol=1e-14)
+
+
+def _half_weights_case(dtype: torch.dtype = torch.float32, rows: int = 2, steps: int = 1):
+    """An LSTM forward struct of ``steps`` steps of ``rows`` rows in ``dtype`` projecting its
+    input in the loop, with bfloat16 values for x, h_0, W_ih and W_hh (so that their products
+    are exact): ``(args, t, sizes, w, steps, projection, w_half, w_ih_half)``."""
+    gen = torch.Generator().manual_seed(6)
+
+    def bf16_values(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).bfloat16()
+
+    hs, inputs = 3, 5
+    args, t, sizes = _lstm_fwd_struct(hs, rows * steps, rows, kept=rows, gx_rows=rows,
+                                      dtype=dtype)  # fmt: skip
+    w_half, w_ih_half = bf16_values(4 * hs, hs), bf16_values(4 * hs, inputs)
+    t["h"].copy_(bf16_values(rows, hs))
+    t["c"].copy_(torch.randn(rows, hs, generator=gen))
+    proj = {"x": bf16_values(rows * steps, inputs).to(dtype), "w_ih": w_ih_half.to(dtype),
+            "w0": None, "b0": None, "split": 4 * hs}  # fmt: skip
+    step_rows = torch.tensor([[k * rows, rows] for k in range(steps)])
+    return args, t, sizes, w_half.to(dtype), step_rows, proj, w_half, w_ih_half
+
+
+@needs_c
+@pytest.mark.parametrize("rows", [2, 13], ids=["direct rows", "more rows"])
+@pytest.mark.parametrize("choice", ["mkl", "packed"])
+def test_c_one_step_reads_the_bfloat16_weights_in_place_of_the_float_ones(choice, rows) -> None:
+    """One step given W_hh and W_ih as bfloat16 (w_half, w_ih_half) reads them and never the
+    float32 ones (NaN here): its outputs are the float32 weights' run's, bit for bit where the
+    bfloat16 weights are widened for the dot kernel (``use_one_step_gemm("packed")`` within the
+    direct rows: the same products in the same order), else to float32 rounding (MKL's
+    gemm_bf16bf16f32 sums in its own order)."""
+    runs = []
+    try:
+        rnn.use_one_step_gemm(choice)
+        for half in (False, True):
+            args, t, sizes, w, steps, proj, w_half, w_ih_half = _half_weights_case(rows=rows)
+            if half:
+                proj = {**proj, "w_ih": torch.full_like(proj["w_ih"], math.nan),
+                        "w_half": w_half, "w_ih_half": w_ih_half}  # fmt: skip
+                w = torch.full_like(w, math.nan)
+            rnn.sequence("lstm_fwd_seq", torch.float32, args, w, steps, sizes, 1, 1, 1, proj)
+            runs.append(t)
+    finally:
+        rnn.use_one_step_gemm(None)
+    exact = choice == "packed" and rows <= rnn.direct_rows()
+    for k in ("out", "h", "c"):
+        assert runs[1][k].isfinite().all(), k
+        tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-6, "atol": 2e-6}
+        torch.testing.assert_close(runs[1][k], runs[0][k], **tol)
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "case", ["two steps", "w_ih_half alone", "without w_ih_half", "without x", "float64"]
+)
+def test_c_refuses_bfloat16_weights_that_do_not_agree(case) -> None:
+    """The bfloat16 weights come as a pair with the projection, alone without it (W_hh's), for
+    one step of a float32 kernel: else an error before any memory is touched (a kernel that
+    took them would read none of the float weights, or the wrong ones)."""
+    dtype = torch.float64 if case == "float64" else torch.float32
+    args, t, sizes, w, steps, proj, w_half, w_ih_half = _half_weights_case(
+        dtype, steps=2 if case == "two steps" else 1
+    )
+    proj = {**proj, "w_half": w_half, "w_ih_half": w_ih_half}
+    if case == "w_ih_half alone":
+        proj["w_half"] = None
+    elif case == "without w_ih_half":
+        proj["w_ih_half"] = None
+    elif case == "without x":
+        proj.update(x=None, w_ih=None, w0=None, b0=None)
+        args, t, sizes = _lstm_fwd_struct(3, 2, 2, kept=2, gx_rows=2, dtype=dtype)
+    before = {k: v.clone() for k, v in t.items()}
+    # (without x, I = 0: W_ih's pair is refused by its shape before C is called)
+    message = r"w_ih_half must have shape \(G, I\)" if case == "without x" else "bfloat16 weights"
+    with pytest.raises(ValueError, match=message):
+        rnn.sequence("lstm_fwd_seq", dtype, args, w, steps, sizes, 1, 1, 1, proj)
+    for k, v in t.items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_bfloat16_weights_of_another_dtype_are_refused_by_name() -> None:
+    """w_half is bfloat16 in every instance of the struct: a float32 tensor there is named."""
+    _, _, sizes, w, steps, proj, w_half, w_ih_half = _half_weights_case()
+    proj = {**proj, "w_half": w_half.float(), "w_ih_half": w_ih_half}
+    message = r"w_half must have dtype torch\.bfloat16, got torch\.float32"
+    with pytest.raises(TypeError, match=message):
+        rnn.pack_sequence("lstm_fwd_seq", torch.float32, w, steps, sizes, 1, 1, 1, proj)
 
 
 @needs_c
@@ -735,7 +829,7 @@ def _good_values(struct, sizes, dtype=torch.float32) -> dict[str, object]:
                                          dtype=torch.int64)  # fmt: skip
         elif f.is_pointer:
             shape = [rnn_abi.size_of(t, sizes) for t in f.shape]
-            values[f.name] = torch.full(shape, float(i), dtype=dtype)
+            values[f.name] = torch.full(shape, float(i), dtype=f.tensor_dtype(dtype))
         elif f.kind is rnn_abi.Kind.FLOAT:
             values[f.name] = 1e-5 + f.minimum
         elif f.kind is rnn_abi.Kind.FLAG:
@@ -768,8 +862,9 @@ def test_the_fast_packing_fills_every_field_as_the_checked_one(struct, dtype) ->
 
 def _bound_case(struct, dtype):
     """A BoundStruct of ``struct`` with its numbers and every third tensor fixed, every other
-    third tensor (not steps) a block of one region buffer, the rest the call's; the values of
-    a call, and the same call as plain values (the blocks as views of the buffer)."""
+    third tensor (of the instance's dtype: not steps, not bfloat16) a block of one region
+    buffer, the rest the call's; the values of a call, and the same call as plain values (the
+    blocks as views of the buffer)."""
     values = _good_values(struct, _ALL_SIZES, dtype)
     pointers = [f for f in struct.layout() if f.is_pointer]
     fixed = {f.name: values[f.name] for f in struct.fields
@@ -777,7 +872,7 @@ def _bound_case(struct, dtype):
     fixed.update({f.name: values[f.name] for f in pointers[0::3]})
     blocks, offset = {}, 1  # one element of the buffer before the first block: offsets count
     for f in pointers[1::3]:
-        if f.kind is rnn_abi.Kind.STEPS:
+        if f.tensor_dtype(dtype) is not dtype:
             continue
         shape = tuple(rnn_abi.size_of(t, _ALL_SIZES) for t in f.shape)
         blocks[f.name] = (offset, shape)

@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -290,6 +290,49 @@ def bfloat16_layer() -> contextlib.AbstractContextManager[None]:
     return _set(_BFLOAT16_LAYER)
 
 
+# A bfloat16 layer's weights as it stores them, by the address of the float32 copy its twin
+# (layers._HalfTwin) passes in their place, for the one-step calls in this context: their
+# sequence structs read these (w_half, w_ih_half) instead of the copies (_half_weights).
+_HALF_WEIGHTS: contextvars.ContextVar[Mapping[int, Tensor] | None] = contextvars.ContextVar(
+    "layernorm_half_weights", default=None
+)
+
+
+@contextlib.contextmanager
+def half_weights(by_copy: Mapping[int, Tensor]) -> Iterator[None]:
+    """Within it, a forward sequence kernel's call of one step whose W_hh (and W_ih, with the
+    projection in its loop) is a float32 copy at an address in ``by_copy`` multiplies by the
+    bfloat16 weight there instead, as stored (the struct's ``w_half``, ``w_ih_half``; see
+    :func:`layernorm.kernels.cpu.rnn.torch_half_gemm`): the copy need not be made for it. The
+    operands it multiplies (x, h_0) must be bfloat16 values, as a bfloat16 layer's float32 twin
+    passes them: the products are then exact, as with the copy."""
+    token = _HALF_WEIGHTS.set(by_copy)
+    try:
+        yield
+    finally:
+        _HALF_WEIGHTS.reset(token)
+
+
+def _half_weights(w: Tensor, options: Mapping[str, Any] | None, n_steps: int) -> dict[str, Any]:
+    """The struct's bfloat16 weights for a forward call of ``n_steps`` on ``w`` with ``options``
+    in this context (:func:`half_weights`): both or none where the call projects its input, W_hh's
+    alone where it does not; none for more steps, torch.nn.LSTM's projection, or a weight not
+    copied from one."""
+    by_copy = _HALF_WEIGHTS.get()
+    if by_copy is None or n_steps != 1 or (options or {}).get("w_hr") is not None:
+        return {}
+    w_half = by_copy.get(w.data_ptr())
+    if w_half is None or w_half.shape != w.shape:
+        return {}
+    w_ih = (options or {}).get("w_ih")
+    if w_ih is None:
+        return {"w_half": w_half}
+    w_ih_half = by_copy.get(w_ih.data_ptr())
+    if w_ih_half is None or w_ih_half.shape != w_ih.shape:
+        return {}
+    return {"w_half": w_half, "w_ih_half": w_ih_half}
+
+
 def rounded_recurrent_products() -> contextlib.AbstractContextManager[None]:
     """Within it, a bfloat16 layer's recurrent GEMMs take ``h_{t−1}`` (forward) and the gates'
     gradient (backward) rounded to bfloat16, products summed in float32, as ``torch.nn.LSTM`` in
@@ -340,6 +383,10 @@ def _sequence(
         options = {**(st.get("ln_grads") or {}), **(st.get("projection_grad") or {})}
     dtype, args, w = st["gx"].dtype, _args(st, kernel.replace("_seq", "_step")), w.contiguous()
     steps = _steps(sched)
+    if "_fwd" in kernel and dtype is torch.float32:
+        as_stored = _half_weights(w, options, len(sched))
+        if as_stored:
+            options = {**(options or {}), **as_stored}
     # the forward records the choice: its backward, run later, makes the same one
     half = st.setdefault("half_gemm", _half_gemm()) if dtype is torch.float32 else 0
     seq_args = rnn.pack_sequence(

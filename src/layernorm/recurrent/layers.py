@@ -248,13 +248,45 @@ class _HalfTwin(NamedTuple):
     (:class:`_CallPlan`), where the half path builds its structs and casts each parameter on
     every call. Kept (``_HALF_TWINS``) only for layers of at most ``_HALF_TWIN_MAX_BYTES`` of
     float32 parameters; ``lock`` keeps one call at a time on the twin's parameters (a call that
-    finds it taken runs the half path)."""
+    finds it taken runs the half path).
+
+    A bfloat16 layer's one-step calls (a decoder's token) skip the copy of W_ih and W_hh, most of
+    the bytes: the twin's calls run with the layer's own bfloat16 weights at hand
+    (:func:`._cstep.half_weights`), whose one-step sequence structs multiply by them as stored
+    (MKL's ``gemm_bf16bf16f32`` on the input and state, bfloat16 values: the same exact
+    products). Once the twin's planned call is one whose every direction does
+    (:func:`_reads_weights_as_stored`), the calls it serves copy only the other parameters; a
+    call it does not serve copies the weights too before it runs. LN-GRU at (T, B, I, H) =
+    (1, 16, 256, 256), one thread, Intel Xeon (Emerald Rapids, AMX): 1.25x ``torch.nn.GRU``'s
+    bfloat16 time before, 0.81x after (``benchmarks/RESULTS.md``). The key holds each
+    parameter's address: the kept structs read the weights there."""
 
     key: tuple[Any, ...]
     module: nn.Module
     params: list[Tensor]  # the layer's parameters, in the order of ``shadows``
     shadows: list[Tensor]
     lock: threading.Lock
+    # W_ih and W_hh of every layer and direction (``weights``), their copies, and the layer's
+    # other parameters with theirs: a call by ``as_stored[0]`` copies only the others
+    weights: list[Tensor]
+    weight_shadows: list[Tensor]
+    others: list[Tensor]
+    other_shadows: list[Tensor]
+    # the layer's W_ih and W_hh by their copies' addresses (_cstep.half_weights; bfloat16)
+    by_copy: dict[int, Tensor]
+    # [the planned call (_CallPlan) of the twin whose every direction's struct reads W_ih and
+    # W_hh as the layer stores them (_reads_weights_as_stored), or None]
+    as_stored: list[_CallPlan | None]
+
+
+def _reads_weights_as_stored(planned: _CallPlan) -> bool:
+    """Whether every direction of a planned call of a half layer's twin projects its input in
+    the kernel's loop and multiplies by the layer's bfloat16 W_ih and W_hh as stored
+    (:func:`._cstep.half_weights`): none of its kernels then reads their float32 copies."""
+    return all(
+        plan.in_loop and plan.call.seq_args.w_half and plan.call.seq_args.w_ih_half
+        for plan in planned.plans
+    )
 
 
 class _CallPlan(NamedTuple):
@@ -808,10 +840,26 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if twin is None or not twin.lock.acquire(blocking=False):
             return None
         try:
-            torch._foreach_copy_(twin.shadows, twin.params)
             f32 = torch.float32
-            hx32 = None if hx is None else _cast_states(hx, f32)
-            out, state = _LNRNNBase.forward(twin.module, input.to(f32), hx32)  # type: ignore[arg-type]
+            x32, hx32 = input.to(f32), (None if hx is None else _cast_states(hx, f32))
+            with _cstep.half_weights(twin.by_copy):
+                planned = _CALL_PLANS.get(twin.module)
+                result = None
+                if planned is not None and planned is twin.as_stored[0]:
+                    # its kernels read W_ih and W_hh as the layer stores them: the rest copied
+                    torch._foreach_copy_(twin.other_shadows, twin.others)
+                    result = planned.run(twin.module, x32, hx32)
+                    if result is not None:
+                        out, state = result
+                    else:
+                        torch._foreach_copy_(twin.weight_shadows, twin.weights)
+                else:
+                    torch._foreach_copy_(twin.shadows, twin.params)
+                if result is None:
+                    out, state = _LNRNNBase.forward(twin.module, x32, hx32)  # type: ignore[arg-type]
+                    planned = _CALL_PLANS.get(twin.module)
+                    if planned is not None and planned is not twin.as_stored[0]:
+                        twin.as_stored[0] = planned if _reads_weights_as_stored(planned) else None
         finally:
             twin.lock.release()
         return out.to(dtype), _cast_states(state, dtype)
@@ -827,8 +875,9 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if any(p.dtype is not dtype or not p.is_cpu for _, p in named):
             return None
         # (train() / eval() are settings too: __setattr__ counts them)
+        # (the address too: a kept plan of the twin reads W_ih and W_hh there, _HalfTwin)
         key = (self.__dict__.get("_settings_version"), dtype,
-               *((n, id(p), p.shape) for n, p in named))  # fmt: skip
+               *((n, id(p), p.data_ptr(), p.shape) for n, p in named))  # fmt: skip
         kept = _HALF_TWINS.get(self)
         if kept is not None and kept.key == key:
             return kept
@@ -841,8 +890,17 @@ class _LNRNNBase(NotScriptable, nn.Module):
             n: (None if p is None else shadows[n]) for n, p in self._parameters.items()
         }
         module.__dict__["_layer_output_dtype"] = dtype
-        twin = _HalfTwin(key, module, [p for _, p in named], list(shadows.values()),
-                         threading.Lock())  # fmt: skip
+        weights = [n for n, _ in named if n.startswith(("weight_ih_l", "weight_hh_l"))]
+        others = [n for n, _ in named if n not in weights]
+        params = dict(named)
+        twin = _HalfTwin(
+            key, module, [p for _, p in named], list(shadows.values()), threading.Lock(),
+            [params[n] for n in weights], [shadows[n] for n in weights],
+            [params[n] for n in others], [shadows[n] for n in others],
+            # (bfloat16 only: the kernels take MKL's bfloat16 GEMM, not a float16 one)
+            {shadows[n].data_ptr(): params[n] for n in weights if dtype is torch.bfloat16},
+            [None],
+        )  # fmt: skip
         _HALF_TWINS[self] = twin
         return twin
 

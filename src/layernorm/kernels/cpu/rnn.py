@@ -21,7 +21,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -45,14 +45,27 @@ GEMM_CHOICES = ("mkl", "tile")
 _gemm_choice: str | None = None
 _PACKED_GEMM_SYMBOLS = ("cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute")
 _SGEMM_SYMBOL = "sgemm_"
+_HALF_GEMM_SYMBOL = "gemm_bf16bf16f32_"
 #: The GEMMs of a float32 forward call of one step of more than :func:`direct_rows` rows:
 #: ``"mkl"`` (MKL's sgemm, the weights read as stored, :func:`torch_sgemm`), ``"packed"`` (as
 #: every other call: packed for the tile or MKL's packed GEMM, :data:`GEMM_CHOICES`), or ``None``:
-#: by processor (:func:`one_step_sgemm_by_default`). Set by :func:`use_one_step_gemm`.
+#: by processor (:func:`one_step_sgemm_by_default`). Set by :func:`use_one_step_gemm`. The same
+#: choice gives a call on a bfloat16 layer's weights as stored (a bfloat16 layer's one step, the
+#: sequence struct's ``w_half``) MKL's ``gemm_bf16bf16f32`` (:func:`torch_half_gemm`) or, with
+#: ``"packed"``, those weights widened to float32 for the call.
 ONE_STEP_GEMM_CHOICES = ("mkl", "packed")
 _one_step_gemm_choice: str | None = None
-# rnn_set_one_step_sgemm of every library loaded, by (target, variant flags)
-_ONE_STEP_SETTERS: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+
+class _OneStepSetters(NamedTuple):
+    """A loaded library's setters of its one-step GEMMs' entry points."""
+
+    sgemm: Any  # rnn_set_one_step_sgemm
+    half: Any  # rnn_set_one_step_half_gemm
+
+
+# the one-step setters of every library loaded, by (target, variant flags)
+_ONE_STEP_SETTERS: dict[tuple[str, tuple[str, ...]], _OneStepSetters] = {}
 # rnn_set_packed_gemm of every library loaded, by (target, variant flags)
 _LOADED: dict[tuple[str, tuple[str, ...]], Any] = {}
 # ... and rnn_set_forward_group, with the choice use_forward_group made (None: by processor)
@@ -101,18 +114,32 @@ def torch_sgemm() -> int | None:
     return addresses[0]
 
 
-def _sgemm_multiplies(sgemm: int) -> bool:
-    """Whether the Fortran-interface sgemm at this address computes ``A · Wᵀ`` as the sequence
-    kernels call it (``Cᵀ = W · Aᵀ`` column-major: W [N, K] transposed, A [M, K] as is, beta 0,
-    C's leading dimension wider than N) on a 3 × 5 by 5 × 4 case. Each size is a 4-byte int
-    followed by the bytes of -1: an ILP64 sgemm, which would read 8-byte sizes where the kernels
-    pass 4, reads negative ones and computes nothing (BLAS refuses them), so it is not taken."""
+@functools.cache
+def torch_half_gemm() -> int | None:
+    """The address of MKL's ``gemm_bf16bf16f32_`` (the Fortran interface as ``sgemm_``'s, A and
+    B bfloat16, C float32) in the running PyTorch's CPU library, or ``None`` where there is none
+    or it does not give the float32 product of the same values on a small case called as the
+    sequence kernels call it (:func:`_sgemm_multiplies`)."""
+    addresses = _torch_cpu_symbols((_HALF_GEMM_SYMBOL,))
+    if addresses is None or not _sgemm_multiplies(addresses[0], torch.bfloat16):
+        return None
+    return addresses[0]
+
+
+def _sgemm_multiplies(sgemm: int, operands: torch.dtype = torch.float32) -> bool:
+    """Whether the Fortran-interface GEMM at this address, of A and W in ``operands`` into a
+    float32 C, computes ``A · Wᵀ`` as the sequence kernels call it (``Cᵀ = W · Aᵀ`` column-major:
+    W [N, K] transposed, A [M, K] as is, beta 0, C's leading dimension wider than N) on a 3 × 5
+    by 5 × 4 case. Each size is a 4-byte int followed by the bytes of -1: an ILP64 sgemm, which
+    would read 8-byte sizes where the kernels pass 4, reads negative ones and computes nothing
+    (BLAS refuses them), so it is not taken."""
     i, f = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
     s, p = ctypes.c_char_p, ctypes.c_void_p
     call = ctypes.CFUNCTYPE(None, s, s, i, i, i, f, p, i, p, i, f, p, i)(sgemm)
     cpu = {"device": "cpu", "dtype": torch.float32}  # whatever the defaults are set to
     gen = torch.Generator().manual_seed(0)
     a, w = torch.randn(3, 5, generator=gen, **cpu), torch.randn(4, 5, generator=gen, **cpu)
+    a, w = a.to(operands), w.to(operands)
     c = torch.full((3, 6), math.nan, **cpu)
     kept = []
 
@@ -124,7 +151,8 @@ def _sgemm_multiplies(sgemm: int) -> bool:
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
     call(b"T", b"N", ref(4), ref(3), ref(5), ctypes.byref(one), w.data_ptr(), ref(5),
          a.data_ptr(), ref(5), ctypes.byref(zero), c.data_ptr(), ref(6))  # fmt: skip
-    return bool(torch.allclose(c[:, :4], a @ w.t(), rtol=1e-5, atol=1e-6)) and bool(
+    want = a.float() @ w.float().t()  # bfloat16 operands' products are exact in float32
+    return bool(torch.allclose(c[:, :4], want, rtol=1e-5, atol=1e-6)) and bool(
         c[:, 4:].isnan().all()
     )
 
@@ -283,10 +311,14 @@ def _one_step_sgemm_wanted(isa: str) -> bool:
             else one_step_sgemm_by_default(isa))  # fmt: skip
 
 
-def _apply_one_step_gemm(isa: str, set_one_step_sgemm: Any) -> None:
-    """Give a loaded library of target ``isa`` MKL's sgemm (or none) as the choice says."""
-    if set_one_step_sgemm(torch_sgemm() if _one_step_sgemm_wanted(isa) else None) != 0:
+def _apply_one_step_gemm(isa: str, setters: _OneStepSetters) -> None:
+    """Give a loaded library of target ``isa`` MKL's sgemm and gemm_bf16bf16f32 (or neither)
+    as the choice says."""
+    wanted = _one_step_sgemm_wanted(isa)
+    if setters.sgemm(torch_sgemm() if wanted else None) != 0:
         raise RuntimeError("layernorm: rnn_set_one_step_sgemm refused its entry point")
+    if setters.half(torch_half_gemm() if wanted else None) != 0:
+        raise RuntimeError("layernorm: rnn_set_one_step_half_gemm refused its entry point")
 
 
 def use_one_step_gemm(choice: str | None) -> None:
@@ -357,10 +389,12 @@ def _library_for(
         lib.rnn_set_packed_gemm.argtypes = (ctypes.c_void_p,) * 3
         _apply_gemm(isa, lib.rnn_set_packed_gemm)
         _LOADED[isa, variant] = lib.rnn_set_packed_gemm
-        lib.rnn_set_one_step_sgemm.restype = ctypes.c_int
-        lib.rnn_set_one_step_sgemm.argtypes = (ctypes.c_void_p,)
-        _apply_one_step_gemm(isa, lib.rnn_set_one_step_sgemm)
-        _ONE_STEP_SETTERS[isa, variant] = lib.rnn_set_one_step_sgemm
+        one_step = _OneStepSetters(lib.rnn_set_one_step_sgemm, lib.rnn_set_one_step_half_gemm)
+        for setter in one_step:
+            setter.restype = ctypes.c_int
+            setter.argtypes = (ctypes.c_void_p,)
+        _apply_one_step_gemm(isa, one_step)
+        _ONE_STEP_SETTERS[isa, variant] = one_step
         lib.rnn_set_forward_group.restype = ctypes.c_int
         lib.rnn_set_forward_group.argtypes = (ctypes.c_int,)
         _apply_forward_group(isa, lib.rnn_set_forward_group)
@@ -550,7 +584,8 @@ def _raise_for(status: int, kernel: str) -> None:
             f"w_ih and dx together (the LSTM's kernels only), and the Elman kernels take neither; "
             f"the recurrent projection w_hr needs hr and out_r (P = H without it) and only the "
             f"LSTM's forward takes it, in inference (kept buffers of B rows) without zoneout of "
-            f"h; nothing was written"
+            f"h; the bfloat16 weights w_half and w_ih_half (w_half alone without x) need one "
+            f"step of a float32 kernel without w_hr; nothing was written"
         )
     if status != 0:
         raise ValueError(
@@ -600,7 +635,9 @@ def pack_sequence(
     ``b0`` and ``split`` of :data:`.rnn_abi.SEQ_FWD`, for a kernel that computes each step's
     ``gx`` rows itself (the step struct's gx then has B rows, or N rows kept raw for backward);
     without them gx holds every row already; and ``w_hr``, ``hr``, ``out_r``, for the LSTM's
-    inference with torch.nn.LSTM's projection (``w`` then has W_hr's rows as columns). Backward
+    inference with torch.nn.LSTM's projection (``w`` then has W_hr's rows as columns); and
+    ``w_half``, ``w_ih_half``, a bfloat16 layer's weights as stored, read in place of ``w`` and
+    ``w_ih`` for one step of bfloat16 values (``rnn_abi``'s ``_HALF_WEIGHTS``). Backward
     kernels: ``hp_grads``, ``c_grads`` and
     ``x_grads`` of :data:`.rnn_abi.SEQ_BWD`, where the kernel sums the layer norms' gain and bias
     gradients, and ``w_ih`` with ``dx``, where it computes each step's rows of x's gradient.

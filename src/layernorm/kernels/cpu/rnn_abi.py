@@ -56,7 +56,8 @@ FORWARD_GROUP_MAX = 8
 #: kernels, which normalize hp + gx as one, when it is given at all; ``matmul`` when its W's
 #: shape is not that of its ``transposed`` flag; a forward sequence kernel when its recurrent
 #: projection (``w_hr``) is half given, P differs from H without it, or it comes to a kernel
-#: other than the LSTM's, with kept buffers of N rows or with zoneout of h.
+#: other than the LSTM's, with kept buffers of N rows or with zoneout of h; when its bfloat16
+#: weights (``w_half``, ``w_ih_half``) do not agree with it (see ``_HALF_WEIGHTS``).
 ERR_PROJECTION = 3
 
 
@@ -64,6 +65,7 @@ class Kind(enum.Enum):
     """A field's kind; it fixes the C type (``scalar_t`` is the instantiated float type)."""
 
     IN = "input"  # const scalar_t*: read
+    HALF_IN = "bfloat16 input"  # const uint16_t*: read, bfloat16 values whatever the scalar type
     OUT = "output"  # scalar_t*: written
     INOUT = "in/out"  # scalar_t*: read and updated (the state)
     STEPS = "steps"  # const int64_t*: (first row, rows) of each step
@@ -74,11 +76,14 @@ class Kind(enum.Enum):
     COUNT = "count"  # int32_t: >= 1
 
 
-_C_TYPES = {Kind.IN: "const {s}*", Kind.OUT: "{s}*", Kind.INOUT: "{s}*",
-            Kind.STEPS: "const int64_t*", Kind.SIZE: "int64_t", Kind.INDEX: "int64_t",
-            Kind.FLOAT: "double", Kind.FLAG: "int32_t", Kind.COUNT: "int32_t"}  # fmt: skip
+_C_TYPES = {Kind.IN: "const {s}*", Kind.HALF_IN: "const uint16_t*", Kind.OUT: "{s}*",
+            Kind.INOUT: "{s}*", Kind.STEPS: "const int64_t*", Kind.SIZE: "int64_t",
+            Kind.INDEX: "int64_t", Kind.FLOAT: "double", Kind.FLAG: "int32_t",
+            Kind.COUNT: "int32_t"}  # fmt: skip
 _CTYPES = {"int64_t": ctypes.c_int64, "double": ctypes.c_double, "int32_t": ctypes.c_int32}
-_POINTERS = (Kind.IN, Kind.OUT, Kind.INOUT, Kind.STEPS)
+_POINTERS = (Kind.IN, Kind.HALF_IN, Kind.OUT, Kind.INOUT, Kind.STEPS)
+# The dtype of a pointer field's tensor where it is not the instance's scalar type.
+_FIXED_DTYPES = {Kind.STEPS: torch.int64, Kind.HALF_IN: torch.bfloat16}
 # Struct order: pointers, then 8-byte numbers, then 4-byte ones (no padding inside).
 _RANK = {Kind.SIZE: 1, Kind.INDEX: 1, Kind.FLOAT: 1, Kind.FLAG: 2, Kind.COUNT: 2}
 
@@ -102,6 +107,10 @@ class Field:
     @property
     def is_pointer(self) -> bool:
         return self.kind in _POINTERS
+
+    def tensor_dtype(self, scalar: torch.dtype) -> torch.dtype:
+        """The dtype of this pointer field's tensor in the ``scalar`` instance."""
+        return _FIXED_DTYPES.get(self.kind, scalar)
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: a cache key on every kernel call
@@ -412,11 +421,22 @@ _RECURRENT_PROJECTION = (
     Field("P", Kind.SIZE, doc="columns of the recurrent state: the projection's with w_hr, else "
           "H"),
 )  # fmt: skip
+# A bfloat16 layer's one step computed in float32 (its float32 twin in inference,
+# layers._HalfTwin), x and h_{t-1} exactly bfloat16 values: with w_half, the step's GEMMs read
+# W_hh and W_ih as the layer stores them, bfloat16, and never w nor w_ih (the twin need not copy
+# them into float32 for the call): by MKL's gemm_bf16bf16f32 (rnn_set_one_step_half_gemm), else
+# widened for the call. One step (S = 1) of a float kernel, no w_hr; w_ih_half exactly with x.
+_HALF_WEIGHTS = (
+    Field("w_half", Kind.HALF_IN, ("G", "P"), "W_hh's bfloat16 values, read in place of w",
+          optional=True),
+    Field("w_ih_half", Kind.HALF_IN, ("G", "I"), "W_ih's bfloat16 values, read in place of "
+          "w_ih (with w_half and x)", optional=True),
+)  # fmt: skip
 SEQ_FWD = _seq(
     "rnn_seq_fwd_args",
     "G P",
     "W_hh (the kernel multiplies by its transpose)",
-    (*_PROJECTION, *_RECURRENT_PROJECTION),
+    (*_PROJECTION, *_RECURRENT_PROJECTION, *_HALF_WEIGHTS),
 )
 # The backward sequence kernels' sums of the gains' and biases' gradients of the layer norms
 # inside the step (with layer_norm): each row's terms are added where the row's backward has them
@@ -701,7 +721,7 @@ def _checked_tensor(
 ) -> int:
     """The address of tensor field ``f``'s value ``v`` (of ``shape`` under ``sizes``), or the
     error that names what is wrong with it."""
-    want = torch.int64 if f.kind is Kind.STEPS else dtype
+    want = f.tensor_dtype(dtype)
     if (
         not isinstance(v, Tensor)
         or v.dtype != want
@@ -860,7 +880,7 @@ def _fast_plan(
                 return None
             plan.append((i, _P_SIZE, f.name, v, None, None))
         elif f.is_pointer:
-            want = torch.int64 if f.kind is Kind.STEPS else dtype
+            want = f.tensor_dtype(dtype)
             plan.append((i, _P_TENSOR, f.name, want, torch.Size(shapes[f]), f.optional))
         elif f.kind is Kind.FLOAT:
             plan.append((i, _P_FLOAT, f.name, f.minimum, None, None))
@@ -962,7 +982,7 @@ class BoundStruct:
         shapes = {f.name: shape for f, shape in _shapes(struct, key)}
         for region_name, region in regions.items():
             for name, (offset, shape) in region.blocks.items():
-                if name not in shapes or struct.field(name).kind is Kind.STEPS:
+                if name not in shapes or struct.field(name).tensor_dtype(dtype) is not dtype:
                     raise ValueError(f"{op}: {name} is not a tensor field of {dtype}")
                 numel = math.prod(shape)
                 if tuple(shape) != shapes[name] or offset < 0 or offset + numel > region.numel:
@@ -1140,6 +1160,11 @@ def c_header() -> str:
         "   the weights as stored, where not NULL; packed where NULL (or where the products are",
         "   rounded to bfloat16). 0. Set before the kernels run, not while they do. */",
         "int rnn_set_one_step_sgemm(void* sgemm);",
+        "/* The float forward kernels' GEMMs of a call given bfloat16 weights (w_half, w_ih_half)",
+        "   by MKL's gemm_bf16bf16f32 (the running PyTorch's Fortran-interface",
+        "   gemm_bf16bf16f32_, LP64) where not NULL; the weights widened to float where NULL.",
+        "   0. Set before the kernels run, not while they do. */",
+        "int rnn_set_one_step_half_gemm(void* gemm);",
         "/* 1 where the float sequence kernels honour half_gemm (AVX512-BF16 dot products), else",
         "   0: a sequence struct's half_gemm is then ignored. */",
         "int rnn_half_gemm(void);",

@@ -35,6 +35,11 @@ int rnn_set_packed_gemm(void* pack_size, void* pack, void* compute);
    the weights as stored, where not NULL; packed where NULL (or where the products are
    rounded to bfloat16). 0. Set before the kernels run, not while they do. */
 int rnn_set_one_step_sgemm(void* sgemm);
+/* The float forward kernels' GEMMs of a call given bfloat16 weights (w_half, w_ih_half)
+   by MKL's gemm_bf16bf16f32 (the running PyTorch's Fortran-interface
+   gemm_bf16bf16f32_, LP64) where not NULL; the weights widened to float where NULL.
+   0. Set before the kernels run, not while they do. */
+int rnn_set_one_step_half_gemm(void* gemm);
 /* 1 where the float sequence kernels honour half_gemm (AVX512-BF16 dot products), else
    0: a sequence struct's half_gemm is then ignored. */
 int rnn_half_gemm(void);
@@ -431,6 +436,8 @@ typedef struct {
     const float* w_hr; /* input (P, H), optional: NULL = off: torch.nn.LSTM's projection W_hr (the kernel multiplies by its transpose) */
     float* hr; /* in/out (B, P), optional: NULL = off: the projected state h_{t-1} in, h_t out (with w_hr) */
     float* out_r; /* output (N, P), optional: NULL = off: the projected output h_t (with w_hr) */
+    const uint16_t* w_half; /* bfloat16 input (G, P), optional: NULL = off: W_hh's bfloat16 values, read in place of w */
+    const uint16_t* w_ih_half; /* bfloat16 input (G, I), optional: NULL = off: W_ih's bfloat16 values, read in place of w_ih (with w_half and x) */
     int64_t I; /* size: input features (0 without x) */
     int64_t split; /* index, >= 0: first normalized block's columns (with x: 0 < split <= G) */
     int64_t P; /* size: columns of the recurrent state: the projection's with w_hr, else H */
@@ -449,15 +456,17 @@ _Static_assert(offsetof(rnn_seq_fwd_args_f32, b0) == 40, "rnn_seq_fwd_args_f32.b
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, w_hr) == 48, "rnn_seq_fwd_args_f32.w_hr");
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, hr) == 56, "rnn_seq_fwd_args_f32.hr");
 _Static_assert(offsetof(rnn_seq_fwd_args_f32, out_r) == 64, "rnn_seq_fwd_args_f32.out_r");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, I) == 72, "rnn_seq_fwd_args_f32.I");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, split) == 80, "rnn_seq_fwd_args_f32.split");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, P) == 88, "rnn_seq_fwd_args_f32.P");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, n_steps) == 96, "rnn_seq_fwd_args_f32.n_steps");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, grain) == 104, "rnn_seq_fwd_args_f32.grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, gemm_grain) == 112, "rnn_seq_fwd_args_f32.gemm_grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, half_gemm) == 120, "rnn_seq_fwd_args_f32.half_gemm");
-_Static_assert(offsetof(rnn_seq_fwd_args_f32, threads) == 128, "rnn_seq_fwd_args_f32.threads");
-_Static_assert(sizeof(rnn_seq_fwd_args_f32) == 136, "rnn_seq_fwd_args_f32 size");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, w_half) == 72, "rnn_seq_fwd_args_f32.w_half");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, w_ih_half) == 80, "rnn_seq_fwd_args_f32.w_ih_half");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, I) == 88, "rnn_seq_fwd_args_f32.I");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, split) == 96, "rnn_seq_fwd_args_f32.split");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, P) == 104, "rnn_seq_fwd_args_f32.P");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, n_steps) == 112, "rnn_seq_fwd_args_f32.n_steps");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, grain) == 120, "rnn_seq_fwd_args_f32.grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, gemm_grain) == 128, "rnn_seq_fwd_args_f32.gemm_grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, half_gemm) == 136, "rnn_seq_fwd_args_f32.half_gemm");
+_Static_assert(offsetof(rnn_seq_fwd_args_f32, threads) == 144, "rnn_seq_fwd_args_f32.threads");
+_Static_assert(sizeof(rnn_seq_fwd_args_f32) == 152, "rnn_seq_fwd_args_f32 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {
@@ -1114,6 +1123,8 @@ typedef struct {
     const double* w_hr; /* input (P, H), optional: NULL = off: torch.nn.LSTM's projection W_hr (the kernel multiplies by its transpose) */
     double* hr; /* in/out (B, P), optional: NULL = off: the projected state h_{t-1} in, h_t out (with w_hr) */
     double* out_r; /* output (N, P), optional: NULL = off: the projected output h_t (with w_hr) */
+    const uint16_t* w_half; /* bfloat16 input (G, P), optional: NULL = off: W_hh's bfloat16 values, read in place of w */
+    const uint16_t* w_ih_half; /* bfloat16 input (G, I), optional: NULL = off: W_ih's bfloat16 values, read in place of w_ih (with w_half and x) */
     int64_t I; /* size: input features (0 without x) */
     int64_t split; /* index, >= 0: first normalized block's columns (with x: 0 < split <= G) */
     int64_t P; /* size: columns of the recurrent state: the projection's with w_hr, else H */
@@ -1132,15 +1143,17 @@ _Static_assert(offsetof(rnn_seq_fwd_args_f64, b0) == 40, "rnn_seq_fwd_args_f64.b
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, w_hr) == 48, "rnn_seq_fwd_args_f64.w_hr");
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, hr) == 56, "rnn_seq_fwd_args_f64.hr");
 _Static_assert(offsetof(rnn_seq_fwd_args_f64, out_r) == 64, "rnn_seq_fwd_args_f64.out_r");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, I) == 72, "rnn_seq_fwd_args_f64.I");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, split) == 80, "rnn_seq_fwd_args_f64.split");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, P) == 88, "rnn_seq_fwd_args_f64.P");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, n_steps) == 96, "rnn_seq_fwd_args_f64.n_steps");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, grain) == 104, "rnn_seq_fwd_args_f64.grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, gemm_grain) == 112, "rnn_seq_fwd_args_f64.gemm_grain");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, half_gemm) == 120, "rnn_seq_fwd_args_f64.half_gemm");
-_Static_assert(offsetof(rnn_seq_fwd_args_f64, threads) == 128, "rnn_seq_fwd_args_f64.threads");
-_Static_assert(sizeof(rnn_seq_fwd_args_f64) == 136, "rnn_seq_fwd_args_f64 size");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, w_half) == 72, "rnn_seq_fwd_args_f64.w_half");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, w_ih_half) == 80, "rnn_seq_fwd_args_f64.w_ih_half");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, I) == 88, "rnn_seq_fwd_args_f64.I");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, split) == 96, "rnn_seq_fwd_args_f64.split");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, P) == 104, "rnn_seq_fwd_args_f64.P");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, n_steps) == 112, "rnn_seq_fwd_args_f64.n_steps");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, grain) == 120, "rnn_seq_fwd_args_f64.grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, gemm_grain) == 128, "rnn_seq_fwd_args_f64.gemm_grain");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, half_gemm) == 136, "rnn_seq_fwd_args_f64.half_gemm");
+_Static_assert(offsetof(rnn_seq_fwd_args_f64, threads) == 144, "rnn_seq_fwd_args_f64.threads");
+_Static_assert(sizeof(rnn_seq_fwd_args_f64) == 152, "rnn_seq_fwd_args_f64 size");
 
 /* The time loop of a sequence kernel: its steps in order, the recurrent weight, threads. */
 typedef struct {

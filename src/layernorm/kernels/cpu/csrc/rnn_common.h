@@ -248,6 +248,15 @@ static inline int recurrent_projection_valid(const void* w_hr, const void* hr, c
     return takes && hr && out_r && R == B && !zh;
 }
 
+/* Whether a forward kernel's bfloat16 weights (rnn_abi.py, _HALF_WEIGHTS) agree: none, or w_half
+   for a float kernel (is_float) of one step without w_hr, with w_ih_half exactly when x is given
+   (every GEMM of the call then reads a bfloat16 weight: none reads the float ones). */
+static inline int half_weights_valid(const void* w_half, const void* w_ih_half, const void* x,
+                                     const void* w_hr, i64 n_steps, int is_float) {
+    if (!w_half) return !w_ih_half;
+    return is_float && n_steps == 1 && !w_hr && !x == !w_ih_half;
+}
+
 /* Whether a backward kernel's projection-gradient arguments agree (rnn_abi.py, _PROJECTION_GRAD):
    none, or w_ih and dx both, for a kernel that has dgx rows to multiply (has_dgx). */
 static inline int projection_grad_valid(const void* w_ih, const void* dx, int has_dgx) {

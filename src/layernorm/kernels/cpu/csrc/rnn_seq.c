@@ -48,6 +48,22 @@ int rnn_set_one_step_sgemm(void* sgemm) {
     return 0;
 }
 
+/* MKL's gemm_bf16bf16f32 as the running PyTorch's CPU library exports it (the Fortran interface,
+   LP64, as sgemm_ above; A and B bfloat16, C float32, products summed in float32), for the GEMMs
+   of one step of a bfloat16 layer computed in float32 (the sequence struct's w_half and
+   w_ih_half: its weights as stored, read where a float32 copy would be made for the call):
+   rnn_set_one_step_half_gemm. NULL: the weights widened to float32 for the call. */
+typedef void (*mkl_half_gemm_fn)(const char* transa, const char* transb, const int* m,
+                                 const int* n, const int* k, const float* alpha,
+                                 const uint16_t* a, const int* lda, const uint16_t* b,
+                                 const int* ldb, const float* beta, float* c, const int* ldc);
+static mkl_half_gemm_fn mkl_half_gemm = NULL;
+
+int rnn_set_one_step_half_gemm(void* gemm) {
+    mkl_half_gemm = (mkl_half_gemm_fn)gemm;
+    return 0;
+}
+
 /* The float kernels' bfloat16 GEMMs (half_gemm) where the target has AVX512-BF16. */
 #if defined(__AVX512BF16__)
 #define SEQ_HALF_GEMM 1

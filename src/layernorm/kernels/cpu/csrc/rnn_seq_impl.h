@@ -961,26 +961,97 @@ static void FN(gemm_nt_direct)(i64 M, i64 N, i64 K, const scalar_t* A, const sca
 }
 
 /* How a forward time loop's GEMMs read a weight: packed (0), or as stored, by the dot kernel above
-   (AS_STORED_DOT) or by MKL's sgemm (AS_STORED_MKL: float, where rnn.py set it). */
+   (AS_STORED_DOT), by MKL's sgemm (AS_STORED_MKL: float, where rnn.py set it), or as the
+   struct's bfloat16 weights (AS_STORED_HALF: FN(half_weights)). */
 #ifndef RNN_SEQ_AS_STORED
 #define RNN_SEQ_AS_STORED
-enum { AS_STORED_DOT = 1, AS_STORED_MKL = 2 };
+enum { AS_STORED_DOT = 1, AS_STORED_MKL = 2, AS_STORED_HALF = 3 };
 #endif
 
-/* How a forward call of these steps (all_rows in all, projected rows of P units) reads its
-   weights: by the dot kernel up to DIRECT_ROWS rows; by MKL's sgemm for one step of more rows
-   (float, products not rounded to bfloat16, sizes within MKL's int); else packed. */
-static int FN(as_stored)(const FN(rnn_seq_fwd_args) * s, i64 all_rows, i64 G, i64 H) {
-    if (all_rows <= DIRECT_ROWS) return AS_STORED_DOT;
 #if SEQ_PACKED_GEMM
+/* Whether every size of a forward call's GEMMs (all_rows in all) fits MKL's int. */
+static int FN(fits_mkl_int)(const FN(rnn_seq_fwd_args) * s, i64 all_rows, i64 G, i64 H) {
     const i64 sizes[] = {all_rows, G, H, s->I, s->P};
     int fits = 1;
     for (int i = 0; i < 5; ++i) fits &= sizes[i] <= INT_MAX;
-    if (mkl_sgemm && s->n_steps == 1 && !s->half_gemm && fits) return AS_STORED_MKL;
+    return fits;
+}
+#endif
+
+/* How a forward call of these steps (all_rows in all, projected rows of P units) reads its
+   weights: the bfloat16 ones where the struct gives them (half_weights_valid held); by the dot
+   kernel up to DIRECT_ROWS rows; by MKL's sgemm for one step of more rows (float, products not
+   rounded to bfloat16, sizes within MKL's int); else packed. */
+static int FN(as_stored)(const FN(rnn_seq_fwd_args) * s, i64 all_rows, i64 G, i64 H) {
+    if (s->w_half) return AS_STORED_HALF;
+    if (all_rows <= DIRECT_ROWS) return AS_STORED_DOT;
+#if SEQ_PACKED_GEMM
+    if (mkl_sgemm && s->n_steps == 1 && !s->half_gemm && FN(fits_mkl_int)(s, all_rows, G, H))
+        return AS_STORED_MKL;
 #else
     (void)s, (void)G, (void)H;
 #endif
     return 0;
+}
+
+/* A forward call's bfloat16 weights (the struct's w_half, w_ih_half: a bfloat16 layer's one step
+   computed in float32, x and h_{t−1} exactly bfloat16 values) as its GEMMs take them: by MKL's
+   gemm_bf16bf16f32 (read once for the call: a setter call may clear it), A's values narrowed to
+   bfloat16 into a16 (exactly), where rnn.py set it and the sizes fit MKL's int; else each weight
+   widened to float32 once (w, w_ih), then the dot kernel. The products are exact either way and
+   summed in float32, in an order of the GEMM's choosing (MKL's may treat subnormal bfloat16 inputs
+   as zero, as the AMX tiles do). */
+typedef struct {
+#if SEQ_PACKED_GEMM
+    mkl_half_gemm_fn gemm;
+#endif
+    uint16_t* a16;                /* with gemm: the step's A rows as bfloat16 */
+    const scalar_t *w, *w_ih;     /* without gemm: the weights widened */
+} FN(half_weights);
+
+/* b for the call's rows (all_rows) of at most max(I, P) columns; 0 when a buffer cannot grow. */
+static int FN(half_weights_init)(FN(half_weights) * b, const FN(rnn_seq_fwd_args) * s,
+                                 i64 all_rows, i64 G, i64 H) {
+    *b = (FN(half_weights)){0};
+#if SEQ_PACKED_GEMM
+    const mkl_half_gemm_fn gemm = mkl_half_gemm;
+    if (gemm && FN(fits_mkl_int)(s, all_rows, G, H)) {
+        const i64 cols = s->I > s->P ? s->I : s->P;
+        b->gemm = gemm;
+        b->a16 = (uint16_t*)FN(pack_buffer)((all_rows * cols + 1) / 2, SLOT_PACK_A);
+        return b->a16 != NULL;
+    }
+    float* w = FN(pack_buffer)(G * s->P, SLOT_W_HH);
+    float* w_ih = s->w_ih_half ? FN(pack_buffer)(G * s->I, SLOT_W_IH) : NULL;
+    if (!w || (s->w_ih_half && !w_ih)) return 0;
+    bf16_row_to_f32(s->w_half, w, G * s->P, NULL);
+    if (w_ih) bf16_row_to_f32(s->w_ih_half, w_ih, G * s->I, NULL);
+    b->w = w;
+    b->w_ih = w_ih;
+    return 1;
+#else
+    (void)s, (void)all_rows, (void)G, (void)H;
+    return 0; /* half_weights_valid refuses w_half for this type */
+#endif
+}
+
+/* C[M, N] = A[M, K] · Wᵀ for a GEMM of FN(half_weights) b: W16 [N, K] the bfloat16 weight as
+   stored, W its widened copy in b (NULL with b->gemm). */
+static void FN(gemm_half)(const FN(half_weights) * b, i64 M, i64 N, i64 K, const scalar_t* A,
+                          const uint16_t* W16, const scalar_t* W, scalar_t* C, i64 ldc, int nt) {
+#if SEQ_PACKED_GEMM
+    if (b->gemm) {
+        if (M <= 0 || N <= 0) return;
+        f32_row_to_bf16(A, b->a16, M * K, 0); /* exact: A's values are bfloat16 */
+        /* column-major as sgemm's in gemm_as_stored */
+        const int m = (int)N, n = (int)M, k = (int)K, lda = k > 0 ? k : 1, ld = (int)ldc;
+        const float one = 1.0f, zero = 0.0f;
+        b->gemm("T", "N", &m, &n, &k, &one, W16, &lda, b->a16, &lda, &zero, C, &ld);
+        return;
+    }
+#endif
+    (void)b, (void)W16;
+    FN(gemm_nt_direct)(M, N, K, A, W, C, ldc, nt);
 }
 
 /* C[M, N] = A[M, K] · Wᵀ, W [N, K] and A read as stored (`how`: FN(as_stored)'s). */
@@ -1273,7 +1344,9 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
         if (!kept_rows_valid(a->R, a->N, a->B)) return RNN_ERR_ROWS;                              \
         if (!projection_valid(s->x, s->w_ih, s->split, G, a->X, a->N, a->B) ||                    \
             !recurrent_projection_valid(s->w_hr, s->hr, s->out_r, s->P, a->H, (TAKES_W_HR), a->R, \
-                                        a->B, a->zh))                                             \
+                                        a->B, a->zh) ||                                           \
+            !half_weights_valid(s->w_half, s->w_ih_half, s->x, s->w_hr, s->n_steps,               \
+                                sizeof(scalar_t) == sizeof(float)))                               \
             return RNN_ERR_PROJECTION;                                                            \
         const i64 H = a->H, I = s->I, P = s->P;                                                   \
         /* the state the recurrent GEMM reads: h_{t−1} (P = H), or its projection */              \
@@ -1291,6 +1364,9 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
                 team = TEAM_MAX(team, FN(gemm_threads)(rows, P, H, s->gemm_grain, s->threads));   \
         }                                                                                         \
         const int direct = FN(as_stored)(s, all_rows, G, H); /* 0: weights packed */              \
+        FN(half_weights) hw = {0};                                                                \
+        if (direct == AS_STORED_HALF && !FN(half_weights_init)(&hw, s, all_rows, G, H))           \
+            return RNN_ERR_NOMEM;                                                                 \
         team = team_cap(team);                                                                    \
         const i64 packed = ((P + (s->x ? I : 0)) * FN(panels)(G) +                                \
                             (s->w_hr ? H * FN(panels)(P) : 0)) * NR * (i64)sizeof(scalar_t);      \
@@ -1384,7 +1460,9 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
             if (s->x) {                                                                           \
                 const scalar_t* xr = s->x + step.off * I;                                         \
                 const int xnt = FN(gemm_threads)(step.rows, G, I, s->gemm_grain, s->threads);     \
-                if (direct)                                                                       \
+                if (direct == AS_STORED_HALF)                                                     \
+                    FN(gemm_half)(&hw, step.rows, G, I, xr, s->w_ih_half, hw.w_ih, gx, G, xnt);   \
+                else if (direct)                                                                  \
                     FN(gemm_as_stored)(direct, step.rows, G, I, xr, s->w_ih, gx, G, xnt);         \
                 else                                                                              \
                     FN(wgemm)(&wxb, step.rows, xr, I, gx, G, 0, xnt);                             \
@@ -1395,7 +1473,9 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
                 prefetch_l2(gx, step.rows * G * (i64)sizeof(scalar_t));                           \
             }                                                                                     \
             const int gemm_nt = FN(gemm_threads)(step.rows, G, P, s->gemm_grain, s->threads);     \
-            if (direct)                                                                           \
+            if (direct == AS_STORED_HALF)                                                         \
+                FN(gemm_half)(&hw, step.rows, G, P, state, s->w_half, hw.w, hp, G, gemm_nt);      \
+            else if (direct)                                                                      \
                 FN(gemm_as_stored)(direct, step.rows, G, P, state, s->w, hp, G, gemm_nt);         \
             else                                                                                  \
                 FN(wgemm)(&wb, step.rows, state, P, hp, G, 0, gemm_nt);                           \

@@ -300,12 +300,15 @@ _HALF_WEIGHTS: contextvars.ContextVar[Mapping[int, Tensor] | None] = contextvars
 
 @contextlib.contextmanager
 def half_weights(by_copy: Mapping[int, Tensor]) -> Iterator[None]:
-    """Within it, a forward sequence kernel's call of one step whose W_hh (and W_ih, with the
-    projection in its loop) is a float32 copy at an address in ``by_copy`` multiplies by the
-    bfloat16 weight there instead, as stored (the struct's ``w_half``, ``w_ih_half``; see
-    :func:`layernorm.kernels.cpu.rnn.torch_half_gemm`): the copy need not be made for it. The
-    operands it multiplies (x, h_0) must be bfloat16 values, as a bfloat16 layer's float32 twin
-    passes them: the products are then exact, as with the copy."""
+    """Within it, where MKL's bfloat16 GEMM serves one-step calls
+    (:func:`layernorm.kernels.cpu.rnn.one_step_half_gemm_in_use`), a forward sequence kernel's
+    call of one step whose W_hh (and W_ih, with the projection in its loop) is a float32 copy at
+    an address in ``by_copy`` multiplies by the bfloat16 weight there instead, as stored (the
+    struct's ``w_half``, ``w_ih_half``): the copy need not be made for it. The operands it
+    multiplies (x, h_0) must be bfloat16 values, as a bfloat16 layer's float32 twin passes them:
+    the products are then exact, as with the copy. (Elsewhere the kernels would widen the
+    weights for the call, as costly as the copy, and read them by the dot kernel where packing
+    them was chosen: the copy stays.)"""
     token = _HALF_WEIGHTS.set(by_copy)
     try:
         yield
@@ -320,6 +323,8 @@ def _half_weights(w: Tensor, options: Mapping[str, Any] | None, n_steps: int) ->
     copied from one."""
     by_copy = _HALF_WEIGHTS.get()
     if by_copy is None or n_steps != 1 or (options or {}).get("w_hr") is not None:
+        return {}
+    if not rnn.one_step_half_gemm_in_use():
         return {}
     w_half = by_copy.get(w.data_ptr())
     if w_half is None or w_half.shape != w.shape:

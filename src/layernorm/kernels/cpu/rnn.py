@@ -344,6 +344,13 @@ def one_step_gemm_in_use() -> str:
     return "mkl" if wanted and torch_sgemm() else "packed"
 
 
+def one_step_half_gemm_in_use() -> bool:
+    """Whether a bfloat16 layer's one-step call (computed in float32 by its twin) multiplies by
+    MKL's ``gemm_bf16bf16f32`` on the weights as stored, on the selected target: where the
+    one-step choice is ``"mkl"`` (:func:`use_one_step_gemm`) and PyTorch exports that GEMM."""
+    return _one_step_sgemm_wanted(targets.selected().name) and torch_half_gemm() is not None
+
+
 def gemm_in_use() -> str:
     """``"mkl"`` or ``"tile"``: what the sequence kernels' float32 GEMMs run on where each GEMM
     runs on one thread (the tile shares the others out by columns), on the selected target."""

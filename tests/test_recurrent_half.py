@@ -425,8 +425,14 @@ def _one_step_case(cls, options, rows, dtype=torch.bfloat16):
     return m, x, ((h0, h0.flip(-1)) if cls is layernorm.LayerNormLSTM else h0)
 
 
+needs_mkl_half_gemm = pytest.mark.skipif(
+    not (rnn.half_gemm() and rnn.torch_half_gemm()),
+    reason="needs MKL's gemm_bf16bf16f32 and a target with bfloat16 dot products (AVX512-BF16)",
+)
+
+
 @needs_sequence_kernels
-@pytest.mark.parametrize("choice", ["mkl", "packed"])
+@pytest.mark.parametrize("choice", ["mkl", "packed", "no bfloat16 dot products"])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize(
     "options",
@@ -434,28 +440,33 @@ def _one_step_case(cls, options, rows, dtype=torch.bfloat16):
     ids=["one layer", "two layers, both directions", "batch first", "no biases"],
 )
 @pytest.mark.parametrize("cls", LAYERS[:2], ids=lambda c: c.__name__)
-def test_one_step_bfloat16_calls_read_the_weights_as_stored(cls, options, rows, choice):
+def test_one_step_bfloat16_calls_read_the_weights_as_stored(
+    cls, options, rows, choice, monkeypatch
+):
     """A bfloat16 layer's one-step inference call multiplies by W_ih and W_hh as the layer
     stores them where MKL's bfloat16 GEMM serves it: from the twin's planned call (its third) on,
     its float32 copies of them are not made, nor read (set to NaN, the results are the first
-    call's, bit for bit). With ``use_one_step_gemm("packed")`` the copies are made and read. The
-    results are within the half path's error model of float64 either way; an in-place update of
-    a weight shows in the next call; a call the twin's plan does not serve (two steps) copies
-    the weights again."""
-    if choice == "mkl" and rnn.torch_half_gemm() is None:
-        pytest.skip("this PyTorch exports no MKL gemm_bf16bf16f32")
+    call's, bit for bit). With ``use_one_step_gemm("packed")``, or on a target without bfloat16
+    dot products (where MKL's bfloat16 GEMM is slower than the copy), the copies are made and
+    read. The results are within the half path's error model of float64 either way; an in-place
+    update of a weight shows in the next call; a call the twin's plan does not serve (two steps)
+    copies the weights again."""
+    if choice == "mkl" and not (rnn.half_gemm() and rnn.torch_half_gemm()):
+        pytest.skip("needs MKL's gemm_bf16bf16f32 and a target with bfloat16 dot products")
+    if choice == "no bfloat16 dot products":
+        monkeypatch.setattr(rnn, "half_gemm", lambda: False)
     m, x, hx = _one_step_case(cls, options, rows)
     ref = copy.deepcopy(m).double()
     ref.impl = "loop"
     u = UNIT_ROUNDOFF[torch.bfloat16]
     try:
-        rnn.use_one_step_gemm(choice)
+        rnn.use_one_step_gemm("packed" if choice == "packed" else "mkl")
         with torch.no_grad():
             first = _flat(m(x, hx))  # the plans kept
             assert all(torch.equal(a, b) for a, b in zip(_flat(m(x, hx)), first, strict=True))
             twin = layers._HALF_TWINS.get(m)  # the planned call kept
             assert twin is not None
-            if choice == "packed":
+            if choice != "mkl":
                 assert twin.as_stored[0] is None
             else:  # ... and taken as reading the weights as stored
                 assert twin.as_stored[0] is not None
@@ -492,9 +503,7 @@ def half_gemm_calls():
     from layernorm.kernels.cpu import targets
 
     real = rnn.torch_half_gemm()
-    if real is None:
-        pytest.skip("this PyTorch exports no MKL gemm_bf16bf16f32")
-    assert rnn._library() is not None
+    assert real is not None and rnn._library() is not None
     calls, forwarder = counting(FORTRAN_GEMM, real)
     try:
         rnn.use_one_step_gemm("mkl")
@@ -506,6 +515,7 @@ def half_gemm_calls():
 
 
 @needs_sequence_kernels
+@needs_mkl_half_gemm
 @pytest.mark.parametrize("cls", LAYERS[:2], ids=lambda c: c.__name__)
 def test_one_step_bfloat16_products_run_on_mkls_bfloat16_gemm(half_gemm_calls, cls):
     """Each direction's one step makes two calls of MKL's bfloat16 GEMM (x · W_ihᵀ, h · W_hhᵀ),

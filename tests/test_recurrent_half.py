@@ -533,6 +533,25 @@ def test_one_step_bfloat16_products_run_on_mkls_bfloat16_gemm(half_gemm_calls, c
     assert half_gemm_calls[0] == 6 * directions
 
 
+@pytest.mark.parametrize("cls", LAYERS[:2], ids=lambda c: c.__name__)
+def test_one_step_calls_with_a_weight_not_contiguous(cls):
+    """A weight registered as a transposed view (not contiguous) is copied into the twin, as
+    before, where the kernels cannot read it as stored: the results are the layer's."""
+    m, x, hx = _one_step_case(cls, {}, 3)
+    w = m.weight_hh_l0
+    m.register_parameter("weight_hh_l0", torch.nn.Parameter(w.detach().t().contiguous().t()))
+    assert not m.weight_hh_l0.is_contiguous()
+    ref = copy.deepcopy(m).double()
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    with torch.no_grad():
+        for _ in range(3):
+            got = _flat(m(x, hx))
+        want = _flat(ref(x.double(), _double(hx)))
+    assert layers._HALF_TWINS.get(m).as_stored[0] is None
+    for a, r in zip(got, want, strict=True):
+        assert (a.double() - r).abs().max() <= 4 * u * r.abs().max()
+
+
 @pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
 def test_one_step_calls_of_other_layers_copy_every_weight(cls):
     """A float16 layer's twin and the Elman RNN's (which projects its input before the kernel)

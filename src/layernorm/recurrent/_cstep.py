@@ -320,20 +320,20 @@ def _half_weights(w: Tensor, options: Mapping[str, Any] | None, n_steps: int) ->
     """The struct's bfloat16 weights for a forward call of ``n_steps`` on ``w`` with ``options``
     in this context (:func:`half_weights`): both or none where the call projects its input, W_hh's
     alone where it does not; none for more steps, torch.nn.LSTM's projection, or a weight not
-    copied from one."""
+    copied from one, or not contiguous (the kernels read it row by row)."""
     by_copy = _HALF_WEIGHTS.get()
     if by_copy is None or n_steps != 1 or (options or {}).get("w_hr") is not None:
         return {}
     if not rnn.one_step_half_gemm_in_use():
         return {}
     w_half = by_copy.get(w.data_ptr())
-    if w_half is None or w_half.shape != w.shape:
+    if w_half is None or w_half.shape != w.shape or not w_half.is_contiguous():
         return {}
     w_ih = (options or {}).get("w_ih")
     if w_ih is None:
         return {"w_half": w_half}
     w_ih_half = by_copy.get(w_ih.data_ptr())
-    if w_ih_half is None or w_ih_half.shape != w_ih.shape:
+    if w_ih_half is None or w_ih_half.shape != w_ih.shape or not w_ih_half.is_contiguous():
         return {}
     return {"w_half": w_half, "w_ih_half": w_ih_half}
 

@@ -533,6 +533,108 @@ def test_one_step_bfloat16_products_run_on_mkls_bfloat16_gemm(half_gemm_calls, c
     assert half_gemm_calls[0] == 6 * directions
 
 
+def _poisoned_twin(m, one_step: bool = True):
+    """``m``'s bfloat16 twin, made now, its copies of W_ih and W_hh set to NaN."""
+    twin = m._half_twin(torch.bfloat16, one_step)
+    assert twin is not None
+    for copy_ in twin.weight_shadows:
+        copy_.fill_(float("nan"))
+    return twin
+
+
+@needs_sequence_kernels
+@needs_mkl_half_gemm
+@pytest.mark.parametrize("cls", LAYERS[:2], ids=lambda c: c.__name__)
+def test_one_step_bfloat16_calls_never_copy_the_weights(cls, monkeypatch):
+    """A one-step call runs first without copying W_ih and W_hh into the twin (its copies NaN
+    from the twin's making on): every call's results are finite, within the half path's error
+    model of float64 and the same as a layer's whose twin copies them (``packed``); a call of
+    two steps copies them."""
+    m, x, hx = _one_step_case(cls, {"num_layers": 2, "bidirectional": True}, 3)
+    twin = _poisoned_twin(m)
+    with torch.no_grad():
+        got = [_flat(m(x, hx)) for _ in range(3)]
+        assert twin.speculate[0] == layers._SPECULATION_TRIES and twin.as_stored[0] is not None
+        monkeypatch.setattr(layers, "_HALF_TWINS", type(layers._HALF_TWINS)())
+        rnn.use_one_step_gemm("packed")
+        try:
+            copied = _flat(m(x, hx))
+        finally:
+            rnn.use_one_step_gemm(None)
+        ref = copy.deepcopy(m).double()
+        want = _flat(ref(x.double(), _double(hx)))
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    for run in got:
+        for a, c, r in zip(run, copied, want, strict=True):
+            assert a.isfinite().all()
+            assert (a.double() - r).abs().max() <= 4 * u * r.abs().max()
+            assert (a.double() - c.double()).abs().max() <= 2 * u * c.double().abs().max()
+
+
+@needs_sequence_kernels
+@needs_mkl_half_gemm
+@pytest.mark.parametrize("lean", [False, True], ids=["twin", "lean twin"])
+def test_a_one_step_call_whose_kernels_read_a_copy_runs_again_with_the_copies(monkeypatch, lean):
+    """Where a one-step call's kernels did not all take the weights as stored (here made so, by
+    a fresh twin whose plans are made again), its result is dropped and the call runs again with
+    every parameter copied (a lean twin's by the half path): the results are right. After
+    ``_SPECULATION_TRIES`` such calls in a row the twin stops trying; one call served as stored
+    in between gives it every try again."""
+    if lean:
+        monkeypatch.setattr(layers, "_HALF_TWIN_MAX_BYTES", 4 * 100)
+    m, x, hx = _one_step_case(layernorm.LayerNormGRU, {}, 3)
+    want = _flat(copy.deepcopy(m).double()(x.double(), _double(hx)))
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    tries = layers._SPECULATION_TRIES
+
+    def call(fails: bool):
+        with monkeypatch.context() as patch:
+            if fails:
+                patch.setattr(_cstep, "_found_half_weights", lambda *args: {})
+            with torch.no_grad():
+                got = _flat(m(x, hx))
+        for a, r in zip(got, want, strict=True):
+            assert (a.double() - r).abs().max() <= 4 * u * r.abs().max()
+        for plans in (layers._CALL_PLANS, layers._INFERENCE_PLANS):  # made again next call
+            plans.pop(twin.module, None)
+
+    twin = _poisoned_twin(m)
+    assert twin.lean == lean
+    call(fails=True)
+    assert twin.speculate[0] == tries - 1 and twin.as_stored[0] is None
+    call(fails=False)
+    assert twin.speculate[0] == tries
+    for k in range(tries):
+        call(fails=True)
+        assert twin.speculate[0] == tries - 1 - k
+    call(fails=False)  # no try left: copied (a lean twin: the half path)
+    assert twin.speculate[0] == 0
+
+
+@needs_sequence_kernels
+@needs_mkl_half_gemm
+@pytest.mark.parametrize("cls", LAYERS[:2], ids=lambda c: c.__name__)
+def test_a_layer_past_the_twins_size_gets_a_lean_twin_for_one_step_calls(cls, monkeypatch):
+    """Past ``_HALF_TWIN_MAX_BYTES`` a layer's one-step calls run a lean twin, which never
+    writes its copies of W_ih and W_hh (NaN here: results finite and right); its other calls
+    take the half path."""
+    monkeypatch.setattr(layers, "_HALF_TWIN_MAX_BYTES", 4 * 100)
+    m, x, hx = _one_step_case(cls, {}, 3)
+    assert m._half_twin(torch.bfloat16, False) is None  # not for a call of more steps
+    twin = _poisoned_twin(m)
+    assert twin.lean
+    two = torch.cat((x, x.flip(-1)))
+    ref = copy.deepcopy(m).double()
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    with torch.no_grad():
+        for inp in (x, x, x, two, x):
+            got = _flat(m(inp, hx))
+            want = _flat(ref(inp.double(), _double(hx)))
+            for a, r in zip(got, want, strict=True):
+                assert (a.double() - r).abs().max() <= 4 * u * r.abs().max()
+    assert layers._HALF_TWINS.get(m) is twin and twin.as_stored[0] is not None
+
+
 @pytest.mark.parametrize("cls", LAYERS[:2], ids=lambda c: c.__name__)
 def test_one_step_calls_with_a_weight_not_contiguous(cls):
     """A weight registered as a transposed view (not contiguous) is copied into the twin, as

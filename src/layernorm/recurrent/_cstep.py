@@ -293,13 +293,23 @@ def bfloat16_layer() -> contextlib.AbstractContextManager[None]:
 # A bfloat16 layer's weights as it stores them, by the address of the float32 copy its twin
 # (layers._HalfTwin) passes in their place, for the one-step calls in this context: their
 # sequence structs read these (w_half, w_ih_half) instead of the copies (_half_weights).
-_HALF_WEIGHTS: contextvars.ContextVar[Mapping[int, Tensor] | None] = contextvars.ContextVar(
+_HALF_WEIGHTS: contextvars.ContextVar[HalfWeights | None] = contextvars.ContextVar(
     "layernorm_half_weights", default=None
 )
 
 
+class HalfWeights(NamedTuple):
+    """A :func:`half_weights` context: the weights by their copies' addresses, and what its
+    forward sequence calls (and kept plans' runs, :func:`note_half_weights`) took: ``[both,
+    other]``, the count of calls given both bfloat16 weights (W_ih's with the projection in the
+    loop, W_hh's) and of any other."""
+
+    by_copy: Mapping[int, Tensor]
+    taken: list[int]
+
+
 @contextlib.contextmanager
-def half_weights(by_copy: Mapping[int, Tensor]) -> Iterator[None]:
+def half_weights(by_copy: Mapping[int, Tensor]) -> Iterator[HalfWeights]:
     """Within it, where MKL's bfloat16 GEMM serves one-step calls
     (:func:`layernorm.kernels.cpu.rnn.one_step_half_gemm_in_use`), a forward sequence kernel's
     call of one step whose W_hh (and W_ih, with the projection in its loop) is a float32 copy at
@@ -308,12 +318,20 @@ def half_weights(by_copy: Mapping[int, Tensor]) -> Iterator[None]:
     multiplies (x, h_0) must be bfloat16 values, as a bfloat16 layer's float32 twin passes them:
     the products are then exact, as with the copy. (Elsewhere the kernels would widen the
     weights for the call, as costly as the copy, and read them by the dot kernel where packing
-    them was chosen: the copy stays.)"""
-    token = _HALF_WEIGHTS.set(by_copy)
+    them was chosen: the copy stays.) Yields the context, whose ``taken`` counts what the
+    forward sequence calls made in it took."""
+    context = HalfWeights(by_copy, [0, 0])
+    token = _HALF_WEIGHTS.set(context)
     try:
-        yield
+        yield context
     finally:
         _HALF_WEIGHTS.reset(token)
+
+
+def half_weights_served() -> bool:
+    """Whether a :func:`half_weights` context's one-step calls take the weights as stored in this
+    configuration (:func:`layernorm.kernels.cpu.rnn.one_step_half_gemm_in_use`)."""
+    return rnn.one_step_half_gemm_in_use()
 
 
 def _half_weights(w: Tensor, options: Mapping[str, Any] | None, n_steps: int) -> dict[str, Any]:
@@ -321,10 +339,28 @@ def _half_weights(w: Tensor, options: Mapping[str, Any] | None, n_steps: int) ->
     in this context (:func:`half_weights`): both or none where the call projects its input, W_hh's
     alone where it does not; none for more steps, torch.nn.LSTM's projection, or a weight not
     copied from one, or not contiguous (the kernels read it row by row)."""
-    by_copy = _HALF_WEIGHTS.get()
-    if by_copy is None or n_steps != 1 or (options or {}).get("w_hr") is not None:
+    context = _HALF_WEIGHTS.get()
+    if context is None:
         return {}
-    if not rnn.one_step_half_gemm_in_use():
+    found = _found_half_weights(context.by_copy, w, options, n_steps)
+    context.taken[0 if len(found) == 2 else 1] += 1
+    return found
+
+
+def note_half_weights(both: bool) -> None:
+    """Count a kept plan's run in this :func:`half_weights` context (if any): ``both``, whether
+    its kernel takes W_ih and W_hh as stored."""
+    context = _HALF_WEIGHTS.get()
+    if context is not None:
+        context.taken[0 if both else 1] += 1
+
+
+def _found_half_weights(
+    by_copy: Mapping[int, Tensor], w: Tensor, options: Mapping[str, Any] | None, n_steps: int
+) -> dict[str, Any]:
+    if n_steps != 1 or (options or {}).get("w_hr") is not None:
+        return {}
+    if not half_weights_served():
         return {}
     w_half = by_copy.get(w.data_ptr())
     if w_half is None or w_half.shape != w.shape or not w_half.is_contiguous():

@@ -817,6 +817,13 @@ class InferencePlan:
         else:
             st["gx"] = None
 
+    def reads_weights_as_stored(self) -> bool:
+        """Whether the plan projects its input in the kernel's loop and multiplies by a bfloat16
+        layer's W_ih and W_hh as stored (:func:`._cstep.half_weights`): it then reads neither
+        of their float32 copies."""
+        args = getattr(self.call, "seq_args", None)  # (a step kernel's call has none)
+        return bool(self.in_loop and args is not None and args.w_half and args.w_ih_half)
+
     def run(
         self,
         data: Tensor,
@@ -834,6 +841,7 @@ class InferencePlan:
         (a cell's step: its output is ``h_n``)."""
         if not self.lock.acquire(blocking=False):
             return None
+        _cstep.note_half_weights(self.reads_weights_as_stored())
         try:
             st, call = self.st, self.call
             data = data.contiguous()

@@ -157,11 +157,16 @@ _LEAN_TRAINING_STEPS: dict[str, int] = {"layer": 1, "none": 2}
 _LEAN_NONE_STEP_MACS: dict[int, int] = {1: 1 << 23, 2: 1 << 21}
 # A half-precision inference call of at most this many rows (steps · batch) runs the layer's
 # float32 twin (_HalfTwin), for layers of at most _HALF_TWIN_MAX_BYTES of float32 parameters
-# (the twin keeps them): the per-call casts and struct building of the half path are most of a
-# decoder step's time, where a longer call's input products are bfloat16 dot products (twice
-# float32's multiply-adds per instruction) the twin would not take.
+# (the twin keeps them; past it, a bfloat16 LSTM's or GRU's one-step calls run a lean twin):
+# the per-call casts and struct building of the half path are most of a decoder step's time,
+# where a longer call's input products are bfloat16 dot products (twice float32's multiply-adds
+# per instruction) the twin would not take.
 _HALF_TWIN_MAX_ROWS = 256
 _HALF_TWIN_MAX_BYTES = 16 << 20
+# A bfloat16 twin's one-step calls run first without copying W_ih and W_hh until this many in a
+# row were not served so (_HalfTwin.speculate): a call in a context whose kernels read the copies
+# (the C kernels switched off, say) then costs one run more, not one on every later call.
+_SPECULATION_TRIES = 3
 # Each layer's inference plans, per direction (suffix) with their keys (see _plan_key): outside
 # the module, so that copying or pickling a layer never copies C structs holding addresses.
 _INFERENCE_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[Any, Any]]] = (
@@ -246,20 +251,28 @@ class _HalfTwin(NamedTuple):
     rounding of each result, each layer's output too before the next layer takes it), but with
     parameters at fixed addresses, so that the twin's calls keep inference plans
     (:class:`_CallPlan`), where the half path builds its structs and casts each parameter on
-    every call. Kept (``_HALF_TWINS``) only for layers of at most ``_HALF_TWIN_MAX_BYTES`` of
-    float32 parameters; ``lock`` keeps one call at a time on the twin's parameters (a call that
-    finds it taken runs the half path).
+    every call. Kept (``_HALF_TWINS``) for layers of at most ``_HALF_TWIN_MAX_BYTES`` of float32
+    parameters (and as a lean twin past it, below); ``lock`` keeps one call at a time on the
+    twin's parameters (a call that finds it taken runs the half path).
 
     A bfloat16 layer's one-step calls (a decoder's token) skip the copy of W_ih and W_hh, most of
     the bytes: the twin's calls run with the layer's own bfloat16 weights at hand
     (:func:`._cstep.half_weights`), whose one-step sequence structs multiply by them as stored
     (MKL's ``gemm_bf16bf16f32`` on the input and state, bfloat16 values: the same exact
     products). Once the twin's planned call is one whose every direction does
-    (:func:`_reads_weights_as_stored`), the calls it serves copy only the other parameters; a
-    call it does not serve copies the weights too before it runs. LN-GRU at (T, B, I, H) =
+    (:func:`_reads_weights_as_stored`), the calls it serves copy only the other parameters.
+    Before that (an LSTM's or GRU's one-step call), a call runs first without copying the
+    weights and keeps its result where every direction's kernel took them as stored (the
+    context counts what each took, :class:`._cstep.HalfWeights`); where one did not, the result
+    is dropped and the call runs again with every parameter copied (the twin stops trying after
+    ``_SPECULATION_TRIES`` such calls in a row, ``speculate``). LN-GRU at (T, B, I, H) =
     (1, 16, 256, 256), one thread, Intel Xeon (Emerald Rapids, AMX): 1.25x ``torch.nn.GRU``'s
     bfloat16 time before, 0.81x after (``benchmarks/RESULTS.md``). The key holds each
-    parameter's address: the kept structs read the weights there."""
+    parameter's address: the kept structs read the weights there.
+
+    A layer past ``_HALF_TWIN_MAX_BYTES`` keeps a lean twin for its one-step calls alone: its
+    copies of W_ih and W_hh are allocated but never written (memory the process is not given
+    until written), and a call it cannot serve by the weights as stored takes the half path."""
 
     key: tuple[Any, ...]
     module: nn.Module
@@ -277,16 +290,20 @@ class _HalfTwin(NamedTuple):
     # [the planned call (_CallPlan) of the twin whose every direction's struct reads W_ih and
     # W_hh as the layer stores them (_reads_weights_as_stored), or None]
     as_stored: list[_CallPlan | None]
+    # [how many more times running a one-step call it does not plan first without copying W_ih
+    # and W_hh may fail (its result kept where every direction's kernel took them as stored)]:
+    # _SPECULATION_TRIES again after a call served as stored, one fewer after a failure
+    speculate: list[int]
+    # made past _HALF_TWIN_MAX_BYTES: serves only the one-step calls whose kernels read W_ih and
+    # W_hh as stored, whose float32 copies it never writes (untouched pages of memory)
+    lean: bool
 
 
 def _reads_weights_as_stored(planned: _CallPlan) -> bool:
     """Whether every direction of a planned call of a half layer's twin projects its input in
     the kernel's loop and multiplies by the layer's bfloat16 W_ih and W_hh as stored
     (:func:`._cstep.half_weights`): none of its kernels then reads their float32 copies."""
-    return all(
-        plan.in_loop and plan.call.seq_args.w_half and plan.call.seq_args.w_ih_half
-        for plan in planned.plans
-    )
+    return all(plan.reads_weights_as_stored() for plan in planned.plans)
 
 
 class _CallPlan(NamedTuple):
@@ -836,39 +853,66 @@ class _LNRNNBase(NotScriptable, nn.Module):
         states = () if hx is None else hx if type(hx) is tuple else (hx,)
         if any(type(t) is not Tensor or t.dtype is not dtype for t in states):
             return None
-        twin = self._half_twin(dtype)
+        steps = input.shape[1] if input.dim() == 3 and self.batch_first else input.shape[0]
+        one_step = steps == 1
+        twin = self._half_twin(dtype, one_step)
         if twin is None or not twin.lock.acquire(blocking=False):
             return None
         try:
-            f32 = torch.float32
-            x32, hx32 = input.to(f32), (None if hx is None else _cast_states(hx, f32))
-            with _cstep.half_weights(twin.by_copy):
-                planned = _CALL_PLANS.get(twin.module)
-                result = None
-                if planned is not None and planned is twin.as_stored[0]:
-                    # its kernels read W_ih and W_hh as the layer stores them: the rest copied
-                    torch._foreach_copy_(twin.other_shadows, twin.others)
-                    result = planned.run(twin.module, x32, hx32)
-                    if result is not None:
-                        out, state = result
-                    else:
-                        torch._foreach_copy_(twin.weight_shadows, twin.weights)
-                else:
-                    torch._foreach_copy_(twin.shadows, twin.params)
-                if result is None:
-                    out, state = _LNRNNBase.forward(twin.module, x32, hx32)  # type: ignore[arg-type]
-                    planned = _CALL_PLANS.get(twin.module)
-                    if planned is not None and planned is not twin.as_stored[0]:
-                        twin.as_stored[0] = planned if _reads_weights_as_stored(planned) else None
+            result = self._run_half_twin(twin, input, hx, one_step)
         finally:
             twin.lock.release()
+        if result is None:
+            return None
+        out, state = result
         return out.to(dtype), _cast_states(state, dtype)
 
-    def _half_twin(self, dtype: torch.dtype) -> _HalfTwin | None:
+    def _run_half_twin(self, twin: _HalfTwin, input: Tensor, hx: Any, one_step: bool) -> Any:
+        """:meth:`_through_half_twin`'s call by ``twin`` (its lock held), in float32: the twin's
+        planned call where it reads W_ih and W_hh as stored (the other parameters copied), else
+        a one-step call run first without copying them where the twin speculates (its result
+        kept where every direction's kernel took them as stored), else with every parameter
+        copied; ``None`` where a lean twin cannot serve the call."""
+        f32 = torch.float32
+        x32, hx32 = input.to(f32), (None if hx is None else _cast_states(hx, f32))
+        with _cstep.half_weights(twin.by_copy) as taken:
+            planned = _CALL_PLANS.get(twin.module)
+            result, others_copied = None, False
+            if planned is not None and planned is twin.as_stored[0]:
+                torch._foreach_copy_(twin.other_shadows, twin.others)
+                others_copied = True
+                result = planned.run(twin.module, x32, hx32)  # None: not its call
+            speculate = one_step and twin.speculate[0] > 0 and _cstep.half_weights_served()
+            if result is None and speculate:
+                if not others_copied:
+                    torch._foreach_copy_(twin.other_shadows, twin.others)
+                    others_copied = True
+                taken.taken[:] = [0, 0]  # (a planned call that ran part of the way counted)
+                result = _LNRNNBase.forward(twin.module, x32, hx32)  # type: ignore[arg-type]
+                if taken.taken != [self.num_layers * self.num_directions, 0]:
+                    result = None  # a kernel read a copy not made
+                    twin.speculate[0] -= 1
+            if result is not None:  # served by the weights as stored
+                twin.speculate[0] = _SPECULATION_TRIES
+            else:
+                if twin.lean:
+                    return None
+                if others_copied:
+                    torch._foreach_copy_(twin.weight_shadows, twin.weights)
+                else:
+                    torch._foreach_copy_(twin.shadows, twin.params)
+                result = _LNRNNBase.forward(twin.module, x32, hx32)  # type: ignore[arg-type]
+            planned = _CALL_PLANS.get(twin.module)
+            if planned is not None and planned is not twin.as_stored[0]:
+                twin.as_stored[0] = planned if _reads_weights_as_stored(planned) else None
+        return result
+
+    def _half_twin(self, dtype: torch.dtype, one_step: bool) -> _HalfTwin | None:
         """The layer's float32 twin for inputs of half ``dtype`` (made on the first call, again
         after a setting or a parameter's shape changes), or ``None`` where the layer keeps none:
         a parametrization, a parameter of another dtype or device, more than
-        ``_HALF_TWIN_MAX_BYTES`` of float32 parameters."""
+        ``_HALF_TWIN_MAX_BYTES`` of float32 parameters but for a lean twin (``one_step``: the
+        call is of one step, and the layer's kernels can read its weights as stored)."""
         if self._modules.get("parametrizations") is not None:
             return None
         named = [(n, p) for n, p in self._parameters.items() if p is not None]
@@ -881,7 +925,12 @@ class _LNRNNBase(NotScriptable, nn.Module):
         kept = _HALF_TWINS.get(self)
         if kept is not None and kept.key == key:
             return kept
-        if 4 * sum(p.numel() for _, p in named) > _HALF_TWIN_MAX_BYTES:
+        # W_ih and W_hh as stored: bfloat16 (MKL's bfloat16 GEMM; not float16), and only the
+        # LSTM's and GRU's kernels project their input in the loop
+        speculate = (dtype is torch.bfloat16 and self.mode in ("LSTM", "GRU")
+                     and not self.proj_size and _cstep.half_weights_served())  # fmt: skip
+        lean = 4 * sum(p.numel() for _, p in named) > _HALF_TWIN_MAX_BYTES
+        if lean and not (one_step and speculate):
             return None
         module = copy.copy(self)
         with torch.inference_mode(False):  # tensors every later call may write, in either mode
@@ -899,7 +948,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             [params[n] for n in others], [shadows[n] for n in others],
             # (bfloat16 only: the kernels take MKL's bfloat16 GEMM, not a float16 one)
             {shadows[n].data_ptr(): params[n] for n in weights if dtype is torch.bfloat16},
-            [None],
+            [None], [_SPECULATION_TRIES if speculate else 0], lean,
         )  # fmt: skip
         _HALF_TWINS[self] = twin
         return twin

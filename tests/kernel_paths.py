@@ -8,7 +8,9 @@ keep no plans, so a test of a sequence kernel, a plan or a planned node skips.""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -67,3 +69,25 @@ def counting(prototype: Any, address: int) -> tuple[list[int], Any]:
 #: The Fortran-interface GEMMs' C signature (every argument but the two transposition flags by
 #: address): MKL's sgemm_ and gemm_bf16bf16f32_ as the sequence kernels call them.
 FORTRAN_GEMM = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, *(ctypes.c_void_p,) * 11)
+
+
+@contextlib.contextmanager
+def one_step_gemm_calls(which: str) -> Iterator[list[int]]:
+    """Choose MKL's GEMMs for one-step calls and count the selected library's calls of one of
+    them (``which``: ``"sgemm"``, MKL's sgemm_; ``"half"``, its gemm_bf16bf16f32_): a list whose
+    one item counts. Afterwards the processor's default again, set from PyTorch's own entry
+    points (not from anything the test made). Skips where PyTorch exports no such GEMM."""
+    from layernorm.kernels.cpu import targets
+
+    real = rnn.torch_sgemm() if which == "sgemm" else rnn.torch_half_gemm()
+    if real is None:
+        pytest.skip(f"this PyTorch exports no MKL {which} GEMM")
+    assert rnn._library() is not None
+    calls, forwarder = counting(FORTRAN_GEMM, real)
+    try:
+        rnn.use_one_step_gemm("mkl")
+        setter = getattr(rnn._ONE_STEP_SETTERS[targets.selected().name, ()], which)
+        assert setter(ctypes.cast(forwarder, ctypes.c_void_p)) == 0
+        yield calls
+    finally:
+        rnn.use_one_step_gemm(None)

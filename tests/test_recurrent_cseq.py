@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
-from kernel_paths import FORTRAN_GEMM, counting, needs_sequence_kernels
+from kernel_paths import FORTRAN_GEMM, counting, needs_sequence_kernels, one_step_gemm_calls
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 from layernorm.recurrent import layers as recurrent_layers
@@ -411,23 +411,9 @@ def test_mkl_packed_gemm_not_for_float64(mkl_calls) -> None:
 
 @pytest.fixture
 def sgemm_calls():
-    """Choose MKL's sgemm for one-step calls and count the selected library's calls of it: a
-    list whose one item counts. Afterwards the processor's default again, set from PyTorch's own
-    entry point (not from anything the test made)."""
-    from layernorm.kernels.cpu import rnn, targets
-
-    real = rnn.torch_sgemm()
-    if real is None:
-        pytest.skip("this PyTorch exports no MKL sgemm")
-    assert rnn._library() is not None
-    calls, forwarder = counting(FORTRAN_GEMM, real)
-    try:
-        rnn.use_one_step_gemm("mkl")
-        set_sgemm = rnn._ONE_STEP_SETTERS[targets.selected().name, ()].sgemm
-        assert set_sgemm(ctypes.cast(forwarder, ctypes.c_void_p)) == 0
+    """The selected library's calls of MKL's sgemm, counted (one_step_gemm_calls)."""
+    with one_step_gemm_calls("sgemm") as calls:
         yield calls
-    finally:
-        rnn.use_one_step_gemm(None)
 
 
 def _one_step_case(kind: str, dtype: torch.dtype, steps: int = 1, rows: int | None = None):

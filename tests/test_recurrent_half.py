@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 
 import pytest
 import torch
 
 import layernorm
-from kernel_paths import FORTRAN_GEMM, counting, needs_sequence_kernels, spy_projected_calls
+from kernel_paths import needs_sequence_kernels, one_step_gemm_calls, spy_projected_calls
 from layernorm.kernels.cpu import rnn
 from layernorm.recurrent import _cstep, _fused, _steps, layers
 from tolerances import UNIT_ROUNDOFF
@@ -497,21 +496,9 @@ def test_one_step_bfloat16_calls_read_the_weights_as_stored(
 
 @pytest.fixture
 def half_gemm_calls():
-    """Choose MKL's GEMMs for one-step calls and count the selected library's calls of its
-    bfloat16 GEMM: a list whose one item counts. Afterwards the processor's default again, set
-    from PyTorch's own entry points (not from anything the test made)."""
-    from layernorm.kernels.cpu import targets
-
-    real = rnn.torch_half_gemm()
-    assert real is not None and rnn._library() is not None
-    calls, forwarder = counting(FORTRAN_GEMM, real)
-    try:
-        rnn.use_one_step_gemm("mkl")
-        set_half_gemm = rnn._ONE_STEP_SETTERS[targets.selected().name, ()].half
-        assert set_half_gemm(ctypes.cast(forwarder, ctypes.c_void_p)) == 0
+    """The selected library's calls of MKL's bfloat16 GEMM, counted (one_step_gemm_calls)."""
+    with one_step_gemm_calls("half") as calls:
         yield calls
-    finally:
-        rnn.use_one_step_gemm(None)
 
 
 @needs_sequence_kernels

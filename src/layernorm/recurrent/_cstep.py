@@ -319,7 +319,7 @@ def half_weights(by_copy: Mapping[int, Tensor]) -> Iterator[HalfWeights]:
     the products are then exact, as with the copy. (Elsewhere the kernels would widen the
     weights for the call, as costly as the copy, and read them by the dot kernel where packing
     them was chosen: the copy stays.) Yields the context, whose ``taken`` counts what the
-    forward sequence calls made in it took."""
+    forward sequence calls and kept plans' runs made in it took."""
     context = HalfWeights(by_copy, [0, 0])
     token = _HALF_WEIGHTS.set(context)
     try:

@@ -796,6 +796,13 @@ class InferencePlan:
         # kernel_bias: the entry of st where the folded bias goes (the Elman RNN's layer-norm
         # bias), instead of the input side's
         self.st, self.call, self.in_loop = st, st["_call"], in_loop
+        # whether it projects its input in the kernel's loop and multiplies by a bfloat16 layer's
+        # W_ih and W_hh as stored (_cstep.half_weights): it then reads neither float32 copy (the
+        # structs are fixed once built; a step kernel's call has no sequence struct)
+        seq_args = getattr(self.call, "seq_args", None)
+        self.weights_as_stored = bool(
+            in_loop and seq_args is not None and seq_args.w_half and seq_args.w_ih_half
+        )
         self.kernel_bias = kernel_bias
         # the input side's bias as a function of the buffer it goes to (see run): set by the
         # plan's owner, which knows the parameters it is folded from
@@ -817,13 +824,6 @@ class InferencePlan:
         else:
             st["gx"] = None
 
-    def reads_weights_as_stored(self) -> bool:
-        """Whether the plan projects its input in the kernel's loop and multiplies by a bfloat16
-        layer's W_ih and W_hh as stored (:func:`._cstep.half_weights`): it then reads neither
-        of their float32 copies."""
-        args = getattr(self.call, "seq_args", None)  # (a step kernel's call has none)
-        return bool(self.in_loop and args is not None and args.w_half and args.w_ih_half)
-
     def run(
         self,
         data: Tensor,
@@ -841,7 +841,7 @@ class InferencePlan:
         (a cell's step: its output is ``h_n``)."""
         if not self.lock.acquire(blocking=False):
             return None
-        _cstep.note_half_weights(self.reads_weights_as_stored())
+        _cstep.note_half_weights(self.weights_as_stored)
         try:
             st, call = self.st, self.call
             data = data.contiguous()

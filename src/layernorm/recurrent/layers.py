@@ -276,11 +276,10 @@ class _HalfTwin(NamedTuple):
 
     key: tuple[Any, ...]
     module: nn.Module
-    params: list[Tensor]  # the layer's parameters, in the order of ``shadows``
-    shadows: list[Tensor]
     lock: threading.Lock
     # W_ih and W_hh of every layer and direction (``weights``), their copies, and the layer's
-    # other parameters with theirs: a call by ``as_stored[0]`` copies only the others
+    # other parameters with theirs: every call copies the others, and the weights unless its
+    # kernels read them as stored
     weights: list[Tensor]
     weight_shadows: list[Tensor]
     others: list[Tensor]
@@ -303,7 +302,7 @@ def _reads_weights_as_stored(planned: _CallPlan) -> bool:
     """Whether every direction of a planned call of a half layer's twin projects its input in
     the kernel's loop and multiplies by the layer's bfloat16 W_ih and W_hh as stored
     (:func:`._cstep.half_weights`): none of its kernels then reads their float32 copies."""
-    return all(plan.reads_weights_as_stored() for plan in planned.plans)
+    return all(plan.weights_as_stored for plan in planned.plans)
 
 
 class _CallPlan(NamedTuple):
@@ -875,18 +874,18 @@ class _LNRNNBase(NotScriptable, nn.Module):
         copied; ``None`` where a lean twin cannot serve the call."""
         f32 = torch.float32
         x32, hx32 = input.to(f32), (None if hx is None else _cast_states(hx, f32))
+        torch._foreach_copy_(twin.other_shadows, twin.others)
         with _cstep.half_weights(twin.by_copy) as taken:
             planned = _CALL_PLANS.get(twin.module)
-            result, others_copied = None, False
+            result = None
             if planned is not None and planned is twin.as_stored[0]:
-                torch._foreach_copy_(twin.other_shadows, twin.others)
-                others_copied = True
                 result = planned.run(twin.module, x32, hx32)  # None: not its call
-            speculate = one_step and twin.speculate[0] > 0 and _cstep.half_weights_served()
-            if result is None and speculate:
-                if not others_copied:
-                    torch._foreach_copy_(twin.other_shadows, twin.others)
-                    others_copied = True
+            if (
+                result is None
+                and one_step
+                and twin.speculate[0] > 0
+                and _cstep.half_weights_served()
+            ):
                 taken.taken[:] = [0, 0]  # (a planned call that ran part of the way counted)
                 result = _LNRNNBase.forward(twin.module, x32, hx32)  # type: ignore[arg-type]
                 if taken.taken != [self.num_layers * self.num_directions, 0]:
@@ -897,10 +896,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
             else:
                 if twin.lean:
                     return None
-                if others_copied:
-                    torch._foreach_copy_(twin.weight_shadows, twin.weights)
-                else:
-                    torch._foreach_copy_(twin.shadows, twin.params)
+                torch._foreach_copy_(twin.weight_shadows, twin.weights)
                 result = _LNRNNBase.forward(twin.module, x32, hx32)  # type: ignore[arg-type]
             planned = _CALL_PLANS.get(twin.module)
             if planned is not None and planned is not twin.as_stored[0]:
@@ -943,7 +939,7 @@ class _LNRNNBase(NotScriptable, nn.Module):
         others = [n for n, _ in named if n not in weights]
         params = dict(named)
         twin = _HalfTwin(
-            key, module, [p for _, p in named], list(shadows.values()), threading.Lock(),
+            key, module, threading.Lock(),
             [params[n] for n in weights], [shadows[n] for n in weights],
             [params[n] for n in others], [shadows[n] for n in others],
             # (bfloat16 only: the kernels take MKL's bfloat16 GEMM, not a float16 one)

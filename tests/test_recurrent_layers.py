@@ -558,11 +558,13 @@ def test_fused_nodes_refuse_jit_trace() -> None:
 
 @pytest.mark.parametrize("limit", [None, 0], ids=["small", "above the limit"])
 def test_small_training_projection_takes_torch_s_layer_norm(limit, monkeypatch) -> None:
-    """The GRU's input projection in training normalizes with torch's kernel up to
+    """Where the C block norm does not serve it (no C compiler, a transform), the GRU's input
+    projection in training normalizes each block with torch's kernel up to
     ``TORCH_PROJECTION_NUMEL`` elements (float32 / float64 on the CPU), with the fused kernels above
     it; the layer's values and gradients are the loop's either way."""
     from layernorm.recurrent import _fused
 
+    monkeypatch.setattr(_fused, "_blocks_by_c", lambda data, n_blocks: False)
     if limit is not None:
         monkeypatch.setattr(_fused, "TORCH_PROJECTION_NUMEL", limit)
     calls = []

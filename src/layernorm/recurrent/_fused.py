@@ -47,7 +47,7 @@ from ..functional import layer_norm as _layer_norm
 from ..kernels.cpu import _native
 from ..kernels.cpu import buffers as _buffers
 from ..kernels.cpu import layer_norm as cpu_layer_norm
-from ..ops._dispatch import TORCH_BACKWARD_DTYPES, batched
+from ..ops._dispatch import TORCH_BACKWARD_DTYPES, batched, transformed
 from . import _cstep
 from ._pointwise import (
     C_KERNELS,
@@ -460,6 +460,55 @@ def _torch_layer_norm(
     return F.layer_norm(x, (n,), weight, bias, eps)
 
 
+class BlockNormalized(torch.autograd.Function):
+    """``LN`` of each row's column blocks ``[0, split)`` and ``[split, G)`` of the raw projection
+    ``(N, G)``, each with its own statistics, gain and bias over all ``G`` columns (``None``:
+    ones, zeros): the LN-GRU's input side ``(r, z)`` and ``n`` blocks where autograd records it,
+    by the C block norm (``rnn_abi.BLOCK_NORM_FWD`` / ``_BWD``), one pass each way over the
+    projection. Composed of torch's layer norms, each block was a contiguous copy (one GEMM of
+    its own), the results concatenated and the gradient split apart again: one thread, Intel Xeon
+    (AVX-512), µs of the projection's GEMM, norm and backward at (N, I, H) = (1280, 64, 64) 2220
+    (min) where the GEMM alone (F.linear) took 1580 (``benchmarks/RESULTS.md``).
+
+    The statistics and normalized values are the inference path's (``input_rows``) to the bit;
+    the gain's and bias's gradients are summed in the scalar type, a row at a time, each thread's
+    rows apart and the threads' sums added in order (the error of an ``N``-term float sum)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, xp: Tensor, weight: Tensor | None, bias: Tensor | None, split: int, eps: float
+    ) -> Tensor:
+        g = xp.new_ones(xp.shape[1]) if weight is None else weight.contiguous()
+        b = xp.new_zeros(xp.shape[1]) if bias is None else bias.contiguous()
+        y, stats = _cstep.block_norm_fwd(xp, g, b, split, eps)
+        ctx.save_for_backward(xp, g, stats)
+        ctx.split = split
+        return y
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, dy: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
+        _check_plain_backward(dy)
+        xp, g, stats = ctx.saved_tensors
+        dx, dparams = _cstep.block_norm_bwd(dy.contiguous(), xp, g, stats, ctx.split)
+        need = ctx.needs_input_grad
+        return (dx if need[0] else None, dparams[0] if need[1] else None,
+                dparams[1] if need[2] else None, None, None)  # fmt: skip
+
+
+def _blocks_by_c(data: Tensor, n_blocks: int) -> bool:
+    """Whether :func:`normalized_projection` normalizes two blocks with :class:`BlockNormalized`:
+    CPU float32/float64 data with the C kernels, outside ``torch.jit.trace`` (which would keep
+    the kernels' pointers) and the tracers and transforms that record ATen ops."""
+    return (
+        n_blocks == 2
+        and _cstep.available(data)
+        and not torch.jit.is_tracing()
+        and not transformed()
+    )
+
+
 def normalized_projection(
     data: Tensor,
     w_ih: Tensor,
@@ -472,8 +521,9 @@ def normalized_projection(
     ``blocks`` (column counts summing to ``W_ih``'s rows) each block of columns is normalized on
     its own, as the LN-GRU's ``(r, z)`` and ``n`` blocks.
 
-    In inference, a projection of at most ``_NATIVE_BYTES``: ``F.linear`` and torch's
-    ``layer_norm``.
+    Where autograd records it, two blocks (the LN-GRU's) on the CPU with the C kernels: one GEMM
+    and :class:`BlockNormalized`, one pass over the projection each way. In inference, a
+    projection of at most ``_NATIVE_BYTES``: ``F.linear`` and torch's ``layer_norm``.
 
     When autograd will not differentiate it (on the CPU), a chunk of rows at a time into the
     result, without an autograd node: the projection of a chunk is normalized while in cache and
@@ -504,6 +554,10 @@ def normalized_projection(
         layer_norm = _torch_layer_norm if small else _layer_norm
         if len(cols) == 1:
             return layer_norm(F.linear(data, w_ih), w_ih.shape[0], weight, bias, eps)
+        if _blocks_by_c(data, len(cols)):
+            normalized = BlockNormalized.apply(raw_projection(data, w_ih), weight, bias,
+                                               blocks[0], eps)  # fmt: skip
+            return normalized  # type: ignore[no-any-return]
         # the parameters' blocks by split, not indexing: an indexed block's backward fills a
         # zero tensor of the whole parameter to put its gradient into, one per block, where
         # split's concatenates the blocks' gradients

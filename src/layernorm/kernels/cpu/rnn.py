@@ -592,6 +592,11 @@ def _raise_for(status: int, kernel: str) -> None:
             f"layernorm recurrent CPU kernel {kernel}: w must be (N, K) with transposed=1 and "
             f"(K, N) with transposed=0 for x (M, K) and y (M, N); nothing was written"
         )
+    if status == rnn_abi.ERR_PROJECTION and kernel.startswith("block_norm"):
+        raise ValueError(
+            f"layernorm recurrent CPU kernel {kernel}: split must be at most G (the columns of a "
+            f"row); nothing was written"
+        )
     if status == rnn_abi.ERR_PROJECTION:
         raise ValueError(
             f"layernorm recurrent CPU kernel {kernel}: the input projection needs x and w_ih "
@@ -716,3 +721,35 @@ def weight_grad(dhp: Tensor, hprev: Tensor, threads: int, gemm_grain: int) -> Te
     args = rnn_abi.pack(rnn_abi.WEIGHT_GRAD, dhp.dtype, values, sizes)
     _raise_for(_fn("weight_grad", dhp.dtype)(ctypes.byref(args)), "weight_grad")
     return dw
+
+
+def block_norm_fwd(
+    x: Tensor, w: Tensor, b: Tensor, split: int, eps: float, threads: int
+) -> tuple[Tensor, Tensor]:
+    """``LN`` of each ``(N, G)`` row's column blocks ``[0, split)`` and ``[split, G)`` of ``x``,
+    each with its own statistics, gain ``w`` and bias ``b`` ``(G)``: ``(y, stats)``, ``stats``
+    ``(N, BLOCK_NORM_STATS)`` each row's mean and 1/std of each block
+    (:data:`.rnn_abi.BLOCK_NORM_FWD`)."""
+    n_rows, cols = x.shape
+    y = buffers.empty(x, (n_rows, cols))  # a training pass: the cache's (see buffers)
+    stats = x.new_empty(n_rows, rnn_abi.BLOCK_NORM_STATS)
+    values = {"x": x, "w": w, "b": b, "y": y, "stats": stats, "split": split, "eps": eps,
+              "threads": max(1, threads)}  # fmt: skip
+    args = rnn_abi.pack(rnn_abi.BLOCK_NORM_FWD, x.dtype, values, {"N": n_rows, "G": cols})
+    _raise_for(_fn("block_norm_fwd", x.dtype)(ctypes.byref(args)), "block_norm_fwd")
+    return y, stats
+
+
+def block_norm_bwd(
+    dy: Tensor, x: Tensor, w: Tensor, stats: Tensor, split: int, threads: int
+) -> tuple[Tensor, Tensor]:
+    """The gradients of :func:`block_norm_fwd`: ``(dx, dparams)``, ``dparams`` ``(2, G)`` the
+    gain's and the bias's, summed over the rows (:data:`.rnn_abi.BLOCK_NORM_BWD`)."""
+    n_rows, cols = x.shape
+    dx = buffers.empty(x, (n_rows, cols))
+    dparams = x.new_empty(2, cols)
+    values = {"dy": dy, "x": x, "w": w, "stats": stats, "dx": dx, "dparams": dparams,
+              "split": split, "threads": max(1, threads)}  # fmt: skip
+    args = rnn_abi.pack(rnn_abi.BLOCK_NORM_BWD, x.dtype, values, {"N": n_rows, "G": cols})
+    _raise_for(_fn("block_norm_bwd", x.dtype)(ctypes.byref(args)), "block_norm_bwd")
+    return dx, dparams

@@ -57,7 +57,8 @@ FORWARD_GROUP_MAX = 8
 #: shape is not that of its ``transposed`` flag; a forward sequence kernel when its recurrent
 #: projection (``w_hr``) is half given, P differs from H without it, or it comes to a kernel
 #: other than the LSTM's, with kept buffers of N rows or with zoneout of h; when its bfloat16
-#: weights (``w_half``, ``w_ih_half``) do not agree with it (see ``_HALF_WEIGHTS``).
+#: weights (``w_half``, ``w_ih_half``) do not agree with it (see ``_HALF_WEIGHTS``); a block
+#: norm (``block_norm_fwd``, ``block_norm_bwd``) when its split exceeds G.
 ERR_PROJECTION = 3
 
 
@@ -594,9 +595,50 @@ MATMUL = Struct(
     ),
 )
 
+# The LN-GRU's input side over all rows where autograd records it (training): LN(x W_ihᵀ) with
+# the (r, z) block and the n block of each row normalized on their own, one pass each way over
+# the (N, G) projection, where torch's layer norm would take each block as a contiguous copy and
+# concatenate the results. stats keeps each row's mean (scalar_t, as the step kernels keep it)
+# and 1/std of each block.
+#: The row statistics a block norm keeps: mean and 1/std of the first block, then the second's.
+BLOCK_NORM_STATS = 4
+_BLOCK_SIZES = (
+    Field("N", Kind.SIZE, doc="rows"),
+    Field("G", Kind.SIZE, doc="columns of a row"),
+    Field("split", Kind.INDEX, doc="the first block's columns: [0, split), then [split, G)",
+          minimum=1),
+    Field("threads", Kind.COUNT, doc="OpenMP threads to split the rows over"),
+)  # fmt: skip
+BLOCK_NORM_FWD = Struct(
+    "block_norm_fwd_args",
+    "y = LN(x) of each row's two column blocks, each with its own statistics; gain w, bias b.",
+    (
+        _t("x", _IN, "N G", "the raw projection"),
+        _t("w", _IN, "G", "gain (ones where the layer has none)"),
+        _t("b", _IN, "G", "bias (zeros where the layer has none)"),
+        _t("y", _OUT, "N G", "LN(x) of each block, w ⊙ · + b"),
+        _t("stats", _OUT, f"N {BLOCK_NORM_STATS}", "each row's means and 1/std (BLOCK_NORM_STATS)"),
+        *_BLOCK_SIZES, _EPS,
+    ),
+)  # fmt: skip
+BLOCK_NORM_BWD = Struct(
+    "block_norm_bwd_args",
+    "The block norm's backward: x's gradient, and the gain's and bias's summed over the rows.",
+    (
+        _t("dy", _IN, "N G", "gradient of y"),
+        _t("x", _IN, "N G", "the forward's raw projection"),
+        _t("w", _IN, "G", "gain"),
+        _t("stats", _IN, f"N {BLOCK_NORM_STATS}", "the forward's statistics"),
+        _t("dx", _OUT, "N G", "gradient of x"),
+        _t("dparams", _OUT, "2 G", "gradients of w and b, summed over the rows"),
+        *_BLOCK_SIZES,
+    ),
+)  # fmt: skip
+
 STRUCTS: tuple[Struct, ...] = (
     LSTM_FWD, LSTM_BWD, GRU_FWD, GRU_BWD, ELMAN_FWD, ELMAN_BWD, SEQ_FWD, SEQ_BWD, WEIGHT_GRAD,
-    MATMUL, GRU_CELL_FWD, GRU_CELL_BWD, LSTM_CELL_FWD, LSTM_CELL_BWD,
+    MATMUL, GRU_CELL_FWD, GRU_CELL_BWD, LSTM_CELL_FWD, LSTM_CELL_BWD, BLOCK_NORM_FWD,
+    BLOCK_NORM_BWD,
 )  # fmt: skip
 KERNELS: tuple[Kernel, ...] = (
     Kernel("lstm_fwd_step", "LN-LSTM step forward.", (LSTM_FWD,)),
@@ -618,6 +660,9 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("gru_cell_bwd", "LN-GRU cell call backward.", (GRU_CELL_BWD,)),
     Kernel("lstm_cell_fwd", "LN-LSTM cell call forward.", (LSTM_CELL_FWD,)),
     Kernel("lstm_cell_bwd", "LN-LSTM cell call backward.", (LSTM_CELL_BWD,)),
+    Kernel("block_norm_fwd", "The LN-GRU's input-side layer norm over all rows, forward.",
+           (BLOCK_NORM_FWD,)),
+    Kernel("block_norm_bwd", "Its backward.", (BLOCK_NORM_BWD,)),
 )  # fmt: skip
 BY_NAME: dict[str, Kernel] = {k.name: k for k in KERNELS}
 
@@ -1179,6 +1224,8 @@ def c_header() -> str:
         f"#define RNN_GRU_CELL_STATS {GRU_CELL_STATS}",
         "/* The row statistics an LSTM cell call keeps (lstm_cell_fwd_args.stats). */",
         f"#define RNN_LSTM_CELL_STATS {LSTM_CELL_STATS}",
+        "/* The row statistics a block norm keeps (block_norm_fwd_args.stats). */",
+        f"#define RNN_BLOCK_NORM_STATS {BLOCK_NORM_STATS}",
         "",
     ]
     for dtype, (scalar, suffix) in RNN_INSTANCES.items():

@@ -54,6 +54,8 @@ int rnn_set_forward_group(int rows);
 #define RNN_GRU_CELL_STATS 8
 /* The row statistics an LSTM cell call keeps (lstm_cell_fwd_args.stats). */
 #define RNN_LSTM_CELL_STATS 6
+/* The row statistics a block norm keeps (block_norm_fwd_args.stats). */
+#define RNN_BLOCK_NORM_STATS 4
 
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {
@@ -705,6 +707,56 @@ _Static_assert(offsetof(lstm_cell_bwd_args_f32, H) == 144, "lstm_cell_bwd_args_f
 _Static_assert(offsetof(lstm_cell_bwd_args_f32, eps) == 152, "lstm_cell_bwd_args_f32.eps");
 _Static_assert(sizeof(lstm_cell_bwd_args_f32) == 160, "lstm_cell_bwd_args_f32 size");
 
+/* y = LN(x) of each row's two column blocks, each with its own statistics; gain w, bias b. */
+typedef struct {
+    const float* x; /* input (N, G): the raw projection */
+    const float* w; /* input (G): gain (ones where the layer has none) */
+    const float* b; /* input (G): bias (zeros where the layer has none) */
+    float* y; /* output (N, G): LN(x) of each block, w ⊙ · + b */
+    float* stats; /* output (N, 4): each row's means and 1/std (BLOCK_NORM_STATS) */
+    int64_t N; /* size: rows */
+    int64_t G; /* size: columns of a row */
+    int64_t split; /* index, >= 1: the first block's columns: [0, split), then [split, G) */
+    double eps; /* float, >= 0: added to the variance */
+    int32_t threads; /* count: OpenMP threads to split the rows over */
+} block_norm_fwd_args_f32;
+_Static_assert(offsetof(block_norm_fwd_args_f32, x) == 0, "block_norm_fwd_args_f32.x");
+_Static_assert(offsetof(block_norm_fwd_args_f32, w) == 8, "block_norm_fwd_args_f32.w");
+_Static_assert(offsetof(block_norm_fwd_args_f32, b) == 16, "block_norm_fwd_args_f32.b");
+_Static_assert(offsetof(block_norm_fwd_args_f32, y) == 24, "block_norm_fwd_args_f32.y");
+_Static_assert(offsetof(block_norm_fwd_args_f32, stats) == 32, "block_norm_fwd_args_f32.stats");
+_Static_assert(offsetof(block_norm_fwd_args_f32, N) == 40, "block_norm_fwd_args_f32.N");
+_Static_assert(offsetof(block_norm_fwd_args_f32, G) == 48, "block_norm_fwd_args_f32.G");
+_Static_assert(offsetof(block_norm_fwd_args_f32, split) == 56, "block_norm_fwd_args_f32.split");
+_Static_assert(offsetof(block_norm_fwd_args_f32, eps) == 64, "block_norm_fwd_args_f32.eps");
+_Static_assert(offsetof(block_norm_fwd_args_f32, threads) == 72, "block_norm_fwd_args_f32.threads");
+_Static_assert(sizeof(block_norm_fwd_args_f32) == 80, "block_norm_fwd_args_f32 size");
+
+/* The block norm's backward: x's gradient, and the gain's and bias's summed over the rows. */
+typedef struct {
+    const float* dy; /* input (N, G): gradient of y */
+    const float* x; /* input (N, G): the forward's raw projection */
+    const float* w; /* input (G): gain */
+    const float* stats; /* input (N, 4): the forward's statistics */
+    float* dx; /* output (N, G): gradient of x */
+    float* dparams; /* output (2, G): gradients of w and b, summed over the rows */
+    int64_t N; /* size: rows */
+    int64_t G; /* size: columns of a row */
+    int64_t split; /* index, >= 1: the first block's columns: [0, split), then [split, G) */
+    int32_t threads; /* count: OpenMP threads to split the rows over */
+} block_norm_bwd_args_f32;
+_Static_assert(offsetof(block_norm_bwd_args_f32, dy) == 0, "block_norm_bwd_args_f32.dy");
+_Static_assert(offsetof(block_norm_bwd_args_f32, x) == 8, "block_norm_bwd_args_f32.x");
+_Static_assert(offsetof(block_norm_bwd_args_f32, w) == 16, "block_norm_bwd_args_f32.w");
+_Static_assert(offsetof(block_norm_bwd_args_f32, stats) == 24, "block_norm_bwd_args_f32.stats");
+_Static_assert(offsetof(block_norm_bwd_args_f32, dx) == 32, "block_norm_bwd_args_f32.dx");
+_Static_assert(offsetof(block_norm_bwd_args_f32, dparams) == 40, "block_norm_bwd_args_f32.dparams");
+_Static_assert(offsetof(block_norm_bwd_args_f32, N) == 48, "block_norm_bwd_args_f32.N");
+_Static_assert(offsetof(block_norm_bwd_args_f32, G) == 56, "block_norm_bwd_args_f32.G");
+_Static_assert(offsetof(block_norm_bwd_args_f32, split) == 64, "block_norm_bwd_args_f32.split");
+_Static_assert(offsetof(block_norm_bwd_args_f32, threads) == 72, "block_norm_bwd_args_f32.threads");
+_Static_assert(sizeof(block_norm_bwd_args_f32) == 80, "block_norm_bwd_args_f32 size");
+
 /* LN-LSTM step forward. */
 int lstm_fwd_step_f32(const lstm_fwd_step_args_f32* a);
 /* LN-LSTM step backward. */
@@ -741,6 +793,10 @@ int gru_cell_bwd_f32(const gru_cell_bwd_args_f32* a);
 int lstm_cell_fwd_f32(const lstm_cell_fwd_args_f32* a);
 /* LN-LSTM cell call backward. */
 int lstm_cell_bwd_f32(const lstm_cell_bwd_args_f32* a);
+/* The LN-GRU's input-side layer norm over all rows, forward. */
+int block_norm_fwd_f32(const block_norm_fwd_args_f32* a);
+/* Its backward. */
+int block_norm_bwd_f32(const block_norm_bwd_args_f32* a);
 
 /* One LN-LSTM step forward (gates i, f, g, o): rows [off, off + rows) of the sequence. */
 typedef struct {
@@ -1392,6 +1448,56 @@ _Static_assert(offsetof(lstm_cell_bwd_args_f64, H) == 144, "lstm_cell_bwd_args_f
 _Static_assert(offsetof(lstm_cell_bwd_args_f64, eps) == 152, "lstm_cell_bwd_args_f64.eps");
 _Static_assert(sizeof(lstm_cell_bwd_args_f64) == 160, "lstm_cell_bwd_args_f64 size");
 
+/* y = LN(x) of each row's two column blocks, each with its own statistics; gain w, bias b. */
+typedef struct {
+    const double* x; /* input (N, G): the raw projection */
+    const double* w; /* input (G): gain (ones where the layer has none) */
+    const double* b; /* input (G): bias (zeros where the layer has none) */
+    double* y; /* output (N, G): LN(x) of each block, w ⊙ · + b */
+    double* stats; /* output (N, 4): each row's means and 1/std (BLOCK_NORM_STATS) */
+    int64_t N; /* size: rows */
+    int64_t G; /* size: columns of a row */
+    int64_t split; /* index, >= 1: the first block's columns: [0, split), then [split, G) */
+    double eps; /* float, >= 0: added to the variance */
+    int32_t threads; /* count: OpenMP threads to split the rows over */
+} block_norm_fwd_args_f64;
+_Static_assert(offsetof(block_norm_fwd_args_f64, x) == 0, "block_norm_fwd_args_f64.x");
+_Static_assert(offsetof(block_norm_fwd_args_f64, w) == 8, "block_norm_fwd_args_f64.w");
+_Static_assert(offsetof(block_norm_fwd_args_f64, b) == 16, "block_norm_fwd_args_f64.b");
+_Static_assert(offsetof(block_norm_fwd_args_f64, y) == 24, "block_norm_fwd_args_f64.y");
+_Static_assert(offsetof(block_norm_fwd_args_f64, stats) == 32, "block_norm_fwd_args_f64.stats");
+_Static_assert(offsetof(block_norm_fwd_args_f64, N) == 40, "block_norm_fwd_args_f64.N");
+_Static_assert(offsetof(block_norm_fwd_args_f64, G) == 48, "block_norm_fwd_args_f64.G");
+_Static_assert(offsetof(block_norm_fwd_args_f64, split) == 56, "block_norm_fwd_args_f64.split");
+_Static_assert(offsetof(block_norm_fwd_args_f64, eps) == 64, "block_norm_fwd_args_f64.eps");
+_Static_assert(offsetof(block_norm_fwd_args_f64, threads) == 72, "block_norm_fwd_args_f64.threads");
+_Static_assert(sizeof(block_norm_fwd_args_f64) == 80, "block_norm_fwd_args_f64 size");
+
+/* The block norm's backward: x's gradient, and the gain's and bias's summed over the rows. */
+typedef struct {
+    const double* dy; /* input (N, G): gradient of y */
+    const double* x; /* input (N, G): the forward's raw projection */
+    const double* w; /* input (G): gain */
+    const double* stats; /* input (N, 4): the forward's statistics */
+    double* dx; /* output (N, G): gradient of x */
+    double* dparams; /* output (2, G): gradients of w and b, summed over the rows */
+    int64_t N; /* size: rows */
+    int64_t G; /* size: columns of a row */
+    int64_t split; /* index, >= 1: the first block's columns: [0, split), then [split, G) */
+    int32_t threads; /* count: OpenMP threads to split the rows over */
+} block_norm_bwd_args_f64;
+_Static_assert(offsetof(block_norm_bwd_args_f64, dy) == 0, "block_norm_bwd_args_f64.dy");
+_Static_assert(offsetof(block_norm_bwd_args_f64, x) == 8, "block_norm_bwd_args_f64.x");
+_Static_assert(offsetof(block_norm_bwd_args_f64, w) == 16, "block_norm_bwd_args_f64.w");
+_Static_assert(offsetof(block_norm_bwd_args_f64, stats) == 24, "block_norm_bwd_args_f64.stats");
+_Static_assert(offsetof(block_norm_bwd_args_f64, dx) == 32, "block_norm_bwd_args_f64.dx");
+_Static_assert(offsetof(block_norm_bwd_args_f64, dparams) == 40, "block_norm_bwd_args_f64.dparams");
+_Static_assert(offsetof(block_norm_bwd_args_f64, N) == 48, "block_norm_bwd_args_f64.N");
+_Static_assert(offsetof(block_norm_bwd_args_f64, G) == 56, "block_norm_bwd_args_f64.G");
+_Static_assert(offsetof(block_norm_bwd_args_f64, split) == 64, "block_norm_bwd_args_f64.split");
+_Static_assert(offsetof(block_norm_bwd_args_f64, threads) == 72, "block_norm_bwd_args_f64.threads");
+_Static_assert(sizeof(block_norm_bwd_args_f64) == 80, "block_norm_bwd_args_f64 size");
+
 /* LN-LSTM step forward. */
 int lstm_fwd_step_f64(const lstm_fwd_step_args_f64* a);
 /* LN-LSTM step backward. */
@@ -1428,5 +1534,9 @@ int gru_cell_bwd_f64(const gru_cell_bwd_args_f64* a);
 int lstm_cell_fwd_f64(const lstm_cell_fwd_args_f64* a);
 /* LN-LSTM cell call backward. */
 int lstm_cell_bwd_f64(const lstm_cell_bwd_args_f64* a);
+/* The LN-GRU's input-side layer norm over all rows, forward. */
+int block_norm_fwd_f64(const block_norm_fwd_args_f64* a);
+/* Its backward. */
+int block_norm_bwd_f64(const block_norm_bwd_args_f64* a);
 
 #endif

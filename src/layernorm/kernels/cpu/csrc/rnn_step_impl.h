@@ -1028,6 +1028,98 @@ int FN(gru_cell_bwd)(const FN(gru_cell_bwd_args) * A) {
     return 0;
 }
 
+/* The LN-GRU's input side over all rows where autograd records it (training;
+   layernorm.recurrent._fused.BlockNormalized): y = LN(x) of each row's column blocks [0, split)
+   and [split, G), each block's statistics found as input_rows finds them (moments of a group of
+   rows, then ((v − hi) − lo)·r: the inference path's values to the bit), w ⊙ · + b. stats keeps
+   each block's mean (its scalar_t part, as the step kernels keep it) and 1/std; zeros for a
+   second block of no columns (split = G). Groups of rows shared out over the threads. */
+static void FN(block_norm_fwd_group)(const FN(block_norm_fwd_args) * A, i64 i0, int n) {
+    const i64 G = A->G;
+    const scalar_t *w = A->w, *b = A->b;
+    for (int q = 0; q < n; ++q) { /* the second block's, where it has no columns */
+        A->stats[(i0 + q) * RNN_BLOCK_NORM_STATS + 2] = 0;
+        A->stats[(i0 + q) * RNN_BLOCK_NORM_STATS + 3] = 0;
+    }
+    i64 block = 0;
+    for (i64 j0 = 0, j1 = A->split; j0 < G; j0 = j1, j1 = G, ++block) {
+        const scalar_t* rows[MOMENT_LANES] = {0}; /* (all set below; GCC cannot tell) */
+        acc_t m[MOMENT_LANES], r[MOMENT_LANES];
+        for (int q = 0; q < n; ++q) rows[q] = A->x + (i0 + q) * G + j0;
+        FN(moments_rows)(rows, n, j1 - j0, A->eps, m, r);
+        for (int q = 0; q < n; ++q) {
+            const scalar_t* x = A->x + (i0 + q) * G;
+            scalar_t* y = A->y + (i0 + q) * G;
+            const FN(stats) st = FN(split)(m[q], r[q]);
+            scalar_t* kept = A->stats + (i0 + q) * RNN_BLOCK_NORM_STATS + 2 * block;
+            kept[0] = st.hi;
+            kept[1] = st.r;
+            #pragma omp simd
+            for (i64 j = j0; j < j1; ++j) y[j] = ((x[j] - st.hi) - st.lo) * st.r * w[j] + b[j];
+        }
+    }
+}
+
+int FN(block_norm_fwd)(const FN(block_norm_fwd_args) * A) {
+    if (A->split > A->G) return RNN_ERR_PROJECTION;
+    const i64 groups = (A->N + MOMENT_LANES - 1) / MOMENT_LANES;
+    #pragma omp parallel for num_threads(A->threads) if (A->threads > 1) schedule(static)
+    for (i64 g = 0; g < groups; ++g) {
+        const i64 i0 = g * MOMENT_LANES;
+        FN(block_norm_fwd_group)(A, i0, A->N - i0 < MOMENT_LANES ? (int)(A->N - i0) : MOMENT_LANES);
+    }
+    return 0;
+}
+
+/* Its backward: dx = each block's layer-norm backward (ln_dx, as the step kernels take their
+   own), dparams the gain's and bias's gradients summed over the rows as the norm kernels sum a
+   row: BLOCK_NORM_CHUNK rows' terms in scalar_t, each chunk's sums added in acc_t (float64), so
+   that a long sequence's sums do not grow an N-term float error. Each thread sums its own rows
+   (a share fixed by the thread count), and the threads' sums are added in thread order: the
+   same sums on every call with the same threads. */
+#ifndef BLOCK_NORM_CHUNK
+#define BLOCK_NORM_CHUNK 16
+#endif
+int FN(block_norm_bwd)(const FN(block_norm_bwd_args) * A) {
+    const i64 N = A->N, G = A->G, split = A->split;
+    if (split > G) return RNN_ERR_PROJECTION;
+    const int nt = A->threads > 1 ? A->threads : 1;
+    /* each thread's chunk sums (2G scalar_t) and running sums (2G acc_t), zeroed */
+    const size_t per_thread = (size_t)(2 * G) * (sizeof(scalar_t) + sizeof(acc_t));
+    char* scratch = (char*)calloc((size_t)nt, per_thread > 0 ? per_thread : 1);
+    if (!scratch) return RNN_ERR_NOMEM;
+    #pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const i64 t = omp_get_thread_num(), T = omp_get_num_threads();
+        const i64 lo = N * t / T, hi = N * (t + 1) / T;
+        acc_t* total = (acc_t*)(scratch + (size_t)t * per_thread);
+        scalar_t* chunk = (scalar_t*)(total + 2 * G);
+        for (i64 c0 = lo; c0 < hi; c0 += BLOCK_NORM_CHUNK) {
+            const i64 c1 = hi - c0 < BLOCK_NORM_CHUNK ? hi : c0 + BLOCK_NORM_CHUNK;
+            memset(chunk, 0, (size_t)(2 * G) * sizeof(scalar_t));
+            for (i64 i = c0; i < c1; ++i) {
+                const scalar_t* dy = A->dy + i * G;
+                const scalar_t* x = A->x + i * G;
+                const scalar_t* st = A->stats + i * RNN_BLOCK_NORM_STATS;
+                scalar_t* dx = A->dx + i * G;
+                FN(ln_dx)(dy, x, st[0], st[1], A->w, dx, split, 0, chunk, chunk + G);
+                if (split < G)
+                    FN(ln_dx)(dy + split, x + split, st[2], st[3], A->w + split, dx + split,
+                              G - split, 0, chunk + split, chunk + G + split);
+            }
+            #pragma omp simd
+            for (i64 j = 0; j < 2 * G; ++j) total[j] += (acc_t)chunk[j];
+        }
+    }
+    for (i64 j = 0; j < 2 * G; ++j) { /* threads that ran no rows added zeros */
+        acc_t sum = 0;
+        for (int t = 0; t < nt; ++t) sum += ((const acc_t*)(scratch + (size_t)t * per_thread))[j];
+        A->dparams[j] = (scalar_t)sum;
+    }
+    free(scratch);
+    return 0;
+}
+
 /* An LSTM cell's call with gradients (layernorm.LayerNormLSTMCell, carrying c_t): B rows of one
    step, both raw projections normalized here (their statistics as two rows of one group), the
    gates, c_t, LN(c_t) and h_t = σ(o) ⊙ tanh(LN(c_t)). gates keeps the activations, tc

@@ -29,7 +29,7 @@ SANITIZE_TESTS := tests/test_cpu_fast_paths.py tests/test_raw_ops.py tests/test_
 	tests/test_recurrent_cseq.py::test_mkl_packed_gemm_inference_projection \
 	tests/test_recurrent_cseq.py::test_one_step_sgemm_against_float64 \
 	tests/test_recurrent_cseq.py::test_one_step_sgemm_only_for_one_float32_step \
-	tests/test_recurrent_half.py \
+	tests/test_recurrent_half.py tests/test_recurrent_block_norm.py \
 	tests/test_recurrent_cmasks.py::test_c_kernels_with_masks_threaded \
 	tests/test_recurrent_cmasks.py::test_c_kernels_with_masks_without_norm_and_normalized_cell \
 	tests/test_recurrent_cmasks.py::test_elman_zoneout_on_the_sequence_kernels \

@@ -471,8 +471,9 @@ class BlockNormalized(torch.autograd.Function):
     (min) where the GEMM alone (F.linear) took 1580 (``benchmarks/RESULTS.md``).
 
     The statistics and normalized values are the inference path's (``input_rows``) to the bit;
-    the gain's and bias's gradients are summed in the scalar type, a row at a time, each thread's
-    rows apart and the threads' sums added in order (the error of an ``N``-term float sum)."""
+    the gain's and bias's gradients are summed 16 rows at a time in the scalar type and those
+    sums in float64 (as the norm kernels sum a row), each thread's rows apart and the threads'
+    sums added in order: the same sums on every call with the same threads."""
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -331,10 +331,51 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
     else FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, NULL, NULL, 0, 0);
 }
 
+/* Rows [i0, i0 + n) (n <= MOMENT_LANES) of x (G columns each) normalized into y (x itself: in
+   place): columns [0, split) and [split, G) each with its own statistics, as the step normalizes
+   hp (moments of the group, then ((v − hi) − lo)·r), gain w and bias b (NULL: ones / zeros). With
+   stats, each row's mean (its scalar_t part, as the step kernels keep it) and 1/std of each block
+   are kept, RNN_BLOCK_NORM_STATS a row (zeros for a second block of no columns, split = G). The
+   one definition of a projection's block norm: inference's input_rows and training's
+   block_norm_fwd. */
+static inline void FN(normalize_blocks)(const scalar_t* x, scalar_t* y, i64 G, i64 split,
+                                        const scalar_t* w, const scalar_t* b, double eps, i64 i0,
+                                        int n, scalar_t* stats) {
+    for (int q = 0; stats && q < n; ++q) { /* the second block's, where it has no columns */
+        stats[(i0 + q) * RNN_BLOCK_NORM_STATS + 2] = 0;
+        stats[(i0 + q) * RNN_BLOCK_NORM_STATS + 3] = 0;
+    }
+    i64 block = 0;
+    for (i64 j0 = 0, j1 = split; j0 < G; j0 = j1, j1 = G, ++block) {
+        const scalar_t* rows[MOMENT_LANES] = {0}; /* (all set below; GCC cannot tell) */
+        acc_t m[MOMENT_LANES], r[MOMENT_LANES];
+        for (int q = 0; q < n; ++q) rows[q] = x + (i0 + q) * G + j0;
+        FN(moments_rows)(rows, n, j1 - j0, eps, m, r);
+        for (int q = 0; q < n; ++q) {
+            const scalar_t* xr = x + (i0 + q) * G;
+            scalar_t* yr = y + (i0 + q) * G;
+            const FN(stats) st = FN(split)(m[q], r[q]);
+            if (stats) {
+                scalar_t* kept = stats + (i0 + q) * RNN_BLOCK_NORM_STATS + 2 * block;
+                kept[0] = st.hi;
+                kept[1] = st.r;
+            }
+            if (w && b) {
+                #pragma omp simd
+                for (i64 j = j0; j < j1; ++j) yr[j] = ((xr[j] - st.hi) - st.lo) * st.r * w[j] + b[j];
+            } else {
+                #pragma omp simd
+                for (i64 j = j0; j < j1; ++j)
+                    yr[j] = ((xr[j] - st.hi) - st.lo) * st.r * (w ? w[j] : (scalar_t)1) +
+                            (b ? b[j] : (scalar_t)0);
+            }
+        }
+    }
+}
+
 /* Rows [lo, hi) of gx (G columns each), the sequence kernels' projection x W_ihᵀ of a step's
    inputs, finished in place: with layer_norm, columns [0, split) and [split, G) each normalized
-   as the step normalizes hp (moments, then ((v − hi) − lo)·r) with gain w0 and bias b0;
-   without, b0 added. NULL w0 / b0: ones / zeros. */
+   (normalize_blocks) with gain w0 and bias b0; without, b0 added. NULL w0 / b0: ones / zeros. */
 void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const scalar_t* b0,
                     double eps, int layer_norm, i64 lo, i64 hi) {
     if (!layer_norm) {
@@ -345,32 +386,11 @@ void FN(input_rows)(scalar_t* gx, i64 G, i64 split, const scalar_t* w0, const sc
         }
         return;
     }
-    for (i64 i0 = lo; i0 < hi; i0 += MOMENT_LANES) { /* the rows' statistics in groups */
-        const int n = hi - i0 < MOMENT_LANES ? (int)(hi - i0) : MOMENT_LANES;
-        for (i64 j0 = 0, j1 = split; j0 < G; j0 = j1, j1 = G) {
-            const scalar_t* rows[MOMENT_LANES] = {0}; /* (all set below; GCC cannot tell) */
-            acc_t m[MOMENT_LANES], r[MOMENT_LANES];
-            for (int q = 0; q < n; ++q) rows[q] = gx + (i0 + q) * G + j0;
-            FN(moments_rows)(rows, n, j1 - j0, eps, m, r);
-            for (int q = 0; q < n; ++q) {
-                scalar_t* v = gx + (i0 + q) * G;
-                const FN(stats) st = FN(split)(m[q], r[q]);
-                if (w0 && b0) {
-                    #pragma omp simd
-                    for (i64 j = j0; j < j1; ++j)
-                        v[j] = ((v[j] - st.hi) - st.lo) * st.r * w0[j] + b0[j];
-                } else {
-                    #pragma omp simd
-                    for (i64 j = j0; j < j1; ++j)
-                        v[j] = ((v[j] - st.hi) - st.lo) * st.r * (w0 ? w0[j] : (scalar_t)1) +
-                               (b0 ? b0[j] : (scalar_t)0);
-                }
-            }
-        }
-    }
+    for (i64 i0 = lo; i0 < hi; i0 += MOMENT_LANES) /* the rows' statistics in groups */
+        FN(normalize_blocks)(gx, gx, G, split, w0, b0, eps, i0,
+                             hi - i0 < MOMENT_LANES ? (int)(hi - i0) : MOMENT_LANES, NULL);
 }
 
-/* Always inlined, as fast_expf (rnn_common.h): out of line, a gate loop calls it per element. */
 static inline __attribute__((always_inline)) scalar_t FN(sigm)(scalar_t v) {
     return (scalar_t)1 / ((scalar_t)1 + EXP(-v));
 }
@@ -1030,43 +1050,16 @@ int FN(gru_cell_bwd)(const FN(gru_cell_bwd_args) * A) {
 
 /* The LN-GRU's input side over all rows where autograd records it (training;
    layernorm.recurrent._fused.BlockNormalized): y = LN(x) of each row's column blocks [0, split)
-   and [split, G), each block's statistics found as input_rows finds them (moments of a group of
-   rows, then ((v − hi) − lo)·r: the inference path's values to the bit), w ⊙ · + b. stats keeps
-   each block's mean (its scalar_t part, as the step kernels keep it) and 1/std; zeros for a
-   second block of no columns (split = G). Groups of rows shared out over the threads. */
-static void FN(block_norm_fwd_group)(const FN(block_norm_fwd_args) * A, i64 i0, int n) {
-    const i64 G = A->G;
-    const scalar_t *w = A->w, *b = A->b;
-    for (int q = 0; q < n; ++q) { /* the second block's, where it has no columns */
-        A->stats[(i0 + q) * RNN_BLOCK_NORM_STATS + 2] = 0;
-        A->stats[(i0 + q) * RNN_BLOCK_NORM_STATS + 3] = 0;
-    }
-    i64 block = 0;
-    for (i64 j0 = 0, j1 = A->split; j0 < G; j0 = j1, j1 = G, ++block) {
-        const scalar_t* rows[MOMENT_LANES] = {0}; /* (all set below; GCC cannot tell) */
-        acc_t m[MOMENT_LANES], r[MOMENT_LANES];
-        for (int q = 0; q < n; ++q) rows[q] = A->x + (i0 + q) * G + j0;
-        FN(moments_rows)(rows, n, j1 - j0, A->eps, m, r);
-        for (int q = 0; q < n; ++q) {
-            const scalar_t* x = A->x + (i0 + q) * G;
-            scalar_t* y = A->y + (i0 + q) * G;
-            const FN(stats) st = FN(split)(m[q], r[q]);
-            scalar_t* kept = A->stats + (i0 + q) * RNN_BLOCK_NORM_STATS + 2 * block;
-            kept[0] = st.hi;
-            kept[1] = st.r;
-            #pragma omp simd
-            for (i64 j = j0; j < j1; ++j) y[j] = ((x[j] - st.hi) - st.lo) * st.r * w[j] + b[j];
-        }
-    }
-}
-
+   and [split, G) by normalize_blocks (the inference path's values to the bit), each block's
+   statistics kept. Groups of rows shared out over the threads. */
 int FN(block_norm_fwd)(const FN(block_norm_fwd_args) * A) {
     if (A->split > A->G) return RNN_ERR_PROJECTION;
     const i64 groups = (A->N + MOMENT_LANES - 1) / MOMENT_LANES;
     #pragma omp parallel for num_threads(A->threads) if (A->threads > 1) schedule(static)
     for (i64 g = 0; g < groups; ++g) {
         const i64 i0 = g * MOMENT_LANES;
-        FN(block_norm_fwd_group)(A, i0, A->N - i0 < MOMENT_LANES ? (int)(A->N - i0) : MOMENT_LANES);
+        const int n = A->N - i0 < MOMENT_LANES ? (int)(A->N - i0) : MOMENT_LANES;
+        FN(normalize_blocks)(A->x, A->y, A->G, A->split, A->w, A->b, A->eps, i0, n, A->stats);
     }
     return 0;
 }

@@ -526,24 +526,18 @@ def _column_panels(cols: int, like: Tensor) -> int:
     return -(-cols // max(1, 2 * rnn.vector_bytes() // like.element_size()))
 
 
-def _threads_for(elements: int) -> int:
-    """Threads for a pass over ``elements`` values: one per :data:`_GRAIN` of them, at most
-    torch's."""
-    return max(1, min(torch.get_num_threads(), elements // _GRAIN))
-
-
 def block_norm_fwd(
     x: Tensor, weight: Tensor, bias: Tensor, split: int, eps: float
 ) -> tuple[Tensor, Tensor]:
     """:func:`.rnn.block_norm_fwd` (``LN`` of each row's two column blocks) on enough threads."""
-    return rnn.block_norm_fwd(x, weight, bias, split, eps, _threads_for(x.numel()))
+    return rnn.block_norm_fwd(x, weight, bias, split, eps, _threads(*x.shape))
 
 
 def block_norm_bwd(
     dy: Tensor, x: Tensor, weight: Tensor, stats: Tensor, split: int
 ) -> tuple[Tensor, Tensor]:
     """:func:`.rnn.block_norm_bwd`, its gradients, on enough threads."""
-    return rnn.block_norm_bwd(dy, x, weight, stats, split, _threads_for(x.numel()))
+    return rnn.block_norm_bwd(dy, x, weight, stats, split, _threads(*x.shape))
 
 
 def weight_grad(dhp: Tensor, hprev: Tensor) -> Tensor:

@@ -502,6 +502,96 @@ def test_elman_cell_inference_step_where_nothing_is_recorded(
     assert got.shape == h.shape
 
 
+ELMAN_CALLS = {
+    # name: (x shape, x dtype, hx shape or None, hx dtype, whether the step runs before the checks)
+    "batched": ((3, 5), torch.float32, (3, 8), torch.float32, True),
+    "float64 cell and input": ((3, 5), torch.float64, (3, 8), torch.float64, True),
+    "one row": ((1, 5), torch.float32, (1, 8), torch.float32, True),
+    "unbatched": ((5,), torch.float32, (8,), torch.float32, False),
+    "no hx": ((3, 5), torch.float32, None, torch.float32, False),
+    "hx of another batch": ((3, 5), torch.float32, (2, 8), torch.float32, False),
+    "hx of another width": ((3, 5), torch.float32, (3, 7), torch.float32, False),
+    "x of another width": ((3, 4), torch.float32, (3, 8), torch.float32, False),
+    "x of three dims": ((1, 3, 5), torch.float32, (3, 8), torch.float32, False),
+    "x float64, cell float32": ((3, 5), torch.float64, (3, 8), torch.float64, False),
+    "hx of another dtype": ((3, 5), torch.float32, (3, 8), torch.float64, False),
+    "empty batch": ((0, 5), torch.float32, (0, 8), torch.float32, False),
+    "integer x": ((3, 5), torch.int64, (3, 8), torch.float32, False),
+}
+
+
+@pytest.mark.parametrize("case", list(ELMAN_CALLS))
+def test_elman_cell_inference_step_before_the_checks_lets_nothing_through(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Without gradients the Elman cell tries its fewest-ops step before its own checks (a few
+    attribute reads of its own): a call it takes gives the full path's values, and every call
+    it leaves (a wrong shape, dtype or batch, an unbatched input, no hx) gets the full path's
+    result or error, word for word."""
+    from layernorm.recurrent import cells
+
+    x_shape, x_dtype, h_shape, h_dtype, lean = ELMAN_CALLS[case]
+    cell_dtype = torch.float64 if case == "float64 cell and input" else torch.float32
+    cell = LayerNormRNNCell(5, 8, dtype=cell_dtype)
+    randomize(cell)
+    x = (10 * torch.randn(x_shape, generator=torch.Generator().manual_seed(1))).to(x_dtype)
+    hx = None if h_shape is None else torch.randn(h_shape, dtype=h_dtype)
+    calls: list[tuple[int, ...]] = []
+    step = cells.LayerNormRNNCell._inference_step
+
+    def spied(self: LayerNormRNNCell, x_: torch.Tensor, h_: torch.Tensor) -> torch.Tensor | None:
+        out = step(self, x_, h_)
+        if out is not None:
+            calls.append(tuple(x_.shape))
+        return out
+
+    def run() -> tuple[str, object]:
+        try:
+            with torch.no_grad():
+                return "ok", cell(x, hx)
+        except (TypeError, ValueError, RuntimeError) as err:
+            return type(err).__name__, str(err)
+
+    monkeypatch.setattr(cells.LayerNormRNNCell, "_inference_step", spied)
+    got = run()
+    taken_first = calls == [tuple(x.shape)] and x.dim() == 2 and hx is not None
+    assert taken_first == lean
+    monkeypatch.setattr(cells.LayerNormRNNCell, "_inference_step", lambda *args: None)
+    want = run()  # the checks, then the step's ops
+    assert got[0] == want[0], (got, want)
+    if got[0] == "ok":
+        tol = {"rtol": 1e-12, "atol": 1e-12} if cell_dtype == torch.float64 else {}
+        torch.testing.assert_close(got[1], want[1], **tol)
+    else:
+        assert got[1] == want[1]
+
+
+def test_elman_cell_inference_step_reads_parametrized_biases() -> None:
+    """The fewest-ops step reads each weight and bias as the module holds it: a parametrized
+    bias (moved out of ``_parameters``) is still added."""
+    cell = LayerNormRNNCell(5, 8)
+    randomize(cell)
+    x, h = inputs(3, 5).float(), inputs(3, 8, seed=2).float()
+    with torch.no_grad():
+        plain = cell(x, h)
+    torch.nn.utils.parametrize.register_parametrization(cell, "bias_hh", _Doubled())
+    with torch.no_grad():
+        doubled = cell(x, h)
+        want = torch.tanh(
+            torch.nn.functional.layer_norm(
+                x @ cell.weight_ih.t() + h @ cell.weight_hh.t(), (8,), cell.ln_weight,
+                cell.ln_bias, cell.eps,
+            ) + cell.bias_ih + cell.bias_hh
+        )  # fmt: skip
+    torch.testing.assert_close(doubled, want)
+    assert not torch.allclose(doubled, plain)
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return 2 * t
+
+
 @needs_sequence_kernels
 @pytest.mark.parametrize(
     ("inputs_", "hidden", "threads", "one_step_gemm", "in_loop"),

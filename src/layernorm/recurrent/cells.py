@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from .._torchscript import NotScriptable
 from .._validation import check_flag
-from ..ops._dispatch import backend_forced, plain_eager, torch_layer_norm
+from ..ops._dispatch import TORCH_INFERENCE_BYTES, backend_forced, plain_eager
 from . import _cellstep, _cstep, _fused, _options, _planned, _steps
 from ._checks import (
     check_cell_input,
@@ -419,9 +419,14 @@ class LayerNormRNNCell(_LNCellBase):
         # no step plan (_StepPlan): the Elman step is few ops, which took less than the plan's
         # call (one thread, AMD EPYC, under no_grad, (B, I, H) = (1, 64, 128) 28 against 42 µs,
         # (8, 64, 128) 36 against 52, (32, 128, 256) 135 against 144)
+        inferring = not torch.is_grad_enabled()
+        if inferring and type(input) is Tensor and type(hx) is Tensor:
+            inferred = self._inference_step(input, hx)  # its own checks: no more are needed
+            if inferred is not None:
+                return inferred
         x, batched = self._prepare(input)
         h_prev = self._hidden(hx, x, batched)
-        inferred = self._inference_step(x, h_prev)
+        inferred = self._inference_step(x, h_prev) if inferring else None
         if inferred is not None:
             return inferred if batched else inferred.squeeze(0)
         h = _steps.rnn_step(
@@ -433,27 +438,42 @@ class LayerNormRNNCell(_LNCellBase):
 
     def _inference_step(self, x: Tensor, h: Tensor) -> Tensor | None:
         """The step of :func:`._steps.rnn_step` where nothing is recorded (gradients off, plain
-        eager, no autocast or forced backend, no zoneout; float32 / float64) in the fewest calls
-        of torch's ops: ``x W_ihᵀ``, then ``h W_hhᵀ`` added in place (one ``addmm_``), torch's
-        layer-norm kernel, the biases and the nonlinearity in place. ``None`` elsewhere, and
-        where torch's kernel does not take the layer norm
-        (:func:`..ops._dispatch.torch_layer_norm`); a half step keeps the ops, which round each
-        product, as torch's cell does. One thread, AMD EPYC Zen 5, ``bench_cells.py``, x
-        ``torch.nn.RNNCell``'s time, the ops / this: (B, I, H) = (1, 64, 128) 1.60 / 1.45,
-        (8, 64, 128) 1.40-1.43 / 1.30-1.32, (1, 256, 256) 1.42 / 1.34-1.35, (32, 128, 256) 1.13 /
-        1.09 (RESULTS.md, 2026-11-28)."""
-        if torch.is_grad_enabled() or self.zoneout_hidden or not plain_eager():
-            return None
-        if x.dtype not in _FUSED_DTYPES:
-            return None
-        if torch.is_autocast_enabled("cpu") or backend_forced():
+        eager, no autocast or forced backend, no zoneout) in the fewest calls of torch's ops:
+        ``x W_ihᵀ``, then ``h W_hhᵀ`` added in place (one ``addmm_``), ``torch.layer_norm``
+        (the same forward formula, below :data:`..ops._dispatch.TORCH_INFERENCE_BYTES` of
+        output), the biases and the nonlinearity in place. ``None`` for anything else: a half
+        step keeps the ops, which round each product, as torch's cell does.
+
+        Its checks are a few attribute reads, all the call needs: ``x`` and ``h`` of
+        ``(B, input_size)`` and ``(B, hidden_size)``, B > 0, float32 / float64 CPU tensors of
+        the weights' dtype, a valid ``eps``. So :meth:`forward` tries it before its own checks
+        (which name what is wrong where this says ``None``), and again after them for what
+        they turn into such a call (an unbatched input, ``hx=None``). One thread, AMD EPYC
+        Zen 4, ``bench_cells.py``, x ``torch.nn.RNNCell``'s time, after the checks / before
+        them: (B, I, H) = (1, 64, 128) 1.44-1.47 / 1.25-1.26, (8, 64, 128) 1.37-1.38 /
+        1.19-1.23, (1, 256, 256) 1.34 / 1.18-1.21, (32, 128, 256) 1.11-1.12 / 1.07-1.09
+        (RESULTS.md, 2026-11-30)."""
+        # first what no shape is read without: under a tracer a size is a traced value
+        if not plain_eager() or torch.is_autocast_enabled("cpu") or backend_forced():
             return None  # (autocast casts the products, which the in-place ops would not follow)
-        a = torch.nn.functional.linear(x, self._weight("weight_ih"))
-        a.addmm_(h, self._weight("weight_hh").t())
         get = self._get
-        y = torch_layer_norm(a, (self.hidden_size,), get("ln_weight"), get("ln_bias"), self.eps)
-        if y is None:
+        w_ih, w_hh, eps, dtype = get("weight_ih"), get("weight_hh"), self.eps, x.dtype
+        if (
+            w_ih is None or w_hh is None
+            or (dtype is not torch.float32 and dtype is not torch.float64)
+            or x.dim() != 2 or h.dim() != 2
+            or x.shape[1] != self.input_size or h.shape[1] != self.hidden_size
+            or h.shape[0] != x.shape[0] or x.shape[0] == 0
+            or h.dtype is not dtype or w_ih.dtype is not dtype or w_hh.dtype is not dtype
+            or not (x.is_cpu and h.is_cpu and w_ih.is_cpu and w_hh.is_cpu)
+            or type(eps) is not float or not 0.0 < eps < math.inf
+            or self.zoneout_hidden
+            or x.shape[0] * self.hidden_size * x.element_size() >= TORCH_INFERENCE_BYTES
+        ):  # fmt: skip
             return None
+        a = torch.nn.functional.linear(x, w_ih)
+        a.addmm_(h, w_hh.t())
+        y = torch.layer_norm(a, (self.hidden_size,), get("ln_weight"), get("ln_bias"), eps)
         for name in ("bias_ih", "bias_hh"):
             b = get(name)
             if b is not None:

@@ -92,17 +92,18 @@ KINDS = {
 }
 
 
-def step(model: torch.nn.Module, x: torch.Tensor, mode: str = "train"):
+def step(model: torch.nn.Module, x: torch.Tensor, mode: str = "train", hx: object = None):
+    """One timed call of ``model`` on ``x`` from the initial state ``hx`` (``None``: zeros)."""
     if mode == "infer":
 
         def infer() -> None:
             with torch.no_grad():
-                model(x)
+                model(x, hx)
 
         return infer
 
     def fn() -> None:
-        out, _ = model(x)
+        out, _ = model(x, hx)
         out.sum().backward()
         for p in model.parameters():
             p.grad = None
@@ -112,19 +113,25 @@ def step(model: torch.nn.Module, x: torch.Tensor, mode: str = "train"):
 
 
 def via_training_node(fn):
-    """Run ``fn`` with the inference path off (and the plans a layer kept from it): under
-    ``no_grad`` the direction then runs the training node, its per-row buffers over every row
-    (what inference ran before that path)."""
+    """Run ``fn`` with the inference path off (and the plans a layer kept from it, and the
+    Elman layer's one step by the cell's ops): under ``no_grad`` the direction then runs the
+    training node, its per-row buffers over every row (what inference ran before that path)."""
 
     def wrapped() -> None:
         saved, run = _fused._inference_kernels, _fused.InferencePlan.run
+        # (absent from older trees, which an A/B by PYTHONPATH may run)
+        elman_step = LayerNormRNN.__dict__.get("_inference_step")
         _fused._inference_kernels = lambda *args: None
         _fused.InferencePlan.run = lambda *args: None  # type: ignore[method-assign]
+        if elman_step is not None:
+            LayerNormRNN._inference_step = lambda *args: None  # type: ignore[method-assign]
         try:
             fn()
         finally:
             _fused._inference_kernels = saved
             _fused.InferencePlan.run = run  # type: ignore[method-assign]
+            if elman_step is not None:
+                LayerNormRNN._inference_step = elman_step  # type: ignore[method-assign]
 
     return wrapped
 
@@ -163,6 +170,7 @@ def bench_shape(
     memory: bool = False,
     dtype: torch.dtype = torch.float32,
     block_calls: int = 0,
+    state: bool = False,
 ) -> dict:
     t, b, i, h = shape
     torch.manual_seed(0)
@@ -173,13 +181,17 @@ def bench_shape(
         models["ln-loop"] = ocls.from_torch(ref, impl="loop")
     models = {k: m.to(dtype) for k, m in models.items()}
     x = (torch.randn(t, b, i) + 0.5).to(dtype).requires_grad_(mode == "train")
-    fns = {k: step(m, x, mode) for k, m in models.items()}
+    hx: object = None  # the zero state; with `state` a given one (a decoder's later tokens)
+    if state:
+        h0 = (0.5 * torch.randn(1, b, h)).to(dtype)
+        hx = (h0, h0.clone()) if kind == "lstm" else h0
+    fns = {k: step(m, x, mode, hx) for k, m in models.items()}
     if dtype is torch.bfloat16:
-        fns["ln-rounded"] = with_rounded_products(step(models["ln"], x, mode))
+        fns["ln-rounded"] = with_rounded_products(step(models["ln"], x, mode, hx))
     if eager:
-        fns["ln-eager"] = with_steps(step(models["ln"], x, mode), _pointwise.EAGER)
+        fns["ln-eager"] = with_steps(step(models["ln"], x, mode, hx), _pointwise.EAGER)
     if per_step:
-        fns["ln-steps"] = with_steps(step(models["ln"], x, mode), _pointwise.C_STEPS)
+        fns["ln-steps"] = with_steps(step(models["ln"], x, mode, hx), _pointwise.C_STEPS)
     if mode == "infer":
         fns["ln-node"] = via_training_node(fns["ln"])
     if block_calls:  # each provider in blocks of consecutive calls: its samples the blocks' medians
@@ -223,6 +235,9 @@ def main() -> None:
     ap.add_argument("--loop", action="store_true", help="also time the eager reference loop")
     ap.add_argument("--eager-steps", action="store_true", help="also time eager step functions")
     ap.add_argument("--per-step", action="store_true", help="also time the per-step C loop")
+    ap.add_argument("--state", action="store_true",
+                    help="every call given a random initial state (a decoder's tokens after the "
+                         "first); without it, hx=None (zeros)")  # fmt: skip
     ap.add_argument("--kinds", default="lstm,gru,rnn")
     ap.add_argument("--shapes", default=None, help="e.g. 50x8x64x128,100x32x128x256")
     ap.add_argument("--csv", type=Path, default=None, help="append tidy rows to this CSV")
@@ -268,9 +283,10 @@ def run(args: argparse.Namespace) -> None:
     clock = "thread CPU time" if args.clock == "thread" else "wall time"
     order = (f"blocks of {args.consecutive} consecutive calls per provider, alternated"
              if args.consecutive else "one call of each provider in turn")  # fmt: skip
+    start = "a given initial state" if args.state else "the zero initial state (hx=None)"
     print(
-        f"{what}, {args.dtype}, median ms of {clock} ({order}); ratio = ours / torch in the same "
-        "run, of the medians (of the fastest rounds)\n"
+        f"{what}, {args.dtype}, from {start}, median ms of {clock} ({order}); ratio = ours / "
+        "torch in the same run, of the medians (of the fastest rounds)\n"
     )
     extra = " LN per-step C loop / torch |" if args.per_step else ""
     if args.mode == "infer":
@@ -290,7 +306,7 @@ def run(args: argparse.Namespace) -> None:
         for shape in shapes:
             r = bench_shape(kind, shape, args.loop, args.eager_steps, args.reps, args.per_step,  # type: ignore[arg-type]
                             args.mode, args.memory, DTYPES[args.dtype],
-                            args.consecutive)  # fmt: skip
+                            args.consecutive, args.state)  # fmt: skip
             peak = {k: r.pop(k) for k in [k for k in r if k.endswith("-peak-mb")]}
             fastest = {k[: -len("-min")]: r.pop(k) for k in [k for k in r if k.endswith("-min")]}
 

@@ -7,8 +7,8 @@
 #     and the modules on small (per-token) inputs against torch.nn.LayerNorm / RMSNorm;
 #   - LN-LSTM and LN-GRU against torch.nn.LSTM / GRU, training and inference, at the six shapes
 #     of the targets; with one thread also the peak memory of a call;
-#   - the same layers in inference one step at a time (T = 1: a decoder's token), where a call
-#     costs its Python and its weights' reads more than its arithmetic;
+#   - the same layers in inference one step at a time (T = 1: a decoder's token, each call given
+#     a state), where a call costs its Python and its weights' reads more than its arithmetic;
 #   - LN-LSTM and LN-GRU in bfloat16 against torch's bfloat16 layers at three shapes, with the
 #     rounded recurrent products beside the default (where the target has them);
 # and once, on the processor's own target: the layers with torch.nn's options (several layers,
@@ -56,7 +56,7 @@ tables() {  # every table of one target ($1) and thread count ($2)
             --reps "$REPS" --shapes "$SHAPES" $opts
     done
     "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode infer \
-        --reps "$STEP_REPS" --shapes "$STEP_SHAPES"
+        --reps "$STEP_REPS" --shapes "$STEP_SHAPES" --state
     for mode in train infer; do
         "$PY" benchmarks/bench_rnn.py --isa "$isa" --threads "$t" --mode "$mode" \
             --dtype bfloat16 --kinds lstm,gru --reps "$REPS" --shapes "$HALF_SHAPES"

@@ -508,7 +508,8 @@ ELMAN_CALLS = {
     "float64 cell and input": ((3, 5), torch.float64, (3, 8), torch.float64, True),
     "one row": ((1, 5), torch.float32, (1, 8), torch.float32, True),
     "unbatched": ((5,), torch.float32, (8,), torch.float32, False),
-    "no hx": ((3, 5), torch.float32, None, torch.float32, False),
+    "no hx": ((3, 5), torch.float32, None, torch.float32, True),
+    "unbatched, no hx": ((5,), torch.float32, None, torch.float32, False),
     "hx of another batch": ((3, 5), torch.float32, (2, 8), torch.float32, False),
     "hx of another width": ((3, 5), torch.float32, (3, 7), torch.float32, False),
     "x of another width": ((3, 4), torch.float32, (3, 8), torch.float32, False),
@@ -526,8 +527,8 @@ def test_elman_cell_inference_step_before_the_checks_lets_nothing_through(
 ) -> None:
     """Without gradients the Elman cell tries its fewest-ops step before its own checks (a few
     attribute reads of its own): a call it takes gives the full path's values, and every call
-    it leaves (a wrong shape, dtype or batch, an unbatched input, no hx) gets the full path's
-    result or error, word for word."""
+    it leaves (a wrong shape, dtype or batch, an unbatched input) gets the full path's result or
+    error, word for word."""
     from layernorm.recurrent import cells
 
     x_shape, x_dtype, h_shape, h_dtype, lean = ELMAN_CALLS[case]
@@ -554,7 +555,7 @@ def test_elman_cell_inference_step_before_the_checks_lets_nothing_through(
 
     monkeypatch.setattr(cells.LayerNormRNNCell, "_inference_step", spied)
     got = run()
-    taken_first = calls == [tuple(x.shape)] and x.dim() == 2 and hx is not None
+    taken_first = calls == [tuple(x.shape)] and x.dim() == 2
     assert taken_first == lean
     monkeypatch.setattr(cells.LayerNormRNNCell, "_inference_step", lambda *args: None)
     want = run()  # the checks, then the step's ops

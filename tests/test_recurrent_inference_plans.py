@@ -34,6 +34,14 @@ LN_PARAMS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _elman_steps_by_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-step call of a one-layer LN-RNN runs the cell's ops before any plan
+    (``LayerNormRNN._inference_step``, tested in test_recurrent_layers.py): off here, where the
+    plans are what is tested."""
+    monkeypatch.setattr(LayerNormRNN, "_inference_step", lambda *args: None)
+
+
 def _model(kind: str, dtype: torch.dtype = torch.float32, **kw) -> torch.nn.Module:
     torch.manual_seed(0)
     model = LAYERS[kind](6, 13, dtype=dtype, **kw).eval()

@@ -978,3 +978,109 @@ def test_a_parametrized_weight_runs_on_every_path(kind: str, steps: int) -> None
         for _ in range(2):
             torch.testing.assert_close(model(x, hx if kind == "lstm" else hx[0])[0], out[0],
                                        **FUSED_TOL)  # fmt: skip
+
+
+ELMAN_ONE_STEP = {
+    # name: (layer options, x shape, hx shape or None, x dtype, whether the cell's ops take it)
+    "a token": ({}, (1, 3, 5), (1, 3, 8), torch.float32, True),
+    "one row": ({}, (1, 1, 5), (1, 1, 8), torch.float32, True),
+    "float64": ({"dtype": torch.float64}, (1, 3, 5), (1, 3, 8), torch.float64, True),
+    "batch first": ({"batch_first": True}, (3, 1, 5), (1, 3, 8), torch.float32, True),
+    "unbatched": ({}, (1, 5), (1, 8), torch.float32, True),
+    "relu": ({"nonlinearity": "relu"}, (1, 3, 5), (1, 3, 8), torch.float32, True),
+    "no biases": ({"bias": False}, (1, 3, 5), (1, 3, 8), torch.float32, True),
+    "weight dropout at eval": ({"weight_dropout": 0.3}, (1, 3, 5), (1, 3, 8), torch.float32, True),
+    "two steps": ({}, (2, 3, 5), (1, 3, 8), torch.float32, False),
+    "batch first, two steps": ({"batch_first": True}, (3, 2, 5), (1, 3, 8), torch.float32, False),
+    "two layers": ({"num_layers": 2}, (1, 3, 5), (2, 3, 8), torch.float32, False),
+    "both directions": ({"bidirectional": True}, (1, 3, 5), (2, 3, 8), torch.float32, False),
+    "no layer norm": ({"norm": "none"}, (1, 3, 5), (1, 3, 8), torch.float32, False),
+    "impl loop": ({"impl": "loop"}, (1, 3, 5), (1, 3, 8), torch.float32, False),
+    "zoneout": ({"zoneout_hidden": 0.2}, (1, 3, 5), (1, 3, 8), torch.float32, False),
+    "no hx": ({}, (1, 3, 5), None, torch.float32, True),
+    "unbatched, no hx": ({}, (1, 5), None, torch.float32, True),
+    "hx of another batch": ({}, (1, 3, 5), (1, 2, 8), torch.float32, False),
+    "hx of another width": ({}, (1, 3, 5), (1, 3, 7), torch.float32, False),
+    "hx for two layers": ({}, (1, 3, 5), (2, 3, 8), torch.float32, False),
+    "hx unbatched for batched x": ({}, (1, 3, 5), (1, 8), torch.float32, False),
+    "x of another width": ({}, (1, 3, 4), (1, 3, 8), torch.float32, False),
+    "x float64, layer float32": ({}, (1, 3, 5), (1, 3, 8), torch.float64, False),
+    "empty batch": ({}, (1, 0, 5), (1, 0, 8), torch.float32, False),
+}
+
+
+@pytest.mark.parametrize("case", list(ELMAN_ONE_STEP))
+def test_elman_layer_one_step_by_the_cell_s_ops(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Without gradients a one-step call of a one-layer, one-direction LN-RNN (a decoder's token)
+    runs the cell's fewest ops before the layer's checks and plans: its output and ``h_n`` are
+    the full path's (``h_n`` a tensor of its own, as torch's), and every call it leaves gets the
+    full path's result or error, word for word."""
+    options, x_shape, h_shape, x_dtype, taken = ELMAN_ONE_STEP[case]
+    model = LayerNormRNN(5, 8, **options).eval()
+    randomize(model)
+    dtype = options.get("dtype", torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    x = (2.0 + 3.0 * torch.randn(x_shape, generator=gen, dtype=torch.float64)).to(x_dtype)
+    hx = None if h_shape is None else torch.randn(h_shape, generator=gen).to(x_dtype)
+    steps: list[bool] = []
+    step = LayerNormRNN._inference_step
+
+    def spied(self: LayerNormRNN, *args: torch.Tensor):
+        out = step(self, *args)
+        steps.append(out is not None)
+        return out
+
+    def call() -> tuple[str, object]:
+        try:
+            with torch.no_grad():
+                return "ok", model(x, hx)
+        except (TypeError, ValueError, RuntimeError) as err:
+            return type(err).__name__, str(err)
+
+    monkeypatch.setattr(LayerNormRNN, "_inference_step", spied)
+    got = call()
+    assert any(steps) == taken
+    monkeypatch.setattr(LayerNormRNN, "_inference_step", lambda *args: None)
+    want = call()
+    assert got[0] == want[0], (got, want)
+    if got[0] != "ok":
+        assert got[1] == want[1]
+        return
+    (out, h_n), (want_out, want_h) = got[1], want[1]  # type: ignore[misc]
+    tol = FUSED_TOL if dtype == torch.float64 else F32_TOL
+    torch.testing.assert_close(out, want_out, **tol)
+    torch.testing.assert_close(h_n, want_h, **tol)
+    before = h_n.clone()
+    out.add_(1.0)  # h_n is not a view of the output
+    torch.testing.assert_close(h_n, before, rtol=0, atol=0)
+
+
+def test_elman_layer_one_step_records_gradients_by_the_full_path() -> None:
+    """With gradients the one-step call takes the layer's own path (the cell's in-place ops
+    record nothing): the gradients flow."""
+    model = LayerNormRNN(5, 8)
+    x = torch.randn(1, 3, 5, requires_grad=True)
+    out, h_n = model(x, torch.randn(1, 3, 8))
+    (out.sum() + h_n.sum()).backward()
+    assert x.grad is not None and model.weight_hh_l0.grad is not None
+
+
+def test_elman_layer_one_step_leaves_weight_dropout_in_training_to_the_layer() -> None:
+    """In training mode with weight dropout each call draws its mask (the layer's path), so the
+    cell's ops do not take the step even where nothing is recorded."""
+    model = LayerNormRNN(5, 8, weight_dropout=0.5).train()
+    x, hx = torch.randn(1, 3, 5), torch.randn(1, 3, 8)
+    assert model._inference_step(x, hx) is None
+    assert model.eval()._inference_step(x, hx) is not None
+
+
+def test_elman_layer_one_step_leaves_a_large_recurrent_weight_to_the_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``_ELMAN_STEP_OPS_NUMEL`` elements of W_hh the one-step call keeps the layer's
+    kernel (which reads the weights as stored, faster there than torch's ops)."""
+    model = LayerNormRNN(5, 8).eval()
+    x, hx = torch.randn(1, 3, 5), torch.randn(1, 3, 8)
+    assert model._inference_step(x, hx) is not None
+    monkeypatch.setattr(recurrent_layers, "_ELMAN_STEP_OPS_NUMEL", 8 * 8 - 1)
+    assert model._inference_step(x, hx) is None

@@ -14,6 +14,7 @@ travel together as :class:`Weights`, what a cell's or a layer direction's ``_wei
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -22,7 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import layer_norm
-from ..ops._dispatch import plain_eager, torch_layer_norm
+from ..ops._dispatch import (
+    TORCH_INFERENCE_BYTES,
+    backend_forced,
+    plain_eager,
+    torch_layer_norm,
+)
 
 Norm = Callable[[Tensor], Tensor]
 
@@ -115,6 +121,62 @@ def rnn_step(
         if b is not None:
             a.add_(b)
     return a.tanh_() if nonlinearity == "tanh" else a.relu_()
+
+
+def elman_inference_step(
+    x: Tensor,
+    h: Tensor | None,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    ln_weight: Tensor | None,
+    ln_bias: Tensor | None,
+    eps: object,
+    nonlinearity: str,
+) -> Tensor | None:
+    r""":func:`rnn_step` where nothing is recorded, in the fewest calls of torch's ops: ``x W_ihᵀ``,
+    then ``h W_hhᵀ`` added in place (one ``addmm_``), ``torch.layer_norm`` (the same forward
+    formula; below :data:`..ops._dispatch.TORCH_INFERENCE_BYTES` of output), the biases and
+    the nonlinearity in place. ``None`` for anything else, which the caller's own path checks
+    and names what is wrong with: a tracer, transform, autocast (which casts the products, where
+    the in-place ops would not follow) or forced backend, rows ``x`` and ``h`` that are not
+    ``(B, I)`` and ``(B, H)`` float32 / float64 CPU tensors of the weights' dtype (B > 0; I and
+    H the weights' ``(H, I)`` and ``(H, H)``), an ``eps`` that is not a positive float. A half
+    step keeps the ops, which round each product, as torch's cell does. ``h`` ``None``: the zero
+    state, whose product is left out.
+
+    Its checks are a few attribute reads, all the call needs, so the Elman cell and layer take
+    it before their own checks (a decoder's token pays for every frame of Python)."""
+    # first what no shape is read without: under a tracer a size is a traced value
+    if not plain_eager() or torch.is_autocast_enabled("cpu") or backend_forced():
+        return None
+    dtype = x.dtype
+    if (
+        (dtype is not torch.float32 and dtype is not torch.float64)
+        or w_ih.dtype is not dtype or w_hh.dtype is not dtype
+        or x.dim() != 2 or w_ih.dim() != 2 or w_hh.dim() != 2
+        or x.shape[1] != w_ih.shape[1] or x.shape[0] == 0
+        or w_hh.shape[0] != w_ih.shape[0] or w_hh.shape[0] != w_hh.shape[1]
+        or not (x.is_cpu and w_ih.is_cpu and w_hh.is_cpu)
+        or type(eps) is not float or not 0.0 < eps < math.inf
+        or x.shape[0] * w_hh.shape[0] * x.element_size() >= TORCH_INFERENCE_BYTES
+    ):  # fmt: skip
+        return None
+    if h is not None and (
+        h.dtype is not dtype or h.dim() != 2 or h.shape != (x.shape[0], w_hh.shape[1])
+        or not h.is_cpu
+    ):  # fmt: skip
+        return None
+    a = F.linear(x, w_ih)
+    if h is not None:
+        a.addmm_(h, w_hh.t())
+    y = torch.layer_norm(a, (a.shape[1],), ln_weight, ln_bias, eps)
+    if b_ih is not None:
+        y.add_(b_ih)
+    if b_hh is not None:
+        y.add_(b_hh)
+    return y.tanh_() if nonlinearity == "tanh" else y.relu_()
 
 
 def lstm_step(

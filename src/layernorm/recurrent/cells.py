@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from .._torchscript import NotScriptable
 from .._validation import check_flag
-from ..ops._dispatch import TORCH_INFERENCE_BYTES, backend_forced, plain_eager
+from ..ops._dispatch import plain_eager
 from . import _cellstep, _cstep, _fused, _options, _planned, _steps
 from ._checks import (
     check_cell_input,
@@ -420,7 +420,7 @@ class LayerNormRNNCell(_LNCellBase):
         # call (one thread, AMD EPYC, under no_grad, (B, I, H) = (1, 64, 128) 28 against 42 µs,
         # (8, 64, 128) 36 against 52, (32, 128, 256) 135 against 144)
         inferring = not torch.is_grad_enabled()
-        if inferring and type(input) is Tensor and type(hx) is Tensor:
+        if inferring and type(input) is Tensor and (hx is None or type(hx) is Tensor):
             inferred = self._inference_step(input, hx)  # its own checks: no more are needed
             if inferred is not None:
                 return inferred
@@ -436,49 +436,27 @@ class LayerNormRNNCell(_LNCellBase):
         h = self._zone(self.zoneout_hidden, h_prev, h)
         return h if batched else h.squeeze(0)
 
-    def _inference_step(self, x: Tensor, h: Tensor) -> Tensor | None:
-        """The step of :func:`._steps.rnn_step` where nothing is recorded (gradients off, plain
-        eager, no autocast or forced backend, no zoneout) in the fewest calls of torch's ops:
-        ``x W_ihᵀ``, then ``h W_hhᵀ`` added in place (one ``addmm_``), ``torch.layer_norm``
-        (the same forward formula, below :data:`..ops._dispatch.TORCH_INFERENCE_BYTES` of
-        output), the biases and the nonlinearity in place. ``None`` for anything else: a half
-        step keeps the ops, which round each product, as torch's cell does.
-
-        Its checks are a few attribute reads, all the call needs: ``x`` and ``h`` of
-        ``(B, input_size)`` and ``(B, hidden_size)``, B > 0, float32 / float64 CPU tensors of
-        the weights' dtype, a valid ``eps``. So :meth:`forward` tries it before its own checks
-        (which name what is wrong where this says ``None``), and again after them for what
-        they turn into such a call (an unbatched input, ``hx=None``). One thread, AMD EPYC
-        Zen 4, ``bench_cells.py``, x ``torch.nn.RNNCell``'s time, after the checks / before
-        them: (B, I, H) = (1, 64, 128) 1.44-1.47 / 1.25-1.26, (8, 64, 128) 1.37-1.38 /
-        1.19-1.23, (1, 256, 256) 1.34 / 1.18-1.21, (32, 128, 256) 1.11-1.12 / 1.07-1.09
-        (RESULTS.md, 2026-11-30)."""
-        # first what no shape is read without: under a tracer a size is a traced value
-        if not plain_eager() or torch.is_autocast_enabled("cpu") or backend_forced():
-            return None  # (autocast casts the products, which the in-place ops would not follow)
-        get = self._get
-        w_ih, w_hh, eps, dtype = get("weight_ih"), get("weight_hh"), self.eps, x.dtype
-        if (
-            w_ih is None or w_hh is None
-            or (dtype is not torch.float32 and dtype is not torch.float64)
-            or x.dim() != 2 or h.dim() != 2
-            or x.shape[1] != self.input_size or h.shape[1] != self.hidden_size
-            or h.shape[0] != x.shape[0] or x.shape[0] == 0
-            or h.dtype is not dtype or w_ih.dtype is not dtype or w_hh.dtype is not dtype
-            or not (x.is_cpu and h.is_cpu and w_ih.is_cpu and w_hh.is_cpu)
-            or type(eps) is not float or not 0.0 < eps < math.inf
-            or self.zoneout_hidden
-            or x.shape[0] * self.hidden_size * x.element_size() >= TORCH_INFERENCE_BYTES
-        ):  # fmt: skip
+    def _inference_step(self, x: Tensor, h: Tensor | None) -> Tensor | None:
+        """The step where nothing is recorded and ``x``, ``h`` are rows of the cell's sizes (``h``
+        ``None``: the zero state), in the fewest ops (:func:`._steps.elman_inference_step`), or
+        ``None``. Its checks are
+        all the call needs, so :meth:`forward` tries it before its own (which name what is
+        wrong where this says ``None``), and again after them for what they turn into such a
+        call (an unbatched input). One thread, AMD EPYC Zen 4,
+        ``bench_cells.py``, x ``torch.nn.RNNCell``'s time, after the checks / before them:
+        (B, I, H) = (1, 64, 128) 1.44-1.47 / 1.25-1.26, (8, 64, 128) 1.37-1.38 / 1.19-1.23,
+        (1, 256, 256) 1.34 / 1.18-1.21, (32, 128, 256) 1.11-1.12 / 1.07-1.09 (RESULTS.md,
+        2026-11-30)."""
+        if self.zoneout_hidden:
             return None
-        a = torch.nn.functional.linear(x, w_ih)
-        a.addmm_(h, w_hh.t())
-        y = torch.layer_norm(a, (self.hidden_size,), get("ln_weight"), get("ln_bias"), eps)
-        for name in ("bias_ih", "bias_hh"):
-            b = get(name)
-            if b is not None:
-                y.add_(b)
-        return y.tanh_() if self.nonlinearity == "tanh" else y.relu_()
+        get = self._get
+        w_ih, w_hh = get("weight_ih"), get("weight_hh")
+        if w_ih is None or w_hh is None:
+            return None  # the full path names the missing weight
+        return _steps.elman_inference_step(
+            x, h, w_ih, w_hh, get("bias_ih"), get("bias_hh"), get("ln_weight"), get("ln_bias"),
+            self.eps, self.nonlinearity,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         s = super().extra_repr()

@@ -124,6 +124,13 @@ def _fold_input_bias(
 
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
+# An LN-RNN's one-step inference call runs the cell's ops (LayerNormRNN._inference_step) up to
+# this many elements of W_hh; past it the kept plan's kernel, which reads the weights as stored,
+# took less. One thread, AMD EPYC Zen 4, x torch.nn.RNN's time, given a state, plan / ops:
+# (T, B, I, H) = (1, 1, 256, 256) 1.32-1.36 / 0.95-0.98, (1, 8, 64, 128) 1.36-1.37 / 0.99-1.00,
+# (1, 32, 512, 512) 0.85-0.90 / 0.87-0.89, (1, 16, 1024, 1024) 0.98 / 0.95, (1, 1, 1024, 1024)
+# 0.67-0.68 / 0.76-0.77 (benchmarks/RESULTS.md, 2026-11-30).
+_ELMAN_STEP_OPS_NUMEL = 512 * 512
 # On the CPU, half inputs take the fused path too, computed in float32 (as the norm kernels do)
 # and returned in their own dtype: the step-by-step loop is many times slower.
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -1551,6 +1558,60 @@ class LayerNormRNN(_LNRNNBase):
             weight_dropout=weight_dropout, zoneout_hidden=zoneout_hidden,
             device=device, dtype=dtype,
         )  # fmt: skip
+
+    def forward(
+        self, input: Tensor | PackedSequence, hx: Tensor | tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor | PackedSequence, Tensor | tuple[Tensor, Tensor]]:
+        if type(input) is Tensor and (hx is None or type(hx) is Tensor):
+            stepped = None if torch.is_grad_enabled() else self._inference_step(input, hx)
+            if stepped is not None:
+                return stepped
+        return super().forward(input, hx)
+
+    forward.__doc__ = _LNRNNBase.forward.__doc__
+
+    def _inference_step(self, input: Tensor, hx: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """A call of one step of a one-layer, one-direction LN-RNN where nothing is recorded
+        (a decoder's token) as the cell's step (:func:`._steps.elman_inference_step`: the
+        fewest of torch's ops, whose checks are all the call needs), before the layer's own
+        checks and plans; ``None`` for any other call (more steps or layers, both directions,
+        ``norm`` or ``impl`` other than the defaults, zoneout, weight dropout in training, a
+        wrong shape or dtype, which the full path names). ``hx`` ``None``: the zero state.
+        ``h_n`` is a copy of the output's step, as torch's layer returns it."""
+        if not plain_eager():
+            return None  # first: under a tracer a size is a traced value
+        if self.num_layers != 1 or self.bidirectional or self.norm != "layer":
+            return None
+        if self.impl != "auto" or self.zoneout_hidden or (self.training and self.weight_dropout):
+            return None
+        dims = input.dim()
+        if dims == 3:  # (1, B, I), or (B, 1, I) batch-first; h_0 (1, B, H)
+            if input.shape[1 if self.batch_first else 0] != 1:
+                return None
+            x, h = input.select(1 if self.batch_first else 0, 0), hx
+        elif dims == 2:  # unbatched: (1, I); h_0 (1, H)
+            if input.shape[0] != 1:
+                return None
+            x, h = input, hx
+        else:
+            return None
+        if h is not None:
+            if h.dim() != dims or h.shape[0] != 1:
+                return None  # (num_layers · directions, ...): the full path names a wrong one
+            h = h[0] if dims == 3 else h
+        g = self._get
+        w_ih, w_hh = g("weight_ih_l0"), g("weight_hh_l0")
+        if w_ih is None or w_hh is None or w_hh.numel() > _ELMAN_STEP_OPS_NUMEL:
+            return None
+        y = _steps.elman_inference_step(
+            x, h, w_ih, w_hh, g("bias_ih_l0"), g("bias_hh_l0"), g("ln_weight_l0"),
+            g("ln_bias_l0"), self.eps, self.nonlinearity,
+        )  # fmt: skip
+        if y is None:
+            return None
+        if dims == 2:
+            return y, y.clone()
+        return y.unsqueeze(1 if self.batch_first else 0), y.unsqueeze(0).clone()
 
 
 class LayerNormLSTM(_LNRNNBase):

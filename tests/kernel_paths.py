@@ -1,6 +1,7 @@
 """Which of the recurrent layers' C paths the selected target runs, as skip markers, stated once;
-a record of which sequence kernels a call ran with torch.nn.LSTM's projection; and a counter of
-the calls a C library makes through an entry point it was given.
+a record of which sequence kernels a call ran with torch.nn.LSTM's projection; a counter of
+the calls a C library makes through an entry point it was given; and a call's outcome (result or
+error), to hold a fast path's to the full path's.
 
 The portable target (other architectures, or a compiler without the x86 targets' flags) has the
 C step kernels but no whole-sequence kernels: there the layers run their steps one by one and
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -91,3 +92,14 @@ def one_step_gemm_calls(which: str) -> Iterator[list[int]]:
         yield calls
     finally:
         rnn.use_one_step_gemm(None)
+
+
+def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    """``("ok", result)`` of ``call()`` under ``no_grad``, or the name and message of the
+    ``TypeError``, ``ValueError`` or ``RuntimeError`` it raised: what a fast path that checks
+    little gives a call, side by side with what the full path, which names what is wrong, gives."""
+    try:
+        with torch.no_grad():
+            return "ok", call()
+    except (TypeError, ValueError, RuntimeError) as err:
+        return type(err).__name__, str(err)

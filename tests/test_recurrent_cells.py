@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 
-from kernel_paths import needs_sequence_kernels
+from kernel_paths import needs_sequence_kernels, outcome
 from layernorm import LayerNormGRUCell, LayerNormLSTMCell, LayerNormRNNCell
 
 DT = torch.float64
@@ -546,19 +546,12 @@ def test_elman_cell_inference_step_before_the_checks_lets_nothing_through(
             calls.append(tuple(x_.shape))
         return out
 
-    def run() -> tuple[str, object]:
-        try:
-            with torch.no_grad():
-                return "ok", cell(x, hx)
-        except (TypeError, ValueError, RuntimeError) as err:
-            return type(err).__name__, str(err)
-
     monkeypatch.setattr(cells.LayerNormRNNCell, "_inference_step", spied)
-    got = run()
+    got = outcome(lambda: cell(x, hx))
     taken_first = calls == [tuple(x.shape)] and x.dim() == 2
     assert taken_first == lean
     monkeypatch.setattr(cells.LayerNormRNNCell, "_inference_step", lambda *args: None)
-    want = run()  # the checks, then the step's ops
+    want = outcome(lambda: cell(x, hx))  # the checks, then the step's ops
     assert got[0] == want[0], (got, want)
     if got[0] == "ok":
         tol = {"rtol": 1e-12, "atol": 1e-12} if cell_dtype == torch.float64 else {}

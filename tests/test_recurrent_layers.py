@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
 
-from kernel_paths import needs_sequence_kernels, planned_nodes
+from kernel_paths import needs_sequence_kernels, outcome, planned_nodes
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import StepKernels, _pointwise, register_step_kernels
 from layernorm.recurrent import layers as recurrent_layers
@@ -1030,18 +1030,11 @@ def test_elman_layer_one_step_by_the_cell_s_ops(monkeypatch: pytest.MonkeyPatch,
         steps.append(out is not None)
         return out
 
-    def call() -> tuple[str, object]:
-        try:
-            with torch.no_grad():
-                return "ok", model(x, hx)
-        except (TypeError, ValueError, RuntimeError) as err:
-            return type(err).__name__, str(err)
-
     monkeypatch.setattr(LayerNormRNN, "_inference_step", spied)
-    got = call()
+    got = outcome(lambda: model(x, hx))
     assert any(steps) == taken
     monkeypatch.setattr(LayerNormRNN, "_inference_step", lambda *args: None)
-    want = call()
+    want = outcome(lambda: model(x, hx))
     assert got[0] == want[0], (got, want)
     if got[0] != "ok":
         assert got[1] == want[1]

@@ -439,10 +439,9 @@ class LayerNormRNNCell(_LNCellBase):
     def _inference_step(self, x: Tensor, h: Tensor | None) -> Tensor | None:
         """The step where nothing is recorded and ``x``, ``h`` are rows of the cell's sizes (``h``
         ``None``: the zero state), in the fewest ops (:func:`._steps.elman_inference_step`), or
-        ``None``. Its checks are
-        all the call needs, so :meth:`forward` tries it before its own (which name what is
-        wrong where this says ``None``), and again after them for what they turn into such a
-        call (an unbatched input). One thread, AMD EPYC Zen 4,
+        ``None``. Its checks are all the call needs, so :meth:`forward` tries it before its own
+        (which name what is wrong where this says ``None``), and again after them for what they
+        turn into such a call (an unbatched input). One thread, AMD EPYC Zen 4,
         ``bench_cells.py``, x ``torch.nn.RNNCell``'s time, after the checks / before them:
         (B, I, H) = (1, 64, 128) 1.44-1.47 / 1.25-1.26, (8, 64, 128) 1.37-1.38 / 1.19-1.23,
         (1, 256, 256) 1.34 / 1.18-1.21, (32, 128, 256) 1.11-1.12 / 1.07-1.09 (RESULTS.md,

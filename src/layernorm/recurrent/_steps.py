@@ -14,7 +14,6 @@ travel together as :class:`Weights`, what a cell's or a layer direction's ``_wei
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,12 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import layer_norm
-from ..ops._dispatch import (
-    TORCH_INFERENCE_BYTES,
-    backend_forced,
-    plain_eager,
-    torch_layer_norm,
-)
+from ..ops._dispatch import TORCH_INFERENCE_BYTES, lean_input, plain_eager, torch_layer_norm
 
 Norm = Callable[[Tensor], Tensor]
 
@@ -117,9 +111,17 @@ def rnn_step(
         return torch.tanh(a) if nonlinearity == "tanh" else torch.relu(a)
     # nothing recorded (no gradient, no tracer or transform: a trace's graph may not depend on
     # whether gradients are on): a is this step's own tensor, updated in place (no allocation)
-    for b in (b_ih, b_hh):
-        if b is not None:
-            a.add_(b)
+    return _biased_nonlinearity_(a, b_ih, b_hh, nonlinearity)
+
+
+def _biased_nonlinearity_(
+    a: Tensor, b_ih: Tensor | None, b_hh: Tensor | None, nonlinearity: str
+) -> Tensor:
+    """``f(a + b_ih + b_hh)`` in place in ``a`` (a step's own tensor, where nothing is recorded)."""
+    if b_ih is not None:
+        a.add_(b_ih)
+    if b_hh is not None:
+        a.add_(b_hh)
     return a.tanh_() if nonlinearity == "tanh" else a.relu_()
 
 
@@ -148,8 +150,9 @@ def elman_inference_step(
 
     Its checks are a few attribute reads, all the call needs, so the Elman cell and layer take
     it before their own checks (a decoder's token pays for every frame of Python)."""
-    # first what no shape is read without: under a tracer a size is a traced value
-    if not plain_eager() or torch.is_autocast_enabled("cpu") or backend_forced():
+    # first what no shape is read without (under a tracer a size is a traced value): x a plain
+    # CPU float tensor, eps a positive float, no tracer, transform or forced backend
+    if not lean_input(x, eps) or torch.is_autocast_enabled("cpu"):
         return None
     dtype = x.dtype
     if (
@@ -158,8 +161,7 @@ def elman_inference_step(
         or x.dim() != 2 or w_ih.dim() != 2 or w_hh.dim() != 2
         or x.shape[1] != w_ih.shape[1] or x.shape[0] == 0
         or w_hh.shape[0] != w_ih.shape[0] or w_hh.shape[0] != w_hh.shape[1]
-        or not (x.is_cpu and w_ih.is_cpu and w_hh.is_cpu)
-        or type(eps) is not float or not 0.0 < eps < math.inf
+        or not (w_ih.is_cpu and w_hh.is_cpu)
         or x.shape[0] * w_hh.shape[0] * x.element_size() >= TORCH_INFERENCE_BYTES
     ):  # fmt: skip
         return None
@@ -171,12 +173,8 @@ def elman_inference_step(
     a = F.linear(x, w_ih)
     if h is not None:
         a.addmm_(h, w_hh.t())
-    y = torch.layer_norm(a, (a.shape[1],), ln_weight, ln_bias, eps)
-    if b_ih is not None:
-        y.add_(b_ih)
-    if b_hh is not None:
-        y.add_(b_hh)
-    return y.tanh_() if nonlinearity == "tanh" else y.relu_()
+    y = torch.layer_norm(a, (a.shape[1],), ln_weight, ln_bias, eps)  # type: ignore[arg-type]
+    return _biased_nonlinearity_(y, b_ih, b_hh, nonlinearity)
 
 
 def lstm_step(

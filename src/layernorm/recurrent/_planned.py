@@ -57,15 +57,25 @@ _KEPT_PLAIN = tuple(k for k in _KEPT if k[0] not in ("mx", "rx"))
 _SCRATCH_PLAIN = (("dgates", "G"), ("dlc", "H"))
 # Most signatures kept (a plan is a few dicts; sequences of many lengths make many).
 _MAX_PLANS = 256
-# Up to this size a call's kept buffers (and its backward's) are views of one buffer of the
-# cache: one lookup where there were ten (some 4 µs each). Past it each is a buffer of its own,
-# which other layers' calls can take in turn (the cache hands a buffer to any request of about
-# its size); one buffer of the sum would be of use to calls of this signature only. LN-LSTM
-# training at (100, 64, 256, 512), 180 MB kept, one thread, alternating with the layer without
-# layer norms (the fused path, buffers of their own): 1.18-1.19x torch.nn.LSTM's median time
-# with one buffer (page faults in the rounds where the cache, 512 MiB, had evicted it; the
-# fastest rounds 1.00), 1.00 (0.98) with buffers of their own (AMD EPYC).
-_ONE_BUFFER_BYTES = 8 << 20
+# Up to this size a call's kept buffers (and its backward's) are views of one buffer, which is what
+# the C++ node takes (:func:`_node_plan`; the Python node: one lookup of the cache where there were
+# ten, some 4 µs each). The node allocates its buffers with torch's allocator, so the size stays
+# under glibc's largest mmap threshold (:data:`.buffers.OUTPUT_MIN_BYTES`, 32 MiB), from which every
+# allocation is a fresh mapping whose pages fault on first write: at (100, 32, 128, 256) and (200,
+# 16, 64, 256), 59 MB kept, the node took 1.06-1.11x torch.nn.LSTM's time against 0.78-0.90x with
+# the cache's buffers (11 000 page faults a call). Under it the heap serves them, a few hundred
+# faults a call, and the node's calls beat the Python node's: LN-LSTM training, one | two threads,
+# ours / torch.nn.LSTM with 8 MiB (the Python node) against 31 MiB (the node), (10, 512, 32, 32), 9
+# MB kept, 1.36 / 1.25 | 1.48 / 1.32; (30, 128, 64, 64) 1.26 / 1.24 | 1.38 / 1.27; (1000, 4, 32,
+# 128), 27 MB, 1.17 / 1.13 | 0.80 / 0.80 (ab_rnn.py, AMD EPYC Zen 4, 2026-11-30); the Python node
+# itself level with one buffer or ten at these sizes. Past it each buffer is one of the cache's own,
+# which other layers' calls can take in turn (the cache hands a buffer to any request of about its
+# size); one buffer of the sum would be of use to calls of this signature only. LN-LSTM training at
+# (100, 64, 256, 512), 180 MB kept, one thread, alternating with the layer without layer norms (the
+# fused path, buffers of their own): 1.18-1.19x torch.nn.LSTM's median time with one buffer (page
+# faults in the rounds where the cache, 512 MiB, had evicted it; the fastest rounds 1.00), 1.00
+# (0.98) with buffers of their own (AMD EPYC).
+_ONE_BUFFER_BYTES = _buffers.OUTPUT_MIN_BYTES - (1 << 20)
 
 
 class TrainingPlan(NamedTuple):

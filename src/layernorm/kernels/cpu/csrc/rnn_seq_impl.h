@@ -1322,25 +1322,6 @@ static void FN(projected_rows_out)(const FN(rnn_seq_fwd_args) * s, i64 off, i64 
                (size_t)((hi - lo) * s->P) * sizeof(scalar_t));
 }
 
-/* The time loops, the same for every cell; they expand inside a *_seq kernel with its step
-   struct a, sequence struct s, gate rows G and `step`, a copy of *a that each step's rows and
-   threads are written into.
-
-   Forward: per step the recurrent GEMM h_{t−1} W_hhᵀ into the step's rows of hp (with kept
-   buffers of B rows, rows [0, rows)), then the cell's step kernel STEP_FN. With the input
-   projection (s->x, inference), first the step's x rows times W_ihᵀ into gx's B rows, finished
-   by input_rows (its layer norms) just before each row's step: gx never leaves the cache. With
-   torch.nn.LSTM's projection (s->w_hr, the LSTM's inference: TAKES_W_HR), the step kernel's
-   output rows hold h~_t (H units), a GEMM (project_part) turns them into h_t = W_hr h~_t (P
-   units) in the carried state hr, the recurrent GEMM's input, and each step's rows of hr are
-   copied to out_r.
-
-   With more than one thread for some step (the grains decide, as for one step), the whole time
-   loop is one parallel region. Where batch_split (rnn_common.h) allows, each thread runs its
-   own rows of the batch through every step, GEMMs and ROWS_FN, and never waits; else its
-   threads take a share of each step's GEMM (panels) and of its rows (ROWS_FN), and meet at a
-   team_barrier after each, instead of a fork-join per GEMM and per step kernel. All steps are
-   checked before the region (nothing returns from inside it). */
 /* A training forward keeps hp and gx for every row of the sequence (R = N, X = N): memory the
    call has not touched yet, which the step's GEMMs wrote tile by tile, a few columns of many rows
    at a time, the tiles waiting on the writes. Those GEMMs write the step's rows into a buffer of
@@ -1361,6 +1342,25 @@ static inline void FN(unstage)(const scalar_t* stage, scalar_t* kept, i64 lo, i6
         memcpy(kept + lo * G, stage + lo * G, (size_t)((hi - lo) * G) * sizeof(scalar_t));
 }
 
+/* The time loops, the same for every cell; they expand inside a *_seq kernel with its step
+   struct a, sequence struct s, gate rows G and `step`, a copy of *a that each step's rows and
+   threads are written into.
+
+   Forward: per step the recurrent GEMM h_{t−1} W_hhᵀ into the step's rows of hp (with kept
+   buffers of B rows, rows [0, rows)), then the cell's step kernel STEP_FN. With the input
+   projection (s->x, inference), first the step's x rows times W_ihᵀ into gx's B rows, finished
+   by input_rows (its layer norms) just before each row's step: gx never leaves the cache. With
+   torch.nn.LSTM's projection (s->w_hr, the LSTM's inference: TAKES_W_HR), the step kernel's
+   output rows hold h~_t (H units), a GEMM (project_part) turns them into h_t = W_hr h~_t (P
+   units) in the carried state hr, the recurrent GEMM's input, and each step's rows of hr are
+   copied to out_r.
+
+   With more than one thread for some step (the grains decide, as for one step), the whole time
+   loop is one parallel region. Where batch_split (rnn_common.h) allows, each thread runs its
+   own rows of the batch through every step, GEMMs and ROWS_FN, and never waits; else its
+   threads take a share of each step's GEMM (panels) and of its rows (ROWS_FN), and meet at a
+   team_barrier after each, instead of a fork-join per GEMM and per step kernel. All steps are
+   checked before the region (nothing returns from inside it). */
 #define TEAM_MAX(u, v) ((u) > (v) ? (u) : (v))
 #define FORWARD_IN_TIME(STEP_FN, ROWS_FN, STEP_NORMALIZES_GX, TAKES_W_HR)                         \
     do {                                                                                          \

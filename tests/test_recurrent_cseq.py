@@ -697,7 +697,10 @@ def test_input_products_take_the_c_gemm_where_it_outpaces_torch(outpaced, monkey
     # (rows, inner, cols, threads): at the minimum, below it, one panel for four threads and for
     # two, past the minimum in fewer rows than _INPUT_PRODUCT_MIN_ROWS
     rows_min = _cstep._INPUT_PRODUCT_MIN_ROWS
-    cases = [(64, 32, 48, 1), (63, 32, 48, 1), (64, 64, panel, 4), (64, 64, panel, 2),
+    # the one-panel products at the minimum or past it on any target (a panel is 16 columns on
+    # the AVX2 build, 32 on AVX-512)
+    inner = max(64, -(-_cstep._INPUT_PRODUCT_MIN // (64 * panel)))
+    cases = [(64, 32, 48, 1), (63, 32, 48, 1), (64, inner, panel, 4), (64, inner, panel, 2),
              (rows_min - 1, 128, 128, 1)]  # fmt: skip
     threads = torch.get_num_threads()
     taken = []

@@ -331,6 +331,75 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
     else FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, NULL, NULL, 0, 0);
 }
 
+/* ln_dx of two layer norms of one gradient dy, each row's sums as ln_dx sums them (so the same
+   bits): dx1 = LN(x1)'s (written), dy := LN(x2)'s gradient in place (the LN-LSTM's hp and raw gx,
+   whose layer norms add into the same gate pre-activations); sums sw1, sb1, sw2, sb2 as ln_dx's
+   (all NULL or none). One sweep of dy a pass where two calls made two: LN-LSTM training, ours /
+   torch.nn.LSTM, two calls / one, one | two threads, (T, B, I, H) = (10, 512, 32, 32) 1.29 / 1.23
+   | 1.36 / 1.23, (50, 32, 64, 128) 1.18 / 1.16 | 1.20 / 1.12, (30, 128, 64, 64) 1.05 / 1.05 |
+   1.13 / 1.09, (100, 32, 128, 256) level (AMD EPYC Zen 4, RESULTS.md 2026-11-30). */
+static inline void FN(ln_dx2)(scalar_t* dy, const scalar_t* x1, acc_t m1, acc_t r1,
+                              const scalar_t* w1, scalar_t* dx1, const scalar_t* x2, acc_t m2,
+                              acc_t r2, const scalar_t* w2, i64 N, scalar_t* sw1, scalar_t* sb1,
+                              scalar_t* sw2, scalar_t* sb2) {
+    const scalar_t mf1 = (scalar_t)m1, rf1 = (scalar_t)r1, mf2 = (scalar_t)m2, rf2 = (scalar_t)r2;
+    const i64 step = 2 * SVL, nfull = N - N % step;
+    FN(lanes) ag1 = {{0}, {0}}, agx1 = {{0}, {0}}, ag2 = {{0}, {0}}, agx2 = {{0}, {0}};
+    for (i64 j = 0; j < nfull;) {
+        const i64 end = block_end(j, BLOCK_TERMS * step, nfull);
+        FN(svec) g10 = {0}, g11 = {0}, gx10 = {0}, gx11 = {0};
+        FN(svec) g20 = {0}, g21 = {0}, gx20 = {0}, gx21 = {0};
+        for (; j < end; j += step) {
+            const FN(svec) d0 = FN(sld)(dy + j), d1 = FN(sld)(dy + j + SVL);
+            const FN(svec) u1 = d0 * FN(sld)(w1 + j), v1 = d1 * FN(sld)(w1 + j + SVL);
+            const FN(svec) u2 = d0 * FN(sld)(w2 + j), v2 = d1 * FN(sld)(w2 + j + SVL);
+            g10 += u1;
+            g11 += v1;
+            gx10 += u1 * ((FN(sld)(x1 + j) - mf1) * rf1);
+            gx11 += v1 * ((FN(sld)(x1 + j + SVL) - mf1) * rf1);
+            g20 += u2;
+            g21 += v2;
+            gx20 += u2 * ((FN(sld)(x2 + j) - mf2) * rf2);
+            gx21 += v2 * ((FN(sld)(x2 + j + SVL) - mf2) * rf2);
+        }
+        FN(lanes_add)(g10, g11, &ag1);
+        FN(lanes_add)(gx10, gx11, &agx1);
+        FN(lanes_add)(g20, g21, &ag2);
+        FN(lanes_add)(gx20, gx21, &agx2);
+    }
+    acc_t sg1 = 0, sgx1 = 0, sg2 = 0, sgx2 = 0;
+    for (i64 j = nfull; j < N; ++j) {
+        const scalar_t g1 = dy[j] * w1[j], g2 = dy[j] * w2[j];
+        sg1 += g1;
+        sgx1 += (acc_t)g1 * ((x1[j] - mf1) * rf1);
+        sg2 += g2;
+        sgx2 += (acc_t)g2 * ((x2[j] - mf2) * rf2);
+    }
+    const scalar_t cg1 = (scalar_t)((sg1 + FN(lanes_fold)(ag1)) / N);
+    const scalar_t cgx1 = (scalar_t)((sgx1 + FN(lanes_fold)(agx1)) / N);
+    const scalar_t cg2 = (scalar_t)((sg2 + FN(lanes_fold)(ag2)) / N);
+    const scalar_t cgx2 = (scalar_t)((sgx2 + FN(lanes_fold)(agx2)) / N);
+    if (sw1) {
+        #pragma omp simd
+        for (i64 j = 0; j < N; ++j) {
+            const scalar_t d = dy[j], xh1 = (x1[j] - mf1) * rf1, xh2 = (x2[j] - mf2) * rf2;
+            dx1[j] = rf1 * (d * w1[j] - cg1 - xh1 * cgx1);
+            dy[j] = rf2 * (d * w2[j] - cg2 - xh2 * cgx2);
+            sw1[j] += d * xh1;
+            sb1[j] += d;
+            sw2[j] += d * xh2;
+            sb2[j] += d;
+        }
+    } else {
+        #pragma omp simd
+        for (i64 j = 0; j < N; ++j) {
+            const scalar_t d = dy[j], xh1 = (x1[j] - mf1) * rf1, xh2 = (x2[j] - mf2) * rf2;
+            dx1[j] = rf1 * (d * w1[j] - cg1 - xh1 * cgx1);
+            dy[j] = rf2 * (d * w2[j] - cg2 - xh2 * cgx2);
+        }
+    }
+}
+
 /* Rows [i0, i0 + n) (n <= MOMENT_LANES) of x (G columns each) normalized into y (x itself: in
    place): columns [0, split) and [split, G) each with its own statistics, as the step normalizes
    hp (moments of the group, then ((v − hi) − lo)·r), gain w and bias b (NULL: ones / zeros). With
@@ -647,12 +716,14 @@ static inline __attribute__((always_inline)) void FN(lstm_bwd_body)(
         dg[2 * H + j] = dcn * (ig * m) * ((scalar_t)1 - gg * gg);
         dc[j] = dcn * fg + direct;
     }
-    if (normalize)
+    if (normalize && A->w0) /* hp's, and in place (dg read first) the raw gx's */
+        FN(ln_dx2)(dg, A->hp + row * G, A->mh[row], A->rh[row], A->w1, A->dhp + row * G,
+                   A->gx + row * G, A->mx[row], A->rx[row], A->w0, G, sums,
+                   sums ? sums + G : NULL, sums ? sums + 2 * G + 2 * H : NULL,
+                   sums ? sums + 3 * G + 2 * H : NULL);
+    else if (normalize)
         FN(ln_dx)(dg, A->hp + row * G, A->mh[row], A->rh[row], A->w1, A->dhp + row * G, G, 0,
                   sums, sums ? sums + G : NULL);
-    if (normalize && A->w0) /* in place, dg read first: the gradient of the raw gx */
-        FN(ln_dx)(dg, A->gx + row * G, A->mx[row], A->rx[row], A->w0, dg, G, 0,
-                  sums ? sums + 2 * G + 2 * H : NULL, sums ? sums + 3 * G + 2 * H : NULL);
 }
 
 static inline void FN(lstm_bwd_row)(const FN(lstm_bwd_step_args) * A, i64 i, scalar_t* sums) {

@@ -295,6 +295,33 @@ static inline __attribute__((always_inline)) void FN(ln_dx_store)(
     }
 }
 
+/* One step of a block of ln_dx's two sums, for the two vectors of dy at j (d0, d1): g += dy⊙w,
+   gx += dy⊙w⊙x̂, x̂ = (x − mf)·rf, in two accumulators each. */
+static inline __attribute__((always_inline)) void FN(ln_dx_terms)(
+    FN(svec) d0, FN(svec) d1, const scalar_t* w, const scalar_t* x, scalar_t mf, scalar_t rf,
+    i64 j, FN(svec) * g0, FN(svec) * g1, FN(svec) * gx0, FN(svec) * gx1) {
+    const FN(svec) u = d0 * FN(sld)(w + j);
+    const FN(svec) v = d1 * FN(sld)(w + j + SVL);
+    *g0 += u;
+    *g1 += v;
+    *gx0 += u * ((FN(sld)(x + j) - mf) * rf);
+    *gx1 += v * ((FN(sld)(x + j + SVL) - mf) * rf);
+}
+
+/* ln_dx's two means: the tail's terms (columns [nfull, N)) added to the blocks' sums ag, agx. */
+static inline __attribute__((always_inline)) void FN(ln_dx_means)(
+    const scalar_t* dy, const scalar_t* w, const scalar_t* x, scalar_t mf, scalar_t rf, i64 nfull,
+    i64 N, FN(lanes) ag, FN(lanes) agx, scalar_t* cg, scalar_t* cgx) {
+    acc_t sg = 0, sgx = 0;
+    for (i64 j = nfull; j < N; ++j) {
+        const scalar_t g = dy[j] * w[j];
+        sg += g;
+        sgx += (acc_t)g * ((x[j] - mf) * rf);
+    }
+    *cg = (scalar_t)((sg + FN(lanes_fold)(ag)) / N);
+    *cgx = (scalar_t)((sgx + FN(lanes_fold)(agx)) / N);
+}
+
 /* dx (+)= rstd·(g − mean(g) − x̂·mean(g⊙x̂)), g = dy⊙w, x̂ = (x − m)·r, in scalar_t with the
    two means summed as row_sum does; sw, sb (NULL: none) add this row's dy⊙x̂ and dy. */
 static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc_t r,
@@ -306,25 +333,14 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
     for (i64 j = 0; j < nfull;) {
         const i64 end = block_end(j, BLOCK_TERMS * step, nfull);
         FN(svec) g0 = {0}, g1 = {0}, gx0 = {0}, gx1 = {0};
-        for (; j < end; j += step) {
-            const FN(svec) u = FN(sld)(dy + j) * FN(sld)(w + j);
-            const FN(svec) v = FN(sld)(dy + j + SVL) * FN(sld)(w + j + SVL);
-            g0 += u;
-            g1 += v;
-            gx0 += u * ((FN(sld)(x + j) - mf) * rf);
-            gx1 += v * ((FN(sld)(x + j + SVL) - mf) * rf);
-        }
+        for (; j < end; j += step)
+            FN(ln_dx_terms)(FN(sld)(dy + j), FN(sld)(dy + j + SVL), w, x, mf, rf, j, &g0, &g1,
+                            &gx0, &gx1);
         FN(lanes_add)(g0, g1, &ag);
         FN(lanes_add)(gx0, gx1, &agx);
     }
-    acc_t sg = 0, sgx = 0;
-    for (i64 j = nfull; j < N; ++j) {
-        const scalar_t g = dy[j] * w[j];
-        sg += g;
-        sgx += (acc_t)g * ((x[j] - mf) * rf);
-    }
-    const scalar_t cg = (scalar_t)((sg + FN(lanes_fold)(ag)) / N);
-    const scalar_t cgx = (scalar_t)((sgx + FN(lanes_fold)(agx)) / N);
+    scalar_t cg, cgx;
+    FN(ln_dx_means)(dy, w, x, mf, rf, nfull, N, ag, agx, &cg, &cgx);
     if (sw && accumulate) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, sw, sb, 1, 1);
     else if (sw) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, sw, sb, 0, 1);
     else if (accumulate) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, NULL, NULL, 1, 0);
@@ -351,34 +367,17 @@ static inline void FN(ln_dx2)(scalar_t* dy, const scalar_t* x1, acc_t m1, acc_t 
         FN(svec) g20 = {0}, g21 = {0}, gx20 = {0}, gx21 = {0};
         for (; j < end; j += step) {
             const FN(svec) d0 = FN(sld)(dy + j), d1 = FN(sld)(dy + j + SVL);
-            const FN(svec) u1 = d0 * FN(sld)(w1 + j), v1 = d1 * FN(sld)(w1 + j + SVL);
-            const FN(svec) u2 = d0 * FN(sld)(w2 + j), v2 = d1 * FN(sld)(w2 + j + SVL);
-            g10 += u1;
-            g11 += v1;
-            gx10 += u1 * ((FN(sld)(x1 + j) - mf1) * rf1);
-            gx11 += v1 * ((FN(sld)(x1 + j + SVL) - mf1) * rf1);
-            g20 += u2;
-            g21 += v2;
-            gx20 += u2 * ((FN(sld)(x2 + j) - mf2) * rf2);
-            gx21 += v2 * ((FN(sld)(x2 + j + SVL) - mf2) * rf2);
+            FN(ln_dx_terms)(d0, d1, w1, x1, mf1, rf1, j, &g10, &g11, &gx10, &gx11);
+            FN(ln_dx_terms)(d0, d1, w2, x2, mf2, rf2, j, &g20, &g21, &gx20, &gx21);
         }
         FN(lanes_add)(g10, g11, &ag1);
         FN(lanes_add)(gx10, gx11, &agx1);
         FN(lanes_add)(g20, g21, &ag2);
         FN(lanes_add)(gx20, gx21, &agx2);
     }
-    acc_t sg1 = 0, sgx1 = 0, sg2 = 0, sgx2 = 0;
-    for (i64 j = nfull; j < N; ++j) {
-        const scalar_t g1 = dy[j] * w1[j], g2 = dy[j] * w2[j];
-        sg1 += g1;
-        sgx1 += (acc_t)g1 * ((x1[j] - mf1) * rf1);
-        sg2 += g2;
-        sgx2 += (acc_t)g2 * ((x2[j] - mf2) * rf2);
-    }
-    const scalar_t cg1 = (scalar_t)((sg1 + FN(lanes_fold)(ag1)) / N);
-    const scalar_t cgx1 = (scalar_t)((sgx1 + FN(lanes_fold)(agx1)) / N);
-    const scalar_t cg2 = (scalar_t)((sg2 + FN(lanes_fold)(ag2)) / N);
-    const scalar_t cgx2 = (scalar_t)((sgx2 + FN(lanes_fold)(agx2)) / N);
+    scalar_t cg1, cgx1, cg2, cgx2;
+    FN(ln_dx_means)(dy, w1, x1, mf1, rf1, nfull, N, ag1, agx1, &cg1, &cgx1);
+    FN(ln_dx_means)(dy, w2, x2, mf2, rf2, nfull, N, ag2, agx2, &cg2, &cgx2);
     if (sw1) {
         #pragma omp simd
         for (i64 j = 0; j < N; ++j) {

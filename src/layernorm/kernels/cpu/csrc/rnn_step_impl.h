@@ -276,6 +276,13 @@ static inline FN(stats) FN(split)(acc_t m, acc_t r) {
     return (FN(stats)){hi, (scalar_t)(m - (acc_t)hi), (scalar_t)r};
 }
 
+/* One column's layer-norm gradient: rstd·(dy·w − cg − x̂·cgx), cg and cgx the row's two means. */
+static inline __attribute__((always_inline)) scalar_t FN(ln_dx_at)(scalar_t d, scalar_t w,
+                                                                   scalar_t xh, scalar_t rf,
+                                                                   scalar_t cg, scalar_t cgx) {
+    return rf * (d * w - cg - xh * cgx);
+}
+
 /* dx (=|+=) rstd·(g − cg − x̂·cgx) for accumulate (0|1); with sums, also sw += dy⊙x̂ and
    sb += dy (the gain's and bias's gradient terms of this row). Constant flags: each caller's
    loop is compiled for its own case (one pass, no reads of a dx that is not accumulated). */
@@ -286,7 +293,7 @@ static inline __attribute__((always_inline)) void FN(ln_dx_store)(
     #pragma omp simd
     for (i64 j = 0; j < N; ++j) {
         const scalar_t d = dy[j], xh = (x[j] - mf) * rf;
-        const scalar_t v = rf * (d * w[j] - cg - xh * cgx);
+        const scalar_t v = FN(ln_dx_at)(d, w[j], xh, rf, cg, cgx);
         dx[j] = accumulate ? dx[j] + v : v;
         if (sums) {
             sw[j] += d * xh;
@@ -382,8 +389,8 @@ static inline void FN(ln_dx2)(scalar_t* dy, const scalar_t* x1, acc_t m1, acc_t 
         #pragma omp simd
         for (i64 j = 0; j < N; ++j) {
             const scalar_t d = dy[j], xh1 = (x1[j] - mf1) * rf1, xh2 = (x2[j] - mf2) * rf2;
-            dx1[j] = rf1 * (d * w1[j] - cg1 - xh1 * cgx1);
-            dy[j] = rf2 * (d * w2[j] - cg2 - xh2 * cgx2);
+            dx1[j] = FN(ln_dx_at)(d, w1[j], xh1, rf1, cg1, cgx1);
+            dy[j] = FN(ln_dx_at)(d, w2[j], xh2, rf2, cg2, cgx2);
             sw1[j] += d * xh1;
             sb1[j] += d;
             sw2[j] += d * xh2;
@@ -393,8 +400,8 @@ static inline void FN(ln_dx2)(scalar_t* dy, const scalar_t* x1, acc_t m1, acc_t 
         #pragma omp simd
         for (i64 j = 0; j < N; ++j) {
             const scalar_t d = dy[j], xh1 = (x1[j] - mf1) * rf1, xh2 = (x2[j] - mf2) * rf2;
-            dx1[j] = rf1 * (d * w1[j] - cg1 - xh1 * cgx1);
-            dy[j] = rf2 * (d * w2[j] - cg2 - xh2 * cgx2);
+            dx1[j] = FN(ln_dx_at)(d, w1[j], xh1, rf1, cg1, cgx1);
+            dy[j] = FN(ln_dx_at)(d, w2[j], xh2, rf2, cg2, cgx2);
         }
     }
 }

@@ -26,7 +26,7 @@ from kernel_paths import FORTRAN_GEMM, counting, needs_sequence_kernels, one_ste
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import _cstep, _pointwise, register_step_kernels
 from layernorm.recurrent import layers as recurrent_layers
-from tolerances import assert_close_to_rounding
+from tolerances import UNIT_ROUNDOFF, assert_close_to_rounding
 
 pytestmark = needs_sequence_kernels
 TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-11}, torch.float32: {"rtol": 2e-5, "atol": 2e-5}}
@@ -96,6 +96,28 @@ def test_sequence_kernels_equal_per_step_loop(kind, batch, hidden, packed, steps
         return
     # float32: the two GEMMs' orders differ by the processor's BLAS; the bound follows the size
     # of the per-step loop's rounding, measured against the same layer run in float64
+    exact = _run(copy.deepcopy(model).double(), [x.double() for x in xs], packed)
+    assert_close_to_rounding(ours, ref, exact, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("packed", [False, True])
+def test_sequence_kernels_with_rows_4_kib_apart(dtype, packed) -> None:
+    """A GEMM whose A rows lie a multiple of 4 KiB apart reads a copy of them spread a cache line
+    further each (``spread_block`` in rnn_seq_impl.h, where a row tile outnumbers an L1 set's
+    ways): here the LSTM backward's dhp, G = 4H values a row (4 KiB at H = 256 in float32, 128 in
+    float64), over steps of 40 rows (20 a thread where two share them by rows) and, packed, of
+    fewer."""
+    hidden = 4096 // (4 * torch.finfo(dtype).bits // 8)
+    model = _model("lstm", hidden, "layer", dtype)
+    gen = torch.Generator().manual_seed(2)
+    lengths = [3 - (i % 3) for i in range(40)] if packed else [3] * 40
+    xs = [0.5 + torch.randn(n, 6, generator=gen, dtype=dtype) for n in lengths]
+    ours, ref = _both(model, xs, packed)
+    if dtype == torch.float64:
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, b, **TOL[dtype])
+        return
     exact = _run(copy.deepcopy(model).double(), [x.double() for x in xs], packed)
     assert_close_to_rounding(ours, ref, exact, **TOL[dtype])
 
@@ -648,22 +670,30 @@ def test_weight_grad_takes_the_c_gemm_at_every_size_where_it_outpaces_torch(
 @pytest.mark.parametrize("transposed", [True, False], ids=["x·Wᵀ", "x·W"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(
-    ("rows", "inner", "cols"), [(300, 70, 130), (37, 5, 11), (1, 1, 1), (5, 0, 3), (0, 4, 3)]
+    ("rows", "inner", "cols"),
+    [(300, 70, 130), (37, 5, 11), (1, 1, 1), (5, 0, 3), (0, 4, 3), (1100, 1024, 40)],
 )
 def test_matmul_equals_mm(rows, inner, cols, dtype, transposed, threads) -> None:
     """The C GEMM of the input projection (``rnn.matmul``): x · Wᵀ with W as a layer stores it,
     or x · W, equal to torch.mm's product to the dtype's rounding, over row tiles, column tails,
-    an empty inner size (zeros) or no rows, on one thread or with the panels shared by two."""
+    an empty inner size (zeros) or no rows, rows of x a multiple of 4 KiB apart (read from
+    copies that spread them, block after block of rows: ``spread_block``), on one thread or with
+    the panels shared by two."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(rows, inner, generator=gen, dtype=torch.float64)
     w = torch.randn(*((cols, inner) if transposed else (inner, cols)), generator=gen,
                     dtype=torch.float64)  # fmt: skip
     out = torch.full((rows, cols), float("nan"), dtype=dtype)
+    x, w = x.to(dtype).double(), w.to(dtype).double()  # the rounded inputs
     got = _cstep.rnn.matmul(x.to(dtype), w.to(dtype), transposed, out, threads, 1)
     assert got is out
-    want = x @ (w.t() if transposed else w)
-    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
-    torch.testing.assert_close(got.double(), want, **tol)
+    wk = w.t() if transposed else w
+    # a sum of `inner` products in the dtype: within inner · u · Σ|x||w| (each product exact
+    # in float64 here, every addition one rounding), plus the result's own rounding
+    u = UNIT_ROUNDOFF[dtype]
+    bound = inner * u * (x.abs() @ wk.abs()) + 2 * u * (x @ wk).abs()
+    err = (got.double() - x @ wk).abs()
+    assert not got.isnan().any() and bool((err <= bound).all()), float((err - bound).max())
 
 
 def test_matmul_refuses_a_w_of_the_other_orientation() -> None:

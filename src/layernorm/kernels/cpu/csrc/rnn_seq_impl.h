@@ -129,7 +129,7 @@ static inline __attribute__((always_inline)) void FN(prefetch_panel)(const scala
 #define RNN_SEQ_SLOTS
 enum {
     SLOT_W_HH, SLOT_W_IH, SLOT_W_HR, WEIGHT_SLOTS,
-    SLOT_PACK_A = 2 * WEIGHT_SLOTS, SLOT_STAGE_H, SLOT_STAGE_X, SLOTS
+    SLOT_PACK_A = 2 * WEIGHT_SLOTS, SLOT_STAGE_H, SLOT_STAGE_X, SLOT_SPREAD_A, SLOTS
 };
 #endif
 static __thread scalar_t* FN(pack_buf)[SLOTS];
@@ -664,39 +664,11 @@ static inline void FN(tile_at)(const FN(gemm_ops) * g, int rows, i64 i0, i64 p, 
     else FN(tile_rows)(rows, a, sar, g->sak, P, g->K, c, g->ldc, w, g->accumulate);
 }
 
-/* Part `part` of `parts` of C[M, N] (=|+=) A · B (the operands g): a contiguous share of the
-   panels (pairs of panels up to GEMM_WIDE_MR rows). */
-static void FN(gemm_part)(i64 M, i64 N, const FN(gemm_ops) * g, int part, int parts) {
-    if (M <= 0) return;
+/* The tiles of C[M, N] (=|+=) A · B (the operands g) of part `part` of `parts`: a contiguous
+   share of the panels (pairs of panels up to GEMM_WIDE_MR rows). */
+static void FN(gemm_tiles)(i64 M, i64 N, const FN(gemm_ops) * g, int part, int parts) {
     const i64 np = FN(panels)(N);
     i64 lo, hi;
-#if GEMM_PACK_A
-    FN(gemm_ops) gp = *g;
-#if SEQ_HALF_GEMM
-    if (!g->Q)
-#endif
-    {
-        scalar_t* Ap = FN(pack_buffer)(M * g->K, SLOT_PACK_A); /* NULL: A read in place */
-        const i64 tiles = M <= GEMM_WIDE_MR ? 1 : (M + GEMM_MR - 1) / GEMM_MR;
-        const int balanced = M <= GEMM_WIDE_MR || M / tiles >= GEMM_BALANCED;
-        i64 i0 = 0;
-        for (i64 t = 0; Ap && t < tiles; ++t) {
-            const i64 rows = balanced ? M / tiles + (t < M % tiles ? 1 : 0)
-                                      : (M - i0 < GEMM_MR ? M - i0 : GEMM_MR);
-            scalar_t* dst = Ap + i0 * g->K;
-            for (i64 r = 0; r < rows; ++r) {
-                const scalar_t* src = g->A + (i0 + r) * g->sar;
-                for (i64 k = 0; k < g->K; ++k) dst[k * rows + r] = src[k * g->sak];
-            }
-            i0 += rows;
-        }
-        if (Ap) {
-            gp.A = Ap;
-            gp.packed = 1;
-            g = &gp;
-        }
-    }
-#endif
     if (M <= GEMM_WIDE_MR) { /* pairs of full panels by the wide tile, any rest by the narrow */
         row_block((np + 1) / 2, parts, part, &lo, &hi);
         for (i64 q = lo; q < hi; ++q) {
@@ -726,6 +698,93 @@ static void FN(gemm_part)(i64 M, i64 N, const FN(gemm_ops) * g, int part, int pa
             i0 += rows;
         }
     }
+}
+
+/* A tile reads one value of each of its rows at a time, every row a stream of its own. Rows a
+   multiple of 4 KiB apart fall in one set of L1 (64 sets of 64-byte lines on current x86 cores,
+   8 ways on AMD's, 12 on recent Intel's): the 14-row AVX-512 tile's rows evicted one another, and
+   the panel's lines with them. A GEMM whose A is such (the recurrent step at H = 1024, the
+   backward's dhp at H = 256: G = 4H floats a row) and whose tiles have more rows than
+   GEMM_L1_WAYS runs on a copy of A in the calling thread's buffer (SLOT_SPREAD_A), each row one
+   cache line further on: in blocks of rows of at most GEMM_SPREAD_BYTES, the copy of each made just before
+   its tiles (K values a row, against K·N multiply-adds). AMD EPYC (Zen 4), one thread, M = 256,
+   GFLOP/s: (K, N) = (1024, 4096) 78 → 98, (4096, 1024) 72 → 98, (1024, 256) 83 → 102, as
+   GEMM_PACK_A's 101, 95, 95 (bench_rnn_gemm.py). The 6-row AVX2 tile lost nothing to the sets
+   there (104 against 99 with the copy), so it reads A in place. */
+#ifndef GEMM_L1_WAYS
+#define GEMM_L1_WAYS 8
+#endif
+#ifndef GEMM_SPREAD_A
+#define GEMM_SPREAD_A (GEMM_MR > GEMM_L1_WAYS)
+#endif
+#define GEMM_SPREAD_BYTES (2 << 20)
+
+#if !GEMM_PACK_A
+/* The rows of each block of A that gemm_part copies with its rows spread (near-equal blocks of
+   at most GEMM_SPREAD_BYTES), or 0 where A is read in place. */
+static i64 FN(spread_block)(i64 M, const FN(gemm_ops) * g) {
+    if (!GEMM_SPREAD_A || M <= GEMM_L1_WAYS || g->sak != 1 ||
+        (g->sar * (i64)sizeof(scalar_t)) % 4096)
+        return 0;
+#if SEQ_HALF_GEMM
+    if (g->Q) return 0; /* the tiles read A2, rounded in a buffer of their own */
+#endif
+    const i64 row_bytes = (g->K + 64 / (i64)sizeof(scalar_t)) * (i64)sizeof(scalar_t);
+    const i64 blocks = (M * row_bytes + GEMM_SPREAD_BYTES - 1) / GEMM_SPREAD_BYTES;
+    return (M + blocks - 1) / blocks;
+}
+#endif
+
+/* Part `part` of `parts` of C[M, N] (=|+=) A · B (the operands g), A read in place, packed
+   (GEMM_PACK_A) or spread (spread_block). */
+static void FN(gemm_part)(i64 M, i64 N, const FN(gemm_ops) * g, int part, int parts) {
+    if (M <= 0) return;
+#if GEMM_PACK_A
+    FN(gemm_ops) gp = *g;
+#if SEQ_HALF_GEMM
+    if (!g->Q)
+#endif
+    {
+        scalar_t* Ap = FN(pack_buffer)(M * g->K, SLOT_PACK_A); /* NULL: A read in place */
+        const i64 tiles = M <= GEMM_WIDE_MR ? 1 : (M + GEMM_MR - 1) / GEMM_MR;
+        const int balanced = M <= GEMM_WIDE_MR || M / tiles >= GEMM_BALANCED;
+        i64 i0 = 0;
+        for (i64 t = 0; Ap && t < tiles; ++t) {
+            const i64 rows = balanced ? M / tiles + (t < M % tiles ? 1 : 0)
+                                      : (M - i0 < GEMM_MR ? M - i0 : GEMM_MR);
+            scalar_t* dst = Ap + i0 * g->K;
+            for (i64 r = 0; r < rows; ++r) {
+                const scalar_t* src = g->A + (i0 + r) * g->sar;
+                for (i64 k = 0; k < g->K; ++k) dst[k * rows + r] = src[k * g->sak];
+            }
+            i0 += rows;
+        }
+        if (Ap) {
+            gp.A = Ap;
+            gp.packed = 1;
+            g = &gp;
+        }
+    }
+#else
+    const i64 block = FN(spread_block)(M, g);
+    const i64 lda = g->K + 64 / (i64)sizeof(scalar_t);
+    scalar_t* spread = block ? FN(pack_buffer)(block * lda, SLOT_SPREAD_A) : NULL;
+    if (spread) { /* NULL: A read in place */
+        FN(gemm_ops) gs = *g;
+        gs.A = spread;
+        gs.sar = lda;
+        for (i64 i0 = 0; i0 < M; i0 += block) {
+            const i64 m = M - i0 < block ? M - i0 : block;
+            for (i64 i = 0; i < m; ++i)
+                memcpy(spread + i * lda, g->A + (i0 + i) * g->sar,
+                       (size_t)g->K * sizeof(scalar_t));
+            gs.C = g->C + i0 * g->ldc;
+            FN(gemm_tiles)(m, N, &gs, part, parts);
+        }
+        return;
+    }
+#endif
+    FN(gemm_tiles)(M, N, g, part, parts);
 }
 
 /* C[M, N] (=|+=) A[M, K] · B with B packed by pack_panels; the panels split across nt threads. */

@@ -165,14 +165,16 @@ def test_rounded_recurrent_products_hold_only_inside_their_block(cls):
     assert torch.equal(out3, out0) and all(map(torch.equal, grads3, grads0))
 
 
+@pytest.mark.parametrize("inputs", [33, 2048])
 @pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
-def test_bfloat16_inference_projection_matches_float64(cls, projection, tiles):
+def test_bfloat16_inference_projection_matches_float64(cls, inputs, projection, tiles):
     """Inference with enough rows a step that the sequence kernel projects the inputs itself:
     by bfloat16 dot products of x and W_ih (bfloat16 values: exact products, float32 sums) where
     the build has them and the choice asks for them, else in float32; either way the float32
     path's accuracy.
-    I = 33: an odd count of pairs' values."""
-    m, x, state, ref = _bf16_case(cls, 7, 40, 33, 48)
+    I = 33: an odd count of pairs' values; I = 2048: rows of 1024 pairs, 4 KiB, which the rounded
+    rows hold a cache line further apart (``half_rows_apart``)."""
+    m, x, state, ref = _bf16_case(cls, 7, 40, inputs, 48)
     with torch.no_grad():
         out, _ = m(x, state)
         out_r, _ = ref(x.double(), _double(state))

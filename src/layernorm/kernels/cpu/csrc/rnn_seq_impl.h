@@ -86,6 +86,15 @@
 #endif
 #endif
 
+/* A's rows a multiple of 4 KiB apart share one set of L1, GEMM_L1_WAYS lines: a tile of more
+   rows than that reads them from a copy spread a cache line apart (spread_block). */
+#ifndef GEMM_L1_WAYS
+#define GEMM_L1_WAYS 8
+#endif
+#ifndef GEMM_SPREAD_A
+#define GEMM_SPREAD_A (GEMM_MR > GEMM_L1_WAYS)
+#endif
+
 /* Keep two loaded vectors in registers: left to itself GCC folds the panel's loads into every
    row's FMA (a memory operand each), 2·rows loads of B per k instead of 2; the 4-row AVX2 tile
    then issued 12 loads per 8 FMAs and ran below the FMA units' rate. An empty asm that takes
@@ -414,10 +423,10 @@ static void half_pack_panels(const float* W, i64 K, i64 N, int transposed, uint3
 }
 
 /* One tile of `rows` rows (a constant per inlined copy) × the first w <= NR columns of panel Q. */
-static inline __attribute__((always_inline)) void half_tile(const half_pair* A2, i64 K2,
-                                                            const uint32_t* Q, const int rows,
-                                                            float* C, i64 ldc, i64 w,
-                                                            int accumulate) {
+static inline __attribute__((always_inline)) void half_tile(const half_pair* A2, i64 ld2,
+                                                            i64 K2, const uint32_t* Q,
+                                                            const int rows, float* C, i64 ldc,
+                                                            i64 w, int accumulate) {
     __m512 acc[GEMM_MR][2];
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (i64 kk = 0; kk < K2; ++kk) {
@@ -426,7 +435,7 @@ static inline __attribute__((always_inline)) void half_tile(const half_pair* A2,
         __m512i b1 = _mm512_load_si512((const void*)(Q + kk * NR + VL));
         IN_REGISTERS(b0, b1);
         for (int r = 0; r < rows; ++r) {
-            const __m512i a = _mm512_set1_epi32((int)A2[r * K2 + kk]);
+            const __m512i a = _mm512_set1_epi32((int)A2[r * ld2 + kk]);
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)b0);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)b1);
         }
@@ -446,8 +455,8 @@ static inline __attribute__((always_inline)) void half_tile(const half_pair* A2,
 
 /* Up to GEMM_WIDE_MR rows, two adjacent full panels at once (as gemm_tile_wide): 4·rows
    independent accumulators instead of 2·rows. */
-static inline __attribute__((always_inline)) void half_tile_wide(const half_pair* A2, i64 K2,
-                                                                 const uint32_t* Q,
+static inline __attribute__((always_inline)) void half_tile_wide(const half_pair* A2, i64 ld2,
+                                                                 i64 K2, const uint32_t* Q,
                                                                  const int rows, float* C,
                                                                  i64 ldc, int accumulate) {
     __m512 acc[GEMM_WIDE_MR][4];
@@ -464,7 +473,7 @@ static inline __attribute__((always_inline)) void half_tile_wide(const half_pair
         IN_REGISTERS(b0, b1);
         IN_REGISTERS(b2, b3);
         for (int r = 0; r < rows; ++r) {
-            const __m512i a = _mm512_set1_epi32((int)A2[r * K2 + kk]);
+            const __m512i a = _mm512_set1_epi32((int)A2[r * ld2 + kk]);
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)b0);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)b1);
             acc[r][2] = _mm512_dpbf16_ps(acc[r][2], (__m512bh)a, (__m512bh)b2);
@@ -480,9 +489,9 @@ static inline __attribute__((always_inline)) void half_tile_wide(const half_pair
 }
 
 #define HALF_WIDE_CASE(R) \
-    case R: half_tile_wide(A2, K2, Q, R, C, ldc, accumulate); return;
+    case R: half_tile_wide(A2, ld2, K2, Q, R, C, ldc, accumulate); return;
 
-static void half_tile_rows_wide(int rows, const half_pair* A2, i64 K2, const uint32_t* Q,
+static void half_tile_rows_wide(int rows, const half_pair* A2, i64 ld2, i64 K2, const uint32_t* Q,
                                 float* C, i64 ldc, int accumulate) {
     switch (rows) {
         GEMM_WIDE_CASES(HALF_WIDE_CASE)
@@ -492,10 +501,10 @@ static void half_tile_rows_wide(int rows, const half_pair* A2, i64 K2, const uin
 #undef HALF_WIDE_CASE
 
 #define HALF_CASE(R) \
-    case R: half_tile(A2, K2, Q, R, C, ldc, w, accumulate); return;
+    case R: half_tile(A2, ld2, K2, Q, R, C, ldc, w, accumulate); return;
 
-static void half_tile_rows(int rows, const half_pair* A2, i64 K2, const uint32_t* Q, float* C,
-                           i64 ldc, i64 w, int accumulate) {
+static void half_tile_rows(int rows, const half_pair* A2, i64 ld2, i64 K2, const uint32_t* Q,
+                           float* C, i64 ldc, i64 w, int accumulate) {
     switch (rows) {
         GEMM_ROW_CASES(HALF_CASE)
         default: return;
@@ -504,13 +513,18 @@ static void half_tile_rows(int rows, const half_pair* A2, i64 K2, const uint32_t
 #undef HALF_CASE
 
 /* A[M, K] (row-major, leading dimension lda) rounded to bfloat16 into A2, ⌈K/2⌉ pairs a row (an
-   odd K's last pair zero in its high half). */
-static void half_round_rows(i64 M, i64 K, const float* A, i64 lda, uint16_t* A2) {
-    const i64 K2 = (K + 1) / 2;
+   odd K's last pair zero in its high half), row i from pair i·ld2 (half_rows_apart). */
+static void half_round_rows(i64 M, i64 K, const float* A, i64 lda, uint16_t* A2, i64 ld2) {
     for (i64 i = 0; i < M; ++i) {
-        f32_row_to_bf16(A + i * lda, A2 + 2 * i * K2, K, 0);
-        if (K % 2) A2[2 * i * K2 + K] = 0;
+        f32_row_to_bf16(A + i * lda, A2 + 2 * i * ld2, K, 0);
+        if (K % 2) A2[2 * i * ld2 + K] = 0;
     }
+}
+
+/* The pairs from one rounded row of A to the next, for ⌈K/2⌉ pairs a row: one cache line more
+   where ⌈K/2⌉ pairs are a multiple of 4 KiB (spread_block: such rows share one set of L1). */
+static inline i64 half_rows_apart(i64 K2) {
+    return GEMM_SPREAD_A && (K2 * 4) % 4096 == 0 ? K2 + 16 : K2;
 }
 
 #if SEQ_AMX
@@ -554,10 +568,10 @@ static void amx_configure(int rows, int rest) {
 
 /* Rows [i0, i0 + rows) of C's panels [lo, hi), the tiles configured for `rows` (see above). */
 __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(
-    i64 i0, int rows, i64 N, i64 K2, const half_pair* A2, const uint32_t* Q, float* C, i64 ldc,
-    int accumulate, i64 lo, i64 hi) {
+    i64 i0, int rows, i64 N, i64 K2, const half_pair* A2, i64 ld2, const uint32_t* Q, float* C,
+    i64 ldc, int accumulate, i64 lo, i64 hi) {
     const i64 full = K2 - K2 % AMX_PAIRS;
-    const half_pair* a = A2 + i0 * K2;
+    const half_pair* a = A2 + i0 * ld2;
     for (i64 p = lo; p < hi; ++p) {
         const i64 j0 = p * NR, w = N - j0 < NR ? N - j0 : NR;
         const uint32_t* q = Q + p * K2 * NR;
@@ -578,14 +592,14 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(
             _tile_zero(1);
         }
         for (i64 kb = 0; kb < full; kb += AMX_PAIRS) {
-            _tile_loadd(2, a + kb, K2 * 4);
+            _tile_loadd(2, a + kb, ld2 * 4);
             _tile_loadd(3, q + kb * NR, NR * 4);
             _tile_loadd(4, q + kb * NR + 16, NR * 4);
             _tile_dpbf16ps(0, 2, 3);
             _tile_dpbf16ps(1, 2, 4);
         }
         if (full < K2) {
-            _tile_loadd(5, a + full, K2 * 4);
+            _tile_loadd(5, a + full, ld2 * 4);
             _tile_loadd(6, q + full * NR, NR * 4);
             _tile_loadd(7, q + full * NR + 16, NR * 4);
             _tile_dpbf16ps(0, 5, 6);
@@ -602,7 +616,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows(
 /* Part `part` of `parts` of C[M, N] (=|+=) A2 · B on the tiles: a contiguous share of the panels,
    in blocks of AMX_ROWS rows. The tile state is released after (no other code finds it held). */
 __attribute__((target("amx-tile,amx-bf16"))) static void amx_gemm_part(
-    i64 M, i64 N, i64 K2, const half_pair* A2, const uint32_t* Q, float* C, i64 ldc,
+    i64 M, i64 N, i64 K2, const half_pair* A2, i64 ld2, const uint32_t* Q, float* C, i64 ldc,
     int accumulate, int part, int parts) {
     i64 lo, hi;
     row_block((N + NR - 1) / NR, parts, part, &lo, &hi);
@@ -611,7 +625,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_gemm_part(
     for (i64 i0 = 0; i0 < M; i0 += AMX_ROWS) {
         const int rows = M - i0 < AMX_ROWS ? (int)(M - i0) : AMX_ROWS;
         if (rows != configured) amx_configure(rows, (int)(K2 % AMX_PAIRS)), configured = rows;
-        amx_rows(i0, rows, N, K2, A2, Q, C, ldc, accumulate, lo, hi);
+        amx_rows(i0, rows, N, K2, A2, ld2, Q, C, ldc, accumulate, lo, hi);
     }
     _tile_release();
 }
@@ -628,6 +642,7 @@ typedef struct {
 #if SEQ_HALF_GEMM
     const half_pair* A2;
     const uint32_t* Q;
+    i64 ld2; /* pairs from one row of A2 to the next */
 #endif
     scalar_t* C;
     i64 ldc;
@@ -645,10 +660,10 @@ static inline void FN(tile_at)(const FN(gemm_ops) * g, int rows, i64 i0, i64 p, 
 #if SEQ_HALF_GEMM
     if (g->Q) {
         const i64 K2 = (g->K + 1) / 2;
-        const half_pair* a = g->A2 + i0 * K2;
+        const half_pair* a = g->A2 + i0 * g->ld2;
         const uint32_t* q = g->Q + p * K2 * NR;
-        if (wide) half_tile_rows_wide(rows, a, K2, q, c, g->ldc, g->accumulate);
-        else half_tile_rows(rows, a, K2, q, c, g->ldc, w, g->accumulate);
+        if (wide) half_tile_rows_wide(rows, a, g->ld2, K2, q, c, g->ldc, g->accumulate);
+        else half_tile_rows(rows, a, g->ld2, K2, q, c, g->ldc, w, g->accumulate);
         return;
     }
 #endif
@@ -711,12 +726,6 @@ static void FN(gemm_tiles)(i64 M, i64 N, const FN(gemm_ops) * g, int part, int p
    GFLOP/s: (K, N) = (1024, 4096) 78 → 98, (4096, 1024) 72 → 98, (1024, 256) 83 → 102, as
    GEMM_PACK_A's 101, 95, 95 (bench_rnn_gemm.py). The 6-row AVX2 tile lost nothing to the sets
    there (104 against 99 with the copy), so it reads A in place. */
-#ifndef GEMM_L1_WAYS
-#define GEMM_L1_WAYS 8
-#endif
-#ifndef GEMM_SPREAD_A
-#define GEMM_SPREAD_A (GEMM_MR > GEMM_L1_WAYS)
-#endif
 #define GEMM_SPREAD_BYTES (2 << 20)
 
 #if !GEMM_PACK_A
@@ -1155,7 +1164,7 @@ typedef struct {
     const float* mkl;       /* MKL's packed B, or NULL */
     mkl_compute_fn compute; /* taken at packing: a later rnn_set_packed_gemm does not reach it */
     const uint32_t* half;   /* bfloat16 pair panels (half_gemm), or NULL */
-    uint16_t* half_a;       /* with half: each thread's rounded A, half_a_rows·⌈K/2⌉ pairs */
+    uint16_t* half_a; /* with half: each thread's rounded A, half_a_rows rows of half_rows_apart */
     i64 half_a_rows, K, N;
 } FN(weight);
 
@@ -1172,7 +1181,8 @@ static int FN(weight_init)(FN(weight) * b, const scalar_t* w, i64 K, i64 N, int 
     if (half) { /* every thread of a team or of a GEMM's own region (at most nt) rounds A */
         const i64 K2 = (K + 1) / 2, threads = team > nt ? team : nt, rows = B < 1 ? 1 : B;
         uint32_t* Q = (uint32_t*)FN(pack_buffer)(K2 * FN(panels)(N) * NR, slot);
-        uint16_t* A2 = (uint16_t*)FN(pack_buffer)(threads * rows * K2, slot + WEIGHT_SLOTS);
+        uint16_t* A2 = (uint16_t*)FN(pack_buffer)(threads * rows * half_rows_apart(K2),
+                                                  slot + WEIGHT_SLOTS);
         if (!Q || !A2) return 0;
         half_pack_panels(w, K, N, transposed, Q, nt);
         b->half = Q;
@@ -1226,18 +1236,19 @@ static void FN(wgemm_part)(const FN(weight) * b, i64 M, const scalar_t* A, i64 l
                       .ldc = ldc, .accumulate = accumulate};
 #if SEQ_HALF_GEMM
     if (b->half) { /* A rounded into the calling thread's pairs, then the pair panels */
-        const i64 K2 = (b->K + 1) / 2;
-        uint16_t* A2 = b->half_a + 2 * omp_get_thread_num() * b->half_a_rows * K2;
-        half_round_rows(M, b->K, A, lda, A2);
+        const i64 K2 = (b->K + 1) / 2, ld2 = half_rows_apart(K2);
+        uint16_t* A2 = b->half_a + 2 * omp_get_thread_num() * b->half_a_rows * ld2;
+        half_round_rows(M, b->K, A, lda, A2, ld2);
 #if SEQ_AMX
         if (amx_on) {
-            amx_gemm_part(M, b->N, K2, (const half_pair*)A2, b->half, C, ldc, accumulate, part,
-                          parts);
+            amx_gemm_part(M, b->N, K2, (const half_pair*)A2, ld2, b->half, C, ldc, accumulate,
+                          part, parts);
             return;
         }
 #endif
         g.A2 = (const half_pair*)A2;
         g.Q = b->half;
+        g.ld2 = ld2;
     }
 #endif
     FN(gemm_part)(M, b->N, &g, part, parts);

@@ -76,6 +76,20 @@ def _both(model: torch.nn.Module, xs: list[torch.Tensor], packed: bool):
     return ours, ref
 
 
+def _assert_matches_per_step_loop(model: torch.nn.Module, xs: list[torch.Tensor], packed: bool):
+    """The sequence kernels' results against the per-step loop's: float64 within TOL; float32,
+    whose two GEMMs' orders differ by the processor's BLAS, within a bound that follows the size
+    of the per-step loop's rounding, measured against the same layer run in float64."""
+    ours, ref = _both(model, xs, packed)
+    dtype = xs[0].dtype
+    if dtype == torch.float64:
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, b, **TOL[dtype])
+        return
+    exact = _run(copy.deepcopy(model).double(), [x.double() for x in xs], packed)
+    assert_close_to_rounding(ours, ref, exact, **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize(("batch", "hidden"), [(3, 5), (8, 16), (11, 37), (17, 8)])
@@ -89,15 +103,7 @@ def test_sequence_kernels_equal_per_step_loop(kind, batch, hidden, packed, steps
     gen = torch.Generator().manual_seed(1)
     lengths = [steps - (i % min(steps, 4)) for i in range(batch)] if packed else [steps] * batch
     xs = [0.5 + torch.randn(n, 6, generator=gen, dtype=dtype) for n in lengths]
-    ours, ref = _both(model, xs, packed)
-    if dtype == torch.float64:
-        for a, b in zip(ours, ref, strict=True):
-            torch.testing.assert_close(a, b, **TOL[dtype])
-        return
-    # float32: the two GEMMs' orders differ by the processor's BLAS; the bound follows the size
-    # of the per-step loop's rounding, measured against the same layer run in float64
-    exact = _run(copy.deepcopy(model).double(), [x.double() for x in xs], packed)
-    assert_close_to_rounding(ours, ref, exact, **TOL[dtype])
+    _assert_matches_per_step_loop(model, xs, packed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -113,13 +119,7 @@ def test_sequence_kernels_with_rows_4_kib_apart(dtype, packed) -> None:
     gen = torch.Generator().manual_seed(2)
     lengths = [3 - (i % 3) for i in range(40)] if packed else [3] * 40
     xs = [0.5 + torch.randn(n, 6, generator=gen, dtype=dtype) for n in lengths]
-    ours, ref = _both(model, xs, packed)
-    if dtype == torch.float64:
-        for a, b in zip(ours, ref, strict=True):
-            torch.testing.assert_close(a, b, **TOL[dtype])
-        return
-    exact = _run(copy.deepcopy(model).double(), [x.double() for x in xs], packed)
-    assert_close_to_rounding(ours, ref, exact, **TOL[dtype])
+    _assert_matches_per_step_loop(model, xs, packed)
 
 
 @pytest.mark.parametrize("prefetch", [0, 16])

@@ -12,7 +12,7 @@ import torch
 
 import layernorm
 from kernel_paths import needs_sequence_kernels, one_step_gemm_calls, spy_projected_calls
-from layernorm.kernels.cpu import rnn
+from layernorm.kernels.cpu import rnn, torch_ops
 from layernorm.recurrent import _cstep, _fused, _steps, layers
 from tolerances import UNIT_ROUNDOFF
 
@@ -180,6 +180,50 @@ def test_bfloat16_inference_projection_matches_float64(cls, inputs, projection, 
         out_r, _ = ref(x.double(), _double(state))
     u = UNIT_ROUNDOFF[torch.bfloat16]
     assert (out.double() - out_r).abs().max() <= 4 * u * out_r.abs().max()
+
+
+def _bf16_call(m, x, state, dy, training):
+    """A bfloat16 layer's output and (``training``) its input's and parameters' gradients."""
+    if training:
+        return _grads(m, x, state, dy)
+    with torch.no_grad():
+        return m(x, state)[0], ()
+
+
+@pytest.mark.parametrize("mode", ["training", "inference"])
+@pytest.mark.parametrize("cls", LAYERS[:2], ids=lambda c: c.__name__)
+def test_bfloat16_projection_of_all_rows_matches_float64(cls, mode, projection, monkeypatch):
+    """A projection of all rows before the time loop (here every one: the loop's limit and the
+    projection node's set to none) multiplies a bfloat16 layer's input and W_ih, bfloat16 values
+    both, by bfloat16 dot products where the build has them and the choice asks for them
+    (``rnn.matmul`` with ``half``: exact products, float32 sums), else in float32; the float32
+    path's accuracy either way, and the input's gradient (dgx · W_ih, not bfloat16 values) never
+    by them. The LSTM's C++ training node takes the same route: the Python node's bits."""
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_MAX_BYTES", 0)
+    monkeypatch.setattr(_fused, "_PROJECTION_NODE_BYTES", 0)
+    halves = []
+    matmul = rnn.matmul
+
+    def spy(x, w, transposed, out, threads, grain, half=False):
+        halves.append((transposed, half))
+        return matmul(x, w, transposed, out, threads, grain, half)
+
+    monkeypatch.setattr(rnn, "matmul", spy)
+    m, x, state, ref = _bf16_case(cls, 7, 40, 64, 48)
+    dy = torch.randn(7, 40, 48, dtype=torch.float64).to(torch.bfloat16)
+    training = mode == "training"
+    with torch_ops.switched(False):  # the Python training node, whose products the spy sees
+        out, grads = _bf16_call(m, x, state, dy, training)
+    out_r, grads_r = _bf16_call(ref, x.double(), _double(state), dy.double(), training)
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    assert (out.double() - out_r).abs().max() <= 4 * u * out_r.abs().max()
+    for k, (g, gr) in enumerate(zip(grads, grads_r, strict=True)):
+        assert (g.double() - gr).abs().max() <= 8 * u * gr.abs().max(), k
+    assert ((True, True) in halves) == bool(projection and rnn.half_gemm()), halves
+    assert (False, True) not in halves
+    if training and torch_ops.recurrent_nodes():
+        out_cpp, grads_cpp = _bf16_call(m, x, state, dy, training)
+        assert torch.equal(out_cpp, out) and all(map(torch.equal, grads_cpp, grads))
 
 
 class _RoundedProducts:

@@ -596,7 +596,8 @@ _INPUT_PRODUCT_MIN_ROWS = 32
 def input_product_by_c(a: Tensor, w: Tensor, transposed: bool) -> bool:
     """Whether :func:`input_product` takes the C GEMM for ``a · wᵀ`` (``transposed``) or
     ``a · w``: where it outpaces ``torch.mm`` (:func:`tile_outpaces_torch_gemm`: MKL runs its
-    AVX2 code there, at half the rate of the processor's AVX-512 units), from
+    AVX2 code there, at half the rate of the processor's AVX-512 units) or takes a bfloat16
+    layer's projection by bfloat16 dot products (:func:`_bfloat16_input_product`), from
     :data:`_INPUT_PRODUCT_MIN` multiply-adds and :data:`_INPUT_PRODUCT_MIN_ROWS` rows, with a
     panel of output columns for every other thread (as :func:`weight_grad`)."""
     rows, inner = a.shape
@@ -608,10 +609,20 @@ def input_product_by_c(a: Tensor, w: Tensor, transposed: bool) -> bool:
         and a.is_contiguous()
         and w.is_contiguous()
         and available(a)
-        and tile_outpaces_torch_gemm()
+        and (tile_outpaces_torch_gemm() or _bfloat16_input_product(a, transposed))
     ):
         return False
     return 2 * _column_panels(cols, a) >= torch.get_num_threads()
+
+
+def _bfloat16_input_product(a: Tensor, transposed: bool) -> bool:
+    """Whether ``a · wᵀ`` is a bfloat16 layer's input projection that its sequence kernels would
+    compute by bfloat16 dot products (:func:`bfloat16_projection`): inside
+    :func:`bfloat16_layer` every ``a · wᵀ`` of :func:`input_product` is the layer's float32 copy
+    of its input times that of W_ih, bfloat16 values both (its input gradient, ``a · w``, is
+    not). Exact products either way, so only the order of the float32 sums changes: the
+    projection of all rows by the dot products, as inside the loop."""
+    return transposed and a.dtype is torch.float32 and bfloat16_projection()
 
 
 def input_product(a: Tensor, w: Tensor, transposed: bool, out: Tensor) -> Tensor:
@@ -619,7 +630,8 @@ def input_product(a: Tensor, w: Tensor, transposed: bool, out: Tensor) -> Tensor
     ``out``: the input projection of all rows before a time loop, and its input gradient after
     one. The C GEMM where :func:`input_product_by_c` says so, ``torch.mm`` elsewhere."""
     if out.is_contiguous() and input_product_by_c(a, w, transposed):
-        return rnn.matmul(a, w, transposed, out, torch.get_num_threads(), _GEMM_GRAIN)
+        half = _bfloat16_input_product(a, transposed)
+        return rnn.matmul(a, w, transposed, out, torch.get_num_threads(), _GEMM_GRAIN, half)
     return torch.mm(a, w.t() if transposed else w, out=out)
 
 

@@ -263,11 +263,14 @@ def _node_plan(plan: TrainingPlan, x: Tensor, h0: Tensor, w_hh: Tensor, w_ih: Te
     }
     grain = {"gemm_grain": _cstep._GEMM_GRAIN}
     matmul_sizes = {"M": n_rows, "R": gates, "C": inputs}
+    # a bfloat16 layer's projection by bfloat16 dot products as _cstep.input_product takes it
+    # (the plan's key holds the context: its half_gemm); its input gradient never
+    half = int(_cstep._bfloat16_input_product(x, True))
     products = {
         "proj": rnn_abi.BoundStruct(rnn_abi.MATMUL, dtype, {**matmul_sizes, "K": inputs,
-                                    "N": gates}, {**grain, "transposed": 1}),
+                                    "N": gates}, {**grain, "transposed": 1, "half_gemm": half}),
         "dx": rnn_abi.BoundStruct(rnn_abi.MATMUL, dtype, {**matmul_sizes, "K": gates,
-                                  "N": inputs}, {**grain, "transposed": 0}),
+                                  "N": inputs}, {**grain, "transposed": 0, "half_gemm": 0}),
         "dw_hh": rnn_abi.BoundStruct(rnn_abi.WEIGHT_GRAD, dtype, {"N": n_rows, "G": gates,
                                      "H": hs}, grain),
         "dw_ih": rnn_abi.BoundStruct(rnn_abi.WEIGHT_GRAD, dtype, {"N": n_rows, "G": gates,

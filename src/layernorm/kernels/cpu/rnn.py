@@ -694,14 +694,23 @@ def run_sequence(kernel: str, dtype: torch.dtype, args: Any, seq_args: Any) -> N
 
 
 def matmul(
-    x: Tensor, w: Tensor, transposed: bool, out: Tensor, threads: int, gemm_grain: int
+    x: Tensor,
+    w: Tensor,
+    transposed: bool,
+    out: Tensor,
+    threads: int,
+    gemm_grain: int,
+    half: bool = False,
 ) -> Tensor:
     """``x · wᵀ`` (``transposed``: ``w`` ``(N, K)``, as a layer stores W_ih) or ``x · w``
-    (``w`` ``(K, N)``) into ``out`` ``(M, N)``, with the C GEMM."""
+    (``w`` ``(K, N)``) into ``out`` ``(M, N)``, with the C GEMM. ``half``: ``x`` and ``w`` (float32)
+    hold bfloat16 values, whose products the processor's bfloat16 dot products compute exactly
+    (summed in float32; subnormal operands as zero) where the build has them (:func:`half_gemm`;
+    elsewhere the float GEMM): a value that is not a bfloat16 would be rounded."""
     rows, inner = x.shape
     cols = out.shape[-1] if out.dim() else 0  # W's orientation is checked by the kernel
     values = {"x": x, "w": w, "y": out, "threads": max(1, threads), "gemm_grain": gemm_grain,
-              "transposed": int(transposed)}  # fmt: skip
+              "transposed": int(transposed), "half_gemm": int(half)}  # fmt: skip
     sizes = {"M": rows, "K": inner, "N": cols, "R": w.shape[0], "C": w.shape[1]}
     args = rnn_abi.pack(rnn_abi.MATMUL, x.dtype, values, sizes)
     _raise_for(_fn("matmul", x.dtype)(ctypes.byref(args)), "matmul")

@@ -592,6 +592,13 @@ MATMUL = Struct(
         Field("gemm_grain", Kind.INDEX, doc="multiply-adds per thread at least", minimum=1),
         Field("threads", Kind.COUNT, doc="OpenMP threads at most"),
         Field("transposed", Kind.FLAG, doc="1: y = x · Wᵀ"),
+        Field(
+            "half_gemm",
+            Kind.FLAG,
+            doc="1: x and W hold bfloat16 values (a bfloat16 layer's, "
+            "widened): their products by bfloat16 dot products, exact, summed in float, where "
+            "the build has them (rnn_half_gemm; else ignored)",
+        ),
     ),
 )
 

@@ -535,6 +535,7 @@ typedef struct {
     int64_t gemm_grain; /* index, >= 1: multiply-adds per thread at least */
     int32_t threads; /* count: OpenMP threads at most */
     int32_t transposed; /* flag: 1: y = x · Wᵀ */
+    int32_t half_gemm; /* flag: 1: x and W hold bfloat16 values (a bfloat16 layer's, widened): their products by bfloat16 dot products, exact, summed in float, where the build has them (rnn_half_gemm; else ignored) */
 } matmul_args_f32;
 _Static_assert(offsetof(matmul_args_f32, x) == 0, "matmul_args_f32.x");
 _Static_assert(offsetof(matmul_args_f32, w) == 8, "matmul_args_f32.w");
@@ -547,7 +548,8 @@ _Static_assert(offsetof(matmul_args_f32, C) == 56, "matmul_args_f32.C");
 _Static_assert(offsetof(matmul_args_f32, gemm_grain) == 64, "matmul_args_f32.gemm_grain");
 _Static_assert(offsetof(matmul_args_f32, threads) == 72, "matmul_args_f32.threads");
 _Static_assert(offsetof(matmul_args_f32, transposed) == 76, "matmul_args_f32.transposed");
-_Static_assert(sizeof(matmul_args_f32) == 80, "matmul_args_f32 size");
+_Static_assert(offsetof(matmul_args_f32, half_gemm) == 80, "matmul_args_f32.half_gemm");
+_Static_assert(sizeof(matmul_args_f32) == 88, "matmul_args_f32 size");
 
 /* One LN-GRU cell call forward on B rows: the layer norms of both projections and the gates. */
 typedef struct {
@@ -1276,6 +1278,7 @@ typedef struct {
     int64_t gemm_grain; /* index, >= 1: multiply-adds per thread at least */
     int32_t threads; /* count: OpenMP threads at most */
     int32_t transposed; /* flag: 1: y = x · Wᵀ */
+    int32_t half_gemm; /* flag: 1: x and W hold bfloat16 values (a bfloat16 layer's, widened): their products by bfloat16 dot products, exact, summed in float, where the build has them (rnn_half_gemm; else ignored) */
 } matmul_args_f64;
 _Static_assert(offsetof(matmul_args_f64, x) == 0, "matmul_args_f64.x");
 _Static_assert(offsetof(matmul_args_f64, w) == 8, "matmul_args_f64.w");
@@ -1288,7 +1291,8 @@ _Static_assert(offsetof(matmul_args_f64, C) == 56, "matmul_args_f64.C");
 _Static_assert(offsetof(matmul_args_f64, gemm_grain) == 64, "matmul_args_f64.gemm_grain");
 _Static_assert(offsetof(matmul_args_f64, threads) == 72, "matmul_args_f64.threads");
 _Static_assert(offsetof(matmul_args_f64, transposed) == 76, "matmul_args_f64.transposed");
-_Static_assert(sizeof(matmul_args_f64) == 80, "matmul_args_f64 size");
+_Static_assert(offsetof(matmul_args_f64, half_gemm) == 80, "matmul_args_f64.half_gemm");
+_Static_assert(sizeof(matmul_args_f64) == 88, "matmul_args_f64 size");
 
 /* One LN-GRU cell call forward on B rows: the layer norms of both projections and the gates. */
 typedef struct {

@@ -1285,7 +1285,7 @@ int FN(matmul)(const FN(matmul_args) * a) {
     }
     const int nt = FN(gemm_threads)(M, N, K, a->gemm_grain, a->threads);
     FN(weight) wb;
-    if (!FN(weight_init)(&wb, a->w, K, N, a->transposed, M, nt, 0, nt, SLOT_W_HH, 0))
+    if (!FN(weight_init)(&wb, a->w, K, N, a->transposed, M, nt, 0, nt, SLOT_W_HH, a->half_gemm))
         return RNN_ERR_NOMEM;
     FN(wgemm)(&wb, M, a->x, K, a->y, N, 0, nt);
     return 0;

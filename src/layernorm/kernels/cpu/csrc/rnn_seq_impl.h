@@ -94,6 +94,14 @@
 #ifndef GEMM_SPREAD_A
 #define GEMM_SPREAD_A (GEMM_MR > GEMM_L1_WAYS)
 #endif
+#ifndef RNN_SEQ_SPREAD
+#define RNN_SEQ_SPREAD
+/* The bytes from one row to the next of a copy whose rows of `row_bytes` (a stride of A) would
+   share one set of L1: one cache line more where spreading is on and they would, else as many. */
+static inline i64 spread_row_bytes(i64 row_bytes) {
+    return GEMM_SPREAD_A && row_bytes % 4096 == 0 ? row_bytes + 64 : row_bytes;
+}
+#endif
 
 /* Keep two loaded vectors in registers: left to itself GCC folds the panel's loads into every
    row's FMA (a memory operand each), 2·rows loads of B per k instead of 2; the 4-row AVX2 tile
@@ -521,11 +529,8 @@ static void half_round_rows(i64 M, i64 K, const float* A, i64 lda, uint16_t* A2,
     }
 }
 
-/* The pairs from one rounded row of A to the next, for ⌈K/2⌉ pairs a row: one cache line more
-   where ⌈K/2⌉ pairs are a multiple of 4 KiB (spread_block: such rows share one set of L1). */
-static inline i64 half_rows_apart(i64 K2) {
-    return GEMM_SPREAD_A && (K2 * 4) % 4096 == 0 ? K2 + 16 : K2;
-}
+/* The pairs from one rounded row of A to the next, for ⌈K/2⌉ pairs a row (spread_row_bytes). */
+static inline i64 half_rows_apart(i64 K2) { return spread_row_bytes(K2 * 4) / 4; }
 
 #if SEQ_AMX
 /* The same GEMM on the AMX tiles, for processors that have them (rnn_set_amx): a tile register
@@ -732,13 +737,12 @@ static void FN(gemm_tiles)(i64 M, i64 N, const FN(gemm_ops) * g, int part, int p
 /* The rows of each block of A that gemm_part copies with its rows spread (near-equal blocks of
    at most GEMM_SPREAD_BYTES), or 0 where A is read in place. */
 static i64 FN(spread_block)(i64 M, const FN(gemm_ops) * g) {
-    if (!GEMM_SPREAD_A || M <= GEMM_L1_WAYS || g->sak != 1 ||
-        (g->sar * (i64)sizeof(scalar_t)) % 4096)
-        return 0;
+    const i64 stride = g->sar * (i64)sizeof(scalar_t);
+    if (M <= GEMM_L1_WAYS || g->sak != 1 || spread_row_bytes(stride) == stride) return 0;
 #if SEQ_HALF_GEMM
     if (g->Q) return 0; /* the tiles read A2, rounded in a buffer of their own */
 #endif
-    const i64 row_bytes = (g->K + 64 / (i64)sizeof(scalar_t)) * (i64)sizeof(scalar_t);
+    const i64 row_bytes = spread_row_bytes(g->K * (i64)sizeof(scalar_t));
     const i64 blocks = (M * row_bytes + GEMM_SPREAD_BYTES - 1) / GEMM_SPREAD_BYTES;
     return (M + blocks - 1) / blocks;
 }
@@ -776,7 +780,7 @@ static void FN(gemm_part)(i64 M, i64 N, const FN(gemm_ops) * g, int part, int pa
     }
 #else
     const i64 block = FN(spread_block)(M, g);
-    const i64 lda = g->K + 64 / (i64)sizeof(scalar_t);
+    const i64 lda = spread_row_bytes(g->K * (i64)sizeof(scalar_t)) / (i64)sizeof(scalar_t);
     scalar_t* spread = block ? FN(pack_buffer)(block * lda, SLOT_SPREAD_A) : NULL;
     if (spread) { /* NULL: A read in place */
         FN(gemm_ops) gs = *g;

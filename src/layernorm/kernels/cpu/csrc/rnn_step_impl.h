@@ -354,6 +354,33 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
     else FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, NULL, NULL, 0, 0);
 }
 
+/* A row's layer norm for its gradient: x, the gain w, μ and rstd as scalar_t (mf, rf), and the
+   two means of ln_dx (cg, cgx). */
+typedef struct {
+    const scalar_t *x, *w;
+    scalar_t mf, rf, cg, cgx;
+} FN(ln_grad);
+
+/* ln_dx2's output sweep: dx1 = LN 1's gradient, dy := LN 2's in place (dy read first); with
+   sums (a constant flag, as ln_dx_store's), sw1, sb1, sw2, sb2 add this row's terms. */
+static inline __attribute__((always_inline)) void FN(ln_dx2_store)(
+    scalar_t* dy, const FN(ln_grad) * l1, scalar_t* dx1, const FN(ln_grad) * l2, i64 N,
+    scalar_t* sw1, scalar_t* sb1, scalar_t* sw2, scalar_t* sb2, const int sums) {
+    const FN(ln_grad) a = *l1, b = *l2;
+    #pragma omp simd
+    for (i64 j = 0; j < N; ++j) {
+        const scalar_t d = dy[j], xh1 = (a.x[j] - a.mf) * a.rf, xh2 = (b.x[j] - b.mf) * b.rf;
+        dx1[j] = FN(ln_dx_at)(d, a.w[j], xh1, a.rf, a.cg, a.cgx);
+        dy[j] = FN(ln_dx_at)(d, b.w[j], xh2, b.rf, b.cg, b.cgx);
+        if (sums) {
+            sw1[j] += d * xh1;
+            sb1[j] += d;
+            sw2[j] += d * xh2;
+            sb2[j] += d;
+        }
+    }
+}
+
 /* ln_dx of two layer norms of one gradient dy, each row's sums as ln_dx sums them (so the same
    bits): dx1 = LN(x1)'s (written), dy := LN(x2)'s gradient in place (the LN-LSTM's hp and raw gx,
    whose layer norms add into the same gate pre-activations); sums sw1, sb1, sw2, sb2 as ln_dx's
@@ -385,25 +412,9 @@ static inline void FN(ln_dx2)(scalar_t* dy, const scalar_t* x1, acc_t m1, acc_t 
     scalar_t cg1, cgx1, cg2, cgx2;
     FN(ln_dx_means)(dy, w1, x1, mf1, rf1, nfull, N, ag1, agx1, &cg1, &cgx1);
     FN(ln_dx_means)(dy, w2, x2, mf2, rf2, nfull, N, ag2, agx2, &cg2, &cgx2);
-    if (sw1) {
-        #pragma omp simd
-        for (i64 j = 0; j < N; ++j) {
-            const scalar_t d = dy[j], xh1 = (x1[j] - mf1) * rf1, xh2 = (x2[j] - mf2) * rf2;
-            dx1[j] = FN(ln_dx_at)(d, w1[j], xh1, rf1, cg1, cgx1);
-            dy[j] = FN(ln_dx_at)(d, w2[j], xh2, rf2, cg2, cgx2);
-            sw1[j] += d * xh1;
-            sb1[j] += d;
-            sw2[j] += d * xh2;
-            sb2[j] += d;
-        }
-    } else {
-        #pragma omp simd
-        for (i64 j = 0; j < N; ++j) {
-            const scalar_t d = dy[j], xh1 = (x1[j] - mf1) * rf1, xh2 = (x2[j] - mf2) * rf2;
-            dx1[j] = FN(ln_dx_at)(d, w1[j], xh1, rf1, cg1, cgx1);
-            dy[j] = FN(ln_dx_at)(d, w2[j], xh2, rf2, cg2, cgx2);
-        }
-    }
+    const FN(ln_grad) g1 = {x1, w1, mf1, rf1, cg1, cgx1}, g2 = {x2, w2, mf2, rf2, cg2, cgx2};
+    if (sw1) FN(ln_dx2_store)(dy, &g1, dx1, &g2, N, sw1, sb1, sw2, sb2, 1);
+    else FN(ln_dx2_store)(dy, &g1, dx1, &g2, N, NULL, NULL, NULL, NULL, 0);
 }
 
 /* Rows [i0, i0 + n) (n <= MOMENT_LANES) of x (G columns each) normalized into y (x itself: in

@@ -165,6 +165,78 @@ def test_rounded_recurrent_products_hold_only_inside_their_block(cls):
     assert torch.equal(out3, out0) and all(map(torch.equal, grads3, grads0))
 
 
+@pytest.mark.parametrize(("rows", "inner", "cols"), [(40, 3000, 24), (300, 64, 17), (1, 5, 1)])
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_rounded_product_is_a_bfloat16_gemm_of_rounded_operands(rows, inner, cols, layout):
+    """``_cstep.rounded_product``: the float64 product of both operands rounded to bfloat16,
+    within the float32 sums' error (inner · u₃₂ · Σ|a||b|) and one rounding of the result to
+    bfloat16; the left operand as rows or as a transposed view (a weight's gradient dᵀ · x)."""
+    gen = torch.Generator().manual_seed(rows + inner)
+    a = torch.randn(rows, inner, generator=gen) + 0.3
+    if layout == "transposed":
+        a = (torch.randn(inner, rows, generator=gen) + 0.3).t()
+    b = torch.randn(inner, cols, generator=gen) - 0.2
+    out = torch.empty(rows, cols)
+    got = _cstep.rounded_product(a, b, out)
+    assert got is out and got.dtype is torch.float32
+    ra, rb = (t.to(torch.bfloat16).double() for t in (a, b))
+    ref = ra @ rb
+    sums = inner * UNIT_ROUNDOFF[torch.float32] * (ra.abs() @ rb.abs())
+    bound = sums + UNIT_ROUNDOFF[torch.bfloat16] * (ref.abs() + sums)
+    assert ((got.double() - ref).abs() <= bound).all()
+    # the result is a bfloat16 value: rounded once
+    assert torch.equal(got, got.to(torch.bfloat16).float())
+
+
+@needs_half_gemm
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_rounded_products_take_the_gradients_products_too(cls, monkeypatch, tiles):
+    """Inside the rounded recurrent products the backward multiplies as ``torch.nn.LSTM``'s in
+    bfloat16 does: W_hh's, W_ih's and the input's gradients by ``_cstep.rounded_product`` (the
+    gates' gradient, h_{t−1} and x rounded to bfloat16: torch's bfloat16 GEMM), each once; none
+    outside the block. (The Elman layer's input projection, with no layer norm of its own, is
+    ``F.linear``'s: autograd's float32 products; W_hh's gradient alone is the layer's.) Against
+    the float64 loop whose products round their input as the forward does, within the one-step
+    bound; the LSTM's C++ training node gives the Python node's bits. (Every row projected
+    before the loop: the loop's limit and the projection node's set to none.)"""
+    monkeypatch.setattr(_fused, "_LOOP_PROJECTION_MAX_BYTES", 0)
+    monkeypatch.setattr(_fused, "_PROJECTION_NODE_BYTES", 0)
+    shapes = []
+    rounded_product = _cstep.rounded_product
+
+    def spy(a, b, out):
+        shapes.append(tuple(out.shape))
+        return rounded_product(a, b, out)
+
+    monkeypatch.setattr(_cstep, "rounded_product", spy)
+    steps, batch, inputs, hidden = 7, 40, 64, 48
+    m, x, state, ref = _bf16_case(cls, steps, batch, inputs, hidden)
+    dy = torch.randn(steps, batch, hidden, dtype=torch.float64).to(torch.bfloat16)
+    with torch_ops.switched(False):  # the Python training node, whose products the spy sees
+        _grads(m, x, state, dy)
+        assert shapes == []
+        with layernorm.recurrent.bfloat16_recurrent_products():
+            out, grads = _grads(m, x, state, dy)
+    gates = m.weight_hh_l0.shape[0]
+    expected = [(gates, hidden)]
+    if cls is not layernorm.LayerNormRNN:
+        expected += [(gates, inputs), (steps * batch, inputs)]
+    assert sorted(shapes) == sorted(expected)
+    monkeypatch.setattr(_steps, "F", _RoundedProducts())
+    out_r, grads_r = _grads(ref, x.double(), _double(state), dy.double())
+    monkeypatch.undo()
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    assert (out.double() - out_r).abs().max() <= 2 * u * out_r.abs().max()
+    for k, (g, gr) in enumerate(zip(grads, grads_r, strict=True)):
+        assert (g.double() - gr).abs().max() <= 8 * u * gr.abs().max(), k
+    if cls is layernorm.LayerNormLSTM and torch_ops.recurrent_nodes():
+        monkeypatch.setattr(_fused, "_LOOP_PROJECTION_MAX_BYTES", 0)
+        monkeypatch.setattr(_fused, "_PROJECTION_NODE_BYTES", 0)
+        with layernorm.recurrent.bfloat16_recurrent_products():
+            out_cpp, grads_cpp = _grads(m, x, state, dy)
+        assert torch.equal(out_cpp, out) and all(map(torch.equal, grads_cpp, grads))
+
+
 @pytest.mark.parametrize("inputs", [33, 2048])
 @pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
 def test_bfloat16_inference_projection_matches_float64(cls, inputs, projection, tiles):

@@ -387,6 +387,44 @@ def rounded_products_asked() -> bool:
     return _ROUNDED_RECURRENT.get()
 
 
+#: The sequence structs' ``half_gemm`` inside :func:`rounded_recurrent_products` (see
+#: :func:`_half_gemm`): a forward that ran with it rounds its backward's products too.
+ROUNDED_PRODUCTS = 2
+
+
+def rounds_gradient_products(half_gemm: int) -> bool:
+    """Whether the backward of a forward run with this ``half_gemm`` computes the weights' and
+    the input's gradients by :func:`rounded_product`: inside :func:`rounded_recurrent_products`,
+    where ``torch.nn.LSTM`` in bfloat16 computes them from the gates' gradient rounded to
+    bfloat16 as it does the recurrent product's."""
+    return half_gemm == ROUNDED_PRODUCTS
+
+
+def _rounded(t: Tensor) -> Tensor:
+    """A 2-D ``t`` rounded to bfloat16 in the same layout (a transposed view stays one), into a
+    buffer of the cache: a gradient's rows are megabytes, freed after the product."""
+    if t.dtype is torch.bfloat16:
+        return t
+    if t.is_contiguous():
+        return _buffers.empty(t, tuple(t.shape), torch.bfloat16).copy_(t)
+    rows = t.t()
+    if rows.is_contiguous():
+        return _buffers.empty(rows, tuple(rows.shape), torch.bfloat16).copy_(rows).t()
+    return t.to(torch.bfloat16)
+
+
+def rounded_product(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """``a · b`` into ``out`` (float32) as ``torch.nn.LSTM`` in bfloat16 computes its gradients'
+    products: both operands rounded to bfloat16, their products summed in float32 by torch's
+    bfloat16 GEMM (oneDNN's: the processor's bfloat16 dot products, or AMX tiles), the result
+    rounded to bfloat16 once (then exact in ``out``). Twice the float GEMM's multiply-adds a
+    cycle; the backward of a layer inside :func:`rounded_recurrent_products` takes it for the
+    weights' gradients (``dᵀ · x``) and the input's (``dgx · W_ih``), whose rounded operands are
+    its gates' gradient (rounded for the recurrent product already), ``h_{t−1}`` (rounded for
+    the forward's) and the bfloat16 values of x and W_ih (exact)."""
+    return out.copy_(torch.mm(_rounded(a), _rounded(b)))
+
+
 def bfloat16_projection() -> bool:
     """Whether the sequence kernels called in this context compute an input projection with the
     processor's bfloat16 dot products (a bfloat16 layer, :func:`bfloat16_layer`, on a build that
@@ -403,7 +441,7 @@ def _half_gemm() -> int:
     if not _BFLOAT16_LAYER.get() or not rnn.half_gemm():
         return 0
     if _ROUNDED_RECURRENT.get():
-        return 2
+        return ROUNDED_PRODUCTS
     return 1 if rnn.bfloat16_projection() else 0
 
 

@@ -271,8 +271,12 @@ def weight_grad_by_mm(dhp: Tensor, hprev: Tensor) -> bool:
     return small and n_rows * gates * hs <= _WEIGHT_GRAD_MM_MACS
 
 
-def _weight_grad(kernels: StepKernels, dhp: Tensor, hprev: Tensor) -> Tensor:
-    """``dhpᵀ · hprev`` (the recurrent weight's gradient, one GEMM over all rows)."""
+def _weight_grad(kernels: StepKernels, dhp: Tensor, hprev: Tensor, rounded: bool = False) -> Tensor:
+    """``dhpᵀ · hprev`` (the recurrent weight's gradient, one GEMM over all rows); ``rounded``:
+    by :func:`._cstep.rounded_product` (a backward inside the rounded recurrent products)."""
+    if rounded:
+        out = _buffers.empty(dhp, (dhp.shape[1], hprev.shape[1]))
+        return _cstep.rounded_product(dhp.t(), hprev, out)
     if weight_grad_by_mm(dhp, hprev):
         return dhp.t().mm(hprev)
     if kernels.weight_grad is not None:
@@ -329,7 +333,14 @@ def _recurrent_weight_grad(kernels: StepKernels, st: dict[str, Any]) -> Tensor:
     """``Σ_t dhp_tᵀ h_{t−1}``: from the kept ``hprev``, or (:func:`_previous_from_later_rows`)
     from ``previous``, the output shifted by a step with ``h0`` for the first step's rows."""
     previous = st["hprev"] if st["hprev"] is not None else st["previous"]
-    return _weight_grad(kernels, st["dhp"], previous)
+    return _weight_grad(kernels, st["dhp"], previous, _rounds_gradient_products(st))
+
+
+def _rounds_gradient_products(st: dict[str, Any]) -> bool:
+    """Whether a direction's backward takes its weights' and input's gradients by
+    :func:`._cstep.rounded_product`: its forward ran inside the rounded recurrent products
+    (the sequence kernels recorded their ``half_gemm``)."""
+    return _cstep.rounds_gradient_products(st.get("half_gemm", 0))
 
 
 def _lstm_state(
@@ -554,7 +565,7 @@ def normalized_projection(
         )
         layer_norm = _torch_layer_norm if small else _layer_norm
         if len(cols) == 1:
-            return layer_norm(F.linear(data, w_ih), w_ih.shape[0], weight, bias, eps)
+            return layer_norm(raw_projection(data, w_ih), w_ih.shape[0], weight, bias, eps)
         if _blocks_by_c(data, len(cols)):
             normalized = BlockNormalized.apply(raw_projection(data, w_ih), weight, bias,
                                                blocks[0], eps)  # fmt: skip
@@ -1177,11 +1188,19 @@ def _projected(data: Tensor, w_ih: Tensor) -> Tensor:
 
 
 def _projection_grads(
-    kernels: StepKernels, grad: Tensor, data: Tensor, w_ih: Tensor, need_data: bool, need_w: bool
+    kernels: StepKernels,
+    grad: Tensor,
+    data: Tensor,
+    w_ih: Tensor,
+    need_data: bool,
+    need_w: bool,
+    rounded: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The gradients of ``data`` and ``W_ih`` from that of ``data W_ihᵀ``: data's into a buffer
     of the cache where :func:`_projected` took one; W_ih's as the recurrent weight's
-    (:func:`_weight_grad`: the C GEMM where ``kernels`` have it and it is the faster).
+    (:func:`_weight_grad`: the C GEMM where ``kernels`` have it and it is the faster). Both by
+    :func:`._cstep.rounded_product` with ``rounded`` (a projection inside the rounded recurrent
+    products).
 
     One thread, AMD EPYC (AVX-512), µs of ``gradᵀ.mm(data)`` / the C GEMM, (N, G, I) =
     (400, 512, 64) 359 / 266, (240, 512, 64) 223 / 160, (800, 512, 64) 713 / 529."""
@@ -1190,8 +1209,11 @@ def _projection_grads(
         shape = (grad.shape[0], w_ih.shape[1])
         small = _projection_bytes(data, w_ih) < _PROJECTION_NODE_BYTES
         out = grad.new_empty(shape) if small else _buffers.empty(grad, shape)
-        d_data = _cstep.input_product(grad.contiguous(), w_ih, False, out)
-    return d_data, (_weight_grad(kernels, grad, data) if need_w else None)
+        if rounded:
+            d_data = _cstep.rounded_product(grad, w_ih, out)
+        else:
+            d_data = _cstep.input_product(grad.contiguous(), w_ih, False, out)
+    return d_data, (_weight_grad(kernels, grad, data, rounded) if need_w else None)
 
 
 def _projection_bytes(data: Tensor, w_ih: Tensor) -> int:
@@ -1208,6 +1230,9 @@ class _Projection(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, data: Tensor, w_ih: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(data, w_ih)
+        # the forward records the choice, as the sequence kernels do: backward may run elsewhere
+        half = _cstep._half_gemm() if data.dtype is torch.float32 else 0
+        ctx.rounded = _cstep.rounds_gradient_products(half)
         return _projected(data, w_ih)
 
     @staticmethod
@@ -1215,7 +1240,9 @@ class _Projection(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
         data, w_ih = ctx.saved_tensors
         need = ctx.needs_input_grad
-        return _projection_grads(step_kernels(grad), grad, data, w_ih, need[0], need[1])
+        return _projection_grads(
+            step_kernels(grad), grad, data, w_ih, need[0], need[1], ctx.rounded
+        )
 
 
 def _normalizes_in_kernel(source: GatesInput, w_hr: Tensor | None) -> bool:
@@ -1468,8 +1495,9 @@ class LSTMSequence(torch.autograd.Function):
         d_gx, d_w_ih = st["dgates"], None
         if "x" in st:  # gx = x W_ihᵀ was projected here
             d_gx, d_w_ih = _projection_grads(
-                kernels, d_gx, st["x"], st["w_ih"], need[0] and not x_in_loop, need[19]
-            )
+                kernels, d_gx, st["x"], st["w_ih"], need[0] and not x_in_loop, need[19],
+                _rounds_gradient_products(st),
+            )  # fmt: skip
             if x_in_loop:
                 d_gx = st["projection_grad"]["dx"]
         d_b_ih, d_b_hh = (db0 if n else None for n in need[20:22])  # b0's, as they add to it

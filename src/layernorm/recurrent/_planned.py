@@ -86,6 +86,7 @@ class TrainingPlan(NamedTuple):
     in_loop: bool  # the forward kernel projects the inputs in its time loop (see _fused)
     reverse: bool  # the direction runs backward in time
     layer_norm: bool  # the layer's layer norms (False: norm="none", the C++ node's alone)
+    rounded: bool  # gradients' products by _cstep.rounded_product (rounded recurrent products)
     kept: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, offset, shape) in one buffer
     kept_numel: int
     kept_whole: bool  # the kept buffers are blocks of one buffer (see _ONE_BUFFER_BYTES)
@@ -206,9 +207,10 @@ def _build(
     # the step kernels' (w1, b1, w3, b3) and, as LSTMSequence has them, LN(gx)'s
     defaults = {**_cstep.default_params("lstm", x, hs), "w0": x.new_ones(gates),
                 "b0": x.new_zeros(gates)}  # fmt: skip
-    plan = TrainingPlan(in_loop, reverse, layer_norm, kept, kept_numel, kept_whole, scratch,
-                        scratch_numel, scratch_whole, forward, forward_sequence, backward,
-                        backward_sequence, defaults, None)  # fmt: skip
+    rounded = _cstep.rounds_gradient_products(half)
+    plan = TrainingPlan(in_loop, reverse, layer_norm, rounded, kept, kept_numel, kept_whole,
+                        scratch, scratch_numel, scratch_whole, forward, forward_sequence,
+                        backward, backward_sequence, defaults, None)  # fmt: skip
     return plan._replace(node=_node_plan(plan, x, h0, w_hh, w_ih))
 
 
@@ -221,18 +223,28 @@ def _build(
 _NODE_MAX_WEIGHT_BYTES = 4 << 20
 
 # How the C++ node runs a product (csrc_torch/rnn_ops.cpp's Route): torch's GEMM, the C GEMM, a
-# weight's gradient by _cstep.transposed_product as dᵀ·x or as (xᵀ·d)ᵀ.
-_TORCH, _C_GEMM, _TRANSPOSED, _TRANSPOSED_SWAPPED = range(4)
+# weight's gradient by _cstep.transposed_product as dᵀ·x or as (xᵀ·d)ᵀ, a gradient's product by
+# _cstep.rounded_product.
+_TORCH, _C_GEMM, _TRANSPOSED, _TRANSPOSED_SWAPPED, _ROUNDED = range(5)
 
 
-def _weight_grad_route(d: Tensor, x: Tensor) -> int:
+def _weight_grad_route(d: Tensor, x: Tensor, rounded: bool) -> int:
     """How :func:`._fused._weight_grad` (with the C kernels) computes ``dᵀ · x`` for tensors of
     these shapes, dtype and layout, on this many threads."""
+    if rounded:
+        return _ROUNDED
     if _fused.weight_grad_by_mm(d, x):
         return _TORCH
     if _cstep.weight_grad_by_c(d, x):
         return _C_GEMM
     return _TRANSPOSED_SWAPPED if _cstep.transposed_product_swaps(d, x) else _TRANSPOSED
+
+
+def _dx_route(grad: Tensor, w_ih: Tensor, rounded: bool) -> int:
+    """How :func:`._fused._projection_grads` computes the input's gradient ``grad · W_ih``."""
+    if rounded:
+        return _ROUNDED
+    return _C_GEMM if _cstep.input_product_by_c(grad, w_ih, False) else _TORCH
 
 
 def _node_plan(plan: TrainingPlan, x: Tensor, h0: Tensor, w_hh: Tensor, w_ih: Tensor) -> Any:
@@ -257,9 +269,9 @@ def _node_plan(plan: TrainingPlan, x: Tensor, h0: Tensor, w_hh: Tensor, w_ih: Te
     previous = torch.empty((n_rows, hs), dtype=dtype)
     routes = {
         "proj": _TORCH if plan.in_loop or not _cstep.input_product_by_c(x, w_ih, True) else _C_GEMM,
-        "dx": _C_GEMM if _cstep.input_product_by_c(grad, w_ih, False) else _TORCH,
-        "dw_hh": _weight_grad_route(grad, previous),
-        "dw_ih": _weight_grad_route(grad, x),
+        "dx": _dx_route(grad, w_ih, plan.rounded),
+        "dw_hh": _weight_grad_route(grad, previous, plan.rounded),
+        "dw_ih": _weight_grad_route(grad, x, plan.rounded),
     }
     grain = {"gemm_grain": _cstep._GEMM_GRAIN}
     matmul_sizes = {"M": n_rows, "R": gates, "C": inputs}
@@ -461,7 +473,7 @@ class PlannedLSTMSequence(torch.autograd.Function):
         seq_args = plan.backward_sequence.pack(seq)
         rnn.run_sequence("lstm_bwd_seq", dtype, args, seq_args)
         dhp = _block(scratch, "scratch", plan.scratch, "dhp")
-        d_w_hh = _fused._weight_grad(C_KERNELS, dhp, previous) if need[3] else None
+        d_w_hh = _fused._weight_grad(C_KERNELS, dhp, previous, plan.rounded) if need[3] else None
         dw1 = db1 = dw3 = db3 = dw0 = db0 = None
         if sums is not None:
             dw1, db1 = _fused._split_grads(sums[0], need[4], need[5])
@@ -470,7 +482,7 @@ class PlannedLSTMSequence(torch.autograd.Function):
         # dgates: the kernel turned it into the raw projection's gradient
         dgates = _block(scratch, "scratch", plan.scratch, "dgates")
         d_x, d_w_ih = _fused._projection_grads(
-            C_KERNELS, dgates, x, w_ih, need[0] and not x_in_loop, need[10]
+            C_KERNELS, dgates, x, w_ih, need[0] and not x_in_loop, need[10], plan.rounded
         )
         if x_in_loop:
             d_x = dx

@@ -144,9 +144,19 @@ void check_status(int status, const char* kernel) {
 }
 
 // How a product runs, as the Python path routes it for the plan's signature
-// (_planned._routes): torch's GEMM, the C GEMM, or a weight's gradient by transposed_product
-// (torch's GEMM dᵀ·x into a new buffer, or (xᵀ·d)ᵀ copied).
-enum Route : int64_t { TORCH = 0, C_GEMM = 1, TRANSPOSED = 2, TRANSPOSED_SWAPPED = 3 };
+// (_planned._routes): torch's GEMM, the C GEMM, a weight's gradient by transposed_product
+// (torch's GEMM dᵀ·x into a new buffer, or (xᵀ·d)ᵀ copied), or a gradient's product with both
+// operands rounded to bfloat16 by torch's bfloat16 GEMM (_cstep.rounded_product: inside the
+// rounded recurrent products).
+enum Route : int64_t {
+  TORCH = 0, C_GEMM = 1, TRANSPOSED = 2, TRANSPOSED_SWAPPED = 3, ROUNDED = 4
+};
+
+// a · b into out (float32) as _cstep.rounded_product computes it: both rounded to bfloat16
+// (a transposed operand stays transposed), products summed in float32, the result rounded once.
+Tensor rounded_product(Tensor& out, const Tensor& a, const Tensor& b) {
+  return out.copy_(at::mm(a.to(at::kBFloat16), b.to(at::kBFloat16)));
+}
 
 // Template indices, in the order Python hands them over.
 enum TemplateId { FWD, SEQ_FWD, BWD, SEQ_BWD, PROJ, DX, DW_HH, DW_IH, TEMPLATE_COUNT };
@@ -249,6 +259,7 @@ Tensor input_product(const LstmPlan& plan, Route route, TemplateId t, const Tens
                                          count_of(V_THREADS, threads())}));
     return out;
   }
+  if (route == ROUNDED) return rounded_product(out, a, transposed ? w.t() : w);
   return at::mm_out(out, a, transposed ? w.t() : w);
 }
 
@@ -273,6 +284,10 @@ Tensor weight_grad(const LstmPlan& plan, Route route, TemplateId t, const Tensor
       Tensor out = new_cpu({d.size(1), x.size(1)}, d.scalar_type());
       Tensor swapped = new_cpu({x.size(1), d.size(1)}, d.scalar_type());
       return out.copy_(at::mm_out(swapped, x.t(), d).t());
+    }
+    case ROUNDED: {
+      Tensor out = new_cpu({d.size(1), x.size(1)}, d.scalar_type());
+      return rounded_product(out, d.t(), x);
     }
   }
   TORCH_CHECK(false, kOp, ": no product route ", static_cast<int64_t>(route));

@@ -445,7 +445,18 @@ class AdaNorm(_Norm):
         self._init_affine(elementwise_affine, bias, {"device": device, "dtype": dtype})
 
     def forward(self, x: Tensor) -> Tensor:
-        z = F.ada_norm(x, self.normalized_shape, self.k, self.scale, self.eps)  # type: ignore[arg-type]
+        k, scale, eps = self.k, self.scale, self.eps
+        params = self._parameters
+        if (
+            params.get("weight", _ABSENT) is None  # the paper's module: gain and bias registered
+            and params.get("bias", _ABSENT) is None  # as None (see _affine)
+            and F._finite_numbers(k, scale)
+            and F._takes_node(x, self.normalized_shape, eps)
+        ):
+            # the C++ operator, as F.ada_norm would call it, without F.ada_norm's frame (a
+            # per-token call's Python is most of its time)
+            return torch_ops.ada_norm(x, float(k), float(scale), eps)  # type: ignore[arg-type]
+        z = F.ada_norm(x, self.normalized_shape, k, scale, eps)  # type: ignore[arg-type]
         # the paper's module, whose gain and bias are registered as None, returns z as it is
         weight, bias = _affine(self)
         if weight is None and bias is None:

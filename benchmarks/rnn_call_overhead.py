@@ -47,7 +47,7 @@ def _without_kernels() -> None:
     rnn.weight_grad = zeros  # type: ignore[assignment]
     _cstep.transposed_product = zeros  # type: ignore[assignment]
 
-    def projection_grads(kernels, grad, data, w_ih, need_data, need_w):  # type: ignore[no-untyped-def]
+    def projection_grads(kernels, grad, data, w_ih, need_data, need_w, rounded=False):  # type: ignore[no-untyped-def]
         return None, (torch.zeros_like(w_ih) if need_w else None)
 
     _fused._projection_grads = projection_grads  # type: ignore[assignment]

@@ -211,21 +211,27 @@ def bfloat16_recurrent_products() -> contextlib.AbstractContextManager[None]:
     ``h_{t−1}`` (forward) and the gates' gradient (backward) rounded to bfloat16, as
     ``torch.nn.LSTM`` does in bfloat16, where the processor has bfloat16 dot products
     (AVX512-BF16; :func:`layernorm.kernels.cpu.rnn.half_gemm`): twice the multiply-adds per
-    instruction, products summed in float32. Elsewhere, and outside the block, a bfloat16 layer
-    computes in float32 and rounds only its results (the products of its bfloat16 inputs and
-    weights are exact either way). A forward records the choice, so its backward makes the same.
+    instruction, products summed in float32. The backward's other products take the same rounded
+    gates' gradient, as torch's do: the weights' gradients (with h_{t−1} rounded, and x) and the
+    input's (with W_ih) by torch's bfloat16 GEMM, each result rounded to bfloat16 once (the
+    LN-RNN's input projection, without a layer norm of its own, keeps autograd's float32
+    products). Elsewhere, and outside the block, a bfloat16 layer computes in float32 and rounds
+    only its results (the products of its bfloat16 inputs and weights are exact either way). A
+    forward records the choice, so its backward makes the same.
 
     This trades accuracy for speed, and how much it costs depends on the recurrence: a rounding of
     h_{t−1} is a perturbation of the state, which later steps shrink or grow. Against float64 on
     the same bfloat16 inputs and parameters, 50 steps of a batch of 8 at (I, H) = (64, 128),
     default initialization, four seeds, in bfloat16 roundings (2⁻⁸ relative to the largest
     value): ``LayerNormGRU`` and ``LayerNormRNN`` outputs 0.5 by default and 1.6–1.8 with the
-    rounded products, gradients 0.8–0.9 and 1.2–1.3; ``LayerNormLSTM`` 0.5 and 0.9 by default but
-    106 and 117 rounded: its state there grew a perturbation about 1.1x a step
+    rounded products, gradients 0.8–0.9 and 1.3; ``LayerNormLSTM`` 0.5 and 0.9 by default but
+    106 and 116 rounded: its state there grew a perturbation about 1.1x a step
     (``torch.nn.LSTM``'s shrank it, and its bfloat16 results stay within 1–2 roundings). Time
     with the rounded products (AMD EPYC with AVX512-BF16, 1 and 2 threads, five shapes from
-    (50, 8, 64, 128) to (35, 20, 650, 650)): inference 0.68–0.90 of the default's, training
-    0.82–0.96 (``benchmarks/RESULTS.md``). Where the processor has AMX the products run on its
+    (50, 8, 64, 128) to (35, 20, 650, 650)): inference 0.68–0.90 of the default's; training
+    (six shapes to (100, 64, 256, 512)) LN-LSTM 0.68–1.29x ``torch.nn.LSTM``'s bfloat16 time
+    with one thread against 1.02–1.65x by default, LN-GRU 0.09–0.92x against 0.11–1.54x
+    (``benchmarks/RESULTS.md``). Where the processor has AMX the products run on its
     tiles (:func:`layernorm.kernels.cpu.rnn.amx`): on an Intel Xeon (Emerald Rapids), one
     thread, LN-LSTM inference took 1.12–1.71x ``torch.nn.LSTM``'s bfloat16 time (itself on the
     tiles) with the rounded products against 1.23–3.13x by default, training 0.91–1.36x against

@@ -19,7 +19,8 @@ shared machine:
   over every row, what ran before the inference path), to show what that path gains
 * ``ln-rounded`` — with ``--dtype bfloat16``: the LN layer inside
   ``layernorm.recurrent.bfloat16_recurrent_products()`` (recurrent GEMMs on h_{t−1} rounded to
-  bfloat16, as torch's bfloat16 layers run them; where the build has AVX512-BF16)
+  bfloat16, and the backward's products on the rounded gates' gradient, as torch's bfloat16
+  layers run them; where the build has AVX512-BF16)
 
 One timed call = forward over the whole sequence + ``backward()`` of ``output.sum()``, float32
 unless ``--dtype`` says otherwise (both layers, input and parameters in that dtype).

@@ -403,8 +403,6 @@ def rounds_gradient_products(half_gemm: int) -> bool:
 def _rounded(t: Tensor) -> Tensor:
     """A 2-D ``t`` rounded to bfloat16 in the same layout (a transposed view stays one), into a
     buffer of the cache: a gradient's rows are megabytes, freed after the product."""
-    if t.dtype is torch.bfloat16:
-        return t
     if t.is_contiguous():
         return _buffers.empty(t, tuple(t.shape), torch.bfloat16).copy_(t)
     rows = t.t()
@@ -445,6 +443,13 @@ def _half_gemm() -> int:
     return 1 if rnn.bfloat16_projection() else 0
 
 
+def half_gemm_of(dtype: torch.dtype) -> int:
+    """The ``half_gemm`` of a call computing in ``dtype`` in this context: :func:`_half_gemm` for
+    float32 (a bfloat16 layer computes in float32), else 0. A forward records it, so that its
+    backward, run later and elsewhere, makes the same choice."""
+    return _half_gemm() if dtype is torch.float32 else 0
+
+
 def _sequence(
     kernel: str, st: dict[str, Any], w: Tensor, sched: tuple[tuple[int, int, int], ...]
 ) -> None:
@@ -467,7 +472,7 @@ def _sequence(
         if as_stored:
             options = {**(options or {}), **as_stored}
     # the forward records the choice: its backward, run later, makes the same one
-    half = st.setdefault("half_gemm", _half_gemm()) if dtype is torch.float32 else 0
+    half = st.setdefault("half_gemm", half_gemm_of(dtype))
     seq_args = rnn.pack_sequence(
         kernel, dtype, w, steps, _sizes(st, kernel), torch.get_num_threads(), _SEQ_GRAIN,
         _SEQ_GEMM_GRAIN, options, half_gemm=half,

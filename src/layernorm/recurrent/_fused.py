@@ -1231,8 +1231,7 @@ class _Projection(torch.autograd.Function):
     def forward(ctx: Any, data: Tensor, w_ih: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(data, w_ih)
         # the forward records the choice, as the sequence kernels do: backward may run elsewhere
-        half = _cstep._half_gemm() if data.dtype is torch.float32 else 0
-        ctx.rounded = _cstep.rounds_gradient_products(half)
+        ctx.rounded = _cstep.rounds_gradient_products(_cstep.half_gemm_of(data.dtype))
         return _projected(data, w_ih)
 
     @staticmethod

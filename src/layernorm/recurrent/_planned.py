@@ -362,7 +362,7 @@ def lstm_training(
         return None
     n_batch = h0.shape[0]
     in_loop = _fused.projects_in_training_loop(data, w_ih, n_batch)
-    half = _cstep._half_gemm() if data.dtype is torch.float32 else 0
+    half = _cstep.half_gemm_of(data.dtype)
     # the C++ node's product routes depend on the threads and the kernels' configuration
     key = (data.shape, data.dtype, h0.shape, w_hh.shape, len(sizes), reverse, eps, in_loop, half,
            _ONE_BUFFER_BYTES, torch.get_num_threads(), _cstep.configuration(),

@@ -25,8 +25,12 @@ pytestmark = pytest.mark.skipif(
 )
 EPS = 1e-5
 # (rows, columns, split): one row; rows not a multiple of a statistics group (8); the GRU's
-# blocks at H = 32, 64, 512; a split at G (the second block empty); short blocks
-SHAPES = [(1, 3, 2), (13, 96, 64), (300, 192, 128), (9, 1536, 1024), (37, 5, 5), (20, 7, 1)]
+# blocks at H = 32, 64, 512; a split at G (the second block empty); short blocks; blocks whose
+# last elements are not a whole pair of vectors (their masked tail, rnn_step_impl.h sld_tail):
+# within one block of sums (60, 40, 17, 16 + 1) and after several (600: 18 pairs of 32, or 37 of
+# 16, and a tail of 24 or 8)
+SHAPES = [(1, 3, 2), (13, 96, 64), (300, 192, 128), (9, 1536, 1024), (37, 5, 5), (20, 7, 1),
+          (11, 100, 60), (3, 33, 16), (7, 1100, 600)]  # fmt: skip
 
 
 def _inputs(rows: int, cols: int, dtype: torch.dtype, kind: str, seed: int = 0):

@@ -15,6 +15,10 @@
 #include "cpu_common.h"
 #include "layernorm_rnn_abi.h"
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h> /* the masked loads of a row's tail (rnn_step_impl.h: sld_tail) */
+#endif
+
 /* Up to this many rows in all its steps a forward sequence kernel reads W_hh and W_ih as stored
    instead of packing them (see gemm_nt_direct in rnn_seq_impl.h); rnn_direct_rows() tells
    Python. */

@@ -68,7 +68,9 @@
 /* Row sums as the norm kernels take them (norms_common.h): two vectors of partial sums in
    scalar_t, each lane adding BLOCK_TERMS (cpu_common.h) terms before the block's lanes go into
    float64 partial sums. A row of a step is short (G = 4H, H), so a sum in float64 throughout (a
-   conversion and a half-width add per element) was half of the step kernel's layer-norm time. */
+   conversion and a half-width add per element) was half of the step kernel's layer-norm time.
+   Unlike the norm kernels', a row's last N mod 2·SVL elements join the lanes too (sld_tail), so
+   the same bits as theirs where a row is whole pairs of vectors. */
 typedef scalar_t FN(svec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(scalar_t)),
                                          may_alias));
 #define SVL ((i64)(VEC_BYTES / sizeof(scalar_t)))
@@ -83,14 +85,75 @@ static inline __attribute__((always_inline)) FN(svec) FN(sld)(const scalar_t* p)
 #include "row_lanes.h"
 #undef ROW_VEC
 
-/* acc += the sums of (x − c) (with sq, (x − c)²) over [j, end), a multiple of 2·SVL elements
-   of at most one block, each lane adding in scalar_t. */
+/* p[0, t) in the first t lanes of a vector and `fill` in the others, reading nothing past p + t
+   (t <= 0: every lane fill; t >= SVL: a whole vector). A row's last N mod 2·SVL elements are one
+   more pair of vectors of its sums this way, their other lanes filled so that they add zeros
+   (x − c with fill c, dy with fill 0), where a scalar loop once added them one after another in
+   float64, each add waiting on the last: a row of 16 (the LN-LSTM's c_t at H = 16) was all
+   tail, ~30 of 166 ns a row of its forward step, H = 100's rows of 400 and 100 had tails of
+   16 and 4 (AVX-512). The masked loads (AVX-512, AVX2) touch no memory past the row. */
+static inline __attribute__((always_inline)) FN(svec) FN(sld_tail)(const scalar_t* p, i64 t,
+                                                                  scalar_t fill) {
+    if (t >= SVL) return FN(sld)(p);
+    FN(svec) v;
+#if defined(__AVX512F__) && VEC_BYTES == 64
+    if (sizeof(scalar_t) == 4) {
+        const __mmask16 m = (__mmask16)(t > 0 ? (1u << t) - 1 : 0);
+        const __m512 r = _mm512_mask_loadu_ps(_mm512_set1_ps((float)fill), m, (const void*)p);
+        memcpy(&v, &r, sizeof v);
+    } else {
+        const __mmask8 m = (__mmask8)(t > 0 ? (1u << t) - 1 : 0);
+        const __m512d r = _mm512_mask_loadu_pd(_mm512_set1_pd((double)fill), m, (const void*)p);
+        memcpy(&v, &r, sizeof v);
+    }
+#elif defined(__AVX2__) && VEC_BYTES == 32
+    if (sizeof(scalar_t) == 4) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(t > 0 ? t : 0)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 r = _mm256_blendv_ps(_mm256_set1_ps((float)fill),
+                                          _mm256_maskload_ps((const float*)(const void*)p, m),
+                                          _mm256_castsi256_ps(m));
+        memcpy(&v, &r, sizeof v);
+    } else {
+        const __m256i m = _mm256_cmpgt_epi64(_mm256_set1_epi64x(t > 0 ? t : 0),
+                                             _mm256_setr_epi64x(0, 1, 2, 3));
+        const __m256d r = _mm256_blendv_pd(_mm256_set1_pd((double)fill),
+                                           _mm256_maskload_pd((const double*)(const void*)p, m),
+                                           _mm256_castsi256_pd(m));
+        memcpy(&v, &r, sizeof v);
+    }
+#else
+    for (i64 l = 0; l < SVL; ++l) v[l] = l < t ? p[l] : fill;
+#endif
+    return v;
+}
+
+/* The end of a row of N elements as its sums take it: its whole pairs of vectors, then, where
+   N mod 2·SVL elements are left, one pair more (sld_tail). Its blocks (block_end) are at most
+   BLOCK_TERMS pairs, so that each lane adds at most BLOCK_TERMS terms before the float64 partial
+   sums take them (cpu_common.h), the tail's included. */
+static inline i64 FN(padded)(i64 N) { return (N + 2 * SVL - 1) / (2 * SVL) * (2 * SVL); }
+
+/* acc += the sums of (x − c) (with sq, (x − c)²) over the block [j, end) of a row of N elements
+   (end <= padded(N)), each lane adding in scalar_t. */
 static inline __attribute__((always_inline)) void FN(block_sums)(const scalar_t* x, i64 j, i64 end,
-                                                                 scalar_t c, int sq,
+                                                                 i64 N, scalar_t c, int sq,
                                                                  FN(lanes) * acc) {
+    const i64 full = N - N % (2 * SVL), whole = end < full ? end : full;
     FN(svec) p0 = {0}, p1 = {0};
-    for (; j < end; j += 2 * SVL) {
+    for (; j < whole; j += 2 * SVL) {
         const FN(svec) u = FN(sld)(x + j) - c, v = FN(sld)(x + j + SVL) - c;
+        if (sq) {
+            p0 += u * u;
+            p1 += v * v;
+        } else {
+            p0 += u;
+            p1 += v;
+        }
+    }
+    if (j < end) { /* the row's tail: the lanes past N are c, adding zeros */
+        const FN(svec) u = FN(sld_tail)(x + j, N - j, c) - c;
+        const FN(svec) v = FN(sld_tail)(x + j + SVL, N - j - SVL, c) - c;
         if (sq) {
             p0 += u * u;
             p1 += v * v;
@@ -102,30 +165,19 @@ static inline __attribute__((always_inline)) void FN(block_sums)(const scalar_t*
     FN(lanes_add)(p0, p1, acc);
 }
 
-/* The same sum over the scalar tail [j, N) of a row, one term after another. */
-static inline acc_t FN(tail_sum)(const scalar_t* x, i64 j, i64 N, scalar_t c, int sq) {
-    acc_t t = 0;
-    for (; j < N; ++j) {
-        const acc_t d = (scalar_t)(x[j] - c);
-        t += sq ? d * d : d;
-    }
-    return t;
-}
-
 /* Σ (x − c) and, with sq, Σ (x − c)² over a row, blocked as above. A row of one block (up to
    BLOCK_TERMS · 2·SVL elements: every LN-LSTM row up to H = 128 with AVX-512) skips the blocks'
-   bookkeeping, and a row of whole vector pairs the scalar tail. */
+   bookkeeping. */
 static inline acc_t FN(row_sum)(const scalar_t* x, i64 N, scalar_t c, int sq) {
-    const i64 step = 2 * SVL, nfull = N - N % step;
+    const i64 step = 2 * SVL, npad = FN(padded)(N);
     FN(lanes) acc = {{0}, {0}};
-    if (N <= BLOCK_TERMS * step) {
-        FN(block_sums)(x, 0, nfull, c, sq, &acc);
-        if (nfull == N) return FN(lanes_fold)(acc);
+    if (npad <= BLOCK_TERMS * step) {
+        FN(block_sums)(x, 0, npad, N, c, sq, &acc);
     } else {
-        for (i64 j = 0; j < nfull; j += BLOCK_TERMS * step)
-            FN(block_sums)(x, j, block_end(j, BLOCK_TERMS * step, nfull), c, sq, &acc);
+        for (i64 j = 0; j < npad; j += BLOCK_TERMS * step)
+            FN(block_sums)(x, j, block_end(j, BLOCK_TERMS * step, npad), N, c, sq, &acc);
     }
-    return FN(tail_sum)(x, nfull, N, c, sq) + FN(lanes_fold)(acc);
+    return FN(lanes_fold)(acc);
 }
 
 /* The sums of n rows of one block each (N <= BLOCK_TERMS · 2·SVL) as row_sum finds them, out[k]
@@ -188,21 +240,18 @@ static inline __attribute__((always_inline)) void FN(fold_rows)(const FN(avec) *
 static inline __attribute__((always_inline)) void FN(sum_rows)(const scalar_t* const* x, int n,
                                                               i64 N, const scalar_t* c, int sq,
                                                               acc_t* out) {
-    const i64 step = 2 * SVL, nfull = N - N % step;
-    if (n == 1 || N > BLOCK_TERMS * step) {
+    const i64 npad = FN(padded)(N);
+    if (n == 1 || npad > BLOCK_TERMS * 2 * SVL) {
         for (int k = 0; k < n; ++k) out[k] = FN(row_sum)(x[k], N, c[k], sq);
         return;
     }
     FN(avec) v[MOMENT_ROWS];
     for (int k = 0; k < n; ++k) {
         FN(lanes) acc = {{0}, {0}};
-        FN(block_sums)(x[k], 0, nfull, c[k], sq, &acc);
+        FN(block_sums)(x[k], 0, npad, N, c[k], sq, &acc);
         v[k] = acc.lo + acc.hi;
     }
     FN(fold_rows)(v, n, out);
-    if (nfull == N) return;
-    for (int k = 0; k < n; ++k) /* the tail's terms, added to the fold as row_sum adds them */
-        out[k] = FN(tail_sum)(x[k], nfull, N, c[k], sq) + out[k];
 }
 #undef FOLD_LEVEL
 #undef ROW_HL
@@ -302,31 +351,44 @@ static inline __attribute__((always_inline)) void FN(ln_dx_store)(
     }
 }
 
-/* One step of a block of ln_dx's two sums, for the two vectors of dy at j (d0, d1): g += dy⊙w,
-   gx += dy⊙w⊙x̂, x̂ = (x − mf)·rf, in two accumulators each. */
+/* One step of a block of ln_dx's two sums at column j of a row of N (see padded), for the two
+   vectors of dy there (d0, d1): g += dy⊙w, gx += dy⊙w⊙x̂, x̂ = (x − mf)·rf, in two accumulators
+   each. At the row's tail (the constant flag tail: j + 2·SVL > N) the lanes past N read dy as 0
+   (the caller's d0, d1, see dy_pair), w as 0 and x as mf: they add zeros. */
 static inline __attribute__((always_inline)) void FN(ln_dx_terms)(
     FN(svec) d0, FN(svec) d1, const scalar_t* w, const scalar_t* x, scalar_t mf, scalar_t rf,
-    i64 j, FN(svec) * g0, FN(svec) * g1, FN(svec) * gx0, FN(svec) * gx1) {
-    const FN(svec) u = d0 * FN(sld)(w + j);
-    const FN(svec) v = d1 * FN(sld)(w + j + SVL);
+    i64 j, i64 N, const int tail, FN(svec) * g0, FN(svec) * g1, FN(svec) * gx0, FN(svec) * gx1) {
+    const FN(svec) w0 = tail ? FN(sld_tail)(w + j, N - j, 0) : FN(sld)(w + j);
+    const FN(svec) w1 = tail ? FN(sld_tail)(w + j + SVL, N - j - SVL, 0) : FN(sld)(w + j + SVL);
+    const FN(svec) x0 = tail ? FN(sld_tail)(x + j, N - j, mf) : FN(sld)(x + j);
+    const FN(svec) x1 = tail ? FN(sld_tail)(x + j + SVL, N - j - SVL, mf) : FN(sld)(x + j + SVL);
+    const FN(svec) u = d0 * w0, v = d1 * w1;
     *g0 += u;
     *g1 += v;
-    *gx0 += u * ((FN(sld)(x + j) - mf) * rf);
-    *gx1 += v * ((FN(sld)(x + j + SVL) - mf) * rf);
+    *gx0 += u * ((x0 - mf) * rf);
+    *gx1 += v * ((x1 - mf) * rf);
 }
 
-/* ln_dx's two means: the tail's terms (columns [nfull, N)) added to the blocks' sums ag, agx. */
-static inline __attribute__((always_inline)) void FN(ln_dx_means)(
-    const scalar_t* dy, const scalar_t* w, const scalar_t* x, scalar_t mf, scalar_t rf, i64 nfull,
-    i64 N, FN(lanes) ag, FN(lanes) agx, scalar_t* cg, scalar_t* cgx) {
-    acc_t sg = 0, sgx = 0;
-    for (i64 j = nfull; j < N; ++j) {
-        const scalar_t g = dy[j] * w[j];
-        sg += g;
-        sgx += (acc_t)g * ((x[j] - mf) * rf);
+/* dy's two vectors at column j of a row of N (with the constant flag tail, zeros past N: see
+   ln_dx_terms). */
+static inline __attribute__((always_inline)) void FN(dy_pair)(const scalar_t* dy, i64 j, i64 N,
+                                                              const int tail, FN(svec) * d0,
+                                                              FN(svec) * d1) {
+    if (!tail) {
+        *d0 = FN(sld)(dy + j);
+        *d1 = FN(sld)(dy + j + SVL);
+    } else {
+        *d0 = FN(sld_tail)(dy + j, N - j, 0);
+        *d1 = FN(sld_tail)(dy + j + SVL, N - j - SVL, 0);
     }
-    *cg = (scalar_t)((sg + FN(lanes_fold)(ag)) / N);
-    *cgx = (scalar_t)((sgx + FN(lanes_fold)(agx)) / N);
+}
+
+/* ln_dx's two means from the blocks' sums ag, agx. */
+static inline __attribute__((always_inline)) void FN(ln_dx_means)(i64 N, FN(lanes) ag,
+                                                                 FN(lanes) agx, scalar_t* cg,
+                                                                 scalar_t* cgx) {
+    *cg = (scalar_t)(FN(lanes_fold)(ag) / N);
+    *cgx = (scalar_t)(FN(lanes_fold)(agx) / N);
 }
 
 /* dx (+)= rstd·(g − mean(g) − x̂·mean(g⊙x̂)), g = dy⊙w, x̂ = (x − m)·r, in scalar_t with the
@@ -335,19 +397,25 @@ static inline void FN(ln_dx)(const scalar_t* dy, const scalar_t* x, acc_t m, acc
                              const scalar_t* w, scalar_t* dx, i64 N, int accumulate,
                              scalar_t* sw, scalar_t* sb) {
     const scalar_t mf = (scalar_t)m, rf = (scalar_t)r;
-    const i64 step = 2 * SVL, nfull = N - N % step;
+    const i64 step = 2 * SVL, nfull = N - N % step, npad = FN(padded)(N);
     FN(lanes) ag = {{0}, {0}}, agx = {{0}, {0}};
-    for (i64 j = 0; j < nfull;) {
-        const i64 end = block_end(j, BLOCK_TERMS * step, nfull);
-        FN(svec) g0 = {0}, g1 = {0}, gx0 = {0}, gx1 = {0};
-        for (; j < end; j += step)
-            FN(ln_dx_terms)(FN(sld)(dy + j), FN(sld)(dy + j + SVL), w, x, mf, rf, j, &g0, &g1,
-                            &gx0, &gx1);
+    for (i64 j = 0; j < npad;) {
+        const i64 end = block_end(j, BLOCK_TERMS * step, npad);
+        FN(svec) g0 = {0}, g1 = {0}, gx0 = {0}, gx1 = {0}, d0, d1;
+        for (const i64 whole = end < nfull ? end : nfull; j < whole; j += step) {
+            FN(dy_pair)(dy, j, N, 0, &d0, &d1);
+            FN(ln_dx_terms)(d0, d1, w, x, mf, rf, j, N, 0, &g0, &g1, &gx0, &gx1);
+        }
+        if (j < end) { /* the row's tail */
+            FN(dy_pair)(dy, j, N, 1, &d0, &d1);
+            FN(ln_dx_terms)(d0, d1, w, x, mf, rf, j, N, 1, &g0, &g1, &gx0, &gx1);
+            j += step;
+        }
         FN(lanes_add)(g0, g1, &ag);
         FN(lanes_add)(gx0, gx1, &agx);
     }
     scalar_t cg, cgx;
-    FN(ln_dx_means)(dy, w, x, mf, rf, nfull, N, ag, agx, &cg, &cgx);
+    FN(ln_dx_means)(N, ag, agx, &cg, &cgx);
     if (sw && accumulate) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, sw, sb, 1, 1);
     else if (sw) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, sw, sb, 0, 1);
     else if (accumulate) FN(ln_dx_store)(dy, x, mf, rf, cg, cgx, w, dx, N, NULL, NULL, 1, 0);
@@ -393,16 +461,22 @@ static inline void FN(ln_dx2)(scalar_t* dy, const scalar_t* x1, acc_t m1, acc_t 
                               acc_t r2, const scalar_t* w2, i64 N, scalar_t* sw1, scalar_t* sb1,
                               scalar_t* sw2, scalar_t* sb2) {
     const scalar_t mf1 = (scalar_t)m1, rf1 = (scalar_t)r1, mf2 = (scalar_t)m2, rf2 = (scalar_t)r2;
-    const i64 step = 2 * SVL, nfull = N - N % step;
+    const i64 step = 2 * SVL, nfull = N - N % step, npad = FN(padded)(N);
     FN(lanes) ag1 = {{0}, {0}}, agx1 = {{0}, {0}}, ag2 = {{0}, {0}}, agx2 = {{0}, {0}};
-    for (i64 j = 0; j < nfull;) {
-        const i64 end = block_end(j, BLOCK_TERMS * step, nfull);
+    for (i64 j = 0; j < npad;) {
+        const i64 end = block_end(j, BLOCK_TERMS * step, npad);
         FN(svec) g10 = {0}, g11 = {0}, gx10 = {0}, gx11 = {0};
-        FN(svec) g20 = {0}, g21 = {0}, gx20 = {0}, gx21 = {0};
-        for (; j < end; j += step) {
-            const FN(svec) d0 = FN(sld)(dy + j), d1 = FN(sld)(dy + j + SVL);
-            FN(ln_dx_terms)(d0, d1, w1, x1, mf1, rf1, j, &g10, &g11, &gx10, &gx11);
-            FN(ln_dx_terms)(d0, d1, w2, x2, mf2, rf2, j, &g20, &g21, &gx20, &gx21);
+        FN(svec) g20 = {0}, g21 = {0}, gx20 = {0}, gx21 = {0}, d0, d1;
+        for (const i64 whole = end < nfull ? end : nfull; j < whole; j += step) {
+            FN(dy_pair)(dy, j, N, 0, &d0, &d1);
+            FN(ln_dx_terms)(d0, d1, w1, x1, mf1, rf1, j, N, 0, &g10, &g11, &gx10, &gx11);
+            FN(ln_dx_terms)(d0, d1, w2, x2, mf2, rf2, j, N, 0, &g20, &g21, &gx20, &gx21);
+        }
+        if (j < end) { /* the row's tail */
+            FN(dy_pair)(dy, j, N, 1, &d0, &d1);
+            FN(ln_dx_terms)(d0, d1, w1, x1, mf1, rf1, j, N, 1, &g10, &g11, &gx10, &gx11);
+            FN(ln_dx_terms)(d0, d1, w2, x2, mf2, rf2, j, N, 1, &g20, &g21, &gx20, &gx21);
+            j += step;
         }
         FN(lanes_add)(g10, g11, &ag1);
         FN(lanes_add)(gx10, gx11, &agx1);
@@ -410,8 +484,8 @@ static inline void FN(ln_dx2)(scalar_t* dy, const scalar_t* x1, acc_t m1, acc_t 
         FN(lanes_add)(gx20, gx21, &agx2);
     }
     scalar_t cg1, cgx1, cg2, cgx2;
-    FN(ln_dx_means)(dy, w1, x1, mf1, rf1, nfull, N, ag1, agx1, &cg1, &cgx1);
-    FN(ln_dx_means)(dy, w2, x2, mf2, rf2, nfull, N, ag2, agx2, &cg2, &cgx2);
+    FN(ln_dx_means)(N, ag1, agx1, &cg1, &cgx1);
+    FN(ln_dx_means)(N, ag2, agx2, &cg2, &cgx2);
     const FN(ln_grad) g1 = {x1, w1, mf1, rf1, cg1, cgx1}, g2 = {x2, w2, mf2, rf2, cg2, cgx2};
     if (sw1) FN(ln_dx2_store)(dy, &g1, dx1, &g2, N, sw1, sb1, sw2, sb2, 1);
     else FN(ln_dx2_store)(dy, &g1, dx1, &g2, N, NULL, NULL, NULL, NULL, 0);

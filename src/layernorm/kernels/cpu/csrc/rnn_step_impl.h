@@ -134,6 +134,18 @@ static inline __attribute__((always_inline)) FN(svec) FN(sld_tail)(const scalar_
    sums take them (cpu_common.h), the tail's included. */
 static inline i64 FN(padded)(i64 N) { return (N + 2 * SVL - 1) / (2 * SVL) * (2 * SVL); }
 
+/* p0 += u, p1 += v (with sq, their squares). */
+static inline __attribute__((always_inline)) void FN(pair_terms)(FN(svec) u, FN(svec) v, int sq,
+                                                                 FN(svec) * p0, FN(svec) * p1) {
+    if (sq) {
+        *p0 += u * u;
+        *p1 += v * v;
+    } else {
+        *p0 += u;
+        *p1 += v;
+    }
+}
+
 /* acc += the sums of (x − c) (with sq, (x − c)²) over the block [j, end) of a row of N elements
    (end <= padded(N)), each lane adding in scalar_t. */
 static inline __attribute__((always_inline)) void FN(block_sums)(const scalar_t* x, i64 j, i64 end,
@@ -141,27 +153,11 @@ static inline __attribute__((always_inline)) void FN(block_sums)(const scalar_t*
                                                                  FN(lanes) * acc) {
     const i64 full = N - N % (2 * SVL), whole = end < full ? end : full;
     FN(svec) p0 = {0}, p1 = {0};
-    for (; j < whole; j += 2 * SVL) {
-        const FN(svec) u = FN(sld)(x + j) - c, v = FN(sld)(x + j + SVL) - c;
-        if (sq) {
-            p0 += u * u;
-            p1 += v * v;
-        } else {
-            p0 += u;
-            p1 += v;
-        }
-    }
-    if (j < end) { /* the row's tail: the lanes past N are c, adding zeros */
-        const FN(svec) u = FN(sld_tail)(x + j, N - j, c) - c;
-        const FN(svec) v = FN(sld_tail)(x + j + SVL, N - j - SVL, c) - c;
-        if (sq) {
-            p0 += u * u;
-            p1 += v * v;
-        } else {
-            p0 += u;
-            p1 += v;
-        }
-    }
+    for (; j < whole; j += 2 * SVL)
+        FN(pair_terms)(FN(sld)(x + j) - c, FN(sld)(x + j + SVL) - c, sq, &p0, &p1);
+    if (j < end) /* the row's tail: the lanes past N are c, adding zeros */
+        FN(pair_terms)(FN(sld_tail)(x + j, N - j, c) - c,
+                       FN(sld_tail)(x + j + SVL, N - j - SVL, c) - c, sq, &p0, &p1);
     FN(lanes_add)(p0, p1, acc);
 }
 

@@ -519,6 +519,57 @@ def test_lstm_forward_group_changes_no_bit(dtype, train, options) -> None:
         rnn.use_forward_group(None)
 
 
+@needs_sequence_kernels
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("layer", [LayerNormLSTM, LayerNormGRU], ids=["lstm", "gru"])
+def test_batch_row_split_and_shared_steps_agree(layer, train, monkeypatch) -> None:
+    """Two threads either split the batch's rows, each carrying its rows through every step, or
+    share every step's GEMMs by panels (``rnn.use_batch_split_bytes``: the packed weights' bytes
+    up to which they split, by processor by default): the same outputs, states and gradients.
+    The outputs bit for bit (each value the same sum in the same order); the gradients within
+    float64 rounding (the layer norms' gain and bias sums are each thread's rows summed apart,
+    the threads' totals then added in order)."""
+    monkeypatch.setattr(_cstep, "_SEQ_GRAIN", 1)  # a team of two at this size
+    monkeypatch.setattr(_cstep, "_SEQ_GEMM_GRAIN", 1)
+    torch.manual_seed(0)
+    model = layer(9, 32, dtype=torch.float64).eval()
+    x = 0.5 + torch.randn(7, 12, 9, dtype=torch.float64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results = []
+        for limit in (0, 1 << 40):  # never split, always split
+            rnn.use_batch_split_bytes(limit)
+            results.append(_lstm_results(model, x, train))
+    finally:
+        rnn.use_batch_split_bytes(None)
+        torch.set_num_threads(before)
+    (shared, split), outputs = results, len(_flat(model(x)))
+    for i, (a, b) in enumerate(zip(shared, split, strict=True)):
+        if i < outputs:
+            assert torch.equal(a, b), i
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_batch_split_choices(monkeypatch) -> None:
+    """16 MiB of packed weights on an AMD Zen 4 (family 25) with an AVX-512 target, 4 MiB
+    elsewhere; use_batch_split_bytes takes an int >= 0 or None and names anything else."""
+    from layernorm.kernels.cpu import targets
+
+    zen4, other = rnn.ZEN4_BATCH_SPLIT_BYTES, rnn.rnn_abi.BATCH_SPLIT_BYTES_DEFAULT
+    cases = [("AuthenticAMD", 25, "avx512bf16", zen4), ("AuthenticAMD", 25, "avx512", zen4),
+             ("AuthenticAMD", 25, "avx2", other), ("AuthenticAMD", 26, "avx512bf16", other),
+             ("GenuineIntel", 6, "avx512", other), ("HygonGenuine", 24, "avx2", other)]  # fmt: skip
+    for vendor, family, isa, limit in cases:
+        monkeypatch.setattr(targets, "cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setattr(targets, "cpu_family", lambda f=family: f)
+        assert rnn.batch_split_bytes_by_default(isa) == limit, (vendor, family, isa)
+    for bad in (-1, 2.0, "4", True):
+        with pytest.raises(ValueError, match=r"limit must be an int >= 0 or None, got"):
+            rnn.use_batch_split_bytes(bad)  # type: ignore[arg-type]
+
+
 def test_forward_group_choices(monkeypatch) -> None:
     """Groups of eight rows on Intel processors and on AMD processors from family 26 with an
     AVX-512 target, four elsewhere; use_forward_group takes 1 to 8 or None and names anything

@@ -73,6 +73,10 @@ _GROUP_SETTERS: dict[tuple[str, tuple[str, ...]], Any] = {}
 _forward_group_choice: int | None = None
 #: The LN-LSTM forward step's rows a group, the C kernels' range.
 FORWARD_GROUPS = range(1, rnn_abi.FORWARD_GROUP_MAX + 1)
+# ... and rnn_set_batch_split_bytes, with the choice use_batch_split_bytes made (None: by
+# processor)
+_SPLIT_SETTERS: dict[tuple[str, tuple[str, ...]], Any] = {}
+_batch_split_choice: int | None = None
 
 
 def _torch_cpu_symbols(names: tuple[str, ...]) -> tuple[int, ...] | None:
@@ -199,14 +203,70 @@ def mkl_by_default(isa: str) -> bool:
 _AMD_FULL_WIDTH_AVX512_FAMILY = 26
 
 
+def _avx512_target(isa: str) -> bool:
+    """Whether target ``isa`` has AVX-512."""
+    return any("avx512f" in t.features for t in targets.TARGETS if t.name == isa)
+
+
 def _amd_full_width_avx512(isa: str) -> bool:
     """An AMD processor from family 26 (see :func:`tile_outpaces_torch_gemm`) and a target with
     AVX-512."""
     return (
         targets.cpu_vendor() == "AuthenticAMD"
         and targets.cpu_family() >= _AMD_FULL_WIDTH_AVX512_FAMILY
-        and any("avx512f" in t.features for t in targets.TARGETS if t.name == isa)
+        and _avx512_target(isa)
     )
+
+
+# AMD's x86 family 25 (Zen 3 and Zen 4; with AVX-512 only Zen 4).
+_AMD_ZEN4_FAMILY = 25
+#: The batch-row split's limit on an AMD Zen 4 with an AVX-512 target (see
+#: :func:`batch_split_bytes_by_default`).
+ZEN4_BATCH_SPLIT_BYTES = 16 << 20
+
+
+def batch_split_bytes_by_default(isa: str) -> int:
+    """The most bytes of packed weights for which a sequence call of target ``isa`` on this
+    processor splits the batch's rows among its threads (each carrying its rows through every
+    step, reading all the weights each step) instead of sharing every step's GEMM by panels and
+    meeting twice a step (``csrc/rnn_common.h``: ``batch_split``); the same results either way.
+    16 MiB on an AMD Zen 4 (family 25) with an AVX-512 target, 4 MiB elsewhere (the limit the
+    shared steps won past on this processor when the split came, 2026-11-25). Two threads, ours
+    / torch.nn.LSTM (GRU), 4 / 16 MiB (``ab_rnn.py --cflags``, AMD EPYC Zen 4, 2026-11-30):
+    LN-LSTM inference (T, B, I, H) = (50, 128, 256, 512) 1.14 / 1.04, (100, 64, 256, 512)
+    1.02 / 0.97, (35, 20, 650, 650) 1.07 / 1.05; training 0.93 / 0.90, 0.89 / 0.81-0.84,
+    1.08 / 1.06; LN-GRU inference (100, 64, 256, 512) 0.57 / 0.54, (35, 20, 650, 650) 0.86 /
+    0.81, training level; (30, 32, 512, 1024) (25 MiB) 1.06 with the split forced, 1.07 without;
+    the AVX2 build level at three shapes (0.92 / 0.92, 0.92 / 0.94, 0.95 / 0.95). Other
+    processors unmeasured at the new limit."""
+    if (
+        targets.cpu_vendor() == "AuthenticAMD"
+        and targets.cpu_family() == _AMD_ZEN4_FAMILY
+        and _avx512_target(isa)
+    ):
+        return ZEN4_BATCH_SPLIT_BYTES
+    return rnn_abi.BATCH_SPLIT_BYTES_DEFAULT
+
+
+def _apply_batch_split(isa: str, set_batch_split_bytes: Any) -> None:
+    limit = _batch_split_choice
+    if limit is None:
+        limit = batch_split_bytes_by_default(isa)
+    if set_batch_split_bytes(limit) != 0:
+        raise RuntimeError(f"layernorm: rnn_set_batch_split_bytes refused {limit} bytes")
+
+
+def use_batch_split_bytes(limit: int | None) -> None:
+    """Set the batch-row split's limit (packed weights' bytes, an int >= 0) for every library
+    loaded or loaded later, or ``None`` for the processor's default
+    (:func:`batch_split_bytes_by_default`). Not while a kernel runs (tests and benchmarks switch
+    between calls)."""
+    global _batch_split_choice
+    if limit is not None and (type(limit) is not int or limit < 0):
+        raise ValueError(f"use_batch_split_bytes: limit must be an int >= 0 or None, got {limit!r}")
+    _batch_split_choice = limit
+    for (isa, _), set_batch_split_bytes in _SPLIT_SETTERS.items():
+        _apply_batch_split(isa, set_batch_split_bytes)
 
 
 def forward_group_by_default(isa: str) -> int:
@@ -414,6 +474,10 @@ def _library_for(
         lib.rnn_set_forward_group.argtypes = (ctypes.c_int,)
         _apply_forward_group(isa, lib.rnn_set_forward_group)
         _GROUP_SETTERS[isa, variant] = lib.rnn_set_forward_group
+        lib.rnn_set_batch_split_bytes.restype = ctypes.c_int
+        lib.rnn_set_batch_split_bytes.argtypes = (ctypes.c_int64,)
+        _apply_batch_split(isa, lib.rnn_set_batch_split_bytes)
+        _SPLIT_SETTERS[isa, variant] = lib.rnn_set_batch_split_bytes
         lib.rnn_set_amx.restype = lib.rnn_amx.restype = ctypes.c_int
         lib.rnn_set_amx.argtypes, lib.rnn_amx.argtypes = (ctypes.c_int,), ()
         _AMX_SETTERS[isa, variant] = lib.rnn_set_amx, lib.rnn_amx

@@ -51,6 +51,9 @@ ERR_INPUT_NORM = 4
 #: (``rnn_set_forward_group``).
 FORWARD_GROUP_DEFAULT = 4
 FORWARD_GROUP_MAX = 8
+#: The most bytes of packed weights for which a sequence call's team splits the batch's rows
+#: among its threads instead of sharing every step, unless set (``rnn_set_batch_split_bytes``).
+BATCH_SPLIT_BYTES_DEFAULT = 4 << 20
 #: What a sequence kernel returns when its optional input projection is half given (x without
 #: w_ih or the reverse), its split is outside (0, G], or gx has the wrong rows for it; the Elman
 #: kernels, which normalize hp + gx as one, when it is given at all; ``matmul`` when its W's
@@ -1227,6 +1230,13 @@ def c_header() -> str:
         f"#define RNN_FORWARD_GROUP_DEFAULT {FORWARD_GROUP_DEFAULT}",
         f"#define RNN_FORWARD_GROUP_MAX {FORWARD_GROUP_MAX}",
         "int rnn_set_forward_group(int rows);",
+        "/* The most bytes of packed weights (W_hh's, with W_ih's where the loop projects) for",
+        "   which a sequence call's team of threads splits the batch's rows among them, each",
+        "   carrying its rows through every step, instead of sharing each step (the same results",
+        "   either way; RNN_BATCH_SPLIT_BYTES_DEFAULT unless set). 0, or -1 (nothing set) for a",
+        "   negative count. Set before the kernels run, not while they do. */",
+        f"#define RNN_BATCH_SPLIT_BYTES_DEFAULT {BATCH_SPLIT_BYTES_DEFAULT}LL",
+        "int rnn_set_batch_split_bytes(int64_t bytes);",
         "/* The row statistics a GRU cell call keeps (gru_cell_fwd_args.stats). */",
         f"#define RNN_GRU_CELL_STATS {GRU_CELL_STATS}",
         "/* The row statistics an LSTM cell call keeps (lstm_cell_fwd_args.stats). */",

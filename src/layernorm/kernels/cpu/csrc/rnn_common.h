@@ -278,14 +278,13 @@ static inline int input_norm_valid(const void* w0, int given, int layer_norm) {
    step needs row i of the last step only), and the threads never wait for one another, where a
    shared step meets twice at a barrier and hands each step's GEMM output across cores. It
    takes every step to have all B rows (else the lower rows, in more steps, would load one
-   thread), at least two rows per thread, and packed weights small enough (`bytes`) that every
-   thread's reading all of them each step stays in its caches: past BATCH_SPLIT_BYTES the panel
-   split, each thread reading its share of the panels, wins. */
-#ifndef BATCH_SPLIT_BYTES
-#define BATCH_SPLIT_BYTES (4 << 20)
-#endif
-static inline int batch_split(const i64* steps, i64 n_steps, i64 B, int team, i64 bytes) {
-    if (team < 2 || B < 2 * team || bytes > BATCH_SPLIT_BYTES) return 0;
+   thread), at least two rows per thread, and packed weights (`bytes`) within `limit`
+   (rnn_set_batch_split_bytes; rnn.py sets it by processor): every thread then reads all of
+   them every step, where past the limit the panel split, each thread reading its share of the
+   panels, wins. */
+static inline int batch_split(const i64* steps, i64 n_steps, i64 B, int team, i64 bytes,
+                              i64 limit) {
+    if (team < 2 || B < 2 * team || bytes > limit) return 0;
     for (i64 k = 0; k < n_steps; ++k)
         if (steps[2 * k + 1] != B) return 0;
     return 1;

@@ -8,6 +8,15 @@
 int rnn_vector_bytes(void) { return VEC_BYTES; }
 int rnn_direct_rows(void) { return DIRECT_ROWS; }
 
+/* The packed weights' bytes up to which a team splits the batch's rows (batch_split). */
+static i64 batch_split_bytes = RNN_BATCH_SPLIT_BYTES_DEFAULT;
+
+int rnn_set_batch_split_bytes(int64_t bytes) {
+    if (bytes < 0) return -1;
+    batch_split_bytes = bytes;
+    return 0;
+}
+
 /* MKL's packed GEMM (cblas_sgemm_pack_get_size, cblas_sgemm_pack, cblas_sgemm_compute) as the
    running PyTorch's own CPU library exports it; rnn.py looks the three up and decides where they
    are used. All NULL: the library's own tile. float only: no packed dgemm is exported. MKL_INT is

@@ -1471,7 +1471,8 @@ static inline void FN(unstage)(const scalar_t* stage, scalar_t* kept, i64 lo, i6
         team = team_cap(team);                                                                    \
         const i64 packed = ((P + (s->x ? I : 0)) * FN(panels)(G) +                                \
                             (s->w_hr ? H * FN(panels)(P) : 0)) * NR * (i64)sizeof(scalar_t);      \
-        const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
+        const int by_rows =                                                                       \
+            batch_split(s->steps, s->n_steps, a->B, team, packed, batch_split_bytes);             \
         FN(weight) wb = {0}, wxb = {0}, wrb = {0}; /* unless direct */                            \
         if (!direct &&                                                                            \
             (!FN(weight_init)(&wb, s->w, P, G, 1, a->B, team, by_rows, s->threads, SLOT_W_HH,     \
@@ -1633,7 +1634,8 @@ static inline void FN(unstage)(const scalar_t* stage, scalar_t* kept, i64 lo, i6
         team = team_cap(team);                                                                    \
         const i64 packed = G * (FN(panels)(H) + (s->dx ? FN(panels)(I) : 0)) * NR *               \
                            (i64)sizeof(scalar_t);                                                 \
-        const int by_rows = batch_split(s->steps, s->n_steps, a->B, team, packed);               \
+        const int by_rows =                                                                       \
+            batch_split(s->steps, s->n_steps, a->B, team, packed, batch_split_bytes);             \
         FN(weight) wb, wib = {0}; /* W_hh and W_ih themselves: dh = dhp · W_hh, dx = dgx · W_ih */ \
         if (!FN(weight_init)(&wb, s->w, G, H, 0, a->B, team, by_rows, s->threads, 0,              \
                              s->half_gemm >= 2) ||                                                \

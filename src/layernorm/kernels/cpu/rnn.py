@@ -229,7 +229,7 @@ def batch_split_bytes_by_default(isa: str) -> int:
     """The most bytes of packed weights for which a sequence call of target ``isa`` on this
     processor splits the batch's rows among its threads (each carrying its rows through every
     step, reading all the weights each step) instead of sharing every step's GEMM by panels and
-    meeting twice a step (``csrc/rnn_common.h``: ``batch_split``); the same results either way.
+    meeting twice a step (``csrc/rnn_common.h``: ``batch_split``): the same outputs either way.
     16 MiB on an AMD Zen 4 (family 25) with an AVX-512 target, 4 MiB elsewhere (the limit the
     shared steps won past on this processor when the split came, 2026-11-25). Two threads, ours
     / torch.nn.LSTM (GRU), 4 / 16 MiB (``ab_rnn.py --cflags``, AMD EPYC Zen 4, 2026-11-30):

@@ -50,11 +50,12 @@ int rnn_half_gemm(void);
 #define RNN_FORWARD_GROUP_DEFAULT 4
 #define RNN_FORWARD_GROUP_MAX 8
 int rnn_set_forward_group(int rows);
-/* The most bytes of packed weights (W_hh's, with W_ih's where the loop projects) for
-   which a sequence call's team of threads splits the batch's rows among them, each
-   carrying its rows through every step, instead of sharing each step (the same results
-   either way; RNN_BATCH_SPLIT_BYTES_DEFAULT unless set). 0, or -1 (nothing set) for a
-   negative count. Set before the kernels run, not while they do. */
+/* The most bytes of packed weights (those a call's step GEMMs read) for which a
+   sequence call's team of threads splits the batch's rows among them, each carrying
+   its rows through every step, instead of sharing each step: the same outputs either
+   way, the layer norms' parameter gradients summed by other threads' rows
+   (RNN_BATCH_SPLIT_BYTES_DEFAULT unless set). 0, or -1 (nothing set) for a negative
+   count. Set before the kernels run, not while they do. */
 #define RNN_BATCH_SPLIT_BYTES_DEFAULT 4194304LL
 int rnn_set_batch_split_bytes(int64_t bytes);
 /* The row statistics a GRU cell call keeps (gru_cell_fwd_args.stats). */

@@ -85,37 +85,44 @@ static inline __attribute__((always_inline)) FN(svec) FN(sld)(const scalar_t* p)
 #include "row_lanes.h"
 #undef ROW_VEC
 
-/* p[0, t) in the first t lanes of a vector and `fill` in the others, reading nothing past p + t
-   (t <= 0: every lane fill; t >= SVL: a whole vector). A row's last N mod 2·SVL elements are one
-   more pair of vectors of its sums this way, their other lanes filled so that they add zeros
-   (x − c with fill c, dy with fill 0), where a scalar loop once added them one after another in
-   float64, each add waiting on the last: a row of 16 (the LN-LSTM's c_t at H = 16) was all
-   tail, ~30 of 166 ns a row of its forward step, H = 100's rows of 400 and 100 had tails of
-   16 and 4 (AVX-512). The masked loads (AVX-512, AVX2) touch no memory past the row. */
-static inline __attribute__((always_inline)) FN(svec) FN(sld_tail)(const scalar_t* p, i64 t,
-                                                                  scalar_t fill) {
+/* row[j, N) in the first lanes of a vector (at most SVL of them) and `fill` in the others,
+   reading nothing past row + N and forming no pointer past it (j >= N: every lane fill). A
+   row's last N mod 2·SVL elements are one more pair of vectors of its sums this way, their
+   other lanes filled so that they add zeros (x − c with fill c, dy with fill 0), where a scalar
+   loop once added them one after another in float64, each add waiting on the last: a row of 16
+   (the LN-LSTM's c_t at H = 16) was all tail, ~30 of 166 ns a row of its forward step,
+   H = 100's rows of 400 and 100 had tails of 16 and 4 (AVX-512). The masked loads (AVX-512,
+   AVX2) touch no memory past the row. */
+static inline __attribute__((always_inline)) FN(svec) FN(sld_tail)(const scalar_t* row, i64 j,
+                                                                  i64 N, scalar_t fill) {
+    const i64 t = N - j;
+    if (t <= 0) {
+        FN(svec) all = {0};
+        return all + fill;
+    }
+    const scalar_t* p = row + j;
     if (t >= SVL) return FN(sld)(p);
     FN(svec) v;
 #if defined(__AVX512F__) && VEC_BYTES == 64
     if (sizeof(scalar_t) == 4) {
-        const __mmask16 m = (__mmask16)(t > 0 ? (1u << t) - 1 : 0);
+        const __mmask16 m = (__mmask16)((1u << t) - 1);
         const __m512 r = _mm512_mask_loadu_ps(_mm512_set1_ps((float)fill), m, (const void*)p);
         memcpy(&v, &r, sizeof v);
     } else {
-        const __mmask8 m = (__mmask8)(t > 0 ? (1u << t) - 1 : 0);
+        const __mmask8 m = (__mmask8)((1u << t) - 1);
         const __m512d r = _mm512_mask_loadu_pd(_mm512_set1_pd((double)fill), m, (const void*)p);
         memcpy(&v, &r, sizeof v);
     }
 #elif defined(__AVX2__) && VEC_BYTES == 32
     if (sizeof(scalar_t) == 4) {
-        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(t > 0 ? t : 0)),
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)t),
                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         const __m256 r = _mm256_blendv_ps(_mm256_set1_ps((float)fill),
                                           _mm256_maskload_ps((const float*)(const void*)p, m),
                                           _mm256_castsi256_ps(m));
         memcpy(&v, &r, sizeof v);
     } else {
-        const __m256i m = _mm256_cmpgt_epi64(_mm256_set1_epi64x(t > 0 ? t : 0),
+        const __m256i m = _mm256_cmpgt_epi64(_mm256_set1_epi64x(t),
                                              _mm256_setr_epi64x(0, 1, 2, 3));
         const __m256d r = _mm256_blendv_pd(_mm256_set1_pd((double)fill),
                                            _mm256_maskload_pd((const double*)(const void*)p, m),
@@ -156,8 +163,8 @@ static inline __attribute__((always_inline)) void FN(block_sums)(const scalar_t*
     for (; j < whole; j += 2 * SVL)
         FN(pair_terms)(FN(sld)(x + j) - c, FN(sld)(x + j + SVL) - c, sq, &p0, &p1);
     if (j < end) /* the row's tail: the lanes past N are c, adding zeros */
-        FN(pair_terms)(FN(sld_tail)(x + j, N - j, c) - c,
-                       FN(sld_tail)(x + j + SVL, N - j - SVL, c) - c, sq, &p0, &p1);
+        FN(pair_terms)(FN(sld_tail)(x, j, N, c) - c, FN(sld_tail)(x, j + SVL, N, c) - c, sq,
+                       &p0, &p1);
     FN(lanes_add)(p0, p1, acc);
 }
 
@@ -354,10 +361,10 @@ static inline __attribute__((always_inline)) void FN(ln_dx_store)(
 static inline __attribute__((always_inline)) void FN(ln_dx_terms)(
     FN(svec) d0, FN(svec) d1, const scalar_t* w, const scalar_t* x, scalar_t mf, scalar_t rf,
     i64 j, i64 N, const int tail, FN(svec) * g0, FN(svec) * g1, FN(svec) * gx0, FN(svec) * gx1) {
-    const FN(svec) w0 = tail ? FN(sld_tail)(w + j, N - j, 0) : FN(sld)(w + j);
-    const FN(svec) w1 = tail ? FN(sld_tail)(w + j + SVL, N - j - SVL, 0) : FN(sld)(w + j + SVL);
-    const FN(svec) x0 = tail ? FN(sld_tail)(x + j, N - j, mf) : FN(sld)(x + j);
-    const FN(svec) x1 = tail ? FN(sld_tail)(x + j + SVL, N - j - SVL, mf) : FN(sld)(x + j + SVL);
+    const FN(svec) w0 = tail ? FN(sld_tail)(w, j, N, 0) : FN(sld)(w + j);
+    const FN(svec) w1 = tail ? FN(sld_tail)(w, j + SVL, N, 0) : FN(sld)(w + j + SVL);
+    const FN(svec) x0 = tail ? FN(sld_tail)(x, j, N, mf) : FN(sld)(x + j);
+    const FN(svec) x1 = tail ? FN(sld_tail)(x, j + SVL, N, mf) : FN(sld)(x + j + SVL);
     const FN(svec) u = d0 * w0, v = d1 * w1;
     *g0 += u;
     *g1 += v;
@@ -374,8 +381,8 @@ static inline __attribute__((always_inline)) void FN(dy_pair)(const scalar_t* dy
         *d0 = FN(sld)(dy + j);
         *d1 = FN(sld)(dy + j + SVL);
     } else {
-        *d0 = FN(sld_tail)(dy + j, N - j, 0);
-        *d1 = FN(sld_tail)(dy + j + SVL, N - j - SVL, 0);
+        *d0 = FN(sld_tail)(dy, j, N, 0);
+        *d1 = FN(sld_tail)(dy, j + SVL, N, 0);
     }
 }
 

@@ -619,17 +619,23 @@ def test_gate_math_is_inlined(name) -> None:
 @pytest.mark.parametrize("name", ISAS)
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-def test_cell_training_kernels_per_target(name, kind, dtype, monkeypatch) -> None:
+@pytest.mark.parametrize("by_operator", [True, False], ids=["C++ node", "Python node"])
+def test_cell_training_kernels_per_target(name, kind, dtype, by_operator, monkeypatch) -> None:
     """A cell's training step by the C cell kernels (hidden sizes ending in part of a vector) on
-    each target, against the step's ops in float64: the outputs and every gradient."""
+    each target, by the C++ operator and by the autograd.Function, against the step's ops in
+    float64: the outputs and every gradient."""
     from layernorm import LayerNormGRUCell, LayerNormLSTMCell
+    from layernorm.kernels.cpu import torch_ops
     from layernorm.recurrent import _cellstep
 
     monkeypatch.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 0)  # the cell's own call: the ops
+    if by_operator and not torch_ops.recurrent_nodes():
+        pytest.skip("the C++ operators are not loaded")
     cls, node, params = {
-        "lstm": (LayerNormLSTMCell, _cellstep.LSTMCellStep, _cellstep.LSTM_PARAMS),
-        "gru": (LayerNormGRUCell, _cellstep.GRUCellStep, _cellstep.GRU_PARAMS),
+        "lstm": (LayerNormLSTMCell, _cellstep.lstm_node, _cellstep.LSTM_PARAMS),
+        "gru": (LayerNormGRUCell, _cellstep.gru_node, _cellstep.GRU_PARAMS),
     }[kind]
+    states = 2 if kind == "lstm" else 1
     gen = torch.Generator().manual_seed(3)
     tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
     for hidden in (5, 37):
@@ -645,10 +651,11 @@ def test_cell_training_kernels_per_target(name, kind, dtype, monkeypatch) -> Non
         outs = out if isinstance(out, tuple) else (out,)
         weights = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
         want = [*outs, *torch.autograd.grad(outs, leaves, weights)]
-        with targets.use(name):
+        with targets.use(name), torch_ops.switched(by_operator):
             low = [t.detach().to(dtype).requires_grad_() for t in leaves]
-            got_out = node.apply(*low, cell.eps)
+            got_out = node(*low[: 1 + states], low[1 + states :], cell.eps)
             got_outs = got_out if isinstance(got_out, tuple) else (got_out,)
+            assert ("CellFn" in got_outs[0].grad_fn.name()) == by_operator
             got = [*got_outs, *torch.autograd.grad(got_outs, low, [w.to(dtype) for w in weights])]
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g.double(), w.detach(), **tol)

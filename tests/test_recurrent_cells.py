@@ -802,22 +802,42 @@ def _kernel_cell(kind: str, *args, **kwargs) -> torch.nn.Module:
     return cls(*args, **options, **kwargs)
 
 
-def _cell_kernels(monkeypatch: pytest.MonkeyPatch, taken: list[bool]) -> None:
+def _cell_kernels(
+    monkeypatch: pytest.MonkeyPatch, taken: list[bool], routes: list[str] | None = None
+) -> None:
     """Each cell training step by the C cell kernels' node counted (and the LSTM's planned node
-    of many rows kept out of it)."""
+    of many rows kept out of it); with ``routes``, which node ran each: ``"C++"`` (the
+    operators of ``csrc_torch/rnn_ops.cpp``) or ``"Python"`` (the autograd.Functions)."""
+    from layernorm.kernels.cpu import torch_ops
     from layernorm.recurrent import _cellstep
 
     monkeypatch.setattr(_cellstep, "PLANNED_STEP_MIN_ROWS", 1 << 30)
-    for node in (_cellstep.GRUCellStep, _cellstep.LSTMCellStep):
-        monkeypatch.setattr(node, "apply", _counted(node.apply, taken))
+    for name in ("lstm_node", "gru_node"):
+        monkeypatch.setattr(_cellstep, name, _counted(getattr(_cellstep, name), taken, True))
+    if routes is not None:
+        for node in (_cellstep.GRUCellStep, _cellstep.LSTMCellStep):
+            monkeypatch.setattr(node, "apply", _counted(node.apply, routes, "Python"))
+        for name in ("lstm_cell_step", "gru_cell_step"):
+            monkeypatch.setattr(torch_ops, name, _counted(getattr(torch_ops, name), routes, "C++"))
 
 
-def _counted(apply, taken: list[bool]):
+def _counted(fn, record: list, value: object = True):
     def counted(*args):
-        taken.append(True)
-        return apply(*args)
+        record.append(value)
+        return fn(*args)
 
     return counted
+
+
+#: The two nodes of a cell's training step: the C++ operator (where the operators load) and
+#: the autograd.Function, chosen by the operators' switch.
+NODE_ROUTES = pytest.mark.parametrize("by_operator", [True, False], ids=["C++ node", "Python node"])
+
+
+def _route(by_operator: bool) -> str:
+    from layernorm.kernels.cpu import torch_ops
+
+    return "C++" if by_operator and torch_ops.recurrent_nodes() else "Python"
 
 
 def _kernel_steps_and_grads(
@@ -859,6 +879,7 @@ def _initial_state(cls: type, rows: int, dtype: torch.dtype) -> tuple[torch.Tens
     return (h,)
 
 
+@NODE_ROUTES
 @pytest.mark.parametrize("kind", KERNEL_CELLS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("bias", [True, False])
@@ -866,10 +887,12 @@ def _initial_state(cls: type, rows: int, dtype: torch.dtype) -> tuple[torch.Tens
 @pytest.mark.parametrize("rows", [1, 5, 0], ids=["one row", "five rows", "unbatched"])
 def test_cell_training_by_the_kernels_equals_its_ops(
     monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype, bias: bool,
-    given_state: bool, rows: int,
+    given_state: bool, rows: int, by_operator: bool,
 ) -> None:  # fmt: skip
-    """Training steps by the C cell kernels' node give the step's ops' outputs and gradients
-    (input, state, every parameter), three steps in a row, the graph of all alive together."""
+    """Training steps by the C cell kernels' node (the C++ operator and the autograd.Function)
+    give the step's ops' outputs and gradients (input, state, every parameter), three steps in
+    a row, the graph of all alive together."""
+    from layernorm.kernels.cpu import torch_ops
     from layernorm.recurrent import _cellstep, _cstep
 
     cell = _kernel_cell(kind, 6, 8, bias=bias, dtype=dtype)
@@ -882,21 +905,26 @@ def test_cell_training_by_the_kernels_equals_its_ops(
     expected = _kernel_steps_and_grads(cell, xs, hx)
     monkeypatch.undo()
     taken: list[bool] = []
-    _cell_kernels(monkeypatch, taken)
-    got = _kernel_steps_and_grads(cell, xs, hx)
-    assert taken == [True] * 3 if _cstep.available(xs) else not taken
+    routes: list[str] = []
+    _cell_kernels(monkeypatch, taken, routes)
+    with torch_ops.switched(by_operator):
+        got = _kernel_steps_and_grads(cell, xs, hx)
+        assert taken == [True] * 3 if _cstep.available(xs) else not taken
+        assert routes == [_route(by_operator)] * len(taken)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, **_cell_tolerance(dtype))
 
 
+@NODE_ROUTES
 @pytest.mark.parametrize("kind", KERNEL_CELLS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_cell_kernels_keep_second_derivatives(
-    monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype
+    monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype, by_operator: bool
 ) -> None:
-    """With ``create_graph=True`` the node's backward differentiates the step's ops: the
-    gradients of the gradients are the ops' own, over two steps (the second step's weights also
-    made its state)."""
+    """With ``create_graph=True`` the node's backward (either node) differentiates the step's
+    ops: the gradients of the gradients are the ops' own, over two steps (the second step's
+    weights also made its state)."""
+    from layernorm.kernels.cpu import torch_ops
     from layernorm.recurrent import _cellstep, _cstep
 
     cell = _kernel_cell(kind, 5, 8, dtype=dtype)
@@ -906,9 +934,12 @@ def test_cell_kernels_keep_second_derivatives(
     expected = _kernel_steps_and_grads(cell, xs, hx, create_graph=True)
     monkeypatch.undo()
     taken: list[bool] = []
-    _cell_kernels(monkeypatch, taken)
-    got = _kernel_steps_and_grads(cell, xs, hx, create_graph=True)
-    assert taken == [True] * 2 if _cstep.available(xs) else not taken
+    routes: list[str] = []
+    _cell_kernels(monkeypatch, taken, routes)
+    with torch_ops.switched(by_operator):
+        got = _kernel_steps_and_grads(cell, xs, hx, create_graph=True)
+        assert taken == [True] * 2 if _cstep.available(xs) else not taken
+        assert routes == [_route(by_operator)] * len(taken)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, **_cell_tolerance(dtype))
 
@@ -1003,6 +1034,43 @@ def test_cell_kernels_refuse_buffers_of_the_wrong_shape(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KERNEL_CELLS)
+@pytest.mark.parametrize("case", ["gain", "rows", "dtype", "plan"])
+def test_cell_operator_refuses_tensors_not_of_its_plan(kind: str, case: str) -> None:
+    """The C++ node checks every tensor against its plan's signature before C sees a pointer:
+    a gain of the wrong size, an input of other rows, a state of another dtype are named with
+    the shape and dtype expected and given; the other cell's plan is refused."""
+    from layernorm.kernels.cpu import torch_ops
+    from layernorm.recurrent import _cellstep, _cstep
+
+    x = torch.randn(5, 6)
+    if not (_cstep.available(x) and torch_ops.recurrent_nodes()):
+        pytest.skip("C kernels or C++ operators not built")
+    lstm = kind == "lstm"
+    cell = _kernel_cell(kind, 6, 8)
+    params = [getattr(cell, n) for n in (_cellstep.LSTM_PARAMS if lstm else _cellstep.GRU_PARAMS)]
+    state = [torch.zeros(5, 8) for _ in range(2 if lstm else 1)]
+    plan = _cellstep.cell_plan(kind, x, 8, cell.eps)
+    op = torch_ops.lstm_cell_step if lstm else torch_ops.gru_cell_step
+    gates = 4 if lstm else 3
+    if case == "gain":
+        params[4] = params[4][1:]
+        message = rf"expected lw_ih to be a Float CPU tensor of shape \[{gates * 8}\], got Float "
+        message += rf"tensor of shape \[{gates * 8 - 1}\]"
+    elif case == "rows":
+        x = x[1:]
+        message = r"expected x to be a Float CPU tensor of shape \[5, 6\], got Float tensor of "
+        message += r"shape \[4, 6\]"
+    elif case == "dtype":
+        state[0] = state[0].double()
+        message = r"expected h to be a Float CPU tensor of shape \[5, 8\], got Double tensor"
+    else:
+        plan = _cellstep.cell_plan("gru" if lstm else "lstm", x, 8, cell.eps)
+        message = "needs an LSTM plan" if lstm else "needs a GRU plan"
+    with pytest.raises(RuntimeError, match=message):
+        op(x, *state, *params, plan)
+
+
+@pytest.mark.parametrize("kind", KERNEL_CELLS)
 def test_cell_kernels_keep_a_nan_in_its_row_and_hold_large_offsets(
     monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
@@ -1042,17 +1110,20 @@ def test_cell_kernels_keep_a_nan_in_its_row_and_hold_large_offsets(
         torch.testing.assert_close(g.double(), w, rtol=2e-4, atol=2e-4)
 
 
+@NODE_ROUTES
 @pytest.mark.parametrize("kind", KERNEL_CELLS)
 def test_cell_kernels_batched_backward_is_the_ops(
-    monkeypatch: pytest.MonkeyPatch, kind: str
+    monkeypatch: pytest.MonkeyPatch, kind: str, by_operator: bool
 ) -> None:
-    """A batched backward through the node (``jacobian(..., vectorize=True)``: batched output
-    gradients, whose memory no kernel can read) differentiates the step's ops instead: the
-    jacobians of the input and the state are the ops' own."""
+    """A batched backward through the node (either node; ``jacobian(..., vectorize=True)``:
+    batched output gradients, whose memory no kernel can read) differentiates the step's ops
+    instead: the jacobians of the input and the state are the ops' own."""
+    from layernorm.kernels.cpu import torch_ops
     from layernorm.recurrent import _cellstep
 
     taken: list[bool] = []
-    _cell_kernels(monkeypatch, taken)
+    routes: list[str] = []
+    _cell_kernels(monkeypatch, taken, routes)
     cell = _kernel_cell(kind, 4, 5, dtype=DT)
     randomize(cell)
     x, h = inputs(2, 4), inputs(2, 5, seed=2)
@@ -1062,8 +1133,10 @@ def test_cell_kernels_batched_backward_is_the_ops(
         out = cell(x, (h, 0.5 * h) if kind == "lstm" else h)
         return out[0] if isinstance(out, tuple) else out
 
-    got = torch.autograd.functional.jacobian(step, (x, h), vectorize=True)
+    with torch_ops.switched(by_operator):
+        got = torch.autograd.functional.jacobian(step, (x, h), vectorize=True)
     assert taken and hx is not None
+    assert routes == [_route(by_operator)] * len(taken)
     with monkeypatch.context() as ops:
         ops.setattr(_cellstep, "KERNEL_STEP_MAX_NUMEL", 0)
         want = torch.autograd.functional.jacobian(step, (x, h), vectorize=True)

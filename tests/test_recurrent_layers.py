@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
 
-from kernel_paths import needs_sequence_kernels, outcome, planned_nodes
+from kernel_paths import cell_nodes, needs_sequence_kernels, outcome, planned_nodes
 from layernorm import LayerNormGRU, LayerNormLSTM, LayerNormRNN
 from layernorm.recurrent import StepKernels, _pointwise, register_step_kernels
 from layernorm.recurrent import layers as recurrent_layers
@@ -870,9 +870,6 @@ def test_large_steps_without_layer_norms_train_by_the_fused_node(
     assert node == (rows == 6 and (steps == 2 or tile_faster))
 
 
-_CELL_NODES = ("LSTMCellStepBackward", "GRUCellStepBackward")
-
-
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize(
     "options",
@@ -906,7 +903,7 @@ def test_one_step_training_of_ln_lstm_and_gru_by_the_cells_node(
         torch.testing.assert_close(a, b, **tol)
     nodes = _graph_nodes(model(x.requires_grad_(), hx if kind == "lstm" else hx[0])[0])
     taken = model.norm == "layer" and not options.get("normalize_cell_state")
-    assert bool(set(nodes) & set(_CELL_NODES)) == (taken and _cstep.available(x))
+    assert bool(cell_nodes(nodes)) == (taken and _cstep.available(x))
     assert not set(nodes) & set(_NODES)
 
 
@@ -947,7 +944,7 @@ def test_one_step_training_of_many_rows_by_the_planned_node(
     assert (planned_nodes(list(nodes)) > 0) == planned
     assert not nodes & {"LSTMSequenceBackward"}
     cells_node = not planned and not carry and _cstep.available(x)
-    assert ("LSTMCellStepBackward" in nodes) == cells_node
+    assert bool(cell_nodes(list(nodes), "lstm")) == cells_node
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])

@@ -9,6 +9,12 @@ node, one kernel normalizes them and computes the gates (and the LSTM's ``LN(c_t
 backward is one kernel (the projections' gradients and the gains' and biases' sums) and the
 products' gradients.
 
+Where the C++ operators are loaded (:func:`..kernels.cpu.torch_ops.recurrent_nodes`), a float32
+or float64 step runs the same node from C++ (``layernorm_cpu::lstm_cell_step`` and
+``::gru_cell_step`` of ``csrc_torch/rnn_ops.cpp``, by a :func:`cell_plan` of the step's
+signature): the same products, buffers and kernels in the same order, so the same bits, without
+the autograd.Function's Python (:func:`lstm_node`, :func:`gru_node` choose).
+
 Numerics: the kernels compute in the input's dtype with each row's statistics as the sequence
 kernels find them (float64 sums), the same formulas as :func:`._steps.gru_step` and
 :func:`._steps.lstm_step` (the tests hold them together). With ``create_graph=True`` the backward
@@ -17,12 +23,14 @@ differentiates those step functions themselves, so second derivatives stay avail
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..kernels.cpu import rnn, rnn_abi
+from ..kernels.cpu import rnn, rnn_abi, torch_ops
 from ..ops._dispatch import aliases, backend_forced, plain_eager, reference_backward
 from . import _cstep, _steps
 
@@ -141,6 +149,71 @@ def node_params(
 
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+# The cells' plans of the C++ node, by signature (cell, dtype, rows, inputs, hidden, eps, the
+# kernels' configuration); cleared when full.
+_CELL_PLANS: dict[tuple[Any, ...], Any] = {}
+_CELL_PLANS_MAX = 256
+_CELL_PLANS_LOCK = threading.Lock()
+_CELL_STRUCTS = {
+    "lstm": (rnn_abi.LSTM_CELL_FWD, rnn_abi.LSTM_CELL_BWD, 4, rnn_abi.LSTM_CELL_STATS),
+    "gru": (rnn_abi.GRU_CELL_FWD, rnn_abi.GRU_CELL_BWD, 3, rnn_abi.GRU_CELL_STATS),
+}
+
+
+def cell_plan(cell: str, x: Tensor, hidden: int, eps: float) -> Any:
+    """The C++ node's plan (``layernorm_cpu.CellPlan``) for a ``cell`` (``"lstm"`` or ``"gru"``)
+    step of ``x`` (``(B, I)``, float32 or float64) with ``hidden`` units: the cell kernels'
+    structs with the sizes and ``eps`` packed (checked here, once), their addresses on the
+    selected target. Made once per signature."""
+    key = (cell, x.dtype, *x.shape, hidden, eps, _cstep.configuration())
+    plan = _CELL_PLANS.get(key)
+    if plan is None:
+        fwd, bwd, gates, stats = _CELL_STRUCTS[cell]
+        rows, inputs = x.shape
+        sizes, fixed = {"B": rows, "H": hidden}, {"eps": eps}
+        bound = (
+            rnn_abi.BoundStruct(fwd, x.dtype, sizes, fixed),
+            rnn_abi.BoundStruct(bwd, x.dtype, sizes, fixed),
+        )
+        kernels = [rnn.kernel_address(f"{cell}_cell_{way}", x.dtype) for way in ("fwd", "bwd")]
+        plan = torch_ops.cell_plan(
+            cell, bound, kernels, [rows, inputs, hidden, gates, stats], eps, x.dtype
+        )
+        with _CELL_PLANS_LOCK:
+            if len(_CELL_PLANS) >= _CELL_PLANS_MAX:
+                _CELL_PLANS.clear()
+            _CELL_PLANS[key] = plan
+    return plan
+
+
+def _by_operator(x: Tensor, gains: Sequence[Tensor | None]) -> bool:
+    """Whether a step of :func:`node_params`' parameters runs the C++ node: float32 / float64
+    (a half step computes in float32 in the Function), every layer norm's gain there, the
+    operators loaded."""
+    return (
+        x.dtype not in _HALF_DTYPES
+        and all(g is not None for g in gains)
+        and torch_ops.recurrent_nodes()
+    )
+
+
+def lstm_node(x: Tensor, h: Tensor, c: Tensor, params: Sequence[Any], eps: float) -> Any:
+    """``(h_t, c_t)`` of an LSTM step of :func:`node_params`' ``params`` (:data:`LSTM_PARAMS`'
+    order) by the C++ node where :func:`_by_operator`, else by :class:`LSTMCellStep`."""
+    if _by_operator(x, params[4::2]):
+        plan = cell_plan("lstm", x, h.shape[1], eps)
+        return torch_ops.lstm_cell_step(x, h, c, *params, plan)
+    return LSTMCellStep.apply(x, h, c, *params, eps)
+
+
+def gru_node(x: Tensor, h: Tensor, params: Sequence[Any], eps: float) -> Any:
+    """``h_t`` of a GRU step of :func:`node_params`' ``params`` (:data:`GRU_PARAMS`' order) by
+    the C++ node where :func:`_by_operator`, else by :class:`GRUCellStep`."""
+    if _by_operator(x, params[4::2]):
+        plan = cell_plan("gru", x, h.shape[1], eps)
+        return torch_ops.gru_cell_step(x, h, *params, plan)
+    return GRUCellStep.apply(x, h, *params, eps)
 
 
 def _float32(tensors: tuple[Tensor | None, ...]) -> list[Any]:
@@ -385,11 +458,54 @@ def _reference_grads(
     where the kernels cannot: with ``create_graph=True`` (the gradients must be differentiable)
     and in a batched backward (``is_grads_batched=True``, ``jacobian(..., vectorize=True)``:
     batched tensors, whose memory no kernel can read)."""
-    need = ctx.needs_input_grad[: len(inputs)]
+    return _step_grads(step, ctx.eps, douts, inputs, ctx.needs_input_grad[: len(inputs)])
+
+
+def _step_grads(
+    step: Any,
+    eps: float,
+    douts: Sequence[Tensor],
+    inputs: Sequence[Tensor | None],
+    need: Sequence[bool],
+) -> tuple[Tensor | None, ...]:
+    """The gradients of ``step`` at ``inputs`` that ``need`` asks for, with a graph (see
+    :func:`_reference_grads`)."""
     with torch.enable_grad():
         viewed = aliases(*inputs)
         wanted = [t for t, want in zip(viewed, need, strict=True) if want]
-        out = step(ctx.eps, *viewed)
+        out = step(eps, *viewed)
         outs = out if isinstance(out, tuple) else (out,)
         grads = iter(torch.autograd.grad(outs, wanted, douts, create_graph=True, allow_unused=True))
     return tuple(next(grads) if want else None for want in need)
+
+
+# layernorm::cell_reference_grads: what the C++ node's backward runs where the kernels cannot
+# (create_graph=True, batched gradients; csrc_torch/rnn_ops.cpp), as the norms' C++ nodes call
+# layernorm::norm_reference_grads (..ops._reference_grads). CompositeImplicitAutograd: autograd
+# records the step's ops inside it, and functorch's transforms see through it.
+_LIB = torch.library.Library("layernorm", "FRAGMENT")
+_LIB.define(
+    "cell_reference_grads(str cell, Tensor[] douts, Tensor?[] inputs, float eps, bool[] needs) "
+    "-> Tensor?[]"
+)
+
+
+def cell_reference_grads(
+    cell: str,
+    douts: Sequence[Tensor],
+    inputs: Sequence[Tensor | None],
+    eps: float,
+    needs: Sequence[bool],
+) -> list[Tensor | None]:
+    """The gradients ``needs`` asks for of the ``cell`` (``"lstm"`` or ``"gru"``) step's
+    reference at ``inputs`` (:data:`LSTM_PARAMS` / :data:`GRU_PARAMS` after ``x``, ``h``
+    (and ``c``)) for the outputs' gradients ``douts``."""
+    if cell not in ("lstm", "gru"):
+        raise ValueError(f"layernorm::cell_reference_grads: no cell named {cell!r}")
+    step = _lstm_reference if cell == "lstm" else _gru_reference
+    return list(_step_grads(step, eps, douts, inputs, needs))
+
+
+_LIB.impl("cell_reference_grads", cell_reference_grads, "CompositeImplicitAutograd")
+for _key in ("FuncTorchBatched", "Batched"):  # the step's ops batch (see ..ops._reference_grads)
+    _LIB.impl("cell_reference_grads", cell_reference_grads, _key)

@@ -292,16 +292,7 @@ def _node_plan(plan: TrainingPlan, x: Tensor, h0: Tensor, w_hh: Tensor, w_ih: Te
     bound = [plan.forward, plan.forward_sequence, plan.backward, plan.backward_sequence] + [
         products[name] if routes[name] == _C_GEMM else None for name in products
     ]
-    structs, names, where = [], [], []
-    for index, struct in enumerate(bound):
-        if struct is None:
-            structs.append(torch.empty(0, dtype=torch.uint8))
-            continue
-        packed, slots = struct.template()
-        structs.append(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
-        for name, offset, add, required in slots:
-            names.append(name)
-            where += [index, offset, add, int(required)]
+    structs, names, where = torch_ops.templates(bound)
     uses = {"matmul": ("proj", "dx"), "weight_grad": ("dw_hh", "dw_ih")}
     kernels = [rnn.kernel_address("lstm_fwd_seq", dtype), rnn.kernel_address("lstm_bwd_seq", dtype)]
     for kernel, products_of in uses.items():

@@ -611,7 +611,7 @@ class LayerNormLSTMCell(_LNCellBase):
         params = _cellstep.node_params(self, _cellstep.LSTM_PARAMS, "", x, self.hidden_size)
         if params is None:
             return None
-        return _cellstep.LSTMCellStep.apply(x, h, c, *params, self.eps)  # type: ignore[no-any-return]
+        return _cellstep.lstm_node(x, h, c, params, self.eps)  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         s = super().extra_repr()
@@ -687,4 +687,4 @@ class LayerNormGRUCell(_LNCellBase):
         params = _cellstep.node_params(self, _cellstep.GRU_PARAMS, "", x, self.hidden_size)
         if params is None:
             return None
-        return _cellstep.GRUCellStep.apply(x, h, *params, self.eps)  # type: ignore[no-any-return]
+        return _cellstep.gru_node(x, h, params, self.eps)  # type: ignore[no-any-return]

@@ -1157,9 +1157,9 @@ class _LNRNNBase(NotScriptable, nn.Module):
         if params is None:
             return None
         if lstm:
-            h, c = _cellstep.LSTMCellStep.apply(data, h0, c0, *params, self.eps)
+            h, c = _cellstep.lstm_node(data, h0, c0, params, self.eps)
             return h, h, c
-        h = _cellstep.GRUCellStep.apply(data, h0, *params, self.eps)
+        h = _cellstep.gru_node(data, h0, params, self.eps)
         return h, h, None
 
     # -- fused path --------------------------------------------------------------------------

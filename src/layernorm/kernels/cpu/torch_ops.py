@@ -3,7 +3,9 @@
 tensor (its last dimension), for the calls whose time is the Python around the kernels. The same
 library holds the LN-LSTM's planned training call (``csrc_torch/rnn_ops.cpp``,
 ``layernorm_cpu::lstm_planned`` with its plan class ``layernorm_cpu.LstmPlan``: see
-:mod:`layernorm.recurrent._planned`, which builds the plans; :func:`recurrent_nodes`).
+:mod:`layernorm.recurrent._planned`, which builds the plans; :func:`recurrent_nodes`) and the
+cells' training step (``layernorm_cpu::lstm_cell_step`` and ``::gru_cell_step`` with their plan
+class ``layernorm_cpu.CellPlan``: see :mod:`layernorm.recurrent._cellstep`).
 
 A layer norm's forward and backward at (1, 768) took 64 µs through the autograd.Function of
 :mod:`layernorm.ops` where torch's native layer norm, a C++ node, takes 24; the kernels themselves
@@ -31,14 +33,14 @@ import contextlib
 import ctypes
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import _native, abi, buffers, cache, cbuild, targets
+from . import _native, abi, buffers, cache, cbuild, rnn_abi, targets
 from ._env import compile_switched_off
 
 ENV_SWITCH = "LAYERNORM_CPU_TORCH_OPS"
@@ -68,6 +70,8 @@ _switch = {"on": os.environ.get(ENV_SWITCH, "1") != "0"}
 # the operators' overloads' callables, once loaded (an attribute chain of torch.ops costs a
 # call's µs)
 _ops: dict[str, Callable[..., Tensor]] = {}
+_OPERATORS = ("layer_norm", "rms_norm", "ada_norm", "lstm_planned", "lstm_cell_step",
+              "gru_cell_step")  # fmt: skip
 
 
 #: A call that makes the library raise an error: a fresh build must return it to Python as a
@@ -89,7 +93,7 @@ def _load() -> bool:
         try:
             cache.load_library(build)
             namespace = torch.ops.layernorm_cpu
-            for name in ("layer_norm", "rms_norm", "ada_norm", "lstm_planned"):
+            for name in _OPERATORS:
                 # the overload's C++ callable: OpOverload.__call__ is a Python frame around it
                 overload = getattr(namespace, name).default
                 _ops[name] = getattr(overload, "_op", overload)
@@ -153,6 +157,26 @@ def recurrent_nodes() -> bool:
     return _switch["on"] and _load()
 
 
+def templates(
+    bound: Sequence[rnn_abi.BoundStruct | None],
+) -> tuple[list[Tensor], list[str], list[int]]:
+    """The argument structs of a C++ node's plan as it takes them: each struct's bytes with its
+    fixed fields packed (an empty tensor for ``None``: a struct the plan does not use), and the
+    fields a call fills, their names and for each ``(struct index, byte offset, add, required)``
+    (:meth:`.rnn_abi.BoundStruct.template`)."""
+    structs, names, where = [], [], []
+    for index, struct in enumerate(bound):
+        if struct is None:
+            structs.append(torch.empty(0, dtype=torch.uint8))
+            continue
+        packed, slots = struct.template()
+        structs.append(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
+        for name, offset, add, required in slots:
+            names.append(name)
+            where += [index, offset, add, int(required)]
+    return structs, names, where
+
+
 def lstm_plan(
     structs: list[Tensor],
     names: list[str],
@@ -174,6 +198,35 @@ def lstm_planned(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
     """The LN-LSTM's planned training call by the C++ operator, where :func:`recurrent_nodes`
     said yes: ``(x, h0, c0, w_hh, w1, b1, w3, b3, w0, b0, w_ih, b_ih, b_hh, plan)``."""
     return _ops["lstm_planned"](*args)  # type: ignore[return-value]
+
+
+def cell_plan(
+    cell: str,
+    bound: tuple[rnn_abi.BoundStruct, rnn_abi.BoundStruct],
+    kernels: list[int],
+    sizes: list[int],
+    eps: float,
+    dtype: torch.dtype,
+) -> Any:
+    """A ``layernorm_cpu.CellPlan`` (``csrc_torch/rnn_ops.cpp``): a cell's (``"lstm"`` or
+    ``"gru"``) training step of one signature, its forward's and backward's structs and kernel
+    addresses, ``sizes`` = ``[rows, inputs, hidden, gates, statistics a row]`` and ``eps``."""
+    structs, names, where = templates(bound)
+    return torch.classes.layernorm_cpu.CellPlan(
+        cell, structs, names, where, kernels, sizes, eps, torch.empty(0, dtype=dtype)
+    )
+
+
+def lstm_cell_step(*args: Any) -> tuple[Tensor, Tensor]:
+    """An LN-LSTM cell's training step by the C++ operator, where :func:`recurrent_nodes` said
+    yes: ``(x, h, c, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh, lw_c, lb_c, plan)``."""
+    return _ops["lstm_cell_step"](*args)  # type: ignore[return-value]
+
+
+def gru_cell_step(*args: Any) -> Tensor:
+    """An LN-GRU cell's training step by the C++ operator, where :func:`recurrent_nodes` said
+    yes: ``(x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh, plan)``."""
+    return _ops["gru_cell_step"](*args)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
 // The LN-LSTM's planned training call (layernorm/recurrent/_planned.py) as an operator whose
 // autograd node is C++: layernorm_cpu::lstm_planned(x, h0, c0, w_hh, w1, b1, w3, b3, w0, b0,
-// w_ih, b_ih, b_hh, plan) -> (out, h_n, c_n).
+// w_ih, b_ih, b_hh, plan) -> (out, h_n, c_n). Below it, on the same struct templates, the
+// cells' training step (layernorm_cpu::lstm_cell_step, ::gru_cell_step: see "The cells'
+// training step").
 //
 // Why: at small shapes the Python around the sequence kernels (an autograd.Function, a dozen
 // buffers, four argument structs a call) takes as long as a tenth to a third of the call: at
@@ -21,11 +23,14 @@
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <c10/core/GradMode.h>
 #include <ATen/core/Dict.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
+#include <memory>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -47,15 +52,19 @@ constexpr int kErrNoMem = 2;
 // The values a call puts into the structs, by the names of the fields that take them (a
 // template's slot names, from rnn_abi.BoundStruct.template): each slot is resolved to one of these
 // when the plan is made, so that filling a struct compares no strings.
+// (The cells' structs, below, name their layer norms' gains and biases w_ih, b_ih, w_hh, b_hh,
+// w_c, b_c.)
 enum ValueId {
   V_KEPT, V_SCRATCH, V_X, V_W, V_W_IH, V_W1, V_B1, V_W3, V_B3, V_W0, V_B0, V_GX, V_H, V_C, V_OUT,
   V_DOUT, V_DH, V_DC, V_C0, V_DX, V_HP_GRADS, V_C_GRADS, V_X_GRADS, V_Y, V_DHP, V_HPREV, V_DW,
-  V_THREADS, VALUE_COUNT
+  V_THREADS, V_HP, V_B_IH, V_W_HH, V_B_HH, V_W_C, V_B_C, V_H_OUT, V_C_OUT, V_GATES, V_TC, V_STATS,
+  V_RZ, V_N, V_GHN, V_DGX, V_DC_PREV, V_DPARAMS, V_DCPARAMS, VALUE_COUNT
 };
 constexpr const char* kValueNames[VALUE_COUNT] = {
     "kept", "scratch", "x", "w", "w_ih", "w1", "b1", "w3", "b3", "w0", "b0", "gx", "h", "c", "out",
     "dout", "dh", "dc", "c0", "dx", "hp_grads", "c_grads", "x_grads", "y", "dhp", "hprev", "dw",
-    "threads"};
+    "threads", "hp", "b_ih", "w_hh", "b_hh", "w_c", "b_c", "h_out", "c_out", "gates", "tc",
+    "stats", "rz", "n", "ghn", "dgx", "dc_prev", "dparams", "dcparams"};
 
 // One value a call puts into a struct: a pointer (nullptr: absent) or a 4-byte count.
 struct Value {
@@ -84,22 +93,24 @@ class Template {
   };
 
   Template() = default;
-  Template(const Tensor& bytes, std::vector<Slot> slots) : slots_(std::move(slots)) {
+  // op: the operator that names the plan in errors
+  Template(const Tensor& bytes, std::vector<Slot> slots, const char* op = kOp)
+      : slots_(std::move(slots)), op_(op) {
     TORCH_CHECK(bytes.scalar_type() == at::kByte && bytes.dim() == 1 && bytes.is_contiguous() &&
                     bytes.device().is_cpu(),
-                kOp, ": a struct template must be a contiguous 1-D uint8 CPU tensor");
+                op, ": a struct template must be a contiguous 1-D uint8 CPU tensor");
     const auto* p = bytes.const_data_ptr<uint8_t>();
     bytes_.assign(p, p + bytes.numel());
     for (Slot& s : slots_) {
       const int64_t width = s.add < 0 ? 4 : 8;
       TORCH_CHECK(s.offset >= 0 && s.offset + width <= static_cast<int64_t>(bytes_.size()) &&
                       s.offset % width == 0,
-                  kOp, ": field ", s.name, " at byte ", s.offset, " lies outside its struct of ",
+                  op, ": field ", s.name, " at byte ", s.offset, " lies outside its struct of ",
                   bytes_.size(), " bytes");
       for (int v = 0; v < VALUE_COUNT; ++v) {
         if (s.name == kValueNames[v]) s.value = static_cast<ValueId>(v);
       }
-      TORCH_CHECK(s.add >= 0 || s.value != VALUE_COUNT, kOp, ": count field ", s.name,
+      TORCH_CHECK(s.add >= 0 || s.value != VALUE_COUNT, op, ": count field ", s.name,
                   " is no value a call gives");
     }
   }
@@ -116,11 +127,11 @@ class Template {
     for (const Slot& s : slots_) {
       const Value* v = given[s.value] ? given[s.value] : &absent;
       if (s.add < 0) {
-        TORCH_CHECK(v->count >= 1 && v->count <= INT32_MAX, kOp, ": bad count for ", s.name);
+        TORCH_CHECK(v->count >= 1 && v->count <= INT32_MAX, op_, ": bad count for ", s.name);
         const int32_t n = static_cast<int32_t>(v->count);
         std::memcpy(out.data() + s.offset, &n, sizeof n);
       } else {
-        TORCH_CHECK(v->ptr != nullptr || !s.required, kOp, ": field ", s.name, " needs a tensor");
+        TORCH_CHECK(v->ptr != nullptr || !s.required, op_, ": field ", s.name, " needs a tensor");
         const uintptr_t address =
             v->ptr == nullptr ? 0 : reinterpret_cast<uintptr_t>(v->ptr) + static_cast<uintptr_t>(s.add);
         std::memcpy(out.data() + s.offset, &address, sizeof address);
@@ -132,6 +143,7 @@ class Template {
  private:
   std::vector<uint8_t> bytes_;
   std::vector<Slot> slots_;
+  const char* op_ = kOp;
 };
 
 using SeqKernel = int (*)(const void*, const void*);
@@ -293,16 +305,18 @@ Tensor weight_grad(const LstmPlan& plan, Route route, TemplateId t, const Tensor
   TORCH_CHECK(false, kOp, ": no product route ", static_cast<int64_t>(route));
 }
 
-void check_input(const char* name, const Tensor& t, at::IntArrayRef shape, at::ScalarType dtype) {
+void check_input(const char* name, const Tensor& t, at::IntArrayRef shape, at::ScalarType dtype,
+                 const char* op = kOp) {
   TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.device().is_cpu() &&
                   t.scalar_type() == dtype && t.sizes() == shape && !at::isTensorSubclassLike(t),
-              kOp, ": expected ", name, " to be a ", dtype, " CPU tensor of shape ", shape,
+              op, ": expected ", name, " to be a ", dtype, " CPU tensor of shape ", shape,
               ", got ", t.defined() ? std::string(c10::toString(t.scalar_type())) + " tensor of "
               "shape " + c10::str(t.sizes()) + " on " + t.device().str() : std::string("None"));
 }
 
-void check_optional(const char* name, const OptTensor& t, int64_t n, at::ScalarType dtype) {
-  if (t.has_value() && t->defined()) check_input(name, *t, {n}, dtype);
+void check_optional(const char* name, const OptTensor& t, int64_t n, at::ScalarType dtype,
+                    const char* op = kOp) {
+  if (t.has_value() && t->defined()) check_input(name, *t, {n}, dtype, op);
 }
 
 const Tensor& or_default(const OptTensor& t, const Tensor& fallback) {
@@ -508,6 +522,399 @@ std::tuple<Tensor, Tensor, Tensor> lstm_planned_forward(
   return {f.out, f.h, f.c};
 }
 
+// ---- The cells' training step ----
+//
+// layernorm_cpu::lstm_cell_step(x, h, c, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh,
+//     lw_c, lb_c, plan) -> (h_t, c_t) and layernorm_cpu::gru_cell_step(x, h, w_ih, w_hh, b_ih,
+//     b_hh, lw_ih, lb_ih, lw_hh, lb_hh, plan) -> h_t: _cellstep.LSTMCellStep and GRUCellStep
+// (one step of a cell with gradients: the two products, the cell kernel forward, the cell
+// kernel backward and the products' gradients) with a C++ node, for float32 and float64. At
+// (B, I, H) = (1, 64, 128) the autograd.Function's Python (its frames, the two structs' checks,
+// the buffers) took about a quarter of a step forward and backward. The plan (CellPlan, made
+// once per signature by _cellstep.cell_plan) holds the two structs with their sizes and eps
+// packed (rnn_abi.BoundStruct.template) and the kernels' addresses; this code checks the
+// tensors, makes the same products and buffers in the same order as the Function, so the
+// results are its bits (tests/test_recurrent_cells.py compares them). Its backward under grad
+// mode (create_graph=True) or for gradients with no memory of their own (vmap's batched
+// tensors) differentiates the step's ops instead, through layernorm::cell_reference_grads, which
+// _cellstep registers: the reference stays defined once, in Python.
+
+constexpr const char* kCellOp = "layernorm_cpu::lstm_cell_step / gru_cell_step";
+enum CellTemplateId { CELL_FWD, CELL_BWD, CELL_TEMPLATES };
+// The plan's sizes, in the order Python hands them over.
+enum CellSizeId { CELL_ROWS, CELL_INPUTS, CELL_HIDDEN, CELL_GATES, CELL_STATS, CELL_SIZES };
+
+struct CellPlan : torch::CustomClassHolder {
+  std::string cell;  // "lstm" or "gru": the reference's name
+  Template templates[CELL_TEMPLATES];
+  intptr_t kernels[CELL_TEMPLATES] = {};
+  int64_t sizes[CELL_SIZES] = {};
+  double eps = 0;
+  at::ScalarType dtype = at::kFloat;
+
+  // structs: the forward's and the backward's bytes; names + where (template, offset, add,
+  // required): their call fields, as LstmPlan's; kernel_addresses: forward, backward; sizes:
+  // rows, inputs, hidden, gates, statistics a row (CellSizeId); like: a tensor of the dtype.
+  CellPlan(std::string cell_name, std::vector<Tensor> structs, std::vector<std::string> names,
+           std::vector<int64_t> where, std::vector<int64_t> kernel_addresses,
+           std::vector<int64_t> plan_sizes, double plan_eps, Tensor like)
+      : cell(std::move(cell_name)), eps(plan_eps), dtype(like.scalar_type()) {
+    TORCH_CHECK(cell == "lstm" || cell == "gru", kCellOp, ": no cell named ", cell);
+    TORCH_CHECK(structs.size() == CELL_TEMPLATES && kernel_addresses.size() == CELL_TEMPLATES &&
+                    plan_sizes.size() == CELL_SIZES && where.size() == 4 * names.size(),
+                kCellOp, ": a plan takes ", CELL_TEMPLATES, " structs and kernels, ", CELL_SIZES,
+                " sizes and 4 numbers a field");
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, kCellOp,
+                ": the cell kernels take float32 or float64, got ", dtype);
+    std::vector<std::vector<Template::Slot>> slots(CELL_TEMPLATES);
+    for (size_t i = 0; i < names.size(); ++i) {
+      const int64_t t = where[4 * i];
+      TORCH_CHECK(t >= 0 && t < CELL_TEMPLATES, kCellOp, ": field ", names[i], " of no struct");
+      slots[t].push_back({names[i], where[4 * i + 1], where[4 * i + 2], where[4 * i + 3] != 0});
+    }
+    for (int t = 0; t < CELL_TEMPLATES; ++t) {
+      TORCH_CHECK(kernel_addresses[t] != 0 && structs[t].numel() > 0, kCellOp,
+                  ": a plan needs both cell kernels and their structs");
+      templates[t] = Template(structs[t], std::move(slots[t]), kCellOp);
+      kernels[t] = static_cast<intptr_t>(kernel_addresses[t]);
+    }
+    for (int i = 0; i < CELL_SIZES; ++i) {
+      TORCH_CHECK(plan_sizes[i] >= 1, kCellOp, ": a plan's sizes must be >= 1");
+      sizes[i] = plan_sizes[i];
+    }
+    TORCH_CHECK(sizes[CELL_GATES] == (cell == "lstm" ? 4 : 3), kCellOp, ": an ", cell,
+                " has ", cell == "lstm" ? 4 : 3, " gates");
+  }
+
+  int64_t operator[](CellSizeId i) const { return sizes[i]; }
+
+  void run(CellTemplateId t, const char* name, const std::vector<uint8_t>& args) const {
+    check_status(reinterpret_cast<OneKernel>(kernels[t])(args.data()), name);
+  }
+};
+
+bool given(const OptTensor& t) { return t.has_value() && t->defined(); }
+
+// The layer norm's bias with torch's bias added (they meet in every gate), or zeros
+// (_cellstep._bias_sum).
+Tensor bias_sum(const OptTensor& ln_bias, const OptTensor& bias, int64_t n, at::ScalarType dt) {
+  if (given(ln_bias)) return given(bias) ? at::add(*ln_bias, *bias) : ln_bias->contiguous();
+  return given(bias) ? bias->contiguous() : at::zeros({n}, at::TensorOptions().dtype(dt));
+}
+
+// The checks every step makes: each tensor of its shape and the plan's dtype on the CPU.
+void check_cell_inputs(const CellPlan& p, const Tensor& x, const Tensor& h, const Tensor& w_ih,
+                       const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
+                       const Tensor& lw_ih, const OptTensor& lb_ih, const Tensor& lw_hh,
+                       const OptTensor& lb_hh) {
+  const auto dt = p.dtype;
+  const int64_t rows = p[CELL_ROWS], hs = p[CELL_HIDDEN], gh = p[CELL_GATES] * hs;
+  check_input("x", x, {rows, p[CELL_INPUTS]}, dt, kCellOp);
+  check_input("h", h, {rows, hs}, dt, kCellOp);
+  check_input("w_ih", w_ih, {gh, p[CELL_INPUTS]}, dt, kCellOp);
+  check_input("w_hh", w_hh, {gh, hs}, dt, kCellOp);
+  check_optional("b_ih", b_ih, gh, dt, kCellOp);
+  check_optional("b_hh", b_hh, gh, dt, kCellOp);
+  check_input("lw_ih", lw_ih, {gh}, dt, kCellOp);
+  check_optional("lb_ih", lb_ih, gh, dt, kCellOp);
+  check_input("lw_hh", lw_hh, {gh}, dt, kCellOp);
+  check_optional("lb_hh", lb_hh, gh, dt, kCellOp);
+}
+
+// layernorm::cell_reference_grads(str cell, Tensor[] douts, Tensor?[] inputs, float eps,
+//     bool[] needs) -> Tensor?[]
+std::vector<OptTensor> cell_reference_grads(const std::string& cell, at::TensorList douts,
+                                            const variable_list& inputs, double eps,
+                                            const std::vector<bool>& needs) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("layernorm::cell_reference_grads", "")
+                       .typed<std::vector<OptTensor>(c10::string_view, at::TensorList,
+                                                     const c10::List<OptTensor>&, double,
+                                                     at::ArrayRef<bool>)>();
+  c10::List<OptTensor> given_inputs;
+  for (const Tensor& t : inputs) given_inputs.push_back(t.defined() ? OptTensor(t) : std::nullopt);
+  const std::unique_ptr<bool[]> flags(new bool[needs.size()]);
+  for (size_t i = 0; i < needs.size(); ++i) flags[i] = needs[i];
+  return op.call(cell, douts, given_inputs, eps, at::ArrayRef<bool>(flags.get(), needs.size()));
+}
+
+// Whether a backward differentiates the reference (ops/_dispatch.reference_backward).
+bool cell_reference_backward(const variable_list& grads) {
+  if (c10::GradMode::is_enabled()) return true;
+  for (const Tensor& g : grads) {
+    if (g.defined() && (at::isTensorSubclassLike(g) || !g.device().is_cpu() ||
+                        g.layout() != at::kStrided)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Which of a node's inputs need a gradient: inputs[i] given (an absent optional has no edge)
+// and its edge asking for one.
+std::vector<bool> needs_of(AutogradContext* ctx, const variable_list& inputs) {
+  std::vector<bool> need(inputs.size());
+  for (size_t i = 0, edge = 0; i < inputs.size(); ++i) {
+    need[i] = inputs[i].defined() && ctx->needs_input_grad(edge++);
+  }
+  return need;
+}
+
+variable_list reference_result(const std::vector<OptTensor>& grads) {
+  variable_list out;
+  for (const OptTensor& g : grads) out.push_back(g.has_value() ? *g : Tensor());
+  out.push_back(Tensor());  // the plan
+  return out;
+}
+
+Tensor optional_tensor(const OptTensor& t) { return given(t) ? *t : Tensor(); }
+
+// _cellstep._product_grads: x's, h's, W_ih's and W_hh's gradients (those need asks for) through
+// gx = x W_ihᵀ and hp = h W_hhᵀ; dh_direct: h's gradient that bypasses W_hh, added.
+std::array<Tensor, 4> product_grads(const bool need[4], const Tensor& dgx, const Tensor& dhp,
+                                    const Tensor& x, const Tensor& h, const Tensor& w_ih,
+                                    const Tensor& w_hh, const Tensor& dh_direct) {
+  Tensor dh;
+  if (need[1]) dh = dh_direct.defined() ? at::addmm(dh_direct, dhp, w_hh) : at::mm(dhp, w_hh);
+  return {need[0] ? at::mm(dgx, w_ih) : Tensor(), dh, need[2] ? at::mm(dgx.t(), x) : Tensor(),
+          need[3] ? at::mm(dhp.t(), h) : Tensor()};
+}
+
+// The buffers of one LSTM step forward: h_t and c_t, and what its backward reads.
+struct LstmCellForward {
+  Tensor h_out, c_out, gx, hp, gates, tc, stats;
+};
+
+LstmCellForward lstm_cell_forward(const CellPlan& p, const Tensor& x, const Tensor& h,
+                                  const Tensor& c_in, const Tensor& w_ih, const Tensor& w_hh,
+                                  const OptTensor& b_ih, const OptTensor& b_hh,
+                                  const Tensor& lw_ih, const OptTensor& lb_ih, const Tensor& lw_hh,
+                                  const OptTensor& lb_hh, const Tensor& lw_c,
+                                  const OptTensor& lb_c) {
+  const auto dt = p.dtype;
+  const int64_t rows = p[CELL_ROWS], hs = p[CELL_HIDDEN];
+  TORCH_CHECK(p.cell == "lstm", kCellOp, ": an LSTM step needs an LSTM plan");
+  check_cell_inputs(p, x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh);
+  check_input("c", c_in, {rows, hs}, dt, kCellOp);
+  check_input("lw_c", lw_c, {hs}, dt, kCellOp);
+  check_optional("lb_c", lb_c, hs, dt, kCellOp);
+  const Tensor c = c_in.contiguous();
+  LstmCellForward f;
+  f.gx = at::mm(x, w_ih.t());
+  f.hp = at::mm(h, w_hh.t());
+  f.h_out = new_cpu({rows, hs}, dt);
+  f.c_out = new_cpu({rows, hs}, dt);
+  f.tc = new_cpu({rows, hs}, dt);
+  f.gates = new_cpu({rows, 4 * hs}, dt);
+  f.stats = new_cpu({rows, p[CELL_STATS]}, dt);
+  const Tensor g_ih = lw_ih.contiguous(), g_hh = lw_hh.contiguous(), g_c = lw_c.contiguous();
+  const Tensor bias_ih = bias_sum(lb_ih, b_ih, 4 * hs, dt);
+  const Tensor bias_hh = bias_sum(lb_hh, b_hh, 4 * hs, dt);
+  const Tensor bias_c = bias_sum(lb_c, std::nullopt, hs, dt);
+  p.run(CELL_FWD, "lstm_cell_fwd",
+        p.templates[CELL_FWD].fill(
+            {ptr_of(V_GX, f.gx), ptr_of(V_HP, f.hp), ptr_of(V_C, c), ptr_of(V_W_IH, g_ih),
+             ptr_of(V_B_IH, bias_ih), ptr_of(V_W_HH, g_hh), ptr_of(V_B_HH, bias_hh),
+             ptr_of(V_W_C, g_c), ptr_of(V_B_C, bias_c), ptr_of(V_H_OUT, f.h_out),
+             ptr_of(V_C_OUT, f.c_out), ptr_of(V_GATES, f.gates), ptr_of(V_TC, f.tc),
+             ptr_of(V_STATS, f.stats)}));
+  return f;
+}
+
+struct LstmCellFn : public torch::autograd::Function<LstmCellFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& h,
+                               const Tensor& c, const Tensor& w_ih, const Tensor& w_hh,
+                               const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& lw_ih,
+                               const OptTensor& lb_ih, const Tensor& lw_hh, const OptTensor& lb_hh,
+                               const Tensor& lw_c, const OptTensor& lb_c,
+                               const c10::intrusive_ptr<CellPlan>& plan) {
+    LstmCellForward f = lstm_cell_forward(*plan, x, h, c, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih,
+                                          lw_hh, lb_hh, lw_c, lb_c);
+    ctx->save_for_backward({x, h, c, w_ih, w_hh, optional_tensor(b_ih), optional_tensor(b_hh),
+                            lw_ih, optional_tensor(lb_ih), lw_hh, optional_tensor(lb_hh), lw_c,
+                            optional_tensor(lb_c), f.gx, f.hp, f.c_out, f.gates, f.tc, f.stats});
+    ctx->saved_data["plan"] = plan;
+    return {f.h_out, f.c_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto plan = ctx->saved_data["plan"].toCustomClass<CellPlan>();
+    const CellPlan& p = *plan;
+    const variable_list saved = ctx->get_saved_variables();
+    const variable_list inputs(saved.begin(), saved.begin() + 13);
+    const std::vector<bool> need = needs_of(ctx, inputs);
+    if (cell_reference_backward(grads)) {
+      return reference_result(cell_reference_grads("lstm", grads, inputs, p.eps, need));
+    }
+    const Tensor &x = saved[0], &h = saved[1], &c = saved[2], &w_ih = saved[3], &w_hh = saved[4],
+                 &lw_ih = saved[7], &lw_hh = saved[9], &lw_c = saved[11], &gx = saved[13],
+                 &hp = saved[14], &c_out = saved[15], &gates = saved[16], &tc = saved[17],
+                 &stats = saved[18];
+    const auto dt = p.dtype;
+    const int64_t rows = p[CELL_ROWS], hs = p[CELL_HIDDEN];
+    const Tensor dh = grads[0].contiguous(), dc = grads[1].contiguous();
+    check_input("h_t's gradient", dh, {rows, hs}, dt, kCellOp);
+    check_input("c_t's gradient", dc, {rows, hs}, dt, kCellOp);
+    const Tensor dgx = new_cpu({rows, 4 * hs}, dt), dhp = new_cpu({rows, 4 * hs}, dt);
+    const Tensor dc_prev = new_cpu({rows, hs}, dt), dparams = new_cpu({4, 4 * hs}, dt),
+                 dcparams = new_cpu({2, hs}, dt);
+    const Tensor c_kept = c.contiguous(), g_ih = lw_ih.contiguous(), g_hh = lw_hh.contiguous(),
+                 g_c = lw_c.contiguous();
+    p.run(CELL_BWD, "lstm_cell_bwd",
+          p.templates[CELL_BWD].fill(
+              {ptr_of(V_DH, dh), ptr_of(V_DC, dc), ptr_of(V_GX, gx), ptr_of(V_HP, hp),
+               ptr_of(V_C, c_kept), ptr_of(V_C_OUT, c_out), ptr_of(V_W_IH, g_ih),
+               ptr_of(V_W_HH, g_hh), ptr_of(V_W_C, g_c), ptr_of(V_GATES, gates), ptr_of(V_TC, tc),
+               ptr_of(V_STATS, stats), ptr_of(V_DGX, dgx), ptr_of(V_DHP, dhp),
+               ptr_of(V_DC_PREV, dc_prev), ptr_of(V_DPARAMS, dparams),
+               ptr_of(V_DCPARAMS, dcparams)}));
+    const bool products[4] = {need[0], need[1], need[3], need[4]};
+    auto [dx, dh_prev, dw_ih, dw_hh] = product_grads(products, dgx, dhp, x, h, w_ih, w_hh, Tensor());
+    const auto sums = dparams.unbind(0);  // gains and biases of LN(gx), LN(hp)
+    const auto c_sums = dcparams.unbind(0);
+    return {dx,
+            dh_prev,
+            need[2] ? dc_prev : Tensor(),
+            dw_ih,
+            dw_hh,
+            need[5] ? sums[1].clone() : Tensor(),  // the same sums as the LN biases', apart
+            need[6] ? sums[3].clone() : Tensor(),
+            need[7] ? sums[0] : Tensor(),
+            need[8] ? sums[1] : Tensor(),
+            need[9] ? sums[2] : Tensor(),
+            need[10] ? sums[3] : Tensor(),
+            need[11] ? c_sums[0] : Tensor(),
+            need[12] ? c_sums[1] : Tensor(),
+            Tensor()};
+  }
+};
+
+// The buffers of one GRU step forward: h_t, and what its backward reads.
+struct GruCellForward {
+  Tensor out, gx, hp, rz, n, ghn, stats;
+};
+
+GruCellForward gru_cell_forward(const CellPlan& p, const Tensor& x, const Tensor& h_in,
+                                const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
+                                const OptTensor& b_hh, const Tensor& lw_ih, const OptTensor& lb_ih,
+                                const Tensor& lw_hh, const OptTensor& lb_hh) {
+  const auto dt = p.dtype;
+  const int64_t rows = p[CELL_ROWS], hs = p[CELL_HIDDEN];
+  TORCH_CHECK(p.cell == "gru", kCellOp, ": a GRU step needs a GRU plan");
+  check_cell_inputs(p, x, h_in, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh);
+  const Tensor h = h_in.contiguous();
+  GruCellForward f;
+  f.gx = at::mm(x, w_ih.t());
+  f.hp = at::mm(h, w_hh.t());
+  f.out = new_cpu({rows, hs}, dt);
+  f.rz = new_cpu({rows, 2 * hs}, dt);
+  f.n = new_cpu({rows, hs}, dt);
+  f.ghn = new_cpu({rows, hs}, dt);
+  f.stats = new_cpu({rows, p[CELL_STATS]}, dt);
+  const Tensor g_ih = lw_ih.contiguous(), g_hh = lw_hh.contiguous();
+  const Tensor bias_ih = bias_sum(lb_ih, b_ih, 3 * hs, dt);
+  const Tensor bias_hh = bias_sum(lb_hh, b_hh, 3 * hs, dt);
+  p.run(CELL_FWD, "gru_cell_fwd",
+        p.templates[CELL_FWD].fill(
+            {ptr_of(V_GX, f.gx), ptr_of(V_HP, f.hp), ptr_of(V_H, h), ptr_of(V_W_IH, g_ih),
+             ptr_of(V_B_IH, bias_ih), ptr_of(V_W_HH, g_hh), ptr_of(V_B_HH, bias_hh),
+             ptr_of(V_OUT, f.out), ptr_of(V_RZ, f.rz), ptr_of(V_N, f.n), ptr_of(V_GHN, f.ghn),
+             ptr_of(V_STATS, f.stats)}));
+  return f;
+}
+
+struct GruCellFn : public torch::autograd::Function<GruCellFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& h,
+                        const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
+                        const OptTensor& b_hh, const Tensor& lw_ih, const OptTensor& lb_ih,
+                        const Tensor& lw_hh, const OptTensor& lb_hh,
+                        const c10::intrusive_ptr<CellPlan>& plan) {
+    GruCellForward f =
+        gru_cell_forward(*plan, x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh);
+    ctx->save_for_backward({x, h, w_ih, w_hh, optional_tensor(b_ih), optional_tensor(b_hh), lw_ih,
+                            optional_tensor(lb_ih), lw_hh, optional_tensor(lb_hh), f.gx, f.hp,
+                            f.rz, f.n, f.ghn, f.stats});
+    ctx->saved_data["plan"] = plan;
+    return f.out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto plan = ctx->saved_data["plan"].toCustomClass<CellPlan>();
+    const CellPlan& p = *plan;
+    const variable_list saved = ctx->get_saved_variables();
+    const variable_list inputs(saved.begin(), saved.begin() + 10);
+    const std::vector<bool> need = needs_of(ctx, inputs);
+    if (cell_reference_backward(grads)) {
+      return reference_result(cell_reference_grads("gru", grads, inputs, p.eps, need));
+    }
+    const Tensor &x = saved[0], &h_in = saved[1], &w_ih = saved[2], &w_hh = saved[3],
+                 &lw_ih = saved[6], &lw_hh = saved[8], &gx = saved[10], &hp = saved[11],
+                 &rz = saved[12], &n = saved[13], &ghn = saved[14], &stats = saved[15];
+    const auto dt = p.dtype;
+    const int64_t rows = p[CELL_ROWS], hs = p[CELL_HIDDEN];
+    const Tensor dout = grads[0].contiguous();
+    check_input("h_t's gradient", dout, {rows, hs}, dt, kCellOp);
+    const Tensor h = h_in.contiguous(), g_ih = lw_ih.contiguous(), g_hh = lw_hh.contiguous();
+    const Tensor dgx = new_cpu({rows, 3 * hs}, dt), dhp = new_cpu({rows, 3 * hs}, dt);
+    const Tensor dh = new_cpu({rows, hs}, dt), dparams = new_cpu({4, 3 * hs}, dt);
+    p.run(CELL_BWD, "gru_cell_bwd",
+          p.templates[CELL_BWD].fill(
+              {ptr_of(V_DOUT, dout), ptr_of(V_GX, gx), ptr_of(V_HP, hp), ptr_of(V_H, h),
+               ptr_of(V_W_IH, g_ih), ptr_of(V_W_HH, g_hh), ptr_of(V_RZ, rz), ptr_of(V_N, n),
+               ptr_of(V_GHN, ghn), ptr_of(V_STATS, stats), ptr_of(V_DGX, dgx), ptr_of(V_DHP, dhp),
+               ptr_of(V_DH, dh), ptr_of(V_DPARAMS, dparams)}));
+    const bool products[4] = {need[0], need[1], need[2], need[3]};
+    auto [dx, dh_prev, dw_ih, dw_hh] = product_grads(products, dgx, dhp, x, h, w_ih, w_hh, dh);
+    const auto sums = dparams.unbind(0);
+    return {dx,
+            dh_prev,
+            dw_ih,
+            dw_hh,
+            need[4] ? sums[1].clone() : Tensor(),  // the same sums as the LN biases', apart
+            need[5] ? sums[3].clone() : Tensor(),
+            need[6] ? sums[0] : Tensor(),
+            need[7] ? sums[1] : Tensor(),
+            need[8] ? sums[2] : Tensor(),
+            need[9] ? sums[3] : Tensor(),
+            Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> lstm_cell_step(
+    const Tensor& x, const Tensor& h, const Tensor& c, const Tensor& w_ih, const Tensor& w_hh,
+    const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& lw_ih, const OptTensor& lb_ih,
+    const Tensor& lw_hh, const OptTensor& lb_hh, const Tensor& lw_c, const OptTensor& lb_c,
+    const c10::intrusive_ptr<CellPlan>& plan) {
+  auto r = LstmCellFn::apply(x, h, c, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh, lw_c,
+                             lb_c, plan);
+  return {r[0], r[1]};
+}
+
+Tensor gru_cell_step(const Tensor& x, const Tensor& h, const Tensor& w_ih, const Tensor& w_hh,
+                     const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& lw_ih,
+                     const OptTensor& lb_ih, const Tensor& lw_hh, const OptTensor& lb_hh,
+                     const c10::intrusive_ptr<CellPlan>& plan) {
+  return GruCellFn::apply(x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh, plan);
+}
+
+// Where autograd does not record: the forwards alone.
+std::tuple<Tensor, Tensor> lstm_cell_step_forward(
+    const Tensor& x, const Tensor& h, const Tensor& c, const Tensor& w_ih, const Tensor& w_hh,
+    const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& lw_ih, const OptTensor& lb_ih,
+    const Tensor& lw_hh, const OptTensor& lb_hh, const Tensor& lw_c, const OptTensor& lb_c,
+    const c10::intrusive_ptr<CellPlan>& plan) {
+  LstmCellForward f = lstm_cell_forward(*plan, x, h, c, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih,
+                                        lw_hh, lb_hh, lw_c, lb_c);
+  return {f.h_out, f.c_out};
+}
+
+Tensor gru_cell_step_forward(const Tensor& x, const Tensor& h, const Tensor& w_ih,
+                             const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
+                             const Tensor& lw_ih, const OptTensor& lb_ih, const Tensor& lw_hh,
+                             const OptTensor& lb_hh, const c10::intrusive_ptr<CellPlan>& plan) {
+  return gru_cell_forward(*plan, x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh).out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(layernorm_cpu, m) {
@@ -520,8 +927,27 @@ TORCH_LIBRARY_FRAGMENT(layernorm_cpu, m) {
       "lstm_planned(Tensor x, Tensor h0, Tensor c0, Tensor w_hh, Tensor? w1, Tensor? b1, "
       "Tensor? w3, Tensor? b3, Tensor? w0, Tensor? b0, Tensor w_ih, Tensor? b_ih, Tensor? b_hh, "
       "__torch__.torch.classes.layernorm_cpu.LstmPlan plan) -> (Tensor, Tensor, Tensor)");
+  m.class_<CellPlan>("CellPlan").def(
+      torch::init<std::string, std::vector<Tensor>, std::vector<std::string>, std::vector<int64_t>,
+                  std::vector<int64_t>, std::vector<int64_t>, double, Tensor>());
+  m.def(
+      "lstm_cell_step(Tensor x, Tensor h, Tensor c, Tensor w_ih, Tensor w_hh, Tensor? b_ih, "
+      "Tensor? b_hh, Tensor lw_ih, Tensor? lb_ih, Tensor lw_hh, Tensor? lb_hh, Tensor lw_c, "
+      "Tensor? lb_c, __torch__.torch.classes.layernorm_cpu.CellPlan plan) -> (Tensor, Tensor)");
+  m.def(
+      "gru_cell_step(Tensor x, Tensor h, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, "
+      "Tensor lw_ih, Tensor? lb_ih, Tensor lw_hh, Tensor? lb_hh, "
+      "__torch__.torch.classes.layernorm_cpu.CellPlan plan) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(layernorm_cpu, Autograd, m) { m.impl("lstm_planned", lstm_planned); }
+TORCH_LIBRARY_IMPL(layernorm_cpu, Autograd, m) {
+  m.impl("lstm_planned", lstm_planned);
+  m.impl("lstm_cell_step", lstm_cell_step);
+  m.impl("gru_cell_step", gru_cell_step);
+}
 
-TORCH_LIBRARY_IMPL(layernorm_cpu, CPU, m) { m.impl("lstm_planned", lstm_planned_forward); }
+TORCH_LIBRARY_IMPL(layernorm_cpu, CPU, m) {
+  m.impl("lstm_planned", lstm_planned_forward);
+  m.impl("lstm_cell_step", lstm_cell_step_forward);
+  m.impl("gru_cell_step", gru_cell_step_forward);
+}

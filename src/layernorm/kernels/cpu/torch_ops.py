@@ -210,7 +210,11 @@ def cell_plan(
 ) -> Any:
     """A ``layernorm_cpu.CellPlan`` (``csrc_torch/rnn_ops.cpp``): a cell's (``"lstm"`` or
     ``"gru"``) training step of one signature, its forward's and backward's structs and kernel
-    addresses, ``sizes`` = ``[rows, inputs, hidden, gates, statistics a row]`` and ``eps``."""
+    addresses, ``sizes`` = ``[rows, inputs, hidden, gates, statistics a row]`` and ``eps``.
+    Raises ``RuntimeError`` where the operators are switched off or not loaded
+    (:func:`recurrent_nodes`)."""
+    if not recurrent_nodes():
+        raise RuntimeError("layernorm: the C++ operators are switched off or not loaded")
     structs, names, where = templates(bound)
     return torch.classes.layernorm_cpu.CellPlan(
         cell, structs, names, where, kernels, sizes, eps, torch.empty(0, dtype=dtype)

@@ -603,9 +603,9 @@ class LayerNormLSTMCell(_LNCellBase):
     def _kernel_step(self, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor] | None:
         """A training step by the C cell kernels' node (:func:`._cellstep.lstm_node`: the two
         products, one kernel forward and one backward, from C++ or the autograd.Function), where
-        :func:`._cellstep.node_params` allows it; ``None`` elsewhere (the step's ops run it): gradients on, plain eager, no
-        autocast or forced backend, no zoneout or normalized carry, every parameter a registered
-        one in the input's dtype and contiguous."""
+        :func:`._cellstep.node_params` allows it; ``None`` elsewhere (the step's ops run it):
+        gradients on, plain eager, no autocast or forced backend, no zoneout or normalized carry,
+        every parameter a registered one in the input's dtype and contiguous."""
         if self.zoneout_hidden or self.zoneout_cell or self.normalize_cell_state:
             return None
         params = _cellstep.node_params(self, _cellstep.LSTM_PARAMS, "", x, self.hidden_size)
@@ -679,9 +679,9 @@ class LayerNormGRUCell(_LNCellBase):
     def _kernel_step(self, x: Tensor, h: Tensor) -> Tensor | None:
         """A training step by the C cell kernels' node (:func:`._cellstep.gru_node`: the two
         products, one kernel forward and one backward, from C++ or the autograd.Function), where
-        :func:`._cellstep.node_params` allows it; ``None`` elsewhere (the step's ops run it): gradients on, plain eager, no
-        autocast or forced backend, no zoneout, every parameter a registered one in the input's
-        dtype and contiguous."""
+        :func:`._cellstep.node_params` allows it; ``None`` elsewhere (the step's ops run it):
+        gradients on, plain eager, no autocast or forced backend, no zoneout, every parameter a
+        registered one in the input's dtype and contiguous."""
         if self.zoneout_hidden:
             return None
         params = _cellstep.node_params(self, _cellstep.GRU_PARAMS, "", x, self.hidden_size)

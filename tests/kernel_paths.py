@@ -97,7 +97,7 @@ def one_step_gemm_calls(which: str) -> Iterator[list[int]]:
     calls, forwarder = counting(FORTRAN_GEMM, real)
     try:
         rnn.use_one_step_gemm("mkl")
-        setter = getattr(rnn._ONE_STEP_SETTERS[targets.selected().name, ()], which)
+        setter = getattr(rnn._ONE_STEP_GEMM.setters[targets.selected().name, ()], which)
         assert setter(ctypes.cast(forwarder, ctypes.c_void_p)) == 0
         yield calls
     finally:

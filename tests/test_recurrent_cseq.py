@@ -360,7 +360,7 @@ def mkl_calls():
     calls, forwarder = counting(_MKL_COMPUTE, real[2])
     try:
         rnn.use_gemm("mkl")
-        set_packed_gemm = rnn._LOADED[targets.selected().name, ()]
+        set_packed_gemm = rnn._GEMM.setters[targets.selected().name, ()]
         assert set_packed_gemm(real[0], real[1], ctypes.cast(forwarder, ctypes.c_void_p)) == 0
         yield calls
     finally:
@@ -568,7 +568,7 @@ def test_packed_gemm_entry_points_all_or_none() -> None:
     from layernorm.kernels.cpu import rnn, targets
 
     assert rnn._library() is not None
-    set_packed_gemm = rnn._LOADED[targets.selected().name, ()]
+    set_packed_gemm = rnn._GEMM.setters[targets.selected().name, ()]
     assert set_packed_gemm(None, None, ctypes.c_void_p(8)) == -1
     assert set_packed_gemm(ctypes.c_void_p(8), None, None) == -1
     model = _model("lstm", 16, "layer", torch.float32)

@@ -19,7 +19,7 @@ import functools
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -42,7 +42,6 @@ KernelTable = dict[tuple[str, torch.dtype], Any]
 #: GEMM, W packed once per call, where each GEMM runs on one thread), ``"tile"`` (the library's
 #: own packed tile), or ``None``: by processor (:func:`mkl_by_default`). Set by :func:`use_gemm`.
 GEMM_CHOICES = ("mkl", "tile")
-_gemm_choice: str | None = None
 _PACKED_GEMM_SYMBOLS = ("cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute")
 _SGEMM_SYMBOL = "sgemm_"
 _HALF_GEMM_SYMBOL = "gemm_bf16bf16f32_"
@@ -54,7 +53,8 @@ _HALF_GEMM_SYMBOL = "gemm_bf16bf16f32_"
 #: sequence struct's ``w_half``) MKL's ``gemm_bf16bf16f32`` (:func:`torch_half_gemm`) or, with
 #: ``"packed"``, those weights widened to float32 for the call.
 ONE_STEP_GEMM_CHOICES = ("mkl", "packed")
-_one_step_gemm_choice: str | None = None
+#: The LN-LSTM forward step's rows a group, the C kernels' range.
+FORWARD_GROUPS = range(1, rnn_abi.FORWARD_GROUP_MAX + 1)
 
 
 class _OneStepSetters(NamedTuple):
@@ -64,19 +64,28 @@ class _OneStepSetters(NamedTuple):
     half: Any  # rnn_set_one_step_half_gemm
 
 
-# the one-step setters of every library loaded, by (target, variant flags)
-_ONE_STEP_SETTERS: dict[tuple[str, tuple[str, ...]], _OneStepSetters] = {}
-# rnn_set_packed_gemm of every library loaded, by (target, variant flags)
-_LOADED: dict[tuple[str, tuple[str, ...]], Any] = {}
-# ... and rnn_set_forward_group, with the choice use_forward_group made (None: by processor)
-_GROUP_SETTERS: dict[tuple[str, tuple[str, ...]], Any] = {}
-_forward_group_choice: int | None = None
-#: The LN-LSTM forward step's rows a group, the C kernels' range.
-FORWARD_GROUPS = range(1, rnn_abi.FORWARD_GROUP_MAX + 1)
-# ... and rnn_set_batch_split_bytes, with the choice use_batch_split_bytes made (None: by
-# processor)
-_SPLIT_SETTERS: dict[tuple[str, tuple[str, ...]], Any] = {}
-_batch_split_choice: int | None = None
+class _LibrarySetting:
+    """A setting of every recurrent library loaded: each library's C setter, by (target, build
+    variant), given the setting's value when the library loads and whenever the choice changes.
+    ``apply(isa, setter, choice)`` hands it over, ``choice`` ``None`` meaning the processor's
+    default for target ``isa``. Changed between calls, never while a kernel runs."""
+
+    def __init__(self, apply: Callable[[str, Any, Any], None]) -> None:
+        self.apply = apply
+        self.choice: Any = None
+        self.setters: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def bind(self, isa: str, variant: tuple[str, ...], setter: Any) -> None:
+        """A library of target ``isa`` loaded: its setter takes the setting now and later."""
+        self.apply(isa, setter, self.choice)
+        self.setters[isa, variant] = setter
+
+    def choose(self, choice: Any) -> None:
+        """Every library loaded, and every one loaded later, takes ``choice`` (checked by the
+        caller)."""
+        self.choice = choice
+        for (isa, _), setter in self.setters.items():
+            self.apply(isa, setter, choice)
 
 
 def _torch_cpu_symbols(names: tuple[str, ...]) -> tuple[int, ...] | None:
@@ -248,12 +257,14 @@ def batch_split_bytes_by_default(isa: str) -> int:
     return rnn_abi.BATCH_SPLIT_BYTES_DEFAULT
 
 
-def _apply_batch_split(isa: str, set_batch_split_bytes: Any) -> None:
-    limit = _batch_split_choice
+def _apply_batch_split(isa: str, set_batch_split_bytes: Any, limit: int | None) -> None:
     if limit is None:
         limit = batch_split_bytes_by_default(isa)
     if set_batch_split_bytes(limit) != 0:
         raise RuntimeError(f"layernorm: rnn_set_batch_split_bytes refused {limit} bytes")
+
+
+_BATCH_SPLIT = _LibrarySetting(_apply_batch_split)  # rnn_set_batch_split_bytes
 
 
 def use_batch_split_bytes(limit: int | None) -> None:
@@ -261,12 +272,9 @@ def use_batch_split_bytes(limit: int | None) -> None:
     loaded or loaded later, or ``None`` for the processor's default
     (:func:`batch_split_bytes_by_default`). Not while a kernel runs (tests and benchmarks switch
     between calls)."""
-    global _batch_split_choice
     if limit is not None and (type(limit) is not int or limit < 0):
         raise ValueError(f"use_batch_split_bytes: limit must be an int >= 0 or None, got {limit!r}")
-    _batch_split_choice = limit
-    for (isa, _), set_batch_split_bytes in _SPLIT_SETTERS.items():
-        _apply_batch_split(isa, set_batch_split_bytes)
+    _BATCH_SPLIT.choose(limit)
 
 
 def forward_group_by_default(isa: str) -> int:
@@ -288,10 +296,13 @@ def forward_group_by_default(isa: str) -> int:
     return rnn_abi.FORWARD_GROUP_DEFAULT
 
 
-def _apply_forward_group(isa: str, set_forward_group: Any) -> None:
-    rows = _forward_group_choice or forward_group_by_default(isa)
+def _apply_forward_group(isa: str, set_forward_group: Any, rows: int | None) -> None:
+    rows = rows or forward_group_by_default(isa)
     if set_forward_group(rows) != 0:
         raise RuntimeError(f"layernorm: rnn_set_forward_group refused {rows} rows")
+
+
+_FORWARD_GROUP = _LibrarySetting(_apply_forward_group)  # rnn_set_forward_group
 
 
 def use_forward_group(rows: int | None) -> None:
@@ -299,15 +310,12 @@ def use_forward_group(rows: int | None) -> None:
     of :data:`FORWARD_GROUPS`, or ``None`` for the processor's default
     (:func:`forward_group_by_default`). Not while a kernel runs (tests and benchmarks switch
     between calls)."""
-    global _forward_group_choice
     if rows is not None and (type(rows) is not int or rows not in FORWARD_GROUPS):
         raise ValueError(
             f"use_forward_group: rows must be an int in 1-{FORWARD_GROUPS[-1]} or None, got "
             f"{rows!r}"
         )
-    _forward_group_choice = rows
-    for (isa, _), set_forward_group in _GROUP_SETTERS.items():
-        _apply_forward_group(isa, set_forward_group)
+    _FORWARD_GROUP.choose(rows)
 
 
 def tile_outpaces_torch_gemm(isa: str) -> bool:
@@ -328,15 +336,18 @@ def tile_outpaces_torch_gemm(isa: str) -> bool:
     return _amd_full_width_avx512(isa)
 
 
-def _packed_gemm_wanted(isa: str) -> bool:
-    return _gemm_choice == "mkl" if _gemm_choice else mkl_by_default(isa)
+def _packed_gemm_wanted(isa: str, choice: str | None) -> bool:
+    return choice == "mkl" if choice else mkl_by_default(isa)
 
 
-def _apply_gemm(isa: str, set_packed_gemm: Any) -> None:
+def _apply_gemm(isa: str, set_packed_gemm: Any, choice: str | None) -> None:
     """Give a loaded library of target ``isa`` the MKL entry points (or none) the choice says."""
-    packed = torch_packed_gemm() if _packed_gemm_wanted(isa) else None
+    packed = torch_packed_gemm() if _packed_gemm_wanted(isa, choice) else None
     if set_packed_gemm(*(packed or (None, None, None))) != 0:
         raise RuntimeError("layernorm: rnn_set_packed_gemm refused its entry points")
+
+
+_GEMM = _LibrarySetting(_apply_gemm)  # rnn_set_packed_gemm
 
 
 def use_gemm(choice: str | None) -> None:
@@ -344,12 +355,9 @@ def use_gemm(choice: str | None) -> None:
     later: one of :data:`GEMM_CHOICES`, or ``None`` for the processor's default
     (:func:`mkl_by_default`); ``"mkl"`` where PyTorch has no MKL runs the tile. Not while a
     kernel runs (benchmarks and tests switch between calls)."""
-    global _gemm_choice
     if choice is not None and choice not in GEMM_CHOICES:
         raise ValueError(f"use_gemm: choice must be one of {GEMM_CHOICES} or None, got {choice!r}")
-    _gemm_choice = choice
-    for (isa, _), set_packed_gemm in _LOADED.items():
-        _apply_gemm(isa, set_packed_gemm)
+    _GEMM.choose(choice)
 
 
 def one_step_sgemm_by_default(isa: str) -> bool:
@@ -366,19 +374,21 @@ def one_step_sgemm_by_default(isa: str) -> bool:
     return not tile_outpaces_torch_gemm(isa)
 
 
-def _one_step_sgemm_wanted(isa: str) -> bool:
-    return (_one_step_gemm_choice == "mkl" if _one_step_gemm_choice
-            else one_step_sgemm_by_default(isa))  # fmt: skip
+def _one_step_sgemm_wanted(isa: str, choice: str | None) -> bool:
+    return choice == "mkl" if choice else one_step_sgemm_by_default(isa)
 
 
-def _apply_one_step_gemm(isa: str, setters: _OneStepSetters) -> None:
+def _apply_one_step_gemm(isa: str, setters: _OneStepSetters, choice: str | None) -> None:
     """Give a loaded library of target ``isa`` MKL's sgemm and gemm_bf16bf16f32 (or neither)
     as the choice says."""
-    wanted = _one_step_sgemm_wanted(isa)
+    wanted = _one_step_sgemm_wanted(isa, choice)
     if setters.sgemm(torch_sgemm() if wanted else None) != 0:
         raise RuntimeError("layernorm: rnn_set_one_step_sgemm refused its entry point")
     if setters.half(torch_half_gemm() if wanted else None) != 0:
         raise RuntimeError("layernorm: rnn_set_one_step_half_gemm refused its entry point")
+
+
+_ONE_STEP_GEMM = _LibrarySetting(_apply_one_step_gemm)  # _OneStepSetters
 
 
 def use_one_step_gemm(choice: str | None) -> None:
@@ -386,21 +396,18 @@ def use_one_step_gemm(choice: str | None) -> None:
     later: one of :data:`ONE_STEP_GEMM_CHOICES`, or ``None`` for the processor's default
     (:func:`one_step_sgemm_by_default`); ``"mkl"`` where PyTorch has no MKL packs. Not while a
     kernel runs (benchmarks and tests switch between calls)."""
-    global _one_step_gemm_choice
     if choice is not None and choice not in ONE_STEP_GEMM_CHOICES:
         raise ValueError(
             f"use_one_step_gemm: choice must be one of {ONE_STEP_GEMM_CHOICES} or None, got "
             f"{choice!r}"
         )
-    _one_step_gemm_choice = choice
-    for (isa, _), setter in _ONE_STEP_SETTERS.items():
-        _apply_one_step_gemm(isa, setter)
+    _ONE_STEP_GEMM.choose(choice)
 
 
 def one_step_gemm_in_use() -> str:
     """``"mkl"`` or ``"packed"``: what a float32 forward call of one step of more than
     :func:`direct_rows` rows multiplies by on the selected target."""
-    wanted = _one_step_sgemm_wanted(targets.selected().name)
+    wanted = _one_step_sgemm_wanted(targets.selected().name, _ONE_STEP_GEMM.choice)
     return "mkl" if wanted and torch_sgemm() else "packed"
 
 
@@ -413,7 +420,7 @@ def one_step_half_gemm_in_use() -> bool:
     (M, K, N) = (1, 256, 1024), one thread, Intel Xeon held to AVX2 (``MKL_ENABLE_INSTRUCTIONS``),
     205 µs against sgemm's 24 and the copy's 78 (with AVX512-BF16 and AMX: 12 µs)."""
     return (
-        _one_step_sgemm_wanted(targets.selected().name)
+        _one_step_sgemm_wanted(targets.selected().name, _ONE_STEP_GEMM.choice)
         and half_gemm()
         and torch_half_gemm() is not None
     )
@@ -422,7 +429,7 @@ def one_step_half_gemm_in_use() -> bool:
 def gemm_in_use() -> str:
     """``"mkl"`` or ``"tile"``: what the sequence kernels' float32 GEMMs run on where each GEMM
     runs on one thread (the tile shares the others out by columns), on the selected target."""
-    wanted = _packed_gemm_wanted(targets.selected().name)
+    wanted = _packed_gemm_wanted(targets.selected().name, _GEMM.choice)
     return "mkl" if wanted and torch_packed_gemm() else "tile"
 
 
@@ -460,28 +467,22 @@ def _library_for(
         for name in ("rnn_vector_bytes", "rnn_direct_rows", "rnn_half_gemm"):
             getattr(lib, name).restype = ctypes.c_int
             getattr(lib, name).argtypes = ()
-        lib.rnn_set_packed_gemm.restype = ctypes.c_int
         lib.rnn_set_packed_gemm.argtypes = (ctypes.c_void_p,) * 3
-        _apply_gemm(isa, lib.rnn_set_packed_gemm)
-        _LOADED[isa, variant] = lib.rnn_set_packed_gemm
-        one_step = _OneStepSetters(lib.rnn_set_one_step_sgemm, lib.rnn_set_one_step_half_gemm)
-        for setter in one_step:
-            setter.restype = ctypes.c_int
-            setter.argtypes = (ctypes.c_void_p,)
-        _apply_one_step_gemm(isa, one_step)
-        _ONE_STEP_SETTERS[isa, variant] = one_step
-        lib.rnn_set_forward_group.restype = ctypes.c_int
+        lib.rnn_set_one_step_sgemm.argtypes = (ctypes.c_void_p,)
+        lib.rnn_set_one_step_half_gemm.argtypes = (ctypes.c_void_p,)
         lib.rnn_set_forward_group.argtypes = (ctypes.c_int,)
-        _apply_forward_group(isa, lib.rnn_set_forward_group)
-        _GROUP_SETTERS[isa, variant] = lib.rnn_set_forward_group
-        lib.rnn_set_batch_split_bytes.restype = ctypes.c_int
         lib.rnn_set_batch_split_bytes.argtypes = (ctypes.c_int64,)
-        _apply_batch_split(isa, lib.rnn_set_batch_split_bytes)
-        _SPLIT_SETTERS[isa, variant] = lib.rnn_set_batch_split_bytes
-        lib.rnn_set_amx.restype = lib.rnn_amx.restype = ctypes.c_int
         lib.rnn_set_amx.argtypes, lib.rnn_amx.argtypes = (ctypes.c_int,), ()
-        _AMX_SETTERS[isa, variant] = lib.rnn_set_amx, lib.rnn_amx
-        _apply_amx(lib.rnn_set_amx)
+        for name in ("packed_gemm", "one_step_sgemm", "one_step_half_gemm", "forward_group",
+                     "batch_split_bytes", "amx"):  # fmt: skip
+            getattr(lib, f"rnn_set_{name}").restype = ctypes.c_int
+        lib.rnn_amx.restype = ctypes.c_int
+        one_step = _OneStepSetters(lib.rnn_set_one_step_sgemm, lib.rnn_set_one_step_half_gemm)
+        _GEMM.bind(isa, variant, lib.rnn_set_packed_gemm)
+        _ONE_STEP_GEMM.bind(isa, variant, one_step)
+        _FORWARD_GROUP.bind(isa, variant, lib.rnn_set_forward_group)
+        _BATCH_SPLIT.bind(isa, variant, lib.rnn_set_batch_split_bytes)
+        _AMX.bind(isa, variant, _AmxSetters(lib.rnn_set_amx, lib.rnn_amx))
         return fns, lib.rnn_vector_bytes(), lib.rnn_direct_rows(), lib.rnn_half_gemm() == 1
     except Exception as err:  # any failure falls back to the eager step functions
         warnings.warn(
@@ -553,14 +554,19 @@ def _switch(setter: str, choice: object) -> bool | None:
     return choice
 
 
-# Each loaded library's (rnn_set_amx, rnn_amx), by (target, variant).
-_AMX_SETTERS: dict[tuple[str, tuple[str, ...]], tuple[Any, Any]] = {}
-_amx_choice: bool | None = None
+class _AmxSetters(NamedTuple):
+    """A loaded library's AMX switch and its state."""
+
+    set: Any  # rnn_set_amx
+    state: Any  # rnn_amx
 
 
-def _apply_amx(set_amx: Any) -> None:
+def _apply_amx(isa: str, setters: _AmxSetters, choice: bool | None) -> None:
     # on unless told not to; where the processor or the system has no AMX it stays off (-1)
-    set_amx(0 if _amx_choice is False else 1)
+    setters.set(0 if choice is False else 1)
+
+
+_AMX = _LibrarySetting(_apply_amx)
 
 
 def use_amx(choice: bool | None) -> None:
@@ -569,10 +575,7 @@ def use_amx(choice: bool | None) -> None:
     ``True`` or ``None`` (the default: where there are tiles, use them) or ``False`` (the
     AVX512-BF16 dot products). For every library loaded or loaded later; not while a kernel
     runs."""
-    global _amx_choice
-    _amx_choice = _switch("use_amx", choice)
-    for set_amx, _ in _AMX_SETTERS.values():
-        _apply_amx(set_amx)
+    _AMX.choose(_switch("use_amx", choice))
 
 
 def amx() -> bool:
@@ -583,8 +586,8 @@ def amx() -> bool:
     96 by the float32 tile (benchmarks/RESULTS.md)."""
     if not half_gemm():
         return False
-    entry = _AMX_SETTERS.get((targets.selected().name, ()))  # loaded by half_gemm()
-    return entry is not None and entry[1]() == 1
+    entry = _AMX.setters.get((targets.selected().name, ()))  # loaded by half_gemm()
+    return entry is not None and entry.state() == 1
 
 
 def bfloat16_projection_by_default() -> bool:

@@ -48,6 +48,12 @@ With ``--group`` they are the LN-LSTM forward step's rows a group (``rnn.use_for
 
     python benchmarks/ab_rnn.py --group --a 4 --b 8 --mode infer --shape 20x256x32x32
 
+With ``--batch-split`` they are the batch-row split's limit in bytes of packed weights
+(``rnn.use_batch_split_bytes``; 0: two threads always share each step's GEMMs by panels):
+
+    python benchmarks/ab_rnn.py --batch-split --a 0 --b "16 << 20" --threads 2 --mode infer \
+        --shape 30x128x64x256
+
 With ``--projection`` they say whether a bfloat16 layer's input projection takes the processor's
 bfloat16 dot products (``rnn.use_bfloat16_projection``: ``yes`` or ``no``):
 
@@ -101,6 +107,8 @@ def main() -> None:
                       help="--a and --b name rnn.use_one_step_gemm choices")  # fmt: skip
     what.add_argument("--group", action="store_true",
                       help="--a and --b are rnn.use_forward_group rows")  # fmt: skip
+    what.add_argument("--batch-split", action="store_true",
+                      help="--a and --b: rnn.use_batch_split_bytes limits (ints)")  # fmt: skip
     what.add_argument("--projection", action="store_true",
                       help="--a and --b (yes / no): rnn.use_bfloat16_projection")  # fmt: skip
     what.add_argument("--amx", action="store_true",
@@ -142,6 +150,14 @@ def main() -> None:
                 ap.error(f"--group: --a and --b must be rows in {rnn.FORWARD_GROUPS}, got {v!r}")
             rows[k] = int(v)
         setters = {k: (lambda v=v: rnn.use_forward_group(v)) for k, v in rows.items()}
+    elif args.batch_split:
+        limits = {}
+        for k, v in (("A", args.a), ("B", args.b)):
+            limit = eval(v, {})  # the command line's own integer expression, e.g. "16 << 20"
+            if type(limit) is not int or limit < 0:
+                ap.error(f"--batch-split: --a and --b must be ints >= 0, got {v!r}")
+            limits[k] = limit
+        setters = {k: (lambda v=v: rnn.use_batch_split_bytes(v)) for k, v in limits.items()}
     elif args.projection or args.amx or args.cpp_node:
         flag = "--projection" if args.projection else "--amx" if args.amx else "--cpp-node"
         use = (
@@ -177,7 +193,8 @@ def main() -> None:
     )
     setting = args.attr or next(
         name
-        for name in ("cflags", "gemm", "one_step_gemm", "group", "projection", "amx", "cpp_node")
+        for name in ("cflags", "gemm", "one_step_gemm", "group", "batch_split", "projection",
+                     "amx", "cpp_node")
         if getattr(args, name)
     )
     for shape in args.shape.split(","):

@@ -1034,6 +1034,37 @@ def test_cell_kernels_refuse_buffers_of_the_wrong_shape(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KERNEL_CELLS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cell_operator_gives_the_functions_bits(kind: str, dtype: torch.dtype, bias: bool) -> None:
+    """The C++ node runs the autograd.Function's products, buffers and kernels in its order:
+    outputs and every gradient bit for bit, a state that is a strided view included."""
+    from layernorm.kernels.cpu import torch_ops
+    from layernorm.recurrent import _cstep
+
+    x = inputs(5, 6).to(dtype)
+    if not (_cstep.available(x) and torch_ops.recurrent_nodes()):
+        pytest.skip("C kernels or C++ operators not built")
+    cell = _kernel_cell(kind, 6, 8, bias=bias, dtype=dtype)
+    randomize(cell)
+    states = [inputs(8, 5, seed=s).to(dtype).t() for s in (2, 3)][: 2 if kind == "lstm" else 1]
+
+    def run(by_operator: bool) -> list[torch.Tensor]:
+        leaves = [t.detach().requires_grad_() for t in (x, *states)]
+        with torch_ops.switched(by_operator):
+            out = cell(leaves[0], tuple(leaves[1:]) if kind == "lstm" else leaves[1])
+        outs = out if isinstance(out, tuple) else (out,)
+        node = outs[0].grad_fn.name()
+        assert ("CellFn" in node) == by_operator, node
+        douts = [torch.linspace(-1, 2, o.numel(), dtype=dtype).view_as(o) for o in outs]
+        grads = torch.autograd.grad(outs, [*leaves, *cell.parameters()], douts)
+        return [*outs, *grads]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", KERNEL_CELLS)
 @pytest.mark.parametrize("case", ["gain", "rows", "dtype", "plan"])
 def test_cell_operator_refuses_tensors_not_of_its_plan(kind: str, case: str) -> None:
     """The C++ node checks every tensor against its plan's signature before C sees a pointer:

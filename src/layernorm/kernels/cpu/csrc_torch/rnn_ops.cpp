@@ -602,11 +602,18 @@ Tensor bias_sum(const OptTensor& ln_bias, const OptTensor& bias, int64_t n, at::
   return given(bias) ? bias->contiguous() : at::zeros({n}, at::TensorOptions().dtype(dt));
 }
 
-// The checks every step makes: each tensor of its shape and the plan's dtype on the CPU.
-void check_cell_inputs(const CellPlan& p, const Tensor& x, const Tensor& h, const Tensor& w_ih,
-                       const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
-                       const Tensor& lw_ih, const OptTensor& lb_ih, const Tensor& lw_hh,
-                       const OptTensor& lb_hh) {
+// What both cells' steps take into their kernel forward: the raw projections gx = x W_ihᵀ and
+// hp = h W_hhᵀ, the layer norms' gains, and their biases with torch's added.
+struct CellSides {
+  Tensor gx, hp, g_ih, g_hh, bias_ih, bias_hh;
+};
+
+// The checks every step makes (each tensor of its shape and the plan's dtype on the CPU), then
+// the step's sides, as _cellstep's Functions make them (h as the caller passes it).
+CellSides cell_sides(const CellPlan& p, const Tensor& x, const Tensor& h, const Tensor& w_ih,
+                     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
+                     const Tensor& lw_ih, const OptTensor& lb_ih, const Tensor& lw_hh,
+                     const OptTensor& lb_hh) {
   const auto dt = p.dtype;
   const int64_t rows = p[CELL_ROWS], hs = p[CELL_HIDDEN], gh = p[CELL_GATES] * hs;
   check_input("x", x, {rows, p[CELL_INPUTS]}, dt, kCellOp);
@@ -619,6 +626,8 @@ void check_cell_inputs(const CellPlan& p, const Tensor& x, const Tensor& h, cons
   check_optional("lb_ih", lb_ih, gh, dt, kCellOp);
   check_input("lw_hh", lw_hh, {gh}, dt, kCellOp);
   check_optional("lb_hh", lb_hh, gh, dt, kCellOp);
+  return {at::mm(x, w_ih.t()), at::mm(h, w_hh.t()), lw_ih.contiguous(), lw_hh.contiguous(),
+          bias_sum(lb_ih, b_ih, gh, dt), bias_sum(lb_hh, b_hh, gh, dt)};
 }
 
 // layernorm::cell_reference_grads(str cell, Tensor[] douts, Tensor?[] inputs, float eps,
@@ -694,27 +703,24 @@ LstmCellForward lstm_cell_forward(const CellPlan& p, const Tensor& x, const Tens
   const auto dt = p.dtype;
   const int64_t rows = p[CELL_ROWS], hs = p[CELL_HIDDEN];
   TORCH_CHECK(p.cell == "lstm", kCellOp, ": an LSTM step needs an LSTM plan");
-  check_cell_inputs(p, x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh);
   check_input("c", c_in, {rows, hs}, dt, kCellOp);
   check_input("lw_c", lw_c, {hs}, dt, kCellOp);
   check_optional("lb_c", lb_c, hs, dt, kCellOp);
+  const CellSides in = cell_sides(p, x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh);
   const Tensor c = c_in.contiguous();
   LstmCellForward f;
-  f.gx = at::mm(x, w_ih.t());
-  f.hp = at::mm(h, w_hh.t());
+  f.gx = in.gx;
+  f.hp = in.hp;
   f.h_out = new_cpu({rows, hs}, dt);
   f.c_out = new_cpu({rows, hs}, dt);
   f.tc = new_cpu({rows, hs}, dt);
   f.gates = new_cpu({rows, 4 * hs}, dt);
   f.stats = new_cpu({rows, p[CELL_STATS]}, dt);
-  const Tensor g_ih = lw_ih.contiguous(), g_hh = lw_hh.contiguous(), g_c = lw_c.contiguous();
-  const Tensor bias_ih = bias_sum(lb_ih, b_ih, 4 * hs, dt);
-  const Tensor bias_hh = bias_sum(lb_hh, b_hh, 4 * hs, dt);
-  const Tensor bias_c = bias_sum(lb_c, std::nullopt, hs, dt);
+  const Tensor g_c = lw_c.contiguous(), bias_c = bias_sum(lb_c, std::nullopt, hs, dt);
   p.run(CELL_FWD, "lstm_cell_fwd",
         p.templates[CELL_FWD].fill(
-            {ptr_of(V_GX, f.gx), ptr_of(V_HP, f.hp), ptr_of(V_C, c), ptr_of(V_W_IH, g_ih),
-             ptr_of(V_B_IH, bias_ih), ptr_of(V_W_HH, g_hh), ptr_of(V_B_HH, bias_hh),
+            {ptr_of(V_GX, f.gx), ptr_of(V_HP, f.hp), ptr_of(V_C, c), ptr_of(V_W_IH, in.g_ih),
+             ptr_of(V_B_IH, in.bias_ih), ptr_of(V_W_HH, in.g_hh), ptr_of(V_B_HH, in.bias_hh),
              ptr_of(V_W_C, g_c), ptr_of(V_B_C, bias_c), ptr_of(V_H_OUT, f.h_out),
              ptr_of(V_C_OUT, f.c_out), ptr_of(V_GATES, f.gates), ptr_of(V_TC, f.tc),
              ptr_of(V_STATS, f.stats)}));
@@ -801,23 +807,21 @@ GruCellForward gru_cell_forward(const CellPlan& p, const Tensor& x, const Tensor
   const auto dt = p.dtype;
   const int64_t rows = p[CELL_ROWS], hs = p[CELL_HIDDEN];
   TORCH_CHECK(p.cell == "gru", kCellOp, ": a GRU step needs a GRU plan");
-  check_cell_inputs(p, x, h_in, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh);
+  check_input("h", h_in, {rows, hs}, dt, kCellOp);  // before it is made contiguous
   const Tensor h = h_in.contiguous();
+  const CellSides in = cell_sides(p, x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh);
   GruCellForward f;
-  f.gx = at::mm(x, w_ih.t());
-  f.hp = at::mm(h, w_hh.t());
+  f.gx = in.gx;
+  f.hp = in.hp;
   f.out = new_cpu({rows, hs}, dt);
   f.rz = new_cpu({rows, 2 * hs}, dt);
   f.n = new_cpu({rows, hs}, dt);
   f.ghn = new_cpu({rows, hs}, dt);
   f.stats = new_cpu({rows, p[CELL_STATS]}, dt);
-  const Tensor g_ih = lw_ih.contiguous(), g_hh = lw_hh.contiguous();
-  const Tensor bias_ih = bias_sum(lb_ih, b_ih, 3 * hs, dt);
-  const Tensor bias_hh = bias_sum(lb_hh, b_hh, 3 * hs, dt);
   p.run(CELL_FWD, "gru_cell_fwd",
         p.templates[CELL_FWD].fill(
-            {ptr_of(V_GX, f.gx), ptr_of(V_HP, f.hp), ptr_of(V_H, h), ptr_of(V_W_IH, g_ih),
-             ptr_of(V_B_IH, bias_ih), ptr_of(V_W_HH, g_hh), ptr_of(V_B_HH, bias_hh),
+            {ptr_of(V_GX, f.gx), ptr_of(V_HP, f.hp), ptr_of(V_H, h), ptr_of(V_W_IH, in.g_ih),
+             ptr_of(V_B_IH, in.bias_ih), ptr_of(V_W_HH, in.g_hh), ptr_of(V_B_HH, in.bias_hh),
              ptr_of(V_OUT, f.out), ptr_of(V_RZ, f.rz), ptr_of(V_N, f.n), ptr_of(V_GHN, f.ghn),
              ptr_of(V_STATS, f.stats)}));
   return f;

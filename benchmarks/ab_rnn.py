@@ -193,8 +193,16 @@ def main() -> None:
     )
     setting = args.attr or next(
         name
-        for name in ("cflags", "gemm", "one_step_gemm", "group", "batch_split", "projection",
-                     "amx", "cpp_node")
+        for name in (
+            "cflags",
+            "gemm",
+            "one_step_gemm",
+            "group",
+            "batch_split",
+            "projection",
+            "amx",
+            "cpp_node",
+        )
         if getattr(args, name)
     )
     for shape in args.shape.split(","):

@@ -32,9 +32,11 @@ needs_sequence_kernels = pytest.mark.skipif(
 #: In the names of the LN-LSTM's planned training nodes: the Python node's, and the C++ node's
 #: (``torch::autograd::CppNode<...LstmPlannedFn>``, ``csrc_torch/rnn_ops.cpp``).
 PLANNED_NODE_NAMES = ("PlannedLSTMSequenceBackward", "LstmPlannedFn")
-#: In the names of the cells' training nodes of C cell kernels: the Python nodes' and the C++
-#: nodes' (``torch::autograd::CppNode<...LstmCellFn>``, ``...GruCellFn>``).
-CELL_NODE_NAMES = ("LSTMCellStepBackward", "GRUCellStepBackward", "LstmCellFn", "GruCellFn")
+#: In the names of the cells' training nodes: of C cell kernels, the Python nodes' and the C++
+#: nodes' (``torch::autograd::CppNode<...LstmCellFn>``, ``...GruCellFn>``), and the Elman
+#: cell's C++ node of its ops (``...ElmanCellFn>``).
+CELL_NODE_NAMES = ("LSTMCellStepBackward", "GRUCellStepBackward", "LstmCellFn", "GruCellFn",
+                   "ElmanCellFn")  # fmt: skip
 
 
 def planned_nodes(nodes: list[str]) -> int:
@@ -43,8 +45,8 @@ def planned_nodes(nodes: list[str]) -> int:
 
 
 def cell_nodes(nodes: list[str], kind: str = "") -> int:
-    """How many of the autograd nodes named ``nodes`` are the cells' nodes of C cell kernels
-    (``kind``: ``"lstm"`` or ``"gru"``'s alone)."""
+    """How many of the autograd nodes named ``nodes`` are the cells' training nodes (``kind``:
+    ``"lstm"``, ``"gru"`` or ``"elman"``'s alone)."""
     names = [n for n in CELL_NODE_NAMES if n.lower().startswith(kind)]
     return sum(any(name in n for name in names) for n in nodes)
 

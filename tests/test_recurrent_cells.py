@@ -467,8 +467,10 @@ def test_elman_cell_inference_step_where_nothing_is_recorded(
     """Without gradients a float32 / float64 Elman step runs its fewest ops (the two products
     by one ``addmm_``, torch's layer norm, the biases and nonlinearity in place) with the
     step's ops' values; with gradients, zoneout, autocast, a half dtype or a forced backend the
-    step's ops (``_steps.rnn_step``) run it."""
+    step's ops (``_steps.rnn_step``) run it (with gradients, the C++ operators off: on, their
+    node runs the step, :func:`test_elman_node_is_taken_where_the_rule_says`)."""
     from layernorm.backend import force_backend
+    from layernorm.kernels.cpu import torch_ops
     from layernorm.recurrent import _steps
 
     dtype = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(case, torch.float32)
@@ -488,6 +490,8 @@ def test_elman_cell_inference_step_where_nothing_is_recorded(
     def context() -> contextlib.AbstractContextManager:
         if case == "autocast":
             return torch.autocast("cpu", dtype=torch.bfloat16)
+        if case == "gradients":
+            return torch_ops.switched(False)
         return force_backend("cpu") if case == "forced backend" else contextlib.nullcontext()
 
     with torch.set_grad_enabled(case == "gradients"), context():
@@ -1211,3 +1215,178 @@ def test_cell_kernels_in_half_are_float32_rounded_once(
     for g, w in zip(got, wanted, strict=True):
         assert g.dtype == dtype
         torch.testing.assert_close(g, w.to(dtype), rtol=0, atol=0)
+
+
+# -- the Elman cell's training step as one C++ node of torch's ops --------------------------------
+
+
+def _elman_nodes(monkeypatch: pytest.MonkeyPatch, taken: list[bool]) -> None:
+    """Each Elman training step by the C++ node counted."""
+    from layernorm.recurrent import _cellstep
+
+    monkeypatch.setattr(_cellstep, "elman_node", _counted(_cellstep.elman_node, taken))
+
+
+def _elman_operator_loaded() -> bool:
+    from layernorm.kernels.cpu import torch_ops
+
+    return torch_ops.recurrent_nodes()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("given_state", [True, False], ids=["hx", "no hx"])
+@pytest.mark.parametrize("rows", [1, 5, 0], ids=["one row", "five rows", "unbatched"])
+def test_elman_training_by_the_node_is_the_ops_bits(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, nonlinearity: str, bias: bool,
+    given_state: bool, rows: int,
+) -> None:  # fmt: skip
+    """Training steps of the Elman cell by the C++ node (torch's ops of the step, autograd's
+    derivatives of them, in one node) give the step's ops' outputs and gradients (input, state,
+    every parameter) bit for bit, three steps in a row."""
+    from layernorm.kernels.cpu import torch_ops
+
+    cell = LayerNormRNNCell(6, 8, bias=bias, nonlinearity=nonlinearity, dtype=dtype)
+    randomize(cell)
+    shape = (3, rows, 6) if rows else (3, 6)
+    xs = inputs(3 * max(rows, 1), 6).view(shape).to(dtype)
+    hx = (inputs(max(rows, 1), 8, seed=2).view(rows or 1, 8)[: rows or 1].to(dtype),)
+    if not rows:
+        hx = (hx[0][0],)
+    hx = hx if given_state else None
+    with torch_ops.switched(False):
+        expected = _kernel_steps_and_grads(cell, xs, hx)
+    taken: list[bool] = []
+    _elman_nodes(monkeypatch, taken)
+    got = _kernel_steps_and_grads(cell, xs, hx)
+    assert taken == ([True] * 3 if _elman_operator_loaded() else [])
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_elman_node_keeps_second_derivatives(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, nonlinearity: str
+) -> None:
+    """With ``create_graph=True`` the node's backward differentiates the step's ops
+    (``layernorm::cell_reference_grads``): the gradients of the gradients are the ops' own."""
+    from layernorm.kernels.cpu import torch_ops
+
+    cell = LayerNormRNNCell(5, 8, nonlinearity=nonlinearity, dtype=dtype)
+    randomize(cell)
+    xs, hx = inputs(2 * 3, 5).view(2, 3, 5).to(dtype), (inputs(3, 8, seed=2).to(dtype),)
+    with torch_ops.switched(False):
+        expected = _kernel_steps_and_grads(cell, xs, hx, create_graph=True)
+    taken: list[bool] = []
+    _elman_nodes(monkeypatch, taken)
+    got = _kernel_steps_and_grads(cell, xs, hx, create_graph=True)
+    assert taken == ([True] * 2 if _elman_operator_loaded() else [])
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **_cell_tolerance(dtype))
+
+
+def test_elman_node_batched_backward_is_the_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batched backward through the node (``jacobian(..., vectorize=True)``) differentiates
+    the step's ops: the jacobians of the input and the state are the ops' own."""
+    from layernorm.kernels.cpu import torch_ops
+
+    taken: list[bool] = []
+    _elman_nodes(monkeypatch, taken)
+    cell = LayerNormRNNCell(4, 5, dtype=DT)
+    randomize(cell)
+    x, h = inputs(2, 4), inputs(2, 5, seed=2)
+    got = torch.autograd.functional.jacobian(cell, (x, h), vectorize=True)
+    assert taken == ([True] if _elman_operator_loaded() else [])
+    with torch_ops.switched(False):
+        want = torch.autograd.functional.jacobian(cell, (x, h), vectorize=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "case", ["taken", "zoneout", "no grad", "parametrized", "replaced gain", "bfloat16",
+             "traced", "autocast", "forced backend", "large step", "operators off",
+             "compiled code off"],
+)  # fmt: skip
+def test_elman_node_is_taken_where_the_rule_says(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """The node runs an Elman training step of float32 / float64 rows of up to torch's
+    layer-norm kernel's size in the ops (``_dispatch.TORCH_KERNEL_NUMEL``); not with zoneout,
+    gradients off, a parametrized weight or a plain tensor in a parameter's place, a half
+    dtype, under a tracer, autocast or a forced backend, past that size, with the C++ operators
+    off or compiled code switched off: the step's ops run those."""
+    from layernorm.backend import force_backend
+    from layernorm.kernels.cpu import torch_ops
+    from layernorm.ops import _dispatch
+    from layernorm.recurrent import _cellstep
+
+    if not _elman_operator_loaded():
+        pytest.skip("the C++ operators are not built")
+    taken: list[bool] = []
+    _elman_nodes(monkeypatch, taken)
+    cell = LayerNormRNNCell(6, 8, zoneout_hidden=0.2 if case == "zoneout" else 0.0)
+    if case == "parametrized":
+        torch.nn.utils.parametrizations.weight_norm(cell, "weight_hh")
+    if case == "replaced gain":
+        gain = cell.ln_weight.detach().clone()
+        del cell.ln_weight
+        cell.ln_weight = gain
+    if case == "large step":
+        monkeypatch.setattr(_cellstep, "TORCH_KERNEL_NUMEL", 5 * 8 - 1)
+    if case == "compiled code off":
+        monkeypatch.setenv("LAYERNORM_CPU_COMPILE", "0")
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    cell = cell.to(dtype)
+    x = torch.randn(5, 6, dtype=dtype)
+    context: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if case == "autocast":
+        context = torch.autocast("cpu", dtype=torch.bfloat16)
+    elif case == "forced backend":
+        context = force_backend("cpu")
+    elif case == "operators off":
+        context = torch_ops.switched(False)
+    with torch.set_grad_enabled(case != "no grad"), context:
+        if case == "traced":
+            torch.jit.trace(cell, (x,), check_trace=False)
+        else:
+            cell(x)
+    assert taken == ([True] if case == "taken" else [])
+    assert _dispatch.TORCH_KERNEL_NUMEL == 1 << 20
+
+
+@pytest.mark.parametrize("case", ["rows", "width", "dtype", "gain", "eps"])
+def test_elman_operator_refuses_tensors_of_other_shapes(case: str) -> None:
+    """The C++ node checks its tensors before any op reads them: an input of other rows or
+    width, a state of another dtype, a gain of the wrong size are named with the shape and dtype
+    expected and given; eps must be positive."""
+    from layernorm.kernels.cpu import torch_ops
+
+    if not _elman_operator_loaded():
+        pytest.skip("the C++ operators are not built")
+    cell = LayerNormRNNCell(6, 8)
+    x, h = torch.randn(5, 6), torch.zeros(5, 8)
+    params = [getattr(cell, n) for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh",
+                                         "ln_weight", "ln_bias")]  # fmt: skip
+    eps = cell.eps
+    if case == "rows":
+        h = h[1:]
+        message = r"expected h to be a Float CPU tensor of shape \[5, 8\], got Float tensor of "
+        message += r"shape \[4, 8\]"
+    elif case == "width":
+        x = torch.randn(5, 7)
+        message = r"expected w_ih to be a Float CPU tensor of shape \[8, 7\], got Float tensor"
+    elif case == "dtype":
+        h = h.double()
+        message = r"expected h to be a Float CPU tensor of shape \[5, 8\], got Double tensor"
+    elif case == "gain":
+        params[4] = params[4][1:]
+        message = r"expected lw to be a Float CPU tensor of shape \[8\], got Float tensor of "
+        message += r"shape \[7\]"
+    else:
+        eps = 0.0
+        message = "eps must be finite and > 0, got 0"
+    with pytest.raises(RuntimeError, match=message):
+        torch_ops.elman_cell_step(x, h, *params, eps, False)

@@ -870,25 +870,29 @@ def test_large_steps_without_layer_norms_train_by_the_fused_node(
     assert node == (rows == 6 and (steps == 2 or tile_faster))
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 @pytest.mark.parametrize(
     "options",
     [{}, {"num_layers": 2, "bidirectional": True}, {"bias": False},
-     {"normalize_cell_state": True}, {"norm": "none"}],
+     {"normalize_cell_state": True}, {"norm": "none"}, {"nonlinearity": "relu"}],
     ids=["one layer", "two layers, both directions", "no biases", "normalized carry",
-         "no layer norms"],
+         "no layer norms", "relu"],
 )  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_one_step_training_of_ln_lstm_and_gru_by_the_cells_node(
     kind: str, options: dict, dtype: torch.dtype
 ) -> None:
     """An LN-LSTM's or LN-GRU's training call of one step runs each direction as the cells'
-    node of C cell kernels (one autograd node each), with the loop's outputs and gradients; not
-    with the LSTM's normalized carry or without layer norms (the step ops run those)."""
+    node of C cell kernels (one autograd node each), an LN-RNN's as the Elman cell's C++ node of
+    its ops, with the loop's outputs and gradients; not with the LSTM's normalized carry or
+    without layer norms (the step ops run those)."""
+    from layernorm.kernels.cpu import torch_ops
     from layernorm.recurrent import _cstep
 
     if options.get("normalize_cell_state") and kind != "lstm":
         pytest.skip("an LSTM option")
+    if options.get("nonlinearity") and kind != "rnn":
+        pytest.skip("an Elman option")
     cls, _ = LAYERS[kind]
     model = cls(16, 5, dtype=dtype, **options)
     randomize(model)
@@ -903,7 +907,8 @@ def test_one_step_training_of_ln_lstm_and_gru_by_the_cells_node(
         torch.testing.assert_close(a, b, **tol)
     nodes = _graph_nodes(model(x.requires_grad_(), hx if kind == "lstm" else hx[0])[0])
     taken = model.norm == "layer" and not options.get("normalize_cell_state")
-    assert bool(cell_nodes(nodes)) == (taken and _cstep.available(x))
+    built = torch_ops.recurrent_nodes() if kind == "rnn" else _cstep.available(x)
+    assert bool(cell_nodes(nodes)) == (taken and built)
     assert not set(nodes) & set(_NODES)
 
 

@@ -31,7 +31,14 @@ import torch
 from torch import Tensor
 
 from ..kernels.cpu import rnn, rnn_abi, torch_ops
-from ..ops._dispatch import aliases, backend_forced, plain_eager, reference_backward
+from ..kernels.cpu._env import compile_switched_off
+from ..ops._dispatch import (
+    TORCH_KERNEL_NUMEL,
+    aliases,
+    backend_forced,
+    plain_eager,
+    reference_backward,
+)
 from . import _cstep, _steps
 
 #: A GRU cell's parameters in its node's order (after ``x`` and ``h``): torch's weights and
@@ -40,6 +47,8 @@ GRU_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh",
               "ln_weight_ih", "ln_bias_ih", "ln_weight_hh", "ln_bias_hh")  # fmt: skip
 #: An LSTM cell's (after ``x``, ``h`` and ``c``): the GRU's, then LN(c_t)'s gain and bias.
 LSTM_PARAMS = (*GRU_PARAMS, "ln_weight_c", "ln_bias_c")
+#: An Elman cell's (after ``x`` and ``h``): torch's weights and biases, then the layer norm's.
+ELMAN_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_weight", "ln_bias")
 
 
 # A cell's training step (and a layer's training call of one step) runs the C cell kernels' node
@@ -205,6 +214,33 @@ def lstm_node(x: Tensor, h: Tensor, c: Tensor, params: Sequence[Any], eps: float
         plan = cell_plan("lstm", x, h.shape[1], eps)
         return torch_ops.lstm_cell_step(x, h, c, *params, plan)
     return LSTMCellStep.apply(x, h, c, *params, eps)
+
+
+def elman_params(module: Any, suffix: str, x: Tensor, hidden: int) -> list[Any] | None:
+    """The parameters :data:`ELMAN_PARAMS` (each with ``suffix``) for an Elman training step of
+    ``x`` by the C++ node (``layernorm_cpu::elman_cell_step``: torch's ops of the step in one
+    node, see ``csrc_torch/rnn_ops.cpp``), or ``None`` where the step's ops run it: outside
+    :func:`node_context`, a step past torch's layer-norm kernel's size in the ops
+    (:data:`..ops._dispatch.TORCH_KERNEL_NUMEL`: past it the ops take the fused kernels), an
+    input not float32 / float64 on the CPU, the operators off or not loaded (or compiled code
+    switched off), or :func:`registered_params`."""
+    if not node_context():
+        return None  # (a tracer's sizes are tensors: the arithmetic comes after)
+    if x.dtype not in _ELMAN_DTYPES or not x.is_cpu or x.shape[0] * hidden > TORCH_KERNEL_NUMEL:
+        return None
+    if compile_switched_off() or not torch_ops.recurrent_nodes():
+        return None
+    return registered_params(module, ELMAN_PARAMS, suffix, x.dtype)
+
+
+_ELMAN_DTYPES = (torch.float32, torch.float64)
+
+
+def elman_node(
+    x: Tensor, h: Tensor, params: Sequence[Any], eps: float, nonlinearity: str
+) -> Tensor:
+    """``h_t`` of an Elman step of :func:`elman_params`' ``params`` by the C++ node."""
+    return torch_ops.elman_cell_step(x, h, *params, eps, nonlinearity == "relu")
 
 
 def gru_node(x: Tensor, h: Tensor, params: Sequence[Any], eps: float) -> Any:
@@ -490,6 +526,22 @@ _LIB.define(
 )
 
 
+def _elman_reference(nonlinearity: str) -> Any:
+    def step(eps: float, x, h, w_ih, w_hh, b_ih, b_hh, lw, lb):
+        norm = _steps.make_ln(lw, lb, eps, lean=True)
+        return _steps.rnn_step(x, h, _steps.Weights(w_ih, w_hh, b_ih, b_hh), norm, nonlinearity)
+
+    return step
+
+
+_REFERENCES = {
+    "lstm": _lstm_reference,
+    "gru": _gru_reference,
+    "rnn_tanh": _elman_reference("tanh"),
+    "rnn_relu": _elman_reference("relu"),
+}
+
+
 def cell_reference_grads(
     cell: str,
     douts: Sequence[Tensor],
@@ -497,12 +549,13 @@ def cell_reference_grads(
     eps: float,
     needs: Sequence[bool],
 ) -> list[Tensor | None]:
-    """The gradients ``needs`` asks for of the ``cell`` (``"lstm"`` or ``"gru"``) step's
-    reference at ``inputs`` (:data:`LSTM_PARAMS` / :data:`GRU_PARAMS` after ``x``, ``h``
-    (and ``c``)) for the outputs' gradients ``douts``."""
-    if cell not in ("lstm", "gru"):
+    """The gradients ``needs`` asks for of the ``cell`` (``"lstm"``, ``"gru"``, ``"rnn_tanh"``
+    or ``"rnn_relu"``) step's reference at ``inputs`` (:data:`LSTM_PARAMS`, :data:`GRU_PARAMS`
+    or :data:`ELMAN_PARAMS` after ``x``, ``h`` (and ``c``)) for the outputs' gradients
+    ``douts``."""
+    step = _REFERENCES.get(cell)
+    if step is None:
         raise ValueError(f"layernorm::cell_reference_grads: no cell named {cell!r}")
-    step = _lstm_reference if cell == "lstm" else _gru_reference
     return list(_step_grads(step, eps, douts, inputs, needs))
 
 

@@ -429,12 +429,27 @@ class LayerNormRNNCell(_LNCellBase):
         inferred = self._inference_step(x, h_prev) if inferring else None
         if inferred is not None:
             return inferred if batched else inferred.squeeze(0)
+        trained = None if inferring else self._node_step(x, h_prev)
+        if trained is not None:
+            return trained if batched else trained.squeeze(0)
         h = _steps.rnn_step(
             x, h_prev, self._weights(),
             self._norm(""), self.nonlinearity,
         )  # fmt: skip
         h = self._zone(self.zoneout_hidden, h_prev, h)
         return h if batched else h.squeeze(0)
+
+    def _node_step(self, x: Tensor, h: Tensor) -> Tensor | None:
+        """A training step by the C++ node of the step's ops (:func:`._cellstep.elman_node`, one
+        autograd node where the ops take seven), where :func:`._cellstep.elman_params` allows
+        it; ``None`` elsewhere (the step's ops run it): no zoneout, besides that function's
+        rules."""
+        if self.zoneout_hidden:
+            return None
+        params = _cellstep.elman_params(self, "", x, self.hidden_size)
+        if params is None:
+            return None
+        return _cellstep.elman_node(x, h, params, self.eps, self.nonlinearity)
 
     def _inference_step(self, x: Tensor, h: Tensor | None) -> Tensor | None:
         """The step where nothing is recorded and ``x``, ``h`` are rows of the cell's sizes (``h``

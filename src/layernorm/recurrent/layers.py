@@ -1144,11 +1144,18 @@ class _LNRNNBase(NotScriptable, nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """A lean training call's one step (:meth:`_lean_training`) of an LN-LSTM or LN-GRU
         direction by the cells' node of the C cell kernels (:mod:`._cellstep`: the two products,
-        one kernel forward and one backward), where the ops take some 20 to 27 autograd nodes;
-        ``None`` where :func:`._cellstep.node_params` refuses it, for the Elman recurrence, no
+        one kernel forward and one backward), where the ops take some 20 to 27 autograd nodes,
+        and of an LN-RNN direction by the Elman cell's C++ node of the step's ops; ``None`` where
+        :func:`._cellstep.node_params` (:func:`._cellstep.elman_params`) refuses it, for no
         layer norm or the LSTM's normalized carry (the step's ops run it)."""
-        if len(sizes) != 1 or self.norm != "layer" or self.mode == "RNN":
+        if len(sizes) != 1 or self.norm != "layer":
             return None
+        if self.mode == "RNN":
+            params = _cellstep.elman_params(self, sfx, data, self.hidden_size)
+            if params is None:
+                return None
+            h = _cellstep.elman_node(data, h0, params, self.eps, self.nonlinearity)
+            return h, h, None
         lstm = self.mode == "LSTM"
         if lstm and self.normalize_cell_state:
             return None

@@ -5,7 +5,7 @@ library holds the LN-LSTM's planned training call (``csrc_torch/rnn_ops.cpp``,
 ``layernorm_cpu::lstm_planned`` with its plan class ``layernorm_cpu.LstmPlan``: see
 :mod:`layernorm.recurrent._planned`, which builds the plans; :func:`recurrent_nodes`) and the
 cells' training step (``layernorm_cpu::lstm_cell_step`` and ``::gru_cell_step`` with their plan
-class ``layernorm_cpu.CellPlan``: see :mod:`layernorm.recurrent._cellstep`).
+class ``layernorm_cpu.CellPlan``, ``::elman_cell_step``: see :mod:`layernorm.recurrent._cellstep`).
 
 A layer norm's forward and backward at (1, 768) took 64 µs through the autograd.Function of
 :mod:`layernorm.ops` where torch's native layer norm, a C++ node, takes 24; the kernels themselves
@@ -71,7 +71,7 @@ _switch = {"on": os.environ.get(ENV_SWITCH, "1") != "0"}
 # call's µs)
 _ops: dict[str, Callable[..., Tensor]] = {}
 _OPERATORS = ("layer_norm", "rms_norm", "ada_norm", "lstm_planned", "lstm_cell_step",
-              "gru_cell_step")  # fmt: skip
+              "gru_cell_step", "elman_cell_step")  # fmt: skip
 
 
 #: A call that makes the library raise an error: a fresh build must return it to Python as a
@@ -231,6 +231,13 @@ def gru_cell_step(*args: Any) -> Tensor:
     """An LN-GRU cell's training step by the C++ operator, where :func:`recurrent_nodes` said
     yes: ``(x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh, plan)``."""
     return _ops["gru_cell_step"](*args)
+
+
+def elman_cell_step(*args: Any) -> Tensor:
+    """An LN-RNN (Elman) cell's training step by the C++ operator (torch's ops of the step in one
+    node), where :func:`recurrent_nodes` said yes: ``(x, h, w_ih, w_hh, b_ih, b_hh, lw, lb, eps,
+    relu)``."""
+    return _ops["elman_cell_step"](*args)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/ExpandUtils.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <c10/core/GradMode.h>
@@ -29,9 +30,10 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
 #include <cstdint>
-#include <memory>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -901,7 +903,106 @@ Tensor gru_cell_step(const Tensor& x, const Tensor& h, const Tensor& w_ih, const
   return GruCellFn::apply(x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh, plan);
 }
 
-// Where autograd does not record: the forwards alone.
+
+// ---- The Elman cell's training step ----
+//
+// layernorm_cpu::elman_cell_step(x, h, w_ih, w_hh, b_ih, b_hh, lw, lb, eps, relu) -> h_t: the
+// LN-RNN cell's step h_t = f(LN(x W_ihᵀ + h W_hhᵀ; lw, lb) + b_ih + b_hh) (_steps.rnn_step with
+// torch's layer norm, as the cell's ops run it up to _dispatch.TORCH_KERNEL_NUMEL elements) as one
+// node whose forward and backward are torch's own ops called from C++: the ops' results and
+// derivatives (autograd's formulas for mm, native_layer_norm, the bias adds and tanh / relu), one
+// node where the ops took seven and their Python. Double and batched backward take the step's
+// ops through layernorm::cell_reference_grads, as the other cells' nodes do.
+
+constexpr const char* kElmanOp = "layernorm_cpu::elman_cell_step";
+
+// h_t, and what the backward reads: the pre-activation a and its row statistics.
+struct ElmanForward {
+  Tensor out, a, mean, rstd;
+};
+
+ElmanForward elman_forward(const Tensor& x, const Tensor& h, const Tensor& w_ih,
+                           const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
+                           const OptTensor& lw, const OptTensor& lb, double eps, bool relu) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, kElmanOp, ": expected x to be (B, I) rows, got ",
+                "shape ", x.sizes());
+    const auto dt = x.scalar_type();
+    TORCH_CHECK(dt == at::kFloat || dt == at::kDouble, kElmanOp,
+                ": the step takes float32 or float64, got ", dt);
+    const int64_t rows = x.size(0), inputs = x.size(1), hs = w_hh.size(0);
+    check_input("x", x, {rows, inputs}, dt, kElmanOp);
+    check_input("h", h, {rows, hs}, dt, kElmanOp);
+    check_input("w_ih", w_ih, {hs, inputs}, dt, kElmanOp);
+    check_input("w_hh", w_hh, {hs, hs}, dt, kElmanOp);
+    for (const auto& [name, t] : {std::pair{"b_ih", &b_ih}, {"b_hh", &b_hh}, {"lw", &lw},
+                                  {"lb", &lb}}) {
+      check_optional(name, *t, hs, dt, kElmanOp);
+    }
+    TORCH_CHECK(eps > 0 && std::isfinite(eps), kElmanOp, ": eps must be finite and > 0, got ", eps);
+    // _steps.rnn_step: F.linear(x, w_ih) + F.linear(h, w_hh), torch's layer norm, the biases
+    const Tensor a = at::mm(x, w_ih.t()).add_(at::mm(h, w_hh.t()));
+    auto [y, mean, rstd] = at::native_layer_norm(a, {hs}, lw, lb, eps);
+    if (given(b_ih)) y = y + *b_ih;
+    if (given(b_hh)) y = y + *b_hh;
+    return {relu ? at::relu(y) : at::tanh(y), a, mean, rstd};
+}
+
+struct ElmanCellFn : public torch::autograd::Function<ElmanCellFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& h, const Tensor& w_ih,
+                        const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
+                        const OptTensor& lw, const OptTensor& lb, double eps, bool relu) {
+    const ElmanForward f = elman_forward(x, h, w_ih, w_hh, b_ih, b_hh, lw, lb, eps, relu);
+    ctx->save_for_backward({x, h, w_ih, w_hh, optional_tensor(b_ih), optional_tensor(b_hh),
+                            optional_tensor(lw), optional_tensor(lb), f.a, f.mean, f.rstd, f.out});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["relu"] = relu;
+    return f.out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const variable_list inputs(saved.begin(), saved.begin() + 8);
+    const std::vector<bool> need = needs_of(ctx, inputs);
+    const bool relu = ctx->saved_data["relu"].toBool();
+    if (cell_reference_backward(grads)) {
+      variable_list out = reference_result(cell_reference_grads(
+          relu ? "rnn_relu" : "rnn_tanh", grads, inputs, ctx->saved_data["eps"].toDouble(), need));
+      out.push_back(Tensor());  // relu
+      return out;
+    }
+    const Tensor &x = saved[0], &h = saved[1], &w_ih = saved[2], &w_hh = saved[3],
+                 &lw = saved[6], &lb = saved[7], &a = saved[8], &mean = saved[9],
+                 &rstd = saved[10], &out = saved[11];
+    // autograd's derivatives of the forward's ops, in its order
+    const int64_t hs = a.size(1);
+    const Tensor dy =
+        relu ? at::threshold_backward(grads[0], out, 0) : at::tanh_backward(grads[0], out);
+    auto [da, dlw, dlb] = at::native_layer_norm_backward(
+        dy, a, {hs}, mean, rstd, lw.defined() ? OptTensor(lw) : std::nullopt,
+        lb.defined() ? OptTensor(lb) : std::nullopt, {need[0] || need[1] || need[2] || need[3],
+                                                      need[6], need[7]});
+    const Tensor db = need[4] || need[5] ? at::sum_to(dy, at::IntArrayRef(&hs, 1)) : Tensor();
+    return {need[0] ? at::mm(da, w_ih) : Tensor(),
+            need[1] ? at::mm(da, w_hh) : Tensor(),
+            need[2] ? at::mm(da.t(), x) : Tensor(),
+            need[3] ? at::mm(da.t(), h) : Tensor(),
+            need[4] ? db : Tensor(),
+            need[5] ? (need[4] ? db.clone() : db) : Tensor(),
+            need[6] ? dlw : Tensor(),
+            need[7] ? dlb : Tensor(),
+            Tensor(),
+            Tensor()};
+  }
+};
+
+Tensor elman_cell_step(const Tensor& x, const Tensor& h, const Tensor& w_ih, const Tensor& w_hh,
+                       const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& lw,
+                       const OptTensor& lb, double eps, bool relu) {
+  return ElmanCellFn::apply(x, h, w_ih, w_hh, b_ih, b_hh, lw, lb, eps, relu);
+}
+
+// Where autograd does not record: the forward alone.
+// Where autograd does not record: the other cells' forwards alone.
 std::tuple<Tensor, Tensor> lstm_cell_step_forward(
     const Tensor& x, const Tensor& h, const Tensor& c, const Tensor& w_ih, const Tensor& w_hh,
     const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& lw_ih, const OptTensor& lb_ih,
@@ -917,6 +1018,12 @@ Tensor gru_cell_step_forward(const Tensor& x, const Tensor& h, const Tensor& w_i
                              const Tensor& lw_ih, const OptTensor& lb_ih, const Tensor& lw_hh,
                              const OptTensor& lb_hh, const c10::intrusive_ptr<CellPlan>& plan) {
   return gru_cell_forward(*plan, x, h, w_ih, w_hh, b_ih, b_hh, lw_ih, lb_ih, lw_hh, lb_hh).out;
+}
+
+Tensor elman_cell_step_forward(const Tensor& x, const Tensor& h, const Tensor& w_ih,
+                               const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
+                               const OptTensor& lw, const OptTensor& lb, double eps, bool relu) {
+  return elman_forward(x, h, w_ih, w_hh, b_ih, b_hh, lw, lb, eps, relu).out;
 }
 
 }  // namespace
@@ -942,16 +1049,21 @@ TORCH_LIBRARY_FRAGMENT(layernorm_cpu, m) {
       "gru_cell_step(Tensor x, Tensor h, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, "
       "Tensor lw_ih, Tensor? lb_ih, Tensor lw_hh, Tensor? lb_hh, "
       "__torch__.torch.classes.layernorm_cpu.CellPlan plan) -> Tensor");
+  m.def(
+      "elman_cell_step(Tensor x, Tensor h, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, "
+      "Tensor? lw, Tensor? lb, float eps, bool relu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(layernorm_cpu, Autograd, m) {
   m.impl("lstm_planned", lstm_planned);
   m.impl("lstm_cell_step", lstm_cell_step);
   m.impl("gru_cell_step", gru_cell_step);
+  m.impl("elman_cell_step", elman_cell_step);
 }
 
 TORCH_LIBRARY_IMPL(layernorm_cpu, CPU, m) {
   m.impl("lstm_planned", lstm_planned_forward);
   m.impl("lstm_cell_step", lstm_cell_step_forward);
   m.impl("gru_cell_step", gru_cell_step_forward);
+  m.impl("elman_cell_step", elman_cell_step_forward);
 }

@@ -31,7 +31,6 @@ import torch
 from torch import Tensor
 
 from ..kernels.cpu import rnn, rnn_abi, torch_ops
-from ..kernels.cpu._env import compile_switched_off
 from ..ops._dispatch import (
     TORCH_KERNEL_NUMEL,
     aliases,
@@ -222,13 +221,13 @@ def elman_params(module: Any, suffix: str, x: Tensor, hidden: int) -> list[Any] 
     node, see ``csrc_torch/rnn_ops.cpp``), or ``None`` where the step's ops run it: outside
     :func:`node_context`, a step past torch's layer-norm kernel's size in the ops
     (:data:`..ops._dispatch.TORCH_KERNEL_NUMEL`: past it the ops take the fused kernels), an
-    input not float32 / float64 on the CPU, the operators off or not loaded (or compiled code
-    switched off), or :func:`registered_params`."""
+    input not float32 / float64 on the CPU, the operators off or not loaded
+    (:func:`..kernels.cpu.torch_ops.recurrent_nodes`), or :func:`registered_params`."""
     if not node_context():
         return None  # (a tracer's sizes are tensors: the arithmetic comes after)
     if x.dtype not in _ELMAN_DTYPES or not x.is_cpu or x.shape[0] * hidden > TORCH_KERNEL_NUMEL:
         return None
-    if compile_switched_off() or not torch_ops.recurrent_nodes():
+    if not torch_ops.recurrent_nodes():
         return None
     return registered_params(module, ELMAN_PARAMS, suffix, x.dtype)
 

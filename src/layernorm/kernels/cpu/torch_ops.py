@@ -151,10 +151,11 @@ def takes(x: Tensor, grad: bool, *params: Tensor | None) -> bool:
 
 
 def recurrent_nodes() -> bool:
-    """Whether the recurrent layers' C++ training node (``csrc_torch/rnn_ops.cpp``) can run: the
-    operators switched on, built and loaded (the sequence kernels it calls are the caller's to
-    have: it hands their addresses over in the plan)."""
-    return _switch["on"] and _load()
+    """Whether the recurrent layers' C++ nodes (``csrc_torch/rnn_ops.cpp``) can run: the
+    operators switched on, compiled code not switched off (``LAYERNORM_CPU_COMPILE=0``), the
+    library built and loaded (the C kernels a plan's node calls are the caller's to have: it
+    hands their addresses over in the plan)."""
+    return _switch["on"] and not compile_switched_off() and _load()
 
 
 def templates(

@@ -13,7 +13,9 @@ Where the C++ operators are loaded (:func:`..kernels.cpu.torch_ops.recurrent_nod
 or float64 step runs the same node from C++ (``layernorm_cpu::lstm_cell_step`` and
 ``::gru_cell_step`` of ``csrc_torch/rnn_ops.cpp``, by a :func:`cell_plan` of the step's
 signature): the same products, buffers and kernels in the same order, so the same bits, without
-the autograd.Function's Python (:func:`lstm_node`, :func:`gru_node` choose).
+the autograd.Function's Python (:func:`lstm_node`, :func:`gru_node` choose). The Elman cell's
+step, a few ops, has no C kernel: its node (``layernorm_cpu::elman_cell_step``,
+:func:`elman_node`) runs torch's ops of the step from C++, and their derivatives.
 
 Numerics: the kernels compute in the input's dtype with each row's statistics as the sequence
 kernels find them (float64 sums), the same formulas as :func:`._steps.gru_step` and
@@ -215,6 +217,15 @@ def lstm_node(x: Tensor, h: Tensor, c: Tensor, params: Sequence[Any], eps: float
     return LSTMCellStep.apply(x, h, c, *params, eps)
 
 
+def gru_node(x: Tensor, h: Tensor, params: Sequence[Any], eps: float) -> Any:
+    """``h_t`` of a GRU step of :func:`node_params`' ``params`` (:data:`GRU_PARAMS`' order) by
+    the C++ node where :func:`_by_operator`, else by :class:`GRUCellStep`."""
+    if _by_operator(x, params[4::2]):
+        plan = cell_plan("gru", x, h.shape[1], eps)
+        return torch_ops.gru_cell_step(x, h, *params, plan)
+    return GRUCellStep.apply(x, h, *params, eps)
+
+
 def elman_params(module: Any, suffix: str, x: Tensor, hidden: int) -> list[Any] | None:
     """The parameters :data:`ELMAN_PARAMS` (each with ``suffix``) for an Elman training step of
     ``x`` by the C++ node (``layernorm_cpu::elman_cell_step``: torch's ops of the step in one
@@ -240,15 +251,6 @@ def elman_node(
 ) -> Tensor:
     """``h_t`` of an Elman step of :func:`elman_params`' ``params`` by the C++ node."""
     return torch_ops.elman_cell_step(x, h, *params, eps, nonlinearity == "relu")
-
-
-def gru_node(x: Tensor, h: Tensor, params: Sequence[Any], eps: float) -> Any:
-    """``h_t`` of a GRU step of :func:`node_params`' ``params`` (:data:`GRU_PARAMS`' order) by
-    the C++ node where :func:`_by_operator`, else by :class:`GRUCellStep`."""
-    if _by_operator(x, params[4::2]):
-        plan = cell_plan("gru", x, h.shape[1], eps)
-        return torch_ops.gru_cell_step(x, h, *params, plan)
-    return GRUCellStep.apply(x, h, *params, eps)
 
 
 def _float32(tensors: tuple[Tensor | None, ...]) -> list[Any]:

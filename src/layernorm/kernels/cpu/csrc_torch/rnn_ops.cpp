@@ -2,7 +2,7 @@
 // autograd node is C++: layernorm_cpu::lstm_planned(x, h0, c0, w_hh, w1, b1, w3, b3, w0, b0,
 // w_ih, b_ih, b_hh, plan) -> (out, h_n, c_n). Below it, on the same struct templates, the
 // cells' training step (layernorm_cpu::lstm_cell_step, ::gru_cell_step: see "The cells'
-// training step").
+// training step"), and the Elman cell's, torch's ops in one node (::elman_cell_step).
 //
 // Why: at small shapes the Python around the sequence kernels (an autograd.Function, a dozen
 // buffers, four argument structs a call) takes as long as a tenth to a third of the call: at

@@ -1001,8 +1001,7 @@ Tensor elman_cell_step(const Tensor& x, const Tensor& h, const Tensor& w_ih, con
   return ElmanCellFn::apply(x, h, w_ih, w_hh, b_ih, b_hh, lw, lb, eps, relu);
 }
 
-// Where autograd does not record: the forward alone.
-// Where autograd does not record: the other cells' forwards alone.
+// Where autograd does not record: the cells' forwards alone.
 std::tuple<Tensor, Tensor> lstm_cell_step_forward(
     const Tensor& x, const Tensor& h, const Tensor& c, const Tensor& w_ih, const Tensor& w_hh,
     const OptTensor& b_ih, const OptTensor& b_hh, const Tensor& lw_ih, const OptTensor& lb_ih,

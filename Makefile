@@ -36,7 +36,11 @@ SANITIZE_TESTS := tests/test_cpu_fast_paths.py tests/test_raw_ops.py tests/test_
 	tests/test_recurrent_layers.py::test_fused_equals_reference_loop \
 	tests/test_recurrent_layers.py::test_training_projection_in_the_time_loop_equals_reference_loop \
 	tests/test_recurrent_layers.py::test_nan_input_is_not_hidden \
-	tests/test_recurrent_planned.py
+	tests/test_recurrent_planned.py \
+	tests/test_recurrent_cells.py::test_cell_operator_gives_the_functions_bits \
+	tests/test_recurrent_cells.py::test_cell_operator_refuses_tensors_not_of_its_plan \
+	tests/test_recurrent_cells.py::test_elman_training_by_the_node_is_the_ops_bits \
+	tests/test_recurrent_cells.py::test_elman_operator_refuses_tensors_of_other_shapes
 SANITIZE_ENV := LAYERNORM_CPU_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so):$$($(CC) -print-file-name=libubsan.so)"
 

@@ -282,6 +282,50 @@ def test_half_params_give_the_bits_of_float32_params(dtype, target):
                     assert torch.equal(_bits(got), _bits(want)), what
 
 
+def _forward_outputs(target: str, op: str, x: torch.Tensor, w, b) -> dict[str, torch.Tensor]:
+    """Forward kernel ``op`` of the ``target`` build on ``x`` (float32 gain and bias, or None):
+    its output and statistics."""
+    m = x.shape[0]
+    y = torch.empty_like(x)
+    stats = {"rstd": torch.empty(m)} if op == "rms" else {"mean": torch.empty(m),
+                                                          "rstd": torch.empty(m)}  # fmt: skip
+    if op == "ln":
+        _run(target, "ln_fwd", x=x, weight=w, bias=b, y=y, eps=1e-5, threads=2, stream=0,
+             **stats)  # fmt: skip
+    elif op == "rms":
+        _run(target, "rms_fwd", x=x, weight=w, y=y, eps=1e-6, threads=2, stream=0, **stats)
+    else:
+        _run(target, "ada_fwd", x=x, z=y, eps=1e-5, k=0.1, scale=2.0, threads=2, stream=0,
+             **stats)  # fmt: skip
+    return {"y": y, **stats}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_forwards_are_the_float32_kernels_rounded_once(dtype, target):
+    """The contract of the half kernels (norms_half_impl.h): a forward's output is the float32
+    kernel's output on the exactly converted input, rounded once to the half type, and its
+    statistics are the float32 kernel's, bit for bit. Over narrow rows (blocks of converted
+    rows) and wide ones (read in place, their output a chunk of 256 columns at a time: widths
+    around the chunk and the vectors, tails included), gain and bias or not, layer norm, RMSNorm
+    and AdaNorm."""
+    g = torch.Generator().manual_seed(13)
+    for m, n in ((9, 1), (40, 64), (17, 65), (5, 256), (6, 257), (4, 1000), (3, 4099)):
+        x = (torch.randn(m, n, generator=g) * 3 + 2).to(dtype)
+        x[0, : n // 2] = x[0, 0]  # a row half constant
+        w, b = 1 + torch.randn(n, generator=g), torch.randn(n, generator=g)
+        cases = {"ln": ((w, b), (w, None), (None, b), (None, None)),
+                 "rms": ((w, None), (None, None)), "ada": ((None, None),)}  # fmt: skip
+        for op, params in cases.items():
+            for pw, pb in params:
+                got = _forward_outputs(target, op, x, pw, pb)
+                want = _forward_outputs(target, op, x.float(), pw, pb)
+                want["y"] = want["y"].to(dtype)
+                what = (op, m, n, pw is not None, pb is not None)
+                for key, value in want.items():
+                    assert torch.equal(_bits(got[key]), _bits(value)), (key, *what)
+
+
 # ------------------------------------------------------------------ through the public ops
 
 

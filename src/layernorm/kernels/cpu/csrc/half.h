@@ -233,6 +233,36 @@ static inline void f32_row_to_f16(const float* restrict src, uint16_t* restrict 
     for (; j < n; ++j) dst[j] = f32_to_f16(src[j]);
 }
 
+/* ------------------------------------------------------------------ vectors --------------- */
+/* One vector of the build's width (VEC_BYTES) of float32 from the VEC_BYTES / 4 half values at
+   src, converted as the row converters above convert (exactly): the loads of a sweep that reads
+   a half row where it lies (norms_impl.h, row_variance_of) instead of a float32 copy of it. */
+typedef float half_vf __attribute__((vector_size(VEC_BYTES)));
+#define HALF_VF_LANES (VEC_BYTES / 4)
+static inline __attribute__((always_inline)) half_vf bf16_vec_to_f32(const uint16_t* src) {
+#if VEC_BYTES == 64 && defined(__AVX512F__)
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src));
+    return (half_vf)_mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+#elif VEC_BYTES == 32 && defined(__AVX2__)
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)src));
+    return (half_vf)_mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+#else
+    half_vf v;
+    for (int l = 0; l < HALF_VF_LANES; ++l) v[l] = bf16_to_f32(src[l]);
+    return v;
+#endif
+}
+static inline __attribute__((always_inline)) half_vf f16_vec_to_f32(const uint16_t* src) {
+#if VEC_BYTES == 64 && defined(__AVX512F__)
+    return (half_vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)src));
+#elif VEC_BYTES == 32 && defined(__F16C__)
+    return (half_vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)src));
+#else
+    half_vf v;
+    for (int l = 0; l < HALF_VF_LANES; ++l) v[l] = f16_to_f32(src[l]);
+    return v;
+#endif
+}
 /* ------------------------------------------------------------------ row buffers ----------- */
 
 /* Elements of float32 per block of rows the half kernels convert at once: a block's inputs and

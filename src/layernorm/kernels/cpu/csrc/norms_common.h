@@ -29,6 +29,21 @@ static inline void stream_fence(int stream) {
    Blocks of BLOCK_TERMS terms per lane (cpu_common.h); pairs of lanes are added (one more add)
    and the HALF results go into float64 partial sums, folded pairwise at the end of the row
    (row_lanes.h). */
+/* The forwards' outputs, expressions of the loads L(p) (an element or a vector of the row xr,
+   the gain w, the bias b) and the names in scope: the row's statistics mh + ml (μ as hi + lo)
+   and rf (rstd), AdaNorm's C (c) and C·k (ck). One definition for the float kernels' rows and
+   the half kernels' chunks of a row (norms_half_impl.h).
+     layer norm  ((x − hi) − lo)·rstd, times w and plus b where the call has them
+     RMSNorm     x·rstd, times w where the call has it
+     AdaNorm     (C − C·k·x̂)·x̂, x̂ the layer norm's */
+#define LN_XHAT(L) (((L(xr) - mh) - ml) * rf)
+#define LN_Y_WB(L) (LN_XHAT(L) * L(w) + L(b))
+#define LN_Y_W(L) (LN_XHAT(L) * L(w))
+#define LN_Y_B(L) (LN_XHAT(L) + L(b))
+#define RMS_Y(L) (L(xr) * rf)
+#define RMS_Y_W(L) (L(xr) * rf * L(w))
+#define ADA_Z(L) ((c - ck * LN_XHAT(L)) * LN_XHAT(L))
+
 /* Rows whose dweight/dbias terms are summed in the input precision before a float64 flush. */
 #define FLUSH 16
 

@@ -54,6 +54,15 @@ int cvt_f64(const cvt_args_f64* a) {
     return 0;
 }
 
+/* Elements from the first parameter vector of params_f32's allocation to the second: N rounded
+   up to whole cache lines. */
+static inline i64 half_param_stride(i64 N) { return (N + 15) / 16 * 16; }
+
+/* The direct forwards (below): the narrowest row they take, their output chunk, their ops. */
+#define DIRECT_MIN_N 65
+#define OUT_CHUNK 256
+enum { DIRECT_LN, DIRECT_RMS, DIRECT_ADA };
+
 #endif
 
 #define FN(name) LN_CAT(name, SUF)
@@ -88,28 +97,121 @@ static int FN(half_blocks)(const void* args, const half_t* const* inputs, int n_
 }
 
 /* The float32 gain and bias of a call (either may be NULL): as given where half_params is 0
-   (*owned then NULL), else converted exactly from half_t into one allocation of 2N floats, *owned
-   (freed by the caller), whose second half a backward also uses for dweight's float32 sum. 0, or
-   1 when the allocation failed. */
+   (*owned then NULL), else converted exactly from half_t into one allocation of two vectors of
+   N floats, half_param_stride(N) apart, *owned (freed by the caller), whose second a backward
+   also uses for dweight's float32 sum. 0, or 1 when the allocation failed. */
 static int FN(params_f32)(int half_params, const void** w, const void** b, i64 N,
                           float** owned) {
     *owned = NULL;
     if (!half_params) return 0;
-    float* buf = malloc((size_t)(2 * N) * sizeof(float));
-    if (!buf) return 1;
+    /* each on a cache line, as a tensor's: from malloc (16 bytes) every vector load of them
+       straddled two lines (float16 layer norm forward at (2048, 4096): 1.5x the time) */
+    const i64 stride = half_param_stride(N);
+    void* p = NULL;
+    if (posix_memalign(&p, 64, (size_t)(2 * stride) * sizeof(float))) return 1;
+    float* buf = p;
     if (*w) {
         TO_F32(*w, buf, N, NULL);
         *w = buf;
     }
     if (*b) {
-        TO_F32(*b, buf + N, N, NULL);
-        *b = buf + N;
+        TO_F32(*b, buf + stride, N, NULL);
+        *b = buf + stride;
     }
     *owned = buf;
     return 0;
 }
 
 /* ------------------------------------------------------------------ forward --------------- */
+
+/* The forwards of rows of DIRECT_MIN_N elements or more read each row where it lies: the statistics'
+   sweeps load the half values and convert them in registers (row_variance_of and row_sum_sq_of
+   of the float32 instance, ROW_KIND), then the output goes out a chunk of OUT_CHUNK columns at a
+   time (converted to float32, the float32 kernel's expression, rounded back), every buffer in
+   the first-level cache. Converting whole blocks of rows first (half_blocks) wrote and read a
+   float32 copy of every row, whose stores queued behind the output's (which miss the caches)
+   and which no longer fit in the first-level cache past 2048 columns. The same arithmetic on the
+   same values: the bits of half_blocks (test_half_forwards_are_the_float32_kernels_rounded_once).
+   AMD EPYC Zen 4, x torch's layer norm forward, blocks / rows in place, one thread: float16 layer
+   norm (2048, 4096) 1.55-1.59 / 1.27-1.29, (16384, 256) 1.26-1.40 / 0.88, (4096, 768)
+   1.33-1.45 / 0.85-0.90, AdaNorm (2048, 4096) 1.28-1.35 / 0.77-0.80; bfloat16 layer norm
+   (2048, 4096) 1.18-1.26 / 1.04-1.11; two threads alike (RESULTS.md, 2026-11-30). Narrower rows
+   keep the blocks, whose float32 kernels take them in groups (norms_impl.h: NARROW_N). */
+
+/* A direct forward's arguments: the op's input and output, its float32 gain and bias (NULL:
+   none), its statistics (mean NULL for RMSNorm) and AdaNorm's constants. */
+typedef struct {
+    const half_t* x;
+    half_t* y;
+    const float* w;
+    const float* b;
+    float* mean;
+    float* rstd;
+    i64 N;
+    double eps, k, scale;
+    int op;
+} FN(direct_job);
+
+#define AT_K(p) (p)[k]
+/* n <= OUT_CHUNK outputs of a row from its float32 elements xr and the gain w and bias b at the
+   same columns (NULL: none), into t: the float32 kernels' expressions (norms_common.h). */
+static inline __attribute__((always_inline)) void FN(out_chunk)(
+    int op, const float* restrict xr, const float* restrict w, const float* restrict b, float mh,
+    float ml, float rf, float c, float ck, float* restrict t, i64 n) {
+    if (op == DIRECT_ADA) {
+        #pragma omp simd
+        for (i64 k = 0; k < n; ++k) t[k] = ADA_Z(AT_K);
+    } else if (op == DIRECT_RMS && w) {
+        #pragma omp simd
+        for (i64 k = 0; k < n; ++k) t[k] = RMS_Y_W(AT_K);
+    } else if (op == DIRECT_RMS) {
+        #pragma omp simd
+        for (i64 k = 0; k < n; ++k) t[k] = RMS_Y(AT_K);
+    } else if (w && b) {
+        #pragma omp simd
+        for (i64 k = 0; k < n; ++k) t[k] = LN_Y_WB(AT_K);
+    } else if (w) {
+        #pragma omp simd
+        for (i64 k = 0; k < n; ++k) t[k] = LN_Y_W(AT_K);
+    } else if (b) {
+        #pragma omp simd
+        for (i64 k = 0; k < n; ++k) t[k] = LN_Y_B(AT_K);
+    } else {
+        #pragma omp simd
+        for (i64 k = 0; k < n; ++k) t[k] = LN_XHAT(AT_K);
+    }
+}
+#undef AT_K
+
+static int FN(direct_range)(const void* p, i64 lo, i64 hi) {
+    const FN(direct_job)* jb = p;
+    const i64 N = jb->N;
+    const float c = (float)jb->scale, ck = (float)(jb->scale * jb->k);
+    float xc[OUT_CHUNK] __attribute__((aligned(64))), t[OUT_CHUNK] __attribute__((aligned(64)));
+    for (i64 i = lo; i < hi; ++i) {
+        const half_t* xrow = jb->x + i * N;
+        half_t* yrow = jb->y + i * N;
+        float mh = 0, ml = 0, rf;
+        if (jb->op == DIRECT_RMS) {
+            const acc_t ss = row_sum_sq_of_f32(xrow, N, ROW_KIND);
+            rf = (float)(1.0 / sqrt(ss / (acc_t)N + jb->eps));
+        } else {
+            const acc_t var = row_variance_of_f32(xrow, N, &mh, &ml, ROW_KIND);
+            rf = (float)(1.0 / sqrt(var + jb->eps));
+            jb->mean[i] = mh;
+        }
+        jb->rstd[i] = rf;
+        for (i64 j = 0; j < N; j += OUT_CHUNK) {
+            const i64 n = N - j < OUT_CHUNK ? N - j : OUT_CHUNK;
+            TO_F32(xrow + j, xc, n, NULL);
+            FN(out_chunk)(jb->op, xc, jb->w ? jb->w + j : NULL, jb->b ? jb->b + j : NULL, mh, ml,
+                          rf, c, ck, t, n);
+            FROM_F32(t, yrow + j, n, 0);
+        }
+    }
+    return 0;
+}
+
 
 static void FN(ln_fwd_block)(const void* p, float* const* in, float* out, i64 i, i64 rows) {
     const FN(ln_fwd_args)* a = p;
@@ -130,7 +232,11 @@ int FN(ln_fwd)(const FN(ln_fwd_args)* a) {
     float* owned;
     if (FN(params_f32)(a->half_params, &f.weight, &f.bias, a->N, &owned)) return 1;
     f.half_params = 0;
-    const int status = half_parallel(&f, f.M, f.threads, FN(ln_fwd_range));
+    const FN(direct_job) jb = {a->x, a->y, f.weight, f.bias, a->mean, a->rstd, a->N, a->eps, 0, 0,
+                               DIRECT_LN};
+    const int status = a->N >= DIRECT_MIN_N
+                           ? half_parallel(&jb, a->M, a->threads, FN(direct_range))
+                           : half_parallel(&f, f.M, f.threads, FN(ln_fwd_range));
     free(owned);
     return status;
 }
@@ -154,7 +260,11 @@ int FN(rms_fwd)(const FN(rms_fwd_args)* a) {
     float* owned;
     if (FN(params_f32)(a->half_params, &f.weight, &no_bias, a->N, &owned)) return 1;
     f.half_params = 0;
-    const int status = half_parallel(&f, f.M, f.threads, FN(rms_fwd_range));
+    const FN(direct_job) jb = {a->x, a->y, f.weight, NULL, NULL, a->rstd, a->N, a->eps, 0, 0,
+                               DIRECT_RMS};
+    const int status = a->N >= DIRECT_MIN_N
+                           ? half_parallel(&jb, a->M, a->threads, FN(direct_range))
+                           : half_parallel(&f, f.M, f.threads, FN(rms_fwd_range));
     free(owned);
     return status;
 }
@@ -174,6 +284,9 @@ static int FN(ada_fwd_range)(const void* p, i64 lo, i64 hi) {
 }
 
 int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
+    const FN(direct_job) jb = {a->x, a->z, NULL, NULL, a->mean, a->rstd, a->N, a->eps, a->k,
+                               a->scale, DIRECT_ADA};
+    if (a->N >= DIRECT_MIN_N) return half_parallel(&jb, a->M, a->threads, FN(direct_range));
     return half_parallel(a, a->M, a->threads, FN(ada_fwd_range));
 }
 
@@ -289,7 +402,7 @@ static int FN(bwd_run_params)(FN(bwd_job)* jb, int half_params) {
     float* owned;
     if (FN(params_f32)(half_params && (w || dweight), &w, &no_bias, jb->N, &owned)) return 1;
     jb->w = w;
-    if (owned && dweight) jb->dw = owned + jb->N;
+    if (owned && dweight) jb->dw = owned + half_param_stride(jb->N);
     const int status = FN(bwd_run)(jb);
     if (!status && owned && dweight) FROM_F32(jb->dw, dweight, jb->N, 0);
     free(owned);

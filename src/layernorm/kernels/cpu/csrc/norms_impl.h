@@ -105,44 +105,79 @@ static inline void FN(st_stream)(scalar_t* p, FN(vec) v) {
 #include "row_lanes.h"
 #undef ROW_VEC
 
-/* Σ x² over one row. */
-static acc_t FN(row_sum_sq)(const scalar_t* restrict xr, i64 N) {
+/* How a row's elements are stored, for the sweeps that read them (row_variance_of): as
+   scalar_t, or (the float32 instance only) as bfloat16 / float16 converted to float32 in
+   registers, exactly (half.h), so that the half kernels' forwards read a row where it lies. */
+#ifndef ROW_SCALAR
+#define ROW_SCALAR 0
+#define ROW_BF16 1
+#define ROW_F16 2
+#endif
+
+/* The vector at element j of a row of that kind, and element j alone. */
+static inline __attribute__((always_inline)) FN(vec) FN(ld_kind)(const void* p, i64 j,
+                                                                 const int kind) {
+    if (sizeof(scalar_t) == 4 && kind == ROW_BF16)
+        return (FN(vec))bf16_vec_to_f32((const uint16_t*)p + j);
+    if (sizeof(scalar_t) == 4 && kind == ROW_F16)
+        return (FN(vec))f16_vec_to_f32((const uint16_t*)p + j);
+    return FN(ld)((const scalar_t*)p + j);
+}
+
+static inline __attribute__((always_inline)) scalar_t FN(at_kind)(const void* p, i64 j,
+                                                                  const int kind) {
+    if (kind == ROW_BF16) return (scalar_t)bf16_to_f32(((const uint16_t*)p)[j]);
+    if (kind == ROW_F16) return (scalar_t)f16_to_f32(((const uint16_t*)p)[j]);
+    return ((const scalar_t*)p)[j];
+}
+
+/* Σ x² over one row of the given kind. */
+static inline __attribute__((always_inline)) acc_t FN(row_sum_sq_of)(const void* xr, i64 N,
+                                                                     const int kind) {
     const i64 nfull = N - N % LANES;
     FN(lanes) sa = {{0}, {0}};
     for (i64 j = 0; j < nfull;) {
         const i64 end = block_end(j, BLOCK, nfull);
         FN(vec) p0 = {0}, p1 = {0};
         for (; j < end; j += LANES) {
-            const FN(vec) u = FN(ld)(xr + j), v = FN(ld)(xr + j + VL);
+            const FN(vec) u = FN(ld_kind)(xr, j, kind), v = FN(ld_kind)(xr, j + VL, kind);
             p0 += u * u;
             p1 += v * v;
         }
         FN(lanes_add)(p0, p1, &sa);
     }
     acc_t s = 0;
-    for (i64 j = nfull; j < N; ++j) s += (acc_t)xr[j] * xr[j];
+    for (i64 j = nfull; j < N; ++j) {
+        const scalar_t x = FN(at_kind)(xr, j, kind);
+        s += (acc_t)x * x;
+    }
     return s + FN(lanes_fold)(sa);
 }
 
-/* μ (as hi + lo) and the variance of one row; see the statistics note at the top. The second
-   sweep finds the row in cache. */
-static inline __attribute__((always_inline)) acc_t FN(row_variance)(const scalar_t* restrict xr,
-                                                                    i64 N, scalar_t* hi,
-                                                                    scalar_t* lo) {
-    const scalar_t x0 = xr[0];
+static acc_t FN(row_sum_sq)(const scalar_t* restrict xr, i64 N) {
+    return FN(row_sum_sq_of)(xr, N, ROW_SCALAR);
+}
+
+/* μ (as hi + lo) and the variance of one row xr of the given kind; see the statistics note at
+   the top. The second sweep finds the row in cache. The same arithmetic for every kind: a half
+   row gives the bits its float32 copy gives. */
+static inline __attribute__((always_inline)) acc_t FN(row_variance_of)(const void* xr, i64 N,
+                                                                       scalar_t* hi, scalar_t* lo,
+                                                                       const int kind) {
+    const scalar_t x0 = FN(at_kind)(xr, 0, kind);
     const i64 nfull = N - N % LANES;
     FN(lanes) sa = {{0}, {0}}, sb = {{0}, {0}};
     for (i64 j = 0; j < nfull;) {
         const i64 end = block_end(j, BLOCK, nfull);
         FN(vec) p0 = {0}, p1 = {0};
         for (; j < end; j += LANES) {
-            p0 += FN(ld)(xr + j) - x0;
-            p1 += FN(ld)(xr + j + VL) - x0;
+            p0 += FN(ld_kind)(xr, j, kind) - x0;
+            p1 += FN(ld_kind)(xr, j + VL, kind) - x0;
         }
         FN(lanes_add)(p0, p1, &sa);
     }
     acc_t s = 0;
-    for (i64 j = nfull; j < N; ++j) s += (scalar_t)(xr[j] - x0);
+    for (i64 j = nfull; j < N; ++j) s += (scalar_t)(FN(at_kind)(xr, j, kind) - x0);
     const acc_t mu = (acc_t)x0 + (s + FN(lanes_fold)(sa)) / (acc_t)N;
     const scalar_t h = (scalar_t)mu;
     const acc_t dl = mu - (acc_t)h;
@@ -150,7 +185,7 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance)(const scalar
         const i64 end = block_end(j, BLOCK, nfull);
         FN(vec) p0 = {0}, p1 = {0};
         for (; j < end; j += LANES) {
-            const FN(vec) u = FN(ld)(xr + j) - h, v = FN(ld)(xr + j + VL) - h;
+            const FN(vec) u = FN(ld_kind)(xr, j, kind) - h, v = FN(ld_kind)(xr, j + VL, kind) - h;
             p0 += u * u;
             p1 += v * v;
         }
@@ -158,7 +193,7 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance)(const scalar
     }
     acc_t sdd = 0;
     for (i64 j = nfull; j < N; ++j) {
-        const acc_t d = (scalar_t)(xr[j] - h);
+        const acc_t d = (scalar_t)(FN(at_kind)(xr, j, kind) - h);
         sdd += d * d;
     }
     acc_t var = (sdd + FN(lanes_fold)(sb)) / (acc_t)N - dl * dl;
@@ -166,6 +201,12 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance)(const scalar
     *hi = h;
     *lo = (scalar_t)dl;
     return var;
+}
+
+static inline __attribute__((always_inline)) acc_t FN(row_variance)(const scalar_t* restrict xr,
+                                                                    i64 N, scalar_t* hi,
+                                                                    scalar_t* lo) {
+    return FN(row_variance_of)(xr, N, hi, lo, ROW_SCALAR);
 }
 
 /* μ (as hi + lo) and 1/sqrt(var + eps) of one row. */
@@ -324,18 +365,10 @@ static void FN(ln_fwd_rows)(const FN(ln_fwd_args)* a, i64 lo, i64 hi) {
             a->mean[i] = mh;
             const scalar_t rf = a->rstd[i] = (scalar_t)gr[k];
             const scalar_t* pf = st ? FN(ahead)(a->x, i, hi, N) : NULL;
-#define XHAT(L) (((L(xr) - mh) - ml) * rf)
-#define Y_WB(L) (XHAT(L) * L(w) + L(b))
-#define Y_W(L) (XHAT(L) * L(w))
-#define Y_B(L) (XHAT(L) + L(b))
-            if (w && b) ROW_OUT(yr, N, st, pf, NULL, Y_WB);
-            else if (w) ROW_OUT(yr, N, st, pf, NULL, Y_W);
-            else if (b) ROW_OUT(yr, N, st, pf, NULL, Y_B);
-            else ROW_OUT(yr, N, st, pf, NULL, XHAT);
-#undef XHAT
-#undef Y_WB
-#undef Y_W
-#undef Y_B
+            if (w && b) ROW_OUT(yr, N, st, pf, NULL, LN_Y_WB);
+            else if (w) ROW_OUT(yr, N, st, pf, NULL, LN_Y_W);
+            else if (b) ROW_OUT(yr, N, st, pf, NULL, LN_Y_B);
+            else ROW_OUT(yr, N, st, pf, NULL, LN_XHAT);
         }
     }
     stream_fence(st);
@@ -482,12 +515,8 @@ static void FN(rms_fwd_rows)(const FN(rms_fwd_args)* a, i64 lo, i64 hi) {
         const acc_t ss = FN(row_sum_sq)(xr, N);
         const scalar_t rf = a->rstd[i] = (scalar_t)(1.0 / sqrt(ss / (acc_t)N + a->eps));
         const scalar_t* pf = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
-#define Y_W(L) (L(xr) * rf * L(w))
-#define Y(L) (L(xr) * rf)
-        if (w) ROW_OUT(yr, N, a->stream, pf, NULL, Y_W);
-        else ROW_OUT(yr, N, a->stream, pf, NULL, Y);
-#undef Y_W
-#undef Y
+        if (w) ROW_OUT(yr, N, a->stream, pf, NULL, RMS_Y_W);
+        else ROW_OUT(yr, N, a->stream, pf, NULL, RMS_Y);
     }
     stream_fence(a->stream);
 }
@@ -527,11 +556,7 @@ static void FN(ada_fwd_rows)(const FN(ada_fwd_args)* a, i64 lo, i64 hi) {
         a->mean[i] = mh;
         const scalar_t rf = a->rstd[i] = (scalar_t)r;
         const scalar_t* pf = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
-#define YV(L) (((L(xr) - mh) - ml) * rf)
-#define Z(L) ((c - ck * YV(L)) * YV(L))
-        ROW_OUT(zr, N, a->stream, pf, NULL, Z);
-#undef YV
-#undef Z
+        ROW_OUT(zr, N, a->stream, pf, NULL, ADA_Z);
     }
     stream_fence(a->stream);
 }

@@ -154,7 +154,8 @@ _THREADS = Arg("threads", _SC, DType.COUNT, minimum=1, doc="OpenMP threads to sp
 _STREAM = Arg(
     "stream", _SC, DType.FLAG, minimum=0,
     doc="1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' "
-    "only where the output row starts on 32 bytes)",
+    "only where the output row starts on 32 bytes, and not in their forwards of rows of 65 "
+    "elements or more)",
 )  # fmt: skip
 _EPS = Arg("eps", _SC, DType.FLOAT, minimum=0.0, doc="added to the variance")
 #: The flag that says which dtype the PARAM tensors have; read before them by every check.

@@ -263,6 +263,12 @@ static inline __attribute__((always_inline)) half_vf f16_vec_to_f32(const uint16
     return v;
 #endif
 }
+/* The vector of float32 at p, which need not be aligned to its size. */
+static inline __attribute__((always_inline)) half_vf f32_vec_load(const float* p) {
+    half_vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 /* ------------------------------------------------------------------ row buffers ----------- */
 
 /* Elements of float32 per block of rows the half kernels convert at once: a block's inputs and

@@ -25,21 +25,29 @@
 #define TO_F32 bf16_row_to_f32
 #define FROM_F32 f32_row_to_bf16
 #define ROW_KIND ROW_BF16
+#define VEC_TO_F32 bf16_vec_to_f32
+#define ONE_TO_F32 bf16_to_f32
 #include "norms_half_impl.h"
 #undef half_t
 #undef SUF
 #undef TO_F32
 #undef FROM_F32
 #undef ROW_KIND
+#undef VEC_TO_F32
+#undef ONE_TO_F32
 
 #define half_t ln_f16_t
 #define SUF f16
 #define TO_F32 f16_row_to_f32
 #define FROM_F32 f32_row_to_f16
 #define ROW_KIND ROW_F16
+#define VEC_TO_F32 f16_vec_to_f32
+#define ONE_TO_F32 f16_to_f32
 #include "norms_half_impl.h"
 #undef half_t
 #undef SUF
 #undef TO_F32
 #undef FROM_F32
 #undef ROW_KIND
+#undef VEC_TO_F32
+#undef ONE_TO_F32

@@ -124,19 +124,20 @@ static int FN(params_f32)(int half_params, const void** w, const void** b, i64 N
 
 /* ------------------------------------------------------------------ forward --------------- */
 
-/* The forwards of rows of DIRECT_MIN_N elements or more read each row where it lies: the statistics'
-   sweeps load the half values and convert them in registers (row_variance_of and row_sum_sq_of
-   of the float32 instance, ROW_KIND), then the output goes out a chunk of OUT_CHUNK columns at a
-   time (converted to float32, the float32 kernel's expression, rounded back), every buffer in
-   the first-level cache. Converting whole blocks of rows first (half_blocks) wrote and read a
-   float32 copy of every row, whose stores queued behind the output's (which miss the caches)
-   and which no longer fit in the first-level cache past 2048 columns. The same arithmetic on the
-   same values: the bits of half_blocks (test_half_forwards_are_the_float32_kernels_rounded_once).
-   AMD EPYC Zen 4, x torch's layer norm forward, blocks / rows in place, one thread: float16 layer
-   norm (2048, 4096) 1.55-1.59 / 1.27-1.29, (16384, 256) 1.26-1.40 / 0.88, (4096, 768)
-   1.33-1.45 / 0.85-0.90, AdaNorm (2048, 4096) 1.28-1.35 / 0.77-0.80; bfloat16 layer norm
-   (2048, 4096) 1.18-1.26 / 1.04-1.11; two threads alike (RESULTS.md, 2026-11-30). Narrower rows
-   keep the blocks, whose float32 kernels take them in groups (norms_impl.h: NARROW_N). */
+/* The forwards of rows of DIRECT_MIN_N elements or more read each row where it lies: the
+   statistics' sweeps load the half values and convert them in registers (row_variance_of and
+   row_sum_sq_of of the float32 instance, ROW_KIND), then the output goes out a chunk of OUT_CHUNK
+   columns at a time (the float32 kernel's expression on the values converted in registers, rounded
+   back), every buffer in the first-level cache. Converting whole blocks of rows first
+   (half_blocks) wrote and read a float32 copy of every row, whose stores queued behind the
+   output's (which miss the caches) and which no longer fit in the first-level cache past 2048
+   columns. The same arithmetic on the same values: the bits of half_blocks
+   (test_half_forwards_are_the_float32_kernels_rounded_once). AMD EPYC Zen 4, x torch's layer norm
+   forward, blocks / rows in place, one thread: float16 layer norm (2048, 4096) 1.55-1.59 /
+   0.96-1.09, (16384, 256) 1.26-1.40 / 0.87-0.88, (4096, 768) 1.33-1.45 / 0.82-0.84, AdaNorm (2048,
+   4096) 1.28-1.35 / 0.61-0.66; bfloat16 layer norm (2048, 4096) 1.18-1.26 / 0.88-0.93; two threads
+   alike (RESULTS.md, 2026-11-30). Narrower rows keep the blocks, whose float32 kernels take them
+   in groups (norms_impl.h: NARROW_N). */
 
 /* A direct forward's arguments: the op's input and output, its float32 gain and bias (NULL:
    none), its statistics (mean NULL for RMSNorm) and AdaNorm's constants. */
@@ -152,42 +153,47 @@ typedef struct {
     int op;
 } FN(direct_job);
 
-#define AT_K(p) (p)[k]
-/* n <= OUT_CHUNK outputs of a row from its float32 elements xr and the gain w and bias b at the
-   same columns (NULL: none), into t: the float32 kernels' expressions (norms_common.h). */
+/* The loads of the output expressions (norms_common.h) in a chunk: x's half values converted in
+   registers (a vector at k, or element k), the gain's and bias's float32 as they are. */
+#define LOAD_VEC_K(p)                                                                           \
+    _Generic((p), const half_t*: VEC_TO_F32((const half_t*)(const void*)(p) + k),               \
+             const float*: f32_vec_load((const float*)(const void*)(p) + k))
+#define LOAD_ONE_K(p)                                                                           \
+    _Generic((p), const half_t*: ONE_TO_F32(((const half_t*)(const void*)(p))[k]),              \
+             const float*: ((const float*)(const void*)(p))[k])
+/* t[k] = EXPR for k in [0, n): whole vectors, then the rest one at a time. */
+#define OUT_LOOP(EXPR)                                                                          \
+    do {                                                                                        \
+        i64 k = 0;                                                                              \
+        for (; k + HALF_VF_LANES <= n; k += HALF_VF_LANES) {                                    \
+            const half_vf v_ = EXPR(LOAD_VEC_K);                                                \
+            memcpy(t + k, &v_, sizeof v_);                                                      \
+        }                                                                                       \
+        for (; k < n; ++k) t[k] = EXPR(LOAD_ONE_K);                                             \
+    } while (0)
+
+/* n <= OUT_CHUNK outputs of a row from its half elements xr and the float32 gain w and bias b
+   at the same columns (NULL: none), into t: the float32 kernels' expressions. */
 static inline __attribute__((always_inline)) void FN(out_chunk)(
-    int op, const float* restrict xr, const float* restrict w, const float* restrict b, float mh,
-    float ml, float rf, float c, float ck, float* restrict t, i64 n) {
-    if (op == DIRECT_ADA) {
-        #pragma omp simd
-        for (i64 k = 0; k < n; ++k) t[k] = ADA_Z(AT_K);
-    } else if (op == DIRECT_RMS && w) {
-        #pragma omp simd
-        for (i64 k = 0; k < n; ++k) t[k] = RMS_Y_W(AT_K);
-    } else if (op == DIRECT_RMS) {
-        #pragma omp simd
-        for (i64 k = 0; k < n; ++k) t[k] = RMS_Y(AT_K);
-    } else if (w && b) {
-        #pragma omp simd
-        for (i64 k = 0; k < n; ++k) t[k] = LN_Y_WB(AT_K);
-    } else if (w) {
-        #pragma omp simd
-        for (i64 k = 0; k < n; ++k) t[k] = LN_Y_W(AT_K);
-    } else if (b) {
-        #pragma omp simd
-        for (i64 k = 0; k < n; ++k) t[k] = LN_Y_B(AT_K);
-    } else {
-        #pragma omp simd
-        for (i64 k = 0; k < n; ++k) t[k] = LN_XHAT(AT_K);
-    }
+    int op, const half_t* restrict xr, const float* restrict w, const float* restrict b,
+    float mh, float ml, float rf, float c, float ck, float* restrict t, i64 n) {
+    if (op == DIRECT_ADA) OUT_LOOP(ADA_Z);
+    else if (op == DIRECT_RMS && w) OUT_LOOP(RMS_Y_W);
+    else if (op == DIRECT_RMS) OUT_LOOP(RMS_Y);
+    else if (w && b) OUT_LOOP(LN_Y_WB);
+    else if (w) OUT_LOOP(LN_Y_W);
+    else if (b) OUT_LOOP(LN_Y_B);
+    else OUT_LOOP(LN_XHAT);
 }
-#undef AT_K
+#undef OUT_LOOP
+#undef LOAD_VEC_K
+#undef LOAD_ONE_K
 
 static int FN(direct_range)(const void* p, i64 lo, i64 hi) {
     const FN(direct_job)* jb = p;
     const i64 N = jb->N;
     const float c = (float)jb->scale, ck = (float)(jb->scale * jb->k);
-    float xc[OUT_CHUNK] __attribute__((aligned(64))), t[OUT_CHUNK] __attribute__((aligned(64)));
+    float t[OUT_CHUNK] __attribute__((aligned(64)));
     for (i64 i = lo; i < hi; ++i) {
         const half_t* xrow = jb->x + i * N;
         half_t* yrow = jb->y + i * N;
@@ -203,9 +209,8 @@ static int FN(direct_range)(const void* p, i64 lo, i64 hi) {
         jb->rstd[i] = rf;
         for (i64 j = 0; j < N; j += OUT_CHUNK) {
             const i64 n = N - j < OUT_CHUNK ? N - j : OUT_CHUNK;
-            TO_F32(xrow + j, xc, n, NULL);
-            FN(out_chunk)(jb->op, xc, jb->w ? jb->w + j : NULL, jb->b ? jb->b + j : NULL, mh, ml,
-                          rf, c, ck, t, n);
+            FN(out_chunk)(jb->op, xrow + j, jb->w ? jb->w + j : NULL, jb->b ? jb->b + j : NULL,
+                          mh, ml, rf, c, ck, t, n);
             FROM_F32(t, yrow + j, n, 0);
         }
     }

@@ -1,14 +1,17 @@
 /* The norm kernels over one half type: included by norms.c after the float32 instantiation of
    norms_impl.h, with half_t (ln_bf16_t or ln_f16_t), SUF (bf16 or f16), TO_F32 and FROM_F32 (the
-   row conversions of half.h) defined.
+   row conversions of half.h), VEC_TO_F32 and ONE_TO_F32 (a vector's and an element's) and
+   ROW_KIND (the row kind of norms_impl.h's sweeps) defined.
 
-   Each kernel converts a block of rows (see HALF_BLOCK_ELEMS in half.h)
-   to float32, runs the float32 kernel's own row function on it and rounds the result back to
-   half_t. Statistics, gains, biases and their gradients are float32 (compute_t); with the
-   half_params flag the gains and biases come in half_t, converted exactly once a call, and
-   dweight goes back rounded once from its float32 sum (what a cast of the float32 result gives).
-   So a half result is the float32 kernel's result on the exactly converted inputs, rounded once
-   to nearest even: the float32 error model plus one rounding to the output type. */
+   The backwards, and the forwards of narrow rows, convert a block of rows (see HALF_BLOCK_ELEMS
+   in half.h) to float32, run the float32 kernel's own row function on it and round the result
+   back to half_t; the forwards of wider rows run the float32 kernel's sweeps and expressions on
+   the row where it lies, converting in registers (see DIRECT_MIN_N below). Statistics, gains,
+   biases and their gradients are float32 (compute_t); with the half_params flag the gains and
+   biases come in half_t, converted exactly once a call, and dweight goes back rounded once from
+   its float32 sum (what a cast of the float32 result gives). So a half result is the float32
+   kernel's result on the exactly converted inputs, rounded once to nearest even: the float32
+   error model plus one rounding to the output type. */
 
 #ifndef LAYERNORM_NORMS_HALF_ONCE
 #define LAYERNORM_NORMS_HALF_ONCE
@@ -216,7 +219,6 @@ static int FN(direct_range)(const void* p, i64 lo, i64 hi) {
     }
     return 0;
 }
-
 
 static void FN(ln_fwd_block)(const void* p, float* const* in, float* out, i64 i, i64 rows) {
     const FN(ln_fwd_args)* a = p;

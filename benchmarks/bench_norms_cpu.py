@@ -1,6 +1,7 @@
 """Forward+backward time of every normalization variant on the CPU vs torch's native layer norm.
 
 Each variant runs ``y = op(x); y.backward(dy)`` with gradients for x (and the gain/bias it has),
+or with ``--forward`` ``y = op(x)`` under ``torch.no_grad()`` (inference: nothing saved),
 in float32 or, with ``--dtype``, bfloat16/float16 (x, dy, gain and bias all in that dtype). All
 providers of a shape are timed round-robin in the same run (medians), and every
 variant is reported as a ratio to ``torch.nn.functional.layer_norm`` with weight and bias, which on
@@ -25,6 +26,7 @@ At the small ones the Python between the module call and the kernel is most of t
     python benchmarks/bench_norms_cpu.py --shapes 4096x768 --reps 30 --csv out.csv
     python benchmarks/bench_norms_cpu.py --shapes --small-shapes 1x768 8x768   # modules only
     python benchmarks/bench_norms_cpu.py --dtype bfloat16 --threads 1
+    python benchmarks/bench_norms_cpu.py --dtype bfloat16 --forward --small-shapes  # inference
     LAYERNORM_CPU_COMPILE=0 python benchmarks/bench_norms_cpu.py   # eager ATen fallback
 """
 
@@ -91,9 +93,15 @@ def leaves(
 
 
 def providers(
-    m: int, n: int, composite: bool, dtype: torch.dtype = torch.float32, rms_anchor: bool = True
+    m: int,
+    n: int,
+    composite: bool,
+    dtype: torch.dtype = torch.float32,
+    rms_anchor: bool = True,
+    forward: bool = False,
 ) -> dict[str, Callable[[], None]]:
-    """One closure per provider, each a full forward+backward on fresh-gradient leaves."""
+    """One closure per provider, each a full forward+backward on fresh-gradient leaves, or with
+    ``forward`` the forward alone under ``torch.no_grad()``."""
     x, w, b, dy = leaves(m, n, dtype)
 
     def fwd_bwd(op: Callable[[], torch.Tensor]) -> Callable[[], None]:
@@ -101,7 +109,11 @@ def providers(
             x.grad = w.grad = b.grad = None
             op().backward(dy)
 
-        return run
+        def run_forward() -> None:
+            with torch.no_grad():
+                op()
+
+        return run_forward if forward else run
 
     fns = {
         ANCHOR: fwd_bwd(lambda: F.layer_norm(x, (n,), w, b)),
@@ -214,6 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=0, help="0: 15 for big shapes, 1000 for small")
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--composite", action="store_true", help="also time the eager reference")
+    parser.add_argument(
+        "--forward", action="store_true", help="the forward alone, under no_grad (inference)"
+    )
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--rms-anchor", action=argparse.BooleanOptionalAction, default=True,
                         help="also time torch's F.rms_norm (an eager composition)")  # fmt: skip
@@ -252,14 +267,17 @@ def run(args: argparse.Namespace) -> None:
         small_module_table(args.small_shapes, args.small_reps, threads, args.dtype)
     if not args.shapes:
         return
-    print(f"forward+backward, {args.dtype}, median ms; ratio = ours / torch layer_norm (w, b)\n")
+    mode = "forward (no_grad)" if args.forward else "forward+backward"
+    print(f"{mode}, {args.dtype}, median ms; ratio = ours / torch layer_norm (w, b)\n")
 
     header = (f"{'variant':<20} {'M x N':>12} {'ours ms':>9} {'torch LN ms':>12} {'ratio':>6}"
               f" {'min ms':>8} {'min ratio':>9}")  # fmt: skip
     rows: list[dict[str, object]] = []
     for m, n in args.shapes:
         reps = args.reps or (15 if m * n >= 1 << 20 else 1000)
-        fns = providers(m, n, args.composite, DTYPES[args.dtype], args.rms_anchor)
+        fns = providers(
+            m, n, args.composite, DTYPES[args.dtype], args.rms_anchor, forward=args.forward
+        )
         samples = interleaved_samples(fns, warmup=args.warmup, reps=reps)
         times = {k: statistics.median(v) for k, v in samples.items()}
         fastest = {k: min(v) for k, v in samples.items()}
@@ -277,7 +295,7 @@ def run(args: argparse.Namespace) -> None:
             if name == ANCHOR:
                 continue
             rows.append(
-                dict(variant=name, dtype=args.dtype, m=m, n=n, ms=round(ms, 4),
+                dict(variant=name, mode=mode, dtype=args.dtype, m=m, n=n, ms=round(ms, 4),
                      torch_ln_ms=round(base, 4), ratio=round(ms / base, 3),
                      min_ms=round(lo, 4), ratio_min=round(lo / base_min, 3), reps=reps,
                      threads=torch.get_num_threads(), fused=int(fused), isa=kernel_isa(),

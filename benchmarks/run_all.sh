@@ -3,8 +3,9 @@
 # target this processor can run (AVX-512 with and without the bfloat16 instructions, AVX2
 # emulated on an AVX-512 processor by the compiler's target flags, portable) and with 1 and 2
 # threads:
-#   - every norm variant, forward + backward, float32 and bfloat16, against torch's layer_norm,
-#     and the modules on small (per-token) inputs against torch.nn.LayerNorm / RMSNorm;
+#   - every norm variant, forward + backward and forward alone, float32 and bfloat16, against
+#     torch's layer_norm, and the modules on small (per-token) inputs against torch.nn.LayerNorm /
+#     RMSNorm;
 #   - LN-LSTM and LN-GRU against torch.nn.LSTM / GRU, training and inference, at the six shapes
 #     of the targets; with one thread also the peak memory of a call;
 #   - the same layers in inference one step at a time (T = 1: a decoder's token, each call given
@@ -48,6 +49,10 @@ tables() {  # every table of one target ($1) and thread count ($2)
         # shellcheck disable=SC2086
         "$PY" benchmarks/bench_norms_cpu.py --isa "$isa" --threads "$t" --dtype "$dtype" \
             ${NORM_ARGS:-}
+        # the forward alone (inference), without the modules' table again
+        # shellcheck disable=SC2086
+        "$PY" benchmarks/bench_norms_cpu.py --isa "$isa" --threads "$t" --dtype "$dtype" \
+            ${NORM_ARGS:-} --forward --small-shapes
     done
     [ "$t" = 1 ] && opts="--memory --clock ${CLOCK:-wall}"
     for mode in train infer; do

@@ -61,6 +61,21 @@ def test_bench_cells_prints_each_cell_and_mode() -> None:
     assert rows == [[k, "(2, 4, 8)", m] for k in ("lstm", "gru", "rnn") for m in ("infer", "train")]
 
 
+@pytest.mark.parametrize("forward", [False, True], ids=["forward+backward", "forward"])
+def test_bench_norms_cpu_prints_every_variant_in_its_mode(forward: bool) -> None:
+    """Forward + backward by default, the forward alone under no_grad with ``--forward``: the
+    table says which, and has a row for every variant against torch's layer norm."""
+    args = ["--forward"] if forward else []
+    out = _run(str(BENCH / "bench_norms_cpu.py"), "--shapes", "8x128", "--small-shapes",
+               "--reps", "2", "--warmup", "1", "--no-rms-anchor", "--dtype", "bfloat16",
+               *args)  # fmt: skip
+    mode = "forward (no_grad)" if forward else "forward+backward"
+    assert f"{mode}, bfloat16, median ms" in out
+    variants = [line.split("  ")[0] for line in out.splitlines() if " 8x128 " in line]
+    assert variants == ["torch layer_norm", "layer_norm (w, b)", "LN-simple", "detach_mean",
+                        "detach_std", "detach both", "AdaNorm", "RMSNorm (w)"]  # fmt: skip
+
+
 def test_bench_rnn_step_times_two_trees_and_compares_their_outputs() -> None:
     """The package's own csrc as the other tree: two builds of the same sources, so every
     output agrees to the bit and no difference is noted."""

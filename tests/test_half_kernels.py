@@ -283,17 +283,19 @@ def test_half_params_give_the_bits_of_float32_params(dtype, target):
 
 
 def _forward_outputs(target: str, op: str, x: torch.Tensor, w, b) -> dict[str, torch.Tensor]:
-    """Forward kernel ``op`` of the ``target`` build on ``x`` (float32 gain and bias, or None):
-    its output and statistics."""
+    """Forward kernel ``op`` of the ``target`` build on ``x`` (gain and bias in float32, or in
+    x's half type, or None): its output and statistics."""
     m = x.shape[0]
     y = torch.empty_like(x)
     stats = {"rstd": torch.empty(m)} if op == "rms" else {"mean": torch.empty(m),
                                                           "rstd": torch.empty(m)}  # fmt: skip
+    half = int(any(p is not None and p.dtype == x.dtype != torch.float32 for p in (w, b)))
     if op == "ln":
         _run(target, "ln_fwd", x=x, weight=w, bias=b, y=y, eps=1e-5, threads=2, stream=0,
-             **stats)  # fmt: skip
+             half_params=half, **stats)  # fmt: skip
     elif op == "rms":
-        _run(target, "rms_fwd", x=x, weight=w, y=y, eps=1e-6, threads=2, stream=0, **stats)
+        _run(target, "rms_fwd", x=x, weight=w, y=y, eps=1e-6, threads=2, stream=0,
+             half_params=half, **stats)  # fmt: skip
     else:
         _run(target, "ada_fwd", x=x, z=y, eps=1e-5, k=0.1, scale=2.0, threads=2, stream=0,
              **stats)  # fmt: skip
@@ -308,20 +310,24 @@ def test_half_forwards_are_the_float32_kernels_rounded_once(dtype, target):
     statistics are the float32 kernel's, bit for bit. Over narrow rows (blocks of converted
     rows) and wide ones (read in place, their output a chunk of 256 columns at a time: widths
     around the chunk and the vectors, tails included), gain and bias or not, layer norm, RMSNorm
-    and AdaNorm."""
+    and AdaNorm; gains and biases in float32 and in x's half type (against the float32 kernel
+    with their float32 values: wide rows convert them in registers)."""
     g = torch.Generator().manual_seed(13)
-    for m, n in ((9, 1), (40, 64), (17, 65), (5, 256), (6, 257), (4, 1000), (3, 4099)):
+    for m, n in ((9, 1), (40, 64), (17, 65), (5, 256), (6, 257), (4, 1000), (3, 2048),
+                 (3, 4099)):  # fmt: skip
         x = (torch.randn(m, n, generator=g) * 3 + 2).to(dtype)
         x[0, : n // 2] = x[0, 0]  # a row half constant
         w, b = 1 + torch.randn(n, generator=g), torch.randn(n, generator=g)
-        cases = {"ln": ((w, b), (w, None), (None, b), (None, None)),
-                 "rms": ((w, None), (None, None)), "ada": ((None, None),)}  # fmt: skip
+        wh, bh = w.to(dtype), b.to(dtype)
+        cases = {"ln": ((w, b), (w, None), (None, b), (None, None), (wh, bh), (wh, None)),
+                 "rms": ((w, None), (None, None), (wh, None)), "ada": ((None, None),)}  # fmt: skip
         for op, params in cases.items():
             for pw, pb in params:
                 got = _forward_outputs(target, op, x, pw, pb)
-                want = _forward_outputs(target, op, x.float(), pw, pb)
+                as_f32 = [None if p is None else p.float() for p in (pw, pb)]
+                want = _forward_outputs(target, op, x.float(), *as_f32)
                 want["y"] = want["y"].to(dtype)
-                what = (op, m, n, pw is not None, pb is not None)
+                what = (op, m, n, pw is not None and pw.dtype, pb is not None and pb.dtype)
                 for key, value in want.items():
                     assert torch.equal(_bits(got[key]), _bits(value)), (key, *what)
 

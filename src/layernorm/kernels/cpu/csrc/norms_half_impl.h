@@ -65,6 +65,14 @@ static inline i64 half_param_stride(i64 N) { return (N + 15) / 16 * 16; }
 #define DIRECT_MIN_N 65
 #define OUT_CHUNK 256
 enum { DIRECT_LN, DIRECT_RMS, DIRECT_ADA };
+/* From this many columns the direct forwards read half gains and biases as they come, converting
+   them in registers as x (the same values): their float32 copies, 8·N bytes, crowded x's rows out
+   of the first-level cache. One thread, AMD EPYC Zen 4, float16 layer norm forward x torch's,
+   float32 copies / in registers: (4096, 2048) 1.11 / 0.93, (2048, 4096) 1.08-1.14 / 0.90-0.91,
+   (1024, 8192) 1.04 / 0.96; bfloat16 (2048, 4096) 0.94-1.03 / 0.81-0.88; narrower rows the
+   other way: (4096, 768) 0.80 / 0.91, (1000, 1001) 0.78 / 0.94 (RESULTS.md, 2026-11-30). */
+#define HALF_PARAMS_IN_REGISTERS_N 2048
+_Static_assert(HALF_PARAMS_IN_REGISTERS_N >= DIRECT_MIN_N, "a direct forward's width");
 
 #endif
 
@@ -142,18 +150,19 @@ static int FN(params_f32)(int half_params, const void** w, const void** b, i64 N
    alike (RESULTS.md, 2026-11-30). Narrower rows keep the blocks, whose float32 kernels take them
    in groups (norms_impl.h: NARROW_N). */
 
-/* A direct forward's arguments: the op's input and output, its float32 gain and bias (NULL:
-   none), its statistics (mean NULL for RMSNorm) and AdaNorm's constants. */
+/* A direct forward's arguments: the op's input and output, its gain and bias (NULL: none; in
+   half_t where half_params is 1, else float32), its statistics (mean NULL for RMSNorm) and
+   AdaNorm's constants. */
 typedef struct {
     const half_t* x;
     half_t* y;
-    const float* w;
-    const float* b;
+    const void* w;
+    const void* b;
     float* mean;
     float* rstd;
     i64 N;
     double eps, k, scale;
-    int op;
+    int op, half_params;
 } FN(direct_job);
 
 /* The loads of the output expressions (norms_common.h) in a chunk: x's half values converted in
@@ -175,49 +184,70 @@ typedef struct {
         for (; k < n; ++k) t[k] = EXPR(LOAD_ONE_K);                                             \
     } while (0)
 
-/* n <= OUT_CHUNK outputs of a row from its half elements xr and the float32 gain w and bias b
-   at the same columns (NULL: none), into t: the float32 kernels' expressions. */
-static inline __attribute__((always_inline)) void FN(out_chunk)(
-    int op, const half_t* restrict xr, const float* restrict w, const float* restrict b,
-    float mh, float ml, float rf, float c, float ck, float* restrict t, i64 n) {
-    if (op == DIRECT_ADA) OUT_LOOP(ADA_Z);
-    else if (op == DIRECT_RMS && w) OUT_LOOP(RMS_Y_W);
-    else if (op == DIRECT_RMS) OUT_LOOP(RMS_Y);
-    else if (w && b) OUT_LOOP(LN_Y_WB);
-    else if (w) OUT_LOOP(LN_Y_W);
-    else if (b) OUT_LOOP(LN_Y_B);
-    else OUT_LOOP(LN_XHAT);
-}
+/* n <= OUT_CHUNK outputs of a row from its half elements xr and the gain w and bias b at the
+   same columns (NULL: none; P: float32, or half_t converted in registers as x is), into t: the
+   float32 kernels' expressions. */
+#define DEFINE_OUT_CHUNK(NAME, P)                                                               \
+    static inline __attribute__((always_inline)) void NAME(                                     \
+        int op, const half_t* restrict xr, const P* restrict w, const P* restrict b, float mh,  \
+        float ml, float rf, float c, float ck, float* restrict t, i64 n) {                     \
+        if (op == DIRECT_ADA) OUT_LOOP(ADA_Z);                                                  \
+        else if (op == DIRECT_RMS && w) OUT_LOOP(RMS_Y_W);                                      \
+        else if (op == DIRECT_RMS) OUT_LOOP(RMS_Y);                                             \
+        else if (w && b) OUT_LOOP(LN_Y_WB);                                                     \
+        else if (w) OUT_LOOP(LN_Y_W);                                                           \
+        else if (b) OUT_LOOP(LN_Y_B);                                                           \
+        else OUT_LOOP(LN_XHAT);                                                                 \
+    }
+DEFINE_OUT_CHUNK(FN(out_chunk), float)
+DEFINE_OUT_CHUNK(FN(out_chunk_half_params), half_t)
+#undef DEFINE_OUT_CHUNK
 #undef OUT_LOOP
 #undef LOAD_VEC_K
 #undef LOAD_ONE_K
 
-static int FN(direct_range)(const void* p, i64 lo, i64 hi) {
-    const FN(direct_job)* jb = p;
-    const i64 N = jb->N;
-    const float c = (float)jb->scale, ck = (float)(jb->scale * jb->k);
-    float t[OUT_CHUNK] __attribute__((aligned(64)));
-    for (i64 i = lo; i < hi; ++i) {
-        const half_t* xrow = jb->x + i * N;
-        half_t* yrow = jb->y + i * N;
-        float mh = 0, ml = 0, rf;
-        if (jb->op == DIRECT_RMS) {
-            const acc_t ss = row_sum_sq_of_f32(xrow, N, ROW_KIND);
-            rf = (float)(1.0 / sqrt(ss / (acc_t)N + jb->eps));
-        } else {
-            const acc_t var = row_variance_of_f32(xrow, N, &mh, &ml, ROW_KIND);
-            rf = (float)(1.0 / sqrt(var + jb->eps));
-            jb->mean[i] = mh;
-        }
-        jb->rstd[i] = rf;
-        for (i64 j = 0; j < N; j += OUT_CHUNK) {
-            const i64 n = N - j < OUT_CHUNK ? N - j : OUT_CHUNK;
-            FN(out_chunk)(jb->op, xrow + j, jb->w ? jb->w + j : NULL, jb->b ? jb->b + j : NULL,
-                          mh, ml, rf, c, ck, t, n);
-            FROM_F32(t, yrow + j, n, 0);
-        }
+/* The rows [lo, hi) of a direct forward whose gain and bias are P (float32 or half_t), by
+   OUT_CHUNK_FN (one of the two above): a function for each, so that each row loop stays as lean
+   as one kind alone (both kinds in one loop: float16 layer norm at (8192, 1024) 0.87-0.88 of
+   torch's time against 0.76-0.81, one thread). */
+#define DEFINE_DIRECT_RANGE(NAME, P, OUT_CHUNK_FN)                                              \
+    static int NAME(const void* p, i64 lo, i64 hi) {                                            \
+        const FN(direct_job)* jb = p;                                                           \
+        const i64 N = jb->N;                                                                    \
+        const float c = (float)jb->scale, ck = (float)(jb->scale * jb->k);                     \
+        const P* w = jb->w;                                                                     \
+        const P* b = jb->b;                                                                     \
+        float t[OUT_CHUNK] __attribute__((aligned(64)));                                        \
+        for (i64 i = lo; i < hi; ++i) {                                                         \
+            const half_t* xrow = jb->x + i * N;                                                 \
+            half_t* yrow = jb->y + i * N;                                                       \
+            float mh = 0, ml = 0, rf;                                                           \
+            if (jb->op == DIRECT_RMS) {                                                         \
+                const acc_t ss = row_sum_sq_of_f32(xrow, N, ROW_KIND);                          \
+                rf = (float)(1.0 / sqrt(ss / (acc_t)N + jb->eps));                              \
+            } else {                                                                            \
+                const acc_t var = row_variance_of_f32(xrow, N, &mh, &ml, ROW_KIND);             \
+                rf = (float)(1.0 / sqrt(var + jb->eps));                                        \
+                jb->mean[i] = mh;                                                               \
+            }                                                                                   \
+            jb->rstd[i] = rf;                                                                   \
+            for (i64 j = 0; j < N; j += OUT_CHUNK) {                                            \
+                const i64 n = N - j < OUT_CHUNK ? N - j : OUT_CHUNK;                            \
+                OUT_CHUNK_FN(jb->op, xrow + j, w ? w + j : NULL, b ? b + j : NULL, mh, ml, rf,  \
+                             c, ck, t, n);                                                      \
+                FROM_F32(t, yrow + j, n, 0);                                                    \
+            }                                                                                   \
+        }                                                                                       \
+        return 0;                                                                               \
     }
-    return 0;
+DEFINE_DIRECT_RANGE(FN(direct_range), float, FN(out_chunk))
+DEFINE_DIRECT_RANGE(FN(direct_range_half_params), half_t, FN(out_chunk_half_params))
+#undef DEFINE_DIRECT_RANGE
+
+/* A direct forward over all rows, by the range function of its parameters' kind. */
+static int FN(direct_run)(const FN(direct_job)* jb, i64 M, int threads) {
+    return half_parallel(jb, M, threads,
+                         jb->half_params ? FN(direct_range_half_params) : FN(direct_range));
 }
 
 static void FN(ln_fwd_block)(const void* p, float* const* in, float* out, i64 i, i64 rows) {
@@ -235,14 +265,19 @@ static int FN(ln_fwd_range)(const void* p, i64 lo, i64 hi) {
 }
 
 int FN(ln_fwd)(const FN(ln_fwd_args)* a) {
+    if (a->N >= HALF_PARAMS_IN_REGISTERS_N) { /* half gains and biases as they come */
+        const FN(direct_job) jb = {a->x, a->y, a->weight, a->bias, a->mean, a->rstd, a->N,
+                                   a->eps, 0, 0, DIRECT_LN, a->half_params};
+        return FN(direct_run)(&jb, a->M, a->threads);
+    }
     FN(ln_fwd_args) f = *a; /* the same call with float32 parameters */
     float* owned;
     if (FN(params_f32)(a->half_params, &f.weight, &f.bias, a->N, &owned)) return 1;
     f.half_params = 0;
     const FN(direct_job) jb = {a->x, a->y, f.weight, f.bias, a->mean, a->rstd, a->N, a->eps, 0, 0,
-                               DIRECT_LN};
+                               DIRECT_LN, 0};
     const int status = a->N >= DIRECT_MIN_N
-                           ? half_parallel(&jb, a->M, a->threads, FN(direct_range))
+                           ? FN(direct_run)(&jb, a->M, a->threads)
                            : half_parallel(&f, f.M, f.threads, FN(ln_fwd_range));
     free(owned);
     return status;
@@ -262,15 +297,20 @@ static int FN(rms_fwd_range)(const void* p, i64 lo, i64 hi) {
 }
 
 int FN(rms_fwd)(const FN(rms_fwd_args)* a) {
+    if (a->N >= HALF_PARAMS_IN_REGISTERS_N) { /* a half gain as it comes */
+        const FN(direct_job) jb = {a->x, a->y, a->weight, NULL, NULL, a->rstd, a->N, a->eps, 0, 0,
+                                   DIRECT_RMS, a->half_params};
+        return FN(direct_run)(&jb, a->M, a->threads);
+    }
     FN(rms_fwd_args) f = *a; /* the same call with a float32 gain */
     const void* no_bias = NULL;
     float* owned;
     if (FN(params_f32)(a->half_params, &f.weight, &no_bias, a->N, &owned)) return 1;
     f.half_params = 0;
     const FN(direct_job) jb = {a->x, a->y, f.weight, NULL, NULL, a->rstd, a->N, a->eps, 0, 0,
-                               DIRECT_RMS};
+                               DIRECT_RMS, 0};
     const int status = a->N >= DIRECT_MIN_N
-                           ? half_parallel(&jb, a->M, a->threads, FN(direct_range))
+                           ? FN(direct_run)(&jb, a->M, a->threads)
                            : half_parallel(&f, f.M, f.threads, FN(rms_fwd_range));
     free(owned);
     return status;
@@ -292,8 +332,8 @@ static int FN(ada_fwd_range)(const void* p, i64 lo, i64 hi) {
 
 int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
     const FN(direct_job) jb = {a->x, a->z, NULL, NULL, a->mean, a->rstd, a->N, a->eps, a->k,
-                               a->scale, DIRECT_ADA};
-    if (a->N >= DIRECT_MIN_N) return half_parallel(&jb, a->M, a->threads, FN(direct_range));
+                               a->scale, DIRECT_ADA, 0};
+    if (a->N >= DIRECT_MIN_N) return FN(direct_run)(&jb, a->M, a->threads);
     return half_parallel(a, a->M, a->threads, FN(ada_fwd_range));
 }
 

@@ -144,10 +144,10 @@ static int FN(params_f32)(int half_params, const void** w, const void** b, i64 N
    output's (which miss the caches) and which no longer fit in the first-level cache past 2048
    columns. The same arithmetic on the same values: the bits of half_blocks
    (test_half_forwards_are_the_float32_kernels_rounded_once). AMD EPYC Zen 4, x torch's layer norm
-   forward, blocks / rows in place, one thread: float16 layer norm (2048, 4096) 1.55-1.59 /
-   0.96-1.09, (16384, 256) 1.26-1.40 / 0.87-0.88, (4096, 768) 1.33-1.45 / 0.82-0.84, AdaNorm (2048,
-   4096) 1.28-1.35 / 0.61-0.66; bfloat16 layer norm (2048, 4096) 1.18-1.26 / 0.88-0.93; two threads
-   alike (RESULTS.md, 2026-11-30). Narrower rows keep the blocks, whose float32 kernels take them
+   forward, blocks / rows in place (with HALF_PARAMS_IN_REGISTERS_N), one thread: float16 layer
+   norm (2048, 4096) 1.55-1.59 / 0.89-0.92, (16384, 256) 1.26-1.40 / 0.87-0.88, (4096, 768)
+   1.33-1.45 / 0.81-0.83, AdaNorm (2048, 4096) 1.28-1.35 / 0.61-0.66; bfloat16 layer norm
+   (2048, 4096) 1.18-1.26 / 0.89-0.90; two threads alike (RESULTS.md, 2026-11-30). Narrower rows keep the blocks, whose float32 kernels take them
    in groups (norms_impl.h: NARROW_N). */
 
 /* A direct forward's arguments: the op's input and output, its gain and bias (NULL: none; in

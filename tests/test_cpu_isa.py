@@ -206,6 +206,50 @@ def test_norm_kernels_match_reference(name, dtype, kind, m, n, stores, monkeypat
         _close(g, gr, tol["dparam"], "dweight/dbias", scale=math.sqrt(m))
 
 
+def _forward_outputs(kind: str, x, w, b) -> tuple[torch.Tensor, ...]:
+    if kind == "layer":
+        return _native.ln_fwd(x, w, b, 1e-5)
+    if kind == "rms":
+        return _native.rms_fwd(x, w, 1e-6)
+    return _native.ada_fwd(x, 0.1, 2.0, 1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    ("kind", "affine"),
+    [("layer", True), ("layer", False), ("rms", True), ("rms", False), ("ada", False)],
+    ids=["layer", "layer, no affine", "rms", "rms, no gain", "ada"],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_norm_forwards_in_row_groups_equal_rows_alone(name, dtype, kind, affine, threads,
+                                                      monkeypatch) -> None:  # fmt: skip
+    """The forwards take rows of up to 512 elements in groups of eight (norms_impl.h
+    ``group_stats``: the rows' square roots and divisions as one vector): 19 rows in one call
+    (two groups and a rest; with two threads each thread's rows start a group of their own) give
+    the bits of each row in a call of its own, y and the statistics, at widths around the vectors
+    and around the widest grouped row. Rows of different scales and offsets, so that a row
+    given another's statistics would show."""
+    monkeypatch.setattr(_native, "_GRAIN", 1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with targets.use(name):
+            for n in (1, 17, 64, 100, 256, 512, 513):
+                x = torch.randn(19, n, dtype=torch.float64) * torch.logspace(-2, 3, 19).view(-1, 1)
+                x = (x + torch.linspace(-50, 50, 19, dtype=torch.float64).view(-1, 1)).to(dtype)
+                w = make_param((n,), dtype, center=1.0) if affine else None
+                b = make_param((n,), dtype, center=0.0) if affine and kind == "layer" else None
+                together = _forward_outputs(kind, x, w, b)
+                alone = [_forward_outputs(kind, x[i : i + 1].clone(), w, b) for i in range(19)]
+                for k, out in enumerate(together):
+                    rows = torch.cat([one[k].reshape(1, -1) for one in alone])
+                    assert torch.equal(out.reshape(19, -1), rows), f"output {k} at width {n}"
+    finally:
+        torch.set_num_threads(previous)
+
+
 # Centred norms of one-element rows: x̂ = 0, so y is the bias and dx is exactly 0 (the gradient
 # through the mean cancels the direct one). Not within a tolerance: exactly, which a multiply-add
 # contracted across ``dy·w − mean(dy·w)`` breaks by rstd = 1/√eps times a rounding.

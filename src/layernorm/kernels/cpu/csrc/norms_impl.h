@@ -209,23 +209,40 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance)(const scalar
     return FN(row_variance_of)(xr, N, hi, lo, ROW_SCALAR);
 }
 
-/* μ (as hi + lo) and 1/sqrt(var + eps) of one row. */
-static void FN(row_moments)(const scalar_t* restrict xr, i64 N, double eps, scalar_t* hi,
-                            scalar_t* lo, acc_t* r) {
-    *r = 1.0 / sqrt(FN(row_variance)(xr, N, hi, lo) + eps);
-}
-
-/* Rows of at most NARROW_N elements run their forward in groups of ROW_GROUP: every row's
-   sweeps, then the group's square roots and divisions as one vector each (unused lanes take
-   1), then every row's output. One row at a time, each row waited on its own square root and
-   division (float64: some 30 cycles) before its output, most of a narrow row's time. The same
-   operations on each row: the same bits. AMD EPYC Zen 5, one thread, float32 layer norm, ms
-   forward (fwd+bwd), rows one at a time / in groups: (100000, 32) 2.80-2.87 / 2.42-2.49
-   (4.58-4.71 / 4.10-4.19), (50000, 64) 1.61-1.63 / 1.40-1.44 (2.78-2.87 / 2.60-2.66),
-   (200000, 16) 5.65-5.73 / 5.26-5.39 (9.93-10.1 / 9.54-9.74). From 128 elements the forward
-   gained but the whole call did not ((12500, 256) fwd+bwd 1.81-1.89 / 2.03-2.39). */
-#define NARROW_N 64
+/* The forwards run rows of at most NARROW_N elements in groups of ROW_GROUP: every row's
+   sweeps, then the group's square roots and divisions as one vector each (unused lanes take 1),
+   then every row's output. One row at a time, each row waited on its own square root and
+   division (float64: some 30 cycles) before its output, most of a narrow row's time, and more
+   than a row's sweeps cost up to a few hundred elements. The same operations on each row: the
+   same bits. AMD EPYC Zen 5, one thread, float32 layer norm, ms forward (fwd+bwd), rows one at
+   a time / in groups: (100000, 32) 2.80-2.87 / 2.42-2.49 (4.58-4.71 / 4.10-4.19), (50000, 64)
+   1.61-1.63 / 1.40-1.44 (2.78-2.87 / 2.60-2.66). AMD EPYC Zen 4, one thread, forward x torch's
+   layer norm, one at a time / in groups of up to 512 elements: (16384, 256) 0.99-1.13 / 0.80,
+   (8192, 384) 0.95-1.03 / 0.76-0.81, (8192, 512) 0.90-0.96 / 0.75-0.81 (RESULTS.md,
+   2026-11-30); at 768 and 1024 elements (eight rows fill the first-level cache) no steady gain. */
+#define NARROW_N 512
 #define ROW_GROUP 8
+
+static inline int FN(row_group)(i64 N) { return N <= NARROW_N ? ROW_GROUP : 1; }
+
+/* The statistics of the n rows from row i0 of x, of a group of `group` (FN(row_group)):
+   with `centred`, μ as hi + lo into gh/gl and r = 1/sqrt(var + eps), else (RMSNorm)
+   r = 1/sqrt(Σx²/N + eps), into gr. */
+static inline __attribute__((always_inline)) void FN(group_stats)(
+    const scalar_t* x, i64 i0, int n, i64 N, double eps, const int centred, int group,
+    scalar_t* gh, scalar_t* gl, acc_t* gr) {
+    for (int k = 0; k < ROW_GROUP; ++k) gr[k] = 1;
+    for (int k = 0; k < n; ++k) {
+        const scalar_t* xr = x + (i0 + k) * N;
+        if (centred) gr[k] = FN(row_variance)(xr, N, &gh[k], &gl[k]) + eps;
+        else gr[k] = FN(row_sum_sq)(xr, N) / (acc_t)N + eps;
+    }
+    if (group == ROW_GROUP) {
+        for (int k = 0; k < ROW_GROUP; ++k) gr[k] = 1.0 / sqrt(gr[k]);
+    } else {
+        gr[0] = 1.0 / sqrt(gr[0]);
+    }
+}
 
 /* Σ g and Σ g·x̂ over one row (g = dy ⊙ w, x̂ = (x − m)·r); with fwa/fba, also adds the row's
    dy ⊙ x̂ and dy to the weight/bias accumulators in the same sweep. */
@@ -343,20 +360,12 @@ static void FN(ln_fwd_rows)(const FN(ln_fwd_args)* a, i64 lo, i64 hi) {
     const i64 N = a->N;
     const scalar_t* restrict w = a->weight;
     const scalar_t* restrict b = a->bias;
-    const int st = a->stream;
-    const int group = N <= NARROW_N ? ROW_GROUP : 1;
+    const int st = a->stream, group = FN(row_group)(N);
     for (i64 i0 = lo; i0 < hi; i0 += group) {
         const int n = hi - i0 < group ? (int)(hi - i0) : group;
         scalar_t gh[ROW_GROUP], gl[ROW_GROUP];
         acc_t gr[ROW_GROUP];
-        for (int k = 0; k < ROW_GROUP; ++k) gr[k] = 1;
-        for (int k = 0; k < n; ++k)
-            gr[k] = FN(row_variance)(a->x + (i0 + k) * N, N, &gh[k], &gl[k]) + a->eps;
-        if (group == ROW_GROUP) {
-            for (int k = 0; k < ROW_GROUP; ++k) gr[k] = 1.0 / sqrt(gr[k]);
-        } else {
-            gr[0] = 1.0 / sqrt(gr[0]);
-        }
+        FN(group_stats)(a->x, i0, n, N, a->eps, 1, group, gh, gl, gr);
         for (int k = 0; k < n; ++k) {
             const i64 i = i0 + k;
             const scalar_t* restrict xr = a->x + i * N;
@@ -509,14 +518,20 @@ int FN(ln_bwd)(const FN(ln_bwd_args)* a) {
 static void FN(rms_fwd_rows)(const FN(rms_fwd_args)* a, i64 lo, i64 hi) {
     const i64 N = a->N;
     const scalar_t* restrict w = a->weight;
-    for (i64 i = lo; i < hi; ++i) {
-        const scalar_t* restrict xr = a->x + i * N;
-        scalar_t* restrict yr = a->y + i * N;
-        const acc_t ss = FN(row_sum_sq)(xr, N);
-        const scalar_t rf = a->rstd[i] = (scalar_t)(1.0 / sqrt(ss / (acc_t)N + a->eps));
-        const scalar_t* pf = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
-        if (w) ROW_OUT(yr, N, a->stream, pf, NULL, RMS_Y_W);
-        else ROW_OUT(yr, N, a->stream, pf, NULL, RMS_Y);
+    const int group = FN(row_group)(N);
+    for (i64 i0 = lo; i0 < hi; i0 += group) {
+        const int n = hi - i0 < group ? (int)(hi - i0) : group;
+        acc_t gr[ROW_GROUP];
+        FN(group_stats)(a->x, i0, n, N, a->eps, 0, group, NULL, NULL, gr);
+        for (int k = 0; k < n; ++k) {
+            const i64 i = i0 + k;
+            const scalar_t* restrict xr = a->x + i * N;
+            scalar_t* restrict yr = a->y + i * N;
+            const scalar_t rf = a->rstd[i] = (scalar_t)gr[k];
+            const scalar_t* pf = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
+            if (w) ROW_OUT(yr, N, a->stream, pf, NULL, RMS_Y_W);
+            else ROW_OUT(yr, N, a->stream, pf, NULL, RMS_Y);
+        }
     }
     stream_fence(a->stream);
 }
@@ -547,16 +562,22 @@ int FN(rms_bwd)(const FN(rms_bwd_args)* a) {
 static void FN(ada_fwd_rows)(const FN(ada_fwd_args)* a, i64 lo, i64 hi) {
     const i64 N = a->N;
     const scalar_t c = (scalar_t)a->scale, ck = (scalar_t)(a->scale * a->k);
-    for (i64 i = lo; i < hi; ++i) {
-        const scalar_t* restrict xr = a->x + i * N;
-        scalar_t* restrict zr = a->z + i * N;
-        scalar_t mh, ml;
-        acc_t r;
-        FN(row_moments)(xr, N, a->eps, &mh, &ml, &r);
-        a->mean[i] = mh;
-        const scalar_t rf = a->rstd[i] = (scalar_t)r;
-        const scalar_t* pf = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
-        ROW_OUT(zr, N, a->stream, pf, NULL, ADA_Z);
+    const int group = FN(row_group)(N);
+    for (i64 i0 = lo; i0 < hi; i0 += group) {
+        const int n = hi - i0 < group ? (int)(hi - i0) : group;
+        scalar_t gh[ROW_GROUP], gl[ROW_GROUP];
+        acc_t gr[ROW_GROUP];
+        FN(group_stats)(a->x, i0, n, N, a->eps, 1, group, gh, gl, gr);
+        for (int k = 0; k < n; ++k) {
+            const i64 i = i0 + k;
+            const scalar_t* restrict xr = a->x + i * N;
+            scalar_t* restrict zr = a->z + i * N;
+            const scalar_t mh = gh[k], ml = gl[k];
+            a->mean[i] = mh;
+            const scalar_t rf = a->rstd[i] = (scalar_t)gr[k];
+            const scalar_t* pf = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
+            ROW_OUT(zr, N, a->stream, pf, NULL, ADA_Z);
+        }
     }
     stream_fence(a->stream);
 }

@@ -44,6 +44,21 @@ static inline void stream_fence(int stream) {
 #define RMS_Y_W(L) (L(xr) * rf * L(w))
 #define ADA_Z(L) ((c - ck * LN_XHAT(L)) * LN_XHAT(L))
 
+/* The forwards (norms_impl.h: group_stats; the half types' direct rows as well) run rows of at
+   most NARROW_N elements in groups of ROW_GROUP: every row's sweeps, then the group's square
+   roots and divisions as one vector each (unused lanes take 1), then every row's output. One
+   row at a time, each row waited on its own square root and division (float64: some 30 cycles)
+   before its output, most of a narrow row's time, and more than its sweeps up to a few hundred
+   elements. The same operations on each row: the same bits. AMD EPYC Zen 5, one thread, float32
+   layer norm, ms forward (fwd+bwd), rows one at a time / in groups: (100000, 32) 2.80-2.87 /
+   2.42-2.49 (4.58-4.71 / 4.10-4.19), (50000, 64) 1.61-1.63 / 1.40-1.44 (2.78-2.87 / 2.60-2.66).
+   AMD EPYC Zen 4, one thread, forward x torch's layer norm, one at a time / in groups of up to
+   512 elements: (32768, 128) 0.96 / 0.76-0.81, (4096, 256) 1.01-1.05 / 0.77-0.79, the AVX2
+   build (16384, 256) 1.06-1.07 / 0.80-0.81; level at 384 and 512 elements, and at 768 and 1024
+   (eight rows fill the first-level cache) no steady gain (RESULTS.md, 2026-11-30). */
+#define NARROW_N 512
+#define ROW_GROUP 8
+
 /* Rows whose dweight/dbias terms are summed in the input precision before a float64 flush. */
 #define FLUSH 16
 

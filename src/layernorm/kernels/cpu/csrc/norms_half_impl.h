@@ -137,18 +137,19 @@ static int FN(params_f32)(int half_params, const void** w, const void** b, i64 N
 
 /* The forwards of rows of DIRECT_MIN_N elements or more read each row where it lies: the
    statistics' sweeps load the half values and convert them in registers (row_variance_of and
-   row_sum_sq_of of the float32 instance, ROW_KIND), then the output goes out a chunk of OUT_CHUNK
+   row_sum_sq_of of the float32 instance, ROW_KIND; rows of up to NARROW_N elements in groups, as
+   the float32 forwards take them: norms_common.h), then the output goes out a chunk of OUT_CHUNK
    columns at a time (the float32 kernel's expression on the values converted in registers, rounded
-   back), every buffer in the first-level cache. Converting whole blocks of rows first
-   (half_blocks) wrote and read a float32 copy of every row, whose stores queued behind the
-   output's (which miss the caches) and which no longer fit in the first-level cache past 2048
-   columns. The same arithmetic on the same values: the bits of half_blocks
+   back), every buffer in the first-level cache. Converting whole blocks of rows first (half_blocks)
+   wrote and read a float32 copy of every row, whose stores queued behind the output's (which miss
+   the caches) and which no longer fit in the first-level cache past 2048 columns. The same
+   arithmetic on the same values: the bits of half_blocks
    (test_half_forwards_are_the_float32_kernels_rounded_once). AMD EPYC Zen 4, x torch's layer norm
-   forward, blocks / rows in place (with HALF_PARAMS_IN_REGISTERS_N), one thread: float16 layer
-   norm (2048, 4096) 1.55-1.59 / 0.89-0.92, (16384, 256) 1.26-1.40 / 0.87-0.88, (4096, 768)
-   1.33-1.45 / 0.81-0.83, AdaNorm (2048, 4096) 1.28-1.35 / 0.61-0.66; bfloat16 layer norm
-   (2048, 4096) 1.18-1.26 / 0.89-0.90; two threads alike (RESULTS.md, 2026-11-30). Narrower rows keep the blocks, whose float32 kernels take them
-   in groups (norms_impl.h: NARROW_N). */
+   forward, blocks / rows in place (with HALF_PARAMS_IN_REGISTERS_N), one thread: float16 layer norm
+   (2048, 4096) 1.55-1.59 / 0.89-0.92, (16384, 256) 1.26-1.40 / 0.87-0.88, (4096, 768) 1.33-1.45 /
+   0.81-0.83, AdaNorm (2048, 4096) 1.28-1.35 / 0.61-0.66; bfloat16 layer norm (2048, 4096) 1.18-1.26
+   / 0.89-0.90; two threads alike (RESULTS.md, 2026-11-30). Narrower rows keep the blocks, whose
+   float32 kernels take them in groups (norms_common.h: NARROW_N). */
 
 /* A direct forward's arguments: the op's input and output, its gain and bias (NULL: none; in
    half_t where half_params is 1, else float32), its statistics (mean NULL for RMSNorm) and
@@ -217,25 +218,26 @@ DEFINE_OUT_CHUNK(FN(out_chunk_half_params), half_t)
         const float c = (float)jb->scale, ck = (float)(jb->scale * jb->k);                     \
         const P* w = jb->w;                                                                     \
         const P* b = jb->b;                                                                     \
+        const int centred = jb->op != DIRECT_RMS, group = row_group_f32(N);                     \
         float t[OUT_CHUNK] __attribute__((aligned(64)));                                        \
-        for (i64 i = lo; i < hi; ++i) {                                                         \
-            const half_t* xrow = jb->x + i * N;                                                 \
-            half_t* yrow = jb->y + i * N;                                                       \
-            float mh = 0, ml = 0, rf;                                                           \
-            if (jb->op == DIRECT_RMS) {                                                         \
-                const acc_t ss = row_sum_sq_of_f32(xrow, N, ROW_KIND);                          \
-                rf = (float)(1.0 / sqrt(ss / (acc_t)N + jb->eps));                              \
-            } else {                                                                            \
-                const acc_t var = row_variance_of_f32(xrow, N, &mh, &ml, ROW_KIND);             \
-                rf = (float)(1.0 / sqrt(var + jb->eps));                                        \
-                jb->mean[i] = mh;                                                               \
-            }                                                                                   \
-            jb->rstd[i] = rf;                                                                   \
-            for (i64 j = 0; j < N; j += OUT_CHUNK) {                                            \
-                const i64 n = N - j < OUT_CHUNK ? N - j : OUT_CHUNK;                            \
-                OUT_CHUNK_FN(jb->op, xrow + j, w ? w + j : NULL, b ? b + j : NULL, mh, ml, rf,  \
-                             c, ck, t, n);                                                      \
-                FROM_F32(t, yrow + j, n, 0);                                                    \
+        for (i64 i0 = lo; i0 < hi; i0 += group) {                                               \
+            const int n = hi - i0 < group ? (int)(hi - i0) : group;                             \
+            float gh[ROW_GROUP] = {0}, gl[ROW_GROUP] = {0};                                     \
+            acc_t gr[ROW_GROUP];                                                                \
+            group_stats_of_f32(jb->x, i0, n, N, jb->eps, centred, group, ROW_KIND, gh, gl, gr); \
+            for (int q = 0; q < n; ++q) {                                                       \
+                const i64 i = i0 + q;                                                           \
+                const half_t* xrow = jb->x + i * N;                                             \
+                half_t* yrow = jb->y + i * N;                                                   \
+                const float mh = gh[q], ml = gl[q], rf = (float)gr[q];                          \
+                if (centred) jb->mean[i] = mh;                                                  \
+                jb->rstd[i] = rf;                                                               \
+                for (i64 j = 0; j < N; j += OUT_CHUNK) {                                        \
+                    const i64 n_ = N - j < OUT_CHUNK ? N - j : OUT_CHUNK;                       \
+                    OUT_CHUNK_FN(jb->op, xrow + j, w ? w + j : NULL, b ? b + j : NULL, mh, ml,  \
+                                 rf, c, ck, t, n_);                                             \
+                    FROM_F32(t, yrow + j, n_, 0);                                               \
+                }                                                                               \
             }                                                                                   \
         }                                                                                       \
         return 0;                                                                               \

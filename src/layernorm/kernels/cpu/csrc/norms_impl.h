@@ -154,10 +154,6 @@ static inline __attribute__((always_inline)) acc_t FN(row_sum_sq_of)(const void*
     return s + FN(lanes_fold)(sa);
 }
 
-static acc_t FN(row_sum_sq)(const scalar_t* restrict xr, i64 N) {
-    return FN(row_sum_sq_of)(xr, N, ROW_SCALAR);
-}
-
 /* μ (as hi + lo) and the variance of one row xr of the given kind; see the statistics note at
    the top. The second sweep finds the row in cache. The same arithmetic for every kind: a half
    row gives the bits its float32 copy gives. */
@@ -203,45 +199,33 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance_of)(const voi
     return var;
 }
 
-static inline __attribute__((always_inline)) acc_t FN(row_variance)(const scalar_t* restrict xr,
-                                                                    i64 N, scalar_t* hi,
-                                                                    scalar_t* lo) {
-    return FN(row_variance_of)(xr, N, hi, lo, ROW_SCALAR);
-}
-
-/* The forwards run rows of at most NARROW_N elements in groups of ROW_GROUP: every row's
-   sweeps, then the group's square roots and divisions as one vector each (unused lanes take 1),
-   then every row's output. One row at a time, each row waited on its own square root and
-   division (float64: some 30 cycles) before its output, most of a narrow row's time, and more
-   than a row's sweeps cost up to a few hundred elements. The same operations on each row: the
-   same bits. AMD EPYC Zen 5, one thread, float32 layer norm, ms forward (fwd+bwd), rows one at
-   a time / in groups: (100000, 32) 2.80-2.87 / 2.42-2.49 (4.58-4.71 / 4.10-4.19), (50000, 64)
-   1.61-1.63 / 1.40-1.44 (2.78-2.87 / 2.60-2.66). AMD EPYC Zen 4, one thread, forward x torch's
-   layer norm, one at a time / in groups of up to 512 elements: (16384, 256) 0.99-1.13 / 0.80,
-   (8192, 384) 0.95-1.03 / 0.76-0.81, (8192, 512) 0.90-0.96 / 0.75-0.81 (RESULTS.md,
-   2026-11-30); at 768 and 1024 elements (eight rows fill the first-level cache) no steady gain. */
-#define NARROW_N 512
-#define ROW_GROUP 8
-
+/* Rows a forward takes as a group (NARROW_N, norms_common.h). */
 static inline int FN(row_group)(i64 N) { return N <= NARROW_N ? ROW_GROUP : 1; }
 
-/* The statistics of the n rows from row i0 of x, of a group of `group` (FN(row_group)):
-   with `centred`, μ as hi + lo into gh/gl and r = 1/sqrt(var + eps), else (RMSNorm)
-   r = 1/sqrt(Σx²/N + eps), into gr. */
-static inline __attribute__((always_inline)) void FN(group_stats)(
-    const scalar_t* x, i64 i0, int n, i64 N, double eps, const int centred, int group,
-    scalar_t* gh, scalar_t* gl, acc_t* gr) {
+/* The statistics of the n rows from row i0 of x, rows of N elements of the given kind, of a
+   group of `group` (FN(row_group)): with `centred`, μ as hi + lo into gh/gl and
+   r = 1/sqrt(var + eps), else (RMSNorm) r = 1/sqrt(Σx²/N + eps), into gr. */
+static inline __attribute__((always_inline)) void FN(group_stats_of)(
+    const void* x, i64 i0, int n, i64 N, double eps, const int centred, int group,
+    const int kind, scalar_t* gh, scalar_t* gl, acc_t* gr) {
+    const i64 bytes = kind == ROW_SCALAR ? (i64)sizeof(scalar_t) : 2; /* an element's */
     for (int k = 0; k < ROW_GROUP; ++k) gr[k] = 1;
     for (int k = 0; k < n; ++k) {
-        const scalar_t* xr = x + (i0 + k) * N;
-        if (centred) gr[k] = FN(row_variance)(xr, N, &gh[k], &gl[k]) + eps;
-        else gr[k] = FN(row_sum_sq)(xr, N) / (acc_t)N + eps;
+        const void* xr = (const char*)x + (i0 + k) * N * bytes;
+        if (centred) gr[k] = FN(row_variance_of)(xr, N, &gh[k], &gl[k], kind) + eps;
+        else gr[k] = FN(row_sum_sq_of)(xr, N, kind) / (acc_t)N + eps;
     }
     if (group == ROW_GROUP) {
         for (int k = 0; k < ROW_GROUP; ++k) gr[k] = 1.0 / sqrt(gr[k]);
     } else {
         gr[0] = 1.0 / sqrt(gr[0]);
     }
+}
+
+static inline __attribute__((always_inline)) void FN(group_stats)(
+    const scalar_t* x, i64 i0, int n, i64 N, double eps, const int centred, int group,
+    scalar_t* gh, scalar_t* gl, acc_t* gr) {
+    FN(group_stats_of)(x, i0, n, N, eps, centred, group, ROW_SCALAR, gh, gl, gr);
 }
 
 /* Σ g and Σ g·x̂ over one row (g = dy ⊙ w, x̂ = (x − m)·r); with fwa/fba, also adds the row's
@@ -661,7 +645,5 @@ int FN(ada_bwd)(const FN(ada_bwd_args)* a) {
 #undef VL
 #undef LANES
 #undef HALF
-#undef NARROW_N
-#undef ROW_GROUP
 #undef BLOCK
 #undef FN

@@ -127,6 +127,26 @@ def test_streaming_stores_equal_plain_stores_bitwise(variant, m, n, dtype, monke
         assert torch.equal(plain, stream)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_forwards_stream_by_threads_and_what_follows(dtype, monkeypatch):
+    """A forward streams its output where x and y take STREAM_MIN_BYTES, as a backward's
+    tensors do; one that no backward follows on two threads or more only where x alone does
+    (its output stays in the last-level cache for the next op); the half types never."""
+    x = torch.empty(64, 256, dtype=dtype)
+    for threshold, alone_on_two, otherwise in (
+        (2 * x.nbytes, 0, 1),  # x and y just take it
+        (x.nbytes, 1, 1),  # x alone does
+        (2 * x.nbytes + 1, 0, 0),  # neither
+    ):
+        monkeypatch.setattr(_native, "STREAM_MIN_BYTES", threshold)
+        half = x.element_size() == 2
+        cases = [(1, False, otherwise), (1, True, otherwise), (2, True, otherwise)]
+        cases += [(4, True, otherwise), (2, False, alone_on_two), (4, False, alone_on_two)]
+        for threads, for_backward, flag in cases:
+            got = _native._stream_forward(x, threads, for_backward)
+            assert got == (0 if half else flag), (threshold, threads, for_backward)
+
+
 @needs_kernels
 def test_streaming_output_at_an_unaligned_address():
     """ln_fwd's ``out`` at an element offset (not aligned to any vector): the streamed rows start

@@ -196,12 +196,23 @@ def _stream(x: Tensor, tensors: int) -> int:
     return int(tensors * x.numel() * x.element_size() >= STREAM_MIN_BYTES)
 
 
-def _stream_forward(x: Tensor) -> int:
-    """The ``stream`` flag of a forward (x read, y written). The half types' forwards keep plain
-    stores: streaming their output measured 3–12% slower (bfloat16 at (8192, 1024) and
-    (32768, 256), 1 and 2 threads, AMD EPYC with AVX512-BF16, AVX-512 and AVX2 builds), where
-    their backwards gained 5–38% (benchmarks/RESULTS.md)."""
-    return 0 if x.element_size() == 2 else _stream(x, 2)
+def _stream_forward(x: Tensor, threads: int, for_backward: bool) -> int:
+    """The ``stream`` flag of a forward (x read, y written) on ``threads`` threads. The half
+    types' forwards keep plain stores: streaming their output measured 3–12% slower (bfloat16 at
+    (8192, 1024) and (32768, 256), 1 and 2 threads, AMD EPYC with AVX512-BF16, AVX-512 and AVX2
+    builds), where their backwards gained 5–38% (benchmarks/RESULTS.md). A forward that no
+    backward follows, on two threads or more, streams only where x alone takes
+    :data:`STREAM_MIN_BYTES` (x and y together the whole last-level cache): below that its
+    output stays in the cache for the op that reads it next, written there by both cores, where
+    streamed stores went out at a rate that varied by a third from run to run. AMD EPYC Zen 4
+    (32 MiB), float32 forward, two threads, ms streamed / plain in one process: layer norm with x
+    and y 16 MiB 0.25-0.31 / 0.23-0.24, 20 MiB 0.33 / 0.32, 24 MiB 0.37-0.48 / 0.38-0.48, 32 MiB
+    0.50 / 0.53 ((8192, 512) 0.61 / 0.84), RMSNorm at 16 MiB 0.17-0.31 / 0.15-0.17; one thread
+    streamed gained from 16 MiB up. With a backward to follow, streaming gained there too (two
+    threads, forward and backward at (2048, 1024) 0.97-1.06 against 1.05-1.22 ms)."""
+    if x.element_size() == 2:
+        return 0
+    return _stream(x, 1 if threads >= 2 and not for_backward else 2)
 
 
 _BINDERS = {k.name: abi.Binder(k) for k in abi.KERNELS}
@@ -236,11 +247,12 @@ def ln_fwd(
     m, n = x.shape
     y = buffers.output(x, for_backward) if out is None else out
     mean, rstd = _stats(x, m), _stats(x, m)
+    threads = _threads(m, n)
     half = _half_params(x, weight, bias)
     if not half:
         weight, bias = _compute(weight, x), _compute(bias, x)
     _call("ln_fwd", x=x, weight=weight, bias=bias, y=y, mean=mean, rstd=rstd, eps=eps,
-          threads=_threads(m, n), stream=_stream_forward(x), half_params=half,
+          threads=threads, stream=_stream_forward(x, threads, for_backward), half_params=half,
           outputs_made=out is None)  # fmt: skip
     return y, mean, rstd
 
@@ -275,9 +287,10 @@ def rms_fwd(
     x: Tensor, weight: Tensor | None, eps: float, *, for_backward: bool = False
 ) -> tuple[Tensor, Tensor]:
     m, n = x.shape
-    y, rstd = buffers.output(x, for_backward), _stats(x, m)
-    _call("rms_fwd", x=x, weight=weight, y=y, rstd=rstd, eps=eps, threads=_threads(m, n),
-          stream=_stream_forward(x), half_params=_half_params(x, weight))  # fmt: skip
+    y, rstd, threads = buffers.output(x, for_backward), _stats(x, m), _threads(m, n)
+    stream = _stream_forward(x, threads, for_backward)
+    _call("rms_fwd", x=x, weight=weight, y=y, rstd=rstd, eps=eps, threads=threads,
+          stream=stream, half_params=_half_params(x, weight))  # fmt: skip
     return y, rstd
 
 
@@ -298,10 +311,10 @@ def ada_fwd(
     x: Tensor, k: float, scale: float, eps: float, *, for_backward: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     m, n = x.shape
-    z = buffers.output(x, for_backward)
+    z, threads = buffers.output(x, for_backward), _threads(m, n)
     mean, rstd = _stats(x, m), _stats(x, m)
     _call("ada_fwd", x=x, z=z, mean=mean, rstd=rstd, eps=eps, k=k, scale=scale,
-          threads=_threads(m, n), stream=_stream_forward(x))  # fmt: skip
+          threads=threads, stream=_stream_forward(x, threads, for_backward))  # fmt: skip
     return z, mean, rstd
 
 

@@ -102,8 +102,12 @@ int32_t stream_for(const Tensor& x, int tensors) {
                               g_stream_min_bytes);
 }
 
-// A forward's stream flag: the half types' forwards keep plain stores (see _native._stream_forward).
-int32_t stream_forward(const Tensor& x) { return x.element_size() == 2 ? 0 : stream_for(x, 2); }
+// A forward's stream flag on `threads` threads, a backward to follow or not
+// (_native._stream_forward's rule): the half types' forwards keep plain stores; without a
+// backward, on two threads or more, x alone must take the streaming size.
+int32_t stream_forward(const Tensor& x, int32_t threads, bool for_backward) {
+  return x.element_size() == 2 ? 0 : stream_for(x, threads >= 2 && !for_backward ? 1 : 2);
+}
 
 std::string describe(const Tensor& t) {
   std::string s = std::string(c10::toString(t.scalar_type())) + " tensor of shape " +
@@ -211,7 +215,7 @@ struct LnForward {
 };
 
 LnForward ln_forward(const char* op, const Tensor& x, const OptTensor& weight,
-                     const OptTensor& bias, double eps) {
+                     const OptTensor& bias, double eps, bool for_backward) {
   check_rows(op, "x", x);
   check_param(op, "weight", weight, x);
   check_param(op, "bias", bias, x);
@@ -232,7 +236,7 @@ LnForward ln_forward(const char* op, const Tensor& x, const OptTensor& weight,
   a.N = n;
   a.eps = eps;
   a.threads = threads_for(m, n);
-  a.stream = stream_forward(x);
+  a.stream = stream_forward(x, a.threads, for_backward);
   a.half_params = half;
   run(LN_FWD, x.scalar_type(), op, &a);
   return out;
@@ -299,7 +303,8 @@ struct RmsForward {
   Tensor y, rstd;
 };
 
-RmsForward rms_forward(const char* op, const Tensor& x, const OptTensor& weight, double eps) {
+RmsForward rms_forward(const char* op, const Tensor& x, const OptTensor& weight, double eps,
+                       bool for_backward) {
   check_rows(op, "x", x);
   check_param(op, "weight", weight, x);
   check_eps(op, eps);
@@ -316,7 +321,7 @@ RmsForward rms_forward(const char* op, const Tensor& x, const OptTensor& weight,
   a.N = n;
   a.eps = eps;
   a.threads = threads_for(m, n);
-  a.stream = stream_forward(x);
+  a.stream = stream_forward(x, a.threads, for_backward);
   a.half_params = half;
   run(RMS_FWD, x.scalar_type(), op, &a);
   return out;
@@ -351,7 +356,8 @@ struct AdaForward {
   Tensor z, mean, rstd;
 };
 
-AdaForward ada_forward(const char* op, const Tensor& x, double k, double scale, double eps) {
+AdaForward ada_forward(const char* op, const Tensor& x, double k, double scale, double eps,
+                       bool for_backward) {
   check_rows(op, "x", x);
   check_eps(op, eps);
   check_finite(op, "k", k);
@@ -369,7 +375,7 @@ AdaForward ada_forward(const char* op, const Tensor& x, double k, double scale, 
   a.k = k;
   a.scale = scale;
   a.threads = threads_for(m, n);
-  a.stream = stream_forward(x);
+  a.stream = stream_forward(x, a.threads, for_backward);
   run(ADA_FWD, x.scalar_type(), op, &a);
   return out;
 }
@@ -429,7 +435,7 @@ Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : Tens
 struct LayerNormFn : public torch::autograd::Function<LayerNormFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptTensor& weight,
                         const OptTensor& bias, double eps, bool detach_mean, bool detach_std) {
-    auto out = ln_forward("layernorm_cpu::layer_norm", x, weight, bias, eps);
+    auto out = ln_forward("layernorm_cpu::layer_norm", x, weight, bias, eps, true);
     ctx->save_for_backward({x, value_or_undefined(weight), value_or_undefined(bias), out.mean,
                             out.rstd});
     ctx->saved_data["eps"] = eps;
@@ -465,7 +471,7 @@ struct LayerNormFn : public torch::autograd::Function<LayerNormFn> {
 struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptTensor& weight,
                         double eps) {
-    auto out = rms_forward("layernorm_cpu::rms_norm", x, weight, eps);
+    auto out = rms_forward("layernorm_cpu::rms_norm", x, weight, eps, true);
     ctx->save_for_backward({x, value_or_undefined(weight), out.rstd});
     ctx->saved_data["eps"] = eps;
     return out.y;
@@ -492,7 +498,7 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
 struct AdaNormFn : public torch::autograd::Function<AdaNormFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, double k, double scale,
                         double eps) {
-    auto out = ada_forward("layernorm_cpu::ada_norm", x, k, scale, eps);
+    auto out = ada_forward("layernorm_cpu::ada_norm", x, k, scale, eps, true);
     ctx->save_for_backward({x, out.mean, out.rstd});
     ctx->saved_data["k"] = k;
     ctx->saved_data["scale"] = scale;
@@ -521,34 +527,36 @@ struct AdaNormFn : public torch::autograd::Function<AdaNormFn> {
 Tensor layer_norm_autograd(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
                            double eps, bool detach_mean, bool detach_std) {
   if (!needs_grad({&x, given(weight), given(bias)})) {
-    return ln_forward("layernorm_cpu::layer_norm", x, weight, bias, eps).y;
+    return ln_forward("layernorm_cpu::layer_norm", x, weight, bias, eps, false).y;
   }
   return LayerNormFn::apply(x, weight, bias, eps, detach_mean, detach_std);
 }
 
 Tensor layer_norm_cpu(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps,
                       bool, bool) {
-  return ln_forward("layernorm_cpu::layer_norm", x, weight, bias, eps).y;
+  return ln_forward("layernorm_cpu::layer_norm", x, weight, bias, eps, false).y;
 }
 
 Tensor rms_norm_autograd(const Tensor& x, const OptTensor& weight, double eps) {
   if (!needs_grad({&x, given(weight)})) {
-    return rms_forward("layernorm_cpu::rms_norm", x, weight, eps).y;
+    return rms_forward("layernorm_cpu::rms_norm", x, weight, eps, false).y;
   }
   return RmsNormFn::apply(x, weight, eps);
 }
 
 Tensor rms_norm_cpu(const Tensor& x, const OptTensor& weight, double eps) {
-  return rms_forward("layernorm_cpu::rms_norm", x, weight, eps).y;
+  return rms_forward("layernorm_cpu::rms_norm", x, weight, eps, false).y;
 }
 
 Tensor ada_norm_autograd(const Tensor& x, double k, double scale, double eps) {
-  if (!needs_grad({&x})) return ada_forward("layernorm_cpu::ada_norm", x, k, scale, eps).z;
+  if (!needs_grad({&x})) {
+    return ada_forward("layernorm_cpu::ada_norm", x, k, scale, eps, false).z;
+  }
   return AdaNormFn::apply(x, k, scale, eps);
 }
 
 Tensor ada_norm_cpu(const Tensor& x, double k, double scale, double eps) {
-  return ada_forward("layernorm_cpu::ada_norm", x, k, scale, eps).z;
+  return ada_forward("layernorm_cpu::ada_norm", x, k, scale, eps, false).z;
 }
 
 // set_kernel("ln_fwd_f32", address): the kernel of that name in the loaded library.

@@ -332,6 +332,60 @@ def test_half_forwards_are_the_float32_kernels_rounded_once(dtype, target):
                     assert torch.equal(_bits(got[key]), _bits(value)), (key, *what)
 
 
+def _backward_outputs(target: str, op: str, dy, x, w, flags, threads) -> dict[str, torch.Tensor]:
+    """Backward kernel ``op`` of the ``target`` build on dy and x, gain w in float32 (or None),
+    with the statistics of the float32 forward of x's float32 values (the same for both
+    dtypes); ``flags``: (detach_mean, detach_std) of layer norm. dx and the parameters'
+    float32 gradients."""
+    n = x.shape[1]
+    xf = x.float()
+    stats = _forward_outputs(target, "rms" if op == "rms" else "ln", xf, None, None)
+    dx = torch.empty_like(x)
+    out = {"dx": dx}
+    if op == "ln":
+        out["dweight"] = None if w is None else torch.empty(n)
+        out["dbias"] = torch.empty(n)
+        _run(target, "ln_bwd", dy=dy, x=x, mean=stats["mean"], rstd=stats["rstd"], weight=w,
+             dx=dx, dweight=out["dweight"], dbias=out["dbias"], detach_mean=flags[0],
+             detach_std=flags[1], threads=threads, stream=0)  # fmt: skip
+    elif op == "rms":
+        out["dweight"] = None if w is None else torch.empty(n)
+        _run(target, "rms_bwd", dy=dy, x=x, rstd=stats["rstd"], weight=w, dx=dx,
+             dweight=out["dweight"], threads=threads, stream=0)  # fmt: skip
+    else:
+        _run(target, "ada_bwd", dz=dy, x=x, mean=stats["mean"], rstd=stats["rstd"], dx=dx,
+             k=0.1, scale=2.0, threads=threads, stream=0)  # fmt: skip
+    return {k: v for k, v in out.items() if v is not None}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_backwards_are_the_float32_kernels_rounded_once(dtype, target):
+    """The half kernels' contract for the backwards: dx is the float32 kernel's dx on the exactly
+    converted dy and x rounded once to the half type, and the gain's and bias's float32
+    gradients are the float32 kernel's, bit for bit (the same sums in the same order: rows in
+    pairs, flushed to float64 every 16 rows). Layer norm with each DetachNorm setting, gain or
+    not, RMSNorm, AdaNorm; one and two threads; odd row counts (a pair short) and widths around
+    the vectors and the output chunks."""
+    g = torch.Generator().manual_seed(17)
+    for m, n in ((9, 1), (40, 64), (17, 65), (5, 256), (7, 300), (4, 1000), (3, 2048),
+                 (3, 4099), (37, 513)):  # fmt: skip
+        x = (torch.randn(m, n, generator=g) * 3 + 2).to(dtype)
+        dy = torch.randn(m, n, generator=g).to(dtype)
+        w = 1 + torch.randn(n, generator=g)
+        cases = [("ln", w, (0, 0)), ("ln", None, (0, 0)), ("ln", w, (1, 0)), ("ln", w, (0, 1)),
+                 ("ln", w, (1, 1)), ("rms", w, (0, 0)), ("rms", None, (0, 0)),
+                 ("ada", None, (0, 0))]  # fmt: skip
+        for op, pw, flags in cases:
+            for threads in (1, 2):
+                got = _backward_outputs(target, op, dy, x, pw, flags, threads)
+                want = _backward_outputs(target, op, dy.float(), x.float(), pw, flags, threads)
+                want["dx"] = want["dx"].to(dtype)
+                for key, value in want.items():
+                    what = (key, op, m, n, pw is not None, flags, threads)
+                    assert torch.equal(_bits(got[key]), _bits(value)), what
+
+
 # ------------------------------------------------------------------ through the public ops
 
 

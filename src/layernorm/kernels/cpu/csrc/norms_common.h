@@ -43,6 +43,10 @@ static inline void stream_fence(int stream) {
 #define RMS_Y(L) (L(xr) * rf)
 #define RMS_Y_W(L) (L(xr) * rf * L(w))
 #define ADA_Z(L) ((c - ck * LN_XHAT(L)) * LN_XHAT(L))
+/* The layer-norm and RMSNorm backwards' input gradient, with the row's statistics mf (μ; 0 for
+   RMSNorm) and rf (rstd) and its mean terms c1 = mean(g), c2 = mean(g ⊙ x̂) (0 where detached),
+   g = dy ⊙ w: one definition for the float kernels' rows and the half kernels' chunks. */
+#define LN_DX(L) (rf * (L(dyr) * L(w) - c1 - (L(xr) - mf) * rf * c2))
 
 /* The forwards (norms_impl.h: group_stats; the half types' direct rows as well) run rows of at
    most NARROW_N elements in groups of ROW_GROUP: every row's sweeps, then the group's square

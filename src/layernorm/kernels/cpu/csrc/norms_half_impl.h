@@ -3,10 +3,11 @@
    row conversions of half.h), VEC_TO_F32 and ONE_TO_F32 (a vector's and an element's) and
    ROW_KIND (the row kind of norms_impl.h's sweeps) defined.
 
-   The backwards, and the forwards of narrow rows, convert a block of rows (see HALF_BLOCK_ELEMS
-   in half.h) to float32, run the float32 kernel's own row function on it and round the result
-   back to half_t; the forwards of wider rows run the float32 kernel's sweeps and expressions on
-   the row where it lies, converting in registers (see DIRECT_MIN_N below). Statistics, gains,
+   Narrow rows (and AdaNorm's backward) convert a block of rows (see HALF_BLOCK_ELEMS in half.h)
+   to float32, run the float32 kernel's own row function on it and round the result back to
+   half_t; the forwards and the layer-norm and RMSNorm backwards of wider rows run the float32
+   kernel's sweeps and expressions on the row where it lies, converting in registers (see
+   DIRECT_MIN_N below). Statistics, gains,
    biases and their gradients are float32 (compute_t); with the half_params flag the gains and
    biases come in half_t, converted exactly once a call, and dweight goes back rounded once from
    its float32 sum (what a cast of the float32 result gives). So a half result is the float32
@@ -72,6 +73,8 @@ enum { DIRECT_LN, DIRECT_RMS, DIRECT_ADA };
    (1024, 8192) 1.04 / 0.96; bfloat16 (2048, 4096) 0.94-1.03 / 0.81-0.88; narrower rows the
    other way: (4096, 768) 0.80 / 0.91, (1000, 1001) 0.78 / 0.94 (RESULTS.md, 2026-11-30). */
 #define HALF_PARAMS_IN_REGISTERS_N 2048
+/* Half values in a cache line. */
+#define HALF_LINE 32
 _Static_assert(HALF_PARAMS_IN_REGISTERS_N >= DIRECT_MIN_N, "a direct forward's width");
 
 #endif
@@ -203,9 +206,6 @@ typedef struct {
 DEFINE_OUT_CHUNK(FN(out_chunk), float)
 DEFINE_OUT_CHUNK(FN(out_chunk_half_params), half_t)
 #undef DEFINE_OUT_CHUNK
-#undef OUT_LOOP
-#undef LOAD_VEC_K
-#undef LOAD_ONE_K
 
 /* The rows [lo, hi) of a direct forward whose gain and bias are P (float32 or half_t), by
    OUT_CHUNK_FN (one of the two above): a function for each, so that each row loop stays as lean
@@ -404,6 +404,79 @@ static int FN(bwd_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, float* f
     return 0;
 }
 
+/* n <= OUT_CHUNK elements of a row's dx from its half dy and x elements and the float32 gain at
+   the same columns, into t: the float32 kernels' expression (LN_DX). */
+static inline __attribute__((always_inline)) void FN(dx_chunk)(
+    const half_t* restrict dyr, const half_t* restrict xr, const float* restrict w, float mf,
+    float rf, float c1, float c2, float* restrict t, i64 n) {
+    OUT_LOOP(LN_DX);
+}
+
+/* Rows [lo, hi) of a backward of rows of DIRECT_MIN_N elements or more, read where they lie: the
+   float32 instance's sums over the row kind (row_pair_grad_sums_of / row_grad_sums_of with
+   ROW_KIND: the same rows in pairs, the same flushes every FLUSH rows and at hi as its
+   bwd_rows), then dx a chunk of OUT_CHUNK columns at a time by the float32 expression on the
+   values converted in registers, rounded back. Converting blocks of rows (bwd_range) wrote and
+   read float32 copies of dy, x and dx: three rows of N floats, past the first-level cache from
+   2048 columns on. The float32 kernel's bits (test_half_backwards_are_the_float32_kernels_
+   rounded_once), dweight's and dbias's too, where blocks of one row (rows past half a block)
+   summed them one row at a time. */
+static int FN(bwd_direct_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, float* fwa,
+                                float* fba, i64 lo, i64 hi) {
+    const i64 N = jb->N;
+    const float* w = jb->w;
+    const int need_sums = jb->dx && !(jb->detach_mean && jb->detach_std);
+    float t[OUT_CHUNK] __attribute__((aligned(64)));
+    int pending = 0;
+    for (i64 i = lo; i < hi;) {
+        const int rows = (dwa && i + 1 < hi) ? 2 : 1;
+        float m[2], r[2];
+        acc_t sg[2] = {0, 0}, sgx[2] = {0, 0};
+        for (int k = 0; k < rows; ++k) {
+            m[k] = jb->mean ? jb->mean[i + k] : 0;
+            r[k] = jb->rstd[i + k];
+        }
+        const half_t *dy0 = jb->dy + i * N, *x0 = jb->x + i * N;
+        if (rows == 2)
+            row_pair_grad_sums_of_f32(dy0, x0, dy0 + N, x0 + N, w, m, r, N, fwa, fba, sg, sgx,
+                                      ROW_KIND);
+        else if (need_sums || dwa)
+            row_grad_sums_of_f32(dy0, x0, w, m[0], r[0], N, fwa, fba, sg, sgx, ROW_KIND);
+        pending += rows;
+        if (dwa && (pending >= FLUSH || i + rows == hi)) {
+            flush_sums_f32(dwa, dba, fwa, fba, N);
+            pending = 0;
+        }
+        for (int k = 0; jb->dx && k < rows; ++k) {
+            const half_t* dyr = dy0 + k * N;
+            const half_t* xr = x0 + k * N;
+            half_t* dxr = jb->dx + (i + k) * N;
+            const float c1 = jb->detach_mean ? 0 : (float)(sg[k] / (acc_t)N);
+            const float c2 = jb->detach_std ? 0 : (float)(sgx[k] / (acc_t)N);
+            const i64 ahead = i + rows + k; /* the next rows' dy and x, asked for meanwhile */
+            for (i64 j = 0; j < N; j += OUT_CHUNK) {
+                const i64 n = N - j < OUT_CHUNK ? N - j : OUT_CHUNK;
+                for (i64 q = 0; ahead < hi && q < n; q += HALF_LINE) {
+                    __builtin_prefetch(jb->dy + ahead * N + j + q);
+                    __builtin_prefetch(jb->x + ahead * N + j + q);
+                }
+                FN(dx_chunk)(dyr + j, xr + j, w + j, m[k], r[k], c1, c2, t, n);
+                FROM_F32(t, dxr + j, n, jb->stream);
+            }
+        }
+        i += rows;
+    }
+    stream_fence(jb->stream);
+    return 0;
+}
+
+/* A backward's rows [lo, hi): read in place from DIRECT_MIN_N elements, else in blocks. */
+static int FN(bwd_rows_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, float* fwa,
+                              float* fba, i64 lo, i64 hi) {
+    if (jb->N >= DIRECT_MIN_N) return FN(bwd_direct_range)(jb, dwa, dba, fwa, fba, lo, hi);
+    return FN(bwd_range)(jb, dwa, dba, fwa, fba, lo, hi);
+}
+
 static int FN(bwd_run)(FN(bwd_job)* jb) {
     const i64 N = jb->N;
     const int nt = jb->threads < 1 ? 1 : jb->threads;
@@ -414,7 +487,7 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
     int status = 0;
     if (nt == 1) {
         const grad_slice g = grad_sums_slice(&gs, 0, sizeof(float));
-        status = FN(bwd_range)(jb, g.dwa, g.dba, g.fwa, g.fba, 0, jb->M);
+        status = FN(bwd_rows_range)(jb, g.dwa, g.dba, g.fwa, g.fba, 0, jb->M);
     } else {
         #pragma omp parallel num_threads(nt)
         {
@@ -422,7 +495,7 @@ static int FN(bwd_run)(FN(bwd_job)* jb) {
             i64 lo, hi;
             row_block(jb->M, omp_get_num_threads(), (int)t, &lo, &hi);
             const grad_slice g = grad_sums_slice(&gs, t, sizeof(float));
-            const int s = FN(bwd_range)(jb, g.dwa, g.dba, g.fwa, g.fba, lo, hi);
+            const int s = FN(bwd_rows_range)(jb, g.dwa, g.dba, g.fwa, g.fba, lo, hi);
             if (s) {
                 #pragma omp atomic write
                 status = s;
@@ -470,4 +543,7 @@ int FN(rms_bwd)(const FN(rms_bwd_args)* a) {
     return FN(bwd_run_params)(&jb, a->half_params);
 }
 
+#undef OUT_LOOP
+#undef LOAD_VEC_K
+#undef LOAD_ONE_K
 #undef FN

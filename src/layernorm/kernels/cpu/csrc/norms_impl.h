@@ -228,12 +228,12 @@ static inline __attribute__((always_inline)) void FN(group_stats)(
     FN(group_stats_of)(x, i0, n, N, eps, centred, group, ROW_SCALAR, gh, gl, gr);
 }
 
-/* Σ g and Σ g·x̂ over one row (g = dy ⊙ w, x̂ = (x − m)·r); with fwa/fba, also adds the row's
-   dy ⊙ x̂ and dy to the weight/bias accumulators in the same sweep. */
-static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* restrict xr,
-                              const scalar_t* restrict w, scalar_t m, scalar_t r, i64 N,
-                              scalar_t* restrict fwa, scalar_t* restrict fba, acc_t* sg,
-                              acc_t* sgx) {
+/* Σ g and Σ g·x̂ over one row of the given kind (g = dy ⊙ w, x̂ = (x − m)·r); with fwa/fba, also
+   adds the row's dy ⊙ x̂ and dy to the weight/bias accumulators in the same sweep. The half
+   kernels' backwards read their rows where they lie through it (ROW_BF16, ROW_F16). */
+static inline __attribute__((always_inline)) void FN(row_grad_sums_of)(
+    const void* dyr, const void* xr, const scalar_t* restrict w, scalar_t m, scalar_t r, i64 N,
+    scalar_t* restrict fwa, scalar_t* restrict fba, acc_t* sg, acc_t* sgx, const int kind) {
     const i64 nfull = N - N % LANES;
     FN(lanes) sa = {{0}, {0}}, sb = {{0}, {0}};
     for (i64 j = 0; j < nfull;) {
@@ -241,7 +241,8 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
         FN(vec) g0 = {0}, g1 = {0}, gx0 = {0}, gx1 = {0};
         for (; j < end; j += LANES)
             for (i64 h = 0; h < LANES; h += VL) {
-                const FN(vec) d = FN(ld)(dyr + j + h), xh = (FN(ld)(xr + j + h) - m) * r;
+                const FN(vec) d = FN(ld_kind)(dyr, j + h, kind);
+                const FN(vec) xh = (FN(ld_kind)(xr, j + h, kind) - m) * r;
                 const FN(vec) g = d * FN(ld)(w + j + h);
                 if (h == 0) {
                     g0 += g;
@@ -260,7 +261,8 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
     }
     acc_t tg = 0, tgx = 0;
     for (i64 j = nfull; j < N; ++j) {
-        const scalar_t d = dyr[j], xh = (xr[j] - m) * r, g = d * w[j];
+        const scalar_t d = FN(at_kind)(dyr, j, kind);
+        const scalar_t xh = (FN(at_kind)(xr, j, kind) - m) * r, g = d * w[j];
         tg += g;
         tgx += (acc_t)g * xh;
         if (fwa) {
@@ -270,6 +272,13 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
     }
     *sg = tg + FN(lanes_fold)(sa);
     *sgx = tgx + FN(lanes_fold)(sb);
+}
+
+static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* restrict xr,
+                              const scalar_t* restrict w, scalar_t m, scalar_t r, i64 N,
+                              scalar_t* restrict fwa, scalar_t* restrict fba, acc_t* sg,
+                              acc_t* sgx) {
+    FN(row_grad_sums_of)(dyr, xr, w, m, r, N, fwa, fba, sg, sgx, ROW_SCALAR);
 }
 
 /* row_grad_sums for two rows at once, when dw/db are wanted: each accumulator element is loaded
@@ -283,11 +292,10 @@ static void FN(row_grad_sums)(const scalar_t* restrict dyr, const scalar_t* rest
 #define PAIR_V 1
 #endif
 
-static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t* restrict x0,
-                                   const scalar_t* restrict dy1, const scalar_t* restrict x1,
-                                   const scalar_t* restrict w, const scalar_t* m,
-                                   const scalar_t* r, i64 N, scalar_t* restrict fwa,
-                                   scalar_t* restrict fba, acc_t* sg, acc_t* sgx) {
+static inline __attribute__((always_inline)) void FN(row_pair_grad_sums_of)(
+    const void* dy0, const void* x0, const void* dy1, const void* x1, const scalar_t* restrict w,
+    const scalar_t* m, const scalar_t* r, i64 N, scalar_t* restrict fwa, scalar_t* restrict fba,
+    acc_t* sg, acc_t* sgx, const int kind) {
     const scalar_t m0 = m[0], r0 = r[0], m1 = m[1], r1 = r[1];
     const i64 step = PAIR_V * VL, nfull = N - N % step;
     FN(lanes) a0 = {{0}, {0}}, b0 = {{0}, {0}}, a1 = {{0}, {0}}, b1 = {{0}, {0}};
@@ -298,8 +306,10 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
         for (; j < end; j += step)
             for (int v = 0; v < PAIR_V; ++v) {
                 const i64 k = j + v * VL;
-                const FN(vec) d0 = FN(ld)(dy0 + k), xh0 = (FN(ld)(x0 + k) - m0) * r0;
-                const FN(vec) d1 = FN(ld)(dy1 + k), xh1 = (FN(ld)(x1 + k) - m1) * r1;
+                const FN(vec) d0 = FN(ld_kind)(dy0, k, kind);
+                const FN(vec) xh0 = (FN(ld_kind)(x0, k, kind) - m0) * r0;
+                const FN(vec) d1 = FN(ld_kind)(dy1, k, kind);
+                const FN(vec) xh1 = (FN(ld_kind)(x1, k, kind) - m1) * r1;
                 const FN(vec) wk = FN(ld)(w + k), g0 = d0 * wk, g1 = d1 * wk;
                 pg0[v] += g0;
                 pgx0[v] += g0 * xh0;
@@ -316,8 +326,10 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
     }
     acc_t tg0 = 0, tgx0 = 0, tg1 = 0, tgx1 = 0;
     for (i64 j = nfull; j < N; ++j) {
-        const scalar_t d0 = dy0[j], xh0 = (x0[j] - m0) * r0, g0 = d0 * w[j];
-        const scalar_t d1 = dy1[j], xh1 = (x1[j] - m1) * r1, g1 = d1 * w[j];
+        const scalar_t d0 = FN(at_kind)(dy0, j, kind), g0 = d0 * w[j];
+        const scalar_t xh0 = (FN(at_kind)(x0, j, kind) - m0) * r0;
+        const scalar_t d1 = FN(at_kind)(dy1, j, kind), g1 = d1 * w[j];
+        const scalar_t xh1 = (FN(at_kind)(x1, j, kind) - m1) * r1;
         tg0 += g0;
         tgx0 += (acc_t)g0 * xh0;
         tg1 += g1;
@@ -329,6 +341,14 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
     sgx[0] = tgx0 + FN(lanes_fold)(b0);
     sg[1] = tg1 + FN(lanes_fold)(a1);
     sgx[1] = tgx1 + FN(lanes_fold)(b1);
+}
+
+static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t* restrict x0,
+                                   const scalar_t* restrict dy1, const scalar_t* restrict x1,
+                                   const scalar_t* restrict w, const scalar_t* m,
+                                   const scalar_t* r, i64 N, scalar_t* restrict fwa,
+                                   scalar_t* restrict fba, acc_t* sg, acc_t* sgx) {
+    FN(row_pair_grad_sums_of)(dy0, x0, dy1, x1, w, m, r, N, fwa, fba, sg, sgx, ROW_SCALAR);
 }
 #undef PAIR_V
 
@@ -399,6 +419,19 @@ typedef struct {
     int detach_mean, detach_std, threads, stream;
 } FN(bwd_job);
 
+/* dw/db: the rows summed in fwa/fba (scalar_t) moved into the float64 sums dwa/dba, fwa/fba
+   zeroed. */
+static inline void FN(flush_sums)(acc_t* restrict dwa, acc_t* restrict dba,
+                                  scalar_t* restrict fwa, scalar_t* restrict fba, i64 N) {
+    #pragma omp simd
+    for (i64 j = 0; j < N; ++j) {
+        dwa[j] += fwa[j];
+        dba[j] += fba[j];
+        fwa[j] = 0;
+        fba[j] = 0;
+    }
+}
+
 /* Rows [lo, hi). The first sweep reads dy and x from memory; the second, which writes dx, finds
    them in cache. *pending counts the rows added to fwa/fba since their last float64 flush, which
    happens every FLUSH rows and, with `last`, at hi: the half kernels hand their rows over a
@@ -429,13 +462,7 @@ static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* rest
         /* dw/db: FLUSH rows summed in the input precision, then moved into float64 (a float64
            add per element and row would cost as much as the rest of the sweep). */
         if (dwa && (pending >= FLUSH || (last && i + rows == hi))) {
-            #pragma omp simd
-            for (i64 j = 0; j < N; ++j) {
-                dwa[j] += fwa[j];
-                dba[j] += fba[j];
-                fwa[j] = 0;
-                fba[j] = 0;
-            }
+            FN(flush_sums)(dwa, dba, fwa, fba, N);
             pending = 0;
         }
         for (int k = 0; dx && k < rows; ++k) {
@@ -447,9 +474,7 @@ static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* rest
             const scalar_t mf = m[k], rf = r[k];
             const scalar_t* pdy = jb->stream ? FN(ahead)(jb->dy, i + k, hi, N) : NULL;
             const scalar_t* px = jb->stream ? FN(ahead)(jb->x, i + k, hi, N) : NULL;
-#define DX(L) (rf * (L(dyr) * L(w) - c1 - (L(xr) - mf) * rf * c2))
-            ROW_OUT(dxr, N, jb->stream, pdy, px, DX);
-#undef DX
+            ROW_OUT(dxr, N, jb->stream, pdy, px, LN_DX);
         }
         i += rows;
     }

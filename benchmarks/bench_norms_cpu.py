@@ -33,7 +33,6 @@ At the small ones the Python between the module call and the kernel is most of t
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import os
 import platform
@@ -48,6 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layernorm
 import layernorm.functional as LF
+from _records import append_csv
 from _timing import cpu_model, interleaved_ms, interleaved_samples, torch_isa
 from layernorm.kernels.cpu import _native, targets
 from layernorm.kernels.cpu import isa as kernel_isa
@@ -305,14 +305,7 @@ def run(args: argparse.Namespace) -> None:
         print()
 
     if args.csv is not None:
-        new = not args.csv.exists()
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
-        print(f"appended {len(rows)} rows to {args.csv}")
+        print(f"appended {append_csv(args.csv, rows)} rows to {args.csv}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ the candidate grid is scaled down to the tiny rows, ``DRY_RUN_TUNE_GRID``).
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import importlib.util
 import math
@@ -589,15 +588,9 @@ def _tune_summary(rows: list[dict]) -> None:
 def write_csv(path: Path, rows: list[dict]) -> None:
     if not rows:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(rows[0])
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-    print(f"\n{len(rows)} rows appended to {path}")
+    from _records import append_csv  # the scripts' folder: on sys.path when run as a script
+
+    print(f"\n{append_csv(path, rows)} rows appended to {path}")
 
 
 def plot(path: Path, rows: list[dict]) -> None:

@@ -48,7 +48,6 @@ the environment restricts them (``_timing.TORCH_ISA_ENV``; the device line says 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import statistics
@@ -63,6 +62,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _records import append_csv
 from _timing import (
     CLOCKS,
     consecutive_samples,
@@ -338,12 +338,7 @@ def run(args: argparse.Namespace) -> None:
                              "peak_mb": f"{peak[provider + '-peak-mb']:.2f}"
                              if provider + "-peak-mb" in peak else ""})  # fmt: skip
     if args.csv is not None:
-        new = not args.csv.exists()
-        with args.csv.open("a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+        append_csv(args.csv, rows)
 
 
 if __name__ == "__main__":

@@ -149,3 +149,21 @@ def test_ab_norm_node_times_node_python_path_and_grains() -> None:
 def test_bf16_dot_rate_measures_or_says_why_not() -> None:
     out = _run(str(BENCH / "bf16_dot_rate.py"), "--rounds", "1000", "--repeats", "1")
     assert "no AVX512-BF16, nothing to measure" in out or "vdpbf16ps" in out
+
+
+def test_records_append_under_one_header_and_refuse_other_columns(tmp_path) -> None:
+    """The scripts' ``--csv`` rows: the header once, rows appended under it, and a file of other
+    columns (an earlier version of a script's) refused with both headers named."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_records", BENCH / "_records.py")
+    assert spec is not None and spec.loader is not None
+    records = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(records)
+    path = tmp_path / "rows.csv"
+    assert records.append_csv(path, [{"a": 1, "b": 2}]) == 1
+    assert records.append_csv(path, [{"a": 3, "b": 4}, {"a": 5, "b": 6}]) == 2
+    assert path.read_text().splitlines() == ["a,b", "1,2", "3,4", "5,6"]
+    with pytest.raises(SystemExit, match=r"columns are \['a', 'b'\], these rows have \['a', 'm'"):
+        records.append_csv(path, [{"a": 1, "m": "x", "b": 2}])
+    assert path.read_text().splitlines()[-1] == "5,6"  # nothing written

@@ -1,9 +1,10 @@
-"""Our float32 layer norm's forward + backward and backward alone, ms (median and fastest of 40
-calls), to compare two trees' processes run alternately:
+"""Our layer norm's forward + backward and backward alone, ms (median and fastest of 40 calls),
+in the dtype DT names (float32 by default), to compare two trees' processes run alternately:
 
-    PYTHONPATH=<tree>/src .venv/bin/python ours_ms.py <threads> <MxN,...>
+    DT=<dtype> PYTHONPATH=<tree>/src .venv/bin/python ours_ms.py <threads> <MxN,...>
 """
 
+import os
 import statistics
 import sys
 import time
@@ -14,9 +15,11 @@ import layernorm.functional as LF
 
 
 def one_shape(m: int, n: int) -> str:
-    x = torch.randn(m, n, requires_grad=True)
-    w, b = torch.randn(n, requires_grad=True), torch.randn(n, requires_grad=True)
-    dy = torch.randn(m, n)
+    dt = getattr(torch, os.environ.get("DT", "float32"))
+    x = torch.randn(m, n, dtype=dt, requires_grad=True)
+    w = torch.randn(n, dtype=dt, requires_grad=True)
+    b = torch.randn(n, dtype=dt, requires_grad=True)
+    dy = torch.randn(m, n, dtype=dt)
 
     def forward_backward() -> float:
         x.grad = w.grad = b.grad = None

@@ -1,10 +1,12 @@
-"""float32 layer norm (and DetachNorm's detach-both) against torch's, forward alone under no_grad
-and forward + backward, ours / torch's, median of 30 calls, the faster of two rounds. Run once per
-tree, alternating (each tree's src on PYTHONPATH):
+"""Layer norm, DetachNorm's detach-both, AdaNorm and RMSNorm against torch's layer norm, in the
+dtype DT names (float32 by default), forward alone under no_grad and forward + backward, ours /
+torch's, median of 30 calls, the faster of two rounds. Run once per tree, alternating (each
+tree's src on PYTHONPATH):
 
-    PYTHONPATH=<tree>/src .venv/bin/python norm_rows_ab.py <threads> [MxN,...]
+    DT=<dtype> PYTHONPATH=<tree>/src .venv/bin/python norm_rows_ab.py <threads> [MxN,...]
 """
 
+import os
 import statistics
 import sys
 import time
@@ -39,9 +41,13 @@ def main() -> None:
     if len(sys.argv) > 2:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in sys.argv[2].split(","))
     for m, n in shapes:
-        x = (torch.randn(m, n) * 2 + 1).requires_grad_()
-        w, b = torch.randn(n, requires_grad=True), torch.randn(n, requires_grad=True)
-        dy = torch.randn(m, n)
+        dt = getattr(torch, os.environ.get("DT", "float32"))
+        x = (torch.randn(m, n) * 2 + 1).to(dt).requires_grad_()
+        w, b = (
+            torch.randn(n, dtype=dt, requires_grad=True),
+            torch.randn(n, dtype=dt, requires_grad=True),
+        )
+        dy = torch.randn(m, n, dtype=dt)
 
         def fwd(f: Callable[..., torch.Tensor]) -> Callable[[], object]:
             def run() -> object:

@@ -222,7 +222,7 @@ DEFINE_OUT_CHUNK(FN(out_chunk_half_params), half_t)
         float t[OUT_CHUNK] __attribute__((aligned(64)));                                        \
         for (i64 i0 = lo; i0 < hi; i0 += group) {                                               \
             const int n = hi - i0 < group ? (int)(hi - i0) : group;                             \
-            float gh[ROW_GROUP] = {0}, gl[ROW_GROUP] = {0};                                     \
+            float gh[ROW_GROUP], gl[ROW_GROUP];                                                 \
             acc_t gr[ROW_GROUP];                                                                \
             group_stats_of_f32(jb->x, i0, n, N, jb->eps, centred, group, ROW_KIND, gh, gl, gr); \
             for (int q = 0; q < n; ++q) {                                                       \

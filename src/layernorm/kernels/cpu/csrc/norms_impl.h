@@ -204,7 +204,7 @@ static inline int FN(row_group)(i64 N) { return N <= NARROW_N ? ROW_GROUP : 1; }
 
 /* The statistics of the n rows from row i0 of x, rows of N elements of the given kind, of a
    group of `group` (FN(row_group)): with `centred`, μ as hi + lo into gh/gl and
-   r = 1/sqrt(var + eps), else (RMSNorm) r = 1/sqrt(Σx²/N + eps), into gr. */
+   r = 1/sqrt(var + eps), else (RMSNorm) r = 1/sqrt(Σx²/N + eps) and gh = gl = 0, into gr. */
 static inline __attribute__((always_inline)) void FN(group_stats_of)(
     const void* x, i64 i0, int n, i64 N, double eps, const int centred, int group,
     const int kind, scalar_t* gh, scalar_t* gl, acc_t* gr) {
@@ -212,8 +212,12 @@ static inline __attribute__((always_inline)) void FN(group_stats_of)(
     for (int k = 0; k < ROW_GROUP; ++k) gr[k] = 1;
     for (int k = 0; k < n; ++k) {
         const void* xr = (const char*)x + (i0 + k) * N * bytes;
-        if (centred) gr[k] = FN(row_variance_of)(xr, N, &gh[k], &gl[k], kind) + eps;
-        else gr[k] = FN(row_sum_sq_of)(xr, N, kind) / (acc_t)N + eps;
+        if (centred) {
+            gr[k] = FN(row_variance_of)(xr, N, &gh[k], &gl[k], kind) + eps;
+        } else {
+            gr[k] = FN(row_sum_sq_of)(xr, N, kind) / (acc_t)N + eps;
+            gh[k] = gl[k] = 0;
+        }
     }
     if (group == ROW_GROUP) {
         for (int k = 0; k < ROW_GROUP; ++k) gr[k] = 1.0 / sqrt(gr[k]);
@@ -360,31 +364,45 @@ static inline const scalar_t* FN(ahead)(const scalar_t* p, i64 i, i64 hi, i64 N)
     return i + PF_ROWS < hi ? p + (i + PF_ROWS) * N : NULL;
 }
 
+/* Rows [lo, hi) of a forward whose args `a` have x, N, eps and stream, in groups (FN(row_group)):
+   each group's statistics (group_stats; `centred`: μ too, else RMSNorm's), then per row i the
+   statement(s) after `centred`, with xr (the row), mh and ml (μ as hi + lo, 0 where not
+   centred), rf (rstd) and pf (the row to prefetch while streaming: FN(ahead)) in scope; the
+   streamed stores ordered at the end. */
+#define FORWARD_ROWS_IN_GROUPS(a, lo, hi, centred, ...)                                          \
+    do {                                                                                        \
+        const int group_ = FN(row_group)((a)->N);                                               \
+        for (i64 i0_ = (lo); i0_ < (hi); i0_ += group_) {                                       \
+            const int n_ = (hi) - i0_ < group_ ? (int)((hi) - i0_) : group_;                     \
+            scalar_t gh_[ROW_GROUP], gl_[ROW_GROUP];                                            \
+            acc_t gr_[ROW_GROUP];                                                               \
+            FN(group_stats)((a)->x, i0_, n_, (a)->N, (a)->eps, (centred), group_, gh_, gl_,     \
+                            gr_);                                                               \
+            for (int k_ = 0; k_ < n_; ++k_) {                                                   \
+                const i64 i = i0_ + k_;                                                         \
+                const scalar_t* restrict xr = (a)->x + i * (a)->N;                              \
+                const scalar_t mh = gh_[k_], ml = gl_[k_], rf = (scalar_t)gr_[k_];              \
+                const scalar_t* pf = (a)->stream ? FN(ahead)((a)->x, i, (hi), (a)->N) : NULL;   \
+                __VA_ARGS__                                                                     \
+            }                                                                                   \
+        }                                                                                       \
+        stream_fence((a)->stream);                                                              \
+    } while (0)
+
 static void FN(ln_fwd_rows)(const FN(ln_fwd_args)* a, i64 lo, i64 hi) {
     const i64 N = a->N;
     const scalar_t* restrict w = a->weight;
     const scalar_t* restrict b = a->bias;
-    const int st = a->stream, group = FN(row_group)(N);
-    for (i64 i0 = lo; i0 < hi; i0 += group) {
-        const int n = hi - i0 < group ? (int)(hi - i0) : group;
-        scalar_t gh[ROW_GROUP], gl[ROW_GROUP];
-        acc_t gr[ROW_GROUP];
-        FN(group_stats)(a->x, i0, n, N, a->eps, 1, group, gh, gl, gr);
-        for (int k = 0; k < n; ++k) {
-            const i64 i = i0 + k;
-            const scalar_t* restrict xr = a->x + i * N;
-            scalar_t* restrict yr = a->y + i * N;
-            const scalar_t mh = gh[k], ml = gl[k];
-            a->mean[i] = mh;
-            const scalar_t rf = a->rstd[i] = (scalar_t)gr[k];
-            const scalar_t* pf = st ? FN(ahead)(a->x, i, hi, N) : NULL;
-            if (w && b) ROW_OUT(yr, N, st, pf, NULL, LN_Y_WB);
-            else if (w) ROW_OUT(yr, N, st, pf, NULL, LN_Y_W);
-            else if (b) ROW_OUT(yr, N, st, pf, NULL, LN_Y_B);
-            else ROW_OUT(yr, N, st, pf, NULL, LN_XHAT);
-        }
-    }
-    stream_fence(st);
+    const int st = a->stream;
+    FORWARD_ROWS_IN_GROUPS(a, lo, hi, 1, {
+        scalar_t* restrict yr = a->y + i * N;
+        a->mean[i] = mh;
+        a->rstd[i] = rf;
+        if (w && b) ROW_OUT(yr, N, st, pf, NULL, LN_Y_WB);
+        else if (w) ROW_OUT(yr, N, st, pf, NULL, LN_Y_W);
+        else if (b) ROW_OUT(yr, N, st, pf, NULL, LN_Y_B);
+        else ROW_OUT(yr, N, st, pf, NULL, LN_XHAT);
+    });
 }
 
 int FN(ln_fwd)(const FN(ln_fwd_args)* a) {
@@ -527,22 +545,14 @@ int FN(ln_bwd)(const FN(ln_bwd_args)* a) {
 static void FN(rms_fwd_rows)(const FN(rms_fwd_args)* a, i64 lo, i64 hi) {
     const i64 N = a->N;
     const scalar_t* restrict w = a->weight;
-    const int group = FN(row_group)(N);
-    for (i64 i0 = lo; i0 < hi; i0 += group) {
-        const int n = hi - i0 < group ? (int)(hi - i0) : group;
-        acc_t gr[ROW_GROUP];
-        FN(group_stats)(a->x, i0, n, N, a->eps, 0, group, NULL, NULL, gr);
-        for (int k = 0; k < n; ++k) {
-            const i64 i = i0 + k;
-            const scalar_t* restrict xr = a->x + i * N;
-            scalar_t* restrict yr = a->y + i * N;
-            const scalar_t rf = a->rstd[i] = (scalar_t)gr[k];
-            const scalar_t* pf = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
-            if (w) ROW_OUT(yr, N, a->stream, pf, NULL, RMS_Y_W);
-            else ROW_OUT(yr, N, a->stream, pf, NULL, RMS_Y);
-        }
-    }
-    stream_fence(a->stream);
+    const int st = a->stream;
+    FORWARD_ROWS_IN_GROUPS(a, lo, hi, 0, {
+        scalar_t* restrict yr = a->y + i * N;
+        (void)mh, (void)ml;
+        a->rstd[i] = rf;
+        if (w) ROW_OUT(yr, N, st, pf, NULL, RMS_Y_W);
+        else ROW_OUT(yr, N, st, pf, NULL, RMS_Y);
+    });
 }
 
 int FN(rms_fwd)(const FN(rms_fwd_args)* a) {
@@ -571,24 +581,13 @@ int FN(rms_bwd)(const FN(rms_bwd_args)* a) {
 static void FN(ada_fwd_rows)(const FN(ada_fwd_args)* a, i64 lo, i64 hi) {
     const i64 N = a->N;
     const scalar_t c = (scalar_t)a->scale, ck = (scalar_t)(a->scale * a->k);
-    const int group = FN(row_group)(N);
-    for (i64 i0 = lo; i0 < hi; i0 += group) {
-        const int n = hi - i0 < group ? (int)(hi - i0) : group;
-        scalar_t gh[ROW_GROUP], gl[ROW_GROUP];
-        acc_t gr[ROW_GROUP];
-        FN(group_stats)(a->x, i0, n, N, a->eps, 1, group, gh, gl, gr);
-        for (int k = 0; k < n; ++k) {
-            const i64 i = i0 + k;
-            const scalar_t* restrict xr = a->x + i * N;
-            scalar_t* restrict zr = a->z + i * N;
-            const scalar_t mh = gh[k], ml = gl[k];
-            a->mean[i] = mh;
-            const scalar_t rf = a->rstd[i] = (scalar_t)gr[k];
-            const scalar_t* pf = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
-            ROW_OUT(zr, N, a->stream, pf, NULL, ADA_Z);
-        }
-    }
-    stream_fence(a->stream);
+    const int st = a->stream;
+    FORWARD_ROWS_IN_GROUPS(a, lo, hi, 1, {
+        scalar_t* restrict zr = a->z + i * N;
+        a->mean[i] = mh;
+        a->rstd[i] = rf;
+        ROW_OUT(zr, N, st, pf, NULL, ADA_Z);
+    });
 }
 
 int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
@@ -667,6 +666,7 @@ int FN(ada_bwd)(const FN(ada_bwd_args)* a) {
 #undef LOAD_VEC
 #undef ROW_OUT
 #undef PF_ROWS
+#undef FORWARD_ROWS_IN_GROUPS
 #undef VL
 #undef LANES
 #undef HALF

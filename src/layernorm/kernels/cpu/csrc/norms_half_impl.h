@@ -7,12 +7,11 @@
    to float32, run the float32 kernel's own row function on it and round the result back to
    half_t; the forwards and the layer-norm and RMSNorm backwards of wider rows run the float32
    kernel's sweeps and expressions on the row where it lies, converting in registers (see
-   DIRECT_MIN_N below). Statistics, gains,
-   biases and their gradients are float32 (compute_t); with the half_params flag the gains and
-   biases come in half_t, converted exactly once a call, and dweight goes back rounded once from
-   its float32 sum (what a cast of the float32 result gives). So a half result is the float32
-   kernel's result on the exactly converted inputs, rounded once to nearest even: the float32
-   error model plus one rounding to the output type. */
+   DIRECT_MIN_N below). Statistics, gains, biases and their gradients are float32 (compute_t);
+   with the half_params flag the gains and biases come in half_t, converted exactly once a call,
+   and dweight goes back rounded once from its float32 sum (what a cast of the float32 result
+   gives). So a half result is the float32 kernel's result on the exactly converted inputs,
+   rounded once to nearest even: the float32 error model plus one rounding to the output type. */
 
 #ifndef LAYERNORM_NORMS_HALF_ONCE
 #define LAYERNORM_NORMS_HALF_ONCE
@@ -418,9 +417,9 @@ static inline __attribute__((always_inline)) void FN(dx_chunk)(
    bwd_rows), then dx a chunk of OUT_CHUNK columns at a time by the float32 expression on the
    values converted in registers, rounded back. Converting blocks of rows (bwd_range) wrote and
    read float32 copies of dy, x and dx: three rows of N floats, past the first-level cache from
-   2048 columns on. The float32 kernel's bits (test_half_backwards_are_the_float32_kernels_
-   rounded_once), dweight's and dbias's too, where blocks of one row (rows past half a block)
-   summed them one row at a time. */
+   2048 columns on. The float32 kernel's bits, dweight's and dbias's too, where blocks of one row
+   (rows past half a block) had summed them one row at a time
+   (test_half_backwards_are_the_float32_kernels_rounded_once). */
 static int FN(bwd_direct_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, float* fwa,
                                 float* fba, i64 lo, i64 hi) {
     const i64 N = jb->N;

@@ -372,10 +372,11 @@ typedef struct {
     int detach_mean, detach_std, threads, stream;
 } FN(bwd_job);
 
-/* Rows [lo, hi), converted a block at a time and handed to the float32 bwd_rows, which adds the
-   block's dw/db terms to this thread's accumulators (flushed to float64 every FLUSH rows across
-   blocks, and at hi). Blocks of more than one row hold an even number, so the float32 code's
-   pairs of rows never straddle two blocks (a block of one row: each row on its own). */
+/* Rows [lo, hi) of fewer than DIRECT_MIN_N elements (bwd_rows_range), converted a block at a
+   time and handed to the float32 bwd_rows, which adds the block's dw/db terms to this thread's
+   accumulators (flushed to float64 every FLUSH rows across blocks, and at hi). Blocks hold an
+   even number of rows (16 or more at these widths and the default HALF_BLOCK_ELEMS), so the
+   float32 code's pairs of rows never straddle two blocks: its bits, dweight's and dbias's too. */
 static int FN(bwd_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, float* fwa, float* fba,
                          i64 lo, i64 hi) {
     const i64 N = jb->N;

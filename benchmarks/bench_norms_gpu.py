@@ -111,7 +111,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tune-factors", nargs="+", default=list(TUNE_GRID), choices=list(TUNE_GRID),
                    metavar="FACTOR", help=f"settings --tune varies (default: all of "
                    f"{', '.join(TUNE_GRID)})")  # fmt: skip
+    p.add_argument("--tune-settings", nargs="+", default=None, metavar="SPEC",
+                   help="--tune times these settings beside the defaults instead of the one-factor "
+                   "grid; each SPEC is 'name=value,name=value' (LaunchSettings fields), so "
+                   "factors can be combined")  # fmt: skip
+    p.add_argument("--tune-repeats", type=int, default=1, metavar="R",
+                   help="--tune times every candidate R times, in R rounds over the candidates, "
+                   "and tables the median (default 1)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.tune_repeats < 1:
+        p.error(f"--tune-repeats must be at least 1, got {args.tune_repeats}")
+    if args.tune_settings is not None:
+        from layernorm.kernels.triton._norm_core import parse_launch_spec
+
+        try:
+            for spec in args.tune_settings:
+                parse_launch_spec(spec, "--tune-settings")
+        except ValueError as err:
+            p.error(str(err))
     if args.ns is None:
         args.ns = QUICK_NS if args.quick else DEFAULT_NS
     if any(n <= 0 for n in args.ns):
@@ -437,6 +454,13 @@ def tune_candidates(grid: dict[str, list[int]], factors: list[str]) -> list[tupl
     return out
 
 
+def spec_candidates(specs: list[str]) -> list[tuple[str, dict]]:
+    """``("default", {})``, then each ``--tune-settings`` spec as ``(spec, overrides)``."""
+    from layernorm.kernels.triton._norm_core import parse_launch_spec
+
+    return [("default", {})] + [(s, parse_launch_spec(s, "--tune-settings")) for s in specs]
+
+
 def tune_plan(
     candidates: list[tuple[str, dict]], m: int, n: int, device: str
 ) -> dict[str, list[tuple[str, dict]]]:
@@ -483,7 +507,7 @@ def tune_estimate(args: argparse.Namespace, candidates, device: str) -> tuple[in
             for _, overrides in entries:
                 with launch_settings(**overrides):
                     variants.add((direction, launch_config(n, backward=direction == "bwd")))
-    timings *= len(args.ops) * len(args.dtypes)
+    timings *= len(args.ops) * len(args.dtypes) * args.tune_repeats
     n_variants = len(variants) * len(args.ops) * len(args.dtypes)
     # Fitted to two runs on an H200 (2026-11-26): 468 timings and 280 variants in 84 s, 92 and 60
     # in 20 s: about 3 x TUNE_REP_MS per timing (do_bench's warm-up, its estimate runs, the
@@ -495,10 +519,14 @@ def tune(args: argparse.Namespace, device: str, timer, meta: dict[str, str]) -> 
     import torch
 
     grid = DRY_RUN_TUNE_GRID if args.dry_run else TUNE_GRID
-    candidates = tune_candidates(grid, args.tune_factors)
+    if args.tune_settings is not None:
+        candidates, kind = spec_candidates(args.tune_settings), "as given"
+    else:
+        candidates, kind = tune_candidates(grid, args.tune_factors), "one factor at a time"
     timings, n_variants, seconds = tune_estimate(args, candidates, device)
+    rounds = f", {args.tune_repeats} rounds" if args.tune_repeats > 1 else ""
     print(
-        f"\ntune: {len(candidates)} candidate settings (one factor at a time); {timings} "
+        f"\ntune: {len(candidates)} candidate settings ({kind}{rounds}); {timings} "
         "timings, leaving out candidates that launch the same kernels as an earlier one; "
         f"{n_variants} kernel variants to compile: about {seconds / 60:.1f} min on a GPU"
     )
@@ -510,8 +538,8 @@ def tune(args: argparse.Namespace, device: str, timer, meta: dict[str, str]) -> 
             dtype = dtypes[dname]
             print(f"\n{op}, {dname}, M·N = 2^{args.log2_elems}: best launch setting per N, GB/s "
                   "(gain over the defaults)")  # fmt: skip
-            header = (f"{'N':>7} {'M':>8} | {'fwd default':>11}  {'best fwd setting':<28} "
-                      f"{'GB/s':>7} {'gain':>7} | {'bwd default':>11}  {'best bwd setting':<28} "
+            header = (f"{'N':>7} {'M':>8} | {'fwd default':>11}  {'best fwd setting':<40} "
+                      f"{'GB/s':>7} {'gain':>7} | {'bwd default':>11}  {'best bwd setting':<40} "
                       f"{'GB/s':>7} {'gain':>7}")  # fmt: skip
             print(header)
             print("-" * len(header))
@@ -530,29 +558,37 @@ def _tune_one(args, op, dname, dtype, m, n, candidates, device, timer, meta) -> 
     x, w, b, dy = make_inputs(m, n, dtype, args.param_dtype, device)
     plan = tune_plan(candidates, m, n, device)
     rows: list[dict] = []
-    gbps: dict[str, dict[str, float]] = {"fwd": {}, "bwd": {}}
-    for label, overrides in candidates:
-        wanted = [d for d in ("fwd", "bwd") if (label, overrides) in plan[d]]
-        if not wanted:
-            continue
-        with launch_settings(**overrides):
-            for direction in wanted:
-                ms = math.nan
-                try:
-                    fwd, bwd = make_provider("ours", op, x, w, b, dy, 1e-5)
-                    if direction == "fwd":
-                        ms = timer(fwd, rep=TUNE_REP_MS)
-                    else:
-                        ms = timer(bwd, grad_to_none=[x, w, b], rep=TUNE_REP_MS)
-                except Exception as err:  # e.g. out of shared memory for a large tile
-                    print(f"  [{label} {direction} skipped at N={n}: {type(err).__name__}: {err}]"
-                          [:200])  # fmt: skip
-                nbytes = _bytes(op, direction, m, n, x.element_size(), w.element_size())
-                rate = nbytes / (ms * 1e-3) / 1e9 if ms == ms else math.nan
-                gbps[direction][label] = rate
-                rows.append({**meta, "table": "tune", "op": op, "dtype": dname, "M": m, "N": n,
-                             "provider": f"ours[{label}]", "direction": direction, "ms": ms,
-                             "bytes": nbytes, "GB/s": rate})  # fmt: skip
+    # per direction and candidate, the GB/s of each round; the rounds interleave the candidates,
+    # so that a drift of the device's clocks or a neighbour's load reaches each of them alike
+    rates: dict[str, dict[str, list[float]]] = {"fwd": {}, "bwd": {}}
+    for _ in range(args.tune_repeats):
+        for label, overrides in candidates:
+            wanted = [d for d in ("fwd", "bwd") if (label, overrides) in plan[d]]
+            if not wanted:
+                continue
+            with launch_settings(**overrides):
+                for direction in wanted:
+                    ms = math.nan
+                    try:
+                        fwd, bwd = make_provider("ours", op, x, w, b, dy, 1e-5)
+                        if direction == "fwd":
+                            ms = timer(fwd, rep=TUNE_REP_MS)
+                        else:
+                            ms = timer(bwd, grad_to_none=[x, w, b], rep=TUNE_REP_MS)
+                    except Exception as err:  # e.g. out of shared memory for a large tile
+                        print(f"  [{label} {direction} skipped at N={n}: {type(err).__name__}: "
+                              f"{err}]"[:200])  # fmt: skip
+                    nbytes = _bytes(op, direction, m, n, x.element_size(), w.element_size())
+                    rate = nbytes / (ms * 1e-3) / 1e9 if ms == ms else math.nan
+                    rates[direction].setdefault(label, []).append(rate)
+                    rows.append({**meta, "table": "tune", "op": op, "dtype": dname, "M": m,
+                                 "N": n, "provider": f"ours[{label}]", "direction": direction,
+                                 "ms": ms, "bytes": nbytes, "GB/s": rate})  # fmt: skip
+    gbps = {
+        d: {label: statistics.median(r) if all(v == v for v in r) else math.nan
+            for label, r in per.items()}
+        for d, per in rates.items()
+    }  # fmt: skip
     cells = []
     for direction in ("fwd", "bwd"):
         base = gbps[direction].get("default", math.nan)
@@ -560,7 +596,7 @@ def _tune_one(args, op, dname, dtype, m, n, candidates, device, timer, meta) -> 
         best = max(timed, key=timed.__getitem__) if timed else "default"
         rate = timed.get(best, math.nan)
         gain = 100.0 * (rate / base - 1.0) if base == base and base > 0 else math.nan
-        cells.append(f"{base:>11.0f}  {best:<28} {rate:>7.0f} {gain:>+6.1f}%")
+        cells.append(f"{base:>11.0f}  {best:<40} {rate:>7.0f} {gain:>+6.1f}%")
     print(f"{n:>7} {m:>8} | " + " | ".join(cells))
     del x, w, b, dy
     return rows
@@ -568,20 +604,24 @@ def _tune_one(args, op, dname, dtype, m, n, candidates, device, timer, meta) -> 
 
 def _tune_summary(rows: list[dict]) -> None:
     """Per candidate and direction: at how many (op, dtype, N) it was timed, and its median and
-    best gain over the defaults there."""
-    base = {(r["op"], r["dtype"], r["N"], r["direction"]): r["GB/s"] for r in rows
-            if r["provider"] == "ours[default]"}  # fmt: skip
-    gains: dict[tuple[str, str], list[float]] = {}
+    best gain over the defaults there (each cell's median over the rounds)."""
+    rounds: dict[tuple, list[float]] = {}
     for r in rows:
-        ref = base.get((r["op"], r["dtype"], r["N"], r["direction"]), math.nan)
-        if r["provider"] == "ours[default]" or not (ref == ref and r["GB/s"] == r["GB/s"]):
+        key = (r["op"], r["dtype"], r["N"], r["direction"], r["provider"])
+        rounds.setdefault(key, []).append(r["GB/s"])
+    cell = {k: statistics.median(v) if all(x == x for x in v) else math.nan
+            for k, v in rounds.items()}  # fmt: skip
+    gains: dict[tuple[str, str], list[float]] = {}
+    for (op, dname, n, direction, provider), rate in cell.items():
+        ref = cell.get((op, dname, n, direction, "ours[default]"), math.nan)
+        if provider == "ours[default]" or not (ref == ref and rate == rate):
             continue
-        gains.setdefault((r["provider"][5:-1], r["direction"]), []).append(r["GB/s"] / ref - 1)
+        gains.setdefault((provider[5:-1], direction), []).append(rate / ref - 1)
     if not gains:
         return
     print("\ngain over the defaults per candidate: cells timed, median, best")
     for (label, direction), g in sorted(gains.items()):
-        print(f"  {label:<28} {direction}  {len(g):>3}  {100 * statistics.median(g):>+6.1f}%  "
+        print(f"  {label:<40} {direction}  {len(g):>3}  {100 * statistics.median(g):>+6.1f}%  "
               f"{100 * max(g):>+6.1f}%")  # fmt: skip
 
 

@@ -158,11 +158,9 @@ class LaunchSettings:
         return dataclasses.replace(self, **overrides)
 
 
-def _settings_from_env() -> LaunchSettings:
-    """Defaults, with ``LAYERNORM_TRITON_LAUNCH="name=value,name=value"`` applied if set."""
-    spec = os.environ.get(LAUNCH_ENV_VAR, "").strip()
-    if not spec:
-        return LaunchSettings()
+def parse_launch_spec(spec: str, source: str = LAUNCH_ENV_VAR) -> dict[str, int]:
+    """``"name=value,name=value"`` as ``{name: value}``, checked against :class:`LaunchSettings`
+    (names and values); ``source`` names where the text came from in the errors."""
     overrides: dict[str, int] = {}
     for item in spec.split(","):
         name, sep, value = item.partition("=")
@@ -172,13 +170,20 @@ def _settings_from_env() -> LaunchSettings:
             overrides[name.strip()] = int(value)
         except ValueError:
             raise ValueError(
-                f"{LAUNCH_ENV_VAR} must be comma-separated name=integer pairs, e.g. "
+                f"{source} must be comma-separated name=integer pairs, e.g. "
                 f"'max_fused_block_n_bwd=16384,elems_per_thread=8'; got item {item!r}"
             ) from None
     try:
-        return LaunchSettings().replace(**overrides)
+        LaunchSettings().replace(**overrides)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{LAUNCH_ENV_VAR}={spec!r}: {err}") from None
+        raise ValueError(f"{source}={spec!r}: {err}") from None
+    return overrides
+
+
+def _settings_from_env() -> LaunchSettings:
+    """Defaults, with ``LAYERNORM_TRITON_LAUNCH="name=value,name=value"`` applied if set."""
+    spec = os.environ.get(LAUNCH_ENV_VAR, "").strip()
+    return LaunchSettings().replace(**parse_launch_spec(spec)) if spec else LaunchSettings()
 
 
 _settings: LaunchSettings = _settings_from_env()

@@ -67,6 +67,9 @@ TUNE_GRID: dict[str, list[int]] = {
     "fused_tile_elems": [2048, 4096, 8192],
     "fused_tile_elems_bwd": [1024, 2048, 4096],
     "looped_elems_per_thread_bwd": [4, 8, 16],
+    "short_rows_bwd_max_n": [256, 512, 1024],
+    "short_rows_elems_per_thread_bwd": [16, 32],
+    "short_rows_programs_per_sm": [4, 8],
 }
 # --tune --dry-run: the same factors at the tiny rows' scale (N = 256, 512), so that both kernel
 # routes and several tile shapes run under the interpreter
@@ -79,6 +82,9 @@ DRY_RUN_TUNE_GRID: dict[str, list[int]] = {
     "fused_tile_elems": [1024],
     "fused_tile_elems_bwd": [1024],
     "looped_elems_per_thread_bwd": [16],
+    "short_rows_bwd_max_n": [128],
+    "short_rows_elems_per_thread_bwd": [16],
+    "short_rows_programs_per_sm": [4],
 }
 TUNE_REP_MS = 50  # do_bench's measuring time per candidate; the sweep's 100 ms is not needed
 

@@ -303,9 +303,22 @@ def test_launch_config_heuristics():
     assert small.block_n == 128 and small.block_m * small.block_n == _norm_core.FUSED_TILE_ELEMS
     small_bwd = _norm_core.launch_config(100, backward=True)
     assert small_bwd.block_m * small_bwd.block_n == _norm_core.FUSED_TILE_ELEMS_BWD
-    # the backward's own tile and looped warps; the forward's are unchanged
-    assert small_bwd.num_warps == _norm_core._num_warps(_norm_core.FUSED_TILE_ELEMS_BWD)
+    # the backward's own tile and looped warps; the forward's are unchanged. Short rows (a tile of
+    # several rows) take the short-row launch's elements per thread and programs per SM
+    short_per_thread = _norm_core.SHORT_ROWS_ELEMS_PER_THREAD_BWD
+    assert small_bwd.num_warps == _norm_core._num_warps(
+        _norm_core.FUSED_TILE_ELEMS_BWD, short_per_thread
+    )
     assert small.num_warps == _norm_core._num_warps(_norm_core.FUSED_TILE_ELEMS)
+    longer = _norm_core.SHORT_ROWS_BWD_MAX_N * 2
+    longer_bwd = _norm_core.launch_config(longer, backward=True)
+    assert not longer_bwd.looped and longer_bwd.num_warps == _norm_core._num_warps(
+        longer_bwd.block_m * longer
+    )
+    with _norm_core.launch_settings(short_rows_bwd_max_n=longer):
+        assert _norm_core.launch_config(longer, backward=True).num_warps == _norm_core._num_warps(
+            longer_bwd.block_m * longer, short_per_thread
+        )
     per_thread = {False: _norm_core.ELEMS_PER_THREAD, True: _norm_core.LOOPED_ELEMS_PER_THREAD_BWD}
     for backward, elems in per_thread.items():
         looped = _norm_core.launch_config(262_144, backward=backward)
@@ -319,6 +332,31 @@ def test_launch_config_heuristics():
     # about 16 elements per thread and operand, within Triton's 1..32 warps
     assert _norm_core._num_warps(16384) == 32 and _norm_core._num_warps(8192) == 16
     assert _norm_core._num_warps(64) == 2 and _norm_core._num_warps(1 << 20) == 32
+
+
+def test_backward_grid_takes_the_short_row_programs_per_sm(monkeypatch: pytest.MonkeyPatch):
+    """The persistent backward's grid: ``programs_per_sm`` per SM for rows longer than
+    ``short_rows_bwd_max_n``, ``short_rows_programs_per_sm`` up to it; the interpreter's fixed
+    count off CUDA; never more programs than tiles."""
+    sms = 132
+    props = type("Props", (), {"multi_processor_count": sms})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    cuda = torch.device("cuda")
+    st = _norm_core.current_launch_settings()
+    m = 1 << 20
+    short = _norm_core.launch_config(st.short_rows_bwd_max_n, backward=True)
+    assert _norm_core.backward_groups(short, m, short.block_n, cuda) == (
+        sms * st.short_rows_programs_per_sm
+    )
+    n_long = 2 * st.short_rows_bwd_max_n
+    long = _norm_core.launch_config(n_long, backward=True)
+    assert not long.looped
+    assert _norm_core.backward_groups(long, m, n_long, cuda) == sms * st.programs_per_sm
+    with _norm_core.launch_settings(short_rows_programs_per_sm=3):
+        assert _norm_core.backward_groups(short, m, short.block_n, cuda) == sms * 3
+    assert _norm_core.backward_groups(short, short.block_m, short.block_n, cuda) == 1  # one tile
+    cpu = _norm_core.backward_groups(short, m, short.block_n, torch.device("cpu"))
+    assert cpu == _norm_core.INTERPRETER_PROGRAMS
 
 
 def test_launch_settings_swap_in_and_restore():

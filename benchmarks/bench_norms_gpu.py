@@ -70,6 +70,8 @@ TUNE_GRID: dict[str, list[int]] = {
     "short_rows_bwd_max_n": [256, 512, 1024],
     "short_rows_elems_per_thread_bwd": [16, 32],
     "short_rows_programs_per_sm": [4, 8],
+    "long_rows_fwd_min_n": [8192, 16384, 32768],
+    "long_rows_elems_per_thread_fwd": [16, 32],
 }
 # --tune --dry-run: the same factors at the tiny rows' scale (N = 256, 512), so that both kernel
 # routes and several tile shapes run under the interpreter
@@ -85,6 +87,8 @@ DRY_RUN_TUNE_GRID: dict[str, list[int]] = {
     "short_rows_bwd_max_n": [128],
     "short_rows_elems_per_thread_bwd": [16],
     "short_rows_programs_per_sm": [4],
+    "long_rows_fwd_min_n": [256],
+    "long_rows_elems_per_thread_fwd": [16],
 }
 TUNE_REP_MS = 50  # do_bench's measuring time per candidate; the sweep's 100 ms is not needed
 

@@ -31,6 +31,9 @@
 # recurrent table at the six shapes, 20 s for the GEMM (before the packed-A builds were added
 # beside it), then about 140 s of tests at 12 workers.
 # The machine's start adds about a minute (30 s on 2026-11-27; tests with -n 8 then took 69 s).
+# On 2026-11-30 the tests took 214 s with -n 14 (over 150 s with -n 8): the recurrent-layer tests
+# wait about two minutes for the C kernels and C++ operators to build on the fresh host. The
+# stage already passes -q; a second one in TEST_ARGS hides pytest's summary line.
 set -euo pipefail
 
 stage="${1:-all}"

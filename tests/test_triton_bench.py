@@ -148,6 +148,31 @@ def test_tune_candidates_vary_one_factor_and_skip_equivalent_launches():
     assert timings == per_dtype * len(args.dtypes) and variants > 0 and seconds > 0
 
 
+def test_tune_settings_combine_factors_and_repeats_count_rounds():
+    """--tune-settings: given combinations beside the defaults, checked by the settings' own parser
+    (a bad name or value is a usage error naming it); --tune-repeats multiplies the timings."""
+    bench = _load()
+    specs = ["programs_per_sm=8,elems_per_thread=32", "fused_tile_elems_bwd=1024"]
+    args = bench.parse_args(["--tune", "--tune-settings", *specs, "--tune-repeats", "3",
+                             "--ns", "256", "--ops", "layer_norm"])  # fmt: skip
+    candidates = bench.spec_candidates(args.tune_settings)
+    assert candidates == [
+        ("default", {}),
+        (specs[0], {"programs_per_sm": 8, "elems_per_thread": 32}),
+        (specs[1], {"fused_tile_elems_bwd": 1024}),
+    ]
+    once = bench.parse_args(["--tune", "--tune-settings", *specs, "--ns", "256",
+                             "--ops", "layer_norm"])  # fmt: skip
+    assert (
+        bench.tune_estimate(args, candidates, "cpu")[0]
+        == 3 * bench.tune_estimate(once, candidates, "cpu")[0]
+    )
+    for bad in (["--tune-settings", "warps=4"], ["--tune-settings", "elems_per_thread=24"],
+                ["--tune-settings", "elems_per_thread"], ["--tune-repeats", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--tune", *bad])
+
+
 @pytest.mark.slow
 def test_tune_dry_run_prints_tables_and_appends_rows(tmp_path: Path):
     """--tune --dry-run: the tuning path on CPU under the interpreter, with the grid scaled to the

@@ -315,6 +315,15 @@ def test_launch_config_heuristics():
     assert not longer_bwd.looped and longer_bwd.num_warps == _norm_core._num_warps(
         longer_bwd.block_m * longer
     )
+    # long rows: the forward's long-row launch from LONG_ROWS_FWD_MIN_N, the backward's as before
+    long_n = _norm_core.LONG_ROWS_FWD_MIN_N
+    long_fwd = _norm_core.launch_config(long_n)
+    assert not long_fwd.looped and long_fwd.block_m == 1
+    assert long_fwd.num_warps == _norm_core._num_warps(
+        long_n, _norm_core.LONG_ROWS_ELEMS_PER_THREAD_FWD
+    )
+    below = _norm_core.launch_config(long_n // 2)
+    assert below.num_warps == _norm_core._num_warps(below.block_m * (long_n // 2))
     with _norm_core.launch_settings(short_rows_bwd_max_n=longer):
         assert _norm_core.launch_config(longer, backward=True).num_warps == _norm_core._num_warps(
             longer_bwd.block_m * longer, short_per_thread

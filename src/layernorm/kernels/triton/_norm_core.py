@@ -69,7 +69,8 @@ MODE_ADA: int = 2  # centred, z = C·x̂·(1 − k·x̂): AdaNorm
 # Defaults of LaunchSettings, from `benchmarks/bench_norms_gpu.py --tune` on an H200 (Triton 3.6,
 # 2026-11-26; benchmarks/RESULTS.md). Rows up to these lengths are normalized in registers; longer
 # rows use the looped kernels. The warp counts keep about 16 elements per thread for each row-sized
-# operand (32 in the forward at 32768, which still measured 19-51% over the looped forward there).
+# operand (32 in the forward from 16384 up, and in the backward of rows up to 512: below; the
+# forward at 32768 still measured 19-51% over the looped forward).
 # Compiled for sm_90 (ptxas -v), the backward at 8192 x 16 warps uses 128 registers with no spills,
 # while at 16384 it spills over 1.8 KB per thread (x, dy, w and the two partial-sum vectors all
 # live in registers).
@@ -98,6 +99,13 @@ LOOPED_ELEMS_PER_THREAD_BWD: int = 8
 SHORT_ROWS_BWD_MAX_N: int = 512
 SHORT_ROWS_ELEMS_PER_THREAD_BWD: int = 32
 SHORT_ROWS_PROGRAMS_PER_SM: int = 8
+# The fused forward of long rows (N >= LONG_ROWS_FWD_MIN_N, one row per tile): 32 elements per
+# thread, 16 warps instead of 32 at N = 16384. On the H200 (2026-11-26 tune, the same forward kernel
+# as now): bfloat16 layer norm 2336 -> 3525 GB/s, float32 +2.8%, RMSNorm -0.2% and +0.6%; at 8192
+# 32 elements per thread measured -1%. At 32768 the 32-warp cap gives 32 elements per thread
+# either way.
+LONG_ROWS_FWD_MIN_N: int = 16384
+LONG_ROWS_ELEMS_PER_THREAD_FWD: int = 32
 # Triton's limit on the elements of one block (tl.arange, a register tile).
 _MAX_BLOCK_ELEMS: int = 1 << 20
 LAUNCH_ENV_VAR: str = "LAYERNORM_TRITON_LAUNCH"
@@ -135,6 +143,9 @@ class LaunchSettings:
             launch, the next two fields.
         short_rows_elems_per_thread_bwd: ``elems_per_thread`` of that launch.
         short_rows_programs_per_sm: ``programs_per_sm`` of that launch.
+        long_rows_fwd_min_n: rows of at least this (padded) length take the fused forward's
+            long-row launch, the next field.
+        long_rows_elems_per_thread_fwd: ``elems_per_thread`` of that launch.
     """
 
     max_fused_block_n_fwd: int = MAX_FUSED_BLOCK_N_FWD
@@ -149,6 +160,8 @@ class LaunchSettings:
     short_rows_bwd_max_n: int = SHORT_ROWS_BWD_MAX_N
     short_rows_elems_per_thread_bwd: int = SHORT_ROWS_ELEMS_PER_THREAD_BWD
     short_rows_programs_per_sm: int = SHORT_ROWS_PROGRAMS_PER_SM
+    long_rows_fwd_min_n: int = LONG_ROWS_FWD_MIN_N
+    long_rows_elems_per_thread_fwd: int = LONG_ROWS_ELEMS_PER_THREAD_FWD
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -365,8 +378,11 @@ def launch_config(n: int, block_n: int | None = None, *, backward: bool = False)
     full = triton.next_power_of_2(n)
     if full <= (st.max_fused_block_n_bwd if backward else st.max_fused_block_n_fwd):
         block_m = _fused_block_m(full, backward=backward)
-        short = backward and full <= st.short_rows_bwd_max_n
-        per_thread = st.short_rows_elems_per_thread_bwd if short else None
+        per_thread = None
+        if backward and full <= st.short_rows_bwd_max_n:
+            per_thread = st.short_rows_elems_per_thread_bwd
+        elif not backward and full >= st.long_rows_fwd_min_n:
+            per_thread = st.long_rows_elems_per_thread_fwd
         return LaunchConfig(False, block_m, full, _num_warps(block_m * full, per_thread))
     return LaunchConfig(
         True, 1, st.looped_block_n, _num_warps(st.looped_block_n, looped_per_thread)

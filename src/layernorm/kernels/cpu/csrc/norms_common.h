@@ -66,6 +66,28 @@ static inline void stream_fence(int stream) {
 /* Rows whose dweight/dbias terms are summed in the input precision before a float64 flush. */
 #define FLUSH 16
 
+/* Whether a backward that sums dweight/dbias takes its rows of N elements in pairs, one sweep of
+   both rows adding both rows' terms (row_pair_grad_sums), or one at a time: pairs for rows of
+   more than PAIRED_ROWS_WIDE_N elements, and, with 32 vector registers (AVX-512), of up to
+   PAIRED_ROWS_NARROW_N. The half kernels' backwards follow it, so that their bits stay the
+   float32 kernels'. AMD EPYC Zen 4, float32 layer norm backward alone, ms one row at a time /
+   in pairs, one thread (two): AVX-512 build (16384, 256) 0.78-0.83 (0.78-0.79), (8192, 384)
+   0.74-0.76 (0.76-0.78), (8192, 512) 0.75-0.85 (0.82-0.88), (4096, 768) 0.93-0.94 (0.91-0.94),
+   (4096, 1024) 1.02-1.13 (0.90), level at 128, while (50000, 64) took 1.16 and (2048, 2048) to
+   (1024, 8192) 1.10-1.26; AVX2 build (16384, 256) 0.76-0.79, (8192, 512) 0.85-0.86, level at
+   64, 128 and 1024, (2048, 4096) 1.06-1.07 (RESULTS.md, 2026-11-30). */
+#ifndef PAIRED_ROWS_WIDE_N /* -DPAIRED_ROWS_WIDE_N=0: every row in pairs, as before */
+#define PAIRED_ROWS_WIDE_N 768
+#endif
+#if VEC_REGISTERS >= 32
+#define PAIRED_ROWS_NARROW_N 128
+#else
+#define PAIRED_ROWS_NARROW_N 0
+#endif
+static inline int paired_rows(i64 N) {
+    return N > PAIRED_ROWS_WIDE_N || N <= PAIRED_ROWS_NARROW_N;
+}
+
 /* Token pasting through one more macro level, so SUF is expanded before it is pasted. */
 #define LN_CAT_(a, b) a##_##b
 #define LN_CAT(a, b) LN_CAT_(a, b)

@@ -414,7 +414,7 @@ static inline __attribute__((always_inline)) void FN(dx_chunk)(
 
 /* Rows [lo, hi) of a backward of rows of DIRECT_MIN_N elements or more, read where they lie: the
    float32 instance's sums over the row kind (row_pair_grad_sums_of / row_grad_sums_of with
-   ROW_KIND: the same rows in pairs, the same flushes every FLUSH rows and at hi as its
+   ROW_KIND: the same rows in pairs (paired_rows), the same flushes every FLUSH rows and at hi as its
    bwd_rows), then dx a chunk of OUT_CHUNK columns at a time by the float32 expression on the
    values converted in registers, rounded back. Converting blocks of rows (bwd_range) wrote and
    read float32 copies of dy, x and dx: three rows of N floats, past the first-level cache from
@@ -429,7 +429,7 @@ static int FN(bwd_direct_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, f
     float t[OUT_CHUNK] __attribute__((aligned(64)));
     int pending = 0;
     for (i64 i = lo; i < hi;) {
-        const int rows = (dwa && i + 1 < hi) ? 2 : 1;
+        const int rows = (dwa && paired_rows(N) && i + 1 < hi) ? 2 : 1;
         float m[2], r[2];
         acc_t sg[2] = {0, 0}, sgx[2] = {0, 0};
         for (int k = 0; k < rows; ++k) {

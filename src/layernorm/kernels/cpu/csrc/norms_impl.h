@@ -464,7 +464,7 @@ static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* rest
     const int need_sums = dx && !(jb->detach_mean && jb->detach_std);
     int pending = *pending_rows;
     for (i64 i = lo; i < hi;) {
-        const int rows = (dwa && i + 1 < hi) ? 2 : 1;
+        const int rows = (dwa && paired_rows(N) && i + 1 < hi) ? 2 : 1;
         scalar_t m[2], r[2];
         acc_t sg[2] = {0, 0}, sgx[2] = {0, 0};
         for (int k = 0; k < rows; ++k) {

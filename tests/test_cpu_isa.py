@@ -178,7 +178,12 @@ def _close(actual, expected, tol, what, scale=1.0) -> None:
 @pytest.mark.parametrize("name", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("kind", list(NORMS))
-@pytest.mark.parametrize(("m", "n"), [(5, 31), (7, 33), (3, 1000), (80, 1031)], ids=str)
+# Widths against the kernels' loops: a row shorter than a block, one element past it, a whole
+# vector past the blocks (48, 1008: the backwards' vector tail step, one row and a pair of rows at
+# a time), long rows with and without a scalar tail.
+@pytest.mark.parametrize(
+    ("m", "n"), [(5, 31), (7, 33), (6, 48), (3, 1000), (4, 1008), (80, 1031)], ids=str
+)
 @pytest.mark.parametrize("stores", ["plain", "streaming"])
 def test_norm_kernels_match_reference(name, dtype, kind, m, n, stores, monkeypatch) -> None:
     """Each target's kernels, with plain stores and with the outputs streamed past the caches

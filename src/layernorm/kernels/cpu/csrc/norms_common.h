@@ -88,6 +88,11 @@ static inline int paired_rows(i64 N) {
     return N > PAIRED_ROWS_WIDE_N || N <= PAIRED_ROWS_NARROW_N;
 }
 
+/* 1/N in float64, by which the backwards scale a row's two sums (mean(g), mean(g·x̂)): a
+   multiplication where a division by N, at the end of each row's chain of dependent operations,
+   left the row's output waiting on it. */
+#define BWD_INV_N(N) (1.0 / (acc_t)(N))
+
 /* Token pasting through one more macro level, so SUF is expanded before it is pasted. */
 #define LN_CAT_(a, b) a##_##b
 #define LN_CAT(a, b) LN_CAT_(a, b)

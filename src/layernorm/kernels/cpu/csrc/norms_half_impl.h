@@ -426,6 +426,7 @@ static int FN(bwd_direct_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, f
     const i64 N = jb->N;
     const float* w = jb->w;
     const int need_sums = jb->dx && !(jb->detach_mean && jb->detach_std);
+    const acc_t inv_n = BWD_INV_N(N);
     float t[OUT_CHUNK] __attribute__((aligned(64)));
     int pending = 0;
     for (i64 i = lo; i < hi;) {
@@ -451,8 +452,8 @@ static int FN(bwd_direct_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, f
             const half_t* dyr = dy0 + k * N;
             const half_t* xr = x0 + k * N;
             half_t* dxr = jb->dx + (i + k) * N;
-            const float c1 = jb->detach_mean ? 0 : (float)(sg[k] / (acc_t)N);
-            const float c2 = jb->detach_std ? 0 : (float)(sgx[k] / (acc_t)N);
+            const float c1 = jb->detach_mean ? 0 : (float)(sg[k] * inv_n);
+            const float c2 = jb->detach_std ? 0 : (float)(sgx[k] * inv_n);
             const i64 ahead = i + rows + k; /* the next rows' dy and x, asked for meanwhile */
             for (i64 j = 0; j < N; j += OUT_CHUNK) {
                 const i64 n = N - j < OUT_CHUNK ? N - j : OUT_CHUNK;

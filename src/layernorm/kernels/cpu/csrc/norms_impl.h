@@ -43,6 +43,12 @@ static const scalar_t* FN(ones)(i64 n) {
    a third of the statistics' time at N = 256). */
 typedef scalar_t FN(vec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(scalar_t)),
                                         may_alias));
+/* The backwards' sums take a whole vector left past their blocks in one vector step (48-element
+   rows: 0.75 of the time of the scalar tail); -DNO_TAIL_VEC=1 leaves it to the scalar tail, as
+   before (benchmarks/ab_norm_kernels.py). */
+#ifndef NO_TAIL_VEC
+#define NO_TAIL_VEC 0
+#endif
 #define VL ((i64)(VEC_BYTES / sizeof(scalar_t)))
 #define LANES (2 * VL)
 #define HALF VL
@@ -263,8 +269,23 @@ static inline __attribute__((always_inline)) void FN(row_grad_sums_of)(
         FN(lanes_add)(g0, g1, &sa);
         FN(lanes_add)(gx0, gx1, &sb);
     }
+    i64 tail = nfull;
+    /* a whole vector past the blocks: one vector step (see row_pair_grad_sums_of) */
+    if (__builtin_expect(!NO_TAIL_VEC && N - nfull >= VL, 0)) {
+        const i64 j = nfull;
+        const FN(vec) d = FN(ld_kind)(dyr, j, kind);
+        const FN(vec) xh = (FN(ld_kind)(xr, j, kind) - m) * r;
+        const FN(vec) g = d * FN(ld)(w + j), zero = {0};
+        FN(lanes_add)(g, zero, &sa);
+        FN(lanes_add)(g * xh, zero, &sb);
+        if (fwa) {
+            *(FN(vec)*)(fwa + j) += d * xh;
+            *(FN(vec)*)(fba + j) += d;
+        }
+        tail += VL;
+    }
     acc_t tg = 0, tgx = 0;
-    for (i64 j = nfull; j < N; ++j) {
+    for (i64 j = tail; j < N; ++j) {
         const scalar_t d = FN(at_kind)(dyr, j, kind);
         const scalar_t xh = (FN(at_kind)(xr, j, kind) - m) * r, g = d * w[j];
         tg += g;
@@ -328,8 +349,27 @@ static inline __attribute__((always_inline)) void FN(row_pair_grad_sums_of)(
         FN(lanes_add)(pg1[0], PAIR_V > 1 ? pg1[PAIR_V - 1] : zero, &a1);
         FN(lanes_add)(pgx1[0], PAIR_V > 1 ? pgx1[PAIR_V - 1] : zero, &b1);
     }
+    i64 tail = nfull;
+    /* A whole vector past the blocks (two-vector steps only): one vector step, where the scalar
+       tail adds into float64 one element at a time, a chain that was most of a 48-element row's
+       time. Unlikely: kept out of the way of the rows that have no tail. */
+    if (__builtin_expect(!NO_TAIL_VEC && PAIR_V > 1 && N - tail >= VL, 0)) {
+        const i64 k = tail;
+        const FN(vec) d0 = FN(ld_kind)(dy0, k, kind);
+        const FN(vec) xh0 = (FN(ld_kind)(x0, k, kind) - m0) * r0;
+        const FN(vec) d1 = FN(ld_kind)(dy1, k, kind);
+        const FN(vec) xh1 = (FN(ld_kind)(x1, k, kind) - m1) * r1;
+        const FN(vec) wk = FN(ld)(w + k), g0 = d0 * wk, g1 = d1 * wk, zero = {0};
+        FN(lanes_add)(g0, zero, &a0);
+        FN(lanes_add)(g0 * xh0, zero, &b0);
+        FN(lanes_add)(g1, zero, &a1);
+        FN(lanes_add)(g1 * xh1, zero, &b1);
+        *(FN(vec)*)(fwa + k) += d0 * xh0 + d1 * xh1;
+        *(FN(vec)*)(fba + k) += d0 + d1;
+        tail += VL;
+    }
     acc_t tg0 = 0, tgx0 = 0, tg1 = 0, tgx1 = 0;
-    for (i64 j = nfull; j < N; ++j) {
+    for (i64 j = tail; j < N; ++j) {
         const scalar_t d0 = FN(at_kind)(dy0, j, kind), g0 = d0 * w[j];
         const scalar_t xh0 = (FN(at_kind)(x0, j, kind) - m0) * r0;
         const scalar_t d1 = FN(at_kind)(dy1, j, kind), g1 = d1 * w[j];
@@ -462,6 +502,7 @@ static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* rest
     const scalar_t* restrict w = jb->w;
     scalar_t* restrict dx = jb->dx;
     const int need_sums = dx && !(jb->detach_mean && jb->detach_std);
+    const acc_t inv_n = BWD_INV_N(N);
     int pending = *pending_rows;
     for (i64 i = lo; i < hi;) {
         const int rows = (dwa && paired_rows(N) && i + 1 < hi) ? 2 : 1;
@@ -487,8 +528,8 @@ static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* rest
             const scalar_t* restrict dyr = dy0 + k * N;
             const scalar_t* restrict xr = x0 + k * N;
             scalar_t* restrict dxr = dx + (i + k) * N;
-            const scalar_t c1 = jb->detach_mean ? 0 : (scalar_t)(sg[k] / (acc_t)N);
-            const scalar_t c2 = jb->detach_std ? 0 : (scalar_t)(sgx[k] / (acc_t)N);
+            const scalar_t c1 = jb->detach_mean ? 0 : (scalar_t)(sg[k] * inv_n);
+            const scalar_t c2 = jb->detach_std ? 0 : (scalar_t)(sgx[k] * inv_n);
             const scalar_t mf = m[k], rf = r[k];
             const scalar_t* pdy = jb->stream ? FN(ahead)(jb->dy, i + k, hi, N) : NULL;
             const scalar_t* px = jb->stream ? FN(ahead)(jb->x, i + k, hi, N) : NULL;

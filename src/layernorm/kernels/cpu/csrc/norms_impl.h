@@ -43,9 +43,11 @@ static const scalar_t* FN(ones)(i64 n) {
    a third of the statistics' time at N = 256). */
 typedef scalar_t FN(vec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(scalar_t)),
                                         may_alias));
-/* The backwards' sums take a whole vector left past their blocks in one vector step (48-element
-   rows: 0.75 of the time of the scalar tail); -DNO_TAIL_VEC=1 leaves it to the scalar tail, as
-   before (benchmarks/ab_norm_kernels.py). */
+/* TAIL_VECTOR_STEP: a row's sums (statistics, the backwards' sums) take a whole vector left past
+   their blocks of two vectors in one vector step, where the scalar tail adds into float64 one
+   element at a time, a dependent chain (48-element rows: the backward in 0.75-0.81 of the time).
+   Under a branch hint: out of the way of the rows that have no such vector. -DNO_TAIL_VEC=1
+   leaves it to the scalar tail, as before (benchmarks/ab_norm_kernels.py). */
 #ifndef NO_TAIL_VEC
 #define NO_TAIL_VEC 0
 #endif
@@ -152,8 +154,14 @@ static inline __attribute__((always_inline)) acc_t FN(row_sum_sq_of)(const void*
         }
         FN(lanes_add)(p0, p1, &sa);
     }
+    i64 tail = nfull;
+    if (__builtin_expect(!NO_TAIL_VEC && N - nfull >= VL, 0)) { /* see TAIL_VECTOR_STEP */
+        const FN(vec) u = FN(ld_kind)(xr, nfull, kind), zero = {0};
+        FN(lanes_add)(u * u, zero, &sa);
+        tail += VL;
+    }
     acc_t s = 0;
-    for (i64 j = nfull; j < N; ++j) {
+    for (i64 j = tail; j < N; ++j) {
         const scalar_t x = FN(at_kind)(xr, j, kind);
         s += (acc_t)x * x;
     }
@@ -178,8 +186,14 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance_of)(const voi
         }
         FN(lanes_add)(p0, p1, &sa);
     }
+    const int tail_vec = __builtin_expect(!NO_TAIL_VEC && N - nfull >= VL, 0);
+    const i64 tail = tail_vec ? nfull + VL : nfull;
+    if (tail_vec) { /* see TAIL_VECTOR_STEP */
+        const FN(vec) zero = {0};
+        FN(lanes_add)(FN(ld_kind)(xr, nfull, kind) - x0, zero, &sa);
+    }
     acc_t s = 0;
-    for (i64 j = nfull; j < N; ++j) s += (scalar_t)(FN(at_kind)(xr, j, kind) - x0);
+    for (i64 j = tail; j < N; ++j) s += (scalar_t)(FN(at_kind)(xr, j, kind) - x0);
     const acc_t mu = (acc_t)x0 + (s + FN(lanes_fold)(sa)) / (acc_t)N;
     const scalar_t h = (scalar_t)mu;
     const acc_t dl = mu - (acc_t)h;
@@ -193,8 +207,12 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance_of)(const voi
         }
         FN(lanes_add)(p0, p1, &sb);
     }
+    if (tail_vec) {
+        const FN(vec) u = FN(ld_kind)(xr, nfull, kind) - h, zero = {0};
+        FN(lanes_add)(u * u, zero, &sb);
+    }
     acc_t sdd = 0;
-    for (i64 j = nfull; j < N; ++j) {
+    for (i64 j = tail; j < N; ++j) {
         const acc_t d = (scalar_t)(FN(at_kind)(xr, j, kind) - h);
         sdd += d * d;
     }
@@ -270,8 +288,7 @@ static inline __attribute__((always_inline)) void FN(row_grad_sums_of)(
         FN(lanes_add)(gx0, gx1, &sb);
     }
     i64 tail = nfull;
-    /* a whole vector past the blocks: one vector step (see row_pair_grad_sums_of) */
-    if (__builtin_expect(!NO_TAIL_VEC && N - nfull >= VL, 0)) {
+    if (__builtin_expect(!NO_TAIL_VEC && N - nfull >= VL, 0)) { /* see TAIL_VECTOR_STEP */
         const i64 j = nfull;
         const FN(vec) d = FN(ld_kind)(dyr, j, kind);
         const FN(vec) xh = (FN(ld_kind)(xr, j, kind) - m) * r;
@@ -350,9 +367,7 @@ static inline __attribute__((always_inline)) void FN(row_pair_grad_sums_of)(
         FN(lanes_add)(pgx1[0], PAIR_V > 1 ? pgx1[PAIR_V - 1] : zero, &b1);
     }
     i64 tail = nfull;
-    /* A whole vector past the blocks (two-vector steps only): one vector step, where the scalar
-       tail adds into float64 one element at a time, a chain that was most of a 48-element row's
-       time. Unlikely: kept out of the way of the rows that have no tail. */
+    /* TAIL_VECTOR_STEP (steps of two vectors only) */
     if (__builtin_expect(!NO_TAIL_VEC && PAIR_V > 1 && N - tail >= VL, 0)) {
         const i64 k = tail;
         const FN(vec) d0 = FN(ld_kind)(dy0, k, kind);

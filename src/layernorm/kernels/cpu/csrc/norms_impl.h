@@ -663,6 +663,9 @@ int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
 static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
     const i64 N = a->N, nfull = N - N % LANES;
     const scalar_t c = (scalar_t)a->scale, ck = (scalar_t)(a->scale * a->k);
+    const acc_t inv_n = BWD_INV_N(N);
+    const int tail_vec = __builtin_expect(!NO_TAIL_VEC && N - nfull >= VL, 0);
+    const i64 tail = tail_vec ? nfull + VL : nfull;
     for (i64 i = lo; i < hi; ++i) {
         const scalar_t* restrict dzr = a->dz + i * N;
         const scalar_t* restrict xr = a->x + i * N;
@@ -682,15 +685,21 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
             FN(lanes_add)(pd[0], pd[1], &sa);
             FN(lanes_add)(pdy[0], pdy[1], &sb);
         }
+        if (tail_vec) { /* see TAIL_VECTOR_STEP */
+            const FN(vec) yv = (FN(ld)(xr + nfull) - m) * r, zero = {0};
+            const FN(vec) d = FN(ld)(dzr + nfull) * (c - ck * yv);
+            FN(lanes_add)(d, zero, &sa);
+            FN(lanes_add)(d * yv, zero, &sb);
+        }
         acc_t sd = 0, sdy = 0;
-        for (i64 j = nfull; j < N; ++j) {
+        for (i64 j = tail; j < N; ++j) {
             const scalar_t yv = (xr[j] - m) * r;
             const scalar_t d = dzr[j] * (c - ck * yv);
             sd += d;
             sdy += (acc_t)d * yv;
         }
-        const scalar_t c1 = (scalar_t)((sd + FN(lanes_fold)(sa)) / (acc_t)N);
-        const scalar_t c2 = (scalar_t)((sdy + FN(lanes_fold)(sb)) / (acc_t)N);
+        const scalar_t c1 = (scalar_t)((sd + FN(lanes_fold)(sa)) * inv_n);
+        const scalar_t c2 = (scalar_t)((sdy + FN(lanes_fold)(sb)) * inv_n);
         const scalar_t* pdz = a->stream ? FN(ahead)(a->dz, i, hi, N) : NULL;
         const scalar_t* px = a->stream ? FN(ahead)(a->x, i, hi, N) : NULL;
 #define YV(L) ((L(xr) - m) * r)

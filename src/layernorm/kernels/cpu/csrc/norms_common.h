@@ -88,10 +88,12 @@ static inline int paired_rows(i64 N) {
     return N > PAIRED_ROWS_WIDE_N || N <= PAIRED_ROWS_NARROW_N;
 }
 
-/* 1/N in float64, by which the backwards scale a row's two sums (mean(g), mean(g·x̂)): a
-   multiplication where a division by N, at the end of each row's chain of dependent operations,
-   left the row's output waiting on it. */
-#define BWD_INV_N(N) (1.0 / (acc_t)(N))
+/* 1/N in float64, by which the kernels scale a row's sums into means (μ and the variance, Σx²/N,
+   the backwards' mean(g) and mean(g·x̂)): a multiplication where a division by N, in each row's
+   chain of dependent operations, left the row's next sweep or its output waiting on it (a float32
+   layer norm forward at (100000, 32) or (32768, 128) in 0.93 of the time, one thread, AMD EPYC
+   Zen 4; its backward at (50000, 64) in 0.95; AdaNorm's at (16384, 256) in 0.82). */
+#define ROW_INV_N(N) (1.0 / (acc_t)(N))
 
 /* Token pasting through one more macro level, so SUF is expanded before it is pasted. */
 #define LN_CAT_(a, b) a##_##b

@@ -426,7 +426,7 @@ static int FN(bwd_direct_range)(const FN(bwd_job)* jb, acc_t* dwa, acc_t* dba, f
     const i64 N = jb->N;
     const float* w = jb->w;
     const int need_sums = jb->dx && !(jb->detach_mean && jb->detach_std);
-    const acc_t inv_n = BWD_INV_N(N);
+    const acc_t inv_n = ROW_INV_N(N);
     float t[OUT_CHUNK] __attribute__((aligned(64)));
     int pending = 0;
     for (i64 i = lo; i < hi;) {

@@ -194,7 +194,7 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance_of)(const voi
     }
     acc_t s = 0;
     for (i64 j = tail; j < N; ++j) s += (scalar_t)(FN(at_kind)(xr, j, kind) - x0);
-    const acc_t mu = (acc_t)x0 + (s + FN(lanes_fold)(sa)) / (acc_t)N;
+    const acc_t mu = (acc_t)x0 + (s + FN(lanes_fold)(sa)) * ROW_INV_N(N);
     const scalar_t h = (scalar_t)mu;
     const acc_t dl = mu - (acc_t)h;
     for (i64 j = 0; j < nfull;) {
@@ -216,7 +216,7 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance_of)(const voi
         const acc_t d = (scalar_t)(FN(at_kind)(xr, j, kind) - h);
         sdd += d * d;
     }
-    acc_t var = (sdd + FN(lanes_fold)(sb)) / (acc_t)N - dl * dl;
+    acc_t var = (sdd + FN(lanes_fold)(sb)) * ROW_INV_N(N) - dl * dl;
     if (var < 0) var = 0;
     *hi = h;
     *lo = (scalar_t)dl;
@@ -239,7 +239,7 @@ static inline __attribute__((always_inline)) void FN(group_stats_of)(
         if (centred) {
             gr[k] = FN(row_variance_of)(xr, N, &gh[k], &gl[k], kind) + eps;
         } else {
-            gr[k] = FN(row_sum_sq_of)(xr, N, kind) / (acc_t)N + eps;
+            gr[k] = FN(row_sum_sq_of)(xr, N, kind) * ROW_INV_N(N) + eps;
             gh[k] = gl[k] = 0;
         }
     }
@@ -517,7 +517,7 @@ static void FN(bwd_rows)(const FN(bwd_job)* jb, acc_t* restrict dwa, acc_t* rest
     const scalar_t* restrict w = jb->w;
     scalar_t* restrict dx = jb->dx;
     const int need_sums = dx && !(jb->detach_mean && jb->detach_std);
-    const acc_t inv_n = BWD_INV_N(N);
+    const acc_t inv_n = ROW_INV_N(N);
     int pending = *pending_rows;
     for (i64 i = lo; i < hi;) {
         const int rows = (dwa && paired_rows(N) && i + 1 < hi) ? 2 : 1;
@@ -663,7 +663,7 @@ int FN(ada_fwd)(const FN(ada_fwd_args)* a) {
 static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
     const i64 N = a->N, nfull = N - N % LANES;
     const scalar_t c = (scalar_t)a->scale, ck = (scalar_t)(a->scale * a->k);
-    const acc_t inv_n = BWD_INV_N(N);
+    const acc_t inv_n = ROW_INV_N(N);
     const int tail_vec = __builtin_expect(!NO_TAIL_VEC && N - nfull >= VL, 0);
     const i64 tail = tail_vec ? nfull + VL : nfull;
     for (i64 i = lo; i < hi; ++i) {

@@ -9,8 +9,8 @@
      all          dw = Σ_rows dy ⊙ x̂,  db = Σ_rows dy
 
    Statistics. μ is found in two sweeps (the second finds the row in cache). The first sums
-   x − x0, x0 = the row's first element, so μ = x0 + Σ(x − x0)/N in float64; on a constant row
-   every term is exactly 0 and μ = x0 exactly. μ is kept as hi + lo, hi = μ rounded to scalar_t;
+   x − x0, x0 = the row's first element, so μ = x0 + Σ(x − x0)/N in float64 (every /N here is a
+   product with 1/N: ROW_INV_N); on a constant row every term is exactly 0 and μ = x0 exactly. μ is kept as hi + lo, hi = μ rounded to scalar_t;
    the second sweep sums (x − hi)², exact in scalar_t for x near hi, and
    var = Σ(x − hi)²/N − lo²  (= Σ(x − μ)²/N, since Σ(x − hi) = N·lo). A constant row thus has
    μ = x, var = 0 and y = bias exactly. The forward computes (x − hi) − lo, so y carries the

@@ -415,8 +415,8 @@ static inline __attribute__((always_inline)) void FN(dx_chunk)(
 /* Rows [lo, hi) of a backward of rows of DIRECT_MIN_N elements or more, read where they lie: the
    float32 instance's sums over the row kind (row_pair_grad_sums_of / row_grad_sums_of with
    ROW_KIND: the same rows in pairs (paired_rows), the same flushes every FLUSH rows and at hi
-   as its bwd_rows), then dx a chunk of OUT_CHUNK columns at a time by the float32 expression on the
-   values converted in registers, rounded back. Converting blocks of rows (bwd_range) wrote and
+   as its bwd_rows), then dx a chunk of OUT_CHUNK columns at a time by the float32 expression on
+   the values converted in registers, rounded back. Converting blocks of rows (bwd_range) wrote and
    read float32 copies of dy, x and dx: three rows of N floats, past the first-level cache from
    2048 columns on. The float32 kernel's bits, dweight's and dbias's too, where blocks of one row
    (rows past half a block) had summed them one row at a time

@@ -10,8 +10,9 @@
 
    Statistics. μ is found in two sweeps (the second finds the row in cache). The first sums
    x − x0, x0 = the row's first element, so μ = x0 + Σ(x − x0)/N in float64 (every /N here is a
-   product with 1/N: ROW_INV_N); on a constant row every term is exactly 0 and μ = x0 exactly. μ is kept as hi + lo, hi = μ rounded to scalar_t;
-   the second sweep sums (x − hi)², exact in scalar_t for x near hi, and
+   product with 1/N: ROW_INV_N); on a constant row every term is exactly 0 and μ = x0 exactly. μ
+   is kept as hi + lo, hi = μ rounded to scalar_t; the second sweep sums (x − hi)², exact in
+   scalar_t for x near hi, and
    var = Σ(x − hi)²/N − lo²  (= Σ(x − μ)²/N, since Σ(x − hi) = N·lo). A constant row thus has
    μ = x, var = 0 and y = bias exactly. The forward computes (x − hi) − lo, so y carries the
    rounding of a subtraction of the exact mean, not of a rounded one. Every sum is blocked (see
@@ -51,6 +52,8 @@ typedef scalar_t FN(vec) __attribute__((vector_size(VEC_BYTES), aligned(sizeof(s
 #ifndef NO_TAIL_VEC
 #define NO_TAIL_VEC 0
 #endif
+/* Whether a row of N elements has a whole vector left past its blocks, which end at nfull. */
+#define TAIL_VEC_LEFT(N, nfull) __builtin_expect(!NO_TAIL_VEC && (N) - (nfull) >= VL, 0)
 #define VL ((i64)(VEC_BYTES / sizeof(scalar_t)))
 #define LANES (2 * VL)
 #define HALF VL
@@ -155,7 +158,7 @@ static inline __attribute__((always_inline)) acc_t FN(row_sum_sq_of)(const void*
         FN(lanes_add)(p0, p1, &sa);
     }
     i64 tail = nfull;
-    if (__builtin_expect(!NO_TAIL_VEC && N - nfull >= VL, 0)) { /* see TAIL_VECTOR_STEP */
+    if (TAIL_VEC_LEFT(N, nfull)) { /* see TAIL_VECTOR_STEP */
         const FN(vec) u = FN(ld_kind)(xr, nfull, kind), zero = {0};
         FN(lanes_add)(u * u, zero, &sa);
         tail += VL;
@@ -186,7 +189,7 @@ static inline __attribute__((always_inline)) acc_t FN(row_variance_of)(const voi
         }
         FN(lanes_add)(p0, p1, &sa);
     }
-    const int tail_vec = __builtin_expect(!NO_TAIL_VEC && N - nfull >= VL, 0);
+    const int tail_vec = TAIL_VEC_LEFT(N, nfull);
     const i64 tail = tail_vec ? nfull + VL : nfull;
     if (tail_vec) { /* see TAIL_VECTOR_STEP */
         const FN(vec) zero = {0};
@@ -288,7 +291,7 @@ static inline __attribute__((always_inline)) void FN(row_grad_sums_of)(
         FN(lanes_add)(gx0, gx1, &sb);
     }
     i64 tail = nfull;
-    if (__builtin_expect(!NO_TAIL_VEC && N - nfull >= VL, 0)) { /* see TAIL_VECTOR_STEP */
+    if (TAIL_VEC_LEFT(N, nfull)) { /* see TAIL_VECTOR_STEP */
         const i64 j = nfull;
         const FN(vec) d = FN(ld_kind)(dyr, j, kind);
         const FN(vec) xh = (FN(ld_kind)(xr, j, kind) - m) * r;
@@ -368,7 +371,7 @@ static inline __attribute__((always_inline)) void FN(row_pair_grad_sums_of)(
     }
     i64 tail = nfull;
     /* TAIL_VECTOR_STEP (steps of two vectors only) */
-    if (__builtin_expect(!NO_TAIL_VEC && PAIR_V > 1 && N - tail >= VL, 0)) {
+    if (PAIR_V > 1 && TAIL_VEC_LEFT(N, tail)) {
         const i64 k = tail;
         const FN(vec) d0 = FN(ld_kind)(dy0, k, kind);
         const FN(vec) xh0 = (FN(ld_kind)(x0, k, kind) - m0) * r0;
@@ -664,7 +667,7 @@ static void FN(ada_bwd_rows)(const FN(ada_bwd_args)* a, i64 lo, i64 hi) {
     const i64 N = a->N, nfull = N - N % LANES;
     const scalar_t c = (scalar_t)a->scale, ck = (scalar_t)(a->scale * a->k);
     const acc_t inv_n = ROW_INV_N(N);
-    const int tail_vec = __builtin_expect(!NO_TAIL_VEC && N - nfull >= VL, 0);
+    const int tail_vec = TAIL_VEC_LEFT(N, nfull);
     const i64 tail = tail_vec ? nfull + VL : nfull;
     for (i64 i = lo; i < hi; ++i) {
         const scalar_t* restrict dzr = a->dz + i * N;
@@ -732,6 +735,7 @@ int FN(ada_bwd)(const FN(ada_bwd_args)* a) {
 #undef ROW_OUT
 #undef PF_ROWS
 #undef FORWARD_ROWS_IN_GROUPS
+#undef TAIL_VEC_LEFT
 #undef VL
 #undef LANES
 #undef HALF

@@ -594,11 +594,7 @@ def _tune_one(args, op, dname, dtype, m, n, candidates, device, timer, meta) -> 
                     rows.append({**meta, "table": "tune", "op": op, "dtype": dname, "M": m,
                                  "N": n, "provider": f"ours[{label}]", "direction": direction,
                                  "ms": ms, "bytes": nbytes, "GB/s": rate})  # fmt: skip
-    gbps = {
-        d: {label: statistics.median(r) if all(v == v for v in r) else math.nan
-            for label, r in per.items()}
-        for d, per in rates.items()
-    }  # fmt: skip
+    gbps = {d: {label: _median_or_nan(r) for label, r in per.items()} for d, per in rates.items()}
     cells = []
     for direction in ("fwd", "bwd"):
         base = gbps[direction].get("default", math.nan)
@@ -612,6 +608,11 @@ def _tune_one(args, op, dname, dtype, m, n, candidates, device, timer, meta) -> 
     return rows
 
 
+def _median_or_nan(values: list[float]) -> float:
+    """The median of a cell's rounds, NaN where any round failed."""
+    return statistics.median(values) if all(v == v for v in values) else math.nan
+
+
 def _tune_summary(rows: list[dict]) -> None:
     """Per candidate and direction: at how many (op, dtype, N) it was timed, and its median and
     best gain over the defaults there (each cell's median over the rounds)."""
@@ -619,8 +620,7 @@ def _tune_summary(rows: list[dict]) -> None:
     for r in rows:
         key = (r["op"], r["dtype"], r["N"], r["direction"], r["provider"])
         rounds.setdefault(key, []).append(r["GB/s"])
-    cell = {k: statistics.median(v) if all(x == x for x in v) else math.nan
-            for k, v in rounds.items()}  # fmt: skip
+    cell = {k: _median_or_nan(v) for k, v in rounds.items()}
     gains: dict[tuple[str, str], list[float]] = {}
     for (op, dname, n, direction, provider), rate in cell.items():
         ref = cell.get((op, dname, n, direction, "ours[default]"), math.nan)

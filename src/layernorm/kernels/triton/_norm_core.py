@@ -264,6 +264,12 @@ def _fused_block_m(block_n: int, *, backward: bool = False) -> int:
     return max(1, min(_settings.max_fused_block_m, tile // block_n))
 
 
+def _short_rows_bwd(block_n: int) -> bool:
+    """Whether a fused backward of ``block_n``-element (padded) rows takes the short-row launch
+    (``short_rows_elems_per_thread_bwd`` and ``short_rows_programs_per_sm``)."""
+    return block_n <= _settings.short_rows_bwd_max_n
+
+
 def _num_programs(device: torch.device, work_items: int, per_sm: int | None = None) -> int:
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -379,7 +385,7 @@ def launch_config(n: int, block_n: int | None = None, *, backward: bool = False)
     if full <= (st.max_fused_block_n_bwd if backward else st.max_fused_block_n_fwd):
         block_m = _fused_block_m(full, backward=backward)
         per_thread = None
-        if backward and full <= st.short_rows_bwd_max_n:
+        if backward and _short_rows_bwd(full):
             per_thread = st.short_rows_elems_per_thread_bwd
         elif not backward and full >= st.long_rows_fwd_min_n:
             per_thread = st.long_rows_elems_per_thread_fwd
@@ -401,8 +407,7 @@ def backward_groups(
         groups = num_programs or triton.cdiv(_num_programs(device, m * col_blocks), col_blocks)
         return max(1, min(groups, m))
     tiles = triton.cdiv(m, cfg.block_m)
-    short = cfg.block_n <= _settings.short_rows_bwd_max_n
-    per_sm = _settings.short_rows_programs_per_sm if short else None
+    per_sm = _settings.short_rows_programs_per_sm if _short_rows_bwd(cfg.block_n) else None
     return max(1, min(num_programs or _num_programs(device, tiles, per_sm), tiles))
 
 

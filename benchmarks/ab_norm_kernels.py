@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["8192x1024", "32768x256", "4096x768"])
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--stream", type=int, default=1, help="the backward's stream flag")
+    p.add_argument("--fwd-stream", type=int, default=0, help="the forward's stream flag")
     a = p.parse_args()
     target = targets.target(a.isa) if a.isa else targets.best()
     libs = {}
@@ -67,7 +68,7 @@ def main() -> None:
         w, b, mean, rstd = torch.ones(n), torch.zeros(n), torch.empty(m), torch.empty(m)
         y, dx, dw, db = torch.empty_like(x), torch.empty_like(x), torch.empty(n), torch.empty(n)
         fwd = {"x": x, "weight": w, "bias": b, "y": y, "mean": mean, "rstd": rstd, "eps": 1e-5,
-               "threads": a.threads, "stream": 0, "half_params": 0}  # fmt: skip
+               "threads": a.threads, "stream": a.fwd_stream, "half_params": 0}  # fmt: skip
         bwd = {"dy": dy, "x": x, "mean": mean, "rstd": rstd, "weight": w, "dx": dx,
                "dweight": dw, "dbias": db, "detach_mean": 0, "detach_std": 0,
                "threads": a.threads, "stream": a.stream, "half_params": 0}  # fmt: skip

@@ -109,9 +109,10 @@ def test_fused_matches_reference(variant, m, n, dtype, monkeypatch):
 @pytest.mark.parametrize(("m", "n"), [*SHAPES, (1, 8), (2, 4096)], ids=str)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_streaming_stores_equal_plain_stores_bitwise(variant, m, n, dtype, monkeypatch):
-    """Outputs written past the caches (non-temporal stores after a scalar head up to the vector
-    alignment, with the next rows prefetched) hold exactly the plain stores' values: rows of
-    every alignment (odd N), fewer rows than the prefetch distance, two threads."""
+    """Outputs written past the caches (a row's whole cache lines by non-temporal stores, with
+    the next rows prefetched; its partial lines, and short rows that are not whole lines, by
+    plain stores) hold exactly the plain stores' values: rows of every alignment (odd N), fewer
+    rows than the prefetch distance, two threads."""
     kind, use_w, use_b, opts = VARIANTS[variant]
     x = make_x((m, n), dtype, requires_grad=True)
     w = make_param((n,), dtype, center=1.0, requires_grad=True) if use_w else None
@@ -149,8 +150,8 @@ def test_forwards_stream_by_threads_and_what_follows(dtype, monkeypatch):
 
 @needs_kernels
 def test_streaming_output_at_an_unaligned_address():
-    """ln_fwd's ``out`` at an element offset (not aligned to any vector): the streamed rows start
-    after a scalar head, and nothing outside ``out`` is written."""
+    """ln_fwd's ``out`` at an element offset (not aligned to any vector): the streamed rows' whole
+    lines start after a plain head, and nothing outside ``out`` is written."""
     m, n = 9, 301
     x = make_x((m, n))
     w = make_param((n,), torch.float32, center=1.0)

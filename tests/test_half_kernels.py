@@ -173,7 +173,7 @@ def test_every_build_target_within_the_error_model(dtype, target):
 
 def _outputs_like(x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Two zeroed tensors of x's shape and dtype, each starting `offset` elements into its own
-    storage (1: off the 32-byte boundary the streamed stores need)."""
+    storage (1: off the cache line the streamed stores start on)."""
     out = []
     for _ in range(2):
         flat = torch.zeros(x.numel() + offset, dtype=x.dtype)
@@ -185,8 +185,9 @@ def _outputs_like(x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned output", "output off 32 bytes"])
 def test_streamed_outputs_equal_plain_stores(dtype, target, offset):
-    """stream = 1 (non-temporal stores where the output row starts on 32 bytes, the next block's
-    rows prefetched) writes the bits stream = 0 writes, for every kernel and over several blocks
+    """stream = 1 (non-temporal stores for an output run's whole cache lines where it is whole
+    lines or long, plain stores for the rest, the next block's rows prefetched) writes the bits
+    stream = 0 writes, for every kernel and over several blocks
     of rows (forward blocks of 1024 elements, backward with dw/db of 8192), rows of a multiple
     of 16 elements and not, two threads."""
     g = torch.Generator().manual_seed(5)

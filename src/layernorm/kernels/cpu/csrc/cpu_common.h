@@ -31,6 +31,42 @@ typedef double acc_t;
    at N = 2^22 with an offset of 1e4. */
 #define BLOCK_TERMS 16
 
+/* The processor's cache line: the unit of the scratch buffers' alignment. */
+#define CACHE_LINE 64
+
+/* What a streamed output row (a run of contiguous output) writes by non-temporal stores: all of
+   it when it is whole cache lines (STREAM_UNIT); else, when it takes at least
+   STREAM_SPLIT_MIN_BYTES, its whole lines, the partial lines at its ends (which the rows before
+   and after it share) by plain stores; a shorter run that is not whole lines goes out by plain
+   stores alone (norms_impl.h ROW_OUT, half.h HALF_ROW_OUT). AMD EPYC Zen 3, AVX2 build, one
+   thread, layer norm forward and backward with streamed outputs: a line written partly by each
+   kind of store (the earlier rule, whole vectors streamed) took float32 (100000, 36) 2.4-2.6x,
+   (50000, 100) 1.9x and (16384, 650) 1.3-1.5x the time of whole lines streamed; against plain
+   stores, whole lines streamed took float32 (100000, 36) 1.5-1.8x and (50000, 100) 1.2-1.3x the
+   time, (25000, 200) 0.84-1.0x, (16384, 500) 0.84-0.88x, (8192, 1300) 0.65-0.75x, and the
+   bfloat16 backward's 512-byte parts of rows of 100-1300 elements 1.2-1.7x (RESULTS.md,
+   2026-12-01). -DSTREAM_UNIT=VEC_BYTES -DSTREAM_SPLIT_MIN_BYTES=0 builds the earlier rule for
+   A/B. */
+#ifndef STREAM_UNIT
+#define STREAM_UNIT CACHE_LINE
+#endif
+#ifndef STREAM_SPLIT_MIN_BYTES
+#define STREAM_SPLIT_MIN_BYTES 768
+#endif
+
+/* The part [*head, *body_end) of a run of n elements of `size` bytes at dst that a streamed
+   output writes by non-temporal stores (STREAM_UNIT): 0 and 0 for none. */
+static inline void stream_body(const void* dst, i64 n, i64 size, i64* head, i64* body_end) {
+    const i64 unit = STREAM_UNIT / size;
+    i64 h = (i64)((STREAM_UNIT - (uintptr_t)dst % STREAM_UNIT) % STREAM_UNIT) / size;
+    if (h > n) h = n;
+    const i64 end = h + (n - h) / unit * unit;
+    const int whole = h == 0 && end == n;
+    if (!whole && n * size < STREAM_SPLIT_MIN_BYTES) h = 0, *body_end = 0;
+    else *body_end = end;
+    *head = h;
+}
+
 /* The end of a block of `len` elements that starts at j, within the first nfull elements. */
 static inline i64 block_end(i64 j, i64 len, i64 nfull) { return j + len < nfull ? j + len : nfull; }
 

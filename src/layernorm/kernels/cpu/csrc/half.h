@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -103,7 +105,7 @@ static inline void bf16_row_to_f32(const uint16_t* restrict src, float* restrict
 }
 
 /* A 16-value (256-bit) vector of half values to dst: by a non-temporal store with `stream` (dst
-   then aligned to 32 bytes: see half_stream_ok), else a plain one. */
+   then aligned to STREAM_UNIT bytes: HALF_ROW_OUT), else a plain one. */
 #if defined(__AVX__)
 static inline void half_store16(uint16_t* dst, __m256i v, int stream) {
     if (stream) _mm256_stream_si256((__m256i*)dst, v);
@@ -111,16 +113,21 @@ static inline void half_store16(uint16_t* dst, __m256i v, int stream) {
 }
 #endif
 
-/* Whether a row converter can stream its stores to dst: asked for, and dst on a 32-byte
-   boundary (the rows of a block start on one when the tensor does and N is a multiple of 16). */
-static inline int half_stream_ok(const uint16_t* dst, int stream) {
-    return stream && (uintptr_t)dst % 32 == 0;
-}
+/* A row of n float32 values at src to half values at dst by STORES(src, dst, n, stream), a
+   converter whose vector stores are non-temporal with `stream`: with `stream`, the part that
+   stream_body (cpu_common.h) gives streamed, the rest by plain stores. */
+#define HALF_ROW_OUT(STORES, src, dst, n, stream)                                              \
+    do {                                                                                        \
+        int64_t head_ = 0, body_end_ = 0;                                                       \
+        if (stream) stream_body((dst), (n), (int64_t)sizeof(uint16_t), &head_, &body_end_);     \
+        if (head_) STORES((src), (dst), head_, 0);                                              \
+        if (body_end_ > head_) STORES((src) + head_, (dst) + head_, body_end_ - head_, 1);      \
+        STORES((src) + body_end_, (dst) + body_end_, (n) - body_end_, 0);                       \
+    } while (0)
 
-static inline void f32_row_to_bf16(const float* restrict src, uint16_t* restrict dst, int64_t n,
-                                   int stream) {
+static inline void f32_row_to_bf16_stores(const float* restrict src, uint16_t* restrict dst,
+                                          int64_t n, int stream) {
     int64_t j = 0;
-    stream = half_stream_ok(dst, stream);
 #if defined(__AVX512BF16__)
     /* vcvtneps2bf16 flushes float32 subnormals to zero; the few blocks holding one take the
        portable path instead. */
@@ -191,6 +198,11 @@ static inline void f32_row_to_bf16(const float* restrict src, uint16_t* restrict
     for (int64_t k = j; k < n; ++k) dst[k] = f32_to_bf16(src[k]);
 }
 
+static inline void f32_row_to_bf16(const float* restrict src, uint16_t* restrict dst, int64_t n,
+                                   int stream) {
+    HALF_ROW_OUT(f32_row_to_bf16_stores, src, dst, n, stream);
+}
+
 static inline void f16_row_to_f32(const uint16_t* restrict src, float* restrict dst, int64_t n,
                                   const uint16_t* pf) {
     int64_t j = 0;
@@ -211,11 +223,10 @@ static inline void f16_row_to_f32(const uint16_t* restrict src, float* restrict 
     }
 }
 
-static inline void f32_row_to_f16(const float* restrict src, uint16_t* restrict dst, int64_t n,
-                                  int stream) {
+static inline void f32_row_to_f16_stores(const float* restrict src, uint16_t* restrict dst,
+                                         int64_t n, int stream) {
     int64_t j = 0;
 #if defined(__AVX512F__)
-    stream = half_stream_ok(dst, stream);
     for (; j + 16 <= n; j += 16)
         half_store16(dst + j,
                      _mm512_cvtps_ph(_mm512_loadu_ps(src + j),
@@ -231,6 +242,11 @@ static inline void f32_row_to_f16(const float* restrict src, uint16_t* restrict 
     (void)stream;
 #endif
     for (; j < n; ++j) dst[j] = f32_to_f16(src[j]);
+}
+
+static inline void f32_row_to_f16(const float* restrict src, uint16_t* restrict dst, int64_t n,
+                                  int stream) {
+    HALF_ROW_OUT(f32_row_to_f16_stores, src, dst, n, stream);
 }
 
 /* ------------------------------------------------------------------ vectors --------------- */

@@ -102,7 +102,6 @@ static inline int paired_rows(i64 N) {
 /* A zeroed float64 scratch buffer of n elements starting on a cache line (CACHE_LINE bytes),
    kept per calling thread and grown on demand: a fresh calloc of a few hundred KiB per backward
    is an mmap plus page faults every call. */
-#define CACHE_LINE 64
 static __thread acc_t* scratch_buf = NULL;
 static __thread i64 scratch_cap = 0;
 

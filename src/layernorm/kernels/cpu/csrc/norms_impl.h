@@ -85,30 +85,31 @@ static inline void FN(st_stream)(scalar_t* p, FN(vec) v) {
 
 /* Writes one output row: dst[j] = EXPR(L) for j in [0, n), where EXPR is an expression of the
    loads L(p), written once for scalars and vectors (GCC broadcasts scalar operands). With
-   `stream`, the aligned body goes out by non-temporal stores and the rows that pf0/pf1 point at
-   (NULL: none), the next rows' inputs, are prefetched meanwhile, so that the next row's first
-   sweep reads them from cache while this row's stores drain; a row read from memory and then
-   written kept a single core's memory traffic in one direction at a time. Without it, a plain
-   vectorized loop. The stores of a kernel that streamed are ordered before it returns
-   (stream_fence). */
+   `stream`, the row's whole cache lines go out by non-temporal stores (stream_body,
+   cpu_common.h: not those of a short row that is not whole lines) and the rows
+   that pf0/pf1 point at (NULL: none), the next rows' inputs, are prefetched meanwhile, so that
+   the next row's first sweep reads them from cache while this row's stores drain; a row read
+   from memory and then written kept a single core's memory traffic in one direction at a time.
+   The partial lines at the row's ends, and every row without `stream`, take a plain vectorized
+   loop. The stores of a kernel that streamed are ordered before it returns (stream_fence). */
 #define ROW_OUT(dst, n, stream, pf0, pf1, EXPR)                                                \
     do {                                                                                        \
         scalar_t* restrict out_ = (dst);                                                        \
         const scalar_t *pf0_ = (pf0), *pf1_ = (pf1);                                            \
         const i64 n_ = (n);                                                                     \
-        i64 done_ = 0;                                                                          \
+        i64 head_ = 0, body_end_ = 0;                                                           \
         if (stream) {                                                                           \
-            i64 j = 0;                                                                          \
-            for (; j < n_ && (uintptr_t)(out_ + j) % VEC_BYTES; ++j) out_[j] = EXPR(LOAD_ONE);  \
-            for (; j + VL <= n_; j += VL) {                                                     \
+            stream_body(out_, n_, (i64)sizeof(scalar_t), &head_, &body_end_);                   \
+            _Pragma("omp simd")                                                                 \
+            for (i64 j = 0; j < head_; ++j) out_[j] = EXPR(LOAD_ONE);                           \
+            for (i64 j = head_; j < body_end_; j += VL) {                                       \
                 if (pf0_) __builtin_prefetch(pf0_ + j);                                         \
                 if (pf1_) __builtin_prefetch(pf1_ + j);                                         \
                 FN(st_stream)(out_ + j, EXPR(LOAD_VEC));                                        \
             }                                                                                   \
-            done_ = j;                                                                          \
         }                                                                                       \
         _Pragma("omp simd")                                                                     \
-        for (i64 j = done_; j < n_; ++j) out_[j] = EXPR(LOAD_ONE);                              \
+        for (i64 j = body_end_; j < n_; ++j) out_[j] = EXPR(LOAD_ONE);                          \
     } while (0)
 
 /* A row's float64 partial sums in registers (FN(lanes), FN(lanes_add), FN(lanes_fold)). */

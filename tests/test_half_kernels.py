@@ -187,9 +187,9 @@ def _outputs_like(x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Ten
 def test_streamed_outputs_equal_plain_stores(dtype, target, offset):
     """stream = 1 (non-temporal stores for an output run's whole cache lines where it is whole
     lines or long, plain stores for the rest, the next block's rows prefetched) writes the bits
-    stream = 0 writes, for every kernel and over several blocks
-    of rows (forward blocks of 1024 elements, backward with dw/db of 8192), rows of a multiple
-    of 16 elements and not, two threads."""
+    stream = 0 writes, for every kernel and over several blocks of rows (forward blocks of 1024
+    elements, backward with dw/db of 8192), rows of a multiple of 16 elements and not, two
+    threads."""
     g = torch.Generator().manual_seed(5)
     for m, n in ((400, 48), (300, 37), (9, 1000)):
         x = (torch.randn(m, n, generator=g) * 3 + 1).to(dtype)

@@ -153,9 +153,9 @@ _SIZES = (
 _THREADS = Arg("threads", _SC, DType.COUNT, minimum=1, doc="OpenMP threads to split rows over")
 _STREAM = Arg(
     "stream", _SC, DType.FLAG, minimum=0,
-    doc="1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' "
-    "only where the output row starts on 32 bytes, and not in their forwards of rows of 65 "
-    "elements or more)",
+    doc="1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, "
+    "not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards "
+    "of rows of 65 elements or more)",
 )  # fmt: skip
 _EPS = Arg("eps", _SC, DType.FLOAT, minimum=0.0, doc="added to the variance")
 #: The flag that says which dtype the PARAM tensors have; read before them by every check.

@@ -21,7 +21,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_fwd_args_f32;
 int ln_fwd_f32(const ln_fwd_args_f32* a);
@@ -50,7 +50,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_fwd_args_f64;
 int ln_fwd_f64(const ln_fwd_args_f64* a);
@@ -79,7 +79,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_fwd_args_bf16;
 int ln_fwd_bf16(const ln_fwd_args_bf16* a);
@@ -108,7 +108,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_fwd_args_f16;
 int ln_fwd_f16(const ln_fwd_args_f16* a);
@@ -141,7 +141,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_bwd_args_f32;
 int ln_bwd_f32(const ln_bwd_args_f32* a);
@@ -176,7 +176,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_bwd_args_f64;
 int ln_bwd_f64(const ln_bwd_args_f64* a);
@@ -211,7 +211,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_bwd_args_bf16;
 int ln_bwd_bf16(const ln_bwd_args_bf16* a);
@@ -246,7 +246,7 @@ typedef struct {
     int32_t detach_mean; /* scalar, flag, >= 0: 1: μ is a constant in backward */
     int32_t detach_std; /* scalar, flag, >= 0: 1: σ is a constant in backward */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } ln_bwd_args_f16;
 int ln_bwd_f16(const ln_bwd_args_f16* a);
@@ -277,7 +277,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_fwd_args_f32;
 int rms_fwd_f32(const rms_fwd_args_f32* a);
@@ -302,7 +302,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_fwd_args_f64;
 int rms_fwd_f64(const rms_fwd_args_f64* a);
@@ -327,7 +327,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_fwd_args_bf16;
 int rms_fwd_bf16(const rms_fwd_args_bf16* a);
@@ -352,7 +352,7 @@ typedef struct {
     int64_t N; /* scalar, index, >= 1: elements per row */
     double eps; /* scalar, float, >= 0: added to the variance */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_fwd_args_f16;
 int rms_fwd_f16(const rms_fwd_args_f16* a);
@@ -379,7 +379,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_bwd_args_f32;
 int rms_bwd_f32(const rms_bwd_args_f32* a);
@@ -406,7 +406,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_bwd_args_f64;
 int rms_bwd_f64(const rms_bwd_args_f64* a);
@@ -433,7 +433,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_bwd_args_bf16;
 int rms_bwd_bf16(const rms_bwd_args_bf16* a);
@@ -460,7 +460,7 @@ typedef struct {
     int64_t M; /* scalar, index, >= 0: rows */
     int64_t N; /* scalar, index, >= 1: elements per row */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
     int32_t half_params; /* scalar, flag, >= 0: 1: weight, bias and dweight in x's half type (converted in C), 0: in the compute type (for float32 and float64 x the two are one) */
 } rms_bwd_args_f16;
 int rms_bwd_f16(const rms_bwd_args_f16* a);
@@ -489,7 +489,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
 } ada_fwd_args_f32;
 int ada_fwd_f32(const ada_fwd_args_f32* a);
 _Static_assert(offsetof(ada_fwd_args_f32, x) == 0, "ada_fwd_args_f32.x");
@@ -516,7 +516,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
 } ada_fwd_args_f64;
 int ada_fwd_f64(const ada_fwd_args_f64* a);
 _Static_assert(offsetof(ada_fwd_args_f64, x) == 0, "ada_fwd_args_f64.x");
@@ -543,7 +543,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
 } ada_fwd_args_bf16;
 int ada_fwd_bf16(const ada_fwd_args_bf16* a);
 _Static_assert(offsetof(ada_fwd_args_bf16, x) == 0, "ada_fwd_args_bf16.x");
@@ -570,7 +570,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
 } ada_fwd_args_f16;
 int ada_fwd_f16(const ada_fwd_args_f16* a);
 _Static_assert(offsetof(ada_fwd_args_f16, x) == 0, "ada_fwd_args_f16.x");
@@ -598,7 +598,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
 } ada_bwd_args_f32;
 int ada_bwd_f32(const ada_bwd_args_f32* a);
 _Static_assert(offsetof(ada_bwd_args_f32, dz) == 0, "ada_bwd_args_f32.dz");
@@ -625,7 +625,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
 } ada_bwd_args_f64;
 int ada_bwd_f64(const ada_bwd_args_f64* a);
 _Static_assert(offsetof(ada_bwd_args_f64, dz) == 0, "ada_bwd_args_f64.dz");
@@ -652,7 +652,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
 } ada_bwd_args_bf16;
 int ada_bwd_bf16(const ada_bwd_args_bf16* a);
 _Static_assert(offsetof(ada_bwd_args_bf16, dz) == 0, "ada_bwd_args_bf16.dz");
@@ -679,7 +679,7 @@ typedef struct {
     double k; /* scalar, float: AdaNorm's k in φ(y) = C·(1 − k·y) */
     double scale; /* scalar, float: AdaNorm's C */
     int32_t threads; /* scalar, count, >= 1: OpenMP threads to split rows over */
-    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores; the half kernels' only where the output row starts on 32 bytes, and not in their forwards of rows of 65 elements or more) */
+    int32_t stream; /* scalar, flag, >= 0: 1: the (M, N) output bypasses the caches (non-temporal stores of whole cache lines, not of a run under 768 bytes that is not whole lines; not in the half kernels' forwards of rows of 65 elements or more) */
 } ada_bwd_args_f16;
 int ada_bwd_f16(const ada_bwd_args_f16* a);
 _Static_assert(offsetof(ada_bwd_args_f16, dz) == 0, "ada_bwd_args_f16.dz");

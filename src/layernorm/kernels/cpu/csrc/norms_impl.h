@@ -85,13 +85,12 @@ static inline void FN(st_stream)(scalar_t* p, FN(vec) v) {
 
 /* Writes one output row: dst[j] = EXPR(L) for j in [0, n), where EXPR is an expression of the
    loads L(p), written once for scalars and vectors (GCC broadcasts scalar operands). With
-   `stream`, the row's whole cache lines go out by non-temporal stores (stream_body,
-   cpu_common.h: not those of a short row that is not whole lines) and the rows
-   that pf0/pf1 point at (NULL: none), the next rows' inputs, are prefetched meanwhile, so that
-   the next row's first sweep reads them from cache while this row's stores drain; a row read
-   from memory and then written kept a single core's memory traffic in one direction at a time.
-   The partial lines at the row's ends, and every row without `stream`, take a plain vectorized
-   loop. The stores of a kernel that streamed are ordered before it returns (stream_fence). */
+   `stream`, the row's whole cache lines go out by non-temporal stores (stream_body in
+   cpu_common.h: none for a short row that is not whole lines) and the rows that pf0/pf1 point
+   at (NULL: none), the next rows' inputs, are prefetched meanwhile, so that the next row's
+   first sweep reads them from cache while this row's stores drain; a row read from memory and
+   then written kept a single core's memory traffic in one direction at a time. The partial
+   lines at the row's ends, and every row without `stream`, take a plain vectorized loop. The stores of a kernel that streamed are ordered before it returns (stream_fence). */
 #define ROW_OUT(dst, n, stream, pf0, pf1, EXPR)                                                \
     do {                                                                                        \
         scalar_t* restrict out_ = (dst);                                                        \

@@ -416,8 +416,12 @@ static void FN(row_pair_grad_sums)(const scalar_t* restrict dy0, const scalar_t*
 
 /* ------------------------------------------------------------------ layer norm forward ---- */
 
-/* The row PF_ROWS after row i of a (·, N) tensor at p, within rows [.., hi); NULL past hi. */
+/* The row PF_ROWS after row i of a (·, N) tensor at p, within rows [.., hi); NULL past hi
+   (-DPF_ROWS=n for A/B: 4 and 8 rows ahead measured level with 2, within ±5% but for one
+   forward, at widths 48-1023, AMD EPYC Zen 3, one and two threads). */
+#ifndef PF_ROWS
 #define PF_ROWS 2
+#endif
 static inline const scalar_t* FN(ahead)(const scalar_t* p, i64 i, i64 hi, i64 N) {
     return i + PF_ROWS < hi ? p + (i + PF_ROWS) * N : NULL;
 }

@@ -183,7 +183,7 @@ def _outputs_like(x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-@pytest.mark.parametrize("offset", [0, 1], ids=["aligned output", "output off 32 bytes"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned output", "output off a cache line"])
 def test_streamed_outputs_equal_plain_stores(dtype, target, offset):
     """stream = 1 (non-temporal stores for an output run's whole cache lines where it is whole
     lines or long, plain stores for the rest, the next block's rows prefetched) writes the bits

@@ -62,9 +62,12 @@ static inline void stream_body(const void* dst, i64 n, i64 size, i64* head, i64*
     if (h > n) h = n;
     const i64 end = h + (n - h) / unit * unit;
     const int whole = h == 0 && end == n;
-    if (!whole && n * size < STREAM_SPLIT_MIN_BYTES) h = 0, *body_end = 0;
-    else *body_end = end;
+    if (!whole && n * size < STREAM_SPLIT_MIN_BYTES) {
+        *head = *body_end = 0;
+        return;
+    }
     *head = h;
+    *body_end = end;
 }
 
 /* The end of a block of `len` elements that starts at j, within the first nfull elements. */
